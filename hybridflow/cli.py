@@ -1,0 +1,80 @@
+"""The ``hybridflow`` command line.
+
+    hybridflow plan CONFIG [key=value ...] [--world-size N]
+
+``plan`` is a dry run in one process: it loads and validates the config, then prints
+the resolved YAML, the model's parameter counts and each enabled role's layout. Config
+errors exit with status 2 and a one-line message on stderr.
+"""
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from hybridflow import __version__
+from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
+from hybridflow.model_size import count_parameters, format_count
+
+__all__ = ["main"]
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridflow", description="RL post-training for MoE LLMs on megatron-core."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    plan = commands.add_parser(
+        "plan", help="validate a config and print its resolved form, model size and layouts"
+    )
+    plan.add_argument(
+        "config", metavar="CONFIG", help="YAML config file, e.g. configs/quickstart_cpu.yaml"
+    )
+    plan.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="overrides, e.g. train.lr=3e-4"
+    )
+    plan.add_argument(
+        "--world-size", type=int, default=None, metavar="N",
+        help="check that the actor layout fills exactly N ranks",
+    )
+    plan.set_defaults(handler=_plan)
+    return parser
+
+
+def _plan_summary(cfg: HybridflowConfig) -> list[str]:
+    counts = count_parameters(cfg.model)
+    lines = [
+        f"model {cfg.model.family}: {format_count(counts['total'])} parameters "
+        f"({format_count(counts['active'])} active per token, "
+        f"{format_count(counts['embedding'])} embedding)"
+    ]
+    for name, layout in enabled_roles(cfg).items():
+        vocab = layout.padded_vocab_size(cfg.model)
+        lines.append(f"{name}: {layout.describe()}; padded vocab {vocab}")
+    return lines
+
+
+def _plan(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.world_size is not None:
+        cfg.actor.parallel.check_world_size(args.world_size, prefix="actor.parallel")
+    print(to_yaml(cfg), end="")
+    # the summary is printed as YAML comments so the whole output stays loadable
+    print("\n".join(f"# {line}" for line in _plan_summary(cfg)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the process exit status."""
+    args = _build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as e:
+        print(f"hybridflow {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

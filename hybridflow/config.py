@@ -1,0 +1,558 @@
+"""Typed run configuration: one schema, one default, every user error a ValueError.
+
+The dataclasses below are the schema and hold the only defaults; YAML files in
+``configs/`` and ``key=value`` overrides only change them:
+
+    HybridflowConfig (schema) <- configs/*.yaml <- overrides  --merge-->  DictConfig
+        --check keys-->  --resolve ${...}-->  --to_object, __post_init__ checks-->  HybridflowConfig
+
+Each section validates itself in ``__post_init__`` and raises ``ConfigError`` with keys
+relative to itself; ``load_config`` prefixes the section path, so every message names
+a full key such as ``actor.parallel.tp``.
+"""
+
+import dataclasses
+import difflib
+import logging
+import os
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from hybridflow.layout import ConfigError, ParallelLayout
+
+__all__ = [
+    "ConfigError",
+    "HybridflowConfig",
+    "ModelConfig",
+    "MODEL_FAMILIES",
+    "ParallelLayout",
+    "ROLE_NAMES",
+    "RoleConfig",
+    "RopeScalingConfig",
+    "RunConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "enabled_roles",
+    "load_config",
+    "to_yaml",
+]
+
+logger = logging.getLogger(__name__)
+
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+ROLE_NAMES = ("actor", "reference", "critic")
+
+
+def _check_choice(key: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(
+            "{p}{key}={value!r} is not one of: {choices}", key=key, value=value,
+            choices=", ".join(choices),
+        )
+
+
+def _check_positive(section: object, keys: Sequence[str]) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        if value is not None and value <= 0:
+            raise ConfigError("{p}{key}={value} must be > 0", key=key, value=value)
+
+
+def _check_non_negative(section: object, keys: Sequence[str]) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        if value < 0:
+            raise ConfigError("{p}{key}={value} must be >= 0", key=key, value=value)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@dataclass(kw_only=True)
+class RopeScalingConfig:
+    """RoPE context extension (YaRN for DeepSeek-V3, linear, or Llama-3 style)."""
+
+    type: str = "yarn"
+    """Scaling method: yarn, linear or llama3."""
+    factor: float = 1.0
+    """Context extension factor (new length / original length)."""
+    original_max_position_embeddings: int = 4096
+    """Context length the model was pre-trained with before extension."""
+    beta_fast: float = 32.0
+    """YaRN: rotations above which frequencies are left unscaled."""
+    beta_slow: float = 1.0
+    """YaRN: rotations below which frequencies are fully interpolated."""
+    mscale: float = 1.0
+    """YaRN: attention-temperature scale."""
+    mscale_all_dim: float = 0.0
+    """YaRN: attention-temperature scale applied over all dims (DeepSeek-V3 uses 1.0)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("type", self.type, ("yarn", "linear", "llama3"))
+        if self.factor < 1.0:
+            raise ConfigError("{p}factor={f} must be >= 1.0", f=self.factor)
+        _check_positive(self, ("original_max_position_embeddings",))
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Transformer architecture; dense (llama, qwen2) or MoE (qwen3_moe, mixtral, deepseek_v3)."""
+
+    family: str = "qwen3_moe"
+    """Model family, one of MODEL_FAMILIES; picks the weight mapping and layer spec."""
+    hidden_size: int = 64
+    """Residual stream width."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    num_attention_heads: int = 4
+    """Query heads per layer."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA); equal to num_attention_heads for MHA. Unused with MLA."""
+    head_dim: Optional[int] = None
+    """Per-head channels; None = hidden_size // num_attention_heads."""
+    ffn_hidden_size: int = 128
+    """Intermediate size of dense SwiGLU MLPs."""
+    vocab_size: int = 128
+    """Tokenizer vocabulary size (before megatron's padding)."""
+    max_position_embeddings: int = 256
+    """Longest sequence the RoPE tables cover."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: Optional[RopeScalingConfig] = None
+    """RoPE context extension; None = plain RoPE."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output (LM head) projection."""
+    qk_layernorm: bool = False
+    """RMSNorm on per-head queries and keys (Qwen3)."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+    num_experts: int = 4
+    """Routed experts per MoE layer; 0 = dense model (llama, qwen2)."""
+    moe_top_k: int = 2
+    """Routed experts each token is sent to."""
+    moe_ffn_hidden_size: int = 64
+    """Intermediate size of each expert's SwiGLU MLP."""
+    num_shared_experts: int = 0
+    """Always-active shared experts per MoE layer (DeepSeek-V3: 1)."""
+    router_score_function: str = "softmax"
+    """Router scores: softmax, or sigmoid (DeepSeek-V3)."""
+    router_expert_bias: bool = False
+    """Aux-loss-free load-balancing bias (DeepSeek-V3); megatron-core requires sigmoid scores."""
+    router_topk_scaling_factor: Optional[float] = None
+    """Multiplier on the top-k routing weights (DeepSeek-V3: 2.5); None = 1."""
+    router_num_groups: Optional[int] = None
+    """Expert groups for group-limited routing (DeepSeek-V3: 8); None = off."""
+    router_group_topk: Optional[int] = None
+    """Groups each token may route into (DeepSeek-V3: 4); set with router_num_groups."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1."""
+    first_k_dense_layers: int = 0
+    """Leading layers that use a dense MLP instead of MoE (DeepSeek-V3: 3)."""
+    q_lora_rank: Optional[int] = None
+    """MLA query compression rank; None = uncompressed queries."""
+    kv_lora_rank: int = 0
+    """MLA key/value compression rank; 0 = no MLA (standard GQA attention)."""
+    qk_nope_head_dim: int = 0
+    """MLA per-head query/key channels without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA per-head query/key channels with RoPE."""
+    v_head_dim: int = 0
+    """MLA per-head value channels."""
+
+    def __post_init__(self) -> None:
+        _check_choice("family", self.family, MODEL_FAMILIES)
+        _check_positive(self, (
+            "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+            "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rope_theta", "norm_eps",
+            "moe_top_k", "moe_ffn_hidden_size", "router_topk_scaling_factor", "q_lora_rank",
+        ))
+        _check_non_negative(self, (
+            "num_experts", "num_shared_experts", "first_k_dense_layers", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        ))
+        self._check_attention()
+        self._check_family()
+        self._check_moe()
+        self._check_router()
+
+    def _check_attention(self) -> None:
+        if self.is_mla:
+            _check_positive(self, ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+            return
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "{p}hidden_size={h} is not divisible by {p}num_attention_heads={n}; "
+                "set {p}head_dim explicitly", h=self.hidden_size, n=self.num_attention_heads,
+            )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ConfigError(
+                "{p}num_kv_heads={kv} does not divide {p}num_attention_heads={n}",
+                kv=self.num_kv_heads, n=self.num_attention_heads,
+            )
+
+    def _check_family(self) -> None:
+        if self.family == "deepseek_v3" and not self.is_mla:
+            raise ConfigError(
+                "{p}family='deepseek_v3' uses MLA: set {p}kv_lora_rank, {p}qk_nope_head_dim, "
+                "{p}qk_rope_head_dim and {p}v_head_dim > 0 (got kv_lora_rank={r})",
+                r=self.kv_lora_rank,
+            )
+        if self.family in MOE_FAMILIES and not self.is_moe:
+            raise ConfigError(
+                "{p}family={fam!r} is an MoE family: set {p}num_experts > 0", fam=self.family
+            )
+        if self.family not in MOE_FAMILIES and self.is_moe:
+            raise ConfigError(
+                "{p}family={fam!r} is dense: set {p}num_experts=0 (got {e}), or use one of {moe}",
+                fam=self.family, e=self.num_experts, moe=", ".join(MOE_FAMILIES),
+            )
+
+    def _check_moe(self) -> None:
+        if self.first_k_dense_layers >= self.num_layers:
+            raise ConfigError(
+                "{p}first_k_dense_layers={k} must be < {p}num_layers={n}",
+                k=self.first_k_dense_layers, n=self.num_layers,
+            )
+        if self.is_moe and self.moe_top_k > self.num_experts:
+            raise ConfigError(
+                "{p}moe_top_k={k} must be <= {p}num_experts={e}",
+                k=self.moe_top_k, e=self.num_experts,
+            )
+
+    def _check_router(self) -> None:
+        _check_choice("router_score_function", self.router_score_function, ("softmax", "sigmoid"))
+        if self.router_expert_bias and self.router_score_function != "sigmoid":
+            raise ConfigError(
+                "{p}router_expert_bias=true needs {p}router_score_function='sigmoid' (got {f!r}); "
+                "megatron-core supports the aux-loss-free bias only with sigmoid scores",
+                f=self.router_score_function,
+            )
+        groups, group_topk = self.router_num_groups, self.router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ConfigError(
+                "{p}router_num_groups={g} and {p}router_group_topk={k}: set both or neither",
+                g=groups, k=group_topk,
+            )
+        if groups is not None:
+            self._check_router_groups(groups, group_topk)
+
+    def _check_router_groups(self, groups: int, group_topk: int) -> None:
+        if groups <= 0 or not 0 < group_topk <= groups:
+            raise ConfigError(
+                "{p}router_group_topk={k} must be in 1..{p}router_num_groups={g}",
+                k=group_topk, g=groups,
+            )
+        if self.num_experts % groups:
+            raise ConfigError(
+                "{p}router_num_groups={g} does not divide {p}num_experts={e}",
+                g=groups, e=self.num_experts,
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has routed experts."""
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek-V3)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head channels of standard attention: head_dim, or hidden_size // heads."""
+        if self.head_dim is not None:
+            return self.head_dim
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(kw_only=True)
+class RoleConfig:
+    """One model role (actor, reference, critic): whether it runs and how it is sharded."""
+
+    enabled: bool = True
+    """Whether this role is built; the reference and critic are optional."""
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    """megatron-core parallel layout of this role."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimizer, learning-rate schedule and batch sizes of the trained roles."""
+
+    optimizer: str = "adam"
+    """Optimizer: adam or sgd."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decaying schedules (linear, cosine)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    lr_schedule: str = "constant"
+    """Learning-rate decay after warmup: constant, linear or cosine."""
+    lr_warmup_steps: int = 0
+    """Steps of linear warmup from 0 to lr."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold; 0 = off."""
+    micro_batch_size: int = 2
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step across all data-parallel ranks."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (megatron distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
+        _check_choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        _check_positive(self, ("lr", "adam_eps", "micro_batch_size", "global_batch_size"))
+        _check_non_negative(self, ("min_lr", "weight_decay", "lr_warmup_steps", "clip_grad"))
+        if self.min_lr > self.lr:
+            raise ConfigError("{p}min_lr={m} must be <= {p}lr={lr}", m=self.min_lr, lr=self.lr)
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError("{p}{key}={v} must be in [0, 1)", key=key, v=getattr(self, key))
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                "{p}global_batch_size={g} is not a multiple of {p}micro_batch_size={m}",
+                g=self.global_batch_size, m=self.micro_batch_size,
+            )
+
+
+@dataclass(kw_only=True)
+class TrackingConfig:
+    """Where metrics and run metadata go."""
+
+    backend: str = "mlflow"
+    """Tracker: mlflow, or none to log metrics only to the console."""
+    uri: Optional[str] = None
+    """Tracking server URI; None = a local file store under run.output_dir/mlruns."""
+    experiment: str = "hybridflow"
+    """Experiment name runs are grouped under."""
+
+    def __post_init__(self) -> None:
+        _check_choice("backend", self.backend, ("mlflow", "none"))
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Identity and outputs of one run."""
+
+    name: str = "quickstart"
+    """Run name; also names the output directory by default."""
+    output_dir: str = "runs/${run.name}"
+    """Directory for checkpoints, logs and the resolved config."""
+    seed: int = 1234
+    """Global random seed."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Metrics tracking."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("{p}name must not be empty")
+        _check_non_negative(self, ("seed",))
+
+
+@dataclass(kw_only=True)
+class HybridflowConfig:
+    """The whole run: model, per-role layouts, training and run settings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture shared by all roles."""
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    """The policy being trained (also generates rollouts)."""
+    reference: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
+    """Frozen reference policy for the KL penalty; off by default."""
+    critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
+    """Value model for GAE-style estimators; off by default."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer and batch settings."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run name, outputs, seed and tracking."""
+
+    def __post_init__(self) -> None:
+        for name, layout in enabled_roles(self).items():
+            layout.check_model(self.model, prefix=f"{name}.parallel")
+
+
+def enabled_roles(cfg: HybridflowConfig) -> dict[str, ParallelLayout]:
+    """Parallel layout of each enabled role, in ROLE_NAMES order."""
+    roles = {name: getattr(cfg, name) for name in ROLE_NAMES}
+    return {name: role.parallel for name, role in roles.items() if role.enabled}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> HybridflowConfig:
+    """Schema defaults <- YAML file at ``path`` (if any) <- ``key=value`` overrides, validated.
+
+    Raises ``ValueError`` naming the offending key for every user error: missing file,
+    malformed override, unknown key, wrong type, bad value, or a layout that does not fit
+    the model.
+    """
+    sources = []
+    if path is not None:
+        sources.append((f"config file {path}", _read_yaml(path)))
+    if overrides:
+        sources.append(("overrides", _parse_overrides(overrides)))
+    merged = OmegaConf.structured(HybridflowConfig)
+    for origin, source in sources:
+        merged = _merge(merged, source, origin)
+    try:
+        cfg = _to_object(merged, "")
+    except OmegaConfBaseException as e:  # e.g. a ${...} that does not resolve
+        raise ValueError(_omegaconf_message(e)) from None
+    logger.debug("loaded config %s with overrides %s", path, list(overrides))
+    return cfg
+
+
+def to_yaml(cfg: HybridflowConfig) -> str:
+    """The whole config as resolved YAML; ``load_config`` on it gives ``cfg`` back."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+
+
+def _read_yaml(path: str) -> DictConfig:
+    if not os.path.isfile(path):
+        raise ValueError(f"config file not found: {path}")
+    try:
+        source = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(source, DictConfig):
+        raise ValueError(f"config file {path} must hold a mapping of sections (model, actor, ...)")
+    return source
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} must look like key=value, e.g. train.lr=3e-4")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ValueError(f"cannot parse overrides {list(overrides)}: {e}") from None
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """Declared type of each dataclass field of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for ``Optional[X]``, else ``(tp, False)``."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return tp, False
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _check_keys(source: dict, cls: type, path: str) -> None:
+    """Reject keys the schema does not have, and scalars where a section is expected."""
+    types = _field_types(cls)
+    for key, value in source.items():
+        if key not in types:
+            raise ValueError(_unknown_key_message(str(key), path, list(types)))
+        tp, optional = _unwrap_optional(types[key])
+        if not dataclasses.is_dataclass(tp):
+            continue
+        if isinstance(value, dict):
+            _check_keys(value, tp, _join(path, key))
+        elif not (value is None and optional or _is_interpolation(value)):
+            raise ValueError(
+                f"{_join(path, key)}: expected a mapping with keys "
+                f"{', '.join(_field_types(tp))}, got {_show(value)}"
+            )
+
+
+def _show(value: object) -> str:
+    """A user's value as they would write it in YAML-ish form."""
+    return "null" if value is None else repr(value)
+
+
+def _is_interpolation(value: object) -> bool:
+    return isinstance(value, str) and value.startswith("${")
+
+
+def _unknown_key_message(key: str, path: str, valid: list[str]) -> str:
+    where = f"under {path}" if path else "at the top level"
+    message = f"unknown config key '{_join(path, key)}'; valid keys {where}: {', '.join(valid)}"
+    close = difflib.get_close_matches(key, valid, n=1)
+    return message + (f" (did you mean '{close[0]}'?)" if close else "")
+
+
+def _merge(base: DictConfig, source: DictConfig, origin: str) -> DictConfig:
+    """``base`` updated with ``source``; errors name the key and where it came from."""
+    try:
+        _check_keys(OmegaConf.to_container(source), HybridflowConfig, "")
+        return OmegaConf.merge(base, source)
+    except OmegaConfBaseException as e:
+        raise ValueError(f"{_omegaconf_message(e, source)} (in {origin})") from None
+    except ValueError as e:
+        raise ValueError(f"{e} (in {origin})") from None
+
+
+def _omegaconf_message(error: OmegaConfBaseException, source: DictConfig | None = None) -> str:
+    """Turn an OmegaConf error into ``key: expected TYPE, got VALUE`` where possible."""
+    key = error.full_key
+    detail = str(error.msg or error).splitlines()[0]
+    if not key:
+        return detail
+    expected = _expected_type(key)
+    if expected is None or source is None or not isinstance(error, ValidationError):
+        return f"{key}: {detail}"
+    got = OmegaConf.select(source, key, throw_on_missing=False)
+    if OmegaConf.is_config(got):
+        got = OmegaConf.to_container(got)
+    return f"{key}: expected {expected}, got {_show(got)}"
+
+
+def _expected_type(key: str) -> str | None:
+    """Readable schema type of the field at dotted ``key``; None if there is no such field."""
+    cls, tp, optional = HybridflowConfig, None, False
+    for part in key.split("."):
+        types = _field_types(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in types:
+            return None
+        tp, optional = _unwrap_optional(types[part])
+        cls = tp
+    name = f"a {tp.__name__} mapping" if dataclasses.is_dataclass(tp) else tp.__name__
+    return f"{name} or null" if optional else name
+
+
+def _to_object(node: DictConfig, path: str) -> Any:
+    """``OmegaConf.to_object`` that reports which section a ``ConfigError`` came from.
+
+    Sections are converted depth first, so when a section fails all of its subsections
+    have already passed and the error is the section's own.
+    """
+    section_type = OmegaConf.get_type(node)
+    for f in dataclasses.fields(section_type):
+        child = node[f.name]
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            _to_object(child, _join(path, f.name))
+    try:
+        return OmegaConf.to_object(node)
+    except ConfigError as e:
+        raise e.under(path) from None

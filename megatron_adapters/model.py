@@ -1,0 +1,268 @@
+"""Build megatron-core GPT models from hybridflow's HF-style model config.
+
+One ``ModelConfig`` (hybridflow/config.py) describes an architecture the way its Hugging Face
+``config.json`` does. ``transformer_config`` turns it into megatron-core's
+``TransformerConfig`` (or ``MLATransformerConfig`` for DeepSeek-V3), and ``build_model_chunks``
+builds one ``GPTModel`` per virtual pipeline stage held by this rank, with the layer spec that
+fits the machine: megatron's local modules on CPU, TransformerEngine's when it imports.
+
+Family differences live in the ``FAMILIES`` registry, not in branches on the family name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from hybridflow.config import ModelConfig
+from hybridflow.layout import ParallelLayout
+
+
+def transformer_engine_available() -> bool:
+    """True when TransformerEngine imports and a GPU is present (its spec is then used)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises OSError, RuntimeError or ImportError when CUDA is off
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FamilyTraits:
+    """What a model family needs beyond the shared architecture fields."""
+
+    moe: bool
+    """The family has routed experts."""
+    mla: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3)."""
+    extra: Callable[[ModelConfig], dict[str, Any]] = lambda model: {}
+    """Extra TransformerConfig fields for this family."""
+
+
+def _deepseek_extra(model: ModelConfig) -> dict[str, Any]:
+    scaling = model.rope_scaling
+    extra: dict[str, Any] = {
+        "q_lora_rank": model.q_lora_rank,
+        "kv_lora_rank": model.kv_lora_rank,
+        "qk_head_dim": model.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": model.qk_rope_head_dim,
+        "v_head_dim": model.v_head_dim,
+        # megatron's unfused attention sizes its output by kv_channels: MLA's is v_head_dim.
+        "kv_channels": model.v_head_dim,
+        "rotary_base": model.rope_theta,
+        "rope_type": "rope" if scaling is None else "yarn",
+    }
+    if scaling is not None:
+        extra.update(
+            rotary_scaling_factor=scaling.factor,
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+            beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow,
+            mscale=scaling.mscale,
+            mscale_all_dim=scaling.mscale_all_dim,
+        )
+    return extra
+
+
+FAMILIES: dict[str, FamilyTraits] = {
+    "llama": FamilyTraits(moe=False),
+    "qwen2": FamilyTraits(moe=False),
+    "qwen3_moe": FamilyTraits(moe=True),
+    "mixtral": FamilyTraits(moe=True),
+    "deepseek_v3": FamilyTraits(moe=True, mla=True, extra=_deepseek_extra),
+}
+
+
+def _moe_fields(model: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
+    if not model.is_moe:
+        return {}
+    dense = model.first_k_dense_layers
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.moe_top_k,
+        "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": (
+            model.moe_ffn_hidden_size * model.num_shared_experts or None
+        ),
+        "moe_layer_freq": [0] * dense + [1] * (model.num_layers - dense),
+        "moe_router_score_function": model.router_score_function,
+        "moe_router_enable_expert_bias": model.router_expert_bias,
+        "moe_router_topk_scaling_factor": model.router_topk_scaling_factor,
+        "moe_router_num_groups": model.router_num_groups,
+        "moe_router_group_topk": model.router_group_topk,
+        # softmax over all experts then top-k keeps unnormalised weights (norm_topk_prob=False);
+        # top-k then softmax equals softmax-then-renormalise (Qwen3-MoE, Mixtral).
+        "moe_router_pre_softmax": not model.norm_topk_prob,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "expert_model_parallel_size": layout.ep,
+        "expert_tensor_parallel_size": layout.etp,
+    }
+
+
+def transformer_config(
+    model: ModelConfig, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32
+) -> TransformerConfig:
+    """megatron-core config for ``model`` under ``layout`` (dropout off: RL needs exact log-probs)."""
+    traits = FAMILIES[model.family]
+    on_gpu = torch.cuda.is_available()
+    fields: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_kv_heads,
+        kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.attention_bias,
+        qk_layernorm=model.qk_layernorm,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        init_method_std=0.02,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.tp > 1,
+        use_cpu_initialization=not on_gpu,
+        calculate_per_token_loss=True,
+        # Fused kernels need CUDA (and apex / TE); megatron's unfused paths are exact.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+    fields.update(_moe_fields(model, layout))
+    fields.update(traits.extra(model))
+    config_cls = MLATransformerConfig if traits.mla else TransformerConfig
+    return config_cls(**fields)
+
+
+class MLADotProductAttention(DotProductAttention):
+    """megatron's unfused attention, accepting the separate key / value head sizes MLA passes.
+
+    ``MLASelfAttention`` builds its core attention with ``k_channels`` / ``v_channels``, which
+    only TransformerEngine's attention accepts. The unfused path already handles a query-key
+    head size different from the value head size (``kv_channels`` is set to ``v_head_dim``);
+    MLA passes its own softmax scale.
+    """
+
+    def __init__(
+        self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        assert v_channels in (None, self.config.kv_channels), "MLA needs kv_channels == v_head_dim"
+
+
+def _use_local_mla_attention(block_spec: Any) -> None:
+    for spec in block_spec.layer_specs:
+        attention = spec.submodules.self_attention
+        if attention.module is MLASelfAttention:
+            attention.submodules.core_attention = ModuleSpec(module=MLADotProductAttention)
+
+
+def layer_spec(config: TransformerConfig, model: ModelConfig, *, vp_stage: int | None = None):
+    """The decoder layer spec: TE modules on GPUs with TE, megatron's local modules otherwise."""
+    use_te = transformer_engine_available()
+    if model.is_moe or FAMILIES[model.family].mla:
+        # The block spec handles dense-then-MoE layer mixes and shared experts.
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+        )
+        if FAMILIES[model.family].mla and not use_te:
+            _use_local_mla_attention(spec)
+        return spec
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+
+
+def _rope_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """GPTModel's rotary arguments. MLA builds its own (yarn) rotary inside attention."""
+    scaling = model.rope_scaling
+    kwargs: dict[str, Any] = {"position_embedding_type": "rope"}
+    if scaling is None or FAMILIES[model.family].mla:
+        return kwargs
+    if scaling.type == "llama3":
+        return {**kwargs, "rope_scaling": True, "rope_scaling_factor": scaling.factor}
+    if scaling.type == "linear":
+        return {**kwargs, "seq_len_interpolation_factor": scaling.factor}
+    raise ValueError(
+        f"model.rope_scaling.type={scaling.type!r} is supported only for MLA models here; "
+        "use 'llama3' or 'linear' for this family"
+    )
+
+
+def padded_vocab_size(model: ModelConfig, layout: ParallelLayout) -> int:
+    """Vocab size megatron builds: rounded up so every TP rank holds an equal, aligned slice."""
+    return layout.padded_vocab_size(model)
+
+
+def build_model_chunks(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    pg_collection: ProcessGroupCollection | None = None,
+) -> list[GPTModel]:
+    """The GPTModel chunks this rank holds: one, or ``layout.vpp`` under interleaved pipelining.
+
+    Needs ``megatron_adapters.parallel.initialize`` to have run for ``layout``.
+    """
+    config = transformer_config(model, layout, params_dtype=params_dtype)
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    vpp = layout.vpp if layout.vpp > 1 else None
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec(config, model, vp_stage=stage),
+                vocab_size=padded_vocab_size(model, layout),
+                max_sequence_length=model.max_position_embeddings,
+                pre_process=pre,
+                post_process=post,
+                share_embeddings_and_output_weights=model.tie_word_embeddings,
+                rotary_base=int(model.rope_theta),
+                **_rope_kwargs(model),
+                pg_collection=pg_collection,
+                vp_stage=stage,
+            )
+        )
+    return chunks

@@ -1,0 +1,178 @@
+"""load_config: layering, interpolation, round trips, and one test per user error."""
+
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import (
+    HybridflowConfig,
+    ModelConfig,
+    ParallelLayout,
+    enabled_roles,
+    load_config,
+    to_yaml,
+)
+from hybridflow.model_size import count_parameters
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+QUICKSTART = str(CONFIGS / "quickstart_cpu.yaml")
+
+
+def _error(*overrides: str, path: str | None = QUICKSTART) -> str:
+    with pytest.raises(ValueError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_defaults_load():
+    cfg = load_config(None)
+    defaults = HybridflowConfig()  # built directly, ${...} stays unresolved
+    assert (cfg.model, cfg.actor, cfg.train) == (defaults.model, defaults.actor, defaults.train)
+    assert cfg.run.output_dir == "runs/quickstart"
+    assert list(enabled_roles(cfg)) == ["actor"]
+
+
+def test_yaml_and_overrides_layer_on_the_schema():
+    cfg = load_config(QUICKSTART, ["train.lr=3e-4", "run.name=exp1", "actor.parallel.tp=2"])
+    assert cfg.model.vocab_size == 256  # from the YAML
+    assert cfg.model.norm_eps == 1e-6  # schema default
+    assert cfg.train.lr == 3e-4  # override
+    assert cfg.actor.parallel == ParallelLayout(tp=2)
+    assert cfg.run.output_dir == "runs/exp1"  # ${run.name} resolved after overrides
+
+
+def test_optional_section_and_role_interpolation():
+    cfg = load_config(QUICKSTART, [
+        "model.rope_scaling.factor=4", "reference.enabled=true",
+        "reference.parallel=${actor.parallel}",
+    ])
+    assert cfg.model.rope_scaling is not None and cfg.model.rope_scaling.factor == 4.0
+    assert enabled_roles(cfg) == {"actor": cfg.actor.parallel, "reference": cfg.actor.parallel}
+
+
+@pytest.mark.parametrize("name", ["quickstart_cpu", "qwen3_moe_235b", "deepseek_v3_671b"])
+def test_to_yaml_round_trips(name, tmp_path):
+    cfg = load_config(str(CONFIGS / f"{name}.yaml"))
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(to_yaml(cfg))
+    assert load_config(str(resolved)) == cfg
+    assert "${" not in to_yaml(cfg)
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [("qwen3_moe_235b", 235e9, 22e9), ("deepseek_v3_671b", 671e9, 37e9)],
+)
+def test_big_configs_match_published_sizes(name, total, active):
+    counts = count_parameters(load_config(str(CONFIGS / f"{name}.yaml")).model)
+    assert counts["total"] == pytest.approx(total, rel=0.02)
+    assert counts["active"] == pytest.approx(active, rel=0.03)
+
+
+def test_tp_must_divide_heads():
+    message = _error("model.num_attention_heads=16", "model.num_kv_heads=16", "actor.parallel.tp=3",
+                     "actor.parallel.dp=1")
+    assert "actor.parallel.tp=3" in message
+    assert "model.num_attention_heads=16" in message
+    assert "valid tp values: 1, 2, 4, 8, 16" in message
+
+
+def test_ep_must_divide_experts():
+    message = _error("model.num_experts=8", "actor.parallel.ep=3", "actor.parallel.dp=3")
+    assert "actor.parallel.ep=3 does not divide model.num_experts=8" in message
+
+
+def test_disabled_roles_are_not_checked():
+    cfg = load_config(QUICKSTART, ["critic.parallel.tp=3", "critic.parallel.dp=1"])
+    assert "critic" not in enabled_roles(cfg)
+    assert "critic.parallel.tp=3" in _error("critic.enabled=true", "critic.parallel.tp=3")
+
+
+def test_misspelled_key_suggests_the_right_one():
+    message = _error("train.lrr=1e-4")
+    assert "unknown config key 'train.lrr'" in message
+    assert "did you mean 'lr'?" in message
+    assert "min_lr" in message  # lists the valid keys
+
+
+def test_misspelled_key_in_yaml_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hiden_size: 32\n")
+    message = _error(path=str(bad))
+    assert "unknown config key 'model.hiden_size'" in message
+    assert "did you mean 'hidden_size'?" in message
+    assert str(bad) in message
+
+
+def test_negative_learning_rate():
+    assert _error("train.lr=-0.001") == "train.lr=-0.001 must be > 0"
+
+
+def test_wrong_type():
+    assert "train.lr: expected float, got 'abc'" in _error("train.lr=abc")
+    assert "actor.parallel.tp: expected int, got 2.5" in _error("actor.parallel.tp=2.5")
+
+
+def test_scalar_where_a_section_is_expected():
+    assert "actor.parallel: expected a mapping with keys tp, pp" in _error("actor.parallel=4")
+
+
+def test_unknown_family_lists_valid_ones():
+    message = _error("model.family=gpt2")
+    assert "model.family='gpt2'" in message
+    assert "llama, qwen2, qwen3_moe, mixtral, deepseek_v3" in message
+
+
+def test_nested_section_errors_carry_their_path():
+    assert _error("model.rope_scaling.type=ntk").startswith("model.rope_scaling.type='ntk'")
+    assert _error("run.tracking.backend=wandb").startswith("run.tracking.backend='wandb'")
+    assert _error("actor.parallel.pp=0") == "actor.parallel.pp=0 must be >= 1"
+
+
+def test_cross_field_errors_name_both_keys():
+    message = _error("train.global_batch_size=9")
+    assert message == "train.global_batch_size=9 is not a multiple of train.micro_batch_size=2"
+    assert "model.moe_top_k=8 must be <= model.num_experts=4" in _error("model.moe_top_k=8")
+
+
+def test_family_rules():
+    assert "set model.num_experts > 0" in _error("model.num_experts=0")
+    assert "model.family='llama' is dense" in _error("model.family=llama")
+    assert "model.family='deepseek_v3' uses MLA" in _error("model.family=deepseek_v3")
+
+
+def test_router_rules():
+    assert "router_score_function='sigmoid'" in _error("model.router_expert_bias=true")
+    assert "set both or neither" in _error("model.router_num_groups=2")
+    message = _error("model.router_num_groups=3", "model.router_group_topk=1")
+    assert "model.router_num_groups=3 does not divide model.num_experts=4" in message
+
+
+def test_world_size_mismatch():
+    cfg = load_config(QUICKSTART, ["actor.parallel.tp=2"])
+    with pytest.raises(ValueError) as info:
+        cfg.actor.parallel.check_world_size(4, prefix="actor.parallel")
+    assert str(info.value) == (
+        "world size 4 does not match actor.parallel: tp*pp*cp*dp = 2*1*1*1 = 2"
+    )
+
+
+def test_unresolvable_interpolation():
+    assert _error("run.output_dir=${run.nme}").startswith("run.output_dir:")
+
+
+def test_missing_file():
+    assert _error(path="nope/missing.yaml") == "config file not found: nope/missing.yaml"
+
+
+def test_malformed_override():
+    assert "override 'train.lr' must look like key=value" in _error("train.lr")
+
+
+def test_model_properties():
+    mla = ModelConfig(family="deepseek_v3", kv_lora_rank=8, qk_nope_head_dim=4,
+                      qk_rope_head_dim=4, v_head_dim=4)
+    assert mla.is_mla and mla.is_moe
+    assert ModelConfig(hidden_size=64, num_attention_heads=4).kv_channels == 16
+    assert ModelConfig(head_dim=32).kv_channels == 32
+    assert not ModelConfig(family="qwen2", num_experts=0).is_moe
