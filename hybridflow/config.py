@@ -307,6 +307,8 @@ class TrainConfig:
     """Learning-rate decay after warmup: constant, linear or cosine."""
     lr_warmup_steps: int = 0
     """Steps of linear warmup from 0 to lr."""
+    lr_decay_steps: int = 1000
+    """Optimizer steps over which the linear or cosine schedule decays lr to min_lr."""
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold; 0 = off."""
     micro_batch_size: int = 2
@@ -319,7 +321,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         _check_choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
-        _check_positive(self, ("lr", "adam_eps", "micro_batch_size", "global_batch_size"))
+        _check_positive(
+            self, ("lr", "adam_eps", "micro_batch_size", "global_batch_size", "lr_decay_steps")
+        )
         _check_non_negative(self, ("min_lr", "weight_decay", "lr_warmup_steps", "clip_grad"))
         if self.min_lr > self.lr:
             raise ConfigError("{p}min_lr={m} must be <= {p}lr={lr}", m=self.min_lr, lr=self.lr)

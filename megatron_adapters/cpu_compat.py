@@ -181,13 +181,18 @@ class _CudaToCpuMode(TorchFunctionMode):
     Avoids: ``RuntimeError: Found no NVIDIA driver`` / ``Torch not compiled with CUDA`` from
     ``torch.empty(..., device=torch.cuda.current_device())``, ``tensor.cuda()`` and
     ``.to("cuda")`` in megatron's mappings, pipeline schedules, optimizer (found-inf buffer)
-    and DDP grad buffers.
+    and DDP grad buffers. Also reports CPU tensors' ``.type()`` under their CUDA names, which
+    avoids ``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...
+    Received torch.FloatTensor`` in the (distributed) optimizer's parameter sorting.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D401
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
         if func in (torch.Tensor.to, torch.Tensor.pin_memory):

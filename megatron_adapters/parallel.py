@@ -71,6 +71,9 @@ def initialize(layout: ParallelLayout, *, seed: int, prefix: str = "parallel") -
         # Separate gloo groups only matter beside NCCL; on CPU every group is gloo already.
         create_gloo_process_groups=torch.cuda.is_available(),
     )
+    # CPU initialisation draws every full weight from the default generator before slicing
+    # it, so seeding it makes the initial weights independent of the layout.
+    torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     logger.info("rank %d: megatron groups for %s", dist.get_rank(), layout.describe())
     return ProcessGroupCollection.use_mpu_process_groups()

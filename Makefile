@@ -1,0 +1,11 @@
+# Thin wrappers over the README commands; scripts/install.sh does the real work.
+.PHONY: install test quickstart
+
+install:
+	bash scripts/install.sh
+
+test:
+	.venv/bin/python -m pytest
+
+quickstart:
+	.venv/bin/hybridflow selftest configs/quickstart_cpu.yaml

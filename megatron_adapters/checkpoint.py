@@ -1,0 +1,154 @@
+"""Save and load a policy through megatron-core dist checkpointing, atomically.
+
+A checkpoint is a directory in megatron-core's ``torch_dist`` format holding the model (and,
+optionally, the distributed optimizer's state in the layout-independent ``fully_reshardable``
+form and the learning-rate schedule), plus ``hybridflow.json`` naming the layout it was saved
+under. It is written into ``<dir>.tmp`` and renamed once every rank has finished, so a crash
+never leaves a directory that looks complete; a loader only accepts directories with
+``hybridflow.json``.
+
+Any layout loads any checkpoint's weights (megatron reshards on load). Optimizer state moves
+between layouts except where megatron-core builds a different optimizer structure: with and
+without expert parallelism (one optimizer vs a dense + expert chain); that case raises a
+``ValueError`` naming both layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from hybridflow.layout import ParallelLayout
+
+from .policy import MegatronPolicy
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "hybridflow.json"
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _model_state(policy: MegatronPolicy) -> dict:
+    state = {}
+    for index, chunk in enumerate(policy.chunks):
+        module = getattr(chunk, "module", chunk)
+        key = "model" if len(policy.chunks) == 1 else f"model{index}"
+        state[key] = module.sharded_state_dict()
+    return state
+
+
+def _sharded_state(policy: MegatronPolicy, *, with_optimizer: bool, is_loading: bool) -> dict:
+    state = _model_state(policy)
+    if with_optimizer:
+        if policy.optimizer is None:
+            raise ValueError("with_optimizer=True needs a trainable policy")
+        state["optimizer"] = policy.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        )
+    return state
+
+
+def _meta(policy: MegatronPolicy, *, with_optimizer: bool, step: int) -> dict:
+    return {
+        "format": "megatron-core torch_dist",
+        "layout": dataclasses.asdict(policy.layout),
+        "expert_parallel": policy.layout.ep > 1,
+        "with_optimizer": with_optimizer,
+        "step": step,
+        "scheduler": policy.scheduler.state_dict() if with_optimizer and policy.scheduler else None,
+    }
+
+
+def save(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False, step: int = 0) -> Path:
+    """Write ``policy`` to ``directory`` (collective: every rank of the job calls it)."""
+    final = Path(directory)
+    staging = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    if with_optimizer:
+        # Adam's state exists only after its first step; make it (zeros) so it is saved.
+        _ensure_optimizer_state(policy)
+    dist_checkpointing.save(_sharded_state(policy, with_optimizer=with_optimizer, is_loading=False), str(staging))
+    dist.barrier()
+    if rank == 0:
+        (staging / META_FILE).write_text(json.dumps(_meta(policy, with_optimizer=with_optimizer, step=step), indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    dist.barrier()
+    logger.info("saved checkpoint %s (optimizer=%s)", final, with_optimizer)
+    return final
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    """The ``hybridflow.json`` of a complete checkpoint; ValueError names what is wrong."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory not found: {path}")
+    meta = path / META_FILE
+    if not meta.is_file():
+        raise ValueError(f"{path} is not a complete hybridflow checkpoint: {META_FILE} is missing")
+    return json.loads(meta.read_text())
+
+
+def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False) -> dict:
+    """Load a checkpoint saved under any layout into ``policy``; returns its metadata."""
+    meta = read_meta(directory)
+    if with_optimizer:
+        _check_optimizer_transfer(meta, policy.layout, directory)
+        _ensure_optimizer_state(policy)
+    state = _sharded_state(policy, with_optimizer=with_optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(directory))
+    for index, chunk in enumerate(policy.chunks):
+        module = getattr(chunk, "module", chunk)
+        key = "model" if len(policy.chunks) == 1 else f"model{index}"
+        module.load_state_dict(loaded[key], strict=True)
+    if with_optimizer:
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+        if meta.get("scheduler") and policy.scheduler is not None:
+            policy.scheduler.load_state_dict(meta["scheduler"])
+    dist.barrier()
+    return meta
+
+
+def _check_optimizer_transfer(meta: dict, layout: ParallelLayout, directory) -> None:
+    if not meta.get("with_optimizer"):
+        raise ValueError(f"{directory} holds no optimizer state (saved with with_optimizer=False)")
+    if meta["expert_parallel"] != (layout.ep > 1):
+        saved = ParallelLayout(**meta["layout"])
+        raise ValueError(
+            "megatron-core cannot move optimizer state between a layout without expert "
+            "parallelism and one with it (one optimizer vs a dense + expert chain): "
+            f"checkpoint {directory} was saved under {saved.describe()}, "
+            f"this policy runs {layout.describe()}; load the weights only (with_optimizer=False)"
+        )
+
+
+def _ensure_optimizer_state(policy: MegatronPolicy) -> None:
+    """Create Adam's exp_avg / exp_avg_sq / step entries (zeros) where they do not exist yet."""
+    for opt in _leaf_optimizers(policy.optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if "exp_avg" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _leaf_optimizers(optimizer):
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))

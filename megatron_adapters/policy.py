@@ -1,0 +1,337 @@
+"""A megatron-core policy: score tokens and train on them under any TP / PP / EP / ETP / DP layout.
+
+```
+global batch (every rank holds it)            MegatronPolicy
+  input_ids [B, T], fields [B, ...]  ──►  this DP rank's rows ──► micro-batches
+                                              │
+               forward_backward_func (PP schedule, VPP chunks) ── GPTModel chunks (DDP)
+                                              │ last pipeline stage: vocab-parallel logits
+                       token log-probs + entropy (no full-vocab gather)
+                     ┌────────────────────────┴─────────────────────────┐
+             forward_logprobs:                                   train_step:
+   broadcast from last stage, gather DP rows          loss_fn(logprobs, entropy, micro) ->
+        -> [B, T] on every rank                       (loss sum, tokens, metrics); grads
+                                                      averaged per token over the global
+                                                      batch; DistributedOptimizer step
+```
+
+Position ``t`` of a returned ``[B, T]`` tensor scores token ``input_ids[:, t]`` given the tokens
+before it; position 0 has no context and is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from hybridflow.config import ModelConfig, TrainConfig
+from hybridflow.layout import ParallelLayout
+
+from .logprobs import token_entropy, token_logprobs
+from .model import build_model_chunks
+
+logger = logging.getLogger(__name__)
+
+Batch = Mapping[str, torch.Tensor]
+# loss_fn(logprobs [b, T], entropy [b, T], micro-batch) -> (summed loss, token count, metrics).
+# The step divides the summed loss by the token count of the whole global batch.
+LossFn = Callable[
+    [torch.Tensor, torch.Tensor, Batch],
+    tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]],
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports."""
+
+    loss: float
+    """Loss per counted token over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate used for this step."""
+    num_tokens: int
+    """Tokens counted by the loss over the global batch."""
+    metrics: dict[str, float]
+    """Token-weighted means of the loss function's metrics."""
+
+
+def _optimizer_config(train: TrainConfig, params_dtype: torch.dtype) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=train.optimizer,
+        lr=train.lr,
+        min_lr=train.min_lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad,
+        use_distributed_optimizer=train.use_distributed_optimizer,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+    )
+
+
+def _scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
+    decay_steps = max(train.lr_decay_steps, train.lr_warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if train.lr_warmup_steps else train.lr,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=train.lr_schedule,
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+
+
+class MegatronPolicy:
+    """Model chunks of one role on this rank, with their optimizer and scheduler."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        layout: ParallelLayout,
+        train: TrainConfig,
+        *,
+        pg_collection: ProcessGroupCollection,
+        params_dtype: torch.dtype = torch.float32,
+        trainable: bool = True,
+    ) -> None:
+        self.model_config = model
+        self.layout = layout
+        self.train_config = train
+        self.pg = pg_collection
+        chunks = build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection)
+        self.config = chunks[0].config
+        self.optimizer = None
+        self.scheduler = None
+        if trainable:
+            chunks = self._wrap_ddp(chunks, train)
+            self.optimizer = get_megatron_optimizer(
+                _optimizer_config(train, params_dtype), chunks, use_gloo_process_groups=False
+            )
+            self.scheduler = _scheduler(self.optimizer, train)
+            self.config.finalize_model_grads_func = finalize_model_grads
+            self.config.grad_scale_func = self.optimizer.scale_loss
+        self.chunks = chunks
+
+    def _wrap_ddp(self, chunks, train: TrainConfig) -> list[DistributedDataParallel]:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=train.use_distributed_optimizer,
+        )
+        return [
+            DistributedDataParallel(
+                config=self.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                # Only the first chunk buckets; later VPP chunks reuse megatron's default.
+                disable_bucketing=index > 0,
+            )
+            for index, chunk in enumerate(chunks)
+        ]
+
+    # ---------------------------------------------------------------------------- batching
+
+    def _dp_rows(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """This data-parallel rank's contiguous share of the global batch."""
+        size = parallel_state.get_data_parallel_world_size()
+        rank = parallel_state.get_data_parallel_rank()
+        rows = batch["input_ids"].shape[0]
+        if rows % size:
+            raise ValueError(f"batch of {rows} rows does not split over data-parallel size {size}")
+        share = rows // size
+        return {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
+
+    def _pad_sequence(self, batch: Batch) -> tuple[dict[str, torch.Tensor], int]:
+        """Right-pad the sequence dim so sequence parallelism splits it evenly over TP."""
+        seq = batch["input_ids"].shape[1]
+        multiple = self.layout.tp * self.layout.cp
+        pad = -seq % multiple
+        if pad == 0:
+            return dict(batch), seq
+        padded = {}
+        for key, value in batch.items():
+            if value.dim() >= 2 and value.shape[1] == seq:
+                shape = (value.shape[0], pad, *value.shape[2:])
+                value = torch.cat([value, value.new_zeros(shape)], dim=1)
+            padded[key] = value
+        return padded, seq
+
+    def _micro_batches(self, batch: Batch, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+        rows = batch["input_ids"].shape[0]
+        if rows % micro_batch_size:
+            raise ValueError(f"{rows} rows per DP rank do not split into micro-batches of {micro_batch_size}")
+        return [
+            {k: v[i : i + micro_batch_size] for k, v in batch.items()}
+            for i in range(0, rows, micro_batch_size)
+        ]
+
+    # ---------------------------------------------------------------------------- forward
+
+    def _forward(self, micro: Batch, model) -> torch.Tensor:
+        ids_BS = micro["input_ids"]
+        positions_BS = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
+        return model(ids_BS, positions_BS, None)
+
+    def _scores(self, logits_BSv: torch.Tensor, micro: Batch, with_entropy: bool):
+        """Log-prob of each next token and the entropy, shifted so index t scores token t."""
+        tp_group = self.pg.tp
+        vocab = self.model_config.vocab_size
+        labels_BS = torch.roll(micro["input_ids"], shifts=-1, dims=1)
+        logp_BS = token_logprobs(logits_BSv, labels_BS, vocab_size=vocab, tp_group=tp_group)
+        logp_BS = _shift_right(logp_BS)
+        if not with_entropy:
+            return logp_BS, torch.zeros_like(logp_BS)
+        ent_BS = _shift_right(token_entropy(logits_BSv, vocab_size=vocab, tp_group=tp_group))
+        return logp_BS, ent_BS
+
+    def _run(self, micros, step_fn, *, forward_only: bool, collect: bool) -> list:
+        forward_backward = get_forward_backward_func()
+        chunks = len(self.chunks)
+        iterators: Iterator | list[Iterator] = (
+            [iter(micros) for _ in range(chunks)] if chunks > 1 else iter(micros)
+        )
+        return forward_backward(
+            forward_step_func=step_fn,
+            data_iterator=iterators,
+            model=self.chunks if chunks > 1 else self.chunks[0],
+            num_microbatches=len(micros),
+            seq_length=micros[0]["input_ids"].shape[1],
+            micro_batch_size=micros[0]["input_ids"].shape[0],
+            forward_only=forward_only,
+            collect_non_loss_data=collect,
+        )
+
+    @torch.no_grad()
+    def forward_logprobs(
+        self, batch: Batch, *, micro_batch_size: int | None = None, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy ``[B, T]`` of the global batch, returned on every rank."""
+        for chunk in self.chunks:
+            chunk.eval()
+        padded, seq = self._pad_sequence(self._dp_rows(batch))
+        micros = self._micro_batches(padded, micro_batch_size or self.train_config.micro_batch_size)
+
+        def step_fn(data_iterator, model):
+            micro = next(data_iterator)
+
+            def collect(logits_BSv, non_loss_data=True):
+                return self._scores(logits_BSv, micro, with_entropy)
+
+            return self._forward(micro, model), collect
+
+        outputs = self._run(micros, step_fn, forward_only=True, collect=True)
+        local = self._stack_last_stage(outputs, padded["input_ids"].shape, seq)
+        return tuple(self._gather_dp(t) for t in local)  # type: ignore[return-value]
+
+    def _stack_last_stage(self, outputs, padded_shape, seq) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenate the last stage's micro-batch results and share them across the PP group."""
+        rows, length = padded_shape
+        both = torch.zeros(2, rows, length)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            both[0] = torch.cat([logp for logp, _ in outputs])
+            both[1] = torch.cat([ent for _, ent in outputs])
+        if self.layout.pp > 1:
+            src = parallel_state.get_pipeline_model_parallel_last_rank()
+            dist.broadcast(both, src=src, group=self.pg.pp)
+        return both[0, :, :seq], both[1, :, :seq]
+
+    def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
+        group = parallel_state.get_data_parallel_group()
+        size = dist.get_world_size(group)
+        if size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts)
+
+    # ---------------------------------------------------------------------------- training
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> StepResult:
+        """One optimizer step on the global batch with ``loss_fn`` (token-averaged)."""
+        if self.optimizer is None:
+            raise RuntimeError("this policy was built with trainable=False")
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        padded, _ = self._pad_sequence(self._dp_rows(batch))
+        micros = self._micro_batches(padded, self.train_config.micro_batch_size)
+
+        def step_fn(data_iterator, model):
+            micro = next(data_iterator)
+
+            def loss(logits_BSv):
+                logp_BS, ent_BS = self._scores(logits_BSv, micro, with_entropy=True)
+                loss_sum, tokens, metrics = loss_fn(logp_BS, ent_BS, micro)
+                reported = {"loss": torch.stack([loss_sum.detach(), tokens.float()])}
+                for name, value in metrics.items():
+                    reported[name] = torch.stack([value.detach() * tokens, tokens.float()])
+                return loss_sum, tokens.int(), reported
+
+            return self._forward(micro, model), loss
+
+        outputs = self._run(micros, step_fn, forward_only=False, collect=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if update_ok:
+            self.scheduler.step(increment=1)
+        return self._step_result(outputs, grad_norm, lr)
+
+    def _step_result(self, outputs, grad_norm, lr) -> StepResult:
+        """Token-weighted metric means over micro-batches and DP ranks, shared with all ranks."""
+        names = sorted(outputs[0]) if outputs else []
+        sums = torch.zeros(len(names), 2)
+        for out in outputs:
+            for i, name in enumerate(names):
+                sums[i] += out[name]
+        names = self._broadcast_names(names)
+        if sums.shape[0] != len(names):
+            sums = torch.zeros(len(names), 2)
+        if self.layout.pp > 1:
+            dist.all_reduce(sums, group=self.pg.pp)  # only the last stage holds non-zeros
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        means = {n: float(s[0] / s[1].clamp(min=1)) for n, s in zip(names, sums)}
+        return StepResult(
+            loss=means.pop("loss"),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(lr),
+            num_tokens=int(sums[names.index("loss")][1]),
+            metrics=means,
+        )
+
+    def _broadcast_names(self, names: list[str]) -> list[str]:
+        if self.layout.pp == 1:
+            return names
+        box = [names]
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(box, src=src, group=self.pg.pp)
+        return box[0]
+
+
+def _shift_right(scores_BS: torch.Tensor) -> torch.Tensor:
+    """Index t of the result scores token t (predicted at t-1); index 0 is 0."""
+    return torch.cat([scores_BS.new_zeros(scores_BS.shape[0], 1), scores_BS[:, :-1]], dim=1)

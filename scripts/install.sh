@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Unattended, idempotent install of hybridflow into a virtual environment.
+#
+#   bash scripts/install.sh          # any machine: runtime + test dependencies, editable hybridflow
+#   bash scripts/install.sh --gpu    # CUDA machines only: adds transformer-engine (the [gpu] extra)
+#
+# The venv is .venv in the repo root unless HYBRIDFLOW_VENV names another path (a relative path is
+# taken from the repo root). It is created only if missing; pip installs only what is missing or
+# pinned differently, so a second run changes nothing. Pins live in requirements/*.txt, which
+# setup.py reads for its extras too. pip is expected to be configured already (index, mirrors).
+set -euo pipefail
+
+usage() {
+  sed -n '2,10s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+}
+
+log() { printf '[install %4ss] %s\n' "$((SECONDS - start))" "$*"; }
+die() { printf 'install.sh: error: %s\n' "$*" >&2; exit 1; }
+
+# `nvidia-smi -L` lists the GPUs; it fails without a driver even where the binary exists.
+has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+start=$SECONDS
+with_gpu=0
+for arg in "$@"; do
+  case "$arg" in
+    --gpu) with_gpu=1 ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument '$arg'" ;;
+  esac
+done
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${HYBRIDFLOW_VENV:-.venv}"
+python="$venv/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip_install() { "$python" -m pip install --progress-bar off "$@"; }
+
+if ((with_gpu)) && ! has_cuda; then
+  die "--gpu needs a working CUDA driver, but 'nvidia-smi -L' fails here; run without --gpu"
+fi
+
+if [[ -x "$python" ]]; then
+  log "using the existing venv $venv"
+else
+  log "creating the venv $venv"
+  python3 -m venv "$venv"
+fi
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "$venv has Python $("$python" -V 2>&1); hybridflow needs Python >= 3.11"
+
+log "runtime dependencies (requirements/runtime.txt)"
+pip_install -r requirements/runtime.txt
+log "test dependencies (requirements/test.txt)"
+pip_install -r requirements/test.txt
+
+# The editable install builds without isolation (offline, fast), so the venv's setuptools must
+# build PEP 660 wheels on its own: 70.1 vendors bdist_wheel; a fresh 3.11 venv ships 65.x.
+if ! "$python" -c 'import sys, setuptools as s; sys.exit(tuple(map(int, s.__version__.split(".")[:2])) < (70, 1))' 2>/dev/null; then
+  log "setuptools is older than 70.1; installing a newer one to build the editable install"
+  pip_install "setuptools>=70.1"
+fi
+log "hybridflow itself (editable, with the [test] extra)"
+pip_install --no-deps --no-build-isolation -e ".[test]"
+
+if ((with_gpu)); then
+  # transformer-engine[pytorch] compiles against the installed torch, hence no build isolation.
+  log "GPU dependencies (requirements/gpu.txt)"
+  pip_install --no-build-isolation -r requirements/gpu.txt
+  log "NVIDIA apex is not on PyPI and is optional; to use it, build it from source (see README)"
+elif ! has_cuda; then
+  # An installed transformer-engine without CUDA fails in ways megatron-core's optional-import
+  # guards do not catch, so `import megatron.core` itself breaks. find_spec does not import it.
+  log "checking that transformer_engine is not installed (no CUDA here)"
+  if ! found="$("$python" - <<'PY'
+import importlib.metadata as md
+import importlib.util
+import sys
+
+def installed(name):
+    try:
+        md.distribution(name)
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+names = ("transformer-engine", "transformer_engine_cu12", "transformer_engine_cu13",
+         "transformer_engine_torch")
+found = [name for name in names if installed(name)]
+if importlib.util.find_spec("transformer_engine") is not None:
+    found.append("(module transformer_engine)")
+print(" ".join(found))
+sys.exit(1 if found else 0)
+PY
+  )"; then
+    die "transformer_engine is importable in $venv but this machine has no CUDA ('nvidia-smi -L' fails);
+an installed transformer-engine without CUDA breaks 'import megatron.core'. Found: $found
+Remove it with:
+  $python -m pip uninstall -y transformer-engine transformer_engine_cu12 transformer_engine_cu13 transformer_engine_torch"
+  fi
+fi
+
+log "pip check"
+"$python" -m pip check
+"$venv/bin/hybridflow" --help >/dev/null || die "the hybridflow command does not start"
+
+log "done in $((SECONDS - start))s; venv $(du -sh "$venv" | cut -f1) at $venv"
