@@ -330,6 +330,11 @@ class TrainConfig:
         for key in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError("{p}{key}={v} must be in [0, 1)", key=key, v=getattr(self, key))
+        if self.optimizer == "sgd" and self.use_distributed_optimizer:
+            raise ConfigError(
+                "{p}optimizer=sgd needs {p}use_distributed_optimizer=false "
+                "(megatron-core's distributed optimizer checkpoints Adam state only)"
+            )
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 "{p}global_batch_size={g} is not a multiple of {p}micro_batch_size={m}",

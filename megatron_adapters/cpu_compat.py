@@ -146,7 +146,9 @@ def _patch_cuda_runtime() -> None:
     cuda = torch.cuda
     cuda.Stream = _NullStream  # type: ignore[misc,assignment]
     cuda.Event = _NullEvent  # type: ignore[misc,assignment]
-    cuda.current_device = lambda: 0
+    # A device object, not an ordinal: factories inside autograd backward functions (which
+    # run outside the TorchFunctionMode below) then allocate on the CPU too.
+    cuda.current_device = lambda: torch.device("cpu")
     cuda.synchronize = lambda device=None: None
     cuda.current_stream = lambda device=None: _NullStream()
     cuda.default_stream = lambda device=None: _NullStream()
@@ -310,6 +312,10 @@ def _gather_uneven(input_: torch.Tensor, group, sizes: list[int]) -> torch.Tenso
     return torch.cat([chunk[:n] for chunk, n in zip(chunks, sizes)], dim=0)
 
 
+def _split_sizes(sizes: Any) -> Any:
+    return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+
+
 def _patch_gloo_uneven_collectives() -> None:
     """Route megatron's first-dim gather / reduce-scatter through gloo-safe collectives.
 
@@ -343,6 +349,17 @@ def _patch_gloo_uneven_collectives() -> None:
 
     mappings._gather_along_first_dim = gather
     mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+    original_all_to_all = dist.all_to_all_single
+
+    @functools.wraps(original_all_to_all)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        # gloo takes split sizes as Python lists; the alltoall dispatcher passes tensors.
+        return original_all_to_all(
+            output, input, _split_sizes(output_split_sizes), _split_sizes(input_split_sizes), **kw
+        )
+
+    dist.all_to_all_single = all_to_all_single
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,12 +24,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from hybridflow.config import ModelConfig
 from hybridflow.layout import ParallelLayout
+
+
+_EXPERT_MODULES = (SequentialMLP, GroupedMLP, TEGroupedMLP)
 
 
 def transformer_engine_available() -> bool:
@@ -144,6 +148,7 @@ def transformer_config(
         hidden_dropout=0.0,
         init_method_std=0.02,
         params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -226,6 +231,25 @@ def _rope_kwargs(model: ModelConfig) -> dict[str, Any]:
     )
 
 
+def mark_expert_params(chunk: torch.nn.Module) -> int:
+    """Tag every routed-expert parameter for reduction over the expert data-parallel group.
+
+    megatron-core's linear layers tag expert weights only when ``expert_model_parallel_size >
+    1``; otherwise they are reduced over the dense data-parallel group. That is right only while
+    the expert grid equals the dense grid: with EP=1 and ETP != TP (for example TP=2, ETP=1, or
+    ETP=2 over DP=2) the two groups differ, and expert gradients were left unreduced or summed
+    across different shards. Tagging them always makes DDP reduce them over the expert
+    data-parallel group, which equals the dense one when the grids agree. Returns the count.
+    """
+    tagged = 0
+    for module in chunk.modules():
+        if isinstance(module, _EXPERT_MODULES):
+            for param in module.parameters():
+                param.allreduce = False
+                tagged += 1
+    return tagged
+
+
 def padded_vocab_size(model: ModelConfig, layout: ParallelLayout) -> int:
     """Vocab size megatron builds: rounded up so every TP rank holds an equal, aligned slice."""
     return layout.padded_vocab_size(model)
@@ -265,4 +289,6 @@ def build_model_chunks(
                 vp_stage=stage,
             )
         )
+    for chunk in chunks:
+        mark_expert_params(chunk)
     return chunks

@@ -1,0 +1,184 @@
+"""torchrun worker for the megatron-core equivalence tests.
+
+Run as ``torchrun --standalone --nproc-per-node N worker.py TASKS.json``. Each task in the
+JSON list names a ``kind`` (a function below) and its arguments; every rank runs every task
+and rank 0 writes each task's result to ``<out>``.pt. One process pool serves many tasks so
+the ~5 s of imports is paid once per world size.
+
+The data, loss and steps are the same in every process: a fixed batch of 4 sequences of 16
+tokens and a next-token (SFT) loss over all positions but the first, token-averaged over the
+global batch, so every layout computes the same gradient as one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from families import tiny  # noqa: E402
+
+from hybridflow.config import TrainConfig  # noqa: E402
+from hybridflow.layout import ParallelLayout  # noqa: E402
+from megatron_adapters import checkpoint, parallel  # noqa: E402
+from megatron_adapters.policy import MegatronPolicy  # noqa: E402
+
+SEED = 1234
+TRAIN = TrainConfig(optimizer=os.environ.get("HF_TEST_OPT", "adam"), use_distributed_optimizer=os.environ.get("HF_TEST_OPT", "adam") == "adam", lr=1e-3, adam_eps=float(os.environ.get("HF_TEST_EPS", "1e-8")), micro_batch_size=1, global_batch_size=4, clip_grad=1.0)
+
+
+def batch(vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab, (4, 16), generator=g)
+    mask = torch.ones(4, 16)
+    mask[:, 0] = 0
+    mask[3, 12:] = 0  # a shorter last sequence
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def sft_loss(logp, entropy, micro):
+    mask = micro["loss_mask"]
+    tokens = mask.sum()
+    return -(logp * mask).sum(), tokens, {"entropy": (entropy * mask).sum() / tokens.clamp(min=1)}
+
+
+def layout_for(spec: dict) -> ParallelLayout:
+    """The layout ``spec`` asks for, with dp filling the world."""
+    world = dist.get_world_size()
+    fields = {k: v for k, v in spec.items()}
+    per_replica = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1)
+    fields["dp"] = world // per_replica
+    return ParallelLayout(**fields)
+
+
+def make_policy(family: str, spec: dict) -> MegatronPolicy:
+    model = tiny(family)
+    layout = layout_for(spec)
+    layout.check_model(model)
+    pg = parallel.initialize(layout, seed=SEED)
+    return MegatronPolicy(model, layout, TRAIN, pg_collection=pg)
+
+
+def score(policy: MegatronPolicy) -> torch.Tensor:
+    logp, _ = policy.forward_logprobs(batch(policy.model_config.vocab_size))
+    return logp
+
+
+def step(policy: MegatronPolicy) -> dict:
+    result = policy.train_step(batch(policy.model_config.vocab_size), sft_loss)
+    return {"loss": result.loss, "grad_norm": result.grad_norm, "entropy": result.metrics["entropy"]}
+
+
+# ------------------------------------------------------------------------------------- tasks
+
+
+def reference(family: str, init_dir: str) -> dict:
+    """One process: save the initial weights, score, step, score."""
+    policy = make_policy(family, {})
+    checkpoint.save(policy, init_dir)
+    before = score(policy)
+    stats = step(policy)
+    return {"before": before, "after": score(policy), **stats}
+
+
+def equivalence(family: str, spec: dict, init_dir: str) -> dict:
+    """Load the reference's initial weights under ``spec``: score, step, score."""
+    policy = make_policy(family, spec)
+    checkpoint.load(policy, init_dir)
+    before = score(policy)
+    stats = step(policy)
+    return {"before": before, "after": score(policy), **stats}
+
+
+def train_and_save(family: str, spec: dict, init_dir: str, save_dir: str, steps: int, more: int) -> dict:
+    """Train ``steps`` steps, save with optimizer state, train ``more`` steps (uninterrupted)."""
+    policy = make_policy(family, spec)
+    checkpoint.load(policy, init_dir)
+    for _ in range(steps):
+        step(policy)
+    at_save = score(policy)
+    checkpoint.save(policy, save_dir, with_optimizer=True, step=steps)
+    continued = [step(policy) for _ in range(more)]
+    return {"at_save": at_save, "continued": continued, "final": score(policy)}
+
+
+def resume(family: str, spec: dict, save_dir: str, more: int) -> dict:
+    """A fresh policy resumes from ``save_dir`` with its optimizer state."""
+    policy = make_policy(family, spec)
+    meta = checkpoint.load(policy, save_dir, with_optimizer=True)
+    resumed = [step(policy) for _ in range(more)]
+    return {"meta_step": meta["step"], "continued": resumed, "final": score(policy)}
+
+
+def load_weights(family: str, spec: dict, save_dir: str) -> dict:
+    """Score a checkpoint's weights under another layout."""
+    policy = make_policy(family, spec)
+    checkpoint.load(policy, save_dir)
+    return {"logp": score(policy)}
+
+
+def load_optimizer_error(family: str, spec: dict, save_dir: str) -> dict:
+    """Loading optimizer state across an EP=1 / EP>1 boundary must raise a clear ValueError."""
+    policy = make_policy(family, spec)
+    try:
+        checkpoint.load(policy, save_dir, with_optimizer=True)
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+TASKS = {f.__name__: f for f in (reference, equivalence, train_and_save, resume, load_weights, load_optimizer_error)}
+
+
+def main() -> None:
+    tasks = json.loads(open(sys.argv[1]).read())
+    parallel.init_default_group()
+    for task in tasks:
+        kind, out = task.pop("kind"), task.pop("out")
+        try:
+            result = TASKS[kind](**task)
+        except Exception:  # recorded so one failing case does not hide the others
+            result = {"exception": traceback.format_exc()}
+        finally:
+            parallel.teardown()
+        if dist.get_rank() == 0:
+            torch.save(result, out + ".tmp")
+            os.replace(out + ".tmp", out)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _diag_step_save(family: str, spec: dict, init_dir: str, save_dir: str) -> dict:
+    policy = make_policy(family, spec)
+    checkpoint.load(policy, init_dir)
+    step(policy)
+    checkpoint.save(policy, save_dir)
+    return {}
+
+
+def _diag_compare(family: str, dirs: list) -> dict:
+    out = {}
+    states = []
+    for d in dirs:
+        policy = make_policy(family, {})
+        checkpoint.load(policy, d)
+        states.append({k: v.detach().clone() for k, v in policy.chunks[0].module.state_dict().items() if torch.is_tensor(v)})
+        parallel.teardown()
+    for k in states[0]:
+        denom = (states[0][k] - states[2][k]).abs().max().item() if len(states) > 2 else 1.0
+        out[k] = (states[0][k] - states[1][k]).abs().max().item() / max(denom, 1e-30)
+    return out
+
+
+TASKS.update(_diag_step_save=_diag_step_save, _diag_compare=_diag_compare)
+
+
+if __name__ == "__main__":
+    main()
