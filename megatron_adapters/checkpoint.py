@@ -125,14 +125,6 @@ def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer
 def _check_optimizer_transfer(meta: dict, layout: ParallelLayout, directory) -> None:
     if not meta.get("with_optimizer"):
         raise ValueError(f"{directory} holds no optimizer state (saved with with_optimizer=False)")
-    if meta["expert_parallel"] != (layout.ep > 1):
-        saved = ParallelLayout(**meta["layout"])
-        raise ValueError(
-            "megatron-core cannot move optimizer state between a layout without expert "
-            "parallelism and one with it (one optimizer vs a dense + expert chain): "
-            f"checkpoint {directory} was saved under {saved.describe()}, "
-            f"this policy runs {layout.describe()}; load the weights only (with_optimizer=False)"
-        )
 
 
 def _ensure_optimizer_state(policy: MegatronPolicy) -> None:

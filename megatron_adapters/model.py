@@ -23,6 +23,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -71,6 +72,8 @@ def _deepseek_extra(model: ModelConfig) -> dict[str, Any]:
         "kv_channels": model.v_head_dim,
         "rotary_base": model.rope_theta,
         "rope_type": "rope" if scaling is None else "yarn",
+        # DeepSeek's q_a_layernorm / kv_a_layernorm on the latent projections.
+        "qk_layernorm": True,
     }
     if scaling is not None:
         extra.update(
@@ -154,6 +157,11 @@ def transformer_config(
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
+        # Interleaved schedules send activations and gradients to the same peer at once when
+        # pp=2; megatron's batched p2p then pairs a gradient with an activation receive. Its
+        # unbatched path keeps the two directions on separate groups (as Megatron-LM does).
+        overlap_p2p_comm=layout.vpp > 1,
+        batch_p2p_comm=layout.vpp == 1,
         sequence_parallel=layout.tp > 1,
         use_cpu_initialization=not on_gpu,
         calculate_per_token_loss=True,
@@ -189,10 +197,21 @@ class MLADotProductAttention(DotProductAttention):
 
 
 def _use_local_mla_attention(block_spec: Any) -> None:
+    """Local MLA: unfused attention that takes MLA's head sizes; replicated down-projections.
+
+    With column-parallel down-projections (megatron's local MLA spec) the shared rotary key
+    ``k_pos_emb`` is gathered over TP and used by every rank's heads, but its gradient is then
+    only split back, not summed: each rank's down-projection received only its own heads'
+    part (seen as a 1% gradient error at TP=2). A replicated ``Linear`` (megatron's own, marked
+    ``sequence_parallel`` so TP all-reduces its gradient) takes megatron's other path, where
+    ``k_pos_emb`` is gathered over the sequence and reduce-scattered on the way back.
+    """
     for spec in block_spec.layer_specs:
         attention = spec.submodules.self_attention
         if attention.module is MLASelfAttention:
             attention.submodules.core_attention = ModuleSpec(module=MLADotProductAttention)
+            attention.submodules.linear_q_down_proj = ReplicatedLinear
+            attention.submodules.linear_kv_down_proj = ReplicatedLinear
 
 
 def layer_spec(config: TransformerConfig, model: ModelConfig, *, vp_stage: int | None = None):

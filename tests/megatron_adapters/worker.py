@@ -31,7 +31,7 @@ from megatron_adapters import checkpoint, parallel  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
 
 SEED = 1234
-TRAIN = TrainConfig(optimizer=os.environ.get("HF_TEST_OPT", "adam"), use_distributed_optimizer=os.environ.get("HF_TEST_OPT", "adam") == "adam", lr=1e-3, adam_eps=float(os.environ.get("HF_TEST_EPS", "1e-8")), micro_batch_size=1, global_batch_size=4, clip_grad=1.0)
+TRAIN = TrainConfig(lr=1e-3, micro_batch_size=1, global_batch_size=4, clip_grad=1.0)
 
 
 def batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -153,31 +153,6 @@ def main() -> None:
             os.replace(out + ".tmp", out)
         dist.barrier()
     dist.destroy_process_group()
-
-
-def _diag_step_save(family: str, spec: dict, init_dir: str, save_dir: str) -> dict:
-    policy = make_policy(family, spec)
-    checkpoint.load(policy, init_dir)
-    step(policy)
-    checkpoint.save(policy, save_dir)
-    return {}
-
-
-def _diag_compare(family: str, dirs: list) -> dict:
-    out = {}
-    states = []
-    for d in dirs:
-        policy = make_policy(family, {})
-        checkpoint.load(policy, d)
-        states.append({k: v.detach().clone() for k, v in policy.chunks[0].module.state_dict().items() if torch.is_tensor(v)})
-        parallel.teardown()
-    for k in states[0]:
-        denom = (states[0][k] - states[2][k]).abs().max().item() if len(states) > 2 else 1.0
-        out[k] = (states[0][k] - states[1][k]).abs().max().item() / max(denom, 1e-30)
-    return out
-
-
-TASKS.update(_diag_step_save=_diag_step_save, _diag_compare=_diag_compare)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,162 @@
+"""Every layout computes what one process computes: log-probs, a training step, checkpoints.
+
+The runs happen once per session in five torchrun pools (worlds of 1, 2, 4, 1, 2 processes),
+in ``worker.py``; the tests below only compare what they recorded:
+
+1. one process: each family's initial weights (saved), log-probs, one Adam step, log-probs;
+2. two processes: TP=2, PP=2, PP=2xVPP=2, EP=2, ETP=2 load those weights and do the same;
+   scenarios train two steps under EP=2 (qwen3_moe) and TP=2 (llama), save with optimizer
+   state, and train two more;
+3. four processes: TP2xEP2 and PP2xEP2; a TP2xEP2 run that saves and continues, a fresh
+   TP2xEP2 policy that resumes from it, and resumes of the two-process checkpoints at twice
+   the data-parallel size;
+4. one process: the TP2xEP2 checkpoint's weights under TP=1, and its optimizer state resumed
+   without expert parallelism;
+5. two processes: the TP2xEP2 checkpoint's weights under PP=2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .families import FAMILIES, MOE_FAMILIES
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1800)]
+
+WORKER = Path(__file__).with_name("worker.py")
+LOGPROB_TOL = 1e-5
+TWO_PROC = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}, "etp2": {"etp": 2}}
+FOUR_PROC = {"tp2ep2": {"tp": 2, "ep": 2}, "pp2ep2": {"pp": 2, "ep": 2}}
+EXPERT_ONLY = {"ep2", "etp2", "tp2ep2", "pp2ep2"}
+
+
+def _cases(specs: dict) -> list[tuple[str, str, dict]]:
+    return [
+        (family, name, spec)
+        for family in FAMILIES
+        for name, spec in specs.items()
+        if family in MOE_FAMILIES or name not in EXPERT_ONLY
+    ]
+
+
+def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str) -> None:
+    plan = workdir / f"{label}.json"
+    plan.write_text(json.dumps(tasks))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER), str(plan)]
+    log = workdir / f"{label}.log"
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1500)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {label} failed ({proc.returncode}); tail of {log}:\n" + log.read_text()[-4000:])
+
+
+class Runs:
+    """Paths of the pools' results, and a loader that surfaces a task's exception."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir
+
+    def out(self, name: str) -> str:
+        return str(self.dir / f"{name}.pt")
+
+    def init(self, family: str) -> str:
+        return str(self.dir / f"init_{family}")
+
+    def ckpt(self, name: str) -> str:
+        return str(self.dir / f"ckpt_{name}")
+
+    def __getitem__(self, name: str) -> dict:
+        result = torch.load(self.out(name))
+        if "exception" in result:
+            pytest.fail(f"worker task {name} raised:\n{result['exception']}")
+        return result
+
+
+def _pool_tasks(runs: Runs) -> list[tuple[int, list[dict]]]:
+    def eq(family, name, spec):
+        return {"kind": "equivalence", "family": family, "spec": spec, "init_dir": runs.init(family), "out": runs.out(f"{family}_{name}")}
+
+    q, ll = "qwen3_moe", "llama"
+    pool1 = [{"kind": "reference", "family": f, "init_dir": runs.init(f), "out": runs.out(f"{f}_ref")} for f in FAMILIES]
+    pool2 = [eq(*case) for case in _cases(TWO_PROC)] + [
+        eq(q, "pp2vpp2", {"pp": 2, "vpp": 2}),
+        {"kind": "train_and_save", "family": q, "spec": {"ep": 2}, "init_dir": runs.init(q), "save_dir": runs.ckpt("q_ep2"), "steps": 2, "more": 2, "out": runs.out("save_q_ep2")},
+        {"kind": "train_and_save", "family": ll, "spec": {"tp": 2}, "init_dir": runs.init(ll), "save_dir": runs.ckpt("l_tp2"), "steps": 2, "more": 2, "out": runs.out("save_l_tp2")},
+    ]
+    pool4 = [eq(*case) for case in _cases(FOUR_PROC)] + [
+        {"kind": "train_and_save", "family": q, "spec": {"tp": 2, "ep": 2}, "init_dir": runs.init(q), "save_dir": runs.ckpt("q_tp2ep2"), "steps": 2, "more": 2, "out": runs.out("save_q_tp2ep2")},
+        {"kind": "resume", "family": q, "spec": {"tp": 2, "ep": 2}, "save_dir": runs.ckpt("q_tp2ep2"), "more": 2, "out": runs.out("resume_q_tp2ep2")},
+        {"kind": "resume", "family": q, "spec": {"ep": 2}, "save_dir": runs.ckpt("q_ep2"), "more": 2, "out": runs.out("resume_q_ep2_dp4")},
+        {"kind": "resume", "family": ll, "spec": {"tp": 2}, "save_dir": runs.ckpt("l_tp2"), "more": 2, "out": runs.out("resume_l_tp2_dp2")},
+    ]
+    pool1b = [
+        {"kind": "load_weights", "family": q, "spec": {}, "save_dir": runs.ckpt("q_tp2ep2"), "out": runs.out("load_q_tp1")},
+        {"kind": "resume", "family": q, "spec": {}, "save_dir": runs.ckpt("q_tp2ep2"), "more": 2, "out": runs.out("resume_q_tp1")},
+    ]
+    pool2b = [{"kind": "load_weights", "family": q, "spec": {"pp": 2}, "save_dir": runs.ckpt("q_tp2ep2"), "out": runs.out("load_q_pp2")}]
+    return [(1, pool1), (2, pool2), (4, pool4), (1, pool1b), (2, pool2b)]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Runs:
+    runs = Runs(tmp_path_factory.mktemp("megatron_runs"))
+    for index, (nproc, tasks) in enumerate(_pool_tasks(runs)):
+        _torchrun(nproc, tasks, runs.dir, f"pool{index}_world{nproc}")
+    return runs
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("family,name,spec", _cases({**TWO_PROC, **FOUR_PROC}), ids=lambda v: v if isinstance(v, str) else None)
+def test_layout_matches_single_process(runs: Runs, family: str, name: str, spec: dict) -> None:
+    ref, got = runs[f"{family}_ref"], runs[f"{family}_{name}"]
+    assert _max_diff(got["before"], ref["before"]) < LOGPROB_TOL
+    assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert _max_diff(got["after"], ref["after"]) < LOGPROB_TOL
+    # The step must have moved the weights, or "after" would trivially match.
+    assert _max_diff(ref["after"], ref["before"]) > 1e-3
+
+
+def test_interleaved_pipeline_matches_single_process(runs: Runs) -> None:
+    ref, got = runs["qwen3_moe_ref"], runs["qwen3_moe_pp2vpp2"]
+    assert _max_diff(got["before"], ref["before"]) < LOGPROB_TOL
+    assert _max_diff(got["after"], ref["after"]) < LOGPROB_TOL
+
+
+def test_resume_same_layout_is_bit_exact(runs: Runs) -> None:
+    saved, resumed = runs["save_q_tp2ep2"], runs["resume_q_tp2ep2"]
+    assert resumed["meta_step"] == 2
+    assert resumed["continued"] == saved["continued"]  # losses and grad norms, exactly
+    assert torch.equal(resumed["final"], saved["final"])
+
+
+@pytest.mark.parametrize("saved,resumed", [("save_q_ep2", "resume_q_ep2_dp4"), ("save_l_tp2", "resume_l_tp2_dp2")])
+def test_resume_at_twice_the_data_parallel_size(runs: Runs, saved: str, resumed: str) -> None:
+    before, after = runs[saved], runs[resumed]
+    for a, b in zip(after["continued"], before["continued"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert _max_diff(after["final"], before["final"]) < LOGPROB_TOL
+
+
+def test_resume_without_expert_parallelism(runs: Runs) -> None:
+    saved, resumed = runs["save_q_tp2ep2"], runs["resume_q_tp1"]
+    for a, b in zip(resumed["continued"], saved["continued"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert _max_diff(resumed["final"], saved["final"]) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("name", ["load_q_tp1", "load_q_pp2"])
+def test_tp2ep2_checkpoint_loads_under_other_layouts(runs: Runs, name: str) -> None:
+    assert _max_diff(runs[name]["logp"], runs["save_q_tp2ep2"]["at_save"]) < LOGPROB_TOL
