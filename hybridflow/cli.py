@@ -1,13 +1,20 @@
 """The ``hybridflow`` command line.
 
     hybridflow plan CONFIG [key=value ...] [--world-size N]
+    hybridflow selftest CONFIG [key=value ...] [--steps N]
 
 ``plan`` is a dry run in one process: it loads and validates the config, then prints
 the resolved YAML, the model's parameter counts and each enabled role's layout. Config
 errors exit with status 2 and a one-line message on stderr.
+
+``selftest`` validates the config here, then starts one process per rank of the actor's
+layout with torchrun (gloo on CPU, NCCL on GPUs) to train the actor a few steps on a synthetic
+task, checkpoint it and reload it (``megatron_adapters/selftest.py``).
 """
 
 import argparse
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -40,6 +47,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="check that the actor layout fills exactly N ranks",
     )
     plan.set_defaults(handler=_plan)
+    selftest = commands.add_parser(
+        "selftest", help="train the actor a few steps under its layout, checkpoint and reload it"
+    )
+    selftest.add_argument("config", metavar="CONFIG", help="YAML config file")
+    selftest.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
+    selftest.add_argument("--steps", type=int, default=8, metavar="N", help="training steps")
+    selftest.set_defaults(handler=_selftest)
     return parser
 
 
@@ -64,6 +78,23 @@ def _plan(args: argparse.Namespace) -> int:
     # the summary is printed as YAML comments so the whole output stays loadable
     print("\n".join(f"# {line}" for line in _plan_summary(cfg)))
     return 0
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.steps < 2:
+        raise ValueError(f"--steps={args.steps} must be >= 2 to see the loss move")
+    nproc = cfg.actor.parallel.world_size
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", "megatron_adapters.selftest",
+        args.config, *args.overrides,
+    ]
+    env = {**os.environ, "HYBRIDFLOW_SELFTEST_STEPS": str(args.steps)}
+    # Several ranks on few cores: one thread each avoids oversubscription.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"hybridflow selftest: {nproc} process(es), {cfg.actor.parallel.describe()}", flush=True)
+    return subprocess.run(cmd, env=env).returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:

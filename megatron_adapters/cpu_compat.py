@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 from typing import Any, Callable
 
@@ -45,6 +46,8 @@ def block_cuda_only_imports() -> None:
     """
     if not on_cpu():
         return
+    if "block_cuda_only_imports" in os.environ.get(SKIP_ENV, ""):
+        return
     for name in CUDA_ONLY_MODULES:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]
@@ -63,24 +66,38 @@ def _disable_jit_fuser() -> None:
     jit.disable_jit_fuser()
 
 
+# Comma-separated patch names to leave out: for the tests that show each patch is needed.
+SKIP_ENV = "HYBRIDFLOW_CPU_COMPAT_SKIP"
+
+
 def apply() -> None:
     """Install every CPU workaround (no-op on a GPU machine or when already applied)."""
     if not on_cpu():
         return
-    for patch in (
+    skip = set(filter(None, os.environ.get(SKIP_ENV, "").split(",")))
+    for patch in _patches():
+        if patch.__name__ not in _APPLIED and patch.__name__ not in skip:
+            patch()
+            _APPLIED.add(patch.__name__)
+            logger.debug("cpu_compat: applied %s", patch.__name__)
+
+
+def _patches() -> tuple:
+    return (
         _patch_cuda_runtime,
         _patch_device_factories,
         _patch_rng_tracker,
         _patch_torch_norm_sequence_parallel,
-        _patch_gloo_uneven_collectives,
+        _patch_gloo_all_to_all_splits,
         _patch_moe_utils_te_names,
         _patch_mla_without_te,
         _patch_distrib_optimizer_step_state,
-    ):
-        if patch.__name__ not in _APPLIED:
-            patch()
-            _APPLIED.add(patch.__name__)
-            logger.debug("cpu_compat: applied %s", patch.__name__)
+    )
+
+
+def patch_names() -> set[str]:
+    """Every workaround by name, the import-time one included."""
+    return {"block_cuda_only_imports"} | {patch.__name__ for patch in _patches()}
 
 
 def applied() -> frozenset[str]:
@@ -298,58 +315,20 @@ def _patch_torch_norm_sequence_parallel() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# gloo collectives with uneven sizes
+# gloo all-to-all
 # --------------------------------------------------------------------------------------------
-
-
-def _gather_uneven(input_: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
-    """all_gather of per-rank chunks of different lengths: pad to the longest, then slice."""
-    longest = max(sizes)
-    padded = input_.new_zeros((longest, *input_.shape[1:]))
-    padded[: input_.shape[0]] = input_
-    chunks = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(chunks, padded.contiguous(), group=group)
-    return torch.cat([chunk[:n] for chunk, n in zip(chunks, sizes)], dim=0)
 
 
 def _split_sizes(sizes: Any) -> Any:
     return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
 
 
-def _patch_gloo_uneven_collectives() -> None:
-    """Route megatron's first-dim gather / reduce-scatter through gloo-safe collectives.
+def _patch_gloo_all_to_all_splits() -> None:
+    """Hand gloo's all_to_all_single its split sizes as Python lists.
 
-    Avoids: ``RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 1`` when
-    the MoE dispatchers gather per-rank token counts that differ, and
-    ``RuntimeError: ProcessGroupGloo does not support reduce_scatter`` on the way back.
-    Gather pads every chunk to the longest; reduce-scatter all-reduces the whole tensor and
-    keeps this rank's slice (more bytes, same numbers: fine for CPU-sized models).
+    Avoids: ``TypeError: all_to_all_single(): incompatible function arguments`` when
+    megatron's alltoall token dispatcher (EP > 1) passes the per-rank token counts as tensors.
     """
-    from megatron.core.tensor_parallel import mappings
-
-    original_gather = mappings._gather_along_first_dim
-
-    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
-        if group is None or group.size() == 1:
-            return input_
-        if output_split_sizes is None:
-            return original_gather(input_, group, None, False)
-        return _gather_uneven(input_.contiguous(), group, list(output_split_sizes))
-
-    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
-        if group is None or group.size() == 1:
-            return input_
-        world, rank = group.size(), group.rank()
-        sizes = input_split_sizes or [input_.shape[0] // world] * world
-        assert sum(sizes) == input_.shape[0], "reduce-scatter splits must cover the tensor"
-        total = input_.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        start = sum(sizes[:rank])
-        return total[start : start + sizes[rank]].contiguous()
-
-    mappings._gather_along_first_dim = gather
-    mappings._reduce_scatter_along_first_dim = reduce_scatter
-
     original_all_to_all = dist.all_to_all_single
 
     @functools.wraps(original_all_to_all)
@@ -434,7 +413,3 @@ def _patch_distrib_optimizer_step_state() -> None:
 
     cls._set_main_param_and_optimizer_states = set_states
 
-
-def patched(name: str) -> Callable[[], None]:
-    """The patch function called ``name`` (tests re-run one to observe it)."""
-    return globals()[name]

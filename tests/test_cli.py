@@ -21,13 +21,14 @@ def test_plan_prints_config_and_layout(capsys):
     out = capsys.readouterr().out
     assert "name: quickstart_cpu" in out
     assert "output_dir: runs/quickstart_cpu" in out
-    layout = "tp=1 pp=1 vpp=1 ep=1 etp=1 cp=1 dp=1 (world 1, expert_dp 1)"
+    layout = "tp=1 pp=1 vpp=1 ep=2 etp=1 cp=1 dp=2 (world 2, expert_dp 1)"
     assert f"# actor: {layout}; padded vocab 256" in out
 
 
 def test_plan_applies_overrides(capsys):
     assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "actor.parallel.tp=2",
-                 "critic.enabled=true", "--world-size", "2"]) == 0
+                 "actor.parallel.ep=1", "actor.parallel.dp=1", "critic.enabled=true",
+                 "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "# actor: tp=2 " in out
     assert "# critic: tp=1 " in out

@@ -33,7 +33,8 @@ def test_defaults_load():
 
 
 def test_yaml_and_overrides_layer_on_the_schema():
-    cfg = load_config(QUICKSTART, ["train.lr=3e-4", "run.name=exp1", "actor.parallel.tp=2"])
+    cfg = load_config(QUICKSTART, ["train.lr=3e-4", "run.name=exp1", "actor.parallel.tp=2",
+                                   "actor.parallel.ep=1", "actor.parallel.dp=1"])
     assert cfg.model.vocab_size == 256  # from the YAML
     assert cfg.model.norm_eps == 1e-6  # schema default
     assert cfg.train.lr == 3e-4  # override
@@ -71,7 +72,7 @@ def test_big_configs_match_published_sizes(name, total, active):
 
 def test_tp_must_divide_heads():
     message = _error("model.num_attention_heads=16", "model.num_kv_heads=16", "actor.parallel.tp=3",
-                     "actor.parallel.dp=1")
+                     "actor.parallel.dp=1", "actor.parallel.ep=1")
     assert "actor.parallel.tp=3" in message
     assert "model.num_attention_heads=16" in message
     assert "valid tp values: 1, 2, 4, 8, 16" in message
@@ -149,7 +150,7 @@ def test_router_rules():
 
 
 def test_world_size_mismatch():
-    cfg = load_config(QUICKSTART, ["actor.parallel.tp=2"])
+    cfg = load_config(QUICKSTART, ["actor.parallel.tp=2", "actor.parallel.ep=1", "actor.parallel.dp=1"])
     with pytest.raises(ValueError) as info:
         cfg.actor.parallel.check_world_size(4, prefix="actor.parallel")
     assert str(info.value) == (

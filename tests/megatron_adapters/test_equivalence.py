@@ -121,11 +121,23 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_layout_matches_single_process(runs: Runs, family: str, name: str, spec: dict) -> None:
     ref, got = runs[f"{family}_ref"], runs[f"{family}_{name}"]
     assert _max_diff(got["before"], ref["before"]) < LOGPROB_TOL
+    assert _max_diff(got["entropy_before"], ref["entropy_before"]) < LOGPROB_TOL
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    assert got["entropy"] == pytest.approx(ref["entropy"], abs=1e-6)
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert _max_diff(got["after"], ref["after"]) < LOGPROB_TOL
     # The step must have moved the weights, or "after" would trivially match.
     assert _max_diff(ref["after"], ref["before"]) > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vocab_parallel_scores_equal_full_softmax(runs: Runs, family: str) -> None:
+    """Masked-padding log-probs and entropy equal log_softmax over the real vocabulary."""
+    ref = runs[f"{family}_ref"]
+    assert _max_diff(ref["before"], ref["direct_logp"]) < 1e-5
+    assert _max_diff(ref["entropy_before"], ref["direct_entropy"]) < 1e-5
+    # The tiny vocab (250) is padded to 256 or more: the padding must not leak into the sum.
+    assert ref["entropy_before"][:, 1:].max() < torch.log(torch.tensor(250.0)) + 1e-4
 
 
 def test_interleaved_pipeline_matches_single_process(runs: Runs) -> None:

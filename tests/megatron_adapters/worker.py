@@ -79,22 +79,41 @@ def step(policy: MegatronPolicy) -> dict:
 # ------------------------------------------------------------------------------------- tasks
 
 
+def direct_scores(policy: MegatronPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy from the full logits with plain torch ops (one process only)."""
+    ids = batch(policy.model_config.vocab_size)["input_ids"]
+    model = policy.chunks[0].module
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+    logits = logits[..., : policy.model_config.vocab_size].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)[:, :-1]
+    pad = torch.zeros(ids.shape[0], 1)
+    return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
+
+
 def reference(family: str, init_dir: str) -> dict:
     """One process: save the initial weights, score, step, score."""
     policy = make_policy(family, {})
     checkpoint.save(policy, init_dir)
-    before = score(policy)
+    direct_logp, direct_entropy = direct_scores(policy)
+    logp, entropy = policy.forward_logprobs(batch(policy.model_config.vocab_size), with_entropy=True)
     stats = step(policy)
-    return {"before": before, "after": score(policy), **stats}
+    return {
+        "before": logp, "entropy_before": entropy, "after": score(policy),
+        "direct_logp": direct_logp, "direct_entropy": direct_entropy, **stats,
+    }
 
 
 def equivalence(family: str, spec: dict, init_dir: str) -> dict:
     """Load the reference's initial weights under ``spec``: score, step, score."""
     policy = make_policy(family, spec)
     checkpoint.load(policy, init_dir)
-    before = score(policy)
+    before, entropy = policy.forward_logprobs(batch(policy.model_config.vocab_size), with_entropy=True)
     stats = step(policy)
-    return {"before": before, "after": score(policy), **stats}
+    return {"before": before, "entropy_before": entropy, "after": score(policy), **stats}
 
 
 def train_and_save(family: str, spec: dict, init_dir: str, save_dir: str, steps: int, more: int) -> dict:

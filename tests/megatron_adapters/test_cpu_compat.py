@@ -1,0 +1,64 @@
+"""Each CPU workaround is needed, and with all of them applied megatron-core runs on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_adapters import cpu_compat
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+SCRIPT = Path(__file__).with_name("compat_scenarios.py")
+# patch left out -> (scenario that then fails, text of the error it avoids)
+NEEDED = {
+    "block_cuda_only_imports": ("import_attention", "flash_mla"),
+    "_patch_cuda_runtime": ("build_moe", "CUDA"),
+    "_patch_device_factories": ("build_moe", "Found no NVIDIA driver"),
+    "_patch_rng_tracker": ("build_moe", "CUDA"),
+    "_patch_torch_norm_sequence_parallel": ("seq_parallel_norm", "sequence parallel not supported by torch LayerNorm"),
+    "_patch_gloo_all_to_all_splits": ("ep2_step", "all_to_all_single(): incompatible function arguments"),
+    "_patch_moe_utils_te_names": ("train_moe", "te_general_gemm"),
+    "_patch_mla_without_te": ("build_mla", "isinstance() arg 2 must be a type"),
+    "_patch_distrib_optimizer_step_state": ("resume_adam", "KeyError: 'step'"),
+}
+
+
+def _run(scenario: str, skip: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", cpu_compat.SKIP_ENV: skip}
+    if scenario in {"ep2_step", "tp2_moe_step"}:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), scenario]
+    else:
+        cmd = [sys.executable, str(SCRIPT), scenario]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+
+
+def test_every_patch_is_listed_here() -> None:
+    assert set(NEEDED) == cpu_compat.patch_names()
+
+
+@pytest.mark.parametrize("patch", sorted(NEEDED))
+def test_scenario_fails_without_its_patch(patch: str) -> None:
+    scenario, error = NEEDED[patch]
+    result = _run(scenario, skip=patch)
+    assert result.returncode != 0, f"{scenario} passed without {patch}"
+    assert error in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("scenario", ["import_attention", "build_mla", "train_moe", "seq_parallel_norm", "resume_adam", "ep2_step", "tp2_moe_step"])
+def test_scenario_runs_with_all_patches(scenario: str) -> None:
+    result = _run(scenario)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert f"SCENARIO OK {scenario}" in result.stdout
+
+
+def test_nothing_is_patched_on_a_gpu_machine(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_compat.torch.cuda, "is_available", lambda: True)
+    assert not cpu_compat.on_cpu()
+    before = set(cpu_compat.applied())
+    cpu_compat.apply()
+    assert set(cpu_compat.applied()) == before
