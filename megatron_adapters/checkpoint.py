@@ -7,10 +7,13 @@ under. It is written into ``<dir>.tmp`` and renamed once every rank has finished
 never leaves a directory that looks complete; a loader only accepts directories with
 ``hybridflow.json``.
 
-Any layout loads any checkpoint's weights (megatron reshards on load). Optimizer state moves
-between layouts except where megatron-core builds a different optimizer structure: with and
-without expert parallelism (one optimizer vs a dense + expert chain); that case raises a
-``ValueError`` naming both layouts.
+Any layout loads any checkpoint's weights (megatron reshards on load), and optimizer state
+moves between layouts too, with and without expert parallelism: ``model.mark_expert_params``
+puts routed experts in their own optimizer in every layout, so the dense + expert optimizer
+chain has the same structure everywhere.
+
+``save`` must run in a script with an ``if __name__ == "__main__"`` guard: megatron's writer
+starts a spawn-context helper process that re-imports the main module.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-
-from hybridflow.layout import ParallelLayout
 
 from .policy import MegatronPolicy
 
@@ -106,7 +107,7 @@ def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer
     """Load a checkpoint saved under any layout into ``policy``; returns its metadata."""
     meta = read_meta(directory)
     if with_optimizer:
-        _check_optimizer_transfer(meta, policy.layout, directory)
+        _require_optimizer_state(meta, directory)
         _ensure_optimizer_state(policy)
     state = _sharded_state(policy, with_optimizer=with_optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, str(directory))
@@ -122,7 +123,7 @@ def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer
     return meta
 
 
-def _check_optimizer_transfer(meta: dict, layout: ParallelLayout, directory) -> None:
+def _require_optimizer_state(meta: dict, directory) -> None:
     if not meta.get("with_optimizer"):
         raise ValueError(f"{directory} holds no optimizer state (saved with with_optimizer=False)")
 

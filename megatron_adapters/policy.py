@@ -37,6 +37,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from hybridflow.config import ModelConfig, TrainConfig
@@ -124,12 +125,16 @@ class MegatronPolicy:
         self.pg = pg_collection
         chunks = build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection)
         self.config = chunks[0].config
+        self.p2p = P2PCommunicator(pp_group=pg_collection.pp, config=self.config)
         self.optimizer = None
         self.scheduler = None
         if trainable:
             chunks = self._wrap_ddp(chunks, train)
             self.optimizer = get_megatron_optimizer(
-                _optimizer_config(train, params_dtype), chunks, use_gloo_process_groups=False
+                _optimizer_config(train, params_dtype),
+                chunks,
+                use_gloo_process_groups=False,
+                pg_collection=self.pg,
             )
             self.scheduler = _scheduler(self.optimizer, train)
             self.config.finalize_model_grads_func = finalize_model_grads
@@ -147,8 +152,9 @@ class MegatronPolicy:
                 config=self.config,
                 ddp_config=ddp_config,
                 module=chunk,
-                # Only the first chunk buckets; later VPP chunks reuse megatron's default.
+                # As Megatron-LM does: only the first VPP chunk is bucketed.
                 disable_bucketing=index > 0,
+                pg_collection=self.pg,
             )
             for index, chunk in enumerate(chunks)
         ]
@@ -223,6 +229,8 @@ class MegatronPolicy:
             micro_batch_size=micros[0]["input_ids"].shape[0],
             forward_only=forward_only,
             collect_non_loss_data=collect,
+            p2p_communicator=self.p2p,
+            pg_collection=self.pg,
         )
 
     @torch.no_grad()
