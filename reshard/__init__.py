@@ -1,9 +1,33 @@
 """Moving the actor's weights from the training layout to the rollout layout.
 
-This package will hold the tensor-layout descriptions of both sides (Megatron TP / PP / EP /
-ETP / DP and SGLang TP / EP / DP-attention, fused tensors as views of canonical HF tensors),
-the pure planner that picks a source for every region each destination rank lacks, plan
-statistics against the lower bound, and an executor that runs a plan over torch.distributed in
-bounded-memory buckets with optional checksum verification. The planner takes values and
-returns values: no process groups, no CUDA, no I/O.
+    ModelConfig + ParallelLayout --> megatron_layout() --> TensorLayout (source: who holds what)
+    ModelConfig + SGLangSettings --> sglang_layout()   --> TensorLayout (destination: who needs it)
+                                                                |
+    Topology (device of every rank) -------------------------->+--> plan_reshard() --> Plan
+                                                                                       |
+                    plan_stats(): bytes, lower bound, gather baseline, time <----------+
+                    Plan.transfers_for(rank): what an executor sends / receives <------+
+
+Both sides describe their fused parameters (Megatron ``linear_qkv``, ``linear_fc1``, local
+experts; SGLang ``qkv_proj``, ``gate_up_proj``, ``w13_weight`` ...) as boxes of canonical Hugging
+Face tensors, from one per-family registry (``reshard.families``). The planner takes values and
+returns values: no torch, no process groups, no weights, so a 671B plan is shapes only. The
+executor over torch.distributed is a separate piece that consumes ``Plan.transfers_for``.
 """
+
+from reshard.families import FAMILIES, CanonicalTensor, Placement, TensorSpec, canonical_tensors
+from reshard.layouts import Holding, ParamInfo, RankHoldings, Shard, TensorLayout
+from reshard.megatron import PipelineSplit, dense_rank, expert_rank, layer_stages, megatron_layout
+from reshard.planner import KINDS, Bundle, Plan, Slice, Transfer, check_compatible, plan_reshard
+from reshard.sglang import SGLangSettings, pad_vocab, sglang_layout
+from reshard.stats import Bandwidth, PlanStats, baseline_bytes, lower_bound_bytes, plan_stats
+from reshard.topology import Device, Topology
+
+__all__ = [
+    "Bandwidth", "Bundle", "CanonicalTensor", "Device", "FAMILIES", "Holding", "KINDS",
+    "ParamInfo", "PipelineSplit", "Placement", "Plan", "PlanStats", "RankHoldings",
+    "SGLangSettings", "Shard", "Slice", "TensorLayout", "TensorSpec", "Topology", "Transfer",
+    "baseline_bytes", "canonical_tensors", "check_compatible", "dense_rank", "expert_rank",
+    "layer_stages", "lower_bound_bytes", "megatron_layout", "pad_vocab", "plan_reshard",
+    "plan_stats", "sglang_layout",
+]

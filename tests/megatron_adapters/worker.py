@@ -29,6 +29,7 @@ from hybridflow.config import TrainConfig  # noqa: E402
 from hybridflow.layout import ParallelLayout  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
+from megatron_adapters.selftest import next_token_loss  # noqa: E402
 
 SEED = 1234
 TRAIN = TrainConfig(lr=1e-3, micro_batch_size=1, global_batch_size=4, clip_grad=1.0)
@@ -41,12 +42,6 @@ def batch(vocab: int) -> dict[str, torch.Tensor]:
     mask[:, 0] = 0
     mask[3, 12:] = 0  # a shorter last sequence
     return {"input_ids": ids, "loss_mask": mask}
-
-
-def sft_loss(logp, entropy, micro):
-    mask = micro["loss_mask"]
-    tokens = mask.sum()
-    return -(logp * mask).sum(), tokens, {"entropy": (entropy * mask).sum() / tokens.clamp(min=1)}
 
 
 def layout_for(spec: dict) -> ParallelLayout:
@@ -72,7 +67,7 @@ def score(policy: MegatronPolicy) -> torch.Tensor:
 
 
 def step(policy: MegatronPolicy) -> dict:
-    result = policy.train_step(batch(policy.model_config.vocab_size), sft_loss)
+    result = policy.train_step(batch(policy.model_config.vocab_size), next_token_loss)
     return {"loss": result.loss, "grad_norm": result.grad_norm, "entropy": result.metrics["entropy"]}
 
 

@@ -1,0 +1,219 @@
+"""Reshard planner benchmark: real MoE architectures, Megatron training -> SGLang rollout layouts.
+
+    CASES (model x megatron layout x sglang settings x colocated/separate)
+        -> one fresh worker process per case, pinned to one CPU core:
+               build both layouts + plan_reshard   (timed: plan_seconds, plan_cpu_seconds)
+               plan_stats                          (timed apart: stats_seconds)
+               peak RSS of the process (resource.getrusage ru_maxrss)
+        -> {"cases": [...]} printed as JSON; --json PATH also writes it (tmp file + rename)
+
+Architecture numbers are typed in below from the models' public Hugging Face configs. Weights
+are bf16 (the float32 DeepSeek-V3 expert bias aside). Bandwidth model: see reshard.stats.
+
+    .venv/bin/python benchmarks/reshard_plan.py [--json out.json] [--only deepseek]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+from hybridflow.config import ModelConfig  # noqa: E402
+from hybridflow.layout import ParallelLayout  # noqa: E402
+from reshard import (  # noqa: E402
+    Bandwidth, PipelineSplit, SGLangSettings, Topology, megatron_layout, plan_reshard, plan_stats,
+    sglang_layout,
+)
+
+logger = logging.getLogger("reshard_plan")
+
+MODELS: dict[str, ModelConfig] = {
+    # deepseek-ai/DeepSeek-V3 config.json (MTP layer not counted)
+    "DeepSeek-V3-671B": ModelConfig(
+        family="deepseek_v3", hidden_size=7168, num_layers=61, num_attention_heads=128,
+        num_kv_heads=128, ffn_hidden_size=18432, vocab_size=129280, max_position_embeddings=4096,
+        num_experts=256, moe_top_k=8, moe_ffn_hidden_size=2048, num_shared_experts=1,
+        router_score_function="sigmoid", router_expert_bias=True, router_topk_scaling_factor=2.5,
+        router_num_groups=8, router_group_topk=4, first_k_dense_layers=3, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    # Qwen/Qwen3-235B-A22B config.json
+    "Qwen3-235B-A22B": ModelConfig(
+        family="qwen3_moe", hidden_size=4096, num_layers=94, num_attention_heads=64,
+        num_kv_heads=4, head_dim=128, ffn_hidden_size=12288, vocab_size=151936,
+        num_experts=128, moe_top_k=8, moe_ffn_hidden_size=1536, qk_layernorm=True),
+    # mistralai/Mixtral-8x22B-v0.1 config.json
+    "Mixtral-8x22B": ModelConfig(
+        family="mixtral", hidden_size=6144, num_layers=56, num_attention_heads=48,
+        num_kv_heads=8, ffn_hidden_size=16384, vocab_size=32768, num_experts=8, moe_top_k=2,
+        moe_ffn_hidden_size=16384),
+    # Qwen/Qwen3-30B-A3B config.json
+    "Qwen3-30B-A3B": ModelConfig(
+        family="qwen3_moe", hidden_size=2048, num_layers=48, num_attention_heads=32,
+        num_kv_heads=4, head_dim=128, ffn_hidden_size=6144, vocab_size=151936,
+        num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768, qk_layernorm=True),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One benchmark case."""
+
+    model: str
+    """Key of MODELS."""
+    source: ParallelLayout
+    """Megatron layout."""
+    destination: SGLangSettings
+    """SGLang engines."""
+    colocated: bool
+    """Destination rank i on source rank i's device (else on their own nodes)."""
+    split: PipelineSplit = field(default_factory=PipelineSplit)
+    """Uneven pipeline stages of the source."""
+
+    @property
+    def num_gpus(self) -> int:
+        """Devices used by both sides."""
+        if self.colocated:
+            return max(self.source.world_size, self.destination.num_ranks)
+        return self.source.world_size + self.destination.num_ranks
+
+
+def _uneven(first: int, last: int) -> PipelineSplit:
+    return PipelineSplit(num_layers_in_first_pipeline_stage=first,
+                         num_layers_in_last_pipeline_stage=last)
+
+
+CASES: tuple[Case, ...] = (
+    Case(model="DeepSeek-V3-671B", source=ParallelLayout(pp=16, ep=64, dp=64), split=_uneven(4, 1),
+         destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8,
+                                    num_replicas=128), colocated=True),
+    Case(model="DeepSeek-V3-671B", source=ParallelLayout(pp=16, ep=64, dp=64), split=_uneven(4, 1),
+         destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8,
+                                    num_replicas=128), colocated=False),
+    Case(model="DeepSeek-V3-671B", source=ParallelLayout(tp=2, pp=8, ep=32, dp=32),
+         split=_uneven(7, 6), colocated=True,
+         destination=SGLangSettings(tp=16, ep=16, enable_dp_attention=True, dp_size=16,
+                                    num_replicas=32)),
+    Case(model="DeepSeek-V3-671B", source=ParallelLayout(pp=8, ep=32, dp=32), split=_uneven(7, 6),
+         destination=SGLangSettings(tp=8, ep=8, num_replicas=32), colocated=True),
+    Case(model="Qwen3-235B-A22B", source=ParallelLayout(tp=4, pp=4, ep=8, dp=8),
+         split=_uneven(23, 23), destination=SGLangSettings(tp=8, ep=8, num_replicas=16),
+         colocated=True),
+    Case(model="Qwen3-235B-A22B", source=ParallelLayout(tp=4, pp=4, ep=8, dp=8),
+         split=_uneven(23, 23), destination=SGLangSettings(tp=8, num_replicas=16),
+         colocated=False),
+    Case(model="Qwen3-235B-A22B", source=ParallelLayout(tp=2, pp=8, ep=16, dp=32),
+         split=_uneven(10, 12), colocated=True,
+         destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8,
+                                    num_replicas=64)),
+    Case(model="Mixtral-8x22B", source=ParallelLayout(tp=8, pp=4, ep=8, dp=2),
+         destination=SGLangSettings(tp=8, num_replicas=8), colocated=True),
+    Case(model="Mixtral-8x22B", source=ParallelLayout(tp=4, pp=2, ep=8, dp=16),
+         destination=SGLangSettings(tp=8, ep=8, num_replicas=16), colocated=True),
+    Case(model="Mixtral-8x22B", source=ParallelLayout(tp=8, pp=4, ep=8, dp=2),
+         destination=SGLangSettings(tp=8, num_replicas=8), colocated=False),
+    Case(model="Qwen3-30B-A3B", source=ParallelLayout(ep=8, dp=64),
+         destination=SGLangSettings(tp=4, num_replicas=16), colocated=True),
+    Case(model="Qwen3-30B-A3B", source=ParallelLayout(tp=2, pp=2, ep=8, dp=32),
+         destination=SGLangSettings(tp=8, ep=8, num_replicas=16), colocated=True),
+    Case(model="Qwen3-30B-A3B", source=ParallelLayout(tp=2, ep=8, dp=32),
+         destination=SGLangSettings(tp=2, num_replicas=32), colocated=False),
+)
+
+BANDWIDTH = Bandwidth()
+
+
+def _topology(case: Case) -> Topology:
+    src, dst = case.source.world_size, case.destination.num_ranks
+    if case.colocated:
+        return Topology.colocated(src, num_destination=dst)
+    return Topology.separate(src, dst)
+
+
+def run_case(case: Case) -> dict:
+    """Plan one case in this process and return its JSON record."""
+    model = MODELS[case.model]
+    wall, cpu = time.perf_counter(), time.process_time()
+    source = megatron_layout(model, case.source, split=case.split)
+    destination = sglang_layout(model, case.destination)
+    plan = plan_reshard(source, destination, _topology(case))
+    plan_seconds, plan_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall = time.perf_counter()
+    stats = plan_stats(plan, bandwidth=BANDWIDTH)
+    record = {
+        "model": case.model, "source": source.description,
+        "destination": destination.description,
+        "topology": "colocated" if case.colocated else "separate",
+        "num_gpus": case.num_gpus, "plan_seconds": round(plan_seconds, 3),
+        "plan_cpu_seconds": round(plan_cpu, 3),
+        "stats_seconds": round(time.perf_counter() - wall, 3),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **stats.as_dict(),
+        "intra_node_gbps": BANDWIDTH.intra_node_gbps,
+        "inter_node_gbps": BANDWIDTH.inter_node_gbps,
+    }
+    record["ratio_to_lower_bound"] = round(record["ratio_to_lower_bound"], 6)
+    record["baseline_ratio"] = round(record["baseline_ratio"], 3)
+    record["simulated_seconds"] = round(record["simulated_seconds"], 4)
+    return record
+
+
+def _worker(index: int) -> None:
+    """Run case ``index`` pinned to one core; print its record as JSON."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    print(json.dumps(run_case(CASES[index])))
+
+
+def _run_in_fresh_process(index: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", str(index)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
+                                     delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the selected cases, one fresh process each, and print / write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the JSON here (atomically)")
+    parser.add_argument("--only", default="", help="run cases whose model contains this text")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        _worker(args.worker)
+        return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cases = []
+    for i, case in enumerate(CASES):
+        if args.only.lower() in case.model.lower():
+            cases.append(_run_in_fresh_process(i))
+            c = cases[-1]
+            logger.info("%s %s -> %s: %.2f s, %.0f MB, ratio %.3f, baseline %.2fx",
+                        c["model"], c["source"], c["destination"], c["plan_seconds"],
+                        c["peak_rss_bytes"] / 2**20, c["ratio_to_lower_bound"], c["baseline_ratio"])
+    text = json.dumps({"cases": cases}, indent=2)
+    print(text)
+    if args.json:
+        _write_atomically(args.json, text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Statistics on hand-computed examples: bytes, baseline, bound, simulated time."""
+
+import pytest
+
+from hybridflow.layout import ParallelLayout
+from reshard import Bandwidth, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout
+from reshard import SGLangSettings
+from reshard.topology import Device
+from tests.reshard.cases import TINY_MODELS
+
+MODEL = TINY_MODELS["llama"]  # H 16, 4 layers, 4 heads x 4, 2 kv heads, ffn 24, vocab 200
+
+
+def _elements():
+    m = MODEL
+    h, d = m.hidden_size, m.kv_channels
+    q_rows = m.num_attention_heads * d
+    attention = (q_rows + 2 * m.num_kv_heads * d) * h + h * q_rows
+    per_layer = 2 * h + attention + 3 * m.ffn_hidden_size * h
+    replicated = m.num_layers * 2 * h + h  # norms
+    return 2 * m.vocab_size * h + h + m.num_layers * per_layer, replicated
+
+
+def _plan(topology):
+    source = megatron_layout(MODEL, ParallelLayout())
+    destination = sglang_layout(MODEL, SGLangSettings(tp=2))  # vocab 200 -> 256: 128 rows a rank
+    return plan_reshard(source, destination, topology)
+
+
+def test_one_source_to_two_remote_ranks():
+    model_elems, replicated = _elements()
+    stats = plan_stats(_plan(Topology.separate(1, 2, gpus_per_node=2)),
+                       bandwidth=Bandwidth(intra_node_gbps=100.0, inter_node_gbps=10.0))
+    # each split element goes to one rank, each replicated one (norms) to both; bf16
+    want = 2 * (model_elems + replicated)
+    assert stats.bytes == stats.inter_node_bytes == stats.lower_bound_bytes == want
+    assert stats.local_bytes == stats.intra_node_bytes == 0
+    assert stats.max_sent_bytes == want
+    assert stats.baseline_bytes == 2 * 2 * model_elems  # both ranks get the whole model
+    assert stats.simulated_seconds == pytest.approx(want / 10e9)
+    assert stats.ratio_to_lower_bound == 1.0
+    assert stats.baseline_ratio == pytest.approx(2 * model_elems / (model_elems + replicated))
+
+
+def test_same_node_uses_intra_bandwidth_and_local_is_free():
+    topology = Topology(source=(Device(node=0, gpu=0),),
+                        destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)))
+    stats = plan_stats(_plan(topology), bandwidth=Bandwidth(intra_node_gbps=100.0))
+    assert stats.local_bytes > 0 and stats.inter_node_bytes == 0
+    assert stats.bytes == stats.intra_node_bytes == stats.lower_bound_bytes
+    assert stats.max_received_bytes == stats.bytes  # rank 1 receives everything that moves
+    assert stats.simulated_seconds == pytest.approx(stats.bytes / 100e9)
+
+
+def test_as_dict_and_describe():
+    stats = plan_stats(_plan(Topology.colocated(1, num_destination=2)))
+    d = stats.as_dict()
+    assert {"bytes", "lower_bound_bytes", "baseline_bytes", "simulated_seconds",
+            "ratio_to_lower_bound", "baseline_ratio"} <= set(d)
+    text = stats.describe()
+    assert "lower bound" in text and "baseline" in text and "simulated" in text
