@@ -15,16 +15,20 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from hybridflow.layout import ConfigError, ParallelLayout
+
+if TYPE_CHECKING:
+    from reshard.sglang import SGLangSettings
 
 __all__ = [
     "ConfigError",
@@ -33,7 +37,9 @@ __all__ = [
     "MODEL_FAMILIES",
     "ParallelLayout",
     "ROLE_NAMES",
+    "ROLLOUT_ENGINES",
     "RoleConfig",
+    "RolloutConfig",
     "RopeScalingConfig",
     "RunConfig",
     "TrackingConfig",
@@ -48,6 +54,9 @@ logger = logging.getLogger(__name__)
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 ROLE_NAMES = ("actor", "reference", "critic")
+ROLLOUT_ENGINES = ("sglang", "hf")
+ROLLOUT_PLACEMENTS = ("colocated", "separate")
+ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _check_choice(key: str, value: str, choices: Sequence[str]) -> None:
@@ -377,13 +386,93 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
+class RolloutConfig:
+    """The inference engines that generate rollouts and receive the actor's weights."""
+
+    engine: str = "sglang"
+    """Rollout engine: sglang, or hf (transformers: one unsharded device per replica)."""
+    tp: int = 1
+    """Ranks per engine (SGLang ``--tp-size``)."""
+    ep: int = 1
+    """Expert-parallel size inside an engine (``--ep-size``)."""
+    moe_dp: int = 1
+    """MoE data-parallel size inside an engine (``--moe-dp-size``); moe_tp = tp / ep / moe_dp."""
+    enable_dp_attention: bool = False
+    """Attention data parallel (``--enable-dp-attention``): attention tp = tp / dp_size."""
+    dp_size: int = 1
+    """Attention DP groups per engine (``--dp-size``); > 1 only with enable_dp_attention."""
+    num_replicas: int = 1
+    """Independent engines; tp * num_replicas ranks in all."""
+    placement: str = "colocated"
+    """colocated: engine rank i on the actor's GPU i; separate: engines on their own nodes."""
+    gpus_per_node: int = 8
+    """GPUs per node, for both sides: decides which weight transfers stay inside a node."""
+    dtype: str = "bfloat16"
+    """Weight dtype on the wire: bfloat16, float16 or float32."""
+
+    def __post_init__(self) -> None:
+        _check_choice("engine", self.engine, ROLLOUT_ENGINES)
+        _check_choice("placement", self.placement, ROLLOUT_PLACEMENTS)
+        _check_choice("dtype", self.dtype, ROLLOUT_DTYPES)
+        _check_positive(self, ("tp", "ep", "moe_dp", "dp_size", "num_replicas", "gpus_per_node"))
+        if self.engine == "hf":
+            self._check_unsharded()
+        try:
+            self.sglang_settings()  # the engine's own rules: dp_size | tp, ep * moe_dp | tp
+        except ValueError as e:
+            raise _rollout_error(e) from None
+
+    def _check_unsharded(self) -> None:
+        sizes = {key: getattr(self, key) for key in ("tp", "ep", "moe_dp", "dp_size")}
+        sharded = {key: value for key, value in sizes.items() if value > 1}
+        if self.enable_dp_attention:
+            sharded["enable_dp_attention"] = "true"
+        for key, value in sharded.items():
+            raise ConfigError(
+                "{p}{key}={value} needs {p}engine=sglang: the transformers engine "
+                "({p}engine='hf') runs each replica unsharded on one device; "
+                "use {p}num_replicas for more engines", key=key, value=value,
+            )
+
+    @property
+    def num_ranks(self) -> int:
+        """Engine ranks of all replicas: tp * num_replicas."""
+        return self.tp * self.num_replicas
+
+    def sglang_settings(self) -> "SGLangSettings":
+        """These settings as ``reshard.sglang.SGLangSettings`` (an hf replica is a tp=1 engine:
+        both load every canonical tensor whole)."""
+        # imported here: reshard imports this module for ModelConfig
+        from reshard.sglang import SGLangSettings
+
+        return SGLangSettings(
+            tp=self.tp, ep=self.ep, moe_dp=self.moe_dp,
+            enable_dp_attention=self.enable_dp_attention, dp_size=self.dp_size,
+            num_replicas=self.num_replicas,
+        )
+
+    def describe(self) -> str:
+        """One line, e.g. ``sglang tp=8 ep=8 x8 replicas (64 ranks); colocated, 8 GPUs per node;
+        bfloat16``."""
+        engines = (self.sglang_settings().describe() if self.engine == "sglang"
+                   else f"hf x{self.num_replicas} replicas ({self.num_ranks} ranks)")
+        return f"{engines}; {self.placement}, {self.gpus_per_node} GPUs per node; {self.dtype}"
+
+
+def _rollout_error(error: ValueError) -> ConfigError:
+    """A ``reshard.sglang`` error, whose keys read ``sglang.tp``, as a rollout-section error."""
+    template = str(error).replace("{", "{{").replace("}", "}}")
+    return ConfigError(re.sub(r"\bsglang\.", "{p}", template))
+
+
+@dataclass(kw_only=True)
 class HybridflowConfig:
-    """The whole run: model, per-role layouts, training and run settings."""
+    """The whole run: model, per-role layouts, rollout engines, training and run settings."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model architecture shared by all roles."""
     actor: RoleConfig = field(default_factory=RoleConfig)
-    """The policy being trained (also generates rollouts)."""
+    """The policy being trained; the rollout engines generate with its weights."""
     reference: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
     """Frozen reference policy for the KL penalty; off by default."""
     critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
@@ -392,10 +481,30 @@ class HybridflowConfig:
     """Optimizer and batch settings."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run name, outputs, seed and tracking."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Inference engines that generate rollouts from the actor's weights."""
 
     def __post_init__(self) -> None:
         for name, layout in enabled_roles(self).items():
             layout.check_model(self.model, prefix=f"{name}.parallel")
+        self._check_rollout()
+
+    def _check_rollout(self) -> None:
+        from reshard.sglang import check_settings  # here: reshard imports this module
+
+        try:
+            check_settings(self.model, self.rollout.sglang_settings())
+        except ValueError as e:
+            raise _rollout_error(e).under("rollout") from None
+        world, ranks = self.actor.parallel.world_size, self.rollout.num_ranks
+        if self.rollout.placement == "colocated" and ranks > world:
+            raise ValueError(
+                f"rollout.placement=colocated puts rollout.tp*num_replicas = "
+                f"{self.rollout.tp}*{self.rollout.num_replicas} = {ranks} engine ranks on the "
+                f"actor's GPUs, but actor.parallel fills only {world}; lower rollout.num_replicas "
+                f"(or rollout.tp) so that tp*num_replicas <= {world}, or set "
+                f"rollout.placement=separate"
+            )
 
 
 def enabled_roles(cfg: HybridflowConfig) -> dict[str, ParallelLayout]:

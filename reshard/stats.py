@@ -92,18 +92,26 @@ class PlanStats:
 
     def describe(self) -> str:
         """A few lines for a terminal (``hybridflow plan``)."""
-        gb = 1e9
+        b = format_bytes
         return "\n".join([
-            f"reshard: {self.bytes / gb:.3f} GB across devices "
-            f"({self.intra_node_bytes / gb:.3f} intra-node, {self.inter_node_bytes / gb:.3f} "
-            f"inter-node), {self.local_bytes / gb:.3f} GB local copies",
-            f"  lower bound {self.lower_bound_bytes / gb:.3f} GB (ratio "
-            f"{self.ratio_to_lower_bound:.3f}); gather-and-broadcast baseline "
-            f"{self.baseline_bytes / gb:.3f} GB ({self.baseline_ratio:.2f}x the plan)",
-            f"  max per rank: sent {self.max_sent_bytes / gb:.3f} GB, received "
-            f"{self.max_received_bytes / gb:.3f} GB; simulated {self.simulated_seconds:.3f} s; "
+            f"reshard: {b(self.bytes)} across devices ({b(self.intra_node_bytes)} intra-node, "
+            f"{b(self.inter_node_bytes)} inter-node), {b(self.local_bytes)} local copies",
+            f"  lower bound {b(self.lower_bound_bytes)} (ratio {self.ratio_to_lower_bound:.3f}); "
+            f"gather-and-broadcast baseline {b(self.baseline_bytes)} "
+            f"({self.baseline_ratio:.2f}x the plan)",
+            f"  max per rank: sent {b(self.max_sent_bytes)}, received "
+            f"{b(self.max_received_bytes)}; simulated {self.simulated_seconds:.3g} s; "
             f"{self.num_routes} routes, {self.num_transfers} transfers",
         ])
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in decimal units with three significant digits (``1.94 TB``, ``98.3 kB``)."""
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError("unreachable")
 
 
 def _per_rank(ranks: np.ndarray, nbytes: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:

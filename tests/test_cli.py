@@ -1,10 +1,12 @@
 """The hybridflow command line: help, plan, and config errors as exit status 2."""
 
+import re
 from pathlib import Path
 
 import pytest
 
 from hybridflow.cli import main
+from hybridflow.config import load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -16,13 +18,50 @@ def test_help_exits_zero(capsys):
     assert "plan" in capsys.readouterr().out
 
 
-def test_plan_prints_config_and_layout(capsys):
+def _check_reshard_summary(out: str) -> float:
+    """Assert the weight-sync lines are there and exact; return the baseline / plan ratio."""
+    assert "# weight sync actor -> rollout, planned from shapes in " in out
+    assert "# reshard: " in out and "B across devices" in out
+    assert re.search(r"lower bound [\d.]+ [kMGT]?B \(ratio 1\.000\)", out)
+    assert re.search(r"simulated [\d.e+-]+ s", out)
+    return float(re.search(r"baseline [\d.]+ [kMGT]?B \(([\d.]+)x the plan\)", out).group(1))
+
+
+def test_plan_prints_config_layout_and_reshard(capsys, tmp_path):
     assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml")]) == 0
     out = capsys.readouterr().out
     assert "name: quickstart_cpu" in out
     assert "output_dir: runs/quickstart_cpu" in out
     layout = "tp=1 pp=1 vpp=1 ep=2 etp=1 cp=1 dp=2 (world 2, expert_dp 1)"
     assert f"# actor: {layout}; padded vocab 256" in out
+    assert "# rollout: sglang tp=2 ep=1 x1 replicas (2 ranks); colocated" in out
+    assert _check_reshard_summary(out) > 1
+    resolved = tmp_path / "plan.yaml"  # the summary is comments: the output still loads
+    resolved.write_text(out)
+    assert load_config(str(resolved)) == load_config(str(CONFIGS / "quickstart_cpu.yaml"))
+
+
+def test_plan_no_reshard(capsys):
+    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "--no-reshard"]) == 0
+    out = capsys.readouterr().out
+    assert "# rollout: sglang tp=2" in out
+    assert "reshard" not in out and "weight sync" not in out
+
+
+def test_plan_separate_rollout(capsys):
+    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "rollout.placement=separate",
+                 "rollout.num_replicas=2"]) == 0
+    out = capsys.readouterr().out
+    assert "x2 replicas (4 ranks); separate" in out
+    assert " 0 B local copies" in out  # no engine rank shares a device with the actor
+    assert _check_reshard_summary(out) > 1
+
+
+def test_colocated_rollout_too_big_exits_2(capsys):
+    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "rollout.num_replicas=2"]) == 2
+    captured = capsys.readouterr()
+    assert "rollout.placement=colocated puts rollout.tp*num_replicas = 2*2 = 4" in captured.err
+    assert captured.out == ""
 
 
 def test_plan_applies_overrides(capsys):
@@ -48,16 +87,21 @@ def test_world_size_mismatch_exits_2(capsys):
 
 
 @pytest.mark.parametrize(
-    "name, total, layout",
+    "name, total, layout, rollout",
     [
         ("qwen3_moe_235b", "235.1B",
-         "tp=4 pp=2 vpp=1 ep=8 etp=1 cp=1 dp=8 (world 64, expert_dp 4)"),
+         "tp=4 pp=2 vpp=1 ep=8 etp=1 cp=1 dp=8 (world 64, expert_dp 4)",
+         "sglang tp=8 ep=8 x8 replicas (64 ranks); colocated"),
         ("deepseek_v3_671b", "671.0B",
-         "tp=8 pp=1 vpp=1 ep=64 etp=1 cp=1 dp=8 (world 64, expert_dp 1)"),
+         "tp=8 pp=1 vpp=1 ep=64 etp=1 cp=1 dp=8 (world 64, expert_dp 1)",
+         "sglang tp=8 ep=8 dp_attention=8 x8 replicas (64 ranks); colocated"),
     ],
 )
-def test_big_configs_plan(name, total, layout, capsys):
+def test_big_configs_plan(name, total, layout, rollout, capsys):
+    # plans the weight sync of a 235B / 671B model from shapes: about a second each
     assert main(["plan", str(CONFIGS / f"{name}.yaml"), "--world-size", "64"]) == 0
     out = capsys.readouterr().out
     assert f"{total} parameters" in out
     assert f"# actor: {layout}" in out
+    assert f"# rollout: {rollout}" in out
+    assert _check_reshard_summary(out) >= 7  # the gather baseline at SGLang tp=8

@@ -8,6 +8,7 @@ from hybridflow.config import (
     HybridflowConfig,
     ModelConfig,
     ParallelLayout,
+    RolloutConfig,
     enabled_roles,
     load_config,
     to_yaml,
@@ -177,3 +178,70 @@ def test_model_properties():
     assert ModelConfig(hidden_size=64, num_attention_heads=4).kv_channels == 16
     assert ModelConfig(head_dim=32).kv_channels == 32
     assert not ModelConfig(family="qwen2", num_experts=0).is_moe
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+@pytest.mark.parametrize("name, tp, num_replicas", [
+    ("quickstart_cpu", 2, 1), ("qwen3_moe_235b", 8, 8), ("deepseek_v3_671b", 8, 8),
+])
+def test_rollout_sections_fit_the_actor(name, tp, num_replicas):
+    cfg = load_config(str(CONFIGS / f"{name}.yaml"))
+    assert (cfg.rollout.tp, cfg.rollout.num_replicas) == (tp, num_replicas)
+    assert cfg.rollout.placement == "colocated"
+    assert cfg.rollout.num_ranks <= cfg.actor.parallel.world_size
+
+
+def test_rollout_tp_must_split_the_heads():
+    message = _error("rollout.tp=3")
+    assert message.startswith("rollout.tp=3 gives attention tp 3")
+    assert "model.num_attention_heads=4 and model.num_kv_heads=2" in message
+    assert "valid rollout.tp values: 1, 2, 4" in message
+    assert "sglang." not in message
+
+
+def test_rollout_ep_must_divide_experts():
+    message = _error("rollout.placement=separate", "rollout.tp=4", "rollout.ep=4",
+                     "model.num_experts=6")
+    assert "rollout.ep=4 does not divide the 6 physical experts" in message
+    assert "valid ep values: 1, 2" in message
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rollout.engine=vllm", "rollout.engine='vllm' is not one of: sglang, hf"),
+    ("rollout.placement=remote", "rollout.placement='remote' is not one of: colocated, separate"),
+    ("rollout.dtype=int8", "rollout.dtype='int8' is not one of: bfloat16, float16, float32"),
+    ("rollout.num_replicas=0", "rollout.num_replicas=0 must be > 0"),
+    ("rollout.dp_size=2", "rollout.dp_size=2 needs rollout.enable_dp_attention=true"),
+])
+def test_rollout_bad_values(override, expected):
+    assert expected in _error(override)
+
+
+def test_rollout_dp_attention_needs_a_family_that_has_it():
+    message = _error("model.family=mixtral", "rollout.enable_dp_attention=true",
+                     "rollout.dp_size=2")
+    assert message.startswith("rollout.enable_dp_attention=true: SGLang builds mixtral attention")
+
+
+def test_hf_rollout_is_unsharded():
+    assert load_config(QUICKSTART, ["rollout.engine=hf", "rollout.tp=1",
+                                    "rollout.num_replicas=2"]).rollout.num_ranks == 2
+    message = _error("rollout.engine=hf")  # the quickstart's tp=2
+    assert message.startswith("rollout.tp=2 needs rollout.engine=sglang")
+
+
+def test_colocated_rollout_must_fit_on_the_actor_gpus():
+    message = _error("rollout.num_replicas=2")
+    assert "rollout.tp*num_replicas = 2*2 = 4 engine ranks" in message
+    assert "actor.parallel fills only 2" in message
+    assert "rollout.placement=separate" in message
+    cfg = load_config(QUICKSTART, ["rollout.num_replicas=2", "rollout.placement=separate"])
+    assert cfg.rollout.num_ranks == 4
+
+
+def test_rollout_built_directly_names_bare_keys():
+    with pytest.raises(ValueError) as info:
+        RolloutConfig(dp_size=2)
+    assert str(info.value).startswith("dp_size=2 needs enable_dp_attention=true")
