@@ -1,0 +1,18 @@
+"""Rollout engines: the interface (``base``), token bookkeeping (``tokens``), a transformers
+reference engine (``hf_engine``) and the SGLang adapter (``sglang/``, the only place that
+imports sglang). Importing this package registers no engine: each engine module registers
+itself when imported, so the SGLang adapter loads only when asked for.
+"""
+
+from .base import (  # noqa: F401
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RolloutBatch,
+    RolloutEngine,
+    RolloutSample,
+    SamplingParams,
+    WeightPushReport,
+    engine_names,
+    make_engine,
+    register_engine,
+)

@@ -1,0 +1,190 @@
+"""The rollout-engine interface: what the RL loop asks of SGLang or the transformers reference.
+
+```
+RolloutRequest (token ids per prompt + SamplingParams)
+      │  engine.generate(...)
+      ▼
+RolloutBatch: one RolloutSample per (prompt, sample index) — prompt ids, response ids,
+              log-probs of the sampled tokens, finish reason, routed experts (MoE, optional)
+      │  hybridflow.rollout.tokens: pad / mask into [B, T] tensors for the trainer
+      ▼
+trainer (megatron_adapters)  ──  weights  ──►  engine.push_weights(...) (reshard plan)
+```
+
+Engines register by name (``register_engine`` / ``make_engine``); callers depend on the
+``RolloutEngine`` protocol only. Nothing here imports sglang, transformers or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "RolloutBatch",
+    "RolloutEngine",
+    "RolloutSample",
+    "SamplingParams",
+    "WeightPushReport",
+    "engine_names",
+    "make_engine",
+    "register_engine",
+]
+
+FINISH_STOP = "stop"
+"""The response ended with EOS or a stop token."""
+FINISH_LENGTH = "length"
+"""The response hit ``max_new_tokens`` (truncated; RL recipes may shape or mask it)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample responses; greedy when temperature is 0."""
+
+    n: int = 1
+    """Samples per prompt (GRPO's group size)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 = all."""
+    max_new_tokens: int = 32
+    """Response length cap."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response (EOS is always one)."""
+    seed: int | None = None
+    """Sampling seed (reproducible where the engine supports it)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"sampling n={self.n} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling top_k={self.top_k} must be -1 (all) or >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSample:
+    """One generated response."""
+
+    prompt_index: int
+    """Index of its prompt in the request."""
+    sample_index: int
+    """Which of the ``n`` samples of that prompt."""
+    prompt_ids: tuple[int, ...]
+    """The prompt's token ids."""
+    response_ids: tuple[int, ...]
+    """Generated token ids (the stop token included when the engine returns it)."""
+    logprobs: tuple[float, ...]
+    """Log-probability of each response token under the engine's (unscaled) distribution."""
+    finish_reason: str
+    """``FINISH_STOP`` or ``FINISH_LENGTH``."""
+    routed_experts: Any = None
+    """Per response token and MoE layer, the chosen experts ([T, L, k] ints), or None."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutBatch:
+    """All samples of one generate call, prompt-major then sample index."""
+
+    samples: tuple[RolloutSample, ...]
+    """The samples."""
+    seconds: float
+    """Wall time of the call."""
+
+    @property
+    def num_response_tokens(self) -> int:
+        """Generated tokens in the batch."""
+        return sum(len(s.response_ids) for s in self.samples)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightPushReport:
+    """What one weight push moved."""
+
+    seconds: float
+    """Wall time of the push."""
+    bytes_per_rank: tuple[int, ...]
+    """Bytes each engine rank received."""
+    route: str
+    """How the weights travelled (e.g. ``sliced`` or ``full``)."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generation engine the RL loop can drive."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
+        """Sample ``params.n`` responses for each prompt (token ids)."""
+        ...
+
+    def push_weights(self, weights: Any, *, route: str = "sliced") -> WeightPushReport:
+        """Replace the engine's weights (engine-specific payload; see each engine)."""
+        ...
+
+    def pause(self) -> None:
+        """Stop scheduling new work (in-flight requests are held)."""
+        ...
+
+    def resume(self) -> None:
+        """Continue after ``pause``."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes / KV (after a weight push they are stale)."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free accelerator memory (weights, KV cache) while training runs; no-op on CPU."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take back what ``release_memory`` freed."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and every process it started."""
+        ...
+
+
+_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+# Built-in engines register when their module is imported; importing on demand keeps sglang
+# (seconds to import, CUDA-minded) out of processes that never start it.
+_BUILTIN_MODULES = {"hf": "hybridflow.rollout.hf_engine", "sglang": "hybridflow.rollout.sglang.engine"}
+
+
+def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:
+    """Decorator: make a factory available to ``make_engine(name, ...)``."""
+
+    def add(factory: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
+        if name in _ENGINES:
+            raise ValueError(f"rollout engine {name!r} is already registered")
+        _ENGINES[name] = factory
+        return factory
+
+    return add
+
+
+def engine_names() -> list[str]:
+    """Registered and built-in engine names."""
+    return sorted(set(_ENGINES) | set(_BUILTIN_MODULES))
+
+
+def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """Start the engine registered as ``name``; ValueError lists the valid names."""
+    if name not in _ENGINES and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    if name not in _ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; registered engines: {', '.join(engine_names()) or 'none'}")
+    return _ENGINES[name](**kwargs)
+
