@@ -90,7 +90,9 @@ class RolloutSample:
     finish_reason: str
     """``FINISH_STOP`` or ``FINISH_LENGTH``."""
     routed_experts: Any = None
-    """Per response token and MoE layer, the chosen experts ([T, L, k] ints), or None."""
+    """The experts each MoE layer chose for every token fed to the model — the prompt's and
+    the response's but the last, SGLang's ``return_routed_experts`` layout: ``[P + R - 1, L, k]``
+    ints (P prompt, R response tokens, L MoE layers) — or None."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

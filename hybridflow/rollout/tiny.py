@@ -1,0 +1,285 @@
+"""Tiny Hugging Face checkpoints made on the spot: no download, a fixed seed, the hub's file layout.
+
+```
+make_tiny_model_dir(path, family)
+   transformers config (tiny dims)  ──  random init under a forked, seeded RNG (HF init, std 0.02)
+   ├─ config.json, generation_config.json, model.safetensors        (save_pretrained, float32)
+   byte-level BPE trained on an in-code corpus (tokenizers)  ──  PreTrainedTokenizerFast
+   └─ tokenizer.json, tokenizer_config.json (chat_template inside), special_tokens_map.json
+
+to_hybridflow_model_config(path)
+   config.json  ──  AutoConfig  ──  hybridflow ModelConfig   (megatron builds the same model)
+```
+
+transformers (``AutoModelForCausalLM`` / ``AutoTokenizer``) and SGLang load such a directory as
+they would a downloaded model. Families register in ``TINY_FAMILIES``; each names its tiny
+transformers settings and how its config maps onto ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config import ModelConfig
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TINY_FAMILIES",
+    "TinyFamily",
+    "make_tiny_model_dir",
+    "make_tiny_tokenizer",
+    "to_hybridflow_model_config",
+]
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = {
+    "unk_token": "<|endoftext|>",
+    "pad_token": "<|pad|>",
+    "bos_token": "<|bos|>",
+    "eos_token": "<|eos|>",
+    "im_start": "<|im_start|>",
+    "im_end": "<|im_end|>",
+}
+"""Special tokens, in id order (ids 0-5); generation stops at ``<|eos|>`` and ``<|im_end|>``."""
+
+# Qwen2's pre-tokenizer regex. transformers 5 rebuilds any model_type="qwen2" tokenizer as its
+# Qwen2Tokenizer (NFC, this split, byte-level; unk "<|endoftext|>"): using the same pipeline
+# (and having that token) makes every family's tokenizer encode alike whichever class loads it.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A ChatML-style template (Qwen's layout)."""
+
+# Enough text for a few dozen BPE merges; common chat words become single tokens.
+_CORPUS = (
+    "system user assistant",
+    "You are a helpful assistant.",
+    "What is the capital of France? The capital of France is Paris.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Solve 12 + 30 = 42. The answer is 42.",
+    "Reinforcement learning trains the policy on its own samples and their rewards.",
+    "hello world, hello there, how are you today?",
+)
+
+_TINY_DIMS = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TinyFamily:
+    """One model family: its tiny transformers settings and its mapping onto ``ModelConfig``."""
+
+    hf_settings: Mapping[str, Any]
+    """transformers config values on top of the shared tiny dims."""
+    model_fields: Callable[[Any], dict[str, Any]]
+    """Family-specific ``ModelConfig`` fields read from a transformers config."""
+
+
+def _llama_fields(config: Any) -> dict[str, Any]:
+    return dict(attention_bias=config.attention_bias, num_experts=0)
+
+
+def _qwen2_fields(config: Any) -> dict[str, Any]:
+    # Qwen2 always has q/k/v biases; its config has no switch for them.
+    return dict(attention_bias=True, num_experts=0)
+
+
+def _qwen3_moe_fields(config: Any) -> dict[str, Any]:
+    if config.mlp_only_layers or config.decoder_sparse_step != 1:
+        raise ValueError(
+            f"qwen3_moe config with mlp_only_layers={config.mlp_only_layers} and "
+            f"decoder_sparse_step={config.decoder_sparse_step}: only all-MoE models "
+            f"(mlp_only_layers=[], decoder_sparse_step=1) map onto ModelConfig"
+        )
+    return dict(
+        attention_bias=config.attention_bias, qk_layernorm=True, num_experts=config.num_experts,
+        moe_top_k=config.num_experts_per_tok, moe_ffn_hidden_size=config.moe_intermediate_size,
+        norm_topk_prob=config.norm_topk_prob,
+    )
+
+
+def _mixtral_fields(config: Any) -> dict[str, Any]:
+    # Mixtral's intermediate_size is each expert's; it always renormalises the top-k weights.
+    return dict(
+        num_experts=config.num_local_experts, moe_top_k=config.num_experts_per_tok,
+        moe_ffn_hidden_size=config.intermediate_size, norm_topk_prob=True,
+    )
+
+
+_MOE_TINY = dict(num_experts_per_tok=2, norm_topk_prob=True)
+
+TINY_FAMILIES: dict[str, TinyFamily] = {
+    "llama": TinyFamily(hf_settings=dict(attention_bias=False), model_fields=_llama_fields),
+    "qwen2": TinyFamily(hf_settings=dict(use_sliding_window=False), model_fields=_qwen2_fields),
+    "qwen3_moe": TinyFamily(
+        hf_settings=dict(_MOE_TINY, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1,
+                         mlp_only_layers=[]),
+        model_fields=_qwen3_moe_fields,
+    ),
+    "mixtral": TinyFamily(
+        hf_settings=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+        model_fields=_mixtral_fields,
+    ),
+}
+"""Families ``make_tiny_model_dir`` builds; the key is transformers' ``model_type``."""
+
+
+def _family(name: str) -> TinyFamily:
+    if name not in TINY_FAMILIES:
+        raise ValueError(f"model family {name!r} is not one of: {', '.join(TINY_FAMILIES)}")
+    return TINY_FAMILIES[name]
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def make_tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` of at most ``vocab_size`` tokens, chat-ready.
+
+    Every byte is in the vocabulary, so any text encodes; the merges come from a small in-code
+    corpus (training is deterministic). Special tokens take ids 0-5 (``SPECIAL_TOKENS``).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    minimum = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size={vocab_size} must be >= {minimum} (256 bytes + special tokens)")
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    named = {key: SPECIAL_TOKENS[key] for key in ("unk_token", "pad_token", "bos_token", "eos_token")}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, **named,
+        extra_special_tokens=[SPECIAL_TOKENS["im_start"], SPECIAL_TOKENS["im_end"]],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer, path: Path) -> None:
+    # The chat template goes into tokenizer_config.json (not chat_template.jinja) and the class
+    # is named PreTrainedTokenizerFast, so older loaders read the directory as well.
+    tokenizer.save_pretrained(str(path), save_jinja_files=False)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _token_ids(tokenizer) -> dict[str, Any]:
+    eos, im_end = tokenizer.convert_tokens_to_ids([SPECIAL_TOKENS[k] for k in ("eos_token", "im_end")])
+    return dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=[eos, im_end])
+
+
+def _build_model(family: str, token_ids: Mapping[str, Any], vocab_size: int, seed: int,
+                 overrides: Mapping[str, Any]):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {**_TINY_DIMS, **_family(family).hf_settings, **overrides}
+    config = AutoConfig.for_model(
+        family, vocab_size=vocab_size, dtype="float32", **settings,
+        pad_token_id=token_ids["pad_token_id"], bos_token_id=token_ids["bos_token_id"],
+        eos_token_id=token_ids["eos_token_id"][0],
+    )
+    # fork_rng: the seed fixes these weights without moving the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).float()
+    model.generation_config.update(**token_ids)
+    return model
+
+
+def make_tiny_model_dir(
+    path: str | Path, family: str, *, seed: int = 0, vocab_size: int = 320, **overrides: Any
+) -> Path:
+    """Write a tiny random ``family`` model and its tokenizer into ``path``; return the path.
+
+    ``family`` is one of ``TINY_FAMILIES``; ``overrides`` are transformers config values
+    (``num_hidden_layers=4``, ``tie_word_embeddings=True``, ...). The model's vocabulary is
+    ``vocab_size``; the tokenizer's is at most that. The same arguments give the same files.
+    """
+    _family(family)  # an unknown family fails before anything is written
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(vocab_size)
+    model = _build_model(family, _token_ids(tokenizer), vocab_size, seed, overrides)
+    model.save_pretrained(str(path))
+    _save_tokenizer(tokenizer, path)
+    logger.debug("tiny %s model written to %s", family, path)
+    return path
+
+
+# --------------------------------------------------------------------------- ModelConfig
+
+
+def _rope_theta(config: Any) -> float:
+    rope = config.rope_parameters
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"rope_parameters.rope_type={rope['rope_type']!r}: only plain RoPE ('default') "
+            f"maps onto ModelConfig here"
+        )
+    return float(rope["rope_theta"])
+
+
+def _common_fields(config: Any) -> dict[str, Any]:
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    return dict(
+        hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim, ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings, rope_theta=_rope_theta(config),
+        norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings,
+    )
+
+
+def to_hybridflow_model_config(path: str | Path) -> ModelConfig:
+    """hybridflow's ``ModelConfig`` of the transformers model whose config.json is in ``path``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    family = _family(config.model_type)
+    fields = {**_common_fields(config), **family.model_fields(config)}
+    return ModelConfig(family=config.model_type, **fields)
