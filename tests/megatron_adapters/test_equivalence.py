@@ -88,6 +88,7 @@ def _pool_tasks(runs: Runs) -> list[tuple[int, list[dict]]]:
     pool1 = [{"kind": "reference", "family": f, "init_dir": runs.init(f), "out": runs.out(f"{f}_ref")} for f in FAMILIES]
     pool2 = [eq(*case) for case in _cases(TWO_PROC)] + [
         eq(q, "pp2vpp2", {"pp": 2, "vpp": 2}),
+        {"kind": "global_layers", "family": q, "spec": {"pp": 2, "vpp": 2}, "out": runs.out("global_layers_pp2vpp2")},
         {"kind": "train_and_save", "family": q, "spec": {"ep": 2}, "init_dir": runs.init(q), "save_dir": runs.ckpt("q_ep2"), "steps": 2, "more": 2, "out": runs.out("save_q_ep2")},
         {"kind": "train_and_save", "family": ll, "spec": {"tp": 2}, "init_dir": runs.init(ll), "save_dir": runs.ckpt("l_tp2"), "steps": 2, "more": 2, "out": runs.out("save_l_tp2")},
     ]
@@ -172,3 +173,11 @@ def test_resume_without_expert_parallelism(runs: Runs) -> None:
 @pytest.mark.parametrize("name", ["load_q_tp1", "load_q_pp2"])
 def test_tp2ep2_checkpoint_loads_under_other_layouts(runs: Runs, name: str) -> None:
     assert _max_diff(runs[name]["logp"], runs["save_q_tp2ep2"]["at_save"]) < LOGPROB_TOL
+
+
+def test_export_names_use_global_layer_numbers(runs: Runs) -> None:
+    """Rank 0 of PP=2 x VPP=2 over 4 layers holds layers 0 and 2, named as the planner names them."""
+    got = runs["global_layers_pp2vpp2"]
+    assert got["layers"] == [0, 2]
+    assert "embedding.word_embeddings.weight" in got["names"]
+    assert "decoder.layers.2.mlp.router.weight" in got["names"]

@@ -148,7 +148,16 @@ def load_optimizer_error(family: str, spec: dict, save_dir: str) -> dict:
     return {"error": None}
 
 
-TASKS = {f.__name__: f for f in (reference, equivalence, train_and_save, resume, load_weights, load_optimizer_error)}
+def global_layers(family: str, spec: dict) -> dict:
+    """Global layer numbers of rank 0's parameters under ``spec`` (export names)."""
+    from megatron_adapters.export import global_named_parameters
+
+    names = global_named_parameters(make_policy(family, spec))
+    return {"layers": sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")}),
+            "names": sorted(names)}
+
+
+TASKS = {f.__name__: f for f in (reference, equivalence, train_and_save, resume, load_weights, load_optimizer_error, global_layers)}
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ from families import tiny  # noqa: E402
 from hybridflow.config import TrainConfig  # noqa: E402
 from hybridflow.layout import ParallelLayout  # noqa: E402
 from megatron_adapters import parallel  # noqa: E402
+from megatron_adapters.export import global_named_parameters  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
 from reshard.executor import ProcessMap, execute  # noqa: E402
 from reshard.megatron import megatron_layout  # noqa: E402
@@ -108,8 +109,7 @@ def reshard_case(policy, model, hf, settings: SGLangSettings, dst_processes: tup
     buffers = {}
     if dst_rank is not None:
         buffers = {n: torch.zeros(s) for n, s in destination.param_shapes(dst_rank).items()}
-    sources = dict(policy.chunks[0].module.named_parameters())
-    report = execute(plan, processes, sources={k: v.detach() for k, v in sources.items()},
+    report = execute(plan, processes, sources=global_named_parameters(policy),
                      destinations=buffers, bucket_bytes=16 << 10, verify=True)
     result = {"report": report.as_dict(), "dst_rank": dst_rank}
     if dst_rank is not None:
