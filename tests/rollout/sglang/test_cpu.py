@@ -1,0 +1,89 @@
+"""The CPU environment for SGLang and the ``sgl_kernel`` stand-in (no engine started)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hybridflow.rollout.sglang import cpu
+
+
+@pytest.mark.parametrize("tp,cores,expected", [
+    (1, [0, 1], "0-1"),
+    (2, [0, 1], "0|1"),
+    (2, [0, 1, 2, 3], "0-1|2-3"),
+    (2, [0, 1, 2], "0-1|2"),
+    (2, [0, 2, 4, 6], "0,2|4,6"),
+    (3, [0, 1], "0|1|0"),  # fewer cores than ranks: shared round-robin
+])
+def test_omp_threads_bind_splits_the_usable_cores(tp, cores, expected):
+    assert cpu.omp_threads_bind(tp, cores) == expected
+
+
+def test_omp_threads_bind_defaults_to_this_process_affinity():
+    groups = cpu.omp_threads_bind(2).split("|")
+    assert len(groups) == 2
+
+
+def test_cpu_environment_puts_the_stand_in_first_once():
+    env = cpu.cpu_environment(2, {"PYTHONPATH": f"/a{os.pathsep}{cpu.STUB_PATH}{os.pathsep}/b"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(cpu.STUB_PATH), "/a", "/b"]
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert not os.path.exists(env["SGLANG_NCCL_SO_PATH"])
+    assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2
+
+
+def test_apply_does_nothing_when_a_gpu_is_present(monkeypatch):
+    monkeypatch.setattr(cpu, "has_cuda_gpu", lambda: True)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    assert cpu.apply_cpu_environment(2) is False
+    assert "SGLANG_USE_CPU_ENGINE" not in os.environ
+
+
+def test_apply_sets_the_environment_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(cpu, "has_cuda_gpu", lambda: False)
+    for key in ("SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_NCCL_SO_PATH", "PYTHONPATH"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert cpu.apply_cpu_environment(1) is True
+    assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(cpu.STUB_PATH)
+    assert sys.path[0] == str(cpu.STUB_PATH)
+
+
+def _run_with_stub(code: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
+    log = tmp_path / "calls.log"
+    env = dict(os.environ, PYTHONPATH=str(cpu.STUB_PATH), **{cpu.STUB_LOG_ENV: str(log)})
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=60)
+    return done, log.read_text() if log.exists() else ""
+
+
+def test_stand_in_shadows_the_cuda_package_and_imports_what_sglang_names(tmp_path):
+    done, calls = _run_with_stub("""
+        import sgl_kernel
+        assert sgl_kernel.IS_HYBRIDFLOW_CPU_STUB
+        from sgl_kernel.scalar_type import scalar_types
+        from sgl_kernel.kvcacheio import transfer_kv_per_layer
+        table = [scalar_types.uint4b8, scalar_types.uint8b128]  # sglang builds such tables at import
+        print(repr(transfer_kv_per_layer))
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "sgl_kernel.kvcacheio.transfer_kv_per_layer" in done.stdout
+    assert calls == ""  # naming a kernel is not calling it
+
+
+def test_a_stand_in_kernel_records_the_call_and_raises(tmp_path):
+    done, calls = _run_with_stub("""
+        import os, sgl_kernel
+        try:
+            sgl_kernel.elementwise.silu_and_mul(1, 2)
+        except sgl_kernel.StubKernelCalled as error:
+            print("raised:", error)
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "raised: sgl_kernel.elementwise.silu_and_mul was called" in done.stdout
+    pid, name = calls.split()
+    assert name == "sgl_kernel.elementwise.silu_and_mul" and pid.isdigit()
