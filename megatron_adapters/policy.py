@@ -311,14 +311,12 @@ class MegatronPolicy:
 
     def _step_result(self, outputs, grad_norm, lr) -> StepResult:
         """Token-weighted metric means over micro-batches and DP ranks, shared with all ranks."""
-        names = sorted(outputs[0]) if outputs else []
+        # Only the last pipeline stage has outputs; it tells the other stages the metric names.
+        names = self._broadcast_names(sorted(outputs[0]) if outputs else [])
         sums = torch.zeros(len(names), 2)
         for out in outputs:
             for i, name in enumerate(names):
                 sums[i] += out[name]
-        names = self._broadcast_names(names)
-        if sums.shape[0] != len(names):
-            sums = torch.zeros(len(names), 2)
         if self.layout.pp > 1:
             dist.all_reduce(sums, group=self.pg.pp)  # only the last stage holds non-zeros
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
