@@ -107,4 +107,6 @@ TWO_PROCESS = {"ep2_step", "etp2_step", "tp2_moe_step"}
 if __name__ == "__main__":
     parallel.init_default_group() if sys.argv[1] != "import_attention" else None
     SCENARIOS[sys.argv[1]]()
-    print("SCENARIO OK", sys.argv[1])
+    # One write() per rank: two torchrun ranks share the pipe, and print() issues
+    # several writes that can interleave with the other rank's line.
+    os.write(1, f"SCENARIO OK {sys.argv[1]} rank {os.environ.get('RANK', '0')}\n".encode())
