@@ -44,6 +44,11 @@ __all__ = [
     "RunConfig",
     "TrackingConfig",
     "TrainConfig",
+    "AlgorithmConfig",
+    "DataConfig",
+    "TaskConfig",
+    "RewardConfig",
+    "SFTConfig",
     "enabled_roles",
     "load_config",
     "to_yaml",
@@ -378,11 +383,35 @@ class RunConfig:
     """Global random seed."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Metrics tracking."""
+    mode: str = "rl"
+    """rl: SFT warm-up (if sft.steps > 0) then the algorithm; sft: SFT only."""
+    steps: int = 20
+    """RL steps (one generation + update each)."""
+    prompts_per_step: int = 16
+    """Prompts drawn per RL step; each is sampled rollout.n times."""
+    checkpoint_every: int = 10
+    """Save the actor (with optimizer state) and the run state every this many steps; 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept; older ones are deleted after a newer one is complete."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in output_dir if there is one;
+    never: start fresh (refuses a directory that already holds checkpoints)."""
+    heldout_prompts: int = 200
+    """Held-out prompts scored (greedy) after SFT and after RL; 0 = skip."""
+    heldout_every: int = 0
+    """Also score the held-out set every this many RL steps (0 = only after SFT and at the end)."""
+    on_nan: str = "stop"
+    """A non-finite loss or grad norm: stop (the step is not applied, no checkpoint is written,
+    the run exits with an error) or skip (the step is dropped and the run goes on)."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("{p}name must not be empty")
-        _check_non_negative(self, ("seed",))
+        _check_choice("mode", self.mode, ("rl", "sft"))
+        _check_choice("resume", self.resume, ("auto", "never"))
+        _check_choice("on_nan", self.on_nan, ("stop", "skip"))
+        _check_non_negative(self, ("seed", "steps", "checkpoint_every", "heldout_prompts", "heldout_every"))
+        _check_positive(self, ("prompts_per_step", "keep_checkpoints"))
 
 
 @dataclass(kw_only=True)
@@ -409,9 +438,28 @@ class RolloutConfig:
     """GPUs per node, for both sides: decides which weight transfers stay inside a node."""
     dtype: str = "bfloat16"
     """Weight dtype on the wire: bfloat16, float16 or float32."""
+    n: int = 8
+    """Responses sampled per prompt (the group of GRPO-style estimators)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts (held-out scoring is greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    max_total_tokens: int = 8192
+    """KV-cache capacity of each engine, in tokens."""
+    sync_route: str = "sliced"
+    """Weight push: sliced (each engine rank receives its reshard-plan share) or full (every rank
+    receives every tensor; the baseline)."""
 
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ROLLOUT_ENGINES)
+        _check_choice("sync_route", self.sync_route, ("sliced", "full"))
+        _check_positive(self, ("n", "max_total_tokens"))
+        if not 0.0 <= self.temperature:
+            raise ConfigError("{p}temperature={t} must be >= 0", t=self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("{p}top_p={t} must be in (0, 1]", t=self.top_p)
         _check_choice("placement", self.placement, ROLLOUT_PLACEMENTS)
         _check_choice("dtype", self.dtype, ROLLOUT_DTYPES)
         _check_positive(self, ("tp", "ep", "moe_dp", "dp_size", "num_replicas", "gpus_per_node"))
@@ -465,6 +513,193 @@ def _rollout_error(error: ValueError) -> ConfigError:
     return ConfigError(re.sub(r"\bsglang\.", "{p}", template))
 
 
+ALGORITHMS = ("ppo", "grpo", "dapo", "vapo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+              "remax", "gspo", "gpg", "cispo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """The RL algorithm: which graph runs, and the knobs of its estimator and losses.
+
+    ``name`` picks a registered algorithm (``hybridflow.algorithms``); it fixes the advantage
+    estimator, the policy loss and which roles run. The fields below tune them; a field an
+    algorithm does not use is ignored (``hybridflow plan`` prints what is used).
+    """
+
+    name: str = "grpo"
+    """Registered algorithm: ppo, grpo, dapo, vapo, rloo, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, remax, gspo, gpg, cispo."""
+    adv_estimator: Optional[str] = None
+    """Override the algorithm's advantage estimator (a name in the estimator registry)."""
+    policy_loss: Optional[str] = None
+    """Override the algorithm's policy loss (a name in the policy-loss registry)."""
+    loss_agg_mode: Optional[str] = None
+    """Override how token losses are averaged: token-mean, seq-mean-token-sum,
+    seq-mean-token-mean or seq-mean-token-sum-norm (None = the algorithm's own)."""
+    clip_ratio_low: float = 0.2
+    """PPO ratio clip below 1 (1 - clip_ratio_low)."""
+    clip_ratio_high: Optional[float] = None
+    """PPO ratio clip above 1; None = clip_ratio_low (DAPO's clip-higher sets 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (> 1)."""
+    gamma: float = 1.0
+    """Discount of GAE-style estimators."""
+    lam: float = 1.0
+    """GAE lambda of the actor's advantages."""
+    critic_lam: Optional[float] = None
+    """GAE lambda of the critic's returns; None = lam (VAPO decouples them: 1.0)."""
+    length_adaptive_lam_alpha: Optional[float] = None
+    """VAPO: the actor's lambda per sequence = 1 - 1 / (alpha * response length); None = off."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred rewards by the group's std (false = Dr. GRPO)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL(actor || reference) term in the policy loss; > 0 needs the reference."""
+    kl_reward_coef: float = 0.0
+    """Weight of the KL penalty subtracted from token rewards; > 0 needs the reference."""
+    kl_type: str = "low_var_kl"
+    """KL estimator: k1, abs, mse (= k2), low_var_kl (= k3)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight in the policy loss."""
+    lm_loss_coef: float = 0.0
+    """VAPO positive-example LM loss weight (negative log-likelihood of correct samples)."""
+    value_clip: float = 0.5
+    """Critic value clipping around the old values."""
+    value_pretrain_steps: int = 0
+    """VAPO: critic-only steps before the actor starts updating."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    mini_batches: int = 1
+    """Optimizer updates per pass (the step's samples split into this many mini-batches)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop prompt groups whose rewards are all equal and keep sampling until the batch
+    is full (at most max_sampling_rounds)."""
+    max_sampling_rounds: int = 3
+    """DAPO dynamic sampling: generation rounds per step before training on what was kept."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: linear penalty over the last this many tokens of the budget."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong shaping: the penalty at the full budget."""
+    pf_ppo: Optional[str] = None
+    """PF-PPO reweighting of samples by reward: pow, max_min or max_random; None = off."""
+    pf_ppo_weight_pow: float = 2.0
+    """PF-PPO pow mode's exponent."""
+
+    def __post_init__(self) -> None:
+        _check_choice("name", self.name, ALGORITHMS)
+        if self.loss_agg_mode is not None:
+            _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice("kl_type", self.kl_type, KL_TYPES)
+        if self.pf_ppo is not None:
+            _check_choice("pf_ppo", self.pf_ppo, ("pow", "max_min", "max_random"))
+        _check_positive(self, ("ppo_epochs", "mini_batches", "max_sampling_rounds", "clip_ratio_low"))
+        _check_non_negative(self, ("kl_loss_coef", "kl_reward_coef", "entropy_coef", "lm_loss_coef",
+                                   "value_pretrain_steps", "overlong_buffer_len", "value_clip"))
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError("{p}{key}={v} must be in [0, 1]", key=key, v=getattr(self, key))
+        if self.clip_ratio_c <= 1.0:
+            raise ConfigError("{p}clip_ratio_c={c} must be > 1 (dual clip bounds the loss at c * |A|)",
+                              c=self.clip_ratio_c)
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip ratio actually used."""
+        return self.clip_ratio_low if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompts for RL (and SFT targets), from parquet or jsonl files.
+
+    One row per prompt, the field's common layout: a ``prompt`` column (a string, or a chat as
+    a list of ``{role, content}``), the verifier's reference answer under ``answer_key`` (dots
+    walk nested columns, e.g. ``reward_model.ground_truth``), optionally ``data_source`` to pick
+    the reward function per row, and an SFT target under ``sft.response_key``.
+    """
+
+    train_files: list[str] = field(default_factory=list)
+    """Training prompts: parquet or jsonl paths. Empty = generate the synthetic ``task``."""
+    heldout_files: list[str] = field(default_factory=list)
+    """Held-out prompts scored after SFT and after RL. Empty = the synthetic task's split."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt."""
+    answer_key: str = "reward_model.ground_truth"
+    """Column holding the reference answer given to the reward function."""
+    apply_chat_template: bool = True
+    """Wrap string prompts as one user turn and apply the tokenizer's chat template."""
+    max_prompt_length: int = 64
+    """Prompts longer than this (in tokens) are bad rows."""
+    max_response_length: int = 16
+    """Generation budget per response (tokens)."""
+    on_bad_row: str = "skip"
+    """A malformed row (missing column, wrong type, too long): skip (logged with file and row) or fail."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by run.seed)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("on_bad_row", self.on_bad_row, ("skip", "fail"))
+        _check_positive(self, ("max_prompt_length", "max_response_length"))
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """A synthetic verifiable task, generated when ``data.train_files`` is empty."""
+
+    name: str = "arithmetic"
+    """Task generator: arithmetic (a+b, a-b with small numbers) or countdown."""
+    train_size: int = 2000
+    """Training prompts generated."""
+    heldout_size: int = 200
+    """Held-out prompts (disjoint from the training ones)."""
+    max_operand: int = 20
+    """Largest operand."""
+    sft_noise: float = 0.5
+    """Fraction of SFT demonstrations carrying a wrong answer: imitation alone then plateaus and
+    the verifier's reward is what RL has to add."""
+
+    def __post_init__(self) -> None:
+        _check_choice("name", self.name, ("arithmetic", "countdown"))
+        _check_positive(self, ("train_size", "heldout_size", "max_operand"))
+        if not 0.0 <= self.sft_noise < 1.0:
+            raise ConfigError("{p}sft_noise={v} must be in [0, 1)", v=self.sft_noise)
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """How a response is scored."""
+
+    function: str = "math"
+    """Reward function: a registered name (math, countdown, exact_match, arithmetic) or a dotted
+    path ``package.module.function`` called as fn(response, answer, **kwargs) -> float."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the reward function."""
+    on_error: str = "zero"
+    """A reward function that raises: zero (reward 0, logged with the sample) or fail."""
+
+    def __post_init__(self) -> None:
+        _check_choice("on_error", self.on_error, ("zero", "fail"))
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    """Supervised fine-tuning: the RL warm-up, or the whole run with ``run.mode=sft``."""
+
+    steps: int = 0
+    """Optimizer steps of SFT before RL (0 = none)."""
+    lr: float = 1e-3
+    """SFT learning rate (constant)."""
+    batch_size: int = 32
+    """Sequences per SFT step (the actor's global batch for SFT)."""
+    response_key: str = "sft_response"
+    """Column holding the SFT target response."""
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, ("steps",))
+        _check_positive(self, ("lr", "batch_size"))
+
+
 @dataclass(kw_only=True)
 class HybridflowConfig:
     """The whole run: model, per-role layouts, rollout engines, training and run settings."""
@@ -483,6 +718,16 @@ class HybridflowConfig:
     """Run name, outputs, seed and tracking."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Inference engines that generate rollouts from the actor's weights."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL algorithm and its estimator / loss settings."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files, columns and length limits."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Synthetic task generated when data.train_files is empty."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm-up / SFT mode."""
 
     def __post_init__(self) -> None:
         for name, layout in enabled_roles(self).items():
