@@ -2,6 +2,7 @@
 
     hybridflow plan CONFIG [key=value ...] [--world-size N] [--no-reshard]
     hybridflow selftest CONFIG [key=value ...] [--steps N]
+    hybridflow train CONFIG [key=value ...]
 
 ``plan`` is a dry run in one process: it loads and validates the config, then prints
 the resolved YAML, the model's parameter counts, each enabled role's layout, the rollout
@@ -61,6 +62,12 @@ def _build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
     selftest.add_argument("--steps", type=int, default=8, metavar="N", help="training steps")
     selftest.set_defaults(handler=_selftest)
+    train = commands.add_parser(
+        "train", help="run the config's job (SFT and/or RL) on every rank under torchrun"
+    )
+    train.add_argument("config", metavar="CONFIG", help="YAML config file")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
+    train.set_defaults(handler=_train)
     return parser
 
 
@@ -106,6 +113,13 @@ def _selftest(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"hybridflow selftest: {nproc} process(es), {cfg.actor.parallel.describe()}", flush=True)
     return subprocess.run(cmd, env=env).returncode
+
+
+def _train(args: argparse.Namespace) -> int:
+    from launch.torchrun import launch_train  # here: keeps `hybridflow plan` import-light
+
+    cfg = load_config(args.config, args.overrides)
+    return launch_train(cfg, args.config, args.overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
