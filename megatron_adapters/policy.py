@@ -71,6 +71,8 @@ class StepResult:
     """Tokens counted by the loss over the global batch."""
     metrics: dict[str, float]
     """Token-weighted means of the loss function's metrics."""
+    applied: bool = True
+    """False when the loss or a gradient was not finite: the optimizer did not step."""
 
 
 def _optimizer_config(train: TrainConfig, params_dtype: torch.dtype) -> OptimizerConfig:
@@ -303,11 +305,27 @@ class MegatronPolicy:
             return self._forward(micro, model), loss
 
         outputs = self._run(micros, step_fn, forward_only=False, collect=False)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not self._grads_finite():
+            # A NaN/inf must never reach the weights (or a checkpoint written after this step).
+            self.optimizer.zero_grad()
+            result = self._step_result(outputs, float("nan"), lr)
+            return dataclasses.replace(result, applied=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         if update_ok:
             self.scheduler.step(increment=1)
         return self._step_result(outputs, grad_norm, lr)
+
+    def _grads_finite(self) -> bool:
+        """Whether every rank's gradients are finite (megatron's fp32 optimizer would apply a NaN)."""
+        bad = torch.zeros(1)
+        for chunk in self.chunks:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                if not torch.isfinite(buffer.grad_data).all():
+                    bad += 1
+        dist.all_reduce(bad)
+        return bad.item() == 0
 
     def _step_result(self, outputs, grad_norm, lr) -> StepResult:
         """Token-weighted metric means over micro-batches and DP ranks, shared with all ranks."""

@@ -134,6 +134,10 @@ class RolloutEngine(Protocol):
         """Replace the engine's weights (engine-specific payload; see each engine)."""
         ...
 
+    def reseed(self, seed: int) -> None:
+        """Seed the sampler; the next generate call then depends only on weights, prompts and seed."""
+        ...
+
     def pause(self) -> None:
         """Stop scheduling new work (in-flight requests are held)."""
         ...

@@ -336,6 +336,10 @@ class HFEngine:
             self._record_experts(rows, router_logits, ids_RS, mask_RS)
 
     @torch.no_grad()
+    def reseed(self, seed: int) -> None:
+        """Reset the generator used by calls without ``SamplingParams.seed``."""
+        self._generator.manual_seed(int(seed))
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """``params.n`` samples of each prompt, prompt-major; all rows decode as one batch."""
         self._check_ready()

@@ -51,7 +51,7 @@ from hybridflow.rollout.base import (
     WeightPushReport,
     register_engine,
 )
-from hybridflow.rollout.sglang import cpu, param_report
+from hybridflow.rollout.sglang import cpu, param_report, rank_seed
 from hybridflow.rollout.sglang.padding import to_engine_layout
 
 __all__ = ["ROUTES", "SGLangEngine", "SGLangStartError"]
@@ -126,7 +126,7 @@ def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tok
     """``sglang.Engine`` keyword arguments; on CPU, the settings seen working in CPU_NOTES."""
     args = dict(
         model_path=model_path, tp_size=tp, ep_size=ep, dtype=dtype, max_total_tokens=max_total_tokens,
-        random_seed=seed, skip_server_warmup=True, custom_weight_loader=[param_report.LOADER],
+        random_seed=seed, skip_server_warmup=True, custom_weight_loader=[param_report.LOADER, rank_seed.LOADER],
         enable_return_routed_experts=routed, enable_deterministic_inference=deterministic, log_level="warning",
         custom_sigquit_handler=_child_failed_at_start,
     )
@@ -416,6 +416,13 @@ class SGLangEngine:
         result = self._engine.update_weights_from_tensor(named_tensors=named, load_format=load_format,
                                                          flush_cache=flush_cache)
         _check_result(result, f"update_weights_from_tensor(load_format={load_format!r})")
+
+    def reseed(self, seed: int) -> None:
+        """Seed every rank's sampling generator (``rank_seed``); the next generate call's samples
+        then depend only on the weights, the prompts and ``seed``."""
+        self._check_open()
+        with self._update_session():
+            self._update([(str(int(seed)), torch.zeros(1))], load_format=rank_seed.LOADER, flush_cache=False)
 
     # control
 

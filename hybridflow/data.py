@@ -1,0 +1,437 @@
+"""RL prompt data: rows read from jsonl / parquet, tokenised prompts, a resumable sampler.
+
+```
+*.jsonl (one JSON object a line) ─┐  read_rows: check each row (prompt, answer, types);
+*.parquet (one row a record)  ────┴─ a bad row is skipped with a warning or is fatal
+                                          │             (data.on_bad_row)
+                                          ▼
+                               PromptRow(uid, prompt, answer, data_source, sft_response, extra)
+                                          │  tokenize_rows: encode_prompts (chat template),
+                                          ▼  too long -> a bad row like above
+                               TokenizedPrompt(row, prompt_ids)
+PromptSampler(n_rows, batch_size, seed).batch(step) -> row indices of RL step ``step``
+```
+
+Rows are named the way an editor shows them: jsonl by **line** (1-based, the number an editor
+shows), parquet by **row** (0-based, the index pyarrow and pandas use). A row's ``uid`` is
+``"<path>:<that number>"``.
+
+``write_jsonl`` / ``write_parquet`` write generated data atomically (a temporary file in the
+same folder, then ``os.replace``), so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config import DataConfig
+from hybridflow.rollout.tokens import encode_prompts
+
+__all__ = [
+    "DATA_SOURCE_KEY",
+    "DataReport",
+    "PromptRow",
+    "PromptSampler",
+    "TokenizedPrompt",
+    "read_rows",
+    "tokenize_rows",
+    "write_atomically",
+    "write_jsonl",
+    "write_parquet",
+]
+
+logger = logging.getLogger(__name__)
+
+DATA_SOURCE_KEY = "data_source"
+"""Column naming the row's origin; a registered reward name there picks the reward function."""
+_MAX_WARNINGS_PER_FILE = 10  # past this, bad rows of a file are counted, not logged one by one
+
+
+# --------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptRow:
+    """One RL prompt with what the verifier and SFT need."""
+
+    uid: str
+    """``"<path>:<line>"`` for jsonl (1-based), ``"<path>:<row>"`` for parquet (0-based)."""
+    prompt: str | list[dict[str, str]]
+    """Raw text, or a chat: a list of ``{"role": ..., "content": ...}``."""
+    answer: Any
+    """The reference answer handed to the reward function (``data.answer_key``)."""
+    data_source: str | None = None
+    """Where the row comes from; a registered reward name here picks the reward function."""
+    sft_response: str | None = None
+    """The SFT target, when ``read_rows`` was given ``sft_key``."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The row's other top-level columns."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizedPrompt:
+    """A prompt row and its token ids (chat template applied when configured)."""
+
+    row: PromptRow
+    """The row the ids come from."""
+    prompt_ids: tuple[int, ...]
+    """Token ids of the prompt, ending in the assistant's turn for chat prompts."""
+
+
+@dataclass(kw_only=True)
+class DataReport:
+    """Counts of what ``read_rows`` kept and skipped, per file (filled in when passed)."""
+
+    kept: dict[str, int] = field(default_factory=dict)
+    """Good rows per file."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Bad rows skipped per file (``data.on_bad_row=skip``)."""
+
+    @property
+    def num_skipped(self) -> int:
+        """Bad rows skipped over all files."""
+        return sum(self.skipped.values())
+
+
+class _BadRow(Exception):
+    """A row check failed; the message is the reason, without the file and row."""
+
+
+# --------------------------------------------------------------------------- readers
+
+
+@dataclass(frozen=True)
+class _Reader:
+    rows: Callable[[Path], Iterator[tuple[int, Any]]]
+    """(number, decoded row or _BadRow) for each row of the file."""
+    unit: str
+    """How a row is named in messages, e.g. "line 3 (1-based)"."""
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue  # blank lines (a trailing newline, spacing) are not rows
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield number, _BadRow(f"invalid JSON ({error.msg} at column {error.colno})")
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq  # only parquet needs pyarrow
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches()
+        index = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                yield index, record
+                index += 1
+    except (OSError, ValueError) as error:  # pyarrow's errors derive from these
+        raise ValueError(f"{path}: not a readable parquet file ({error})") from error
+
+
+_READERS: dict[str, _Reader] = {
+    ".jsonl": _Reader(_jsonl_rows, "line {n} (1-based)"),
+    ".parquet": _Reader(_parquet_rows, "row {n} (0-based)"),
+}
+"""Row readers by file extension."""
+
+
+def _reader(path: Path) -> _Reader:
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        raise ValueError(
+            f"{path}: unsupported data file extension {path.suffix!r}; use one of: {', '.join(_READERS)}"
+        )
+    if not path.is_file():
+        raise ValueError(f"{path}: data file not found; check data.train_files / data.heldout_files")
+    return reader
+
+
+def _where(uid: str) -> str:
+    """``"file.jsonl line 3 (1-based)"`` for a uid ``"file.jsonl:3"``."""
+    path, number = uid.rsplit(":", 1)
+    reader = _READERS.get(Path(path).suffix.lower())
+    unit = reader.unit.format(n=number) if reader else f"row {number}"
+    return f"{path} {unit}"
+
+
+# --------------------------------------------------------------------------- row checks
+
+
+def _lookup(record: Mapping[str, Any], dotted: str) -> Any:
+    """The value under ``a.b.c`` (nested mappings); _BadRow when a level is missing or null."""
+    value: Any = record
+    for depth, part in enumerate(dotted.split(".")):
+        if not isinstance(value, Mapping) or value.get(part) is None:
+            missing = ".".join(dotted.split(".")[: depth + 1])
+            raise _BadRow(f"no value under {missing!r} (reading {dotted!r})")
+        value = value[part]
+    return value
+
+
+def _is_message(message: Any) -> bool:
+    return (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str))
+
+
+def _check_prompt(prompt: Any, key: str) -> str | list[dict[str, str]]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise _BadRow(f"empty prompt in {key!r}")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
+        if not any(m["content"].strip() for m in prompt):
+            raise _BadRow(f"chat prompt in {key!r} has only empty messages")
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise _BadRow(
+        f"{key!r} is of type {type(prompt).__name__}; expected text or a non-empty list of "
+        f"{{'role': str, 'content': str}} messages"
+    )
+
+
+def _optional_str(record: Mapping[str, Any], key: str) -> str | None:
+    value = record.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _BadRow(f"{key!r} is of type {type(value).__name__}; expected text")
+    return value
+
+
+def _sft_response(record: Mapping[str, Any], key: str | None) -> str | None:
+    if key is None:
+        return None
+    value = _optional_str(record, key)
+    if not value:
+        raise _BadRow(f"no SFT response in {key!r} (sft.response_key)")
+    return value
+
+
+def _make_row(uid: str, record: Any, cfg: DataConfig, sft_key: str | None) -> PromptRow:
+    if isinstance(record, _BadRow):
+        raise record
+    if not isinstance(record, Mapping):
+        raise _BadRow(f"a row must be an object of columns, not of type {type(record).__name__}")
+    if record.get(cfg.prompt_key) is None:
+        raise _BadRow(f"no prompt column {cfg.prompt_key!r} (data.prompt_key)")
+    prompt = _check_prompt(record[cfg.prompt_key], cfg.prompt_key)
+    answer = _lookup(record, cfg.answer_key)
+    used = {cfg.prompt_key, cfg.answer_key.split(".")[0], DATA_SOURCE_KEY, sft_key}
+    return PromptRow(
+        uid=uid, prompt=prompt, answer=answer, data_source=_optional_str(record, DATA_SOURCE_KEY),
+        sft_response=_sft_response(record, sft_key),
+        extra={k: v for k, v in record.items() if k not in used},
+    )
+
+
+# --------------------------------------------------------------------------- bad rows
+
+
+class _BadRows:
+    """Applies ``data.on_bad_row`` to the bad rows of one file: log and count, or raise."""
+
+    def __init__(self, source: str, cfg: DataConfig, fix: str) -> None:
+        self.source, self.policy, self.fix = source, cfg.on_bad_row, fix
+        self.count = 0
+
+    def add(self, uid: str, reason: str) -> None:
+        """Record a bad row; raise a ValueError in ``fail`` mode."""
+        if self.policy == "fail":
+            raise ValueError(
+                f"{_where(uid)}: {reason}; {self.fix}, or set data.on_bad_row=skip to skip such rows"
+            )
+        if self.count < _MAX_WARNINGS_PER_FILE:
+            logger.warning("skipping %s: %s", _where(uid), reason)
+        elif self.count == _MAX_WARNINGS_PER_FILE:
+            logger.warning("%s: more bad rows; counting them without a warning each", self.source)
+        self.count += 1
+
+    def summarise(self) -> None:
+        if self.count:
+            logger.warning("%s: skipped %d bad rows", self.source, self.count)
+
+
+def _read_file(path_text: str, cfg: DataConfig, sft_key: str | None,
+               report: DataReport) -> list[PromptRow]:
+    path = Path(path_text)
+    reader = _reader(path)
+    bad = _BadRows(path_text, cfg, "fix the row")
+    rows = []
+    for number, record in reader.rows(path):
+        uid = f"{path_text}:{number}"
+        try:
+            rows.append(_make_row(uid, record, cfg, sft_key))
+        except _BadRow as reason:
+            bad.add(uid, str(reason))
+    bad.summarise()
+    report.kept[path_text], report.skipped[path_text] = len(rows), bad.count
+    if not rows:
+        raise ValueError(
+            f"{path_text}: no usable rows ({bad.count} bad, see the warnings above); check the "
+            f"file and data.prompt_key={cfg.prompt_key!r}, data.answer_key={cfg.answer_key!r}"
+        )
+    return rows
+
+
+def read_rows(paths: Sequence[str | os.PathLike], cfg: DataConfig, *, sft_key: str | None = None,
+              report: DataReport | None = None) -> list[PromptRow]:
+    """The good rows of every file in ``paths`` (``.jsonl`` or ``.parquet``), in file order.
+
+    A malformed row (invalid JSON, missing or empty prompt, missing answer, wrong types, a
+    missing ``sft_key`` when one is asked for) is logged and skipped, or raises a ValueError
+    naming the file and row, as ``cfg.on_bad_row`` says. A missing file, an unsupported
+    extension or a file without one good row is a ValueError. ``report``, when given, receives
+    the kept and skipped counts per file.
+    """
+    if not paths:
+        raise ValueError("no data files given; set data.train_files (or leave it empty for the task)")
+    report = report if report is not None else DataReport()
+    rows = [row for path in paths for row in _read_file(os.fspath(path), cfg, sft_key, report)]
+    logger.info("read %d prompt rows from %d file(s), skipped %d bad rows",
+                len(rows), len(paths), report.num_skipped)
+    return rows
+
+
+# --------------------------------------------------------------------------- tokenising
+
+
+def _as_encodable(prompt: str | list[dict[str, str]], use_chat: bool) -> Any:
+    """What ``encode_prompts`` takes: a chat when templating, else raw text."""
+    if not use_chat:
+        if not isinstance(prompt, str):
+            raise _BadRow("a chat prompt needs a chat template, but data.apply_chat_template is "
+                          "off or the tokenizer has none")
+        return prompt
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool) -> TokenizedPrompt:
+    try:
+        (ids,) = encode_prompts(tokenizer, [_as_encodable(row.prompt, use_chat)])
+    except ValueError as error:  # e.g. a prompt that encodes to no tokens
+        raise _BadRow(str(error)) from error
+    if len(ids) > cfg.max_prompt_length:
+        raise _BadRow(f"the prompt has {len(ids)} tokens, more than "
+                      f"data.max_prompt_length={cfg.max_prompt_length}")
+    return TokenizedPrompt(row=row, prompt_ids=tuple(ids))
+
+
+def tokenize_rows(rows: Sequence[PromptRow], tokenizer,
+                  cfg: DataConfig) -> tuple[list[TokenizedPrompt], int]:
+    """Token ids of each row's prompt, and how many rows were skipped.
+
+    With ``cfg.apply_chat_template`` and a tokenizer that has a chat template, a text prompt
+    becomes one user turn and the template ends in the assistant's turn; otherwise text is
+    encoded as is. A prompt longer than ``cfg.max_prompt_length`` tokens is a bad row handled
+    by ``cfg.on_bad_row``. No prompt left is a ValueError.
+    """
+    use_chat = cfg.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    bad = _BadRows("prompts", cfg, "raise data.max_prompt_length or fix the row")
+    encoded = []
+    for row in rows:
+        try:
+            encoded.append(_encode_row(row, tokenizer, cfg, use_chat))
+        except _BadRow as reason:
+            bad.add(row.uid, str(reason))
+    bad.summarise()
+    if rows and not encoded:
+        raise ValueError(f"all {len(rows)} prompts were bad (see the warnings above); raise "
+                         f"data.max_prompt_length={cfg.max_prompt_length} or check the data")
+    return encoded, bad.count
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+class PromptSampler:
+    """Row indices of each RL step: epochs of seeded shuffles, a pure function of (seed, step).
+
+    Step ``s`` takes positions ``s * batch_size ...`` of the endless sequence made of one
+    permutation of all rows per epoch, so every row comes once per epoch and a resumed run
+    (a new sampler, the same seed) draws the same prompts at the same step.
+    """
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
+        if n_rows < 1:
+            raise ValueError(f"PromptSampler needs at least one row, got n_rows={n_rows}")
+        if batch_size < 1:
+            raise ValueError(f"PromptSampler batch_size={batch_size} must be >= 1")
+        self.n_rows, self.batch_size, self.seed, self.shuffle = n_rows, batch_size, seed, shuffle
+        self._cached: tuple[int, list[int]] | None = None  # the last epoch's permutation
+
+    def epoch(self, step: int) -> int:
+        """The epoch the first prompt of ``step`` belongs to."""
+        return step * self.batch_size // self.n_rows
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._cached is None or self._cached[0] != epoch:
+            order = list(range(self.n_rows))
+            if self.shuffle:
+                # A str seed is hashed (sha512) by random.Random: stable across runs and versions.
+                random.Random(f"hybridflow.data:{self.seed}:{epoch}").shuffle(order)
+            self._cached = (epoch, order)
+        return self._cached[1]
+
+    def batch(self, step: int) -> list[int]:
+        """Row indices for RL step ``step`` (0-based); a batch may run into the next epoch."""
+        if step < 0:
+            raise ValueError(f"PromptSampler.batch step={step} must be >= 0")
+        start = step * self.batch_size
+        positions = range(start, start + self.batch_size)
+        return [self._order(p // self.n_rows)[p % self.n_rows] for p in positions]
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """Call ``write(temporary path)``, then move that file onto ``path`` in one step; return it.
+
+    The temporary file sits in ``path``'s folder (created if needed), so ``os.replace`` is
+    atomic there; it is removed if ``write`` fails.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return path
+
+
+def _plain(row: Any) -> Mapping[str, Any]:
+    return dataclasses.asdict(row) if dataclasses.is_dataclass(row) else row
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> Path:
+    """Write ``rows`` (mappings, or dataclasses) as JSON lines, atomically; return the path."""
+    def write(temporary: str) -> None:
+        with open(temporary, "w", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps(_plain(row), ensure_ascii=False) + "\n")
+
+    return write_atomically(path, write)
+
+
+def write_parquet(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> Path:
+    """Write ``rows`` (mappings, or dataclasses) as one parquet table, atomically; return the path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([_plain(row) for row in rows])
+    return write_atomically(path, lambda temporary: pq.write_table(table, temporary))

@@ -1,0 +1,341 @@
+"""Reward functions: verifiers that score a response against a reference answer.
+
+```
+reward.function  ──┐                      (a row's data_source, when it names a registered
+row data_source  ──┴─ _function_name ──►   reward, wins over reward.function)
+                          │ get_reward: registered name, or dotted path pkg.mod.fn (imported)
+                          ▼
+fn(response, answer, **reward.kwargs) -> float   ── raises / NaN / not a number:
+                          │                          reward.on_error=zero -> 0.0, logged once
+                          ▼                          reward.on_error=fail -> RewardError
+score_responses -> (scores, errors)
+```
+
+Built-ins register by name: ``exact_match``, ``math``, ``arithmetic`` and ``countdown``.
+Nothing here calls ``eval``: countdown equations are parsed with ``ast`` and only a whitelist
+of nodes is evaluated, with exact fractions.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+import math as _math
+import numbers
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+from hybridflow.config import RewardConfig
+
+__all__ = [
+    "RewardError",
+    "RewardFn",
+    "extract_final_answer",
+    "get_reward",
+    "register_reward",
+    "reward_names",
+    "score_responses",
+]
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., float]
+"""``fn(response: str, answer: Any, **kwargs) -> float``."""
+
+_REWARDS: dict[str, RewardFn] = {}
+_SHOWN_CHARS = 120  # response text shown in an error message
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a sample under ``reward.on_error=fail``."""
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering ``fn(response, answer, **kwargs) -> float`` under ``name``."""
+    def register(fn: RewardFn) -> RewardFn:
+        if name in _REWARDS and _REWARDS[name] is not fn:
+            raise ValueError(f"reward function {name!r} is already registered ({_REWARDS[name]!r})")
+        _REWARDS[name] = fn
+        return fn
+
+    return register
+
+
+def reward_names() -> tuple[str, ...]:
+    """Registered reward names, sorted."""
+    return tuple(sorted(_REWARDS))
+
+
+def _import_reward(path: str) -> RewardFn:
+    module_name, _, attribute = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # any import failure is the user's path or module
+        raise ValueError(f"reward.function={path!r}: cannot import module {module_name!r} "
+                         f"({type(error).__name__}: {error})") from error
+    fn = getattr(module, attribute, None)
+    if not callable(fn):
+        found = "nothing" if fn is None else f"a {type(fn).__name__}"
+        raise ValueError(f"reward.function={path!r}: module {module_name!r} has {found} named "
+                         f"{attribute!r}; expected a function fn(response, answer, **kwargs)")
+    return fn
+
+
+def get_reward(name: str) -> RewardFn:
+    """The registered reward ``name``, or the function at dotted path ``pkg.module.fn``."""
+    if name in _REWARDS:
+        return _REWARDS[name]
+    if "." in name.strip("."):
+        return _import_reward(name)
+    raise ValueError(f"reward.function={name!r} is not a registered reward ({', '.join(reward_names())}) "
+                     f"nor a dotted path package.module.function")
+
+
+# --------------------------------------------------------------------------- numbers in text
+
+_NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?"
+_FRAC = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}")
+
+
+def _to_number(text: str) -> Fraction | None:
+    """``text`` as an exact number ("3", "-2.5", "1,000", "3/4", "\\frac{3}{4}"), or None."""
+    cleaned = _FRAC.sub(r"\1/\2", text).replace("$", "").replace("\\!", "").strip().rstrip(".")
+    cleaned = re.sub(r"(?<=\d),(?=\d{3}\b)", "", cleaned).replace(" ", "")
+    try:
+        return Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+|\$", "", text).rstrip(".").lower()
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, braces balanced; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth < 0:
+            return text[begin:index]
+    return None  # unbalanced: no usable answer
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer of a math response: the last ``\\boxed{}``, else what follows the last
+    "answer:" or "####" (to the end of its line), else the last number; None if nothing."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    marked = re.findall(r"(?:answer\s*:|####)\s*([^\n]*)", text, flags=re.IGNORECASE)
+    if marked and marked[-1].strip():
+        return marked[-1].strip()
+    numbers_found = re.findall(_NUMBER, text)
+    return numbers_found[-1] if numbers_found else None
+
+
+def _same_number(a: Fraction, b: Fraction) -> bool:
+    # Exact first; the tolerance only absorbs float noise in answers stored as floats.
+    return a == b or _math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+@register_reward("exact_match")
+def exact_match(response: str, answer: Any, **kwargs: Any) -> float:
+    """1.0 when the response equals ``str(answer)`` up to surrounding whitespace."""
+    return float(response.strip() == str(answer).strip())
+
+
+@register_reward("math")
+def math_reward(response: str, answer: Any, **kwargs: Any) -> float:
+    """1.0 when the response's final answer (see ``extract_final_answer``) matches ``answer``:
+    numerically when both read as numbers (fractions and decimals are exact), else as text
+    without spaces, ``$`` or case."""
+    final = extract_final_answer(response)
+    if final is None:
+        return 0.0
+    got, expected = _to_number(final), _to_number(str(answer))
+    if got is not None and expected is not None:
+        return float(_same_number(got, expected))
+    return float(_normalise(final) == _normalise(str(answer)))
+
+
+@register_reward("arithmetic")
+def arithmetic(response: str, answer: Any, **kwargs: Any) -> float:
+    """1.0 when the first integer in the response equals the integer ``answer``.
+
+    The synthetic arithmetic task trains the tiny model to answer with the number first (its
+    demonstrations are just the number), so the first integer is its answer and whatever it
+    generates after it is ignored; taking the first (not the last, or any) also stops a
+    policy from collecting reward by listing several candidates.
+    """
+    expected = int(str(answer).strip())  # a non-integer answer is bad data: raise
+    found = re.search(r"-?\d+", response)
+    return float(found is not None and int(found.group()) == expected)
+
+
+# --------------------------------------------------------------------------- countdown
+
+_EQUATION_CHARS = re.compile(r"[0-9 +\-*/()]+")
+_MAX_EQUATION_CHARS = 100  # bounds the parser's work on whatever a policy generates
+_OPERATIONS: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
+
+
+def _parse_equation(text: str) -> ast.expr | None:
+    """The expression tree of ``text`` if it uses only integers, + - * / and parentheses."""
+    text = text.strip()
+    if not text or len(text) > _MAX_EQUATION_CHARS or not _EQUATION_CHARS.fullmatch(text):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    return tree if _whitelisted(tree) else None
+
+
+def _whitelisted(node: ast.expr) -> bool:
+    if isinstance(node, ast.BinOp):
+        return type(node.op) in _OPERATIONS and _whitelisted(node.left) and _whitelisted(node.right)
+    return isinstance(node, ast.Constant) and type(node.value) is int
+
+
+def _evaluate(node: ast.expr) -> Fraction:
+    """Value of a whitelisted tree, exactly; ZeroDivisionError on a division by zero."""
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    return _OPERATIONS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+
+
+def _numbers_used(node: ast.expr) -> Counter[int]:
+    return Counter(n.value for n in ast.walk(node) if isinstance(n, ast.Constant))
+
+
+def _equation_text(response: str) -> str | None:
+    """The equation of a response: inside the last <answer></answer> if any, else the response;
+    of its "="-separated sides, the last that parses and has an operator (else the last that
+    parses: a bare number)."""
+    tagged = re.findall(r"<answer>(.*?)</answer>", response, flags=re.DOTALL)
+    sides = [s for s in (tagged[-1] if tagged else response).split("=") if s.strip()]
+    parsed = [(side, _parse_equation(side)) for side in sides]
+    parsed = [(side, tree) for side, tree in parsed if tree is not None]
+    with_operator = [side for side, tree in parsed if isinstance(tree, ast.BinOp)]
+    candidates = with_operator or [side for side, _ in parsed]
+    return candidates[-1] if candidates else None
+
+
+def _countdown_answer(answer: Any) -> tuple[int, Counter[int]]:
+    ok = isinstance(answer, Mapping) and isinstance(answer.get("target"), int) and isinstance(
+        answer.get("numbers"), (list, tuple)) and all(type(n) is int for n in answer["numbers"])
+    if not ok:
+        raise ValueError(f"countdown answer {answer!r} must be {{'target': int, 'numbers': [int, ...]}}")
+    return answer["target"], Counter(answer["numbers"])
+
+
+@register_reward("countdown")
+def countdown(response: str, answer: Any, *, format_score: float = 0.1, **kwargs: Any) -> float:
+    """1.0 when the response's equation uses each of ``answer["numbers"]`` at most once, only
+    + - * / and parentheses, and equals ``answer["target"]``; ``format_score`` when it parses but
+    is wrong (value, numbers, division by zero); 0.0 when there is no equation.
+
+    The equation sits inside ``<answer></answer>`` or is one side of an "=" (see
+    ``_equation_text``): ``(3+5)*2``, ``(3+5)*2 = 16`` and ``16 = (3+5)*2`` all read as
+    ``(3+5)*2``; a claimed result next to it is not checked, the expression is. Integers
+    only, no unary minus: the given numbers are used as they are.
+    """
+    target, allowed = _countdown_answer(answer)
+    text = _equation_text(response)
+    if text is None:
+        return 0.0
+    tree = _parse_equation(text)
+    if _numbers_used(tree) - allowed:  # a number not given, or used more often than given
+        return format_score
+    try:
+        value = _evaluate(tree)
+    except ZeroDivisionError:
+        return format_score
+    return 1.0 if value == target else format_score
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def _function_name(data_source: str | None, cfg: RewardConfig) -> str:
+    """A row's data_source picks its reward when it names a registered one; else reward.function."""
+    return data_source if data_source in _REWARDS else cfg.function
+
+
+def _check_score(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"returned a {type(value).__name__} ({value!r:.40}), not a number")
+    score = float(value)
+    if not _math.isfinite(score):
+        raise ValueError(f"returned a non-finite score {score}")
+    return score
+
+
+def _describe(index: int, name: str, response: str, answer: Any, error: Exception) -> str:
+    shown = response if len(response) <= _SHOWN_CHARS else response[:_SHOWN_CHARS] + "..."
+    return (f"reward {name!r} failed on sample {index} (response {shown!r}, answer {answer!r}): "
+            f"{type(error).__name__}: {error}")
+
+
+class _ErrorLog:
+    """Errors of one scoring call: each distinct error logged once, every sample listed."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        self.policy, self.messages, self.seen = cfg.on_error, [], Counter()
+
+    def add(self, index: int, name: str, response: str, answer: Any, error: Exception) -> None:
+        message = _describe(index, name, response, answer, error)
+        if self.policy == "fail":
+            raise RewardError(f"{message}; fix the function or set reward.on_error=zero") from error
+        key = (name, type(error).__name__, str(error))
+        if not self.seen[key]:
+            logger.warning("%s; scored 0.0 (logged once per distinct error)", message)
+        self.seen[key] += 1
+        self.messages.append(message)
+
+
+def score_responses(
+    responses: Sequence[str], answers: Sequence[Any], data_sources: Sequence[str | None],
+    cfg: RewardConfig,
+) -> tuple[list[float], list[str]]:
+    """Score each response against its answer; return the scores and one message per failure.
+
+    The function is the row's ``data_source`` when that names a registered reward (the
+    synthetic tasks write theirs), else ``cfg.function``; it is called with ``cfg.kwargs``. A
+    function that raises or returns a non-number or a non-finite number gives 0.0 and an
+    error message (each distinct error logged once) under ``cfg.on_error=zero``, and raises a
+    RewardError naming the sample under ``fail``.
+    """
+    if not len(responses) == len(answers) == len(data_sources):
+        raise ValueError(f"score_responses got {len(responses)} responses, {len(answers)} answers "
+                         f"and {len(data_sources)} data sources; they must pair up")
+    names = [_function_name(source, cfg) for source in data_sources]
+    # reward.function is resolved even when every row's data_source overrides it: a typo fails now
+    functions = {name: get_reward(name) for name in {cfg.function, *names}}
+    errors, scores = _ErrorLog(cfg), []
+    for index, (response, answer, name) in enumerate(zip(responses, answers, names)):
+        try:
+            scores.append(_check_score(functions[name](response, answer, **cfg.kwargs)))
+        except Exception as error:  # any failure of user code is reported per sample
+            errors.add(index, name, response, answer, error)
+            scores.append(0.0)
+    return scores, errors.messages

@@ -1,0 +1,92 @@
+"""The Hugging Face model directory the rollout engine starts from.
+
+SGLang starts from a model directory (config, tokenizer, weights) and then only ever receives
+the actor's weights through the reshard plan, so the directory's weights are a placeholder and
+its config must describe exactly the model megatron-core builds. Without a converted checkpoint
+(the quickstart), the run writes one for ``cfg.model`` with the tiny tokenizer:
+
+    cfg.model (ModelConfig) --hf_overrides--> transformers config --make_tiny_model_dir--> dir
+    dir --to_hybridflow_model_config--> ModelConfig  ==  cfg.model ?   (else ValueError per field)
+
+The directory is written under a temporary name and renamed, and reused when it already holds
+the same model (a resumed run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config import ModelConfig
+
+__all__ = ["hf_overrides", "rollout_model_dir"]
+
+logger = logging.getLogger(__name__)
+
+
+def _family_overrides(model: ModelConfig) -> dict[str, Any]:
+    if model.family == "qwen3_moe":
+        return dict(num_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
+                    moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.norm_topk_prob,
+                    attention_bias=model.attention_bias)
+    if model.family == "mixtral":  # its intermediate_size is each expert's
+        return dict(num_local_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
+                    intermediate_size=model.moe_ffn_hidden_size)
+    if model.family in ("llama",):
+        return dict(attention_bias=model.attention_bias)
+    if model.family == "qwen2":
+        return {}
+    raise ValueError(f"model.family={model.family!r}: the run can write a starting model directory for "
+                     "llama, qwen2, qwen3_moe and mixtral only; convert a checkpoint for other families")
+
+
+def hf_overrides(model: ModelConfig) -> dict[str, Any]:
+    """transformers config values that make the tiny family model equal ``model``."""
+    common = dict(
+        hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
+        head_dim=model.kv_channels, intermediate_size=model.ffn_hidden_size,
+        max_position_embeddings=model.max_position_embeddings, rms_norm_eps=model.norm_eps,
+        tie_word_embeddings=model.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+    )
+    return {**common, **_family_overrides(model)}
+
+
+def _mismatches(expected: ModelConfig, got: ModelConfig) -> list[str]:
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    return [f"model.{name}: config {getattr(expected, name)!r}, directory {getattr(got, name)!r}"
+            for name in fields if getattr(expected, name) != getattr(got, name)]
+
+
+def _matches(path: Path, model: ModelConfig) -> bool:
+    from hybridflow.rollout.tiny import to_hybridflow_model_config
+
+    try:
+        return not _mismatches(model, to_hybridflow_model_config(path))
+    except Exception:  # unreadable or foreign directory: rewrite it
+        return False
+
+
+def rollout_model_dir(model: ModelConfig, path: str | os.PathLike, *, seed: int) -> Path:
+    """Write (or reuse) a model directory for ``model`` at ``path``; ValueError if it cannot match."""
+    from hybridflow.rollout.tiny import make_tiny_model_dir, to_hybridflow_model_config
+
+    final = Path(path)
+    if (final / "config.json").is_file() and _matches(final, model):
+        return final
+    staging = final.with_name(final.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    make_tiny_model_dir(staging, model.family, seed=seed, vocab_size=model.vocab_size, **hf_overrides(model))
+    problems = _mismatches(model, to_hybridflow_model_config(staging))
+    if problems:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ValueError("the rollout model directory cannot describe this model: " + "; ".join(problems))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    logger.info("wrote the rollout engine's starting model directory %s", final)
+    return final

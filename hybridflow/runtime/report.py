@@ -1,0 +1,91 @@
+"""The end of a run: ``summary.json``, a reward-curve PNG and a one-screen summary."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hybridflow.runtime.state import RunState, write_json_atomic
+
+__all__ = ["format_summary", "plot_rewards", "summarise", "write_summary"]
+
+logger = logging.getLogger(__name__)
+
+
+def summarise(cfg, state: RunState, *, heldout_after_rl: float | None, wall_seconds: float,
+              extra: dict[str, Any]) -> dict[str, Any]:
+    """The run's headline numbers."""
+    history = state.history
+    first, last = (history[0], history[-1]) if history else ({}, {})
+    return {
+        "run": cfg.run.name,
+        "algorithm": cfg.algorithm.name,
+        "mode": cfg.run.mode,
+        "steps": state.step,
+        "sft_steps": len(state.sft_losses),
+        "sft_loss_first": state.sft_losses[0] if state.sft_losses else None,
+        "sft_loss_last": state.sft_losses[-1] if state.sft_losses else None,
+        "heldout_reward_after_sft": state.heldout_after_sft,
+        "heldout_reward_after_rl": heldout_after_rl,
+        "train_reward_first": first.get("reward/mean"),
+        "train_reward_last": last.get("reward/mean"),
+        "heldout": [list(x) for x in state.heldout],
+        "wall_seconds": wall_seconds,
+        **extra,
+    }
+
+
+def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
+    path = out_dir / "summary.json"
+    write_json_atomic(path, summary)
+    return path
+
+
+def plot_rewards(out_dir: Path, state: RunState) -> Path | None:
+    """Training reward per step and held-out reward points, as ``reward_curve.png``."""
+    if not state.history:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in state.history]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [h.get("reward/mean", float("nan")) for h in state.history], label="train reward (mean)")
+    if state.heldout:
+        ax.plot([s for s, _ in state.heldout], [r for _, r in state.heldout], "o-", label="held-out reward (greedy)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / "reward_curve.png"
+    tmp = out_dir / "reward_curve.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
+
+
+def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
+    """The one-screen summary printed at the end of ``hybridflow train``."""
+    lines = [
+        f"hybridflow train: {summary['run']} ({summary['algorithm']}, mode {summary['mode']})",
+        f"  SFT          {summary['sft_steps']} steps, loss {_fmt(summary['sft_loss_first'])} -> "
+        f"{_fmt(summary['sft_loss_last'])}",
+        f"  RL           {summary['steps']} steps, train reward {_fmt(summary['train_reward_first'])} -> "
+        f"{_fmt(summary['train_reward_last'])}",
+        f"  held-out     after SFT {_fmt(summary['heldout_reward_after_sft'])}, after RL "
+        f"{_fmt(summary['heldout_reward_after_rl'])}",
+        f"  wall time    {summary['wall_seconds']:.0f} s",
+        f"  outputs      {out_dir}/summary.json, reward_curve.png, checkpoints/",
+    ]
+    if summary.get("mlflow_uri"):
+        lines.append(f"  MLflow       run {summary.get('mlflow_run_id')} at {summary['mlflow_uri']}")
+    return "\n".join(lines)

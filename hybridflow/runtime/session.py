@@ -1,0 +1,148 @@
+"""Everything one rank holds during a run, set up in dependency order.
+
+```
+rank 0: task files, model directory  ──barrier──►  every rank reads them
+every rank: tokenizer, prompts (train / held-out), actor (megatron-core, the actor's layout)
+rank 0: SGLang engine (its own scheduler processes), MLflow run
+every rank: EngineSync (the reshard plan from shapes; the engine handle on rank 0 only)
+```
+
+Rank 0 drives the rollout engine and the reward function and broadcasts what they return, so
+every rank sees the same samples and scores; the trainer work runs on every rank under the
+actor's layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.config import HybridflowConfig, TrainConfig
+from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
+from hybridflow.runtime.model_dir import rollout_model_dir
+from hybridflow.runtime.state import RunState
+from hybridflow.runtime.tracking import Tracker
+
+__all__ = ["Session", "broadcast", "build_policy", "start_engine"]
+
+logger = logging.getLogger(__name__)
+
+DRIVER = 0
+
+# torchrun's variables: SGLang's scheduler processes must not take them for their own
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "GROUP_WORLD_SIZE",
+                 "ROLE_NAME", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (pickled over the default group)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=DRIVER)
+    return box[0]
+
+
+def start_engine(cfg: HybridflowConfig, model_dir: Path):
+    """The rollout engine, started from ``model_dir`` (rank 0), without torchrun's variables."""
+    from hybridflow.rollout import make_engine
+
+    saved = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
+    try:
+        if cfg.rollout.engine != "sglang":
+            raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: hybridflow train drives SGLang engines; "
+                             "set rollout.engine=sglang (the hf engine is a test reference)")
+        return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
+                           dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
+                           seed=cfg.run.seed)
+    finally:
+        os.environ.update(saved)
+
+
+def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bool = True):
+    """A megatron-core policy of the actor's model under the actor's layout."""
+    from megatron_adapters.policy import MegatronPolicy
+
+    return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable)
+
+
+@dataclass
+class Session:
+    """One rank's view of a run; see the module docstring."""
+
+    cfg: HybridflowConfig
+    out_dir: Path
+    rank: int
+    tokenizer: Any
+    model_dir: Path
+    train_prompts: list[TokenizedPrompt]
+    heldout_prompts: list[TokenizedPrompt]
+    sft_rows: list[TokenizedPrompt]
+    sampler: PromptSampler
+    state: RunState
+    tracker: Tracker
+    engine: Any = None
+    actor: Any = None
+    reference: Any = None
+    sync: Any = None
+    stop_ids: tuple[int, ...] = ()
+    algo: Any = None
+    """``cfg.algorithm`` with the values the algorithm filled in (e.g. DAPO's clip_ratio_high)."""
+    spec: Any = None
+    """The algorithm's ``AlgorithmSpec`` (estimator, loss, which roles run)."""
+    pg: Any = None
+    """The actor layout's process groups (megatron ``ProcessGroupCollection``)."""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == DRIVER
+
+    def prompt_batch(self, step: int, offset: int = 0) -> list[TokenizedPrompt]:
+        """The prompts of RL step ``step`` (``offset`` > 0: extra draws, e.g. dynamic sampling)."""
+        index = self.sampler.batch(step + offset * 1_000_003)
+        return [self.train_prompts[i] for i in index]
+
+
+def prepare_files(cfg: HybridflowConfig, out_dir: Path) -> tuple[list[str], list[str], Path]:
+    """Data files and model directory (written by rank 0 when generated), the same on every rank."""
+    from hybridflow.tasks import make_task_files
+
+    paths = None
+    if dist.get_rank() == DRIVER:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        train, heldout = list(cfg.data.train_files), list(cfg.data.heldout_files)
+        if not train:
+            t, h = make_task_files(cfg.task, cfg.data, out_dir / "data", seed=cfg.run.seed,
+                                  sft_key=cfg.sft.response_key)
+            train, heldout = [str(t)], heldout or [str(h)]
+        model_dir = rollout_model_dir(cfg.model, out_dir / "model", seed=cfg.run.seed)
+        paths = (train, heldout, model_dir)
+    return broadcast(paths)
+
+
+def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: list[str]):
+    """Tokenised training prompts (with SFT targets when SFT runs) and held-out prompts."""
+    sft_key = cfg.sft.response_key if cfg.sft.steps > 0 or cfg.run.mode == "sft" else None
+    rows = read_rows(train, cfg.data, sft_key=sft_key)
+    prompts, _ = tokenize_rows(rows, tokenizer, cfg.data)
+    held = []
+    if heldout and cfg.run.heldout_prompts > 0:
+        held, _ = tokenize_rows(read_rows(heldout, cfg.data)[: cfg.run.heldout_prompts], tokenizer, cfg.data)
+    return prompts, held
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """End-of-text and end-of-turn ids the responses stop at."""
+    ids = {tokenizer.eos_token_id}
+    for token in ("<|im_end|>", "<|endoftext|>"):
+        found = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(found, int) and found != tokenizer.unk_token_id:
+            ids.add(found)
+    return tuple(sorted(i for i in ids if i is not None))

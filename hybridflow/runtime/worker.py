@@ -1,0 +1,216 @@
+"""``hybridflow train`` on one rank: set up, SFT warm-up, RL, evaluate, report.
+
+    torchrun --nproc-per-node N -m hybridflow.runtime.worker CONFIG [key=value ...]
+
+```
+check the config and graph (before anything heavy)  ──►  resume point (run.resume)
+files, tokenizer, prompts  ──►  SFT (unless done)  ──►  actor (+ reference) from the newest
+checkpoint  ──►  engine (rank 0), first weight sync, held-out score after SFT
+──►  loop.train_rl (checkpoints)  ──►  held-out score after RL  ──►  summary.json, plot, MLflow
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+from hybridflow.algorithms.recipes import algorithm_spec, build_graph, check_roles
+from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
+from hybridflow.data import PromptSampler
+from hybridflow.runtime import report, state as run_state
+from hybridflow.runtime.loop import train_rl
+from hybridflow.runtime.ops import heldout_reward
+from hybridflow.runtime.session import (
+    DRIVER, Session, broadcast, build_policy, load_prompts, prepare_files, start_engine, stop_token_ids,
+)
+from hybridflow.runtime.sft import run_sft, sft_train_config
+from hybridflow.runtime.sync import EngineSync
+from hybridflow.runtime.tracking import Tracker
+
+__all__ = ["main", "run"]
+
+logger = logging.getLogger("hybridflow.train")
+
+
+def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> Path | None:
+    latest = run_state.latest_checkpoint(out_dir)
+    if latest is not None and cfg.run.resume == "never":
+        raise ValueError(f"run.output_dir={out_dir} already holds checkpoints ({latest.name}); set "
+                         "run.resume=auto to continue that run, or pick a new run.name / run.output_dir")
+    return latest
+
+
+def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
+    """Write ``checkpoints/<name>`` completely or not at all (see ``runtime.state``)."""
+    from megatron_adapters import checkpoint
+
+    final = s.out_dir / "checkpoints" / name
+    staging = run_state.staging_dir(final)
+    if s.is_driver:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
+    if s.is_driver:
+        s.state.mlflow_run_id = s.tracker.run_id
+        s.state.wall_seconds = s.extras["wall_before"] + time.time() - s.extras["started"]
+        run_state.save_state(staging, s.state)
+        run_state.publish(staging, final)
+        run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
+    dist.barrier()
+
+
+def _warm_up(s: Session) -> None:
+    """SFT into ``checkpoints/sft`` unless a checkpoint says it is done."""
+    cfg = s.cfg
+    if s.state.sft_done or cfg.sft.steps == 0:
+        return
+    policy = build_policy(cfg, sft_train_config(cfg), s.pg)
+    end_id = s.stop_ids[-1] if s.stop_ids else s.tokenizer.eos_token_id
+    end_id = s.tokenizer.convert_tokens_to_ids("<|im_end|>") if s.tokenizer.chat_template else end_id
+    s.state.sft_losses = run_sft(policy, s.train_prompts, s.tokenizer, steps=cfg.sft.steps,
+                                 batch_size=cfg.sft.batch_size, seed=cfg.run.seed, end_id=end_id,
+                                 row_multiple=cfg.actor.parallel.dp * cfg.train.micro_batch_size,
+                                 on_step=lambda i, r: s.tracker.log_metrics({"sft/loss": r.loss}, step=i))
+    s.state.sft_done = True
+    _save(s, "sft", with_optimizer=False, policy=policy)
+
+
+def _load_actor(s: Session, resume_from: Path | None) -> None:
+    from megatron_adapters import checkpoint
+
+    s.actor = build_policy(s.cfg, s.cfg.train, s.pg)
+    sft = run_state.sft_checkpoint(s.out_dir)
+    if resume_from is not None and resume_from.name != "sft":
+        checkpoint.load(s.actor, resume_from / "actor", with_optimizer=True)
+    elif (sft / "actor").is_dir():
+        checkpoint.load(s.actor, sft / "actor")
+    if s.spec.uses_reference:
+        s.reference = build_policy(s.cfg, s.cfg.train, s.pg, trainable=False)
+        if (sft / "actor").is_dir():
+            checkpoint.load(s.reference, sft / "actor")
+        else:  # no SFT: the reference is the initial actor, which this run's seed rebuilt
+            _copy_weights(s.actor, s.reference)
+
+
+def _copy_weights(source, target) -> None:
+    from megatron_adapters.export import global_named_parameters
+
+    mine = global_named_parameters(target)
+    for name, value in global_named_parameters(source).items():
+        mine[name].copy_(value)
+
+
+def _start_rollout(s: Session) -> None:
+    from megatron_adapters.export import global_named_parameters
+
+    if s.is_driver:
+        s.engine = start_engine(s.cfg, s.model_dir)
+    s.sync = EngineSync(s.cfg, source_params=lambda: global_named_parameters(s.actor), engine=s.engine)
+    s.sync.push()
+
+
+def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg) -> Session:
+    from transformers import AutoTokenizer
+
+    train, heldout, model_dir = prepare_files(cfg, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts, held = load_prompts(cfg, tokenizer, train, heldout)
+    state = run_state.read_state(resume_from) if resume_from else run_state.RunState()
+    rank = dist.get_rank()
+    tracker = Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id)
+    s = Session(cfg=cfg, out_dir=out_dir, rank=rank, tokenizer=tokenizer, model_dir=model_dir,
+                train_prompts=prompts, heldout_prompts=held, sft_rows=prompts,
+                sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
+                state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer), pg=pg)
+    s.spec = algorithm_spec(cfg)
+    filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
+    s.algo = dataclasses.replace(cfg.algorithm, **filled)
+    s.extras.update(started=time.time(), wall_before=state.wall_seconds)
+    return s
+
+
+def _finish(s: Session, heldout_after_rl: float | None) -> dict:
+    wall = s.extras["wall_before"] + time.time() - s.extras["started"]
+    first = s.state.history[0] if s.state.history else {}
+    extra = {"first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
+             "first_step_ppo_kl": first.get("actor/ppo_kl"), "first_step_clipfrac": first.get("actor/clipfrac"),
+             "mlflow_run_id": s.tracker.run_id, "mlflow_uri": getattr(s.tracker, "uri", None),
+             "reward_errors": s.extras.get("reward_errors", 0)}
+    summary = report.summarise(s.cfg, s.state, heldout_after_rl=heldout_after_rl, wall_seconds=wall, extra=extra)
+    if s.is_driver:
+        path = report.write_summary(s.out_dir, summary)
+        plot = report.plot_rewards(s.out_dir, s.state)
+        s.tracker.log_metrics({"heldout/reward_after_rl": heldout_after_rl or 0.0}, step=s.state.step)
+        for artifact in (path, plot):
+            if artifact is not None:
+                s.tracker.log_artifact(artifact)
+        sys.stdout.write(report.format_summary(summary, s.out_dir) + "\n")
+    return summary
+
+
+def run(cfg: HybridflowConfig) -> dict:
+    """The whole job on this rank (every rank of the actor's layout calls it)."""
+    from megatron_adapters import parallel
+
+    spec = algorithm_spec(cfg)
+    check_roles(cfg, spec)
+    build_graph(cfg).validate(set(enabled_roles(cfg)) | {"rollout", "reward", "driver"})
+    out_dir = Path(cfg.run.output_dir)
+    resume_from = broadcast(_resume_point(cfg, out_dir) if dist.get_rank() == DRIVER else None)
+    if dist.get_rank() == DRIVER and resume_from is None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run_state.write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
+    pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
+    s = _session(cfg, out_dir, resume_from, pg)
+    s.tracker.log_params({"algorithm": cfg.algorithm.name, "actor_layout": cfg.actor.parallel.describe(),
+                          "rollout": cfg.rollout.describe(), **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()}})
+    try:
+        _warm_up(s)
+        if cfg.run.mode == "sft":
+            return _finish(s, None)
+        _load_actor(s, resume_from)
+        _start_rollout(s)
+        if s.state.heldout_after_sft is None:
+            s.state.heldout_after_sft = heldout_reward(s)
+            s.state.heldout.append((s.state.step, s.state.heldout_after_sft))
+        train_rl(s, build_graph(cfg), save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
+        summary = _finish(s, heldout_reward(s))
+        s.tracker.close()
+        return summary
+    except BaseException:
+        s.tracker.close(status="FAILED")
+        raise
+    finally:
+        if s.engine is not None:
+            s.engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_adapters import parallel
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(argv[0], argv[1:])
+    parallel.init_default_group()
+    level = logging.INFO if dist.get_rank() == DRIVER else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "alembic", "mlflow.store.db.utils"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        run(cfg)
+    finally:
+        parallel.teardown()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Reward shaping and sample selection on hand-sized inputs."""
+
+import pytest
+import torch
+
+from hybridflow.algorithms.shaping import (
+    PF_PPO_MODES,
+    filter_groups,
+    kl_in_reward,
+    overlong_penalty,
+    pf_ppo_resample,
+    pf_ppo_weights,
+)
+
+NAN = float("nan")
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------- overlong penalty
+
+
+def test_overlong_penalty_by_hand():
+    # budget 10, buffer 4: free up to 6 tokens, then -(length - 6) / 4 * factor, floored at -factor
+    lengths = torch.tensor([5, 6, 8, 10, 12])
+    close(overlong_penalty(lengths, max_response_length=10, buffer_len=4, penalty_factor=1.0),
+          [0.0, 0.0, -0.5, -1.0, -1.0])
+    close(overlong_penalty(lengths, max_response_length=10, buffer_len=4, penalty_factor=2.0),
+          [0.0, 0.0, -1.0, -2.0, -2.0])
+
+
+def test_overlong_penalty_off_and_bad_buffer():
+    close(overlong_penalty(torch.tensor([3, 10]), max_response_length=10, buffer_len=0, penalty_factor=1.0),
+          [0.0, 0.0])
+    with pytest.raises(ValueError, match="overlong_buffer_len"):
+        overlong_penalty(torch.tensor([3]), max_response_length=10, buffer_len=11, penalty_factor=1.0)
+
+
+# ---------------------------------------------------------------- dynamic sampling
+
+
+def test_filter_groups_drops_uniform_and_lone_groups():
+    # group 2 (1, 0) kept; 1 (0, 0) dropped; 3 alone dropped; 4 (1, 1) dropped; 5 (1, 1.5) kept
+    index = torch.tensor([2, 1, 2, 1, 3, 4, 4, 5, 5])
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 5.0, 1.0, 1.0, 1.0, 1.5])
+    assert filter_groups(scores, index).tolist() == [True, False, True, False, False, False, False, True, True]
+
+
+# ---------------------------------------------------------------- PF-PPO
+
+
+def test_pf_ppo_pow_weights():
+    # |1|^2, |-2|^2, 0, 1 -> 1, 4, 0, 1 over 6
+    close(pf_ppo_weights(torch.tensor([1.0, -2.0, 0.0, 1.0]), "pow", pow=2.0), [1 / 6, 4 / 6, 0.0, 1 / 6])
+    close(pf_ppo_weights(torch.tensor([1.0, -2.0, 0.0, 1.0]), "pow", pow=1.0), [0.25, 0.5, 0.0, 0.25])
+    close(pf_ppo_weights(torch.zeros(4), "pow"), [0.25] * 4)  # no preference: uniform
+
+
+def test_pf_ppo_max_min_weights():
+    # max 1 (samples 0, 3) and min -2 (sample 1) share the mass; 0 is dropped
+    close(pf_ppo_weights(torch.tensor([1.0, -2.0, 0.0, 1.0]), "max_min"), [1 / 3, 1 / 3, 0.0, 1 / 3])
+    close(pf_ppo_weights(torch.ones(3), "max_min"), [1 / 3] * 3)
+
+
+def test_pf_ppo_max_random_weights():
+    # the best sample gets half the mass, the other three share the rest
+    close(pf_ppo_weights(torch.tensor([3.0, 1.0, 0.0, 1.0]), "max_random"), [0.5, 1 / 6, 1 / 6, 1 / 6])
+    close(pf_ppo_weights(torch.tensor([2.0, 2.0, 0.0, 0.0]), "max_random"), [0.25] * 4)
+    close(pf_ppo_weights(torch.ones(2), "max_random"), [0.5, 0.5])
+
+
+@pytest.mark.parametrize("mode", PF_PPO_MODES)
+def test_pf_ppo_resample_draws_from_the_weights_reproducibly(mode):
+    scores = torch.tensor([1.0, -2.0, 0.0, 1.0, 0.5, -2.0])
+    first = pf_ppo_resample(scores, mode, torch.Generator().manual_seed(0))
+    second = pf_ppo_resample(scores, mode, torch.Generator().manual_seed(0))
+    assert first.dtype == torch.long and first.shape == (6,)
+    assert torch.equal(first, second)
+    assert torch.equal(first, first.sort().values)
+    support = pf_ppo_weights(scores, mode) > 0
+    assert support[first].all()
+
+
+def test_pf_ppo_resample_frequencies_follow_the_weights():
+    scores = torch.zeros(4000)
+    scores[0] = 1.0  # max_random: sample 0 should take about half the draws
+    drawn = pf_ppo_resample(scores, "max_random", torch.Generator().manual_seed(0))
+    assert 0.45 < (drawn == 0).float().mean() < 0.55
+
+
+def test_pf_ppo_unknown_mode_lists_the_valid_ones():
+    with pytest.raises(ValueError) as error:
+        pf_ppo_weights(torch.ones(2), "best_worst")
+    assert all(mode in str(error.value) for mode in ("pow", "max_min", "max_random"))
+
+
+# ---------------------------------------------------------------- KL in the reward
+
+
+def test_kl_in_reward_by_hand():
+    # k1 KL per token 0.1 0.2 0.3 | 0.4 0.5 (pad); coef 0.5 subtracts half of it; mean KL 1.5 / 5
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, NAN]])
+    ref = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, NAN]])
+    log_prob = (ref + torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0]])).requires_grad_()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    new_rewards, kl_mean = kl_in_reward(rewards, log_prob, ref, mask, 0.5, "k1")
+    close(new_rewards, [[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0]])
+    close(kl_mean, 0.3)
+    assert not new_rewards.requires_grad  # the KL reward is a constant to the policy gradient
