@@ -32,7 +32,17 @@ def train_command(cfg: HybridflowConfig, config_path: str, overrides: Sequence[s
 
 
 def launch_train(cfg: HybridflowConfig, config_path: str, overrides: Sequence[str]) -> int:
-    """Run the job to completion; returns torchrun's exit status."""
+    """Run the job to completion; returns torchrun's exit status.
+
+    What can be checked in this process is, before any rank starts: the algorithm's graph
+    against the enabled roles, and ``run.resume`` against the run directory."""
+    from hybridflow.algorithms.recipes import build_graph
+    from hybridflow.runtime.state import resume_point
+
+    build_graph(cfg)
+    resume_from = resume_point(cfg.run.output_dir, cfg.run.resume)
+    if resume_from is not None:
+        sys.stdout.write(f"hybridflow train: resuming from {resume_from}\n")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = train_command(cfg, config_path, overrides)

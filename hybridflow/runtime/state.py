@@ -129,3 +129,13 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def resume_point(output_dir: str | os.PathLike, resume: str) -> Path | None:
+    """The checkpoint a start continues from under ``run.resume``; ValueError when ``never``
+    meets a directory that already holds checkpoints (nothing of that run is touched)."""
+    latest = latest_checkpoint(output_dir)
+    if latest is not None and resume == "never":
+        raise ValueError(f"run.output_dir={output_dir} already holds checkpoints ({latest.name}); set "
+                         "run.resume=auto to continue that run, or pick a new run.name / run.output_dir")
+    return latest

@@ -40,14 +40,6 @@ __all__ = ["main", "run"]
 logger = logging.getLogger("hybridflow.train")
 
 
-def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> Path | None:
-    latest = run_state.latest_checkpoint(out_dir)
-    if latest is not None and cfg.run.resume == "never":
-        raise ValueError(f"run.output_dir={out_dir} already holds checkpoints ({latest.name}); set "
-                         "run.resume=auto to continue that run, or pick a new run.name / run.output_dir")
-    return latest
-
-
 def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
     """Write ``checkpoints/<name>`` completely or not at all (see ``runtime.state``)."""
     from megatron_adapters import checkpoint
@@ -165,7 +157,7 @@ def run(cfg: HybridflowConfig) -> dict:
     check_roles(cfg, spec)
     build_graph(cfg).validate(set(enabled_roles(cfg)) | {"rollout", "reward", "driver"})
     out_dir = Path(cfg.run.output_dir)
-    resume_from = broadcast(_resume_point(cfg, out_dir) if dist.get_rank() == DRIVER else None)
+    resume_from = broadcast(run_state.resume_point(out_dir, cfg.run.resume) if dist.get_rank() == DRIVER else None)
     if dist.get_rank() == DRIVER and resume_from is None:
         out_dir.mkdir(parents=True, exist_ok=True)
         run_state.write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
