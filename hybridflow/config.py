@@ -648,7 +648,8 @@ class TaskConfig:
     """A synthetic verifiable task, generated when ``data.train_files`` is empty."""
 
     name: str = "arithmetic"
-    """Task generator: arithmetic (a+b, a-b with small numbers) or countdown."""
+    """Task generator: arithmetic (a+b, a-b with small numbers), max (the larger of two numbers)
+    or countdown."""
     train_size: int = 2000
     """Training prompts generated."""
     heldout_size: int = 200
@@ -660,7 +661,7 @@ class TaskConfig:
     the verifier's reward is what RL has to add."""
 
     def __post_init__(self) -> None:
-        _check_choice("name", self.name, ("arithmetic", "countdown"))
+        _check_choice("name", self.name, ("arithmetic", "max", "countdown"))
         _check_positive(self, ("train_size", "heldout_size", "max_operand"))
         if not 0.0 <= self.sft_noise < 1.0:
             raise ConfigError("{p}sft_noise={v} must be in [0, 1)", v=self.sft_noise)

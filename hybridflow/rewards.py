@@ -172,6 +172,7 @@ def math_reward(response: str, answer: Any, **kwargs: Any) -> float:
     return float(_normalise(final) == _normalise(str(answer)))
 
 
+@register_reward("max")
 @register_reward("arithmetic")
 def arithmetic(response: str, answer: Any, **kwargs: Any) -> float:
     """1.0 when the first integer in the response equals the integer ``answer``.

@@ -119,6 +119,24 @@ def _arithmetic_corrupt(item: TaskItem, rng: random.Random) -> str:
 register_task("arithmetic", Task(sample=_arithmetic_sample, corrupt=_arithmetic_corrupt))
 
 
+# --------------------------------------------------------------------------- max
+
+
+def _max_sample(cfg: TaskConfig, rng: random.Random) -> TaskItem:
+    a, b = rng.sample(range(cfg.max_operand + 1), 2)  # distinct: the answer is never ambiguous
+    return TaskItem(question=f"max({a},{b})=", answer=max(a, b), solution=str(max(a, b)))
+
+
+def _max_corrupt(item: TaskItem, rng: random.Random) -> str:
+    # the smaller operand: every wrong demonstration makes the same mistake, so imitation
+    # learns the comparison but the wrong preference, and only the verifier can flip it
+    a, b = (int(x) for x in item.question[4:-2].split(","))
+    return str(min(a, b))
+
+
+register_task("max", Task(sample=_max_sample, corrupt=_max_corrupt))
+
+
 # --------------------------------------------------------------------------- countdown
 
 _COUNTDOWN_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}

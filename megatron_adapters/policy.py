@@ -130,6 +130,7 @@ class MegatronPolicy:
         self.p2p = P2PCommunicator(pp_group=pg_collection.pp, config=self.config)
         self.optimizer = None
         self.scheduler = None
+        self._offloaded = False
         if trainable:
             chunks = self._wrap_ddp(chunks, train)
             self.optimizer = get_megatron_optimizer(
@@ -284,6 +285,8 @@ class MegatronPolicy:
         """One optimizer step on the global batch with ``loss_fn`` (token-averaged)."""
         if self.optimizer is None:
             raise RuntimeError("this policy was built with trainable=False")
+        if self._offloaded:
+            raise RuntimeError("train_step while the training state is offloaded; call restore_training_state()")
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -316,6 +319,37 @@ class MegatronPolicy:
         if update_ok:
             self.scheduler.step(increment=1)
         return self._step_result(outputs, grad_norm, lr)
+
+    # ---------------------------------------------------------------------------- colocation
+
+    def offload_training_state(self) -> None:
+        """Free the gradient buffers and move optimizer state to the host while the colocated
+        engine generates (megatron-core's own RL offload: the buffers' storage is resized to 0,
+        so every ``main_grad`` view stays valid and comes back zeroed)."""
+        if self.optimizer is None or self._offloaded:
+            return
+        on_gpu = torch.cuda.is_available()
+        for chunk in self.chunks:
+            chunk.offload_grad_buffers(synchronize=on_gpu, empty_cache=on_gpu)
+        if on_gpu:  # optimizer state already lives on the host otherwise
+            self.optimizer.offload_to_cpu()
+        self._offloaded = True
+
+    def restore_training_state(self) -> None:
+        """Undo ``offload_training_state`` before the next update."""
+        if self.optimizer is None or not self._offloaded:
+            return
+        on_gpu = torch.cuda.is_available()
+        for chunk in self.chunks:
+            chunk.restore_grad_buffers(synchronize=on_gpu)
+        if on_gpu:
+            self.optimizer.restore_from_cpu()
+        self._offloaded = False
+
+    @property
+    def training_state_offloaded(self) -> bool:
+        """Whether gradients and optimizer state are off the device."""
+        return self._offloaded
 
     def _grads_finite(self) -> bool:
         """Whether every rank's gradients are finite (megatron's fp32 optimizer would apply a NaN)."""

@@ -95,7 +95,15 @@ def _sampling(s: Session, *, greedy: bool = False) -> SamplingParams:
 
 
 def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset: int = 0) -> Rollout:
-    """Generate on rank 0 (engine memory resumed around it), share the samples with every rank."""
+    """Generate on rank 0 and share the samples with every rank.
+
+    Colocated (the 3D-HybridEngine switch): the actor's gradients and optimizer state leave the
+    device and the engine takes its weights and KV cache back for the generation, then the
+    engine releases them for training. On CPU the engine side is a no-op; the actor's gradient
+    buffers are still freed and restored."""
+    colocated = s.cfg.rollout.placement == "colocated"
+    if colocated:
+        s.actor.offload_training_state()
     payload = None
     if s.is_driver:
         s.engine.resume_memory()
@@ -104,6 +112,8 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
         s.engine.release_memory()
         payload = (out.samples, out.seconds)
     samples, seconds = broadcast(payload)
+    if colocated:
+        s.actor.restore_training_state()
     batch = pack_batch(samples, pad_id=s.tokenizer.pad_token_id)
     texts = s.tokenizer.batch_decode([list(x.response_ids) for x in samples], skip_special_tokens=True)
     rows = [prompts[x.prompt_index].row for x in samples]
