@@ -1,14 +1,20 @@
 """The ``hybridflow`` command line.
 
-    hybridflow plan CONFIG [key=value ...] [--world-size N] [--no-reshard]
+    hybridflow plan CONFIG [key=value ...] [--world-size N] [--no-reshard] [--mermaid]
+                                           [--device-memory-gib G]
     hybridflow selftest CONFIG [key=value ...] [--steps N]
     hybridflow train CONFIG [key=value ...]
 
-``plan`` is a dry run in one process: it loads and validates the config, then prints
-the resolved YAML, the model's parameter counts, each enabled role's layout, the rollout
-engines, and the actor -> rollout weight sync planned from shapes (bytes, lower bound,
-gather baseline, simulated time; ``--no-reshard`` skips it). Config errors exit with
-status 2 and a one-line message on stderr.
+``plan`` is a dry run in one process: it loads the config and lowers it
+(``hybridflow.lowering.lower``), which checks everything a run would check before starting a
+process, then prints the resolved YAML followed by, as YAML comments: the model's parameter
+counts, each enabled role's layout, the rollout engines, the algorithm (estimator, loss,
+switches), the dataflow graph, the placement of roles on GPU pools, the stages in order with
+the colocation switches between them, the estimated memory per GPU per phase with its peak
+(against ``--device-memory-gib``, default 80), and the actor -> rollout weight sync planned
+from shapes (bytes, lower bound, gather baseline, simulated time; ``--no-reshard`` skips it).
+``--mermaid`` prints only the graph as a mermaid flowchart. Config errors exit with status 2
+and a one-line message on stderr.
 
 ``selftest`` validates the config here, then starts one process per rank of the actor's
 layout with torchrun (gloo on CPU, NCCL on GPUs) to train the actor a few steps on a synthetic
@@ -23,8 +29,8 @@ from collections.abc import Sequence
 
 from hybridflow import __version__
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
+from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
-from hybridflow.weight_sync import describe_weight_sync
 
 __all__ = ["main"]
 
@@ -54,6 +60,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "--no-reshard", action="store_true",
         help="skip planning the actor -> rollout weight sync (about 1 s for a 671B model)",
     )
+    plan.add_argument(
+        "--mermaid", action="store_true",
+        help="print only the dataflow graph, as a mermaid flowchart",
+    )
+    plan.add_argument(
+        "--device-memory-gib", type=float, default=80.0, metavar="G",
+        help="memory of one GPU that the per-GPU estimate is checked against (default 80)",
+    )
     plan.set_defaults(handler=_plan)
     selftest = commands.add_parser(
         "selftest", help="train the actor a few steps under its layout, checkpoint and reload it"
@@ -71,7 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan_summary(cfg: HybridflowConfig) -> list[str]:
+def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
     counts = count_parameters(cfg.model)
     lines = [
         f"model {cfg.model.family}: {format_count(counts['total'])} parameters "
@@ -82,19 +96,23 @@ def _plan_summary(cfg: HybridflowConfig) -> list[str]:
         vocab = layout.padded_vocab_size(cfg.model)
         lines.append(f"{name}: {layout.describe()}; padded vocab {vocab}")
     lines.append(f"rollout: {cfg.rollout.describe()}")
-    return lines
+    return lines + plan.spec.describe() + plan.describe()
 
 
 def _plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.world_size is not None:
         cfg.actor.parallel.check_world_size(args.world_size, prefix="actor.parallel")
-    lines = _plan_summary(cfg)
-    if not args.no_reshard:
-        lines += describe_weight_sync(cfg)
+    if args.device_memory_gib <= 0:
+        raise ValueError(f"--device-memory-gib={args.device_memory_gib:g} must be > 0")
+    with_reshard = not (args.no_reshard or args.mermaid)
+    plan = lower(cfg, with_reshard=with_reshard, device_memory_gib=args.device_memory_gib)
+    if args.mermaid:
+        print(plan.graph.to_mermaid())
+        return 0
     print(to_yaml(cfg), end="")
     # the summary is printed as YAML comments so the whole output stays loadable
-    print("\n".join(f"# {line}" for line in lines))
+    print("\n".join(f"# {line}" for line in _plan_summary(cfg, plan)))
     return 0
 
 

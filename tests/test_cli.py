@@ -1,6 +1,7 @@
 """The hybridflow command line: help, plan, and config errors as exit status 2."""
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def test_plan_prints_config_layout_and_reshard(capsys, tmp_path):
     assert "name: quickstart_cpu" in out
     assert "output_dir: runs/quickstart_cpu" in out
     layout = "tp=1 pp=1 vpp=1 ep=2 etp=1 cp=1 dp=2 (world 2, expert_dp 1)"
-    assert f"# actor: {layout}; padded vocab 256" in out
+    assert f"# actor: {layout}; padded vocab 384" in out  # vocab 320, padded to 128s
     assert "# rollout: sglang tp=2 ep=1 x1 replicas (2 ranks); colocated" in out
     assert _check_reshard_summary(out) > 1
     resolved = tmp_path / "plan.yaml"  # the summary is comments: the output still loads
@@ -105,3 +106,50 @@ def test_big_configs_plan(name, total, layout, rollout, capsys):
     assert f"# actor: {layout}" in out
     assert f"# rollout: {rollout}" in out
     assert _check_reshard_summary(out) >= 7  # the gather baseline at SGLang tp=8
+
+
+def test_plan_grpo_qwen3_prints_graph_placement_memory_and_reshard(capsys):
+    start = time.process_time()  # CPU time: the test machine's cores are shared
+    assert main(["plan", str(CONFIGS / "grpo_qwen3_235b.yaml")]) == 0
+    assert time.process_time() - start < 20
+    out = capsys.readouterr().out
+    for line in ("# algorithm grpo: GRPO", "#   reference (KL in the loss)",
+                 "# graph grpo (8 nodes, data: prompts, answers):",
+                 "#   ref_logprob [reference] ref_logprob: responses -> ref_logprobs",
+                 "# placement colocated, 128 GPUs:",
+                 "#   colocated: 128 GPUs on 16 nodes, ranks 0-127: actor, reference, rollout, "
+                 "reward, driver",
+                 "#        switch before it: engine KV cache resume",
+                 "# memory per GPU, pool colocated (GiB):"):
+        assert line in out, line
+    peak = re.search(r"#   peak ([\d.]+) GiB \((\w+)\) of 80 GiB: fits", out)
+    assert peak and 40 < float(peak.group(1)) < 80
+    assert _check_reshard_summary(out) > 1
+
+
+def test_plan_mermaid_prints_only_the_graph(capsys):
+    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "--mermaid"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("flowchart TD\n")
+    assert 'node_generate -->|"responses"| node_reward' in out
+    assert "model:" not in out and "# " not in out
+
+
+def test_plan_warns_when_memory_does_not_fit(capsys):
+    assert main(["plan", str(CONFIGS / "grpo_qwen3_235b.yaml"), "--no-reshard",
+                 "--device-memory-gib", "40"]) == 0
+    assert "#   WARNING pool colocated: the training peak" in capsys.readouterr().out
+
+
+def test_role_larger_than_its_pool_exits_2(capsys):
+    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "reference.enabled=true",
+                 "algorithm.kl_loss_coef=0.01", "reference.parallel.dp=4"]) == 2
+    captured = capsys.readouterr()
+    assert "reference.parallel needs tp*pp*cp*dp = 1*1*1*4 = 4 GPUs" in captured.err
+    assert "lower reference.parallel.dp to 2 or less" in captured.err
+    assert captured.out == ""
+
+
+def test_algorithm_without_its_role_exits_2(capsys):
+    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "algorithm.name=ppo"]) == 2
+    assert "set critic.enabled=true" in capsys.readouterr().err

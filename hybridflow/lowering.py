@@ -1,0 +1,406 @@
+"""Lowering: an algorithm's dataflow graph and the config's placement -> an ExecutionPlan.
+
+    cfg ──► build_graph(cfg)      check_roles, check_sampling: the algorithm's roles are on
+     │         │                  and its sampling can feed it; the graph is a valid DAG
+     ├──► place(cfg) ──► Placement           pools of GPUs, roles on pools; layouts fit
+     │         │
+     │         ▼
+     │    graph.validate(placement.roles)    every node's role has a pool
+     │         │
+     │         ▼
+     │    stages: nodes in topological order, each with its pool, ranks, layout and the
+     │            colocation switch that precedes it
+     ├──► pool_memory() per pool ──► MemoryEstimate     (hybridflow.memory)
+     └──► plan_weight_sync(cfg) ──► PlanStats           (optional: with_reshard)
+                       │
+                       ▼
+                ExecutionPlan ──► describe() ──► ``hybridflow plan``
+
+Everything is checked here, before a process starts: the runtime calls
+``lower(cfg, with_reshard=False)`` first, and ``hybridflow plan`` prints the result. Pure: no
+process groups, no CUDA, no I/O.
+
+Placement rules:
+
+- ``rollout.placement=colocated``: one pool of ``actor.parallel.world_size`` GPUs holds the
+  actor, the enabled reference and critic, and the rollout engines (engine rank i on GPU i;
+  the config already checked ``rollout.tp * num_replicas <= world``).
+- ``rollout.placement=separate``: an ``actor`` pool (actor, reference, critic) and a
+  ``rollout`` pool of ``rollout.tp * num_replicas`` GPUs, numbered after the actor's.
+- A model role's layout must fit its pool (``world_size <= pool``, a ValueError naming the
+  role's ``parallel`` keys otherwise). The actor fills its pool by construction; a reference
+  or critic with a smaller layout runs on the pool's first ``world_size`` ranks, and the
+  other ranks skip its nodes.
+- ``reward`` and ``driver`` run on the CPU of every rank of the actor's pool.
+
+Colocation switches (3D-HybridEngine). On a colocated pool each GPU node needs one of three
+memory states: ``generate`` (engine weights and KV cache resident, actor grads, optimizer,
+reference and critic on the host), ``sync`` (engine weights resident to receive the actor's)
+or ``train`` (the engine has released its memory; every model role resident). A stage whose
+node needs another state than the previous GPU node left carries the switch. The step
+repeats, so it starts in the state its last GPU node (``sync_weights``) leaves.
+
+Memory that does not fit the device is a warning, not an error: the estimate errs high.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybridflow.config import HybridflowConfig, enabled_roles
+from hybridflow.graph import DRIVER, Graph, Node
+from hybridflow.memory import MemoryEstimate, pool_memory
+
+if TYPE_CHECKING:
+    from hybridflow.algorithms.recipes import AlgorithmSpec
+    from reshard.stats import Bandwidth, PlanStats
+
+__all__ = ["ExecutionPlan", "Placement", "ResourcePool", "Stage", "WeightSync", "lower", "place"]
+
+logger = logging.getLogger(__name__)
+
+COLOCATED, ACTOR_POOL, ROLLOUT_POOL = "colocated", "actor", "rollout"
+MODEL_ROLES = ("actor", "reference", "critic")
+CPU_ROLES = ("reward", DRIVER)
+GENERATE_OPS = ("generate", "generate_greedy")
+SYNC_OP = "sync_weights"
+
+
+# ----------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcePool:
+    """GPUs that run some roles; ranks are global and contiguous."""
+
+    name: str
+    """colocated, actor or rollout."""
+    num_gpus: int
+    """GPUs in the pool."""
+    gpus_per_node: int
+    """GPUs per node (``rollout.gpus_per_node``)."""
+    first_rank: int
+    """Global rank of the pool's first GPU."""
+    roles: tuple[str, ...]
+    """Roles on the pool, in graph.ROLES order."""
+
+    @property
+    def ranks(self) -> range:
+        """Global ranks of the pool."""
+        return range(self.first_rank, self.first_rank + self.num_gpus)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the pool spans (a pool smaller than a node takes one)."""
+        return -(-self.num_gpus // self.gpus_per_node)
+
+    def describe(self) -> str:
+        """``colocated: 64 GPUs on 8 nodes, ranks 0-63: actor, rollout, reward, driver``."""
+        nodes = "node" if self.num_nodes == 1 else "nodes"
+        return (f"{self.name}: {self.num_gpus} GPUs on {self.num_nodes} {nodes}, "
+                f"{_ranks_text(self.ranks)}: {', '.join(self.roles)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Which pool of GPUs each role runs on."""
+
+    mode: str
+    """rollout.placement: colocated or separate."""
+    pools: tuple[ResourcePool, ...]
+    """The pools, actor's first."""
+    rollout_ranks: int
+    """Engine ranks (rollout.tp * num_replicas); in a colocated pool, its first ones."""
+    role_ranks: tuple[tuple[str, int], ...] = ()
+    """(model role, world size) of roles whose layout is smaller than their pool."""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Every placed role."""
+        return tuple(role for pool in self.pools for role in pool.roles)
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs of all pools."""
+        return sum(pool.num_gpus for pool in self.pools)
+
+    def pool_of(self, role: str) -> ResourcePool:
+        """The pool ``role`` runs on; KeyError naming the placed roles."""
+        for pool in self.pools:
+            if role in pool.roles:
+                return pool
+        raise KeyError(f"role {role!r} is not placed; placed roles: {', '.join(self.roles)}")
+
+    def ranks_of(self, role: str) -> range:
+        """Global ranks running ``role`` (the engine ranks, for rollout)."""
+        pool = self.pool_of(role)
+        count = self.rollout_ranks if role == "rollout" else dict(self.role_ranks).get(role)
+        return pool.ranks if count is None else range(pool.first_rank, pool.first_rank + count)
+
+    def describe(self) -> list[str]:
+        """A header line and one line per pool."""
+        lines = [f"placement {self.mode}, {self.num_gpus} GPUs:"]
+        lines += [f"  {pool.describe()}" for pool in self.pools]
+        partial = [r for r in ("rollout", *dict(self.role_ranks))
+                   if len(self.ranks_of(r)) < self.pool_of(r).num_gpus]
+        lines += [f"  {role} on {_ranks_text(self.ranks_of(role))} of pool "
+                  f"{self.pool_of(role).name} only" for role in partial]
+        return lines
+
+
+def _ranks_text(ranks: range) -> str:
+    """``rank 3`` or ``ranks 0-63``."""
+    return f"rank {ranks.start}" if len(ranks) == 1 else f"ranks {ranks.start}-{ranks.stop - 1}"
+
+
+def _check_fits(cfg: HybridflowConfig, role: str, pool: str, pool_size: int) -> None:
+    layout = enabled_roles(cfg)[role]
+    if layout.world_size <= pool_size:
+        return
+    model_parallel = layout.tp * layout.pp * layout.cp
+    fix = (f"lower {role}.parallel.dp to {pool_size // model_parallel} or less"
+           if model_parallel <= pool_size else
+           f"lower {role}.parallel.tp*pp*cp = {model_parallel} to at most {pool_size}")
+    raise ValueError(
+        f"{role}.parallel needs tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp} = "
+        f"{layout.world_size} GPUs, more than the {pool_size} of the {pool} pool it runs on "
+        f"(actor.parallel's world size); {fix}, or grow actor.parallel"
+    )
+
+
+def place(cfg: HybridflowConfig) -> Placement:
+    """Pools and roles from ``cfg.rollout.placement``; ValueError naming the key that does
+    not fit (see the module docstring for the rules)."""
+    models = tuple(enabled_roles(cfg))
+    world = cfg.actor.parallel.world_size
+    colocated = cfg.rollout.placement == COLOCATED
+    for role in models:
+        _check_fits(cfg, role, COLOCATED if colocated else ACTOR_POOL, world)
+    per_node, ranks = cfg.rollout.gpus_per_node, cfg.rollout.num_ranks
+    if colocated:
+        roles = (*models, "rollout", *CPU_ROLES)
+        pools = (ResourcePool(name=COLOCATED, num_gpus=world, gpus_per_node=per_node,
+                              first_rank=0, roles=roles),)
+    else:
+        pools = (
+            ResourcePool(name=ACTOR_POOL, num_gpus=world, gpus_per_node=per_node, first_rank=0,
+                         roles=(*models, *CPU_ROLES)),
+            ResourcePool(name=ROLLOUT_POOL, num_gpus=ranks, gpus_per_node=per_node,
+                         first_rank=world, roles=("rollout",)),
+        )
+    smaller = tuple((role, layout.world_size) for role, layout in enabled_roles(cfg).items()
+                    if layout.world_size < world)
+    return Placement(mode=cfg.rollout.placement, pools=pools, rollout_ranks=ranks,
+                     role_ranks=smaller)
+
+
+# ----------------------------------------------------------------------- stages
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One node of the graph, placed: where it runs, under which layout, after which switch."""
+
+    node: Node
+    """The graph node."""
+    pool: str
+    """Name of the pool it runs on."""
+    ranks: range
+    """Global ranks that run it."""
+    layout: str
+    """The layout it runs under, as a line."""
+    switch: str | None = None
+    """The colocation switch before it (what moves between GPU and host); None = none."""
+
+    def describe(self, index: int) -> list[str]:
+        """``3. name [role] op on colocated ranks 0-63 (layout)`` and the switch, if any."""
+        node = self.node
+        head = (f"{index}. {node.name} [{node.role}] {node.op} on {self.pool} "
+                f"{_ranks_text(self.ranks)} ({self.layout})")
+        return [head] + ([f"     switch before it: {self.switch}"] if self.switch else [])
+
+
+def _engine_text(cfg: HybridflowConfig) -> str:
+    """The rollout engines in one line, e.g. ``sglang tp=8 ep=8 x8 replicas (64 ranks)``."""
+    rollout = cfg.rollout
+    if rollout.engine == "sglang":
+        return rollout.sglang_settings().describe()
+    return f"{rollout.engine} x{rollout.num_replicas} replicas ({rollout.num_ranks} ranks)"
+
+
+def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
+    layouts = {role: f"megatron {layout.describe()}" for role, layout in
+               enabled_roles(cfg).items()}
+    layouts["rollout"] = _engine_text(cfg)
+    for role in CPU_ROLES:
+        layouts[role] = "CPU, on each of its ranks"
+    return layouts
+
+
+def _node_place(cfg: HybridflowConfig, placement: Placement,
+                node: Node) -> tuple[str, range, str]:
+    """(pool name, ranks, layout line) of ``node``; a weight sync spans both sides."""
+    if node.op == SYNC_OP:
+        actor, engine = placement.ranks_of("actor"), placement.ranks_of("rollout")
+        ranks = range(min(actor.start, engine.start), max(actor.stop, engine.stop))
+        pools = dict.fromkeys([placement.pool_of("actor").name,
+                               placement.pool_of("rollout").name])
+        return ("+".join(pools), ranks,
+                f"actor {cfg.actor.parallel.describe()} -> rollout {_engine_text(cfg)}")
+    layout = _role_layouts(cfg)[node.role]
+    return placement.pool_of(node.role).name, placement.ranks_of(node.role), layout
+
+
+def _mode(node: Node) -> str | None:
+    """What a colocated GPU must hold for ``node``: generate, sync, train, or None (CPU)."""
+    if node.op in GENERATE_OPS or node.role == "rollout":
+        return "generate"
+    if node.op == SYNC_OP:
+        return "sync"
+    return "train" if node.role in MODEL_ROLES else None
+
+
+def _switches(cfg: HybridflowConfig) -> dict[tuple[str, str], str]:
+    """Text of each colocation switch (from mode, to mode)."""
+    others = "".join(f", {role}" for role in enabled_roles(cfg) if role != "actor")
+    offload = f"actor grads+optimizer{others} -> host"
+    onload = f"actor grads+optimizer{others} <- host"
+    return {
+        ("train", "sync"): f"{offload}; engine weights resume",
+        ("train", "generate"): f"{offload}; engine weights+KV cache resume",
+        ("sync", "generate"): "engine KV cache resume",
+        ("generate", "train"): f"engine releases weights+KV cache; {onload}",
+        ("sync", "train"): f"engine releases weights; {onload}",
+    }
+
+
+def _stages(cfg: HybridflowConfig, placement: Placement, graph: Graph) -> tuple[Stage, ...]:
+    order = graph.topological_order()
+    colocated = placement.mode == COLOCATED
+    modes = [_mode(node) for node in order]
+    # the step repeats: what the GPUs hold at its start is what its last GPU node left there
+    current = next((m for m in reversed(modes) if m is not None), None)
+    texts, stages = _switches(cfg), []
+    for node, mode in zip(order, modes):
+        switch = None
+        # generating GPUs also hold what a sync needs: the engine's weights
+        held = (current, "sync") if current == "generate" else (current,)
+        if colocated and mode is not None and mode not in held:
+            switch, current = texts[(current, mode)], mode
+        pool, ranks, layout = _node_place(cfg, placement, node)
+        stages.append(Stage(node=node, pool=pool, ranks=ranks, layout=layout, switch=switch))
+    return tuple(stages)
+
+
+# ----------------------------------------------------------------------- weight sync
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSync:
+    """A sync_weights node and the reshard plan's statistics (None when not planned)."""
+
+    node: str
+    """Name of the sync_weights node."""
+    stats: PlanStats | None
+    """What the actor -> rollout reshard moves; None with ``with_reshard=False``."""
+    seconds: float = 0.0
+    """Time the planner took."""
+
+    bandwidth: Bandwidth | None = None
+    """The link speeds the simulated time assumes."""
+
+    def describe(self) -> list[str]:
+        """A header and ``PlanStats.describe()``; nothing when the sync was not planned."""
+        if self.stats is None:
+            return []
+        bw = self.bandwidth
+        header = (f"weight sync actor -> rollout, planned from shapes in {self.seconds:.2f} s "
+                  f"(node {self.node}; time at {bw.intra_node_gbps:g} GB/s intra-, "
+                  f"{bw.inter_node_gbps:g} GB/s inter-node per rank):")
+        return [header, *self.stats.describe().splitlines()]
+
+
+def _weight_syncs(cfg: HybridflowConfig, graph: Graph,
+                  with_reshard: bool) -> tuple[WeightSync, ...]:
+    nodes = [node.name for node in graph.topological_order() if node.op == SYNC_OP]
+    if not nodes or not with_reshard:
+        return tuple(WeightSync(node=name, stats=None) for name in nodes)
+    from hybridflow.weight_sync import plan_weight_sync  # here: reshard is the slow import
+    from reshard.stats import Bandwidth
+
+    bandwidth = Bandwidth()
+    start = time.perf_counter()
+    _, stats = plan_weight_sync(cfg, bandwidth=bandwidth)
+    seconds = time.perf_counter() - start
+    logger.debug("planned the actor -> rollout weight sync in %.3f s", seconds)
+    return tuple(WeightSync(node=name, stats=stats, seconds=seconds, bandwidth=bandwidth)
+                 for name in nodes)
+
+
+# ----------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutionPlan:
+    """A config lowered: what runs where, in which order, in how much memory."""
+
+    spec: AlgorithmSpec
+    """The algorithm's ``AlgorithmSpec`` (estimator, loss, roles)."""
+    graph: Graph
+    """The dataflow graph of one step."""
+    placement: Placement
+    """Pools of GPUs and the roles on them."""
+    stages: tuple[Stage, ...]
+    """The graph's nodes in topological order, placed."""
+    weight_syncs: tuple[WeightSync, ...]
+    """Every sync_weights node with the reshard plan's statistics."""
+    memory: tuple[MemoryEstimate, ...]
+    """Per-GPU memory of each pool, per phase."""
+
+    def memory_of(self, pool: str) -> MemoryEstimate:
+        """The estimate of pool ``pool``."""
+        return next(m for m in self.memory if m.pool == pool)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every pool's peak fits its device."""
+        return all(m.fits for m in self.memory)
+
+    def describe(self) -> list[str]:
+        """Graph, placement, stages with switches, memory per pool and phase, weight sync."""
+        lines = [f"graph {self.graph.name} ({len(self.graph.nodes)} nodes, data: "
+                 f"{', '.join(self.graph.data_fields) or '-'}):"]
+        lines += [f"  {line}" for line in self.graph.to_text().splitlines()]
+        lines += self.placement.describe()
+        lines.append("stages:")
+        for i, stage in enumerate(self.stages, 1):
+            lines += [f"  {line}" for line in stage.describe(i)]
+        for estimate in self.memory:
+            lines += estimate.describe()
+        for sync in self.weight_syncs:
+            lines += sync.describe()
+        return lines
+
+
+def lower(cfg: HybridflowConfig, *, with_reshard: bool = True,
+          device_memory_gib: float = 80.0) -> ExecutionPlan:
+    """Check and place ``cfg``'s algorithm; ValueError (GraphError for graph faults) naming
+    the key at fault. ``with_reshard=False`` skips planning the weight sync (~1 s at 671B)."""
+    from hybridflow.algorithms.recipes import algorithm_spec, build_graph
+
+    graph = build_graph(cfg)  # check_roles, check_sampling, then validates the graph
+    spec = algorithm_spec(cfg)
+    placement = place(cfg)
+    graph.validate(placement.roles)  # every node's role has a pool
+    memory = tuple(pool_memory(cfg, pool.roles, pool=pool.name,
+                               device_memory_gib=device_memory_gib)
+                   for pool in placement.pools)
+    for estimate in memory:
+        if not estimate.fits:
+            logger.warning("%s", estimate.warning())
+    return ExecutionPlan(spec=spec, graph=graph, placement=placement,
+                         stages=_stages(cfg, placement, graph),
+                         weight_syncs=_weight_syncs(cfg, graph, with_reshard), memory=memory)
