@@ -8,4 +8,4 @@ test:
 	.venv/bin/python -m pytest
 
 quickstart:
-	.venv/bin/hybridflow selftest configs/quickstart_cpu.yaml
+	.venv/bin/hybridflow train configs/quickstart_cpu.yaml

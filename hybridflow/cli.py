@@ -4,6 +4,12 @@
                                            [--device-memory-gib G]
     hybridflow selftest CONFIG [key=value ...] [--steps N]
     hybridflow train CONFIG [key=value ...]
+    hybridflow launch CONFIG [key=value ...] --nnodes N --nproc-per-node G [--node-rank R]
+                             [--rdzv-endpoint HOST:PORT] [--max-restarts K] ...
+    hybridflow slurm CONFIG [key=value ...] --nodes N --gpus-per-node G [--partition P --account A
+                            --time T --qos Q --cpus-per-task C ...] [--submit | --dry-run]
+    hybridflow convert hf-to-mcore --hf DIR --out DIR [--tp --pp --vpp --ep --etp] [--dtype D]
+    hybridflow convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype D]
 
 ``plan`` is a dry run in one process: it loads the config and lowers it
 (``hybridflow.lowering.lower``), which checks everything a run would check before starting a
@@ -22,19 +28,33 @@ task, checkpoint it and reload it (``megatron_adapters/selftest.py``).
 """
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
+from argparse import SUPPRESS
 from collections.abc import Sequence
 
 from hybridflow import __version__
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
+from hybridflow.convert import DEFAULT_BUFFER_BYTES, DEFAULT_SHARD_BYTES
 from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
+from launch.multinode import LaunchSpec
+from launch.slurm import SlurmJob
 
 __all__ = ["main"]
 
 EXIT_CONFIG_ERROR = 2
+
+
+def _field_defaults(cls: type, names: Sequence[str]) -> dict[str, object]:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name in names}
+
+
+# launch / slurm options left out on the command line keep these dataclass defaults
+LAUNCH_DEFAULTS = _field_defaults(LaunchSpec, ("rdzv_id", "max_restarts", "rdzv_wait_s", "join_timeout_s"))
+SLURM_DEFAULTS = _field_defaults(SlurmJob, ("rdzv_port", "max_restarts", "signal_lead_s"))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -82,7 +102,70 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", metavar="CONFIG", help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
     train.set_defaults(handler=_train)
+    _add_launch_parser(commands)
+    _add_slurm_parser(commands)
+    _add_convert_parser(commands)
     return parser
+
+
+def _add_launch_parser(commands) -> None:
+    launch = commands.add_parser(
+        "launch", help="run the job on one node of several: torchrun with a c10d rendezvous"
+    )
+    launch.add_argument("config", metavar="CONFIG", help="YAML config file")
+    launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
+    launch.add_argument("--nnodes", type=int, required=True, metavar="N", help="nodes in the job")
+    launch.add_argument("--nproc-per-node", type=int, required=True, metavar="G",
+                        help="ranks on each node (one per GPU); N*G must fill the actor's layout")
+    launch.add_argument("--node-rank", type=int, default=None, metavar="R",
+                        help="this node's index; 0 hosts the rendezvous (default: whether HOST is this machine)")
+    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="rendezvous on the first node; required with --nnodes > 1")
+    launch.add_argument("--rdzv-id", default=SUPPRESS, metavar="ID",
+                        help=f"job id shared by all nodes of the job (default {LAUNCH_DEFAULTS['rdzv_id']})")
+    launch.add_argument("--max-restarts", type=int, default=SUPPRESS, metavar="K",
+                        help="restart all workers up to K times after a failure; they resume "
+                             f"(default {LAUNCH_DEFAULTS['max_restarts']})")
+    launch.add_argument("--rdzv-wait-s", type=float, default=SUPPRESS, metavar="S",
+                        help="seconds a node waits for the rendezvous endpoint to answer "
+                             f"(default {LAUNCH_DEFAULTS['rdzv_wait_s']:g})")
+    launch.add_argument("--join-timeout-s", type=float, default=SUPPRESS, metavar="S",
+                        help=f"seconds torchrun waits for all nodes to join (default {LAUNCH_DEFAULTS['join_timeout_s']:g})")
+    launch.set_defaults(handler=_launch)
+
+
+def _add_slurm_parser(commands) -> None:
+    slurm = commands.add_parser(
+        "slurm", help="write the run's sbatch script (srun + torchrun per node, requeue-safe); --submit it"
+    )
+    slurm.add_argument("config", metavar="CONFIG", help="YAML config file")
+    slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
+    slurm.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes to allocate")
+    slurm.add_argument("--gpus-per-node", type=int, required=True, metavar="G",
+                       help="GPUs per node, one rank each; 0 for a CPU job (no GPU requested)")
+    slurm.add_argument("--nproc-per-node", type=int, default=None, metavar="P",
+                       help="ranks per node (default: G, or on CPU the actor's ranks / N)")
+    for name, example in (("partition", "gpu"), ("account", "proj123"), ("time", "04:00:00"),
+                          ("qos", "high"), ("mem", "0")):
+        slurm.add_argument(f"--{name}", default=None, metavar=name.upper(), help=f"#SBATCH --{name}, e.g. {example}")
+    slurm.add_argument("--cpus-per-task", type=int, default=None, metavar="C",
+                       help="CPUs per node for its torchrun and ranks")
+    slurm.add_argument("--job-name", default=None, metavar="NAME", help="default: hybridflow-<run.name>")
+    slurm.add_argument("--rdzv-port", type=int, default=SUPPRESS, metavar="PORT",
+                       help=f"rendezvous port on the first node (default {SLURM_DEFAULTS['rdzv_port']})")
+    slurm.add_argument("--max-restarts", type=int, default=SUPPRESS, metavar="K",
+                       help=f"torchrun restarts within one allocation (default {SLURM_DEFAULTS['max_restarts']})")
+    slurm.add_argument("--signal-lead-s", type=int, default=SUPPRESS, metavar="S",
+                       help="requeue the job this many seconds before its time limit "
+                            f"(default {SLURM_DEFAULTS['signal_lead_s']})")
+    slurm.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                       help="export NAME=VALUE in the script (repeatable)")
+    slurm.add_argument("--sbatch-option", action="append", default=[], metavar="--OPT=VAL",
+                       help="one more #SBATCH option, given as --sbatch-option=--constraint=h100 (repeatable)")
+    mode = slurm.add_mutually_exclusive_group()
+    mode.add_argument("--submit", action="store_true", help="also sbatch the script and print the job id")
+    mode.add_argument("--dry-run", action="store_true", help="only print the script; write nothing")
+    slurm.set_defaults(handler=_slurm)
 
 
 def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
@@ -138,6 +221,114 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     return launch_train(cfg, args.config, args.overrides)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from launch.multinode import launch
+
+    spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, **_given(args, LAUNCH_DEFAULTS))
+    cfg = load_config(args.config, args.overrides)
+    return launch(cfg, spec, args.config, args.overrides)
+
+
+def _given(args: argparse.Namespace, defaults: dict[str, object]) -> dict[str, object]:
+    """The options of ``defaults`` given on the command line (the rest keep the dataclass default)."""
+    return {name: getattr(args, name) for name in defaults if hasattr(args, name)}
+
+
+def _env_pairs(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    pairs = tuple(item.partition("=")[::2] for item in items)
+    for item, (name, _) in zip(items, pairs):
+        if "=" not in item or not name:
+            raise ValueError(f"--env {item!r} must look like NAME=VALUE")
+    return pairs
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    from launch import slurm
+
+    cfg = load_config(args.config, args.overrides)
+    job = slurm.SlurmJob(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        nproc_per_node=slurm.nproc_per_node(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                            requested=args.nproc_per_node),
+        job_name=args.job_name or f"hybridflow-{cfg.run.name}", partition=args.partition, account=args.account,
+        time=args.time, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem, env=_env_pairs(args.env),
+        extra_directives=tuple(args.sbatch_option), **_given(args, SLURM_DEFAULTS))
+    run_dir, text = slurm.sbatch_for_run(cfg, job, config=args.config, overrides=args.overrides)
+    print(text, end="")
+    if args.dry_run:
+        return 0
+    path = slurm.write_script(text, run_dir)
+    # status lines are comments, so the whole output stays a valid script
+    print(f"# written to {path}", flush=True)
+    if args.submit:
+        job_id = slurm.submit(path)
+        print(f"# submitted batch job {job_id}; log: {run_dir / 'logs'}/slurm-{job_id}.out")
+    return 0
+
+
+def _byte_size(text: str) -> int:
+    """``1073741824``, ``256M`` or ``1G`` (binary units) as a positive number of bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit() or int(digits) * scale < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (e.g. 1073741824, 256M, 1G)")
+    return int(digits) * scale
+
+
+def _add_convert_options(parser: argparse.ArgumentParser, dtype_help: str) -> None:
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (written as DIR.tmp, then renamed)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help=dtype_help)
+    parser.add_argument("--buffer-bytes", type=_byte_size, default=DEFAULT_BUFFER_BYTES, metavar="N",
+                        help=f"tensor data held in memory at a time (default {DEFAULT_BUFFER_BYTES >> 20}M)")
+    parser.add_argument("--checksums", action="store_true",
+                        help="also verify the CRC32 of every tensor by reading the output back")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+
+
+def _add_convert_parser(commands) -> None:
+    convert = commands.add_parser("convert", help="convert checkpoints between Hugging Face and megatron-core")
+    directions = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    to_mcore = directions.add_parser("hf-to-mcore", help="Hugging Face safetensors -> megatron-core torch_dist")
+    to_mcore.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face model directory")
+    for axis, text in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"),
+                       ("ep", "expert"), ("etp", "expert tensor")):
+        to_mcore.add_argument(f"--{axis}", type=int, default=1, metavar="N",
+                              help=f"{text}-parallel size the checkpoint is for (checked against the model)")
+    _add_convert_options(to_mcore, "store tensors in this dtype (default: as in the HF files)")
+    to_mcore.set_defaults(handler=_convert_hf_to_mcore)
+    to_hf = directions.add_parser("mcore-to-hf", help="megatron-core torch_dist -> Hugging Face safetensors")
+    to_hf.add_argument("--mcore", required=True, metavar="DIR", help="megatron-core checkpoint directory")
+    to_hf.add_argument("--hf-config", default=None, metavar="DIR",
+                       help="HF directory whose config.json and tokenizer to use (default: the ones "
+                            "hf-to-mcore stored in the checkpoint)")
+    to_hf.add_argument("--shard-bytes", type=_byte_size, default=DEFAULT_SHARD_BYTES, metavar="N",
+                       help=f"largest safetensors shard (default {DEFAULT_SHARD_BYTES >> 20}M)")
+    _add_convert_options(to_hf, "write tensors in this dtype (default: as stored)")
+    to_hf.set_defaults(handler=_convert_mcore_to_hf)
+
+
+def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
+    from megatron_adapters.convert import hf_to_mcore  # here: keeps other commands torch-free
+
+    report = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+                         dtype=args.dtype, buffer_bytes=args.buffer_bytes, checksums=args.checksums,
+                         overwrite=args.overwrite)
+    print("\n".join(report.lines()))
+    return 0
+
+
+def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
+    from megatron_adapters.convert import mcore_to_hf
+
+    report = mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, dtype=args.dtype,
+                         buffer_bytes=args.buffer_bytes, shard_bytes=args.shard_bytes,
+                         checksums=args.checksums, overwrite=args.overwrite)
+    print("\n".join(report.lines()))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from hybridflow.config import HybridflowConfig
 
-__all__ = ["launch_train", "train_command"]
+__all__ = ["launch_train", "preflight", "train_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +31,35 @@ def train_command(cfg: HybridflowConfig, config_path: str, overrides: Sequence[s
             "-m", "hybridflow.runtime.worker", config_path, *overrides]
 
 
-def launch_train(cfg: HybridflowConfig, config_path: str, overrides: Sequence[str]) -> int:
-    """Run the job to completion; returns torchrun's exit status.
+def check_runtime_support(cfg: HybridflowConfig) -> None:
+    """What ``hybridflow plan`` accepts but this version's runtime does not run (yet)."""
+    if cfg.reference.enabled and cfg.reference.parallel != cfg.actor.parallel:
+        raise ValueError("reference.parallel differs from actor.parallel: the runtime builds the reference on the "
+                         "actor's ranks under the actor's layout; set reference.parallel=${actor.parallel}")
+    if cfg.critic.enabled and cfg.critic.parallel != cfg.actor.parallel:
+        raise ValueError("critic.parallel differs from actor.parallel: the runtime builds the critic on the "
+                         "actor's ranks under the actor's layout; set critic.parallel=${actor.parallel}")
+    if cfg.rollout.placement != "colocated":
+        raise ValueError("rollout.placement=separate: the runtime drives colocated engines only in this version; "
+                         "set rollout.placement=colocated")
 
-    What can be checked in this process is, before any rank starts: the algorithm's graph
-    against the enabled roles, and ``run.resume`` against the run directory."""
-    from hybridflow.algorithms.recipes import build_graph
+
+def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
+    """What can be checked in this process before any rank starts: the algorithm's graph
+    against the enabled roles and placement, and ``run.resume`` against the run directory."""
+    from hybridflow.lowering import lower
     from hybridflow.runtime.state import resume_point
 
-    build_graph(cfg)
+    lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
+    check_runtime_support(cfg)
     resume_from = resume_point(cfg.run.output_dir, cfg.run.resume)
     if resume_from is not None:
-        sys.stdout.write(f"hybridflow train: resuming from {resume_from}\n")
+        sys.stdout.write(f"hybridflow {command}: resuming from {resume_from}\n")
+
+
+def launch_train(cfg: HybridflowConfig, config_path: str, overrides: Sequence[str]) -> int:
+    """Run the job to completion after ``preflight``; returns torchrun's exit status."""
+    preflight(cfg)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = train_command(cfg, config_path, overrides)

@@ -125,7 +125,7 @@ class MegatronPolicy:
         self.layout = layout
         self.train_config = train
         self.pg = pg_collection
-        chunks = build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection)
+        chunks = self._build_chunks(model, layout, params_dtype, pg_collection)
         self.config = chunks[0].config
         self.p2p = P2PCommunicator(pp_group=pg_collection.pp, config=self.config)
         self.optimizer = None
@@ -143,6 +143,11 @@ class MegatronPolicy:
             self.config.finalize_model_grads_func = finalize_model_grads
             self.config.grad_scale_func = self.optimizer.scale_loss
         self.chunks = chunks
+
+    def _build_chunks(self, model: ModelConfig, layout: ParallelLayout, params_dtype: torch.dtype,
+                      pg_collection: ProcessGroupCollection) -> list:
+        """The GPTModel chunks of this rank (the critic swaps the LM head for a value head)."""
+        return build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection)
 
     def _wrap_ddp(self, chunks, train: TrainConfig) -> list[DistributedDataParallel]:
         ddp_config = DistributedDataParallelConfig(

@@ -117,3 +117,15 @@ def test_resume_never_refuses_a_run_directory_with_checkpoints(full_run: Path) -
     result = _train(full_run, "run.resume=never")
     assert result.returncode == 2
     assert "run.resume=auto" in result.stderr and "checkpoints" in result.stderr
+
+
+def test_ppo_trains_a_critic(tmp_path: Path) -> None:
+    """PPO runs end to end: the critic (value head on the actor's model) is trained beside the actor."""
+    out = tmp_path / "ppo"
+    _ok(_train(out, "algorithm.name=ppo", "critic.enabled=true", "run.steps=2", "sft.steps=2",
+               "run.checkpoint_every=0"))
+    history = _history(out, "step_000002")
+    for h in history:
+        assert h["critic/vf_loss"] > 0 and h["critic/grad_norm"] > 0, h
+        assert h["rollout/logprob_diff_max"] < LOGPROB_TOL
+    assert (out / "checkpoints" / "step_000002" / "critic").is_dir()

@@ -365,15 +365,23 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
     ``vf_clipfrac`` is the fraction of masked tokens where the clipped term is the larger.
     """
+    loss_mat, metrics = value_loss_terms(values, old_values, returns, response_mask, clip=clip)
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, max_response_length=max_response_length)
+    return loss, metrics
+
+
+def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                     response_mask: torch.Tensor, *, clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``value_loss`` before aggregation: the per-token loss ``[B, T]`` and ``vf_clipfrac``
+    (for callers that aggregate across micro-batches with ``agg_parts``)."""
     values = zero_padding(values, response_mask)
     old_values = zero_padding(old_values.detach(), response_mask)
     returns = zero_padding(returns.detach(), response_mask)
     clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
-    loss_mat = 0.5 * torch.maximum(unclipped_error, clipped_error)
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, max_response_length=max_response_length)
-    return loss, {"vf_clipfrac": _fraction(clipped_error > unclipped_error, response_mask)}
+    loss_mat = zero_padding(0.5 * torch.maximum(unclipped_error, clipped_error), response_mask)
+    return loss_mat, {"vf_clipfrac": _fraction(clipped_error > unclipped_error, response_mask)}
 
 
 def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, mode: str, *,

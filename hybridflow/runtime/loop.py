@@ -45,7 +45,7 @@ def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, flo
         "response_length/mean": float(lengths.mean()),
         "response_length/clip_ratio": float(ro.batch["truncated"].float().mean()),
         "rollout/tokens_per_s": float(lengths.sum()) / max(ro.seconds, 1e-9),
-        **f.get("actor_metrics", {}), **f.get("rollout_weights", {}), **s.extras.pop("metrics", {}), **times,
+        **f.get("actor_metrics", {}), **f.get("critic_metrics", {}), **f.get("rollout_weights", {}), **s.extras.pop("metrics", {}), **times,
     }
     metrics["timing/step"] = sum(times.values())
     return metrics

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hybridflow.algorithms.estimators import get_estimator, scores_to_token_rewards
-from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty, masked_mean
+from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty, masked_mean, value_loss_terms
 from hybridflow.algorithms.shaping import filter_groups, kl_in_reward, overlong_penalty, pf_ppo_resample
 from hybridflow.rewards import score_responses
 from hybridflow.rollout.base import SamplingParams
@@ -102,8 +102,10 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
     engine releases them for training. On CPU the engine side is a no-op; the actor's gradient
     buffers are still freed and restored."""
     colocated = s.cfg.rollout.placement == "colocated"
+    trained = [p for p in (s.actor, s.critic) if p is not None]
     if colocated:
-        s.actor.offload_training_state()
+        for policy in trained:
+            policy.offload_training_state()
     payload = None
     if s.is_driver:
         s.engine.resume_memory()
@@ -113,7 +115,8 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
         payload = (out.samples, out.seconds)
     samples, seconds = broadcast(payload)
     if colocated:
-        s.actor.restore_training_state()
+        for policy in trained:
+            policy.restore_training_state()
     batch = pack_batch(samples, pad_id=s.tokenizer.pad_token_id)
     texts = s.tokenizer.batch_decode([list(x.response_ids) for x in samples], skip_special_tokens=True)
     rows = [prompts[x.prompt_index].row for x in samples]
@@ -240,8 +243,9 @@ def ref_logprob(s: Session, node, f: dict, step: int) -> dict:
 
 @op("values")
 def values(s: Session, node, f: dict, step: int) -> dict:
-    raise ValueError("this algorithm needs a critic; hybridflow train does not run a critic yet: use a "
-                     "critic-free algorithm (grpo, dapo, rloo, reinforce_plus_plus, remax, gspo, gpg, cispo)")
+    ro, _ = current(f)
+    inputs, rows = pad_rows({"input_ids": ro.batch["input_ids"]}, _row_multiple(s))
+    return {"values": s.critic.forward_values(inputs)[:rows]}
 
 
 # --------------------------------------------------------------------------- rewards -> advantages
@@ -334,8 +338,8 @@ def _mini_batches(rows: dict[str, torch.Tensor], count: int, multiple: int) -> l
 @op("update_actor")
 def update_actor(s: Session, node, f: dict, step: int) -> dict:
     ro, scores = current(f)
-    if not len(ro.texts):
-        return {"actor_metrics": {}}
+    if not len(ro.texts) or step < dict(node.options).get("start_step", 0):
+        return {"actor_metrics": {"actor/updated": 0.0}}  # nothing kept, or the critic's warm-up
     loss_fn = actor_loss(s, ro.num_response)
     rows = _train_rows(s, f, ro, scores, step)
     results = []
@@ -348,19 +352,49 @@ def update_actor(s: Session, node, f: dict, step: int) -> dict:
             results.append(result)
     last = results[-1]
     metrics = {"actor/pg_loss": sum(r.loss for r in results) / len(results), "actor/grad_norm": last.grad_norm,
-               "actor/lr": last.lr}
+               "actor/lr": last.lr, "actor/updated": 1.0}
     for name in last.metrics:
         metrics[f"actor/{name}"] = sum(r.metrics[name] for r in results) / len(results)
     return {"actor_metrics": metrics}
 
 
+def critic_loss(clip: float) -> Callable:
+    """``loss_fn(values, _, micro)``: the clipped value loss, token-mean over the global batch."""
+
+    def loss_fn(values_BT, _unused, micro):
+        mask = micro["response_mask"]
+        mat, metrics = value_loss_terms(values_BT, micro["old_values"], micro["returns"], mask, clip=clip)
+        num, den = agg_parts(mat, mask, "token-mean")
+        metrics["vpred_mean"] = masked_mean(values_BT.detach(), mask)
+        return num, den, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
+
+    return loss_fn
+
+
 @op("update_critic")
 def update_critic(s: Session, node, f: dict, step: int) -> dict:
-    return values(s, node, f, step)
+    ro, _ = current(f)
+    rows = {"input_ids": ro.batch["input_ids"], "response_mask": ro.batch["response_mask"].float(),
+            "old_values": f["values"], "returns": f["returns"]}
+    loss_fn = critic_loss(s.algo.value_clip)
+    results = []
+    for _ in range(s.algo.ppo_epochs):
+        for mini in _mini_batches(rows, s.algo.mini_batches, _row_multiple(s)):
+            result = s.critic.train_step(mini, loss_fn)
+            if not result.applied:
+                raise NonFiniteStep(f"step {step}: the critic loss or a gradient is not finite; not applied")
+            results.append(result)
+    metrics = {"critic/vf_loss": sum(r.loss for r in results) / len(results),
+               "critic/grad_norm": results[-1].grad_norm}
+    for name in results[-1].metrics:
+        metrics[f"critic/{name}"] = sum(r.metrics[name] for r in results) / len(results)
+    return {"critic_metrics": metrics}
 
 
 @op("sync_weights")
 def sync_weights(s: Session, node, f: dict, step: int) -> dict:
+    if not f["actor_metrics"].get("actor/updated"):
+        return {"rollout_weights": {}}  # the engine already has these weights
     return {"rollout_weights": s.sync.push()}
 
 

@@ -90,6 +90,7 @@ class Session:
     engine: Any = None
     actor: Any = None
     reference: Any = None
+    critic: Any = None
     sync: Any = None
     stop_ids: tuple[int, ...] = ()
     algo: Any = None

@@ -51,6 +51,8 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
         staging.mkdir(parents=True)
     dist.barrier()
     checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
+    if policy is None and s.critic is not None:
+        checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
     if s.is_driver:
         s.state.mlflow_run_id = s.tracker.run_id
         s.state.wall_seconds = s.extras["wall_before"] + time.time() - s.extras["started"]
@@ -85,6 +87,12 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         checkpoint.load(s.actor, resume_from / "actor", with_optimizer=True)
     elif (sft / "actor").is_dir():
         checkpoint.load(s.actor, sft / "actor")
+    if s.spec.needs_critic:
+        from megatron_adapters.critic import MegatronCritic
+
+        s.critic = MegatronCritic(s.cfg.model, s.cfg.actor.parallel, s.cfg.train, pg_collection=s.pg)
+        if resume_from is not None and (resume_from / "critic").is_dir():
+            checkpoint.load(s.critic, resume_from / "critic", with_optimizer=True)
     if s.spec.uses_reference:
         s.reference = build_policy(s.cfg, s.cfg.train, s.pg, trainable=False)
         if (sft / "actor").is_dir():

@@ -1,0 +1,300 @@
+"""Fault injection: SIGKILL ranks of a running ``hybridflow launch`` and check that the run survives.
+
+    FaultHarness.run()
+      ├─ starts  hybridflow launch CONFIG --max-restarts N ...   (own session; output to a log file)
+      ├─ N times:
+      │    wait for the workers of this start (torchrun's children, each with its RANK) and for
+      │    the driver's progress bar ("rl: ... k/STEPS") to show where they resumed
+      │    pick a rank and a step at random (a step this start will still run), wait for that step,
+      │    then a random fraction of a step more, and SIGKILL that rank's process
+      │    torchrun stops the other ranks and starts all again; they resume (run.resume=auto)
+      │    record: the steps completed when killed, the step resumed from (-> steps lost)
+      └─ wait for the end; check every complete checkpoint (state readable, step matches, the
+         actor's checkpoint metadata present) -> FaultReport
+
+Nothing inside the run cooperates: progress is read from its log and the run directory, the
+processes are found with psutil, and the kill is a plain SIGKILL from outside, as a node or the
+OOM killer would deliver it.
+
+    python -m launch.faults CONFIG [k=v ...] --out DIR [--faults N] [--seed S] [--reference DIR]
+
+runs the harness by hand and prints the report as JSON; with ``--reference`` (an uninterrupted
+run's directory) it also compares the final metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+__all__ = ["FaultHarness", "FaultReport", "Kill", "check_checkpoints", "final_metrics", "main"]
+
+logger = logging.getLogger(__name__)
+
+TIMING_KEYS = ("timing/", "rollout/tokens_per_s", "sync/seconds")
+"""Metrics that measure wall time: they differ between any two runs."""
+_BAR = re.compile(r"rl:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
+_POLL_S = 0.2
+
+
+@dataclass
+class Kill:
+    """One injected fault."""
+
+    rank: int
+    target_step: int
+    """The 0-based RL step the kill was aimed at (killed while it ran, after ``delay_s``)."""
+    delay_s: float
+    steps_done: int
+    """RL steps completed by that start of the workers when the kill landed."""
+    newest_checkpoint: int | None
+    """Step of the newest complete checkpoint at the kill (None: only the SFT one)."""
+    partial_dirs: int
+    """Checkpoints being written (``.partial``) at the kill; never resumed from."""
+    resumed_from: int | None = None
+    """The step the next start of the workers continued from (read from its progress bar)."""
+
+    @property
+    def steps_lost(self) -> int | None:
+        return None if self.resumed_from is None else self.steps_done - self.resumed_from
+
+
+@dataclass
+class FaultReport:
+    """What happened to one run under injected faults."""
+
+    faults_requested: int
+    seed: int
+    kills: list[Kill] = field(default_factory=list)
+    corrupt_checkpoints: list[str] = field(default_factory=list)
+    returncode: int | None = None
+    wall_s: float = 0.0
+    log: str = ""
+
+    @property
+    def faults_injected(self) -> int:
+        return len(self.kills)
+
+    @property
+    def steps_lost(self) -> int:
+        return sum(k.steps_lost or 0 for k in self.kills)
+
+    def as_dict(self) -> dict:
+        kills = [{**asdict(k), "steps_lost": k.steps_lost} for k in self.kills]
+        return {**asdict(self), "kills": kills, "faults_injected": self.faults_injected,
+                "steps_lost": self.steps_lost, "corrupt_checkpoints_found": len(self.corrupt_checkpoints)}
+
+
+def check_checkpoints(output_dir: str | os.PathLike) -> list[str]:
+    """A line per complete checkpoint that a resume could not use (an empty list: all good)."""
+    from hybridflow.runtime.state import checkpoint_dirs, read_state, sft_checkpoint
+
+    problems = []
+    sft = sft_checkpoint(output_dir)
+    for path in [*([sft] if sft.exists() else []), *checkpoint_dirs(output_dir)]:
+        try:
+            state = read_state(path)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if path.name != "sft" and state.step != int(path.name.removeprefix("step_")):
+            problems.append(f"{path}: state.json says step {state.step}")
+        if not (path / "actor" / ".metadata").is_file():
+            problems.append(f"{path}: actor/.metadata is missing (the distributed checkpoint is incomplete)")
+    return problems
+
+
+def final_metrics(output_dir: str | os.PathLike) -> list[dict]:
+    """The newest checkpoint's per-step metrics without the wall-time ones (equal across reruns on CPU)."""
+    from hybridflow.runtime.state import checkpoint_dirs, read_state
+
+    history = read_state(checkpoint_dirs(output_dir)[-1]).history
+    return [{k: v for k, v in h.items() if not k.startswith(TIMING_KEYS)} for h in history]
+
+
+def _newest_step(output_dir: Path) -> int | None:
+    from hybridflow.runtime.state import checkpoint_dirs
+
+    steps = checkpoint_dirs(output_dir)
+    return int(steps[-1].name.removeprefix("step_")) if steps else None
+
+
+class _Log:
+    """Reads the run's log as it grows and keeps the driver's progress bar after a mark."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset, self._tail = path, 0, ""
+        self.steps_done: int | None = None
+
+    def mark(self) -> None:
+        """Forget the progress seen so far (a new start of the workers prints a new bar)."""
+        self.poll()
+        self.steps_done = None
+
+    def current(self) -> int | None:
+        """RL steps completed by the workers of this start, once their bar is out."""
+        self.poll()
+        return self.steps_done
+
+    def poll(self) -> None:
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            chunk = f.read().decode("utf-8", "replace")
+        self._offset += len(chunk.encode("utf-8", "replace"))
+        text = self._tail + chunk
+        for match in _BAR.finditer(text):
+            self.steps_done = int(match.group(1))
+        self._tail = text[-200:]  # a bar split across two reads is matched on the next one
+
+
+def _workers(launcher: psutil.Process) -> dict[int, psutil.Process]:
+    """rank -> worker process: torchrun's children that run ``hybridflow.runtime.worker``."""
+    found = {}
+    try:
+        for proc in launcher.children(recursive=True):
+            with proc.oneshot():
+                if "hybridflow.runtime.worker" not in " ".join(proc.cmdline()):
+                    continue
+                if "torch.distributed.run" not in " ".join(proc.parent().cmdline()):
+                    continue  # a process the worker started (SGLang's schedulers keep its cmdline)
+                found[int(proc.environ()["RANK"])] = proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+        return {}  # caught between starts; the caller polls again
+    return found
+
+
+class FaultHarness:
+    """Runs ``hybridflow launch`` once on this machine and kills ranks of it ``faults`` times."""
+
+    def __init__(self, config: str, overrides: Sequence[str], *, output_dir: Path, nproc: int, steps: int,
+                 faults: int, seed: int, max_delay_s: float = 2.0, timeout_s: float = 1800.0,
+                 launch_args: Sequence[str] = ()) -> None:
+        self.config, self.overrides, self.out = config, list(overrides), Path(output_dir)
+        self.launch_args = list(launch_args)
+        self.nproc, self.steps, self.faults = nproc, steps, faults
+        self.rng, self.max_delay_s, self.timeout_s = random.Random(seed), max_delay_s, timeout_s
+        self.report = FaultReport(faults_requested=faults, seed=seed, log=str(self.out) + ".log")
+        self._deadline = 0.0
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "hybridflow.cli", "launch", self.config, f"run.output_dir={self.out}",
+                "run.resume=auto", *self.overrides, "--nnodes", "1", "--nproc-per-node", str(self.nproc),
+                "--max-restarts", str(self.faults), *self.launch_args]
+
+    def run(self) -> FaultReport:
+        started = time.monotonic()
+        self._deadline = started + self.timeout_s
+        log_path = Path(self.report.log)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("wb") as log_file:
+            child = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            self._inject(child, _Log(log_path))
+            self.report.returncode = child.wait(timeout=max(self._deadline - time.monotonic(), 1))
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        self.report.corrupt_checkpoints = check_checkpoints(self.out)
+        self.report.wall_s = time.monotonic() - started
+        return self.report
+
+    def _inject(self, child: subprocess.Popen, log: _Log) -> None:
+        launcher = psutil.Process(child.pid)
+        previous: set[int] = set()
+        for start_index in range(self.faults + 1):  # the first start, then one after each kill
+            workers = self._wait_for(lambda: self._new_workers(launcher, previous), child)
+            if workers is None:
+                return  # the run ended (or failed) before this start
+            previous = {p.pid for p in workers.values()}
+            log.mark()  # the old workers are gone: bar lines from here on are this start's
+            start = self._wait_for(log.current, child)
+            if start is None:
+                return
+            if self.report.kills:
+                self.report.kills[-1].resumed_from = start
+            if start_index == self.faults or start >= self.steps:
+                return
+            # Before the last fault, aim below the final step: a kill after the final checkpoint
+            # would leave nothing to resume into, and the remaining faults could not happen.
+            last = start_index == self.faults - 1
+            stop = self.steps if last else max(start + 1, self.steps - 1)
+            self._kill_during(self.rng.randrange(start, stop), workers, log, child)
+
+    def _new_workers(self, launcher: psutil.Process, previous: set[int]) -> dict[int, psutil.Process] | None:
+        workers = _workers(launcher)
+        fresh = len(workers) == self.nproc and not previous & {p.pid for p in workers.values()}
+        return workers if fresh else None
+
+    def _kill_during(self, step: int, workers: dict[int, psutil.Process], log: _Log, child) -> None:
+        rank = self.rng.randrange(self.nproc)
+        delay = self.rng.uniform(0.0, self.max_delay_s)
+        if self._wait_for(lambda: True if (log.current() or 0) >= step else None, child) is None:
+            return
+        time.sleep(delay)
+        log.poll()
+        kill = Kill(rank=rank, target_step=step, delay_s=round(delay, 3), steps_done=log.steps_done,
+                    newest_checkpoint=_newest_step(self.out),
+                    partial_dirs=len(list((self.out / "checkpoints").glob("*.partial"))))
+        try:
+            workers[rank].send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            return  # the run finished under us
+        logger.info("killed rank %d (pid %d) at step %d", rank, workers[rank].pid, kill.steps_done)
+        self.report.kills.append(kill)
+
+    def _wait_for(self, condition, child: subprocess.Popen):
+        """Poll ``condition`` until it returns something other than None (returned), or the run
+        exits (None)."""
+        while time.monotonic() < self._deadline:
+            value = condition()
+            if value is not None:
+                return value
+            if child.poll() is not None:
+                return None
+            time.sleep(_POLL_S)
+        raise TimeoutError(f"the run under fault injection did not progress within {self.timeout_s:g} s; "
+                           f"see {self.report.log}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.faults", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    parser.add_argument("--out", required=True, type=Path, help="run directory of the faulted run (fresh)")
+    parser.add_argument("--faults", type=int, default=2, help="kills in a row (torchrun --max-restarts)")
+    parser.add_argument("--seed", type=int, default=None, help="default: random, printed in the report")
+    parser.add_argument("--max-delay-s", type=float, default=2.0, help="random extra wait into the step")
+    parser.add_argument("--reference", type=Path, default=None, help="an uninterrupted run's directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from hybridflow.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    harness = FaultHarness(args.config, args.overrides, output_dir=args.out, nproc=cfg.actor.parallel.world_size,
+                           steps=cfg.run.steps, faults=args.faults, seed=seed, max_delay_s=args.max_delay_s)
+    report = harness.run().as_dict()
+    if args.reference is not None and report["returncode"] == 0:
+        report["matches_reference"] = final_metrics(args.out) == final_metrics(args.reference)
+    print(json.dumps(report, indent=2))
+    ok = report["returncode"] == 0 and not report["corrupt_checkpoints"] and report.get("matches_reference", True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Start ``hybridflow train`` on one node of several: torchrun with a c10d rendezvous.
+
+    hybridflow launch CONFIG [k=v ...] --nnodes N --nproc-per-node G --rdzv-endpoint HOST:PORT
+      │  checks here, in seconds: N*G = the actor layout's ranks, the config, the graph,
+      │  run.resume against the run directory, and the rendezvous endpoint (see below)
+      └─ python -m torch.distributed.run --nnodes N --nproc-per-node G --rdzv-backend c10d
+             --rdzv-endpoint HOST:PORT --rdzv-id ID --rdzv-conf join_timeout=T --max-restarts K
+             -m hybridflow.runtime.worker CONFIG [k=v ...]
+
+The same command runs on every node. torchrun's c10d backend hosts the rendezvous store on the
+node whose address is HOST and the others connect to it. A node that cannot reach HOST would
+sit in torchrun's join wait (600 s by default) before failing; so a node that does not host
+the endpoint first checks it with TCP connects for ``rdzv_wait_s`` (node 0 may start a few
+seconds later), and the host checks that its port is free. On a single node without an
+endpoint, torchrun's ``--standalone`` rendezvous is used, as by ``hybridflow train``.
+
+With ``--max-restarts K`` torchrun stops every worker when one fails and starts them all again,
+up to K times; each start continues from the newest complete checkpoint (``run.resume=auto``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridflow.config import HybridflowConfig
+
+__all__ = ["LaunchSpec", "check_endpoint", "check_process_count", "launch", "parse_endpoint", "torchrun_command"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``[IPv6]:PORT``) -> (host, port); ValueError names ``--rdzv-endpoint``."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint={endpoint!r} must be HOST:PORT with a port in 1..65535, "
+                         "e.g. node001:29500")
+    return host, int(port)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """Where this node's processes sit in a multi-node job, and how torchrun meets the others."""
+
+    nnodes: int
+    """Nodes in the job."""
+    nproc_per_node: int
+    """Processes (ranks) started on each node; one per GPU."""
+    node_rank: int | None = None
+    """This node's index, 0 hosting the rendezvous; None: decided by whether HOST is this machine."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the c10d rendezvous store (on the first node); None only for one node."""
+    rdzv_id: str = "hybridflow"
+    """Job id shared by the nodes of one job (Slurm: the job id)."""
+    max_restarts: int = 0
+    """Times torchrun restarts all workers after one fails; each restart resumes."""
+    rdzv_wait_s: float = 20.0
+    """How long a non-host node waits for the endpoint to accept connections before failing."""
+    join_timeout_s: float = 600.0
+    """How long torchrun waits for all nodes to join once the store is reachable."""
+
+    def __post_init__(self) -> None:
+        for name in ("nnodes", "nproc_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts={self.max_restarts} must be >= 0")
+        if self.rdzv_wait_s < 0 or self.join_timeout_s <= 0:
+            raise ValueError("--rdzv-wait-s must be >= 0 and --join-timeout-s > 0")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank={self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes={self.nnodes})")
+        if self.rdzv_endpoint is None and self.nnodes > 1:
+            raise ValueError(f"--nnodes={self.nnodes} needs --rdzv-endpoint HOST:PORT (HOST: the first node)")
+        if self.rdzv_endpoint is not None:
+            parse_endpoint(self.rdzv_endpoint)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def check_layout(self, cfg: HybridflowConfig) -> None:
+        """The job must start exactly the ranks the actor's layout fills."""
+        check_process_count(cfg, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
+                            self.world_size)
+
+
+def check_process_count(cfg: HybridflowConfig, nodes_flag: str, per_node_flag: str, started: int) -> None:
+    """ValueError naming both flags and ``actor.parallel`` unless ``started`` fills the layout."""
+    layout = cfg.actor.parallel
+    if started != layout.world_size:
+        raise ValueError(
+            f"{nodes_flag} x {per_node_flag} = {started} processes, but actor.parallel fills "
+            f"{layout.world_size} ranks (tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp}); "
+            f"start {layout.world_size} processes in all, or change actor.parallel.dp (or tp/pp/cp) "
+            f"to fill {started}")
+
+
+def torchrun_command(spec: LaunchSpec, config_path: str, overrides: Sequence[str]) -> list[str]:
+    """The torchrun command line of this node."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}",
+           f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
+    if spec.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}",
+                f"--rdzv-conf=join_timeout={spec.join_timeout_s:g}"]
+    return cmd + ["-m", "hybridflow.runtime.worker", config_path, *overrides]
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (only then can a socket bind to it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def _check_port_free(host: str, port: int) -> None:
+    # torchrun would connect to whatever already listens there and wait for a job that is not ours
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore does
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"--rdzv-endpoint={host}:{port}: port {port} is already in use on this node "
+                                 "(another job's rendezvous?); pick another port") from None
+            raise
+
+
+def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
+    """None if a TCP connection to host:port succeeds, else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except socket.gaierror as e:
+        raise ValueError(f"--rdzv-endpoint={host}:{port}: cannot resolve host {host!r} ({e.strerror}); "
+                         "use the first node's host name or IP address") from None
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def check_endpoint(spec: LaunchSpec) -> None:
+    """Fail within ``rdzv_wait_s`` (plus a connect timeout) if this node cannot reach the rendezvous."""
+    if spec.rdzv_endpoint is None:
+        return
+    host, port = parse_endpoint(spec.rdzv_endpoint)
+    hosts_it = spec.node_rank == 0 if spec.node_rank is not None else _is_this_machine(host)
+    if hosts_it:
+        _check_port_free(host, port)
+        return
+    deadline = time.monotonic() + spec.rdzv_wait_s
+    while (error := _connect_error(host, port, timeout_s=2.0)) is not None:
+        if time.monotonic() >= deadline:
+            raise ValueError(
+                f"--rdzv-endpoint={spec.rdzv_endpoint}: nothing accepted a connection there within "
+                f"{spec.rdzv_wait_s:g} s (last error: {error}); start node rank 0 (it hosts the rendezvous) "
+                "and check the host and port, or wait longer with --rdzv-wait-s")
+        time.sleep(1.0)
+
+
+def launch(cfg: HybridflowConfig, spec: LaunchSpec, config_path: str, overrides: Sequence[str]) -> int:
+    """Check what this node can check, then run its torchrun to completion; returns its exit status."""
+    from launch.torchrun import preflight
+
+    spec.check_layout(cfg)
+    preflight(cfg, command="launch")
+    check_endpoint(spec)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share a node's cores (see launch.torchrun)
+    where = "" if spec.node_rank is None else f" node {spec.node_rank}"
+    sys.stdout.write(f"hybridflow launch:{where} {spec.nproc_per_node} of {spec.world_size} process(es) "
+                     f"on {spec.nnodes} node(s) ({cfg.actor.parallel.describe()}), rendezvous "
+                     f"{spec.rdzv_endpoint or 'standalone'}, up to {spec.max_restarts} restart(s)\n")
+    sys.stdout.flush()
+    return subprocess.run(torchrun_command(spec, config_path, overrides), env=env).returncode
