@@ -1,0 +1,146 @@
+"""The runtime's single-process pieces: tensor plumbing, checkpoint bookkeeping, reports, NaN policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridflow.config import load_config
+from hybridflow.runtime import loop, report, state
+from hybridflow.runtime.batch import from_response, pad_rows, to_response
+from hybridflow.runtime.model_dir import _mismatches, hf_overrides
+from hybridflow.runtime.ops import NonFiniteStep, step_seed
+
+
+def test_response_views_round_trip() -> None:
+    # two rows: prompt lengths 2 and 3, responses of 3 and 1 tokens, T = 5
+    x = torch.tensor([[0, 0, 1, 2, 3], [0, 0, 0, 7, 0]], dtype=torch.float32)
+    lengths = torch.tensor([2, 3])
+    r = to_response(x, lengths, 3)
+    assert r.tolist() == [[1, 2, 3], [7, 0, 0]]
+    assert from_response(r, lengths, 5).tolist() == x.tolist()
+
+
+def test_pad_rows_adds_rows_without_tokens() -> None:
+    batch = {"input_ids": torch.arange(6).view(3, 2), "response_mask": torch.ones(3, 2),
+             "advantages": torch.ones(3, 2)}
+    padded, rows = pad_rows(batch, 4)
+    assert rows == 3 and padded["input_ids"].shape == (4, 2)
+    assert padded["response_mask"][3].sum() == 0 and padded["advantages"][3].sum() == 0
+    same, rows = pad_rows(batch, 3)
+    assert same is batch and rows == 3
+
+
+def test_step_seeds_differ_per_step_and_draw() -> None:
+    seeds = {step_seed(1234, s, d) for s in range(50) for d in range(3)}
+    assert len(seeds) == 150
+
+
+def _checkpoint(root: Path, name: str, step: int) -> Path:
+    path = root / "checkpoints" / name
+    path.mkdir(parents=True)
+    state.save_state(path, state.RunState(step=step))
+    return path
+
+
+def test_resume_takes_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    assert state.latest_checkpoint(tmp_path) is None
+    _checkpoint(tmp_path, "sft", 0)
+    assert state.latest_checkpoint(tmp_path).name == "sft"
+    _checkpoint(tmp_path, "step_000002", 2)
+    _checkpoint(tmp_path, "step_000010", 10)
+    (tmp_path / "checkpoints" / "step_000012.partial").mkdir()  # a crash while writing
+    assert state.latest_checkpoint(tmp_path).name == "step_000010"
+    assert state.read_state(state.latest_checkpoint(tmp_path)).step == 10
+    with pytest.raises(ValueError, match="run.resume=auto"):
+        state.resume_point(tmp_path, "never")
+    state.prune(tmp_path, keep=1)
+    assert [p.name for p in state.checkpoint_dirs(tmp_path)] == ["step_000010"]
+
+
+def test_an_unreadable_run_state_names_the_file(tmp_path: Path) -> None:
+    path = _checkpoint(tmp_path, "step_000001", 1)
+    (path / "state.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"step_000001/state.json"):
+        state.read_state(path)
+
+
+def test_summary_and_plot(tmp_path: Path) -> None:
+    cfg = load_config("configs/quickstart_cpu.yaml")
+    run = state.RunState(step=2, heldout_after_sft=0.25, sft_losses=[3.0, 1.0], heldout=[(0, 0.25), (2, 0.5)],
+                         history=[{"step": 1, "reward/mean": 0.2}, {"step": 2, "reward/mean": 0.4}])
+    summary = report.summarise(cfg, run, heldout_after_rl=0.5, wall_seconds=12.0, extra={})
+    for key, value in (("heldout_reward_after_sft", 0.25), ("heldout_reward_after_rl", 0.5), ("steps", 2),
+                       ("wall_seconds", 12.0), ("train_reward_last", 0.4)):
+        assert summary[key] == value
+    path = report.write_summary(tmp_path, summary)
+    assert json.loads(path.read_text())["steps"] == 2
+    assert report.plot_rewards(tmp_path, run).read_bytes()[:4] == b"\x89PNG"
+    assert "after RL 0.500" in report.format_summary(summary, tmp_path)
+
+
+def test_the_rollout_model_directory_matches_the_config() -> None:
+    from hybridflow.rollout.tiny import to_hybridflow_model_config
+
+    cfg = load_config("configs/quickstart_cpu.yaml")
+    overrides = hf_overrides(cfg.model)
+    assert overrides["num_experts"] == cfg.model.num_experts
+    other = load_config("configs/quickstart_cpu.yaml", ["model.num_experts=8"]).model
+    assert _mismatches(cfg.model, other) == ["model.num_experts: config 4, directory 8"]
+    assert callable(to_hybridflow_model_config)
+
+
+class _Tracker:
+    def __init__(self) -> None:
+        self.logged = []
+
+    def log_metrics(self, metrics, step):
+        self.logged.append((step, metrics))
+
+
+def _fake_session(on_nan: str, steps: int = 3):
+    cfg = load_config("configs/quickstart_cpu.yaml", [f"run.on_nan={on_nan}", f"run.steps={steps}",
+                                                       "run.heldout_every=0"])
+    return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), extras={},
+                           prompt_batch=lambda step: [])
+
+
+def _graph_raising_at(bad_step: int):
+    calls = []
+
+    def update(s, node, f, step):
+        calls.append(step)
+        if step == bad_step:
+            raise NonFiniteStep(f"step {step}: not finite")
+        return {"responses": SimpleNamespace(batch={"response_lengths": torch.ones(2), "truncated": torch.zeros(2)},
+                                             seconds=1.0),
+                "scores": torch.ones(2)}
+
+    node = SimpleNamespace(name="update_actor", op="fake_update")
+    return SimpleNamespace(topological_order=lambda: [node]), update, calls
+
+
+def test_a_nan_step_stops_the_run_before_any_checkpoint(monkeypatch) -> None:
+    graph, update, calls = _graph_raising_at(1)
+    monkeypatch.setitem(loop.OPS, "fake_update", update)
+    monkeypatch.setattr(loop.dist, "barrier", lambda: None)
+    saved = []
+    s = _fake_session("stop")
+    with pytest.raises(NonFiniteStep):
+        loop.train_rl(s, graph, save=saved.append)
+    assert calls == [0, 1] and s.state.step == 1 and saved == []
+
+
+def test_a_nan_step_is_skipped_when_configured(monkeypatch) -> None:
+    graph, update, calls = _graph_raising_at(1)
+    monkeypatch.setitem(loop.OPS, "fake_update", update)
+    monkeypatch.setattr(loop.dist, "barrier", lambda: None)
+    saved = []
+    s = _fake_session("skip")
+    loop.train_rl(s, graph, save=saved.append)
+    assert calls == [0, 1, 2] and s.state.step == 3 and saved == [3]
+    assert s.state.history[1] == {"step": 2, "actor/skipped_step": 1.0}
