@@ -183,7 +183,10 @@ def run(cfg: HybridflowConfig) -> dict:
             s.state.heldout_after_sft = heldout_reward(s)
             s.state.heldout.append((s.state.step, s.state.heldout_after_sft))
         train_rl(s, build_graph(cfg), save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
-        summary = _finish(s, heldout_reward(s))
+        after_rl = heldout_reward(s)
+        if after_rl is not None:
+            s.state.heldout.append((s.state.step, after_rl))
+        summary = _finish(s, after_rl)
         s.tracker.close()
         return summary
     except BaseException:
