@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from hybridflow.config import HybridflowConfig
+from launch.reaper import run_reaped
 
 __all__ = ["launch_train", "preflight", "train_command"]
 
@@ -66,4 +67,4 @@ def launch_train(cfg: HybridflowConfig, config_path: str, overrides: Sequence[st
     sys.stdout.write(f"hybridflow train: {cfg.actor.parallel.world_size} process(es) "
                      f"({cfg.actor.parallel.describe()}), rollout {cfg.rollout.describe()}\n")
     sys.stdout.flush()
-    return subprocess.run(cmd, env=env).returncode
+    return run_reaped(cmd, env)

@@ -74,7 +74,8 @@ def test_engine_generates_with_the_updated_weights(full_run: Path) -> None:
     # steps 2..4 sample from weights pushed after an update: stale engine weights would show here
     for h in history[1:]:
         assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h
-        assert h["actor/grad_norm"] > 0
+    # a step whose groups all scored alike has zero advantages (and gradient); not every step can
+    assert any(h["actor/grad_norm"] > 0 for h in history)
     tensors = {}
     for name in ("step_000002", "step_000004"):
         dcp_to_torch_save(full_run / "checkpoints" / name / "actor", full_run / f"{name}.pt")
@@ -122,8 +123,8 @@ def test_resume_never_refuses_a_run_directory_with_checkpoints(full_run: Path) -
 def test_ppo_trains_a_critic(tmp_path: Path) -> None:
     """PPO runs end to end: the critic (value head on the actor's model) is trained beside the actor."""
     out = tmp_path / "ppo"
-    _ok(_train(out, "algorithm.name=ppo", "critic.enabled=true", "run.steps=2", "sft.steps=2",
-               "run.checkpoint_every=0"))
+    _ok(_train(out, "algorithm.name=ppo", "critic.enabled=true", "critic.parallel.ep=2", "critic.parallel.dp=2",
+               "run.steps=2", "sft.steps=2", "run.checkpoint_every=0"))
     history = _history(out, "step_000002")
     for h in history:
         assert h["critic/vf_loss"] > 0 and h["critic/grad_norm"] > 0, h
