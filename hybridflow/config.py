@@ -35,6 +35,7 @@ __all__ = [
     "HybridflowConfig",
     "ModelConfig",
     "MODEL_FAMILIES",
+    "MoEConfig",
     "ParallelLayout",
     "ROLE_NAMES",
     "ROLLOUT_ENGINES",
@@ -701,6 +702,37 @@ class SFTConfig:
         _check_positive(self, ("lr", "batch_size"))
 
 
+ROUTING_REPLAY_MODES = ("off", "r2", "r3")
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """MoE reinforcement-learning stability: routing replay, router statistics, router control."""
+
+    routing_replay: str = "off"
+    """off; r2: replay in training the experts the actor's own old-log-prob forward chose; r3:
+    replay the experts the rollout engine chose (SGLang returns them on a GPU only)."""
+    freeze_router: bool = False
+    """Keep the router weights and expert bias fixed during RL (no gradient, bias update rate 0)."""
+    expert_bias_update_rate: float = 1e-3
+    """Aux-loss-free expert-bias step per optimizer step (model.router_expert_bias routers only)."""
+    aux_loss_coef: float = 0.0
+    """Load-balancing auxiliary loss coefficient during RL; 0 = off."""
+    z_loss_coef: float = 0.0
+    """Router z-loss coefficient (keeps router logits small) during RL; 0 = off."""
+    router_stats: bool = True
+    """Log router statistics per step (moe/... metrics) and summarise them in summary.json."""
+
+    def __post_init__(self) -> None:
+        _check_choice("routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
+        _check_non_negative(self, ("expert_bias_update_rate", "aux_loss_coef", "z_loss_coef"))
+
+    @property
+    def bias_update_rate(self) -> float:
+        """The expert-bias update rate in effect: 0 while the router is frozen."""
+        return 0.0 if self.freeze_router else self.expert_bias_update_rate
+
+
 @dataclass(kw_only=True)
 class HybridflowConfig:
     """The whole run: model, per-role layouts, rollout engines, training and run settings."""
@@ -729,11 +761,27 @@ class HybridflowConfig:
     """Reward function."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm-up / SFT mode."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """MoE RL stability: routing replay, router statistics, router freezing and losses."""
 
     def __post_init__(self) -> None:
         for name, layout in enabled_roles(self).items():
             layout.check_model(self.model, prefix=f"{name}.parallel")
         self._check_rollout()
+        self._check_moe_section()
+
+    def _check_moe_section(self) -> None:
+        moe = self.moe
+        if not self.model.is_moe:
+            for key, active in (("routing_replay", moe.routing_replay != "off"), ("freeze_router", moe.freeze_router),
+                                ("aux_loss_coef", moe.aux_loss_coef > 0), ("z_loss_coef", moe.z_loss_coef > 0)):
+                if active:
+                    raise ValueError(f"moe.{key}={getattr(moe, key)} needs an MoE model (model.num_experts > 0); "
+                                     f"model.family={self.model.family!r} is dense")
+        if moe.routing_replay != "off" and self.actor.parallel.cp > 1:
+            raise ValueError(f"moe.routing_replay={moe.routing_replay} with actor.parallel.cp="
+                             f"{self.actor.parallel.cp}: replay maps routes for cp=1 only; set "
+                             f"actor.parallel.cp=1 or moe.routing_replay=off")
 
     def _check_rollout(self) -> None:
         from reshard.sglang import check_settings  # here: reshard imports this module

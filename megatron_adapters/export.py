@@ -4,6 +4,10 @@ The planner (``reshard/megatron.py``) names every parameter with its global laye
 megatron-core's checkpoints do. A pipeline stage's modules number their layers locally
 (``decoder.layers.0`` is the stage's first layer); each ``TransformerLayer`` knows its global
 1-based ``layer_number``, so the local index is swapped for it here.
+
+The aux-loss-free expert bias (DeepSeek-V3's ``e_score_correction_bias``) is a buffer in
+megatron-core, not a parameter, yet it is part of the model: the planner moves it like a weight,
+so it is exported with the parameters.
 """
 
 from __future__ import annotations
@@ -15,15 +19,19 @@ import torch
 from .policy import MegatronPolicy
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+"""Buffers that are model weights (name suffixes)."""
 
 
 def global_named_parameters(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
-    """Every parameter of this rank's chunks (detached), keyed by its global-layer name."""
+    """Every parameter of this rank's chunks and the expert-bias buffers (detached), keyed by
+    global-layer name."""
     named: dict[str, torch.Tensor] = {}
     for chunk in policy.chunks:
         module = getattr(chunk, "module", chunk)
         layers = module.decoder.layers if hasattr(module, "decoder") else []
-        for name, param in module.named_parameters():
+        buffers = [(n, b) for n, b in module.named_buffers() if n.endswith(_WEIGHT_BUFFERS)]
+        for name, param in [*module.named_parameters(), *buffers]:
             match = _LAYER.match(name)
             if match:
                 number = layers[int(match.group(1))].layer_number - 1

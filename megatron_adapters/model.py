@@ -30,8 +30,10 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from hybridflow.config import ModelConfig
+from hybridflow.config import ModelConfig, MoEConfig
 from hybridflow.layout import ParallelLayout
+
+from .routing import moe_config_fields
 
 
 _EXPERT_MODULES = (SequentialMLP, GroupedMLP, TEGroupedMLP)
@@ -128,9 +130,11 @@ def _moe_fields(model: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
 
 
 def transformer_config(
-    model: ModelConfig, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32
+    model: ModelConfig, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32,
+    moe: MoEConfig | None = None,
 ) -> TransformerConfig:
-    """megatron-core config for ``model`` under ``layout`` (dropout off: RL needs exact log-probs)."""
+    """megatron-core config for ``model`` under ``layout`` (dropout off: RL needs exact log-probs);
+    ``moe`` adds routing replay, the expert-bias update rate and router losses (RL actor)."""
     traits = FAMILIES[model.family]
     on_gpu = torch.cuda.is_available()
     fields: dict[str, Any] = dict(
@@ -175,6 +179,8 @@ def transformer_config(
         cross_entropy_loss_fusion=False,
     )
     fields.update(_moe_fields(model, layout))
+    if model.is_moe:
+        fields.update(moe_config_fields(moe))
     fields.update(traits.extra(model))
     config_cls = MLATransformerConfig if traits.mla else TransformerConfig
     return config_cls(**fields)
@@ -280,12 +286,13 @@ def build_model_chunks(
     *,
     params_dtype: torch.dtype = torch.float32,
     pg_collection: ProcessGroupCollection | None = None,
+    moe: MoEConfig | None = None,
 ) -> list[GPTModel]:
     """The GPTModel chunks this rank holds: one, or ``layout.vpp`` under interleaved pipelining.
 
     Needs ``megatron_adapters.parallel.initialize`` to have run for ``layout``.
     """
-    config = transformer_config(model, layout, params_dtype=params_dtype)
+    config = transformer_config(model, layout, params_dtype=params_dtype, moe=moe)
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     vpp = layout.vpp if layout.vpp > 1 else None
     chunks = []

@@ -40,11 +40,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from hybridflow.config import ModelConfig, TrainConfig
+from hybridflow.config import ModelConfig, MoEConfig, TrainConfig
 from hybridflow.layout import ParallelLayout
+from moe.routes import UNROUTED
 
 from .logprobs import token_entropy, token_logprobs
 from .model import build_model_chunks
+from .routing import ROUTES_KEY, RouterControl
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +122,20 @@ class MegatronPolicy:
         pg_collection: ProcessGroupCollection,
         params_dtype: torch.dtype = torch.float32,
         trainable: bool = True,
+        moe: MoEConfig | None = None,
     ) -> None:
         self.model_config = model
         self.layout = layout
         self.train_config = train
         self.pg = pg_collection
+        self.moe_config = moe
         chunks = self._build_chunks(model, layout, params_dtype, pg_collection)
         self.config = chunks[0].config
+        # routing replay, router statistics, frozen router (before DDP: frozen weights get no grad buffer)
+        self.routing: RouterControl | None = None
+        if moe is not None and model.is_moe:
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            self.routing = RouterControl(chunks, model, layout, moe, tp_rank=tp_rank)
         self.p2p = P2PCommunicator(pp_group=pg_collection.pp, config=self.config)
         self.optimizer = None
         self.scheduler = None
@@ -143,11 +152,14 @@ class MegatronPolicy:
             self.config.finalize_model_grads_func = finalize_model_grads
             self.config.grad_scale_func = self.optimizer.scale_loss
         self.chunks = chunks
+        if self.routing is not None:
+            self.routing.rebind(chunks)
 
     def _build_chunks(self, model: ModelConfig, layout: ParallelLayout, params_dtype: torch.dtype,
                       pg_collection: ProcessGroupCollection) -> list:
         """The GPTModel chunks of this rank (the critic swaps the LM head for a value head)."""
-        return build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection)
+        return build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection,
+                                  moe=self.moe_config)
 
     def _wrap_ddp(self, chunks, train: TrainConfig) -> list[DistributedDataParallel]:
         ddp_config = DistributedDataParallelConfig(
@@ -190,7 +202,8 @@ class MegatronPolicy:
         for key, value in batch.items():
             if value.dim() >= 2 and value.shape[1] == seq:
                 shape = (value.shape[0], pad, *value.shape[2:])
-                value = torch.cat([value, value.new_zeros(shape)], dim=1)
+                fill = UNROUTED if key == ROUTES_KEY else 0  # padding positions have no route
+                value = torch.cat([value, value.new_full(shape, fill)], dim=1)
             padded[key] = value
         return padded, seq
 
@@ -208,7 +221,28 @@ class MegatronPolicy:
     def _forward(self, micro: Batch, model) -> torch.Tensor:
         ids_BS = micro["input_ids"]
         positions_BS = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
-        return model(ids_BS, positions_BS, None)
+        if self.routing is None:
+            return model(ids_BS, positions_BS, None)
+        self.routing.before_forward(model, micro)
+        output = model(ids_BS, positions_BS, None)
+        self.routing.after_forward(model)
+        return output
+
+    def _begin_routing(self, kind: str, batch: Batch, local: Batch, seq: int, micro_rows: int,
+                       record: bool) -> None:
+        """Tell the router control where this rank's rows sit in the global batch."""
+        if self.routing is None:
+            if record or ROUTES_KEY in batch:
+                raise ValueError(f"routing replay needs an MoE policy built with a moe config ({ROUTES_KEY})")
+            return
+        share = local["input_ids"].shape[0]
+        self.routing.begin_pass(kind, rows=batch["input_ids"].shape[0], length=seq, micro_rows=micro_rows,
+                                row_offset=parallel_state.get_data_parallel_rank() * share, record=record,
+                                routes=local.get(ROUTES_KEY))
+
+    def _end_routing(self) -> None:
+        if self.routing is not None:
+            self.routing.end_pass()
 
     def _scores(self, logits_BSv: torch.Tensor, micro: Batch, with_entropy: bool):
         """Log-prob of each next token and the entropy, shifted so index t scores token t."""
@@ -243,13 +277,20 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def forward_logprobs(
-        self, batch: Batch, *, micro_batch_size: int | None = None, with_entropy: bool = False
+        self, batch: Batch, *, micro_batch_size: int | None = None, with_entropy: bool = False,
+        record_routes: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy ``[B, T]`` of the global batch, returned on every rank."""
+        """Log-probs and entropy ``[B, T]`` of the global batch, returned on every rank.
+
+        A batch with ``routed_experts`` ``[B, T, L, k]`` is scored with those experts (routing
+        replay); ``record_routes`` keeps the experts the routers chose, as such a table, in
+        ``self.routing.take_recorded()`` (on every rank)."""
         for chunk in self.chunks:
             chunk.eval()
         padded, seq = self._pad_sequence(self._dp_rows(batch))
-        micros = self._micro_batches(padded, micro_batch_size or self.train_config.micro_batch_size)
+        micro_rows = micro_batch_size or self.train_config.micro_batch_size
+        micros = self._micro_batches(padded, micro_rows)
+        self._begin_routing("logprob", batch, padded, seq, micro_rows, record_routes)
 
         def step_fn(data_iterator, model):
             micro = next(data_iterator)
@@ -260,6 +301,7 @@ class MegatronPolicy:
             return self._forward(micro, model), collect
 
         outputs = self._run(micros, step_fn, forward_only=True, collect=True)
+        self._end_routing()
         local = self._stack_last_stage(outputs, padded["input_ids"].shape, seq)
         return tuple(self._gather_dp(t) for t in local)  # type: ignore[return-value]
 
@@ -296,8 +338,9 @@ class MegatronPolicy:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        padded, _ = self._pad_sequence(self._dp_rows(batch))
+        padded, seq = self._pad_sequence(self._dp_rows(batch))
         micros = self._micro_batches(padded, self.train_config.micro_batch_size)
+        self._begin_routing("train", batch, padded, seq, self.train_config.micro_batch_size, record=False)
 
         def step_fn(data_iterator, model):
             micro = next(data_iterator)
@@ -313,6 +356,7 @@ class MegatronPolicy:
             return self._forward(micro, model), loss
 
         outputs = self._run(micros, step_fn, forward_only=False, collect=False)
+        self._end_routing()
         lr = self.optimizer.param_groups[0]["lr"]
         if not self._grads_finite():
             # A NaN/inf must never reach the weights (or a checkpoint written after this step).

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridflow.cli import main
 from hybridflow.config import load_config
@@ -153,3 +154,11 @@ def test_role_larger_than_its_pool_exits_2(capsys):
 def test_algorithm_without_its_role_exits_2(capsys):
     assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "algorithm.name=ppo"]) == 2
     assert "set critic.enabled=true" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would let SGLang return routed experts")
+def test_train_with_r3_on_cpu_exits_2_pointing_to_r2(capsys, tmp_path):
+    assert main(["train", str(CONFIGS / "quickstart_cpu.yaml"), "moe.routing_replay=r3",
+                 f"run.output_dir={tmp_path / 'run'}"]) == 2
+    assert "moe.routing_replay=r2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -36,7 +36,7 @@ def test_defaults_load():
 def test_yaml_and_overrides_layer_on_the_schema():
     cfg = load_config(QUICKSTART, ["train.lr=3e-4", "run.name=exp1", "actor.parallel.tp=2",
                                    "actor.parallel.ep=1", "actor.parallel.dp=1"])
-    assert cfg.model.vocab_size == 256  # from the YAML
+    assert cfg.model.vocab_size == 320  # from the YAML
     assert cfg.model.norm_eps == 1e-6  # schema default
     assert cfg.train.lr == 3e-4  # override
     assert cfg.actor.parallel == ParallelLayout(tp=2)
@@ -133,7 +133,7 @@ def test_nested_section_errors_carry_their_path():
 
 def test_cross_field_errors_name_both_keys():
     message = _error("train.global_batch_size=9")
-    assert message == "train.global_batch_size=9 is not a multiple of train.micro_batch_size=2"
+    assert message == "train.global_batch_size=9 is not a multiple of train.micro_batch_size=16"
     assert "model.moe_top_k=8 must be <= model.num_experts=4" in _error("model.moe_top_k=8")
 
 
@@ -245,3 +245,14 @@ def test_rollout_built_directly_names_bare_keys():
     with pytest.raises(ValueError) as info:
         RolloutConfig(dp_size=2)
     assert str(info.value).startswith("dp_size=2 needs enable_dp_attention=true")
+
+
+def test_moe_section_defaults_and_errors():
+    cfg = load_config(QUICKSTART, ["moe.routing_replay=r2", "moe.freeze_router=true"])
+    assert cfg.moe.routing_replay == "r2" and cfg.moe.bias_update_rate == 0.0  # frozen: no bias update
+    assert load_config(QUICKSTART).moe.bias_update_rate == 1e-3
+    assert "moe.routing_replay='r4' is not one of: off, r2, r3" in _error("moe.routing_replay=r4")
+    assert "moe.z_loss_coef=-1.0 must be >= 0" in _error("moe.z_loss_coef=-1")
+    dense = ("model.family=llama", "model.num_experts=0", "actor.parallel.ep=1", "actor.parallel.dp=2")
+    assert "moe.routing_replay=r2 needs an MoE model" in _error(*dense, "moe.routing_replay=r2")
+    assert "moe.freeze_router=True needs an MoE model" in _error(*dense, "moe.freeze_router=true")

@@ -32,7 +32,8 @@ The ops. The runtime dispatches on ``op``; each node is named after its op excep
     reward           reward     <responses_field>, answers -> <scores_field>
                                   {responses_field, scores_field}
     filter_groups    driver     scores [+ baseline_scores: remax] -> kept  {max_rounds}
-    old_logprob      actor      responses [+ kept] -> old_logprobs, entropy
+    old_logprob      actor      responses [+ kept] -> old_logprobs, entropy [+ routed_experts:
+                                  moe.routing_replay r2 / r3]  {routing_replay}
     ref_logprob      reference  responses [+ kept] -> ref_logprobs
     values           critic     responses [+ kept] -> values
     token_rewards    driver     scores, responses [+ kept] [+ ref_logprobs, old_logprobs: KL
@@ -43,7 +44,8 @@ The ops. The runtime dispatches on ``op``; each node is named after its op excep
                                   {estimator; with a critic: critic_lam, length_adaptive_lam_alpha}
     update_critic    critic     responses, values, returns -> critic_metrics
     update_actor     actor      responses, old_logprobs, advantages [+ ref_logprobs: KL in the
-                                  loss] [+ scores: LM loss or PF-PPO] -> actor_metrics
+                                  loss] [+ scores: LM loss or PF-PPO] [+ routed_experts: routing
+                                  replay] -> actor_metrics
                                   {policy_loss, loss_agg_mode, clip_ratio_high, kl_loss,
                                    lm_loss_coef, pf_ppo, start_step}
     sync_weights     actor      actor_metrics [+ critic_metrics: with a critic] -> rollout_weights
@@ -509,9 +511,26 @@ def build_graph(cfg: HybridflowConfig) -> Graph:
     spec = algorithm_spec(cfg)
     check_roles(cfg, spec)
     check_sampling(cfg, spec)
-    graph = graph_from_spec(spec)
+    graph = with_routing_replay(graph_from_spec(spec), cfg.moe.routing_replay)
     graph.validate(placed_roles(cfg))
     return graph
+
+
+def with_routing_replay(graph: Graph, mode: str) -> Graph:
+    """MoE routing replay (r2 / r3): ``old_logprob`` hands ``update_actor`` the routes to replay
+    (r2: the ones it recorded; r3: the rollout engine's, which it replayed itself)."""
+    if mode == "off":
+        return graph
+
+    def add_routes(node: Node) -> Node:
+        if node.op == "old_logprob":
+            return dataclasses.replace(node, outputs=node.outputs + ("routed_experts",),
+                                       options={**dict(node.options), "routing_replay": mode})
+        if node.op == "update_actor":
+            return dataclasses.replace(node, inputs=node.inputs + ("routed_experts",))
+        return node
+
+    return dataclasses.replace(graph, nodes=tuple(add_routes(n) for n in graph.nodes))
 
 
 def graph_from_spec(spec: AlgorithmSpec) -> Graph:

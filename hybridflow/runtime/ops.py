@@ -216,22 +216,42 @@ def _row_multiple(s: Session) -> int:
     return s.cfg.actor.parallel.dp * s.cfg.train.micro_batch_size
 
 
-def _logprobs(s: Session, policy, ro: Rollout, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    inputs, rows = pad_rows({"input_ids": ro.batch["input_ids"]}, _row_multiple(s))
-    logp, ent = policy.forward_logprobs(inputs, with_entropy=with_entropy)
+def _logprobs(s: Session, policy, ro: Rollout, *, with_entropy: bool, routes: torch.Tensor | None = None,
+              record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the rollout; ``routes``: replay these experts, ``record``: keep the ones the
+    routers chose (``policy.routing.take_recorded()``). ``attention_mask`` marks the real tokens,
+    which the router statistics count."""
+    inputs = {"input_ids": ro.batch["input_ids"], "attention_mask": ro.batch["attention_mask"]}
+    if routes is not None:
+        inputs["routed_experts"] = routes
+    inputs, rows = pad_rows(inputs, _row_multiple(s))
+    logp, ent = policy.forward_logprobs(inputs, with_entropy=with_entropy, record_routes=record)
     return logp[:rows], ent[:rows]
+
+
+def _engine_routes(ro: Rollout) -> torch.Tensor:
+    if "routed_experts" not in ro.batch:
+        raise ValueError("moe.routing_replay=r3 but the rollout engine returned no routed experts; SGLang "
+                         "returns them for MoE models on a GPU (use moe.routing_replay=r2 otherwise)")
+    return ro.batch["routed_experts"]
 
 
 @op("old_logprob")
 def old_logprob(s: Session, node, f: dict, step: int) -> dict:
     ro, _ = current(f)
-    logp, ent = _logprobs(s, s.actor, ro, with_entropy=True)
+    # routing replay: r3 scores with the engine's experts, as training will; r2 records the
+    # actor's own experts, which training replays
+    mode = s.cfg.moe.routing_replay
+    routes = _engine_routes(ro) if mode == "r3" else None
+    logp, ent = _logprobs(s, s.actor, ro, with_entropy=True, routes=routes, record=mode == "r2")
+    if mode == "r2":
+        routes = s.actor.routing.take_recorded()[: len(logp)]
     mask = ro.batch["response_mask"].bool()
     if mask.any():  # the engine's log-probs against the trainer's, same weights: a sync check
         diff = (logp - ro.batch["logprobs"]).abs()[mask]
         s.extras["metrics"].update({"rollout/logprob_diff_max": float(diff.max()),
                                     "rollout/logprob_diff_mean": float(diff.mean())})
-    return {"old_logprobs": logp, "entropy": ent}
+    return {"old_logprobs": logp, "entropy": ent, **({} if routes is None else {"routed_experts": routes})}
 
 
 @op("ref_logprob")
@@ -317,10 +337,11 @@ def actor_loss(s: Session, num_response: int) -> Callable:
 
 def _train_rows(s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
     rows = {"input_ids": ro.batch["input_ids"], "response_mask": ro.batch["response_mask"].float(),
-            "old_logprobs": f["old_logprobs"], "advantages": f["advantages"],
-            "positive": (scores > 0).float()}
-    if "ref_logprobs" in f:
-        rows["ref_logprobs"] = f["ref_logprobs"]
+            "attention_mask": ro.batch["attention_mask"], "old_logprobs": f["old_logprobs"],
+            "advantages": f["advantages"], "positive": (scores > 0).float()}
+    for key in ("ref_logprobs", "routed_experts"):  # routing replay: the experts to train with
+        if key in f:
+            rows[key] = f[key]
     if s.spec.pf_ppo:
         generator = torch.Generator().manual_seed(step_seed(s.cfg.run.seed, step, 7))
         idx = pf_ppo_resample(scores, s.spec.pf_ppo, generator, pow=s.algo.pf_ppo_weight_pow)
@@ -339,7 +360,8 @@ def _mini_batches(rows: dict[str, torch.Tensor], count: int, multiple: int) -> l
 def update_actor(s: Session, node, f: dict, step: int) -> dict:
     ro, scores = current(f)
     if not len(ro.texts) or step < dict(node.options).get("start_step", 0):
-        return {"actor_metrics": {"actor/updated": 0.0}}  # nothing kept, or the critic's warm-up
+        # nothing kept, or the critic's warm-up
+        return {"actor_metrics": {"actor/updated": 0.0, **_router_metrics(s)}}
     loss_fn = actor_loss(s, ro.num_response)
     rows = _train_rows(s, f, ro, scores, step)
     results = []
@@ -355,7 +377,18 @@ def update_actor(s: Session, node, f: dict, step: int) -> dict:
                "actor/lr": last.lr, "actor/updated": 1.0}
     for name in last.metrics:
         metrics[f"actor/{name}"] = sum(r.metrics[name] for r in results) / len(results)
-    return {"actor_metrics": metrics}
+    return {"actor_metrics": {**metrics, **_router_metrics(s)}}
+
+
+def _router_metrics(s: Session) -> dict[str, float]:
+    """``moe/...`` router statistics of this step's actor forwards (old log-probs and training)."""
+    routing = s.actor.routing
+    if routing is None or not s.cfg.moe.router_stats:
+        return {}
+    metrics = routing.pop_metrics()
+    if "train" in routing.last_stats:
+        s.extras["moe_tokens_per_expert"] = routing.last_stats["train"].counts().tolist()
+    return metrics
 
 
 def critic_loss(clip: float) -> Callable:

@@ -86,6 +86,13 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
         f"  wall time    {summary['wall_seconds']:.0f} s",
         f"  outputs      {out_dir}/summary.json, reward_curve.png, checkpoints/",
     ]
+    moe = summary.get("moe")
+    if moe:
+        m = moe["metrics"]
+        mismatch = m.get("moe/train/topk_mismatch", {}).get("mean")
+        lines.append(f"  MoE          routing replay {moe['routing_replay']}, load max/mean "
+                     f"{_fmt(m.get('moe/train/load_max_mean', {}).get('last'))}, top-k mismatch in training "
+                     f"{_fmt(mismatch)} (mean)")
     if summary.get("mlflow_uri"):
         lines.append(f"  MLflow       run {summary.get('mlflow_run_id')} at {summary['mlflow_uri']}")
     return "\n".join(lines)

@@ -65,11 +65,12 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path):
         os.environ.update(saved)
 
 
-def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bool = True):
-    """A megatron-core policy of the actor's model under the actor's layout."""
+def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bool = True, moe=None):
+    """A megatron-core policy of the actor's model under the actor's layout (``moe``: the RL
+    actor's routing replay, router statistics and router settings)."""
     from megatron_adapters.policy import MegatronPolicy
 
-    return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable)
+    return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe)
 
 
 @dataclass

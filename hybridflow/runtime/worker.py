@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from hybridflow.algorithms.recipes import algorithm_spec, build_graph, check_roles
@@ -34,6 +35,8 @@ from hybridflow.runtime.session import (
 from hybridflow.runtime.sft import run_sft, sft_train_config
 from hybridflow.runtime.sync import EngineSync
 from hybridflow.runtime.tracking import Tracker
+from moe.routes import check_replay_device
+from moe.stats import summarise as summarise_router_stats
 
 __all__ = ["main", "run"]
 
@@ -81,7 +84,7 @@ def _warm_up(s: Session) -> None:
 def _load_actor(s: Session, resume_from: Path | None) -> None:
     from megatron_adapters import checkpoint
 
-    s.actor = build_policy(s.cfg, s.cfg.train, s.pg)
+    s.actor = build_policy(s.cfg, s.cfg.train, s.pg, moe=s.cfg.moe)
     sft = run_state.sft_checkpoint(s.out_dir)
     if resume_from is not None and resume_from.name != "sft":
         checkpoint.load(s.actor, resume_from / "actor", with_optimizer=True)
@@ -145,6 +148,10 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
              "first_step_ppo_kl": first.get("actor/ppo_kl"), "first_step_clipfrac": first.get("actor/clipfrac"),
              "mlflow_run_id": s.tracker.run_id, "mlflow_uri": getattr(s.tracker, "uri", None),
              "reward_errors": s.extras.get("reward_errors", 0)}
+    if s.cfg.model.is_moe and s.cfg.moe.router_stats:
+        extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
+                        "metrics": summarise_router_stats(s.state.history),
+                        "tokens_per_expert_last_step": s.extras.get("moe_tokens_per_expert")}
     summary = report.summarise(s.cfg, s.state, heldout_after_rl=heldout_after_rl, wall_seconds=wall, extra=extra)
     if s.is_driver:
         path = report.write_summary(s.out_dir, summary)
@@ -163,6 +170,7 @@ def run(cfg: HybridflowConfig) -> dict:
 
     spec = algorithm_spec(cfg)
     check_roles(cfg, spec)
+    check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
     build_graph(cfg).validate(set(enabled_roles(cfg)) | {"rollout", "reward", "driver"})
     out_dir = Path(cfg.run.output_dir)
     resume_from = broadcast(run_state.resume_point(out_dir, cfg.run.resume) if dist.get_rank() == DRIVER else None)

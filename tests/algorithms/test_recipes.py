@@ -317,3 +317,12 @@ def test_graphs_are_values():
     spec = algorithm_spec(_cfg("dapo"))
     assert graph_from_spec(spec) == graph_from_spec(spec)
     assert hash(graph_from_spec(spec)) == hash(graph_from_spec(spec))
+
+
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_routing_replay_hands_the_routes_from_old_logprob_to_the_update(mode):
+    graph = _graph("dapo", f"moe.routing_replay={mode}")
+    assert "routed_experts" in graph.node("old_logprob").outputs
+    assert graph.node("old_logprob").option("routing_replay") == mode
+    assert "routed_experts" in graph.node("update_actor").inputs
+    assert "routed_experts" not in {f for n in _graph("dapo").nodes for f in n.inputs + n.outputs}
