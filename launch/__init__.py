@@ -1,6 +1,7 @@
 """Starting hybridflow jobs on one machine or a cluster.
 
-This package will hold the torchrun and Slurm launchers: the environment and rendezvous
-settings each rank needs, sbatch script rendering from the config, and a dry run that prints
-the commands and the rank-to-role placement without starting any process.
+    torchrun.py    hybridflow train: one node, torchrun --standalone; the checks before any rank starts
+    multinode.py   hybridflow launch: one node of several, c10d rendezvous, restarts that resume
+    slurm.py       hybridflow slurm: the run's sbatch script (srun + a launch per node, requeue-safe)
+    faults.py      a harness that SIGKILLs ranks of a running launch and checks the run survives
 """

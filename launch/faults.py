@@ -34,13 +34,15 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
-__all__ = ["FaultHarness", "FaultReport", "Kill", "check_checkpoints", "final_metrics", "main"]
+__all__ = ["FaultHarness", "FaultReport", "Kill", "check_checkpoints", "final_metrics", "launch_command", "main",
+           "run_uninterrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ TIMING_KEYS = ("timing/", "rollout/tokens_per_s", "sync/seconds")
 """Metrics that measure wall time: they differ between any two runs."""
 _BAR = re.compile(r"rl:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 _POLL_S = 0.2
+MARKER_ENV = "HYBRIDFLOW_FAULT_HARNESS_RUN"
 
 
 @dataclass
@@ -80,6 +83,8 @@ class FaultReport:
     seed: int
     kills: list[Kill] = field(default_factory=list)
     corrupt_checkpoints: list[str] = field(default_factory=list)
+    leftover_processes: list[str] = field(default_factory=list)
+    """Processes of the run still alive after it ended (orphans of killed ranks); killed then."""
     returncode: int | None = None
     wall_s: float = 0.0
     log: str = ""
@@ -152,27 +157,47 @@ class _Log:
     def poll(self) -> None:
         with self.path.open("rb") as f:
             f.seek(self._offset)
-            chunk = f.read().decode("utf-8", "replace")
-        self._offset += len(chunk.encode("utf-8", "replace"))
-        text = self._tail + chunk
+            raw = f.read()
+        self._offset += len(raw)
+        text = self._tail + raw.decode("utf-8", "replace")  # a split bar character only blurs the bar
         for match in _BAR.finditer(text):
             self.steps_done = int(match.group(1))
         self._tail = text[-200:]  # a bar split across two reads is matched on the next one
+
+
+def _kill_marked(marker: str) -> list[str]:
+    """SIGKILL every process that carries ``marker`` in its environment; returns what they were."""
+    killed = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARKER_ENV) != marker:
+                continue
+            killed.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+            proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return killed
 
 
 def _workers(launcher: psutil.Process) -> dict[int, psutil.Process]:
     """rank -> worker process: torchrun's children that run ``hybridflow.runtime.worker``."""
     found = {}
     try:
-        for proc in launcher.children(recursive=True):
+        descendants = launcher.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for proc in descendants:
+        # one process at a time: a zombie (an orphan the launcher adopted, not yet reaped) or one
+        # that exits under us is skipped, not allowed to hide the others
+        try:
             with proc.oneshot():
                 if "hybridflow.runtime.worker" not in " ".join(proc.cmdline()):
                     continue
                 if "torch.distributed.run" not in " ".join(proc.parent().cmdline()):
                     continue  # a process the worker started (SGLang's schedulers keep its cmdline)
                 found[int(proc.environ()["RANK"])] = proc
-    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
-        return {}  # caught between starts; the caller polls again
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError, KeyError):
+            continue
     return found
 
 
@@ -190,25 +215,27 @@ class FaultHarness:
         self._deadline = 0.0
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "hybridflow.cli", "launch", self.config, f"run.output_dir={self.out}",
-                "run.resume=auto", *self.overrides, "--nnodes", "1", "--nproc-per-node", str(self.nproc),
-                "--max-restarts", str(self.faults), *self.launch_args]
+        return launch_command(self.config, self.overrides, output_dir=self.out, nproc=self.nproc,
+                              max_restarts=self.faults, launch_args=self.launch_args)
 
     def run(self) -> FaultReport:
         started = time.monotonic()
         self._deadline = started + self.timeout_s
         log_path = Path(self.report.log)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        marker = uuid.uuid4().hex  # inherited by every process of the run, orphans included
+        env = {**os.environ, "OMP_NUM_THREADS": "1", MARKER_ENV: marker}
         with log_path.open("wb") as log_file:
             child = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                     start_new_session=True, env=env)
         try:
             self._inject(child, _Log(log_path))
             self.report.returncode = child.wait(timeout=max(self._deadline - time.monotonic(), 1))
         finally:
             if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
+                child.kill()
                 child.wait()
+            self.report.leftover_processes = _kill_marked(marker)
         self.report.corrupt_checkpoints = check_checkpoints(self.out)
         self.report.wall_s = time.monotonic() - started
         return self.report
@@ -271,7 +298,23 @@ class FaultHarness:
                            f"see {self.report.log}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def launch_command(config: str, overrides: Sequence[str], *, output_dir: Path, nproc: int,
+                   max_restarts: int = 0, launch_args: Sequence[str] = ()) -> list[str]:
+    """``hybridflow launch`` of this machine's run into ``output_dir`` (resuming if it holds checkpoints)."""
+    return [sys.executable, "-m", "hybridflow.cli", "launch", config, f"run.output_dir={output_dir}",
+            "run.resume=auto", *overrides, "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), *launch_args]
+
+
+def run_uninterrupted(config: str, overrides: Sequence[str], *, output_dir: Path, nproc: int,
+                      launch_args: Sequence[str] = (), timeout_s: float = 1800.0) -> subprocess.CompletedProcess:
+    """The reference: the same launch without faults; output captured."""
+    cmd = launch_command(config, overrides, output_dir=output_dir, nproc=nproc, launch_args=launch_args)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m launch.faults", description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -279,15 +322,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=2, help="kills in a row (torchrun --max-restarts)")
     parser.add_argument("--seed", type=int, default=None, help="default: random, printed in the report")
     parser.add_argument("--max-delay-s", type=float, default=2.0, help="random extra wait into the step")
-    parser.add_argument("--reference", type=Path, default=None, help="an uninterrupted run's directory")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    parser.add_argument("--reference", type=Path, default=None,
+                        help="an uninterrupted run's directory, run first (same code, same overrides) unless "
+                             "it already holds summary.json")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     from hybridflow.config import load_config
 
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = load_config(args.config, args.overrides)
+    nproc = cfg.actor.parallel.world_size
+    if args.reference is not None and not (args.reference / "summary.json").is_file():
+        done = run_uninterrupted(args.config, args.overrides, output_dir=args.reference, nproc=nproc)
+        if done.returncode != 0:
+            sys.stderr.write(done.stdout[-2000:] + done.stderr[-4000:])
+            return 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    harness = FaultHarness(args.config, args.overrides, output_dir=args.out, nproc=cfg.actor.parallel.world_size,
-                           steps=cfg.run.steps, faults=args.faults, seed=seed, max_delay_s=args.max_delay_s)
+    harness = FaultHarness(args.config, args.overrides, output_dir=args.out, nproc=nproc, steps=cfg.run.steps,
+                           faults=args.faults, seed=seed, max_delay_s=args.max_delay_s)
     report = harness.run().as_dict()
     if args.reference is not None and report["returncode"] == 0:
         report["matches_reference"] = final_metrics(args.out) == final_metrics(args.reference)

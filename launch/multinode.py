@@ -16,25 +16,25 @@ endpoint, torchrun's ``--standalone`` rendezvous is used, as by ``hybridflow tra
 
 With ``--max-restarts K`` torchrun stops every worker when one fails and starts them all again,
 up to K times; each start continues from the newest complete checkpoint (``run.resume=auto``).
+The workers get a fresh TCP store each start (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
+the store torchrun's agent shares across starts by default, a restarted rank can read the
+previous start's addresses and wait forever in ``init_process_group``.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridflow.config import HybridflowConfig
+from launch.reaper import run_reaped
 
 __all__ = ["LaunchSpec", "check_endpoint", "check_process_count", "launch", "parse_endpoint", "torchrun_command"]
-
-logger = logging.getLogger(__name__)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -185,9 +185,14 @@ def launch(cfg: HybridflowConfig, spec: LaunchSpec, config_path: str, overrides:
     check_endpoint(spec)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share a node's cores (see launch.torchrun)
+    # torchrun's agent otherwise keeps one TCPStore for the workers across restarts, and the
+    # restarted workers can read the previous round's gloo/NCCL addresses from it and wait for
+    # peers that are gone (pytorch/pytorch#135712; seen here with torch 2.14: the first restart
+    # hangs in init_process_group). Off, each round gets a fresh store on rank 0's node.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     where = "" if spec.node_rank is None else f" node {spec.node_rank}"
     sys.stdout.write(f"hybridflow launch:{where} {spec.nproc_per_node} of {spec.world_size} process(es) "
                      f"on {spec.nnodes} node(s) ({cfg.actor.parallel.describe()}), rendezvous "
                      f"{spec.rdzv_endpoint or 'standalone'}, up to {spec.max_restarts} restart(s)\n")
     sys.stdout.flush()
-    return subprocess.run(torchrun_command(spec, config_path, overrides), env=env).returncode
+    return run_reaped(torchrun_command(spec, config_path, overrides), env)  # no orphan outlives the job

@@ -53,6 +53,12 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
 
     lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
     check_runtime_support(cfg)
+    if command != "slurm":  # this machine runs the ranks (a Slurm login node may have no GPU)
+        import torch
+
+        from moe.routes import check_replay_device
+
+        check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
     resume_from = resume_point(cfg.run.output_dir, cfg.run.resume)
     if resume_from is not None:
         sys.stdout.write(f"hybridflow {command}: resuming from {resume_from}\n")

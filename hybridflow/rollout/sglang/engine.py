@@ -131,7 +131,9 @@ def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tok
         custom_sigquit_handler=_child_failed_at_start,
     )
     if on_cpu:
-        args.update(device="cpu", disable_cuda_graph=True, mem_fraction_static=0.05)
+        # max_total_tokens caps the KV pool; the fraction only has to leave SGLang's free-memory check
+        # room (it compares system-wide free memory before and after loading, which other jobs move)
+        args.update(device="cpu", disable_cuda_graph=True, mem_fraction_static=0.2)
     else:  # release_memory / resume_memory free nothing without torch_memory_saver
         args.update(enable_memory_saver=True)
     return args
