@@ -1,17 +1,25 @@
-"""Processes a crashed job leaves behind are stopped when the launcher's command returns."""
+"""Processes a crashed job leaves behind are stopped when the launcher's command returns.
+
+The launcher runs in a subprocess here: becoming a child subreaper is for the life of the
+process, and pytest's own process must not adopt (and leave as zombies) every later test's
+orphans.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import textwrap
 import time
+from pathlib import Path
 
 import psutil
 
-from launch.reaper import run_reaped
+ROOT = Path(__file__).resolve().parents[2]
 
-# the child starts a long-lived grandchild, prints its pid, and dies abruptly (like a killed rank)
-_CHILD = (
+# a crashing "job": it starts a long-lived grandchild, writes its pid, and dies abruptly
+_JOB = (
     "import subprocess, sys, os\n"
     "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
     "open(sys.argv[1], 'w').write(str(p.pid))\n"
@@ -19,14 +27,28 @@ _CHILD = (
 )
 
 
-def test_orphans_of_a_crashed_child_are_reaped(tmp_path) -> None:
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_orphans_of_a_crashed_job_are_reaped(tmp_path) -> None:
     pid_file = tmp_path / "grandchild.pid"
+    launcher = textwrap.dedent(f"""
+        import os, sys
+        from launch.reaper import run_reaped
+        code = run_reaped([sys.executable, "-c", {_JOB!r}, {str(pid_file)!r}], os.environ)
+        sys.exit(0 if code == 17 else 1)
+    """)
     started = time.monotonic()
-    code = run_reaped([sys.executable, "-c", _CHILD, str(pid_file)], os.environ)
-    assert code == 17
+    done = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(grandchild) and psutil.Process(grandchild).status() != psutil.STATUS_ZOMBIE:
+    while not _gone(grandchild):
         assert time.monotonic() < deadline, "the orphaned grandchild is still running"
         time.sleep(0.1)
     assert time.monotonic() - started < 30

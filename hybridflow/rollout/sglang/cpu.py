@@ -116,8 +116,8 @@ def apply_cpu_environment(tp: int) -> bool:
         logger.warning("sglang was imported before the CPU environment was set; its CPU checks may be cached wrong")
     _drop_cuda_sgl_kernel()
     os.environ.update(cpu_environment(tp))
-    if str(STUB_PATH) not in sys.path:
-        sys.path.insert(0, str(STUB_PATH))
+    # first, even if it is already further down (something inserted a path before it since)
+    sys.path[:] = [str(STUB_PATH)] + [p for p in sys.path if p != str(STUB_PATH)]
     logger.info("no CUDA GPU: SGLang CPU engine environment set (tp=%d, sgl_kernel stand-in)", tp)
     return True
 
