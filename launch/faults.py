@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = harness.run().as_dict()
     if args.reference is not None and report["returncode"] == 0:
         report["matches_reference"] = final_metrics(args.out) == final_metrics(args.reference)
-    print(json.dumps(report, indent=2))
+    sys.stdout.write(json.dumps(report, indent=2) + "\n")
     ok = report["returncode"] == 0 and not report["corrupt_checkpoints"] and report.get("matches_reference", True)
     return 0 if ok else 1
 

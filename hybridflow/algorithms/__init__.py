@@ -9,32 +9,7 @@ Importing this package loads only ``recipes``; the torch modules are imported by
 the runtime needs them.
 """
 
-from hybridflow.algorithms.recipes import (
-    DATA_FIELDS,
-    ESTIMATORS,
-    AlgorithmSpec,
-    EstimatorNeeds,
-    algorithm_names,
-    algorithm_spec,
-    build_graph,
-    check_roles,
-    check_sampling,
-    graph_from_spec,
-    placed_roles,
-    register_algorithm,
-)
+from hybridflow.algorithms import recipes
+from hybridflow.algorithms.recipes import *  # noqa: F403 (the public names are recipes.__all__)
 
-__all__ = [
-    "AlgorithmSpec",
-    "DATA_FIELDS",
-    "ESTIMATORS",
-    "EstimatorNeeds",
-    "algorithm_names",
-    "algorithm_spec",
-    "build_graph",
-    "check_roles",
-    "check_sampling",
-    "graph_from_spec",
-    "placed_roles",
-    "register_algorithm",
-]
+__all__ = list(recipes.__all__)
