@@ -333,7 +333,7 @@ def _weight_syncs(cfg: HybridflowConfig, graph: Graph,
 
     bandwidth = Bandwidth()
     start = time.perf_counter()
-    _, stats = plan_weight_sync(cfg, bandwidth=bandwidth)
+    stats = plan_weight_sync(cfg, bandwidth=bandwidth).stats
     seconds = time.perf_counter() - start
     logger.debug("planned the actor -> rollout weight sync in %.3f s", seconds)
     return tuple(WeightSync(node=name, stats=stats, seconds=seconds, bandwidth=bandwidth)

@@ -8,49 +8,76 @@
 Nothing here allocates a weight, so ``hybridflow plan`` reports the sync of a 671B model in
 about a second on one core. An hf rollout replica loads every tensor whole, which is what an
 SGLang tp=1 engine needs, so it is planned as one.
+
+``route="full"`` plans the baseline push instead: every tensor whole, under its Hugging Face
+name, on the process driving the engine (``reshard.hf.hf_layout``).
 """
 
+import dataclasses
 import logging
 import time
 
 from hybridflow.config import HybridflowConfig
+from reshard.hf import hf_layout
+from reshard.layouts import TensorLayout
 from reshard.megatron import megatron_layout
 from reshard.planner import Plan, plan_reshard
 from reshard.sglang import sglang_layout
 from reshard.stats import Bandwidth, PlanStats, plan_stats
 from reshard.topology import Topology
 
-__all__ = ["describe_weight_sync", "plan_weight_sync", "weight_sync_topology"]
+__all__ = ["WeightSyncPlan", "describe_weight_sync", "plan_weight_sync", "weight_sync_topology"]
 
 logger = logging.getLogger(__name__)
 
 
-def weight_sync_topology(cfg: HybridflowConfig) -> Topology:
-    """Devices of the actor's ranks and the rollout engines' ranks under ``rollout.placement``."""
+@dataclasses.dataclass(frozen=True)
+class WeightSyncPlan:
+    """A run's weight sync: both layouts, the plan between them and its stats."""
+
+    source: TensorLayout
+    destination: TensorLayout
+    plan: Plan
+    stats: PlanStats
+
+
+def weight_sync_topology(cfg: HybridflowConfig, *, num_destination: int | None = None) -> Topology:
+    """Devices of the actor's ranks and the rollout engines' ranks under ``rollout.placement``
+    (``num_destination`` overrides the engine rank count: 1 for the full route's driver)."""
     rollout = cfg.rollout
     num_source = cfg.actor.parallel.world_size
+    num_destination = rollout.num_ranks if num_destination is None else num_destination
     if rollout.placement == "colocated":
         # engine rank i shares actor GPU i; the config checked that the engines fit
         return Topology.colocated(num_source, gpus_per_node=rollout.gpus_per_node,
-                                  num_destination=rollout.num_ranks)
-    return Topology.separate(num_source, rollout.num_ranks, gpus_per_node=rollout.gpus_per_node)
+                                  num_destination=num_destination)
+    return Topology.separate(num_source, num_destination, gpus_per_node=rollout.gpus_per_node)
 
 
-def plan_weight_sync(cfg: HybridflowConfig, *,
-                     bandwidth: Bandwidth = Bandwidth()) -> tuple[Plan, PlanStats]:
-    """The reshard plan moving the actor's weights into the rollout engines, and its stats."""
+def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None,
+                     bandwidth: Bandwidth = Bandwidth()) -> WeightSyncPlan:
+    """The reshard plan moving the actor's weights into the rollout engines (``sliced``: each
+    engine rank its share; ``full``: whole HF tensors on the driver; default
+    ``rollout.sync_route``), and its stats."""
+    route = cfg.rollout.sync_route if route is None else route
     dtype = cfg.rollout.dtype  # the actor casts to the wire dtype before sending
     source = megatron_layout(cfg.model, cfg.actor.parallel, dtype=dtype)
-    destination = sglang_layout(cfg.model, cfg.rollout.sglang_settings(), dtype=dtype)
-    plan = plan_reshard(source, destination, weight_sync_topology(cfg))
-    return plan, plan_stats(plan, bandwidth=bandwidth)
+    if route == "sliced":
+        destination = sglang_layout(cfg.model, cfg.rollout.sglang_settings(), dtype=dtype)
+    elif route == "full":
+        destination = hf_layout(cfg.model, dtype=dtype)
+    else:
+        raise ValueError(f"weight sync route={route!r}: choose sliced or full")
+    plan = plan_reshard(source, destination, weight_sync_topology(cfg, num_destination=destination.num_ranks))
+    return WeightSyncPlan(source=source, destination=destination, plan=plan,
+                          stats=plan_stats(plan, bandwidth=bandwidth))
 
 
 def describe_weight_sync(cfg: HybridflowConfig, *,
                          bandwidth: Bandwidth = Bandwidth()) -> list[str]:
     """A few lines for ``hybridflow plan``: planning time, then ``PlanStats.describe()``."""
     start = time.perf_counter()
-    _, stats = plan_weight_sync(cfg, bandwidth=bandwidth)
+    stats = plan_weight_sync(cfg, bandwidth=bandwidth).stats
     seconds = time.perf_counter() - start
     logger.debug("planned the actor -> rollout weight sync in %.3f s", seconds)
     header = (

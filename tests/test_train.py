@@ -130,3 +130,28 @@ def test_ppo_trains_a_critic(tmp_path: Path) -> None:
         assert h["critic/vf_loss"] > 0 and h["critic/grad_norm"] > 0, h
         assert h["rollout/logprob_diff_max"] < LOGPROB_TOL
     assert (out / "checkpoints" / "step_000002" / "critic").is_dir()
+
+
+def test_full_route_sync_reaches_the_engine_with_every_tensor(full_run: Path, tmp_path: Path) -> None:
+    """``rollout.sync_route=full``: whole HF tensors gathered to the driver, every engine rank
+    receives all of them; the engine then scores like the trainer, as with the sliced route."""
+    import math
+
+    from hybridflow.config import load_config
+    from reshard.hf import hf_layout
+
+    out = tmp_path / "full_route"
+    _ok(_train(out, "rollout.sync_route=full", "run.steps=2"))
+    full = _history(out, "step_000002")
+    sliced = _history(full_run, "step_000002")
+    cfg = load_config(ROOT / "configs" / "quickstart_cpu.yaml")
+    model_bytes = sum(math.prod(shape) * 4 for shape in hf_layout(cfg.model, dtype="float32").param_shapes(0).values())
+    assert all(h["rollout/logprob_diff_max"] < LOGPROB_TOL for h in full), full
+    # a step whose update was skipped syncs nothing; both runs pushed after their first step
+    pushed_full = [h["sync/engine_bytes"] for h in full if "sync/engine_bytes" in h]
+    pushed_sliced = [h["sync/engine_bytes"] for h in sliced if "sync/engine_bytes" in h]
+    assert pushed_full and pushed_sliced
+    assert set(pushed_full) == {cfg.rollout.tp * model_bytes}
+    assert max(pushed_sliced) < cfg.rollout.tp * model_bytes
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL

@@ -1,19 +1,25 @@
-"""Actor -> rollout weight sync at run time: the reshard plan executed on live parameters.
+"""Actor -> rollout weight sync at run time: a reshard plan executed on live parameters.
+
+``rollout.sync_route=sliced`` (the default) moves each engine rank only its own share:
 
 ```
-every actor rank                                   process of engine rank r (colocated: r)
+every actor rank                                   actor process r (colocated with engine rank r)
   global_named_parameters(actor)  ──execute(plan)──►  buffers shaped as SGLang rank r's tensors
-                                                       │ (only the plan's share of rank r)
-                                         gather to the process driving the engine
+                                                       │ handles.prepare_rank_payload: pad, cast,
+                                                       │ share (CUDA-IPC handle / shared memory)
+                                         gather the handles (bytes) to the driver (rank 0)
                                                        ▼
-                                   engine.push_weights([rank 0 tensors, rank 1 tensors, ...])
+                                   engine.push_rank_payloads([payload 0, payload 1, ...])
+                                   scheduler r maps rank r's tensors from process r and copies
+                                   (process r holds its buffers until then: barrier)
 ```
 
-The plan is ``hybridflow.weight_sync.plan_weight_sync(cfg)`` — the same one ``hybridflow plan``
-prints — computed once from shapes. On a GPU each engine rank's buffer stays on its own device
-and travels as an IPC handle; SGLang's CPU engine has no such handles, so on CPU the buffers are
-gathered to the driving process (rank 0) and handed to the engine from there. That hop costs a
-copy, not correctness: what each engine rank receives is still only its own share.
+``rollout.sync_route=full`` is the baseline: the plan gathers every tensor whole under its
+Hugging Face name on the driver, and every engine rank receives every tensor and slices it.
+
+The plans come from ``hybridflow.weight_sync``, the same ones ``hybridflow plan`` prints,
+computed once from shapes. The weights themselves cross processes once, in the reshard; what
+the driver gathers for a sliced push is a few hundred bytes per tensor.
 """
 
 from __future__ import annotations
@@ -25,10 +31,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
-from hybridflow.weight_sync import plan_weight_sync
+from hybridflow.weight_sync import WeightSyncPlan, plan_weight_sync
 from reshard.executor import WIRE_DTYPES, ProcessMap, execute
-from reshard.megatron import megatron_layout
-from reshard.sglang import sglang_layout
 
 __all__ = ["EngineSync"]
 
@@ -39,51 +43,79 @@ DRIVER = 0
 
 
 class EngineSync:
-    """Moves one actor's weights into the engine; every actor rank calls ``push`` together."""
+    """Moves one actor's weights into the engine; every actor rank calls ``push`` together.
+
+    Construct it on every rank together (it broadcasts the engine's parameter table from the
+    driver); ``engine`` is the engine handle on the driver and None elsewhere.
+    """
 
     def __init__(self, cfg: HybridflowConfig, *, source_params, engine=None) -> None:
         if cfg.rollout.num_replicas != 1:
             raise ValueError(f"rollout.num_replicas={cfg.rollout.num_replicas}: the runtime drives one engine "
                              "replica per run in this version; set rollout.num_replicas=1")
-        self.plan, self.stats = plan_weight_sync(cfg)
-        dtype = cfg.rollout.dtype
-        self.destination = sglang_layout(cfg.model, cfg.rollout.sglang_settings(), dtype=dtype)
-        self.source = megatron_layout(cfg.model, cfg.actor.parallel, dtype=dtype)
+        self.route = cfg.rollout.sync_route
+        self.sync: WeightSyncPlan = plan_weight_sync(cfg)
+        self.plan, self.stats = self.sync.plan, self.sync.stats
         world = cfg.actor.parallel.world_size
-        ranks = cfg.rollout.num_ranks
-        # colocated: engine rank r shares actor rank r's device (the config checked ranks <= world)
-        self.processes = ProcessMap(source=tuple(range(world)), destination=tuple(range(ranks)))
-        self.dtype = WIRE_DTYPES[dtype]
+        # colocated: destination rank r shares actor rank r's device (the config checked r < world)
+        self.processes = ProcessMap(source=tuple(range(world)),
+                                    destination=tuple(range(self.sync.destination.num_ranks)))
+        self.dtype = WIRE_DTYPES[cfg.rollout.dtype]
         self.source_params = source_params
         self.engine = engine
         self.pushes = 0
+        self.engine_params = self._engine_params() if self.route == "sliced" else None
+
+    def _engine_params(self) -> list[dict]:
+        """Every engine rank's parameter table, read on the driver and broadcast to all ranks."""
+        table = [self.engine.rank_params() if dist.get_rank() == DRIVER else None]
+        dist.broadcast_object_list(table, src=DRIVER)
+        return table[0]
 
     def _buffers(self, me: int) -> dict[str, torch.Tensor]:
         if me >= len(self.processes.destination):
             return {}
-        return {name: torch.zeros(shape, dtype=self.dtype) for name, shape in self.destination.param_shapes(me).items()}
+        shapes = self.sync.destination.param_shapes(me)
+        return {name: torch.zeros(shape, dtype=self.dtype) for name, shape in shapes.items()}
 
     def push(self) -> dict[str, float]:
-        """Execute the plan, hand every engine rank its tensors, flush the engine's cache."""
+        """Execute the plan, hand the engine its tensors, flush the engine's cache."""
         started = time.perf_counter()
         me = dist.get_rank()
         buffers = self._buffers(me)
         report = execute(self.plan, self.processes, sources=self.source_params(), destinations=buffers)
         moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)])
         dist.all_reduce(moved)
-        gathered = [None] * dist.get_world_size() if me == DRIVER else None
-        dist.gather_object(buffers, gathered, dst=DRIVER)
-        pushed = 0.0
-        if me == DRIVER:
-            per_rank = gathered[: self.destination_ranks]
-            result = self.engine.push_weights(per_rank, route="sliced")
-            self.engine.flush_cache()
-            pushed = float(sum(result.bytes_per_rank))
+        pushed = self._push_sliced(me, buffers) if self.route == "sliced" else self._push_full(me, buffers)
         self.pushes += 1
         seconds = time.perf_counter() - started
         return {"sync/seconds": seconds, "sync/plan_bytes": float(moved.item()), "sync/engine_bytes": pushed}
 
+    def _push_sliced(self, me: int, buffers: dict[str, torch.Tensor]) -> float:
+        from hybridflow.rollout.sglang.handles import prepare_rank_payload
+
+        payload, kept = prepare_rank_payload(me, buffers, self.engine_params[me]) if buffers else (None, [])
+        gathered = [None] * dist.get_world_size() if me == DRIVER else None
+        dist.gather_object(payload, gathered, dst=DRIVER)
+        pushed = 0.0
+        try:
+            if me == DRIVER:
+                result = self.engine.push_rank_payloads(gathered[: self.destination_ranks])
+                pushed = float(sum(result.bytes_per_rank))
+        finally:
+            # the engine read every rank's tensors straight from its owner: hold them until then
+            dist.barrier()
+        del kept
+        return pushed
+
+    def _push_full(self, me: int, buffers: dict[str, torch.Tensor]) -> float:
+        if me != DRIVER:
+            return 0.0
+        result = self.engine.push_weights(buffers, route="full")
+        self.engine.flush_cache()
+        return float(sum(result.bytes_per_rank))
+
     @property
     def destination_ranks(self) -> int:
-        """Engine ranks receiving weights."""
+        """Ranks of the plan's destination (engine ranks for sliced, the driver for full)."""
         return len(self.processes.destination)

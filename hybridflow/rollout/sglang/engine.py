@@ -10,10 +10,11 @@ sglang.Engine: tokenizer manager in this process, one scheduler process per TP r
     │
     ├─ push_weights(per_rank, route="sliced")             every tensor checked against the
     │     rank r's tensors under SGLang's own names ─►    running engine's parameter names and
-    │     padding.to_engine_layout ─► one payload/rank ─► shapes (param_shapes) BEFORE sending
-    │     LocalSerializedTensor(values=[p_r0, p_r1..]),
+    │     handles.prepare_rank_payload: pad, cast, share   shapes (rank_params) BEFORE sending
+    │     LocalSerializedTensor(values=[h_r0, h_r1..]),
     │     load_format="direct": rank r opens values[r] only
-    │
+    ├─ push_rank_payloads([payload_r0, payload_r1, ..])   the same, prepared by the processes
+    │                                                     that hold each rank's share (runtime)
     └─ push_weights(hf_named, route="full")                the baseline: HF checkpoint names,
           every rank opens every tensor, its loader slices  checked against the checkpoint
     both pushes run inside begin_weight_update() ... end_weight_update()
@@ -51,8 +52,7 @@ from hybridflow.rollout.base import (
     WeightPushReport,
     register_engine,
 )
-from hybridflow.rollout.sglang import cpu, param_report, rank_seed
-from hybridflow.rollout.sglang.padding import to_engine_layout
+from hybridflow.rollout.sglang import cpu, handles, param_report, rank_seed
 
 __all__ = ["ROUTES", "SGLangEngine", "SGLangStartError"]
 
@@ -115,10 +115,12 @@ def _start(
         _close_new_zmq_contexts(contexts_before)
         _reap_children(frozenset(children_before))
         raise
+    # the processes SGLang started (schedulers, detokenizer): shutdown kills these, nothing else
+    own = frozenset(p.pid for p in psutil.Process().children() if p.pid not in children_before)
     logger.info("SGLang engine up in %.1f s (tp=%d, ep=%d, %s)", time.perf_counter() - started, tp, ep,
                 "CPU" if on_cpu else "GPU")
     return SGLangEngine(engine, tp=tp, on_cpu=on_cpu, model_path=model_path, routed_experts=routed,
-                        deterministic=deterministic, pause_mode=pause_mode, children_before=children_before)
+                        deterministic=deterministic, pause_mode=pause_mode, own_processes=own)
 
 
 def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: int, seed: int,
@@ -201,7 +203,7 @@ class SGLangEngine:
     """A running SGLang engine; see the module docstring. Start it with ``make_engine("sglang", ...)``."""
 
     def __init__(self, engine: Any, *, tp: int, on_cpu: bool, model_path: str, routed_experts: bool,
-                 deterministic: bool, pause_mode: str, children_before: set[int]):
+                 deterministic: bool, pause_mode: str, own_processes: frozenset[int]):
         self._engine = engine
         self.tp = tp
         """TP ranks of the engine (one payload each in a sliced push)."""
@@ -215,12 +217,14 @@ class SGLangEngine:
         self._vocab_size = manager.model_config.vocab_size
         text_config = manager.model_config.hf_text_config
         self._num_layers = text_config.num_hidden_layers
+        # SGLang captures a row for every layer; the protocol's L axis counts MoE layers only
+        self._first_dense = int(getattr(text_config, "first_k_dense_replace", 0) or 0)
         self._top_k = getattr(text_config, "num_experts_per_tok", 0) or 0
         self._checkpoint_shapes = _checkpoint_shapes(model_path)
         self._params: list[dict[str, dict[str, Any]]] | None = None
         self._seed_warned = False
         # at interpreter exit (or if dropped unclosed) SGLang's processes still go
-        self._finalizer = weakref.finalize(self, _shutdown, engine, frozenset(children_before))
+        self._finalizer = weakref.finalize(self, _shutdown, engine, own_processes)
 
     @property
     def sglang_engine(self) -> Any:
@@ -283,7 +287,8 @@ class SGLangEngine:
         response = tuple(int(t) for t in out["output_ids"])
         logprobs = tuple(float(lp) for lp, _token, _text in meta["output_token_logprobs"])
         assert len(logprobs) == len(response), (len(logprobs), len(response))
-        routed = _routed_experts(meta, len(prompt), len(response), self._num_layers, self._top_k)
+        routed = _routed_experts(meta, len(prompt), len(response), self._num_layers, self._top_k,
+                                 first_dense=self._first_dense)
         return RolloutSample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=tuple(prompt),
                              response_ids=response, logprobs=logprobs, finish_reason=_FINISH[reason],
                              routed_experts=routed)
@@ -300,7 +305,7 @@ class SGLangEngine:
 
     def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         """Each TP rank's parameter names and shapes, read from the running engine (padding included)."""
-        return [{name: tuple(info["shape"]) for name, info in rank.items()} for rank in self._rank_params()]
+        return [{name: tuple(info["shape"]) for name, info in rank.items()} for rank in self.rank_params()]
 
     def push_rank_tensors(self, per_rank: Sequence[Mapping[str, torch.Tensor]], *,
                           bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightPushReport:
@@ -310,26 +315,52 @@ class SGLangEngine:
         them out or already in the engine's shape (``padding.to_engine_layout`` bridges the two).
         Every rank must name the same parameters (a subset of the model's is fine). Names and
         shapes are checked before anything is sent: ValueError names the tensor and the rank,
-        and the engine keeps serving its previous weights.
+        and the engine keeps serving its previous weights. The tensors are shared from this
+        process (``handles``); a caller whose ranks' tensors live in several processes uses
+        ``handles.prepare_rank_payload`` there and ``push_rank_payloads`` here instead.
         """
         self._check_open()
-        plan = self._plan_rank_push(per_rank)
-        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
-        from sglang.srt.utils import MultiprocessingSerializer
-
+        if len(per_rank) != self.tp:
+            raise ValueError(f"sliced push got tensors for {len(per_rank)} ranks; the engine has tp={self.tp}")
+        names = _same_names([list(tensors) for tensors in per_rank])
+        params = self.rank_params()
+        for rank, tensors in enumerate(per_rank):  # every rank checked before the first bucket goes
+            for name in names:
+                handles.check_rank_tensor(rank, name, tensors[name], params[rank])
+        shapes = params[0]
+        sizes = [handles.nbytes(tuple(shapes[n]["shape"]), getattr(torch, shapes[n]["dtype"])) for n in names]
         started = time.perf_counter()
-        sizes = {name: _nbytes(shape, dtype) for name, (_t, shape, dtype) in plan[0].items()}
-        buckets = _buckets(list(sizes), list(sizes.values()), bucket_bytes)
+        received = [0] * self.tp
         with self._update_session():
-            for last, names in _mark_last(buckets):
-                payloads = [[_engine_tensor(name, *plan[r][name]) for name in names] for r in range(self.tp)]
-                named = [(name, LocalSerializedTensor(values=[MultiprocessingSerializer.serialize(payloads[r][i])
-                                                             for r in range(self.tp)]))
-                         for i, name in enumerate(names)]
-                self._update(named, load_format="direct", flush_cache=last)
-        seconds = time.perf_counter() - started
-        nbytes = tuple(sum(_nbytes(shape, dtype) for _t, shape, dtype in rank.values()) for rank in plan)
-        return WeightPushReport(seconds=seconds, bytes_per_rank=nbytes, route="sliced")
+            for last, bucket in _mark_last(_buckets(names, sizes, bucket_bytes)):
+                prepared = [handles.prepare_rank_payload(r, {n: per_rank[r][n] for n in bucket}, params[r])
+                            for r in range(self.tp)]
+                self._send_payloads([payload for payload, _kept in prepared], flush_cache=last)
+                for r, (payload, _kept) in enumerate(prepared):
+                    received[r] += payload.nbytes
+        return WeightPushReport(seconds=time.perf_counter() - started, bytes_per_rank=tuple(received), route="sliced")
+
+    def push_rank_payloads(self, payloads: Sequence[handles.RankPayload]) -> WeightPushReport:
+        """Push one ``handles.RankPayload`` per TP rank, each prepared (checked, laid out, shared)
+        by the process that holds that rank's tensors; those processes keep the tensors alive
+        until this returns. Flushes the cache once every rank has its weights."""
+        self._check_open()
+        if len(payloads) != self.tp or [p.rank for p in payloads] != list(range(self.tp)):
+            raise ValueError(f"sliced push got payloads for ranks {[p.rank for p in payloads]}; "
+                             f"the engine has tp={self.tp} (ranks 0..{self.tp - 1}, in order)")
+        _same_names([list(p.handles) for p in payloads])
+        started = time.perf_counter()
+        with self._update_session():
+            self._send_payloads(payloads, flush_cache=True)
+        return WeightPushReport(seconds=time.perf_counter() - started,
+                                bytes_per_rank=tuple(p.nbytes for p in payloads), route="sliced")
+
+    def _send_payloads(self, payloads: Sequence[handles.RankPayload], *, flush_cache: bool) -> None:
+        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+        named = [(name, LocalSerializedTensor(values=[p.handles[name] for p in payloads]))
+                 for name in payloads[0].handles]
+        self._update(named, load_format="direct", flush_cache=flush_cache)
 
     def push_full(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightPushReport:
@@ -351,36 +382,8 @@ class SGLangEngine:
                 named = [(name, tensors[name].detach().to(dtype=dtype).clone()) for name in names]
                 self._update(named, load_format=None, flush_cache=last)
         seconds = time.perf_counter() - started
-        nbytes = sum(_nbytes(tuple(t.shape), dtype) for _, t in items)
+        nbytes = sum(handles.nbytes(tuple(t.shape), dtype) for _, t in items)
         return WeightPushReport(seconds=seconds, bytes_per_rank=(nbytes,) * self.tp, route="full")
-
-    def _plan_rank_push(self, per_rank: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, tuple]]:
-        """Per rank ``{name: (tensor, engine shape, engine dtype)}``; ValueError on any mismatch."""
-        if len(per_rank) != self.tp:
-            raise ValueError(f"sliced push got tensors for {len(per_rank)} ranks; the engine has tp={self.tp}")
-        params = self._rank_params()
-        names = list(per_rank[0])
-        if not names:
-            raise ValueError("sliced push got no tensors")
-        plan = []
-        for rank, tensors in enumerate(per_rank):
-            if set(tensors) != set(names):
-                missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
-                raise ValueError(f"sliced push: rank {rank} names other parameters than rank 0 "
-                                 f"(missing {missing[:5]}, extra {extra[:5]}); every rank must get the same names")
-            plan.append({name: self._plan_tensor(rank, name, tensors[name], params[rank]) for name in names})
-        return plan
-
-    def _plan_tensor(self, rank: int, name: str, tensor: torch.Tensor, params: dict[str, dict]) -> tuple:
-        if name not in params:
-            raise ValueError(f"sliced push: {name!r} (rank {rank}) is not a parameter of the engine's model; "
-                             f"its parameters are named like {sorted(params)[:3]}")
-        shape = tuple(params[name]["shape"])
-        try:  # on the meta device: checks the padding rule without allocating
-            to_engine_layout(name, torch.empty(tensor.shape, device="meta"), shape)
-        except ValueError as error:
-            raise ValueError(f"sliced push, rank {rank}: {error}") from None
-        return tensor, shape, getattr(torch, params[name]["dtype"])
 
     def _check_full_push(self, items: list[tuple[str, torch.Tensor]]) -> None:
         if not items:
@@ -396,8 +399,9 @@ class SGLangEngine:
                 raise ValueError(f"full push: {name!r} has shape {tuple(tensor.shape)}, the checkpoint "
                                  f"{expected[name]}")
 
-    def _rank_params(self) -> list[dict[str, dict[str, Any]]]:
-        """Read (once) every rank's parameter names, shapes and dtypes through ``param_report``."""
+    def rank_params(self) -> list[dict[str, dict[str, Any]]]:
+        """Every TP rank's parameters, ``{name: {"shape": [...], "dtype": "float32"}}``, read once from the
+        running engine through ``param_report`` (plain data: it can be broadcast to other processes)."""
         if self._params is None:
             self._check_open()
             with tempfile.TemporaryDirectory(prefix="hybridflow-sglang-params-") as out:
@@ -480,28 +484,58 @@ class SGLangEngine:
         return self._engine.loop.run_until_complete(coroutine)
 
 
-def _shutdown(engine: Any, children_before: frozenset[int]) -> None:
+def _shutdown(engine: Any, own: frozenset[int]) -> None:
+    """``engine.shutdown()``, except that only the engine's own processes are killed.
+
+    SGLang 0.5.23's shutdown ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
+    every child of the calling process, its own or not (torch's ``torch_shm_manager``, which CPU
+    weight pushes need; another engine's schedulers; a user's subprocesses). For the length of
+    the call that function is swapped for one that kills the processes this engine started
+    (``own``) and their descendants.
+    """
+    from sglang.srt.entrypoints import engine as sglang_engine_module
+
+    tree = _descendants(own)
+    original = sglang_engine_module.kill_process_tree
+    sglang_engine_module.kill_process_tree = lambda *_args, **_kwargs: _kill_and_reap(tree, quiet=True)
     try:
         engine.shutdown()
     finally:
-        _reap_children(children_before)
+        sglang_engine_module.kill_process_tree = original
+        _kill_and_reap(tree)
+
+
+def _descendants(pids: frozenset[int]) -> list[psutil.Process]:
+    """The processes ``pids`` and all their descendants, those still present."""
+    out = []
+    for pid in sorted(pids):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(pid)
+            out += [process, *process.children(recursive=True)]
+    return out
 
 
 def _reap_children(children_before: frozenset[int], timeout_s: float = 10.0) -> None:
-    """Kill what the engine left running among this process's descendants, and reap them all.
+    """Kill and reap every descendant of this process not in ``children_before`` (a failed start)."""
+    _kill_and_reap([p for p in psutil.Process().children(recursive=True) if p.pid not in children_before],
+                   timeout_s=timeout_s)
 
-    SGLang's shutdown SIGKILLs its processes but does not wait for them: they linger as zombies
-    (a leader whose threads are still exiting, ``waitpid(WNOHANG)`` not yet ready) until waited on.
+
+def _kill_and_reap(processes: list[psutil.Process], *, timeout_s: float = 10.0, quiet: bool = False) -> None:
+    """SIGKILL those of ``processes`` still running, then wait for all of them.
+
+    A killed SGLang process lingers as a zombie (a leader whose threads are still exiting) until
+    waited on, and ``psutil.wait_procs`` reaps this process's direct children. ``quiet``: the
+    kill is the shutdown itself, not a leftover worth a warning.
     """
-    leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
-    alive = [p for p in leftovers if _is_running(p)]
-    if alive:
+    alive = [p for p in processes if _is_running(p)]
+    if alive and not quiet:
         logger.warning("SGLang left %d process(es) running after shutdown (%s); killing them",
                        len(alive), ", ".join(str(p.pid) for p in alive))
-        for process in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-    _gone, stuck = psutil.wait_procs(leftovers, timeout=timeout_s)  # reaps our direct children
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    _gone, stuck = psutil.wait_procs(processes, timeout=timeout_s)
     if stuck:
         logger.warning("SGLang processes still present %.0f s after shutdown: %s", timeout_s,
                        ", ".join(f"{p.pid}" for p in stuck))
@@ -553,15 +587,6 @@ def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
     return shapes
 
 
-def _engine_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The payload for one rank: padded to the engine's shape, its dtype, in storage of its own."""
-    return to_engine_layout(name, tensor.detach().to(dtype=dtype), shape).contiguous().clone()
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-
-
 def _buckets(names: list[str], sizes: list[int], bucket_bytes: int) -> list[list[str]]:
     """Consecutive groups of names of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
     buckets: list[list[str]] = [[]]
@@ -575,20 +600,38 @@ def _buckets(names: list[str], sizes: list[int], bucket_bytes: int) -> list[list
     return buckets
 
 
+def _same_names(per_rank: list[list[str]]) -> list[str]:
+    """Rank 0's names; ValueError unless every rank names the same parameters."""
+    names = per_rank[0]
+    if not names:
+        raise ValueError("sliced push got no tensors")
+    for rank, other in enumerate(per_rank):
+        if set(other) != set(names):
+            missing, extra = sorted(set(names) - set(other)), sorted(set(other) - set(names))
+            raise ValueError(f"sliced push: rank {rank} names other parameters than rank 0 "
+                             f"(missing {missing[:5]}, extra {extra[:5]}); every rank must get the same names")
+    return names
+
+
 def _mark_last(buckets: list[list[str]]) -> Iterator[tuple[bool, list[str]]]:
     for index, bucket in enumerate(buckets):
         yield index == len(buckets) - 1, bucket
 
 
 def _routed_experts(meta: dict[str, Any], prompt_len: int, response_len: int, num_layers: int,
-                    top_k: int) -> np.ndarray | None:
-    """``[T, L, k]`` experts chosen at the position that produced each response token, or None.
+                    top_k: int, *, first_dense: int = 0) -> np.ndarray | None:
+    """``[P + R - 1, L, k]`` experts chosen for every token fed to the model, or None.
 
-    SGLang returns base64 int32 rows for positions ``0 .. seq_len - 2`` (the last token is
-    never fed back); response token j was sampled from position ``prompt_len - 1 + j``.
+    SGLang returns base64 int32 rows ``[num_layers, k]`` for positions ``0 .. P + R - 2`` (the
+    last response token is never fed back): ``RolloutSample.routed_experts``' layout once the
+    ``first_dense`` dense layers (DeepSeek's ``first_k_dense_replace``), which route nothing, are
+    dropped. Any other row count would misalign the replay, so it is an error.
     """
     raw = meta.get("routed_experts")
     if raw is None or not top_k:
         return None
     rows = np.frombuffer(base64.b64decode(raw), dtype=np.int32).reshape(-1, num_layers, top_k)
-    return rows[prompt_len - 1 : prompt_len - 1 + response_len].copy()
+    if len(rows) != prompt_len + response_len - 1:
+        raise RuntimeError(f"SGLang returned routed experts for {len(rows)} positions; a {prompt_len}-token prompt "
+                           f"with a {response_len}-token response feeds {prompt_len + response_len - 1}")
+    return rows[:, first_dense:].copy()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -58,9 +59,16 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
-def rank_tensors(path: Path, tp: int) -> list[dict[str, torch.Tensor]]:
-    """Each SGLang TP rank's parameters, unpadded, as the reshard plan lays them out (the oracle)."""
+def rank_tensors(path: Path, tp: int, ep: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Each SGLang TP rank's parameters (engine ``tp``, ``ep``), unpadded, as the reshard plan lays
+    them out (the oracle)."""
     hf = {name: t.numpy() for name, t in checkpoint_tensors(path).items()}
     config = to_hybridflow_model_config(path)
     return [{name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in
-             sglang_params(config, SGLangSettings(tp=tp), hf, rank).items()} for rank in range(tp)]
+             sglang_params(config, SGLangSettings(tp=tp, ep=ep), hf, rank).items()} for rank in range(tp)]
+
+
+def child_processes() -> list[psutil.Process]:
+    """This process's descendants, except torch's ``torch_shm_manager``: the helper of CPU tensor
+    sharing (``hybridflow.rollout.sglang.handles``) lives as long as this process, not an engine."""
+    return [p for p in psutil.Process().children(recursive=True) if p.name() != "torch_shm_manager"]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import subprocess
+import sys
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from hybridflow.rollout import FINISH_LENGTH, FINISH_STOP, RolloutEngine, Sampli
 from hybridflow.rollout.sglang.cpu import STUB_LOG_ENV
 from tests.rollout.sglang.reference import (
     checkpoint_tensors,
+    child_processes,
     hf_greedy,
     hf_logprobs,
     load_hf,
@@ -226,10 +228,17 @@ def test_memory_calls_are_no_ops_on_cpu(case):
 
 
 def test_shutdown_leaves_no_process_and_no_stub_kernel_was_called(case):
-    engine_children = psutil.Process().children(recursive=True)
+    engine_children = child_processes()
     assert engine_children, "the engine should have started scheduler processes"
-    case.engine.shutdown()
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid in {c.pid for c in engine_children}]
+    # SGLang's own shutdown kills every child of the caller; the adapter's kills only the engine's
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        case.engine.shutdown()
+        assert bystander.poll() is None, "the engine's shutdown killed a process the engine did not start"
+    finally:
+        bystander.kill()
+        bystander.wait()
+    left = [p for p in child_processes() if p.pid in {c.pid for c in engine_children}]
     assert not left, f"processes left after shutdown: {left}"
     assert not case.stub_log.exists(), f"sgl_kernel stand-in functions were called:\n{case.stub_log.read_text()}"
     with pytest.raises(RuntimeError, match="shut down"):

@@ -27,14 +27,18 @@ def test_settings_the_cpu_engine_cannot_run_are_refused_before_start(kwargs, mat
         make_engine("sglang", model_path=str(tmp_path), **kwargs)
 
 
-def test_routed_experts_rows_are_those_that_produced_each_response_token():
-    prompt_len, response_len, layers, top_k = 3, 2, 2, 2
+def test_routed_experts_keep_every_fed_position_and_drop_dense_layers():
+    prompt_len, response_len, layers, top_k = 3, 2, 3, 2
     rows = np.arange((prompt_len + response_len - 1) * layers * top_k, dtype=np.int32).reshape(-1, layers, top_k)
     meta = {"routed_experts": base64.b64encode(rows.tobytes()).decode()}
     got = engine._routed_experts(meta, prompt_len, response_len, layers, top_k)
-    assert got.shape == (response_len, layers, top_k)
-    assert np.array_equal(got, rows[prompt_len - 1 :])
+    assert got.shape == (prompt_len + response_len - 1, layers, top_k)  # RolloutSample's layout
+    assert np.array_equal(got, rows)
+    deepseek = engine._routed_experts(meta, prompt_len, response_len, layers, top_k, first_dense=1)
+    assert np.array_equal(deepseek, rows[:, 1:])
     assert engine._routed_experts({}, prompt_len, response_len, layers, top_k) is None
+    with pytest.raises(RuntimeError, match="routed experts for 4 positions.*feeds 5"):
+        engine._routed_experts(meta, prompt_len + 1, response_len, layers, top_k)
 
 
 def test_buckets_keep_order_and_size():
