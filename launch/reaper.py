@@ -33,24 +33,38 @@ def become_subreaper() -> bool:
     return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def reap_children(timeout_s: float = 10.0) -> list[int]:
-    """Terminate, then kill, every process still below this one; returns their pids."""
+def reap_children(timeout_s: float = 10.0, grace_s: float = 2.0) -> list[int]:
+    """Terminate, then kill, every process still below this one; returns their pids.
+
+    Processes that exit on their own within ``grace_s`` (helpers whose parent rank just exited,
+    such as multiprocessing's resource tracker or torch's shared-memory manager, which end when
+    their parent's pipe closes; zombies waiting to be reaped) are reaped without a warning.
+    """
     left = psutil.Process().children(recursive=True)
-    for proc in left:
+    _, running = psutil.wait_procs(left, timeout=grace_s)
+    names = [_describe(p) for p in running]
+    for proc in running:
         try:
             proc.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(left, timeout=timeout_s)
+    _, alive = psutil.wait_procs(running, timeout=timeout_s)
     for proc in alive:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=timeout_s)
-    if left:
-        logger.warning("stopped %d process(es) left behind by the job: %s", len(left), [p.pid for p in left])
-    return [p.pid for p in left]
+    if running:
+        logger.warning("stopped %d process(es) left behind by the job: %s", len(running), ", ".join(names))
+    return [p.pid for p in running]
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} ({' '.join(proc.cmdline())[:120]})"
+    except psutil.Error:
+        return str(proc.pid)
 
 
 def run_reaped(cmd: Sequence[str], env: Mapping[str, str]) -> int:
