@@ -7,7 +7,8 @@ second of SGLang (tp=2) and of the transformers reference engine, then pushes a 
 weights into the running SGLang engine twice: sliced (a megatron-core EP=2 actor's parameters,
 resharded by the plan so each SGLang rank receives only its tensors; produced by
 ``tests/rollout/sglang/actor_worker.py`` under torchrun) and full (every rank receives every
-HF-named tensor, the route verl / slime use). Prints one JSON object; ``--json`` also writes it
+HF-named tensor, the route verl / slime use); push seconds are the median of ``--repeats``
+pushes after a warm-up push. Prints one JSON object; ``--json`` also writes it
 (temporary file, then rename).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,14 @@ def _tokens_per_s(engine, prompts, new_tokens: int) -> float:
     return batch.num_response_tokens / batch.seconds
 
 
+def _push(engine, weights, route: str, repeats: int):
+    """Median seconds of ``repeats`` pushes after one warm-up push (the first sliced push on CPU
+    also starts torch's shared-memory manager), and the last push's report."""
+    engine.push_weights(weights, route=route)
+    reports = [engine.push_weights(weights, route=route) for _ in range(repeats)]
+    return statistics.median(r.seconds for r in reports), reports[-1]
+
+
 def _export(actor_dir: Path, out: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(WORKER), "export", str(actor_dir), str(out)]
@@ -53,7 +63,7 @@ def _export(actor_dir: Path, out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt")["tensors"] for r in range(2)]
 
 
-def run(num_prompts: int, new_tokens: int) -> dict:
+def run(num_prompts: int, new_tokens: int, repeats: int = 5) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         start_dir = make_tiny_model_dir(root / "start", "qwen3_moe", seed=0, initializer_range=0.2)
@@ -63,8 +73,8 @@ def run(num_prompts: int, new_tokens: int) -> dict:
         engine = make_engine("sglang", model_path=str(start_dir), tp=2, max_total_tokens=4096)
         try:
             sglang_tps = _tokens_per_s(engine, prompts, new_tokens)
-            sliced = engine.push_weights(per_rank, route="sliced")
-            full = engine.push_weights(load_file(str(actor_dir / "model.safetensors")), route="full")
+            sliced_seconds, sliced = _push(engine, per_rank, "sliced", repeats)
+            full_seconds, full = _push(engine, load_file(str(actor_dir / "model.safetensors")), "full", repeats)
         finally:
             engine.shutdown()
         hf = make_engine("hf", model_path=str(start_dir))
@@ -78,8 +88,10 @@ def run(num_prompts: int, new_tokens: int) -> dict:
         "sglang_tokens_per_s": sglang_tps,
         "hf_tokens_per_s": hf_tps,
         "sglang_vs_hf": sglang_tps / hf_tps,
-        "sliced_push_seconds": sliced.seconds,
-        "full_push_seconds": full.seconds,
+        "push_repeats": repeats,
+        "sliced_push_seconds": sliced_seconds,
+        "full_push_seconds": full_seconds,
+        "sliced_vs_full_seconds": sliced_seconds / full_seconds,
         "sliced_bytes_per_rank": list(sliced.bytes_per_rank),
         "full_bytes_per_rank": list(full.bytes_per_rank),
         "sliced_vs_full_bytes": sum(sliced.bytes_per_rank) / sum(full.bytes_per_rank),
@@ -91,8 +103,9 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the result here")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="timed pushes per route (median reported)")
     args = parser.parse_args()
-    result = run(args.prompts, args.new_tokens)
+    result = run(args.prompts, args.new_tokens, args.repeats)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
