@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "FINISH_LENGTH",
     "FINISH_STOP",
+    "MEMORY_TAGS",
     "RolloutBatch",
     "RolloutEngine",
     "RolloutSample",
@@ -32,6 +33,7 @@ __all__ = [
     "WeightPushReport",
     "engine_names",
     "make_engine",
+    "memory_tags",
     "register_engine",
 ]
 
@@ -122,6 +124,20 @@ class WeightPushReport:
     """How the weights travelled (e.g. ``sliced`` or ``full``)."""
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""What ``release_memory`` / ``resume_memory`` free and take back (SGLang's memory-saver tags)."""
+
+
+def memory_tags(tags: Sequence[str] | None) -> list[str]:
+    """``tags`` checked against ``MEMORY_TAGS`` (None: all of them), duplicates dropped."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS)) if not isinstance(tags, str) else [tags]
+    if unknown:
+        raise ValueError(f"memory tags {unknown}: choose among {', '.join(MEMORY_TAGS)} (a list or tuple)")
+    return list(dict.fromkeys(tags))
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A generation engine the RL loop can drive."""
@@ -150,12 +166,14 @@ class RolloutEngine(Protocol):
         """Drop cached prefixes / KV (after a weight push they are stale)."""
         ...
 
-    def release_memory(self) -> None:
-        """Free accelerator memory (weights, KV cache) while training runs; no-op on CPU."""
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free accelerator memory while training runs: ``tags`` among ``weights``, ``kv_cache``,
+        ``cuda_graph`` (None: all). No-op on CPU. Whether released weights keep their values is
+        the engine's (SGLang's do not: push weights again after resuming them)."""
         ...
 
-    def resume_memory(self) -> None:
-        """Take back what ``release_memory`` freed."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what ``release_memory`` freed (``tags`` as there; ones not released are skipped)."""
         ...
 
     def shutdown(self) -> None:

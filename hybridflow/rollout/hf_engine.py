@@ -40,6 +40,7 @@ from .base import (
     RolloutSample,
     SamplingParams,
     WeightPushReport,
+    memory_tags,
     register_engine,
 )
 
@@ -238,16 +239,19 @@ class HFEngine:
     def flush_cache(self) -> None:
         """Nothing to drop: each ``generate`` call builds and frees its own KV cache."""
 
-    def release_memory(self) -> None:
-        """Move the weights to the CPU and free the accelerator's cache; no-op on the CPU."""
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Move the weights to the CPU (they keep their values) and free the accelerator's cache;
+        no-op on the CPU. The model is one unit here: any of ``tags`` releases all of it."""
+        memory_tags(tags)
         self._check_alive()
         if self.device.type != "cpu":
             self.model.to("cpu")
             torch.cuda.empty_cache()
         self._released = True
 
-    def resume_memory(self) -> None:
-        """Move the weights back to the engine's device."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Move the weights back to the engine's device (any of ``tags`` resumes all)."""
+        memory_tags(tags)
         self._check_alive()
         self.model.to(self.device)
         self._released = False

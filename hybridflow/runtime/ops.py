@@ -108,10 +108,12 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
             policy.offload_training_state()
     payload = None
     if s.is_driver:
-        s.engine.resume_memory()
+        if colocated:  # the weights came back with the last push; KV cache and graphs now
+            s.engine.resume_memory()
         s.engine.reseed(seed)
         out = s.engine.generate([p.prompt_ids for p in prompts], params)
-        s.engine.release_memory()
+        if colocated:
+            s.engine.release_memory()
         payload = (out.samples, out.seconds)
     samples, seconds = broadcast(payload)
     if colocated:
@@ -426,7 +428,7 @@ def update_critic(s: Session, node, f: dict, step: int) -> dict:
 
 @op("sync_weights")
 def sync_weights(s: Session, node, f: dict, step: int) -> dict:
-    if not f["actor_metrics"].get("actor/updated"):
+    if not f["actor_metrics"].get("actor/updated") and not s.sync.engine_drops_weights:
         return {"rollout_weights": {}}  # the engine already has these weights
     return {"rollout_weights": s.sync.push()}
 

@@ -65,6 +65,9 @@ class EngineSync:
         self.engine = engine
         self.pushes = 0
         self.engine_params = self._engine_params() if self.route == "sliced" else None
+        self.engine_drops_weights = cfg.rollout.placement == "colocated" and torch.cuda.is_available()
+        """Whether the engine's weights are released (and lose their values) after every
+        generation, so every step must push, even one that left the actor unchanged."""
 
     def _engine_params(self) -> list[dict]:
         """Every engine rank's parameter table, read on the driver and broadcast to all ranks."""
@@ -86,6 +89,8 @@ class EngineSync:
         report = execute(self.plan, self.processes, sources=self.source_params(), destinations=buffers)
         moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)])
         dist.all_reduce(moved)
+        if me == DRIVER:  # colocated on a GPU the engine released its weights after generating
+            self.engine.resume_memory(("weights",))
         pushed = self._push_sliced(me, buffers) if self.route == "sliced" else self._push_full(me, buffers)
         self.pushes += 1
         seconds = time.perf_counter() - started

@@ -50,6 +50,7 @@ from hybridflow.rollout.base import (
     RolloutSample,
     SamplingParams,
     WeightPushReport,
+    memory_tags,
     register_engine,
 )
 from hybridflow.rollout.sglang import cpu, handles, param_report, rank_seed
@@ -222,6 +223,8 @@ class SGLangEngine:
         self._top_k = getattr(text_config, "num_experts_per_tok", 0) or 0
         self._checkpoint_shapes = _checkpoint_shapes(model_path)
         self._params: list[dict[str, dict[str, Any]]] | None = None
+        self._released: set[str] = set()
+        self._weights_lost = False
         self._seed_warned = False
         # at interpreter exit (or if dropped unclosed) SGLang's processes still go
         self._finalizer = weakref.finalize(self, _shutdown, engine, own_processes)
@@ -236,6 +239,7 @@ class SGLangEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """Sample ``params.n`` responses per prompt; samples come prompt-major, then sample index."""
         self._check_open()
+        self._check_servable()
         prompts = [[int(t) for t in p] for p in prompts]
         self._check_prompts(prompts, params)
         input_ids = [p for p in prompts for _ in range(params.n)]
@@ -331,7 +335,7 @@ class SGLangEngine:
         sizes = [handles.nbytes(tuple(shapes[n]["shape"]), getattr(torch, shapes[n]["dtype"])) for n in names]
         started = time.perf_counter()
         received = [0] * self.tp
-        with self._update_session():
+        with self._update_session(weights=True):
             for last, bucket in _mark_last(_buckets(names, sizes, bucket_bytes)):
                 prepared = [handles.prepare_rank_payload(r, {n: per_rank[r][n] for n in bucket}, params[r])
                             for r in range(self.tp)]
@@ -350,7 +354,7 @@ class SGLangEngine:
                              f"the engine has tp={self.tp} (ranks 0..{self.tp - 1}, in order)")
         _same_names([list(p.handles) for p in payloads])
         started = time.perf_counter()
-        with self._update_session():
+        with self._update_session(weights=True):
             self._send_payloads(payloads, flush_cache=True)
         return WeightPushReport(seconds=time.perf_counter() - started,
                                 bytes_per_rank=tuple(p.nbytes for p in payloads), route="sliced")
@@ -377,7 +381,7 @@ class SGLangEngine:
         started = time.perf_counter()
         buckets = _buckets([n for n, _ in items], [t.nbytes for _, t in items], bucket_bytes)
         tensors = dict(items)
-        with self._update_session():
+        with self._update_session(weights=True):
             for last, names in _mark_last(buckets):
                 named = [(name, tensors[name].detach().to(dtype=dtype).clone()) for name in names]
                 self._update(named, load_format=None, flush_cache=last)
@@ -411,12 +415,18 @@ class SGLangEngine:
         return self._params
 
     @contextlib.contextmanager
-    def _update_session(self) -> Iterator[None]:
+    def _update_session(self, *, weights: bool = False) -> Iterator[None]:
+        """SGLang's weight-update session; ``weights``: it pushes model weights (they must be
+        resident, and a completed push makes released weights whole again: the caller pushes all)."""
+        if weights:
+            self._check_weights_writable()
         _check_result(self._engine.begin_weight_update(), "begin_weight_update")
         try:
             yield
         finally:
             _check_result(self._engine.end_weight_update(), "end_weight_update")
+        if weights:
+            self._weights_lost = False
 
     def _update(self, named: list, *, load_format: str | None, flush_cache: bool) -> None:
         result = self._engine.update_weights_from_tensor(named_tensors=named, load_format=load_format,
@@ -453,18 +463,44 @@ class SGLangEngine:
         if not getattr(result, "success", True):
             raise RuntimeError(f"SGLang flush_cache failed: {getattr(result, 'message', result)}")
 
-    def release_memory(self) -> None:
-        """Free GPU weights and KV cache while training runs; no-op on CPU (SGLang needs a GPU for it)."""
-        if self.on_cpu:
-            logger.debug("release_memory: no-op on SGLang's CPU engine")
-            return
-        _check_result(self._engine.release_memory_occupation(), "release_memory_occupation")
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the GPU memory of ``tags`` (``base.MEMORY_TAGS``; default all) while training runs.
 
-    def resume_memory(self) -> None:
-        """Take back what ``release_memory`` freed; no-op on CPU."""
-        if self.on_cpu:
+        Released weights lose their values (SGLang's memory saver keeps no copy): after
+        ``resume_memory`` they must be pushed again, and ``generate`` refuses until then. Tags
+        already released are skipped. No-op on CPU (SGLang needs a GPU for it).
+        """
+        todo = [t for t in memory_tags(tags) if t not in self._released]
+        if self.on_cpu or not todo:
             return
-        _check_result(self._engine.resume_memory_occupation(), "resume_memory_occupation")
+        self._check_open()
+        _check_result(self._engine.release_memory_occupation(tags=todo), "release_memory_occupation")
+        self._released.update(todo)
+        if "weights" in todo:
+            self._weights_lost = True
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the memory of ``tags`` (default all) that ``release_memory`` freed; tags not
+        released are skipped (SGLang refuses to resume them). No-op on CPU."""
+        todo = [t for t in memory_tags(tags) if t in self._released]
+        if self.on_cpu or not todo:
+            return
+        self._check_open()
+        _check_result(self._engine.resume_memory_occupation(tags=todo), "resume_memory_occupation")
+        self._released.difference_update(todo)
+
+    def _check_weights_writable(self) -> None:
+        if "weights" in self._released:
+            raise RuntimeError("weight push while the engine's weights are released: call "
+                               "resume_memory(('weights',)) first")
+
+    def _check_servable(self) -> None:
+        if self._released:
+            raise RuntimeError(f"generate while the engine's {', '.join(sorted(self._released))} memory is "
+                               "released: call resume_memory() first")
+        if self._weights_lost:
+            raise RuntimeError("the engine's weights were released (their values are gone) and none were "
+                               "pushed since: push weights after resume_memory, then generate")
 
     def shutdown(self) -> None:
         """Stop the engine, then make sure no process it started is left (leftovers are killed, with a warning)."""

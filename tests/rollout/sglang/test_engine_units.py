@@ -2,12 +2,13 @@
 
 import base64
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from hybridflow.rollout import engine_names, make_engine
-from hybridflow.rollout.sglang import cpu, engine
+from hybridflow.rollout import SamplingParams, engine_names, make_engine
+from hybridflow.rollout.sglang import cpu, engine, handles
 
 
 def test_sglang_is_a_registered_engine():
@@ -62,3 +63,63 @@ def test_is_moe_reads_the_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_experts_per_tok": 0}}))
     assert not engine._is_moe(str(tmp_path))
     assert not engine._is_moe(str(tmp_path / "missing"))
+
+
+class _FakeSGLang:
+    """Stands in for ``sglang.Engine`` to follow the adapter's GPU memory bookkeeping (a GPU
+    engine cannot start here); records the calls SGLang would receive."""
+
+    tokenizer_manager = SimpleNamespace(context_len=64, model_config=SimpleNamespace(
+        vocab_size=320, hf_text_config=SimpleNamespace(num_hidden_layers=2, num_experts_per_tok=2)))
+
+    def __init__(self):
+        self.calls = []
+
+    def release_memory_occupation(self, tags=None):
+        self.calls.append(("release", tuple(tags)))
+
+    def resume_memory_occupation(self, tags=None):
+        self.calls.append(("resume", tuple(tags)))
+
+    def begin_weight_update(self):
+        self.calls.append(("begin",))
+
+    def end_weight_update(self):
+        self.calls.append(("end",))
+
+    def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts):
+        self.calls.append(("generate", len(input_ids)))
+        meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [(-0.5, 9, None)]}
+        return [{"output_ids": [9], "meta_info": meta} for _ in input_ids]
+
+
+def test_gpu_memory_release_resume_and_push_order_is_enforced(tmp_path, monkeypatch):
+    fake = _FakeSGLang()
+    monkeypatch.setattr(engine, "_shutdown", lambda *_args: None)  # nothing to shut down
+    gpu = engine.SGLangEngine(fake, tp=1, on_cpu=False, model_path=str(tmp_path), routed_experts=False,
+                              deterministic=False, pause_mode="retract", own_processes=frozenset())
+    sent = []
+    monkeypatch.setattr(gpu, "_send_payloads", lambda payloads, flush_cache: sent.append(len(payloads)))
+    payload = [handles.RankPayload(rank=0, handles={"model.norm.weight": b"handle"}, nbytes=256)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+
+    gpu.resume_memory()  # nothing released: SGLang is not asked (it refuses to resume what is resident)
+    gpu.release_memory()
+    gpu.release_memory(["kv_cache"])  # already released
+    assert fake.calls == [("release", ("weights", "kv_cache", "cuda_graph"))]
+    with pytest.raises(RuntimeError, match="released: call resume_memory"):
+        gpu.generate([[7, 8]], greedy)
+    with pytest.raises(RuntimeError, match=r"resume_memory\(\('weights',\)\) first"):
+        gpu.push_rank_payloads(payload)
+    assert sent == []
+
+    gpu.resume_memory(["weights"])
+    gpu.resume_memory()  # the rest
+    assert fake.calls[1:] == [("resume", ("weights",)), ("resume", ("kv_cache", "cuda_graph"))]
+    with pytest.raises(RuntimeError, match="values are gone"):  # resident again, but not restored
+        gpu.generate([[7, 8]], greedy)
+    gpu.push_rank_payloads(payload)
+    assert sent == [1]
+    assert gpu.generate([[7, 8]], greedy).samples[0].response_ids == (9,)
+    with pytest.raises(ValueError, match="memory tags"):
+        gpu.release_memory(["kv"])
