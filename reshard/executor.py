@@ -186,7 +186,7 @@ def _view(params: Mapping[str, torch.Tensor], name: str, region: Region) -> torc
 
 def _checksum(x: torch.Tensor) -> torch.Tensor:
     flat = x.detach().reshape(-1).double()
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
     return torch.stack([flat.sum(), (flat * weights).sum()])
 
 
@@ -234,8 +234,9 @@ def _run_round(messages, me, sources, destinations, wire, verify, group, report)
                 ops.append(dist.P2POp(dist.isend, sums, _peer(m.dst, group), group=group, tag=2 * tag + 1))
             report.bytes_sent += m.nbytes
         elif m.dst == me:
-            buffer = torch.empty(sum(p.numel for p in m.pieces), dtype=wire)
-            sums = torch.empty(len(m.pieces), 2, dtype=torch.float64) if verify else None
+            device = destinations[m.pieces[0].transfer.dst_param].device  # NCCL receives on the GPU
+            buffer = torch.empty(sum(p.numel for p in m.pieces), dtype=wire, device=device)
+            sums = torch.empty(len(m.pieces), 2, dtype=torch.float64, device=device) if verify else None
             inbox.append((m, buffer, sums))
             ops.append(dist.P2POp(dist.irecv, buffer, _peer(m.src, group), group=group, tag=2 * tag))
             if verify:

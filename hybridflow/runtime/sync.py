@@ -75,19 +75,23 @@ class EngineSync:
         dist.broadcast_object_list(table, src=DRIVER)
         return table[0]
 
-    def _buffers(self, me: int) -> dict[str, torch.Tensor]:
+    def _buffers(self, me: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """This process's destination tensors, on the actor's device (on a GPU they are shared
+        with the engine as CUDA-IPC handles, so they must live there)."""
         if me >= len(self.processes.destination):
             return {}
         shapes = self.sync.destination.param_shapes(me)
-        return {name: torch.zeros(shape, dtype=self.dtype) for name, shape in shapes.items()}
+        return {name: torch.zeros(shape, dtype=self.dtype, device=device) for name, shape in shapes.items()}
 
     def push(self) -> dict[str, float]:
         """Execute the plan, hand the engine its tensors, flush the engine's cache."""
         started = time.perf_counter()
         me = dist.get_rank()
-        buffers = self._buffers(me)
-        report = execute(self.plan, self.processes, sources=self.source_params(), destinations=buffers)
-        moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)])
+        sources = self.source_params()
+        buffers = self._buffers(me, next(iter(sources.values())).device)
+        report = execute(self.plan, self.processes, sources=sources, destinations=buffers)
+        moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)],
+                             device=next(iter(sources.values())).device)
         dist.all_reduce(moved)
         if me == DRIVER:  # colocated on a GPU the engine released its weights after generating
             self.engine.resume_memory(("weights",))
