@@ -450,8 +450,9 @@ class RolloutConfig:
     max_total_tokens: int = 8192
     """KV-cache capacity of each engine, in tokens."""
     sync_route: str = "sliced"
-    """Weight push: sliced (each engine rank receives its reshard-plan share) or full (every rank
-    receives every tensor; the baseline)."""
+    """Weight push: sliced (each engine rank receives its reshard-plan share, shared from the
+    actor process that holds it) or full (the plan gathers whole HF tensors on the driving
+    process and every engine rank receives every tensor; the baseline)."""
 
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ROLLOUT_ENGINES)
