@@ -50,9 +50,6 @@ class EngineSync:
     """
 
     def __init__(self, cfg: HybridflowConfig, *, source_params, engine=None) -> None:
-        if cfg.rollout.num_replicas != 1:
-            raise ValueError(f"rollout.num_replicas={cfg.rollout.num_replicas}: the runtime drives one engine "
-                             "replica per run in this version; set rollout.num_replicas=1")
         self.route = cfg.rollout.sync_route
         self.sync: WeightSyncPlan = plan_weight_sync(cfg)
         self.plan, self.stats = self.sync.plan, self.sync.stats

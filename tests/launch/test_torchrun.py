@@ -1,0 +1,29 @@
+"""What ``hybridflow train`` checks before any rank starts (``launch.torchrun.preflight``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config import load_config
+from launch.torchrun import check_runtime_support, preflight
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu.yaml")
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout.num_replicas=2", "actor.parallel.dp=4"], "rollout.num_replicas=2"),
+    (["rollout.placement=separate"], "rollout.placement=separate"),
+    (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
+    (["reference.enabled=true", "reference.parallel.ep=1"], "reference.parallel differs"),
+])
+def test_what_the_runtime_cannot_run_is_refused_with_the_key_and_the_fix(overrides, key):
+    cfg = load_config(QUICKSTART, overrides)
+    with pytest.raises(ValueError, match=key) as error:
+        check_runtime_support(cfg)
+    assert "set " in str(error.value)
+
+
+def test_the_quickstart_passes_preflight(tmp_path):
+    preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path}"]))
