@@ -212,17 +212,23 @@ def _token_ids(tokenizer) -> dict[str, Any]:
                 eos_token_id=[eos, im_end])
 
 
-def _build_model(family: str, token_ids: Mapping[str, Any], vocab_size: int, seed: int,
-                 overrides: Mapping[str, Any]):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _build_config(family: str, token_ids: Mapping[str, Any], vocab_size: int, overrides: Mapping[str, Any]):
+    from transformers import AutoConfig
 
     settings = {**_TINY_DIMS, **_family(family).hf_settings, **overrides}
-    config = AutoConfig.for_model(
+    return AutoConfig.for_model(
         family, vocab_size=vocab_size, dtype="float32", **settings,
         pad_token_id=token_ids["pad_token_id"], bos_token_id=token_ids["bos_token_id"],
         eos_token_id=token_ids["eos_token_id"][0],
     )
+
+
+def _build_model(family: str, token_ids: Mapping[str, Any], vocab_size: int, seed: int,
+                 overrides: Mapping[str, Any]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _build_config(family, token_ids, vocab_size, overrides)
     # fork_rng: the seed fixes these weights without moving the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -232,22 +238,34 @@ def _build_model(family: str, token_ids: Mapping[str, Any], vocab_size: int, see
 
 
 def make_tiny_model_dir(
-    path: str | Path, family: str, *, seed: int = 0, vocab_size: int = 320, **overrides: Any
+    path: str | Path, family: str, *, seed: int = 0, vocab_size: int = 320, weights: bool = True,
+    **overrides: Any,
 ) -> Path:
     """Write a tiny random ``family`` model and its tokenizer into ``path``; return the path.
 
     ``family`` is one of ``TINY_FAMILIES``; ``overrides`` are transformers config values
     (``num_hidden_layers=4``, ``tie_word_embeddings=True``, ...). The model's vocabulary is
     ``vocab_size``; the tokenizer's is at most that. The same arguments give the same files.
+    ``weights=False`` writes the configs and the tokenizer only (no model is built: any size
+    works), for an engine that starts without weights and receives them by push.
     """
     _family(family)  # an unknown family fails before anything is written
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_tokenizer(vocab_size)
-    model = _build_model(family, _token_ids(tokenizer), vocab_size, seed, overrides)
-    model.save_pretrained(str(path))
+    token_ids = _token_ids(tokenizer)
+    if weights:
+        _build_model(family, token_ids, vocab_size, seed, overrides).save_pretrained(str(path))
+    else:
+        from transformers import GenerationConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config = _build_config(family, token_ids, vocab_size, overrides)
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]]  # what save_pretrained of a model records
+        config.save_pretrained(str(path))
+        GenerationConfig(**token_ids).save_pretrained(str(path))
     _save_tokenizer(tokenizer, path)
-    logger.debug("tiny %s model written to %s", family, path)
+    logger.debug("tiny %s model%s written to %s", family, "" if weights else " (no weights)", path)
     return path
 
 

@@ -1,11 +1,12 @@
 """The Hugging Face model directory the rollout engine starts from.
 
-SGLang starts from a model directory (config, tokenizer, weights) and then only ever receives
-the actor's weights through the reshard plan, so the directory's weights are a placeholder and
-its config must describe exactly the model megatron-core builds. Without a converted checkpoint
-(the quickstart), the run writes one for ``cfg.model`` with the tiny tokenizer:
+SGLang starts from a model directory and then only ever receives the actor's weights through
+the reshard plan, so the directory holds no weights at all: its configs (which must describe
+exactly the model megatron-core builds) and the tokenizer. The engine starts with
+``load_format="dummy"`` and the run's first push fills every parameter, so no checkpoint of a
+100B+ model is written or read for it:
 
-    cfg.model (ModelConfig) --hf_overrides--> transformers config --make_tiny_model_dir--> dir
+    cfg.model (ModelConfig) --hf_overrides--> transformers config --make_tiny_model_dir(weights=False)--> dir
     dir --to_hybridflow_model_config--> ModelConfig  ==  cfg.model ?   (else ValueError per field)
 
 The directory is written under a temporary name and renamed, and reused when it already holds
@@ -81,7 +82,8 @@ def rollout_model_dir(model: ModelConfig, path: str | os.PathLike, *, seed: int)
         return final
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    make_tiny_model_dir(staging, model.family, seed=seed, vocab_size=model.vocab_size, **hf_overrides(model))
+    make_tiny_model_dir(staging, model.family, seed=seed, vocab_size=model.vocab_size, weights=False,
+                        **hf_overrides(model))
     problems = _mismatches(model, to_hybridflow_model_config(staging))
     if problems:
         shutil.rmtree(staging, ignore_errors=True)

@@ -58,9 +58,10 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path):
         if cfg.rollout.engine != "sglang":
             raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: hybridflow train drives SGLang engines; "
                              "set rollout.engine=sglang (the hf engine is a test reference)")
+        # the directory has no weights (model_dir.py): the first push fills them
         return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
-                           seed=cfg.run.seed)
+                           seed=cfg.run.seed, load_format="dummy")
     finally:
         os.environ.update(saved)
 

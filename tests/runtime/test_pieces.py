@@ -12,7 +12,7 @@ import torch
 from hybridflow.config import load_config
 from hybridflow.runtime import loop, report, state
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
-from hybridflow.runtime.model_dir import _mismatches, hf_overrides
+from hybridflow.runtime.model_dir import _mismatches, hf_overrides, rollout_model_dir
 from hybridflow.runtime.ops import NonFiniteStep, step_seed
 
 
@@ -84,14 +84,29 @@ def test_summary_and_plot(tmp_path: Path) -> None:
 
 
 def test_the_rollout_model_directory_matches_the_config() -> None:
-    from hybridflow.rollout.tiny import to_hybridflow_model_config
-
     cfg = load_config("configs/quickstart_cpu.yaml")
     overrides = hf_overrides(cfg.model)
     assert overrides["num_experts"] == cfg.model.num_experts
     other = load_config("configs/quickstart_cpu.yaml", ["model.num_experts=8"]).model
     assert _mismatches(cfg.model, other) == ["model.num_experts: config 4, directory 8"]
-    assert callable(to_hybridflow_model_config)
+
+
+@pytest.mark.parametrize("config", ["quickstart_cpu.yaml", "grpo_qwen3_235b.yaml"])
+def test_the_rollout_model_directory_holds_configs_and_tokenizer_but_no_weights(config, tmp_path) -> None:
+    """The engine starts without weights (load_format="dummy"), so even a 235B model's directory
+    is written at once: nothing is built or saved but configs and the tokenizer."""
+    from hybridflow.rollout.tiny import to_hybridflow_model_config
+
+    cfg = load_config(f"configs/{config}")
+    path = rollout_model_dir(cfg.model, tmp_path / "model", seed=0)
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= names
+    assert not [n for n in names if n.endswith((".safetensors", ".bin"))], names
+    assert to_hybridflow_model_config(path) == cfg.model
+    assert json.loads((path / "config.json").read_text())["architectures"]  # SGLang picks its model class by it
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert rollout_model_dir(cfg.model, path, seed=0) == path  # a resumed run reuses it
+    assert (path / "config.json").stat().st_mtime_ns == stamp
 
 
 class _Tracker:

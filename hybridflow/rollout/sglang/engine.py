@@ -91,7 +91,8 @@ def _start(
     ``return_routed_experts``: None = on for MoE models on a GPU (SGLang cannot on CPU).
     ``deterministic``: SGLang's deterministic inference, which also makes the per-request
     ``SamplingParams.seed`` take effect (GPU only). ``engine_kwargs`` go to ``sglang.Engine``
-    unchanged and override the settings chosen here.
+    unchanged and override the settings chosen here; ``load_format="dummy"`` starts from a
+    directory with configs and tokenizer only, and ``generate`` waits for the first push.
     """
     on_cpu = not cpu.has_cuda_gpu()
     _check_start(tp=tp, ep=ep, on_cpu=on_cpu, deterministic=deterministic, pause_mode=pause_mode,
@@ -121,7 +122,8 @@ def _start(
     logger.info("SGLang engine up in %.1f s (tp=%d, ep=%d, %s)", time.perf_counter() - started, tp, ep,
                 "CPU" if on_cpu else "GPU")
     return SGLangEngine(engine, tp=tp, on_cpu=on_cpu, model_path=model_path, routed_experts=routed,
-                        deterministic=deterministic, pause_mode=pause_mode, own_processes=own)
+                        deterministic=deterministic, pause_mode=pause_mode, own_processes=own,
+                        weights_loaded=args.get("load_format") != "dummy")
 
 
 def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: int, seed: int,
@@ -204,7 +206,8 @@ class SGLangEngine:
     """A running SGLang engine; see the module docstring. Start it with ``make_engine("sglang", ...)``."""
 
     def __init__(self, engine: Any, *, tp: int, on_cpu: bool, model_path: str, routed_experts: bool,
-                 deterministic: bool, pause_mode: str, own_processes: frozenset[int]):
+                 deterministic: bool, pause_mode: str, own_processes: frozenset[int],
+                 weights_loaded: bool = True):
         self._engine = engine
         self.tp = tp
         """TP ranks of the engine (one payload each in a sliced push)."""
@@ -224,7 +227,7 @@ class SGLangEngine:
         self._checkpoint_shapes = _checkpoint_shapes(model_path)
         self._params: list[dict[str, dict[str, Any]]] | None = None
         self._released: set[str] = set()
-        self._weights_lost = False
+        self._weights_lost = not weights_loaded  # load_format="dummy": the first push brings them
         self._seed_warned = False
         # at interpreter exit (or if dropped unclosed) SGLang's processes still go
         self._finalizer = weakref.finalize(self, _shutdown, engine, own_processes)
@@ -499,8 +502,8 @@ class SGLangEngine:
             raise RuntimeError(f"generate while the engine's {', '.join(sorted(self._released))} memory is "
                                "released: call resume_memory() first")
         if self._weights_lost:
-            raise RuntimeError("the engine's weights were released (their values are gone) and none were "
-                               "pushed since: push weights after resume_memory, then generate")
+            raise RuntimeError("the engine holds no valid weights (it started with load_format='dummy', or its "
+                               "weights were released and their values are gone): push weights, then generate")
 
     def shutdown(self) -> None:
         """Stop the engine, then make sure no process it started is left (leftovers are killed, with a warning)."""

@@ -123,3 +123,17 @@ def test_gpu_memory_release_resume_and_push_order_is_enforced(tmp_path, monkeypa
     assert gpu.generate([[7, 8]], greedy).samples[0].response_ids == (9,)
     with pytest.raises(ValueError, match="memory tags"):
         gpu.release_memory(["kv"])
+
+
+def test_an_engine_started_without_weights_generates_only_after_a_push(tmp_path, monkeypatch):
+    fake = _FakeSGLang()
+    monkeypatch.setattr(engine, "_shutdown", lambda *_args: None)
+    empty = engine.SGLangEngine(fake, tp=1, on_cpu=True, model_path=str(tmp_path), routed_experts=False,
+                                deterministic=False, pause_mode="retract", own_processes=frozenset(),
+                                weights_loaded=False)  # load_format="dummy"
+    monkeypatch.setattr(empty, "_send_payloads", lambda payloads, flush_cache: None)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+    with pytest.raises(RuntimeError, match="load_format='dummy'"):
+        empty.generate([[7, 8]], greedy)
+    empty.push_rank_payloads([handles.RankPayload(rank=0, handles={"model.norm.weight": b"handle"}, nbytes=256)])
+    assert empty.generate([[7, 8]], greedy).samples[0].response_ids == (9,)
