@@ -20,7 +20,7 @@ from launch.slurm import SCRIPT_NAME, SlurmJob, render_sbatch
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "quickstart_cpu.yaml")
 # the quickstart's layout (ep=2 dp=2, 2 ranks) scaled to 4 nodes x 8 GPUs
-BIG = ["actor.parallel.dp=32", "actor.parallel.ep=4", "rollout.tp=2", "rollout.num_replicas=16"]
+BIG = ["actor.parallel.dp=32", "actor.parallel.ep=4", "rollout.tp=2"]
 
 
 def _render(capsys, tmp_path: Path, *args: str, overrides=()) -> tuple[int, str, str]:
