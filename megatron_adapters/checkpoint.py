@@ -119,6 +119,10 @@ def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer
         policy.optimizer.load_state_dict(loaded["optimizer"])
         if meta.get("scheduler") and policy.scheduler is not None:
             policy.scheduler.load_state_dict(meta["scheduler"])
+    elif policy.optimizer is not None:
+        # weights only into a trainable policy: a mixed-precision optimizer's fp32 main params
+        # still hold the initialisation, and its first step would write them back
+        policy.optimizer.reload_model_params()
     dist.barrier()
     return meta
 

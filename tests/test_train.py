@@ -120,16 +120,33 @@ def test_resume_never_refuses_a_run_directory_with_checkpoints(full_run: Path) -
     assert "run.resume=auto" in result.stderr and "checkpoints" in result.stderr
 
 
-def test_ppo_trains_a_critic(tmp_path: Path) -> None:
-    """PPO runs end to end: the critic (value head on the actor's model) is trained beside the actor."""
+def _weights(checkpoint: Path, tmp: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, tmp)
+    return torch.load(tmp)
+
+
+def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> None:
+    """PPO runs end to end: the critic (value head on the actor's model) is trained beside the
+    actor and starts from the actor's SFT weights, not from a fresh initialisation."""
     out = tmp_path / "ppo"
     _ok(_train(out, "algorithm.name=ppo", "critic.enabled=true", "critic.parallel.ep=2", "critic.parallel.dp=2",
-               "run.steps=2", "sft.steps=2", "run.checkpoint_every=0"))
+               "run.steps=2", "sft.steps=10", "run.checkpoint_every=0"))
     history = _history(out, "step_000002")
     for h in history:
         assert h["critic/vf_loss"] > 0 and h["critic/grad_norm"] > 0, h
         assert h["rollout/logprob_diff_max"] < LOGPROB_TOL
-    assert (out / "checkpoints" / "step_000002" / "critic").is_dir()
+    checkpoints = out / "checkpoints"
+    sft = _weights(checkpoints / "sft" / "actor", tmp_path / "sft.pt")
+    actor = _weights(checkpoints / "step_000002" / "actor", tmp_path / "actor.pt")
+    critic = _weights(checkpoints / "step_000002" / "critic", tmp_path / "critic.pt")
+    # two RL steps move the actor and the critic about as far from the SFT weights; a critic
+    # that started from the initialisation stays as far from them as SFT moved (10x more, measured)
+    for key in ("decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.self_attention.linear_proj.weight"):
+        moved_actor = (actor[key] - sft[key]).abs().mean()
+        moved_critic = (critic[key] - sft[key]).abs().mean()
+        assert moved_critic < 2 * moved_actor, (key, float(moved_critic), float(moved_actor))
 
 
 def test_full_route_sync_reaches_the_engine_with_every_tensor(full_run: Path, tmp_path: Path) -> None:

@@ -96,6 +96,10 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         s.critic = MegatronCritic(s.cfg.model, s.cfg.actor.parallel, s.cfg.train, pg_collection=s.pg)
         if resume_from is not None and (resume_from / "critic").is_dir():
             checkpoint.load(s.critic, resume_from / "critic", with_optimizer=True)
+        else:  # the policy's (SFT) transformer under a fresh value head, as PPO critics start
+            skipped = _copy_weights(s.actor, s.critic)
+            if any(not name.startswith("output_layer.") for name in skipped):
+                raise AssertionError(f"the critic differs from the actor beyond its value head: {skipped}")
     if s.spec.uses_reference:
         s.reference = build_policy(s.cfg, s.cfg.train, s.pg, trainable=False)
         if (sft / "actor").is_dir():
@@ -104,12 +108,21 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
             _copy_weights(s.actor, s.reference)
 
 
-def _copy_weights(source, target) -> None:
+def _copy_weights(source, target) -> list[str]:
+    """Copy every parameter ``target`` shares with ``source`` (same name and shape); returns the
+    names of ``target``'s parameters left as they were."""
     from megatron_adapters.export import global_named_parameters
 
-    mine = global_named_parameters(target)
-    for name, value in global_named_parameters(source).items():
-        mine[name].copy_(value)
+    theirs = global_named_parameters(source)
+    skipped = []
+    for name, param in global_named_parameters(target).items():
+        if name in theirs and theirs[name].shape == param.shape:
+            param.copy_(theirs[name])
+        else:
+            skipped.append(name)
+    if target.optimizer is not None:  # main params of a mixed-precision optimizer follow the copy
+        target.optimizer.reload_model_params()
+    return skipped
 
 
 def _start_rollout(s: Session) -> None:
