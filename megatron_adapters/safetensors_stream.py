@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.buckets import fill_buckets
+
 __all__ = [
     "DTYPES", "INDEX_FILE", "HFTensor", "SafetensorsReader", "SafetensorsWriter", "check_written",
     "dtype_name", "read_header",
@@ -184,7 +186,8 @@ class SafetensorsWriter:
     def __init__(self, directory: str | os.PathLike, tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
                  *, shard_bytes: int) -> None:
         self.directory = Path(directory)
-        shards = _assign_shards(list(tensors), shard_bytes)
+        tensors = list(tensors)
+        shards = fill_buckets(tensors, [math.prod(shape) * dtype.itemsize for _, dtype, shape in tensors], shard_bytes)
         self.entries: dict[str, HFTensor] = {}
         self._fds: list[int] = []
         self._fd_of: dict[str, int] = {}
@@ -238,21 +241,6 @@ class SafetensorsWriter:
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
-
-
-def _assign_shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                   shard_bytes: int) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
-    """Consecutive tensors per shard, each shard at most ``shard_bytes`` (or one bigger tensor)."""
-    shards: list[list] = [[]]
-    size = 0
-    for item in tensors:
-        nbytes = math.prod(item[2]) * item[1].itemsize
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += nbytes
-    return shards
 
 
 def check_written(entries: Mapping[str, HFTensor]) -> int:

@@ -85,10 +85,10 @@ class EngineSync:
         started = time.perf_counter()
         me = dist.get_rank()
         sources = self.source_params()
-        buffers = self._buffers(me, next(iter(sources.values())).device)
+        device = next(iter(sources.values())).device
+        buffers = self._buffers(me, device)
         report = execute(self.plan, self.processes, sources=sources, destinations=buffers)
-        moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)],
-                             device=next(iter(sources.values())).device)
+        moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)], device=device)
         dist.all_reduce(moved)
         if me == DRIVER:  # colocated on a GPU the engine released its weights after generating
             self.engine.resume_memory(("weights",))

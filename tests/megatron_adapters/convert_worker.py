@@ -9,10 +9,8 @@ Rank 0 writes ``{"logp": [B, T]}`` (the policy's log-probs on ``batch()``) to th
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -24,6 +22,7 @@ from hybridflow.convert import read_model_config  # noqa: E402
 from hybridflow.layout import ParallelLayout  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
+from task_pool import run_tasks  # noqa: E402
 
 SEED = 1234
 
@@ -53,21 +52,7 @@ def load_and_score(hf_dir: str, spec: dict, mcore_dir: str, resave_dir: str) -> 
 
 
 def main() -> None:
-    tasks = json.loads(open(sys.argv[1]).read())
-    parallel.init_default_group()
-    for task in tasks:
-        out = task.pop("out")
-        try:
-            result = load_and_score(**task)
-        except Exception:
-            result = {"exception": traceback.format_exc()}
-        finally:
-            parallel.teardown()
-        if dist.get_rank() == 0:
-            torch.save(result, out + ".tmp")
-            os.replace(out + ".tmp", out)
-        dist.barrier()
-    dist.destroy_process_group()
+    run_tasks(lambda task: load_and_score(**task))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ global batch, so every layout computes the same gradient as one process.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -30,6 +28,7 @@ from hybridflow.layout import ParallelLayout  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
 from megatron_adapters.selftest import next_token_loss  # noqa: E402
+from task_pool import run_tasks  # noqa: E402
 
 SEED = 1234
 TRAIN = TrainConfig(lr=1e-3, micro_batch_size=1, global_batch_size=4, clip_grad=1.0)
@@ -161,21 +160,7 @@ TASKS = {f.__name__: f for f in (reference, equivalence, train_and_save, resume,
 
 
 def main() -> None:
-    tasks = json.loads(open(sys.argv[1]).read())
-    parallel.init_default_group()
-    for task in tasks:
-        kind, out = task.pop("kind"), task.pop("out")
-        try:
-            result = TASKS[kind](**task)
-        except Exception:  # recorded so one failing case does not hide the others
-            result = {"exception": traceback.format_exc()}
-        finally:
-            parallel.teardown()
-        if dist.get_rank() == 0:
-            torch.save(result, out + ".tmp")
-            os.replace(out + ".tmp", out)
-        dist.barrier()
-    dist.destroy_process_group()
+    run_tasks(lambda task: TASKS[task.pop("kind")](**task))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import numpy as np
 import psutil
 import torch
 
+from hybridflow.buckets import fill_buckets
 from hybridflow.rollout.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -339,7 +340,7 @@ class SGLangEngine:
         started = time.perf_counter()
         received = [0] * self.tp
         with self._update_session(weights=True):
-            for last, bucket in _mark_last(_buckets(names, sizes, bucket_bytes)):
+            for last, bucket in _mark_last(fill_buckets(names, sizes, bucket_bytes)):
                 prepared = [handles.prepare_rank_payload(r, {n: per_rank[r][n] for n in bucket}, params[r])
                             for r in range(self.tp)]
                 self._send_payloads([payload for payload, _kept in prepared], flush_cache=last)
@@ -382,7 +383,7 @@ class SGLangEngine:
         self._check_full_push(items)
         dtype = self._engine.tokenizer_manager.model_config.dtype
         started = time.perf_counter()
-        buckets = _buckets([n for n, _ in items], [t.nbytes for _, t in items], bucket_bytes)
+        buckets = fill_buckets([n for n, _ in items], [t.nbytes for _, t in items], bucket_bytes)
         tensors = dict(items)
         with self._update_session(weights=True):
             for last, names in _mark_last(buckets):
@@ -624,19 +625,6 @@ def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
         with safe_open(str(file), framework="pt") as f:
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     return shapes
-
-
-def _buckets(names: list[str], sizes: list[int], bucket_bytes: int) -> list[list[str]]:
-    """Consecutive groups of names of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
-    buckets: list[list[str]] = [[]]
-    filled = 0
-    for name, size in zip(names, sizes):
-        if buckets[-1] and filled + size > bucket_bytes:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(name)
-        filled += size
-    return buckets
 
 
 def _same_names(per_rank: list[list[str]]) -> list[str]:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from hybridflow.buckets import fill_buckets
 from hybridflow.rollout import SamplingParams, engine_names, make_engine
 from hybridflow.rollout.sglang import cpu, engine, handles
 
@@ -43,7 +44,7 @@ def test_routed_experts_keep_every_fed_position_and_drop_dense_layers():
 
 
 def test_buckets_keep_order_and_size():
-    assert engine._buckets(["a", "b", "c", "d"], [4, 4, 10, 1], bucket_bytes=8) == [["a", "b"], ["c"], ["d"]]
+    assert fill_buckets(["a", "b", "c", "d"], [4, 4, 10, 1], 8) == [["a", "b"], ["c"], ["d"]]
 
 
 @pytest.mark.parametrize("result,ok", [
