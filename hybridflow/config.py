@@ -420,7 +420,8 @@ class RolloutConfig:
     """The inference engines that generate rollouts and receive the actor's weights."""
 
     engine: str = "sglang"
-    """Rollout engine: sglang, or hf (transformers: one unsharded device per replica)."""
+    """Rollout engine: sglang, or hf (transformers, in the driving process on its device:
+    small runs, and GPU machines without SGLang; needs sync_route=full)."""
     tp: int = 1
     """Ranks per engine (SGLang ``--tp-size``)."""
     ep: int = 1
@@ -467,6 +468,9 @@ class RolloutConfig:
         _check_positive(self, ("tp", "ep", "moe_dp", "dp_size", "num_replicas", "gpus_per_node"))
         if self.engine == "hf":
             self._check_unsharded()
+            if self.sync_route != "full":
+                raise ConfigError("{p}engine=hf loads whole Hugging Face tensors: set {p}sync_route=full "
+                                  "(sliced pushes write SGLang's per-rank parameters)")
         try:
             self.sglang_settings()  # the engine's own rules: dp_size | tp, ep * moe_dp | tp
         except ValueError as e:

@@ -48,6 +48,15 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
                          "set rollout.placement=colocated")
 
 
+def check_node_gpus(cfg: HybridflowConfig, available: int) -> None:
+    """``hybridflow train`` starts one rank per GPU of this node: the layout must fit them."""
+    world = cfg.actor.parallel.world_size
+    if world > available:
+        raise ValueError(f"actor.parallel needs {world} GPUs ({cfg.actor.parallel.describe()}) but this node has "
+                         f"{available}: lower actor.parallel.dp (or tp / pp / ep), or run on more nodes with "
+                         "hybridflow launch or hybridflow slurm")
+
+
 def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
     """What can be checked in this process before any rank starts: the algorithm's graph
     against the enabled roles and placement, and ``run.resume`` against the run directory."""
@@ -62,6 +71,8 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
         from moe.routes import check_replay_device
 
         check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
+    if command == "train" and torch.cuda.is_available():
+        check_node_gpus(cfg, torch.cuda.device_count())
     resume_from = resume_point(cfg.run.output_dir, cfg.run.resume)
     if resume_from is not None:
         sys.stdout.write(f"hybridflow {command}: resuming from {resume_from}\n")

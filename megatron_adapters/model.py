@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from hybridflow.config import ModelConfig, MoEConfig
 from hybridflow.layout import ParallelLayout
 
+from .parallel import device as rank_device
 from .routing import moe_config_fields
 
 
@@ -315,6 +316,8 @@ def build_model_chunks(
                 vp_stage=stage,
             )
         )
+    device = rank_device()
     for chunk in chunks:
+        chunk.to(device)  # a no-op on GPUs (built there); CPU initialisation builds on the host
         mark_expert_params(chunk)
     return chunks

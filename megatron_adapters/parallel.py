@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from hybridflow import device_guard
 from hybridflow.layout import ParallelLayout
 
 from . import cpu_compat
@@ -31,6 +32,22 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def device() -> torch.device:
+    """This rank's device, decided here once: ``cuda:LOCAL_RANK`` with CUDA, else the CPU.
+
+    Every tensor the rank computes with, and every tensor it hands to a collective on the
+    default backend, lives here; callers take it from here (or from a tensor already on it)
+    instead of writing ``.cuda()`` or ``device="cuda"``."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def group_device(group=None) -> torch.device:
+    """Where tensors for a collective on ``group`` must live: the GPU for NCCL, the host for gloo."""
+    return device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def init_default_group(timeout_minutes: int = 10) -> None:
     """Start torch.distributed from torchrun's environment (or as one process without it)."""
     if dist.is_initialized():
@@ -40,7 +57,7 @@ def init_default_group(timeout_minutes: int = 10) -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device())
     dist.init_process_group(
         backend=backend(), timeout=datetime.timedelta(minutes=timeout_minutes)
     )
@@ -57,6 +74,8 @@ def _free_port() -> int:
 def initialize(layout: ParallelLayout, *, seed: int, prefix: str = "parallel") -> ProcessGroupCollection:
     """Build megatron-core's groups for ``layout`` and seed its RNG; returns the groups."""
     cpu_compat.apply()
+    # after cpu_compat (its mode maps .cuda() away) and before megatron makes its groups
+    device_guard.install_from_env()
     init_default_group()
     layout.check_world_size(dist.get_world_size(), prefix=prefix)
     if parallel_state.model_parallel_is_initialized():

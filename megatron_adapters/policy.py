@@ -40,12 +40,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from hybridflow import device_guard
 from hybridflow.config import ModelConfig, MoEConfig, TrainConfig
 from hybridflow.layout import ParallelLayout
 from moe.routes import UNROUTED
 
 from .logprobs import token_entropy, token_logprobs
 from .model import build_model_chunks
+from .parallel import device as rank_device
 from .routing import ROUTES_KEY, RouterControl
 
 logger = logging.getLogger(__name__)
@@ -129,13 +131,15 @@ class MegatronPolicy:
         self.train_config = train
         self.pg = pg_collection
         self.moe_config = moe
+        self.device = rank_device()
+        """Where this rank's chunks, batches and collective buffers live."""
         chunks = self._build_chunks(model, layout, params_dtype, pg_collection)
         self.config = chunks[0].config
         # routing replay, router statistics, frozen router (before DDP: frozen weights get no grad buffer)
         self.routing: RouterControl | None = None
         if moe is not None and model.is_moe:
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
-            self.routing = RouterControl(chunks, model, layout, moe, tp_rank=tp_rank)
+            self.routing = RouterControl(chunks, model, layout, moe, tp_rank=tp_rank, device=self.device)
         self.p2p = P2PCommunicator(pp_group=pg_collection.pp, config=self.config)
         self.optimizer = None
         self.scheduler = None
@@ -182,14 +186,15 @@ class MegatronPolicy:
     # ---------------------------------------------------------------------------- batching
 
     def _dp_rows(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """This data-parallel rank's contiguous share of the global batch."""
+        """This data-parallel rank's contiguous share of the global batch, on the rank's device
+        (the one place a batch enters the trainer: it moves once, not per micro-batch)."""
         size = parallel_state.get_data_parallel_world_size()
         rank = parallel_state.get_data_parallel_rank()
         rows = batch["input_ids"].shape[0]
         if rows % size:
             raise ValueError(f"batch of {rows} rows does not split over data-parallel size {size}")
         share = rows // size
-        return {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
+        return {k: v[rank * share : (rank + 1) * share].to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _pad_sequence(self, batch: Batch) -> tuple[dict[str, torch.Tensor], int]:
         """Right-pad the sequence dim so sequence parallelism splits it evenly over TP."""
@@ -219,6 +224,7 @@ class MegatronPolicy:
     # ---------------------------------------------------------------------------- forward
 
     def _forward(self, micro: Batch, model) -> torch.Tensor:
+        device_guard.check_on_device(micro, "MegatronPolicy model input")
         ids_BS = micro["input_ids"]
         positions_BS = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
         if self.routing is None:
@@ -280,7 +286,8 @@ class MegatronPolicy:
         self, batch: Batch, *, micro_batch_size: int | None = None, with_entropy: bool = False,
         record_routes: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy ``[B, T]`` of the global batch, returned on every rank.
+        """Log-probs and entropy ``[B, T]`` of the global batch, returned on every rank, on the
+        host: the runtime's fields live there and enter the trainer again through ``_dp_rows``.
 
         A batch with ``routed_experts`` ``[B, T, L, k]`` is scored with those experts (routing
         replay); ``record_routes`` keeps the experts the routers chose, as such a table, in
@@ -303,12 +310,12 @@ class MegatronPolicy:
         outputs = self._run(micros, step_fn, forward_only=True, collect=True)
         self._end_routing()
         local = self._stack_last_stage(outputs, padded["input_ids"].shape, seq)
-        return tuple(self._gather_dp(t) for t in local)  # type: ignore[return-value]
+        return tuple(self._gather_dp(t).cpu() for t in local)  # type: ignore[return-value]
 
     def _stack_last_stage(self, outputs, padded_shape, seq) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenate the last stage's micro-batch results and share them across the PP group."""
         rows, length = padded_shape
-        both = torch.zeros(2, rows, length)
+        both = torch.zeros(2, rows, length, device=self.device)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             both[0] = torch.cat([logp for logp, _ in outputs])
             both[1] = torch.cat([ent for _, ent in outputs])
@@ -402,25 +409,25 @@ class MegatronPolicy:
 
     def _grads_finite(self) -> bool:
         """Whether every rank's gradients are finite (megatron's fp32 optimizer would apply a NaN)."""
-        bad = torch.zeros(1)
+        bad = torch.zeros(1, device=self.device)
         for chunk in self.chunks:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                if not torch.isfinite(buffer.grad_data).all():
-                    bad += 1
+                bad += (~torch.isfinite(buffer.grad_data)).any()  # no host sync per buffer
         dist.all_reduce(bad)
-        return bad.item() == 0
+        return bad.item() == 0  # the one host sync: every rank must agree to step
 
     def _step_result(self, outputs, grad_norm, lr) -> StepResult:
         """Token-weighted metric means over micro-batches and DP ranks, shared with all ranks."""
         # Only the last pipeline stage has outputs; it tells the other stages the metric names.
         names = self._broadcast_names(sorted(outputs[0]) if outputs else [])
-        sums = torch.zeros(len(names), 2)
+        sums = torch.zeros(len(names), 2, device=self.device)
         for out in outputs:
             for i, name in enumerate(names):
                 sums[i] += out[name]
         if self.layout.pp > 1:
             dist.all_reduce(sums, group=self.pg.pp)  # only the last stage holds non-zeros
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        sums = sums.cpu()  # one host sync for every metric of the step
         means = {n: float(s[0] / s[1].clamp(min=1)) for n, s in zip(names, sums)}
         return StepResult(
             loss=means.pop("loss"),

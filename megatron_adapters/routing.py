@@ -100,11 +100,13 @@ class RouterControl:
     """Replay, recording and statistics for the routers of one policy's model chunks."""
 
     def __init__(self, chunks: list, model: ModelConfig, layout: ParallelLayout, moe: MoEConfig,
-                 *, tp_rank: int) -> None:
+                 *, tp_rank: int, device: torch.device) -> None:
         if layout.cp > 1:
             raise ValueError(f"routing replay / router statistics map tokens for cp=1 only (cp={layout.cp})")
         self.model = model
         self.moe = moe
+        self.device = device
+        """The policy's device: recorded tables and statistics live there (collectives on it)."""
         self.tp_size, self.tp_rank = layout.tp, tp_rank
         self.num_layers = model.num_layers - model.first_k_dense_layers
         self.routers: dict[int, list[tuple[int, TopKRouter]]] = {}
@@ -150,10 +152,11 @@ class RouterControl:
             if self.moe.routing_replay == "off":
                 raise ValueError("recording routes needs moe.routing_replay=r2 or r3 (megatron's RouterReplay)")
             p.table_BTLk = torch.full((rows, length, self.num_layers, self.model.moe_top_k), UNROUTED,
-                                      dtype=torch.long)
+                                      dtype=torch.long, device=self.device)
         if self.moe.router_stats:
-            p.stats = RouterStats(self.num_layers, self.model.num_experts, self.model.moe_top_k)
-            p.flags_BTL = torch.full((rows, length, self.num_layers), -1, dtype=torch.int32)
+            p.stats = RouterStats(self.num_layers, self.model.num_experts, self.model.moe_top_k,
+                                  device=self.device)
+            p.flags_BTL = torch.full((rows, length, self.num_layers), -1, dtype=torch.int32, device=self.device)
         self._pass = p
 
     def before_forward(self, chunk, micro: dict[str, torch.Tensor]) -> None:
@@ -203,16 +206,18 @@ class RouterControl:
     # ------------------------------------------------------------------------ results
 
     def take_recorded(self) -> torch.Tensor:
-        """The ``[B, T, L, k]`` table the last recording pass produced."""
+        """The ``[B, T, L, k]`` table the last recording pass produced, on the host."""
         if self.recorded is None:
             raise RuntimeError("no recorded routes: call forward_logprobs(..., record_routes=True) first")
         table, self.recorded = self.recorded, None
-        return table
+        return table.cpu()  # a runtime field, on the host like the batch it joins
 
     def pop_metrics(self, *, per_layer: bool = True) -> dict[str, float]:
         """``moe/<pass>/...`` statistics of the passes since the last call (same on every rank);
         the sums behind them stay in ``last_stats``."""
         out: dict[str, float] = {}
+        for stats in self._step.values():
+            stats.sums = stats.sums.cpu()  # one host copy per pass kind, then plain reads
         self.last_stats = dict(self._step)
         for kind, stats in sorted(self._step.items()):
             out.update(stats.metrics(f"moe/{kind}", per_layer=per_layer))
@@ -242,7 +247,7 @@ class RouterControl:
 
     def _valid(self, micro: dict[str, torch.Tensor], length: int) -> torch.Tensor:
         ids = micro["input_ids"]
-        valid_bT = torch.arange(ids.shape[1])[None, :] < length
+        valid_bT = torch.arange(ids.shape[1], device=ids.device)[None, :] < length
         if VALID_KEY in micro:
             valid_bT = valid_bT & micro[VALID_KEY].bool()
         return self._order(valid_bT.expand_as(ids)[..., None])[:, 0]
@@ -288,8 +293,8 @@ class RouterControl:
             self._step[kind] = stats
         compared_BT = (flags_BTL >= 0).any(dim=-1)
         differs_BT = (flags_BTL == 1).any(dim=-1)
-        counts = torch.tensor([float(compared_BT.sum()), float(differs_BT.sum())])
-        self._any_layer[kind] = self._any_layer.get(kind, torch.zeros(2)) + counts
+        counts = torch.stack([compared_BT.sum(), differs_BT.sum()]).double()
+        self._any_layer[kind] = self._any_layer.get(kind, torch.zeros_like(counts)) + counts
 
 
 def _chunk_routers(chunk, first_k_dense: int) -> list[tuple[int, TopKRouter]]:

@@ -102,11 +102,13 @@ _NUM_FIELDS = 7
 class RouterStats:
     """Per-layer sums over the router calls of one pass; add, all-reduce ``sums``, read metrics."""
 
-    def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
+    def __init__(self, num_layers: int, num_experts: int, top_k: int,
+                 device: torch.device | str = "cpu") -> None:
         self.num_experts = num_experts
         self.top_k = top_k
-        self.sums = torch.zeros(num_layers, num_experts + _NUM_FIELDS, dtype=torch.float64)
-        """``[L, E + F]``: tokens per expert, then the scalar sums (summable across ranks)."""
+        self.sums = torch.zeros(num_layers, num_experts + _NUM_FIELDS, dtype=torch.float64, device=device)
+        """``[L, E + F]``: tokens per expert, then the scalar sums (summable across ranks), on
+        the device of the router's tokens: ``add`` never waits for the device."""
 
     def add(self, layer: int, *, routing_map_NE: torch.Tensor, probs_NE: torch.Tensor, valid_N: torch.Tensor,
             natural_Nk: torch.Tensor | None = None, target_Nk: torch.Tensor | None = None,
@@ -115,22 +117,22 @@ class RouterStats:
         row = self.sums[layer]
         valid_N = valid_N.bool()
         map_NE = routing_map_NE.bool()[valid_N]
-        row[: self.num_experts] += map_NE.sum(dim=0).double().cpu()
+        row[: self.num_experts] += map_NE.sum(dim=0).to(row)
         fields = row[self.num_experts :]
-        tokens = int(valid_N.sum())
+        tokens = valid_N.sum().to(row)
         fields[_TOKENS] += tokens
-        fields[_ENTROPY] += float(router_entropy(probs_NE[valid_N]).sum())
-        fields[_DROPPED] += tokens * self.top_k - float(map_NE.sum())
+        fields[_ENTROPY] += router_entropy(probs_NE[valid_N]).sum().to(row)
+        fields[_DROPPED] += tokens * self.top_k - map_NE.sum().to(row)
         if target_Nk is None:
             return
         compared_N = valid_N & (target_Nk >= 0).all(dim=-1)
         if natural_Nk is not None:
-            fields[_COMPARED] += float(compared_N.sum())
-            fields[_DIFFERS] += float(topk_differs(natural_Nk, target_Nk)[compared_N].sum())
+            fields[_COMPARED] += compared_N.sum().to(row)
+            fields[_DIFFERS] += topk_differs(natural_Nk, target_Nk)[compared_N].sum().to(row)
         if replayed:
             used_Nk = routing_map_topk(routing_map_NE, self.top_k)
-            fields[_REPLAYED] += float(compared_N.sum())
-            fields[_MATCHED] += float((~topk_differs(used_Nk, target_Nk))[compared_N].sum())
+            fields[_REPLAYED] += compared_N.sum().to(row)
+            fields[_MATCHED] += (~topk_differs(used_Nk, target_Nk))[compared_N].sum().to(row)
 
     def totals(self) -> dict[str, float]:
         """The scalar sums over all layers: tokens, entropy, dropped, compared, differs, replayed,

@@ -21,9 +21,13 @@ is left to the executor, which zero-fills what no box covers. Parameter shapes a
 unpadded ones, except vocab rows, which SGLang itself pads.
 
 Not modelled (SGLang options that change layouts): pipeline parallelism, attention context
-parallelism, shared-expert fusion into FusedMoE (DeepSeek-V3 on some GPUs with ep=1), the
-tp=1 shared experts of DeepEP-class backends, ``moe_dense_tp_size=1``, embedding replication
-(``SGLANG_ENABLE_EMBED_REPLICATION``), quantised weights.
+parallelism, ``moe_dense_tp_size=1``, quantised weights. GPU-only layout choices are pinned off
+when the engine starts (``hybridflow.rollout.sglang.engine.GPU_LAYOUT_PINS``, refused if
+overridden): shared-expert fusion into FusedMoE (DeepSeek-V3, sm80+, ep=1), MoE runner backends
+that reorder, transpose or block-permute ``w13`` / ``w2`` (flashinfer_cutlass, triton_kernel,
+flashinfer_trtllm), DeepEP-class all-to-all (replicated shared experts), EPLB redundant experts;
+and the environment switches that re-lay parameters (``GPU_LAYOUT_ENV``: interleaved SwiGLU rows,
+tp=1 shared experts, embedding replication) are refused.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ class HFEngine:
     """A ``RolloutEngine`` over one transformers causal LM on one device."""
 
     def __init__(self, model, *, max_context: int, seed: int = 0,
-                 return_routed_experts: bool = False) -> None:
+                 return_routed_experts: bool = False, weights_loaded: bool = True) -> None:
         self.model = model.eval()
         self.max_context = max_context
         self.eos_token_ids = _eos_ids(model)
@@ -205,6 +205,7 @@ class HFEngine:
         self._pad_id = model.generation_config.pad_token_id or 0
         self._paused = False
         self._released = False
+        self._needs_push = not weights_loaded  # load_format="dummy": the first push brings them
 
     def _routed_top_k(self) -> int:
         config = self.model.config
@@ -227,6 +228,9 @@ class HFEngine:
             raise RuntimeError("the engine is paused; call resume() first")
         if self._released:
             raise RuntimeError("the engine's memory is released; call resume_memory() first")
+        if self._needs_push:
+            raise RuntimeError("the engine holds no weights yet (it started with load_format='dummy'); "
+                               "push every tensor with push_weights() first")
 
     def pause(self) -> None:
         """Refuse new ``generate`` calls until ``resume`` (calls are synchronous: none is in flight)."""
@@ -375,6 +379,7 @@ class HFEngine:
             self._copy_in(live, weights)
         else:
             self._copy_in(live, self._from_checkpoint_names(weights, live))
+        self._needs_push = False
         pushed = sum(t.numel() * t.element_size() for t in weights.values())
         seconds = time.perf_counter() - started
         logger.debug("pushed %d tensors (%d bytes) in %.3f s", len(weights), pushed, seconds)
@@ -400,19 +405,27 @@ class HFEngine:
 @register_engine("hf")
 def _start(
     model_path: str, *, max_context: int | None = None, dtype: str = "float32", seed: int = 0,
-    device: str = "cpu", return_routed_experts: bool = False,
+    device: str = "cpu", return_routed_experts: bool = False, load_format: str = "auto",
 ) -> HFEngine:
     """An ``HFEngine`` on the transformers model in ``model_path``.
 
     ``max_context`` caps prompt + response (default: the model's max_position_embeddings);
     ``seed`` seeds sampling for calls without ``SamplingParams.seed``; ``return_routed_experts``
-    (MoE models) fills ``RolloutSample.routed_experts``.
+    (MoE models) fills ``RolloutSample.routed_experts``; ``load_format="dummy"`` builds the model
+    from its config alone (a directory without weights, as runs write it): ``generate`` then
+    refuses until the first ``push_weights`` filled every tensor.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of: {', '.join(_DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device)
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format={load_format!r} is not one of: auto, dummy")
+    if load_format == "dummy":
+        config = AutoConfig.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype]).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device)
     logger.info("hf engine: %s (%s) on %s", model_path, dtype, device)
     limit = model.config.max_position_embeddings
     if max_context is None:
@@ -422,4 +435,4 @@ def _start(
             f"max_context={max_context} must be in 2..{limit} (the model's max_position_embeddings)"
         )
     return HFEngine(model, max_context=max_context, seed=seed,
-                    return_routed_experts=return_routed_experts)
+                    return_routed_experts=return_routed_experts, weights_loaded=load_format != "dummy")

@@ -50,15 +50,19 @@ def broadcast(value: Any) -> Any:
 
 
 def start_engine(cfg: HybridflowConfig, model_dir: Path):
-    """The rollout engine, started from ``model_dir`` (rank 0), without torchrun's variables."""
+    """The rollout engine, started from ``model_dir`` (rank 0): SGLang without torchrun's
+    variables, or the transformers engine (small runs, and GPU machines without SGLang)."""
     from hybridflow.rollout import make_engine
 
+    # the directory has no weights (model_dir.py): both engines start empty, the first push fills them
+    if cfg.rollout.engine == "hf":  # in this process, on the driver's device
+        from megatron_adapters.parallel import device
+
+        return make_engine("hf", model_path=str(model_dir), dtype=cfg.rollout.dtype, seed=cfg.run.seed,
+                           device=str(device()), return_routed_experts=cfg.moe.routing_replay == "r3",
+                           load_format="dummy")
     saved = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
     try:
-        if cfg.rollout.engine != "sglang":
-            raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: hybridflow train drives SGLang engines; "
-                             "set rollout.engine=sglang (the hf engine is a test reference)")
-        # the directory has no weights (model_dir.py): the first push fills them
         return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
                            seed=cfg.run.seed, load_format="dummy")

@@ -12,6 +12,7 @@ checkpoint  ──►  engine (rank 0), first weight sync, held-out score after 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import shutil
@@ -19,6 +20,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -177,8 +179,32 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     return summary
 
 
+class DeviceMemoryError(RuntimeError):
+    """The GPU ran out of memory; the message names the settings that lower the peak."""
+
+
+@contextlib.contextmanager
+def out_of_memory_hint(cfg: HybridflowConfig, phase: str) -> Iterator[None]:
+    """Turn a CUDA out-of-memory error in ``phase`` into one line naming what to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise DeviceMemoryError(
+            f"rank {rank} ran out of GPU memory in {phase} ({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB "
+            f"in use): lower train.micro_batch_size (now {cfg.train.micro_batch_size}) or "
+            f"data.max_response_length (now {cfg.data.max_response_length}), or raise actor.parallel.tp / pp / ep "
+            f"(now {cfg.actor.parallel.describe()})") from None
+
+
 def run(cfg: HybridflowConfig) -> dict:
     """The whole job on this rank (every rank of the actor's layout calls it)."""
+    with out_of_memory_hint(cfg, "start-up"):
+        return _run(cfg)
+
+
+def _run(cfg: HybridflowConfig) -> dict:
     from megatron_adapters import parallel
 
     spec = algorithm_spec(cfg)
@@ -195,15 +221,18 @@ def run(cfg: HybridflowConfig) -> dict:
     s.tracker.log_params({"algorithm": cfg.algorithm.name, "actor_layout": cfg.actor.parallel.describe(),
                           "rollout": cfg.rollout.describe(), **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()}})
     try:
-        _warm_up(s)
+        with out_of_memory_hint(cfg, "the SFT warm-up"):
+            _warm_up(s)
         if cfg.run.mode == "sft":
             return _finish(s, None)
-        _load_actor(s, resume_from)
-        _start_rollout(s)
+        with out_of_memory_hint(cfg, "building the actor and the engine"):
+            _load_actor(s, resume_from)
+            _start_rollout(s)
         if s.state.heldout_after_sft is None:
             s.state.heldout_after_sft = heldout_reward(s)
             s.state.heldout.append((s.state.step, s.state.heldout_after_sft))
-        train_rl(s, build_graph(cfg), save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
+        with out_of_memory_hint(cfg, "the RL steps"):
+            train_rl(s, build_graph(cfg), save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
         after_rl = heldout_reward(s)
         if after_rl is not None:
             s.state.heldout.append((s.state.step, after_rl))
@@ -230,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         run(cfg)
+    except DeviceMemoryError as error:  # one line, not a traceback: the message says what to change
+        logging.getLogger("hybridflow.train").error("%s", error)
+        sys.stderr.write(f"hybridflow train: error: {error}\n")
+        return 1
     finally:
         parallel.teardown()
         dist.destroy_process_group()

@@ -27,3 +27,17 @@ def test_what_the_runtime_cannot_run_is_refused_with_the_key_and_the_fix(overrid
 
 def test_the_quickstart_passes_preflight(tmp_path):
     preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path}"]))
+
+
+def test_a_layout_that_needs_more_gpus_than_the_node_has_is_refused(tmp_path, monkeypatch):
+    import torch
+
+    cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}"])  # 2 ranks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("moe.routes.check_replay_device", lambda *a, **k: None)
+    with pytest.raises(ValueError) as error:
+        preflight(cfg)
+    message = str(error.value)
+    assert "actor.parallel needs 2 GPUs" in message and "this node has 1" in message
+    assert "lower actor.parallel.dp" in message and "\n" not in message

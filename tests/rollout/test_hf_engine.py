@@ -294,3 +294,14 @@ def test_bad_push_keeps_the_old_weights(tiny_dir, engine, names):
     with pytest.raises(ValueError, match="push route 'nccl' is not one of: full, sliced"):
         fresh.push_weights(good, route="nccl")
     assert responses(fresh.generate(PROMPTS, GREEDY)) == before
+
+
+def test_dummy_start_refuses_to_generate_until_a_full_push(tiny_dir, engine):
+    # the weighted directory serves: a dummy start reads its config only
+    fresh = make_engine("hf", model_path=str(tiny_dir), load_format="dummy")
+    with pytest.raises(RuntimeError, match="holds no weights yet .*push every tensor"):
+        fresh.generate(PROMPTS, GREEDY)
+    fresh.push_weights(load_file(str(tiny_dir / "model.safetensors")))
+    assert responses(fresh.generate(PROMPTS, GREEDY)) == responses(engine.generate(PROMPTS, GREEDY))
+    with pytest.raises(ValueError, match="load_format='safetensors' is not one of: auto, dummy"):
+        make_engine("hf", model_path=str(tiny_dir), load_format="safetensors")

@@ -54,7 +54,7 @@ from hybridflow.rollout.base import (
     memory_tags,
     register_engine,
 )
-from hybridflow.rollout.sglang import cpu, handles, param_report, rank_seed
+from hybridflow.rollout.sglang import cpu, handles, param_report, post_load, rank_seed
 
 __all__ = ["ROUTES", "SGLangEngine", "SGLangStartError"]
 
@@ -106,6 +106,7 @@ def _start(
                         on_cpu=on_cpu, routed=routed, deterministic=deterministic)
     if mem_fraction_static is not None:
         args["mem_fraction_static"] = mem_fraction_static
+    _check_layout_overrides(engine_kwargs, on_cpu=on_cpu)
     args.update(engine_kwargs)
     import sglang
 
@@ -132,7 +133,8 @@ def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tok
     """``sglang.Engine`` keyword arguments; on CPU, the settings seen working in CPU_NOTES."""
     args = dict(
         model_path=model_path, tp_size=tp, ep_size=ep, dtype=dtype, max_total_tokens=max_total_tokens,
-        random_seed=seed, skip_server_warmup=True, custom_weight_loader=[param_report.LOADER, rank_seed.LOADER],
+        random_seed=seed, skip_server_warmup=True, custom_weight_loader=[param_report.LOADER, rank_seed.LOADER,
+                                                                     post_load.LOADER],
         enable_return_routed_experts=routed, enable_deterministic_inference=deterministic, log_level="warning",
         custom_sigquit_handler=_child_failed_at_start,
     )
@@ -141,8 +143,43 @@ def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tok
         # room (it compares system-wide free memory before and after loading, which other jobs move)
         args.update(device="cpu", disable_cuda_graph=True, mem_fraction_static=0.2)
     else:  # release_memory / resume_memory free nothing without torch_memory_saver
-        args.update(enable_memory_saver=True)
+        args.update(enable_memory_saver=True, **GPU_LAYOUT_PINS)
     return args
+
+
+GPU_LAYOUT_PINS: dict[str, Any] = {
+    # DeepSeek-V3 on sm80+ at ep=1 would fold the shared expert into FusedMoE as expert E (no
+    # mlp.shared_experts.* parameters, one more w13/w2 slot), a layout reshard/sglang.py does not plan
+    "disable_shared_experts_fusion": True,
+    # flashinfer_cutlass loads w13 as [up; gate] (same shape: a push would swap them silently),
+    # triton_kernel transposes w13/w2, flashinfer_trtllm (auto on sm100) pads and block-permutes them
+    "moe_runner_backend": "triton",
+    # DeepEP-class all-to-all forces ep=tp and replicates DeepSeek's shared experts
+    "moe_a2a_backend": "none",
+    # EPLB adds physical expert slots and moves experts while the engine runs
+    "enable_eplb": False,
+    "ep_num_redundant_experts": 0,
+}
+"""SGLang settings that make its GPU parameter layout the one ``reshard/sglang.py`` plans (CPU
+layouts never take these paths); ``start`` refuses overrides of them."""
+
+GPU_LAYOUT_ENV = ("SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED", "SGLANG_SHARED_EXPERT_TP1", "SGLANG_ENABLE_EMBED_REPLICATION")
+"""Environment switches that re-lay parameters on GPUs (w13 rows interleaved on every load, shared
+experts replicated, embeddings replicated): refused when set."""
+
+
+def _check_layout_overrides(engine_kwargs: dict[str, Any], *, on_cpu: bool) -> None:
+    """Refuse engine settings whose parameter layout the reshard plan would write wrongly."""
+    for key, pinned in GPU_LAYOUT_PINS.items():
+        if key in engine_kwargs and engine_kwargs[key] != pinned:
+            raise ValueError(f"sglang {key}={engine_kwargs[key]!r} changes the engine's parameter layout, which the "
+                             f"reshard plan does not model; leave it at {pinned!r}")
+    if on_cpu:
+        return
+    for name in GPU_LAYOUT_ENV:
+        if os.environ.get(name, "") not in ("", "0", "false", "False"):
+            raise ValueError(f"environment {name}={os.environ[name]} re-lays SGLang's parameters on GPUs in a "
+                             f"way the reshard plan does not model; unset it")
 
 
 class SGLangStartError(RuntimeError):
@@ -368,7 +405,9 @@ class SGLangEngine:
 
         named = [(name, LocalSerializedTensor(values=[p.handles[name] for p in payloads]))
                  for name in payloads[0].handles]
-        self._update(named, load_format="direct", flush_cache=flush_cache)
+        self._update(named, load_format="direct", flush_cache=False)
+        if flush_cache:  # the last bucket: "direct" skipped the model's post-load hook (DeepSeek's w_kc / w_vc)
+            self._update([("post_load", torch.zeros(1))], load_format=post_load.LOADER, flush_cache=True)
 
     def push_full(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightPushReport:

@@ -39,7 +39,8 @@ import torch.multiprocessing
 
 from hybridflow.rollout.sglang.padding import to_engine_layout
 
-__all__ = ["RankPayload", "check_rank_tensor", "engine_tensor", "nbytes", "prepare_rank_payload", "share"]
+__all__ = ["RankPayload", "check_rank_tensor", "engine_tensor", "nbytes", "open_handle", "prepare_rank_payload",
+           "share"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +94,30 @@ def share(tensor: torch.Tensor) -> bytes:
     travels). The caller keeps ``tensor`` alive until the receiver has copied it."""
     buffer = io.BytesIO()
     if tensor.is_cuda:
-        # SGLang's reductions name the device by UUID, so a scheduler that sees the GPUs under
-        # other indices opens the right one; the receiving side applies the same patch.
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()
+        _device_uuid_reductions()
         ForkingPickler(buffer).dump(tensor)
     else:
         with _file_system_sharing():
             ForkingPickler(buffer).dump(tensor)
     return buffer.getvalue()
+
+
+def open_handle(handle: bytes) -> torch.Tensor:
+    """The tensor a ``share`` handle names, opened in this process without copying its data (what
+    each SGLang scheduler does with its ``values[r]``)."""
+    _device_uuid_reductions()
+    return ForkingPickler.loads(handle)
+
+
+def _device_uuid_reductions() -> None:
+    """SGLang's CUDA reductions, which name the device by UUID so that a scheduler seeing the GPUs
+    under other indices opens the right one (both sides must use them); without SGLang installed
+    (the GPU check machine) torch's own, which name it by index: right within one process tree."""
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:
+        return
+    monkey_patch_torch_reductions()
 
 
 def prepare_rank_payload(rank: int, tensors: Mapping[str, torch.Tensor],

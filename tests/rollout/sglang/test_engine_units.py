@@ -138,3 +138,53 @@ def test_an_engine_started_without_weights_generates_only_after_a_push(tmp_path,
         empty.generate([[7, 8]], greedy)
     empty.push_rank_payloads([handles.RankPayload(rank=0, handles={"model.norm.weight": b"handle"}, nbytes=256)])
     assert empty.generate([[7, 8]], greedy).samples[0].response_ids == (9,)
+
+
+def test_gpu_engines_start_with_the_layout_the_reshard_plan_writes(tmp_path):
+    args = engine._engine_args(str(tmp_path), tp=2, ep=1, dtype="bfloat16", max_total_tokens=64, seed=0,
+                               on_cpu=False, routed=False, deterministic=False)
+    for key, pinned in engine.GPU_LAYOUT_PINS.items():
+        assert args[key] == pinned
+    assert args["disable_shared_experts_fusion"] is True and args["moe_runner_backend"] == "triton"
+    cpu_args = engine._engine_args(str(tmp_path), tp=2, ep=1, dtype="float32", max_total_tokens=64, seed=0,
+                                   on_cpu=True, routed=False, deterministic=False)
+    assert not set(engine.GPU_LAYOUT_PINS) & set(cpu_args)  # CPU layouts never take those paths
+
+
+@pytest.mark.parametrize("override, key", [
+    (dict(moe_runner_backend="flashinfer_cutlass"), "moe_runner_backend='flashinfer_cutlass'"),
+    (dict(disable_shared_experts_fusion=False), "disable_shared_experts_fusion=False"),
+    (dict(moe_a2a_backend="deepep"), "moe_a2a_backend='deepep'"),
+    (dict(ep_num_redundant_experts=8), "ep_num_redundant_experts=8"),
+])
+def test_layout_changing_overrides_are_refused_before_start(override, key, tmp_path):
+    with pytest.raises(ValueError, match=f"sglang {key} changes the engine's parameter layout"):
+        engine._check_layout_overrides(override, on_cpu=False)
+    engine._check_layout_overrides({"moe_runner_backend": "triton"}, on_cpu=False)  # the pinned value is fine
+
+
+def test_layout_changing_environment_is_refused_on_gpus(monkeypatch):
+    monkeypatch.setenv("SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED", "1")
+    with pytest.raises(ValueError, match="SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED=1 re-lays"):
+        engine._check_layout_overrides({}, on_cpu=False)
+    engine._check_layout_overrides({}, on_cpu=True)  # the CPU engine has no such path
+
+
+def test_the_sliced_push_ends_by_rederiving_what_the_model_builds_from_weights():
+    from hybridflow.rollout.sglang import post_load
+
+    class Model:
+        calls = 0
+
+        def post_load_weights(self):
+            Model.calls += 1
+
+    post_load.rederive(Model(), [("post_load", None)])
+    assert Model.calls == 1
+    post_load.rederive(object(), [])  # no hook: nothing to do
+
+    class Broken:
+        def post_load_weights(self):
+            raise RuntimeError("boom")
+
+    post_load.rederive(Broken(), [])  # logged, never raised: an exception would kill the scheduler

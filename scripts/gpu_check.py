@@ -1,0 +1,349 @@
+"""The GPU proof: what a CUDA device shows that the CPU tests cannot. World size 1.
+
+    bash scripts/gpu_check.sh                                   # on a GPU machine; JSON under $OUT
+    python scripts/gpu_check.py --json PATH [--small] [--only families,checkpoint]
+
+Each check records its figures and ``ok``, or its error, and the next one still runs:
+
+  families    every family's log-probs: a tiny HF model converted into a megatron-core policy (local
+              spec) against the same transformers model on the same device, then again after the
+              run's own weight sync (reshard plan, full route) pushed the policy into the engine;
+              fp32 and bf16, tolerances in the output
+  throughput  a mid-size MoE (about 1.6B parameters, bf16, DistributedOptimizer): 10 train steps
+              through MegatronPolicy and through a plain megatron-core forward_backward_func loop
+              (megatron_adapters/plain_loop.py) on the same batches: tokens/s, MFU, their ratio
+  checkpoint  dist-checkpoint save and load on the device: log-probs equal after the load
+  ipc         a second process opens the trainer's shared tensors from their handles (CUDA-IPC on a
+              GPU, shared memory on a CPU) and checksums them
+  train       ``hybridflow train configs/quickstart_gpu.yaml`` for a few RL steps (hf engine, no
+              MLflow): it runs and the held-out reward is logged
+
+``--small`` shrinks every size so the whole script runs on a CPU in about a minute (a test does);
+the figures are then only a smoke test. Exit status 1 when any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from hybridflow.config import HybridflowConfig, ModelConfig, load_config  # noqa: E402
+from hybridflow.model_size import count_parameters  # noqa: E402
+
+CONFIG = ROOT / "configs" / "quickstart_gpu.yaml"
+CHECKS = ("families", "throughput", "checkpoint", "ipc", "train")
+TOLERANCE = {"float32": ("max", 2e-3), "bfloat16": ("mean", 0.1)}
+"""|log-prob difference| per token allowed between megatron-core and transformers on the same
+weights: fp32 differs by summation order only, so every token; bf16 rounds every activation and
+a near-tied router can pick another expert for a token (seen on the CPU: max 0.27-1.8, mean
+0.03-0.08 for the MoE families), so the mean over tokens, with the max reported."""
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+"""Dense bf16 peak per GPU (no sparsity), by device name; MFU is reported against it."""
+
+
+def _device() -> torch.device:
+    from megatron_adapters import parallel
+
+    return parallel.device()
+
+
+def _base_config(model: ModelConfig, dtype: str, out: Path) -> HybridflowConfig:
+    cfg = load_config(str(CONFIG), [f"run.output_dir={out}", f"rollout.dtype={dtype}"])
+    return dataclasses.replace(cfg, model=model)
+
+
+def _policy(cfg: HybridflowConfig, dtype: torch.dtype, *, seed: int = 1):
+    from megatron_adapters import parallel
+    from megatron_adapters.policy import MegatronPolicy
+
+    pg = parallel.initialize(cfg.actor.parallel, seed=seed)
+    return MegatronPolicy(cfg.model, cfg.actor.parallel, cfg.train, pg_collection=pg, params_dtype=dtype)
+
+
+def _random_ids(vocab: int, rows: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------ families
+
+
+def _engine_logprobs(engine, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' log-prob of each next token, ``[B, T - 1]``, on the host."""
+    with torch.no_grad():
+        logits = engine.model(ids.to(engine.device)).logits.float()
+    return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(logits.device))[..., 0].cpu()
+
+
+def _family_case(family: str, dtype: str, work: Path) -> dict:
+    """A tiny HF model of ``family`` converted into megatron-core and scored by both on the device;
+    then the run's weight sync (reshard plan, full route) pushes the trainer's weights back into
+    the engine and they are scored again."""
+    from hybridflow.convert import read_model_config
+    from hybridflow.rollout import make_engine
+    from hybridflow.runtime.sync import EngineSync
+    from megatron_adapters import checkpoint
+    from megatron_adapters.convert import hf_to_mcore
+    from megatron_adapters.export import global_named_parameters
+    from tests.megatron_adapters.convert_models import make_hf_dir
+
+    hf_dir = make_hf_dir(work / f"{family}_{dtype}", family, seed=1)
+    mcore_dir = work / f"{family}_{dtype}" / "mcore"
+    hf_to_mcore(hf_dir, mcore_dir, dtype=dtype)
+    cfg = _base_config(read_model_config(hf_dir), dtype, work / family)
+    policy = _policy(cfg, getattr(torch, dtype))
+    checkpoint.load(policy, mcore_dir)
+    engine = make_engine("hf", model_path=str(hf_dir), dtype=dtype, device=str(_device()))
+    ids = _random_ids(cfg.model.vocab_size, 4, 32)
+    trainer = policy.forward_logprobs({"input_ids": ids}, micro_batch_size=4)[0][:, 1:].float()
+    loaded = (trainer - _engine_logprobs(engine, ids)).abs()
+    pushed = EngineSync(cfg, source_params=lambda: global_named_parameters(policy), engine=engine).push()
+    synced = (trainer - _engine_logprobs(engine, ids)).abs()
+    engine.shutdown()
+    stat, bound = TOLERANCE[dtype]
+    worst = max(float(getattr(loaded, stat)()), float(getattr(synced, stat)()))
+    return {"family": family, "dtype": dtype, "max_abs_diff": float(loaded.max()),
+            "mean_abs_diff": float(loaded.mean()), "max_abs_diff_after_push": float(synced.max()),
+            "mean_abs_diff_after_push": float(synced.mean()), "tolerance": f"{stat} <= {bound}",
+            "ok": worst <= bound,
+            "push_plan_bytes": pushed["sync/plan_bytes"], "push_seconds": pushed["sync/seconds"]}
+
+
+def check_families(args, work: Path) -> dict:
+    from tests.megatron_adapters.families import FAMILIES
+
+    cases = [_family_case(f, d, work) for d in ("float32", "bfloat16") for f in FAMILIES]
+    return {"ok": all(c["ok"] for c in cases), "cases": cases}
+
+
+# ------------------------------------------------------------------------------------ throughput
+
+
+def _mid_moe(small: bool) -> ModelConfig:
+    if small:
+        return ModelConfig(family="qwen3_moe", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                           head_dim=16, ffn_hidden_size=128, vocab_size=256, num_experts=4, moe_top_k=2,
+                           moe_ffn_hidden_size=32, qk_layernorm=True, max_position_embeddings=64)
+    return ModelConfig(family="qwen3_moe", hidden_size=2048, num_layers=12, num_attention_heads=16, num_kv_heads=4,
+                       head_dim=128, ffn_hidden_size=6144, vocab_size=32000, num_experts=24, moe_top_k=4,
+                       moe_ffn_hidden_size=768, qk_layernorm=True, max_position_embeddings=4096)
+
+
+def _flops_per_token(model: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token: 6 x active parameters, plus causal attention's score and value
+    matmuls (6 x layers x seq x heads x head_dim, half of the full square)."""
+    active = count_parameters(model)["active"] - count_parameters(model)["embedding"]
+    return 6.0 * active + 6.0 * model.num_layers * seq * model.num_attention_heads * model.kv_channels
+
+
+def _peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _timed(step, batches: list, warmup: int) -> list[float]:
+    from megatron_adapters.plain_loop import synchronize
+
+    times = []
+    for i, batch in enumerate(batches):
+        synchronize()
+        started = time.perf_counter()
+        step(batch)
+        synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def _free(*objects) -> None:
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def check_throughput(args, work: Path) -> dict:
+    from megatron_adapters import parallel
+    from megatron_adapters.plain_loop import PlainTrainer
+    from megatron_adapters.selftest import counting_batch, next_token_loss
+
+    model = _mid_moe(args.small)
+    seq, rows, micro, steps, warmup = (32, 4, 2, 2, 1) if args.small else (2048, 16, 4, 10, 2)
+    cfg = _base_config(model, "bfloat16", work / "throughput")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro,
+                                                             global_batch_size=rows, use_distributed_optimizer=True))
+    batches = [counting_batch(rows, seq, model.vocab_size, i) for i in range(warmup + steps)]
+    dtype = torch.bfloat16
+    pg = parallel.initialize(cfg.actor.parallel, seed=1)
+    plain = PlainTrainer(model, cfg.actor.parallel, cfg.train, pg_collection=pg, params_dtype=dtype)
+    plain_times = _timed(plain.step, batches, warmup)
+    memory_plain = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    _free(plain)
+    del plain
+    policy = _policy(cfg, dtype)
+    policy_times = _timed(lambda b: policy.train_step(b, next_token_loss), batches, warmup)
+    tokens = rows * seq
+    flops = _flops_per_token(model, seq) * tokens
+    peak = _peak_flops()
+    result = {"parameters": count_parameters(model), "tokens_per_step": tokens, "steps": steps,
+              "plain_step_seconds": statistics.median(plain_times), "policy_step_seconds": statistics.median(policy_times)}
+    result["policy_tokens_per_second"] = tokens / result["policy_step_seconds"]
+    result["plain_tokens_per_second"] = tokens / result["plain_step_seconds"]
+    result["policy_over_plain"] = result["policy_step_seconds"] / result["plain_step_seconds"]
+    result["policy_mfu"] = flops / result["policy_step_seconds"] / peak if peak else None
+    result["plain_mfu"] = flops / result["plain_step_seconds"] / peak if peak else None
+    result["peak_flops"] = peak
+    result["max_memory_allocated_bytes"] = max(memory_plain, torch.cuda.max_memory_allocated()
+                                               if torch.cuda.is_available() else 0)
+    result["goal"] = "policy_over_plain <= 1.05"
+    result["ok"] = True  # a measurement; the goal is reported, not enforced
+    _free(policy)
+    return result
+
+
+# ------------------------------------------------------------------------------------ checkpoint
+
+
+def check_checkpoint(args, work: Path) -> dict:
+    from megatron_adapters import checkpoint
+    from megatron_adapters.selftest import counting_batch, next_token_loss
+    from tests.megatron_adapters.families import tiny
+
+    cfg = _base_config(tiny("qwen3_moe"), "float32", work / "checkpoint")
+    policy = _policy(cfg, torch.float32, seed=1)
+    policy.train_step(counting_batch(cfg.train.global_batch_size, 16, cfg.model.vocab_size, 0), next_token_loss)
+    ids = _random_ids(cfg.model.vocab_size, cfg.train.global_batch_size, 16)
+    before, _ = policy.forward_logprobs({"input_ids": ids})
+    path = checkpoint.save(policy, work / "checkpoint" / "actor", with_optimizer=True, step=1)
+    fresh = _policy(cfg, torch.float32, seed=2)  # other initial weights: the load must replace them
+    checkpoint.load(fresh, path, with_optimizer=True)
+    after, _ = fresh.forward_logprobs({"input_ids": ids})
+    diff = float((before - after).abs().max())
+    return {"max_abs_diff_after_load": diff, "ok": diff == 0.0, "device": str(_device())}
+
+
+# ------------------------------------------------------------------------------------ ipc
+
+_IPC_CHILD = """
+import sys, torch
+from multiprocessing.reduction import ForkingPickler
+sys.path.insert(0, sys.argv[2])
+from hybridflow.rollout.sglang.handles import open_handle
+tensor = open_handle(open(sys.argv[1], "rb").read())
+print(repr(float(tensor.double().sum())), tensor.device)
+"""
+
+
+def check_ipc(args, work: Path) -> dict:
+    from hybridflow.rollout.sglang.handles import share
+
+    tensor = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3)).to(_device())
+    handle = work / "handle.bin"
+    handle.write_bytes(share(tensor))
+    proc = subprocess.run([sys.executable, "-c", _IPC_CHILD, str(handle), str(ROOT)], capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the second process could not open the handle: {proc.stderr[-2000:]}")
+    seen, device = proc.stdout.split()
+    expected = float(tensor.double().sum())
+    return {"handle_bytes": handle.stat().st_size, "tensor_bytes": tensor.numel() * tensor.element_size(),
+            "child_device": device, "checksum": expected, "child_checksum": float(seen),
+            "ok": float(seen) == expected}
+
+
+# ------------------------------------------------------------------------------------ train
+
+
+def check_train(args, work: Path) -> dict:
+    out = work / "quickstart_gpu"
+    steps = 2 if args.small else 3
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(CONFIG), f"run.steps={steps}",
+           f"sft.steps={20 if args.small else 100}", f"run.output_dir={out}", "run.heldout_every=1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hybridflow train exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"seconds": time.perf_counter() - started, "summary": summary,
+            "ok": summary.get("heldout_reward_after_rl") is not None}
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+def _environment() -> dict:
+    import transformers
+
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+           "cuda": torch.version.cuda, "device": str(_device())}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    try:
+        import megatron.core  # noqa: F401 (version only)
+
+        env["megatron_core"] = megatron.core.__version__
+    except Exception as error:  # reported, the checks then fail with the cause
+        env["megatron_core"] = f"unavailable: {error}"
+    return env
+
+
+def _run(name: str, fn, args, work: Path) -> dict:
+    started = time.perf_counter()
+    try:
+        result = fn(args, work)
+    except Exception as error:
+        result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+    result["seconds"] = time.perf_counter() - started
+    sys.stderr.write(f"gpu_check: {name}: {'ok' if result['ok'] else 'FAILED ' + result.get('error', '')} "
+                     f"({result['seconds']:.1f} s)\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True, help="where the results go (written atomically)")
+    parser.add_argument("--small", action="store_true", help="tiny sizes: a CPU smoke run of every check")
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    args = parser.parse_args(argv)
+    chosen = [c for c in args.only.split(",") if c]
+    unknown = sorted(set(chosen) - set(CHECKS))
+    if unknown:
+        parser.error(f"--only: unknown check(s) {unknown}; choose from {', '.join(CHECKS)}")
+    from megatron_adapters import parallel
+
+    parallel.init_default_group()
+    report = {"date": time.strftime("%Y-%m-%d"), "environment": _environment(), "small": args.small, "checks": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        for name in chosen:
+            report["checks"][name] = _run(name, globals()[f"check_{name}"], args, Path(tmp))
+    report["ok"] = all(c["ok"] for c in report["checks"].values())
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(json.dumps(report, indent=2, default=str))
+    os.replace(staging, path)
+    sys.stdout.write(json.dumps({k: v for k, v in report.items() if k != "checks"} | {
+        "checks": {k: {kk: vv for kk, vv in v.items() if kk != "traceback"} for k, v in report["checks"].items()}},
+        indent=2, default=str) + "\n")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""scripts/gpu_check.py runs every check on this CPU with --small (the GPU run is then only a
+rerun on other hardware); the shell wrapper refuses a machine without a CUDA driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.distributed
+def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--small", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=env)
+    report = json.loads(out.read_text())
+    failed = {k: v.get("error") for k, v in report["checks"].items() if not v["ok"]}
+    assert proc.returncode == 0 and not failed, (failed, proc.stderr[-3000:])
+    checks = report["checks"]
+    assert set(checks) == {"families", "throughput", "checkpoint", "ipc", "train"}
+    cases = checks["families"]["cases"]
+    assert {c["family"] for c in cases} == {"llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3"}
+    assert all(c["max_abs_diff"] < 1e-4 for c in cases if c["dtype"] == "float32")  # exact on the CPU
+    assert checks["checkpoint"]["max_abs_diff_after_load"] == 0.0
+    assert checks["ipc"]["child_checksum"] == checks["ipc"]["checksum"]
+    assert checks["ipc"]["handle_bytes"] < checks["ipc"]["tensor_bytes"] / 100  # a handle, not the data
+    assert checks["throughput"]["policy_step_seconds"] > 0 and checks["throughput"]["plain_step_seconds"] > 0
+    assert checks["train"]["summary"]["heldout_reward_after_rl"] is not None
+
+
+def test_gpu_check_sh_refuses_a_machine_without_cuda():
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("gpu_check: no working CUDA driver here")
