@@ -4,7 +4,7 @@ One ``ModelConfig`` (hybridflow/config.py) describes an architecture the way its
 ``config.json`` does. ``transformer_config`` turns it into megatron-core's
 ``TransformerConfig`` (or ``MLATransformerConfig`` for DeepSeek-V3), and ``build_model_chunks``
 builds one ``GPTModel`` per virtual pipeline stage held by this rank, with the layer spec that
-fits the machine: megatron's local modules on CPU, TransformerEngine's when it imports.
+fits the machine: megatron-core's local modules everywhere (see ``layer_spec`` for why not TE's).
 
 Family differences live in the ``FAMILIES`` registry, not in branches on the family name.
 """
@@ -38,17 +38,6 @@ from .routing import moe_config_fields
 
 
 _EXPERT_MODULES = (SequentialMLP, GroupedMLP, TEGroupedMLP)
-
-
-def transformer_engine_available() -> bool:
-    """True when TransformerEngine imports and a GPU is present (its spec is then used)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # TE raises OSError, RuntimeError or ImportError when CUDA is off
-        return False
-    return True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -222,22 +211,22 @@ def _use_local_mla_attention(block_spec: Any) -> None:
 
 
 def layer_spec(config: TransformerConfig, model: ModelConfig, *, vp_stage: int | None = None):
-    """The decoder layer spec: TE modules on GPUs with TE, megatron's local modules otherwise."""
-    use_te = transformer_engine_available()
+    """The decoder layer spec: megatron-core's local modules, on CPUs and GPUs alike.
+
+    TransformerEngine's spec is not used even where TE imports: it fuses norms into the next
+    linear under other parameter names (``linear_qkv.layer_norm_weight`` for ``input_layernorm``,
+    ``linear_fc1.layer_norm_weight`` in dense layers, MLA's ``linear_q_up_proj.layer_norm_weight``
+    / ``linear_kv_up_proj.layer_norm_weight``, extra ``_extra_state``), which the weight export,
+    the reshard plan and the converters do not map yet; a run would fail at its first weight sync.
+    """
     if model.is_moe or FAMILIES[model.family].mla:
         # The block spec handles dense-then-MoE layer mixes and shared experts.
         spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+            config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
         )
-        if FAMILIES[model.family].mla and not use_te:
+        if FAMILIES[model.family].mla:
             _use_local_mla_attention(spec)
         return spec
-    if use_te:
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     return get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
 
 

@@ -43,11 +43,6 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def group_device(group=None) -> torch.device:
-    """Where tensors for a collective on ``group`` must live: the GPU for NCCL, the host for gloo."""
-    return device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
 def init_default_group(timeout_minutes: int = 10) -> None:
     """Start torch.distributed from torchrun's environment (or as one process without it)."""
     if dist.is_initialized():

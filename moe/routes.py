@@ -100,9 +100,7 @@ def check_suffix_unrouted(table_BTLk: torch.Tensor) -> None:
 
 def fill_unrouted(target_Nk: torch.Tensor) -> torch.Tensor:
     """Placeholder experts ``0..k-1`` where a row has no route (see the module docstring)."""
-    missing_N = (target_Nk < 0).any(dim=-1)
-    if not missing_N.any():
-        return target_Nk
+    missing_N = (target_Nk < 0).any(dim=-1)  # no early exit on none missing: that would wait for the device
     k = target_Nk.shape[-1]
-    placeholder_Nk = torch.arange(k, dtype=target_Nk.dtype).expand_as(target_Nk)
+    placeholder_Nk = torch.arange(k, dtype=target_Nk.dtype, device=target_Nk.device).expand_as(target_Nk)
     return torch.where(missing_N[:, None], placeholder_Nk, target_Nk)

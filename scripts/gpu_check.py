@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import os
 import statistics
@@ -296,11 +297,9 @@ def _environment() -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     try:
-        import megatron.core  # noqa: F401 (version only)
-
-        env["megatron_core"] = megatron.core.__version__
-    except Exception as error:  # reported, the checks then fail with the cause
-        env["megatron_core"] = f"unavailable: {error}"
+        env["megatron_core"] = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:  # reported; the checks then fail with the cause
+        env["megatron_core"] = "not installed"
     return env
 
 

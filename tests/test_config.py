@@ -226,10 +226,21 @@ def test_rollout_dp_attention_needs_a_family_that_has_it():
 
 
 def test_hf_rollout_is_unsharded():
-    assert load_config(QUICKSTART, ["rollout.engine=hf", "rollout.tp=1",
+    assert load_config(QUICKSTART, ["rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full",
                                     "rollout.num_replicas=2"]).rollout.num_ranks == 2
     message = _error("rollout.engine=hf")  # the quickstart's tp=2
     assert message.startswith("rollout.tp=2 needs rollout.engine=sglang")
+    message = _error("rollout.engine=hf", "rollout.tp=1")  # the quickstart's sliced route
+    assert message.startswith("rollout.engine=hf loads whole Hugging Face tensors: set rollout.sync_route=full")
+
+
+def test_the_gpu_quickstart_loads_and_plans():
+    from hybridflow.lowering import lower
+
+    cfg = load_config(str(Path(QUICKSTART).with_name("quickstart_gpu.yaml")))
+    assert (cfg.rollout.engine, cfg.rollout.sync_route, cfg.run.tracking.backend) == ("hf", "full", "none")
+    assert cfg.actor.parallel.world_size == 1
+    assert lower(cfg, with_reshard=True).weight_syncs[0].stats is not None
 
 
 def test_colocated_rollout_must_fit_on_the_actor_gpus():
