@@ -450,6 +450,10 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     max_total_tokens: int = 8192
     """KV-cache capacity of each engine, in tokens."""
+    dispatch_chunks: int = 4
+    """With several replicas, a step's prompts are cut into num_replicas * dispatch_chunks
+    chunks that each replica's driver takes one at a time as it gets free (more: finer
+    balance of long-tail generations, smaller engine batches); one replica takes one chunk."""
     sync_route: str = "sliced"
     """Weight push: sliced (each engine rank receives its reshard-plan share, shared from the
     actor process that holds it) or full (the plan gathers whole HF tensors on the driving
@@ -458,7 +462,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ROLLOUT_ENGINES)
         _check_choice("sync_route", self.sync_route, ("sliced", "full"))
-        _check_positive(self, ("n", "max_total_tokens"))
+        _check_positive(self, ("n", "max_total_tokens", "dispatch_chunks"))
         if not 0.0 <= self.temperature:
             raise ConfigError("{p}temperature={t} must be >= 0", t=self.temperature)
         if not 0.0 < self.top_p <= 1.0:

@@ -34,10 +34,12 @@ Placement rules:
 - ``reward`` and ``driver`` run on the CPU of every rank of the actor's pool.
 
 Colocation switches (3D-HybridEngine). On a colocated pool each GPU node needs one of three
-memory states: ``generate`` (engine weights and KV cache resident, actor grads, optimizer,
-reference and critic on the host), ``sync`` (engine weights resident to receive the actor's)
-or ``train`` (the engine has released its memory; every model role resident). A stage whose
-node needs another state than the previous GPU node left carries the switch. The step
+memory states: ``generate`` (engine weights and KV cache resident; the actor's and critic's
+gradients and optimizer state on the host; every model role's parameters stay), ``sync``
+(engine weights resident to receive the actor's, training state still on the host) or
+``train`` (the engine has released its memory; every model role fully resident). A stage
+whose node needs another state than the previous GPU node left carries the ``Switch``, a
+value the runtime executes as it stands (``hybridflow/runtime/switches.py``). The step
 repeats, so it starts in the state its last GPU node (``sync_weights``) leaves.
 
 Memory that does not fit the device is a warning, not an error: the estimate errs high.
@@ -58,7 +60,8 @@ if TYPE_CHECKING:
     from hybridflow.algorithms.recipes import AlgorithmSpec
     from reshard.stats import Bandwidth, PlanStats
 
-__all__ = ["ExecutionPlan", "Placement", "ResourcePool", "Stage", "WeightSync", "lower", "place"]
+__all__ = ["ExecutionPlan", "Placement", "ResourcePool", "Stage", "Switch", "WeightSync", "lower", "place",
+           "satisfies", "start_mode", "switch", "trained_roles"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +215,7 @@ class Stage:
     """Global ranks that run it."""
     layout: str
     """The layout it runs under, as a line."""
-    switch: str | None = None
+    switch: Switch | None = None
     """The colocation switch before it (what moves between GPU and host); None = none."""
 
     def describe(self, index: int) -> list[str]:
@@ -220,7 +223,7 @@ class Stage:
         node = self.node
         head = (f"{index}. {node.name} [{node.role}] {node.op} on {self.pool} "
                 f"{_ranks_text(self.ranks)} ({self.layout})")
-        return [head] + ([f"     switch before it: {self.switch}"] if self.switch else [])
+        return [head] + ([f"     switch before it: {self.switch.describe()}"] if self.switch else [])
 
 
 def _engine_text(cfg: HybridflowConfig) -> str:
@@ -263,18 +266,65 @@ def _mode(node: Node) -> str | None:
     return "train" if node.role in MODEL_ROLES else None
 
 
-def _switches(cfg: HybridflowConfig) -> dict[tuple[str, str], str]:
-    """Text of each colocation switch (from mode, to mode)."""
-    others = "".join(f", {role}" for role in enabled_roles(cfg) if role != "actor")
-    offload = f"actor grads+optimizer{others} -> host"
-    onload = f"actor grads+optimizer{others} <- host"
-    return {
-        ("train", "sync"): f"{offload}; engine weights resume",
-        ("train", "generate"): f"{offload}; engine weights+KV cache resume",
-        ("sync", "generate"): "engine KV cache resume",
-        ("generate", "train"): f"engine releases weights+KV cache; {onload}",
-        ("sync", "train"): f"engine releases weights; {onload}",
-    }
+ENGINE_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""The engine's releasable memory, by SGLang's tags."""
+_HOLDS = {"generate": ENGINE_TAGS, "sync": ("weights",), "train": ()}
+"""What of the engine's memory each mode keeps resident."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Switch:
+    """A colocation switch: what moves between the GPUs and the host, in this order."""
+
+    source: str
+    """The mode the GPUs leave: generate, sync or train."""
+    target: str
+    """The mode they enter."""
+    offload: tuple[str, ...] = ()
+    """Trained roles whose gradients and optimizer state go to the host."""
+    engine_release: tuple[str, ...] = ()
+    """Engine memory released (SGLang tags)."""
+    engine_resume: tuple[str, ...] = ()
+    """Engine memory taken back."""
+    restore: tuple[str, ...] = ()
+    """Trained roles whose gradients and optimizer state come back."""
+
+    def describe(self) -> str:
+        """E.g. ``actor grads+optimizer -> host; engine weights resume``."""
+        parts = []
+        if self.offload:
+            parts.append(f"{', '.join(self.offload)} grads+optimizer -> host")
+        if self.engine_release:
+            parts.append(f"engine releases {_tags_text(self.engine_release)}")
+        if self.engine_resume:
+            parts.append(f"engine {_tags_text(self.engine_resume)} resume")
+        if self.restore:
+            parts.append(f"{', '.join(self.restore)} grads+optimizer <- host")
+        return "; ".join(parts)
+
+
+def _tags_text(tags: tuple[str, ...]) -> str:
+    words = (["weights"] if "weights" in tags else []) + (["KV cache"] if "kv_cache" in tags else [])
+    return "+".join(words)
+
+
+def trained_roles(cfg: HybridflowConfig) -> tuple[str, ...]:
+    """Roles with gradients and optimizer state (the reference has neither: it stays resident)."""
+    return tuple(role for role in enabled_roles(cfg) if role in ("actor", "critic"))
+
+
+def switch(cfg: HybridflowConfig, source: str | None, target: str) -> Switch:
+    """The switch from mode ``source`` (None: everything resident, as at start) to ``target``."""
+    trained = trained_roles(cfg)
+    leaving_train = source in ("train", None) and target != "train"
+    held = _HOLDS[source] if source is not None else ENGINE_TAGS
+    return Switch(
+        source=source or "start", target=target,
+        offload=trained if leaving_train else (),
+        engine_release=tuple(t for t in held if t not in _HOLDS[target]),
+        engine_resume=tuple(t for t in _HOLDS[target] if t not in held),
+        restore=trained if target == "train" and source not in ("train", None) else (),
+    )
 
 
 def _stages(cfg: HybridflowConfig, placement: Placement, graph: Graph) -> tuple[Stage, ...]:
@@ -283,16 +333,25 @@ def _stages(cfg: HybridflowConfig, placement: Placement, graph: Graph) -> tuple[
     modes = [_mode(node) for node in order]
     # the step repeats: what the GPUs hold at its start is what its last GPU node left there
     current = next((m for m in reversed(modes) if m is not None), None)
-    texts, stages = _switches(cfg), []
+    stages = []
     for node, mode in zip(order, modes):
-        switch = None
-        # generating GPUs also hold what a sync needs: the engine's weights
-        held = (current, "sync") if current == "generate" else (current,)
-        if colocated and mode is not None and mode not in held:
-            switch, current = texts[(current, mode)], mode
+        change = None
+        if colocated and mode is not None and not satisfies(current, mode):
+            change, current = switch(cfg, current, mode), mode
         pool, ranks, layout = _node_place(cfg, placement, node)
-        stages.append(Stage(node=node, pool=pool, ranks=ranks, layout=layout, switch=switch))
+        stages.append(Stage(node=node, pool=pool, ranks=ranks, layout=layout, switch=change))
     return tuple(stages)
+
+
+def satisfies(current: str | None, needed: str) -> bool:
+    """Whether GPUs in mode ``current`` can run a node that needs ``needed`` (generating GPUs
+    also hold what a sync needs: the engine's weights)."""
+    return needed == current or (current == "generate" and needed == "sync")
+
+
+def start_mode(stages: tuple[Stage, ...]) -> str | None:
+    """The mode a step starts in: what its last GPU node leaves (the step repeats)."""
+    return next((_mode(s.node) for s in reversed(stages) if _mode(s.node) is not None), None)
 
 
 # ----------------------------------------------------------------------- weight sync
@@ -359,6 +418,11 @@ class ExecutionPlan:
     """Every sync_weights node with the reshard plan's statistics."""
     memory: tuple[MemoryEstimate, ...]
     """Per-GPU memory of each pool, per phase."""
+
+    @property
+    def start_mode(self) -> str | None:
+        """The mode each step starts in (None: no GPU node, or not colocated)."""
+        return start_mode(self.stages) if self.placement.mode == COLOCATED else None
 
     def memory_of(self, pool: str) -> MemoryEstimate:
         """The estimate of pool ``pool``."""

@@ -11,10 +11,11 @@
 
 Phases. A pool holding only trained roles has one phase, ``training``; a pool holding only
 rollout engines has ``generation``. A colocated pool (3D-HybridEngine) switches between
-them: in ``generation`` the engine's weights and KV cache are resident next to the actor's
-bf16 parameters, while the actor's grads and optimizer state and the reference and critic
-are on the host; in ``training`` the engine has released its weights and KV cache and every
-trained role is resident. The reported peak is the larger phase.
+them as the plan's switches move memory (``hybridflow.lowering.switch``): in ``generation``
+the engine's weights and KV cache are resident next to every model role's parameters (actor,
+reference, critic), while the actor's and critic's grads and optimizer state are on the host;
+in ``training`` the engine has released its weights and KV cache and every role is fully
+resident. The reported peak is the larger phase.
 
 Formulas (bytes per GPU; ``T = micro_batch_size * (max_prompt_length + max_response_length)
 / cp`` tokens per micro-batch; ``Vp`` megatron's padded vocab):
@@ -416,7 +417,8 @@ def pool_memory(cfg: HybridflowConfig, roles: Sequence[str], *, pool: str,
                      else "activations without recomputation")
     phases: dict[str, dict[str, int]] = {}
     if "rollout" in roles:
-        resident = {k: v for k, v in components.items() if k == "actor params"}
+        # what the switch to generation leaves (hybridflow.lowering.switch): every role's params
+        resident = {k: v for k, v in components.items() if k.endswith(" params")}
         phases[GENERATION] = {**engine_components(cfg), **resident}
     if models:
         phases[TRAINING] = components

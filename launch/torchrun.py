@@ -40,9 +40,10 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
     if cfg.critic.enabled and cfg.critic.parallel != cfg.actor.parallel:
         raise ValueError("critic.parallel differs from actor.parallel: the runtime builds the critic on the "
                          "actor's ranks under the actor's layout; set critic.parallel=${actor.parallel}")
-    if cfg.rollout.num_replicas != 1:
-        raise ValueError(f"rollout.num_replicas={cfg.rollout.num_replicas}: the runtime drives one engine replica "
-                         "per run in this version; set rollout.num_replicas=1")
+    if cfg.rollout.num_replicas != 1 and cfg.rollout.sync_route == "full":
+        raise ValueError(f"rollout.num_replicas={cfg.rollout.num_replicas} with rollout.sync_route=full: the full "
+                         "route gathers whole tensors on one driver in this version; set rollout.sync_route=sliced "
+                         "(SGLang) or rollout.num_replicas=1")
     if cfg.rollout.placement != "colocated":
         raise ValueError("rollout.placement=separate: the runtime drives colocated engines only in this version; "
                          "set rollout.placement=colocated")

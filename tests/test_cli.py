@@ -139,7 +139,7 @@ def test_plan_mermaid_prints_only_the_graph(capsys):
 def test_plan_warns_when_memory_does_not_fit(capsys):
     assert main(["plan", str(CONFIGS / "grpo_qwen3_235b.yaml"), "--no-reshard",
                  "--device-memory-gib", "40"]) == 0
-    assert "#   WARNING pool colocated: the training peak" in capsys.readouterr().out
+    assert "#   WARNING pool colocated: the generation peak" in capsys.readouterr().out
 
 
 def test_role_larger_than_its_pool_exits_2(capsys):

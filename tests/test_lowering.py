@@ -9,7 +9,7 @@ import pytest
 from hybridflow.algorithms.recipes import algorithm_names, algorithm_spec
 from hybridflow.config import load_config
 from hybridflow.graph import GraphError
-from hybridflow.lowering import lower, place
+from hybridflow.lowering import Switch, lower, place
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 QUICKSTART = str(CONFIGS / "quickstart_cpu.yaml")
@@ -21,7 +21,7 @@ def _cfg(*overrides):
 
 
 def _switches(plan):
-    return {stage.node.name: stage.switch for stage in plan.stages}
+    return {stage.node.name: stage.switch and stage.switch.describe() for stage in plan.stages}
 
 
 def test_colocated_quickstart_places_everything_on_one_pool():
@@ -46,12 +46,30 @@ def test_colocated_switches_follow_the_step():
                                         "update_actor")} == {None}
 
 
-def test_switches_name_the_reference_when_it_is_colocated():
+def test_switches_move_training_state_only_and_name_the_critic():
     plan = lower(_cfg("reference.enabled=true", "algorithm.kl_loss_coef=0.01"),
                  with_reshard=False)
     switches = _switches(plan)
-    assert "actor grads+optimizer, reference -> host" in switches["sync_weights"]
-    assert switches["ref_logprob"] is None  # the reference came back with the actor
+    # the reference has no training state: its parameters stay resident (the memory estimate says so)
+    assert switches["sync_weights"] == "actor grads+optimizer -> host; engine weights resume"
+    assert switches["ref_logprob"] is None  # resident all along
+    assert "reference params" in plan.memory_of("colocated").phases["generation"]
+    ppo = lower(_cfg("algorithm.name=ppo", "critic.enabled=true"), with_reshard=False)
+    assert _switches(ppo)["sync_weights"] == "actor, critic grads+optimizer -> host; engine weights resume"
+
+
+def test_switch_values_move_exactly_what_their_modes_differ_by():
+    from hybridflow.lowering import switch
+
+    cfg = _cfg()
+    assert switch(cfg, "train", "sync") == Switch(source="train", target="sync", offload=("actor",),
+                                                  engine_resume=("weights",))
+    assert switch(cfg, "sync", "generate").engine_resume == ("kv_cache", "cuda_graph")
+    back = switch(cfg, "generate", "train")
+    assert back.engine_release == ("weights", "kv_cache", "cuda_graph") and back.restore == ("actor",)
+    start = switch(cfg, None, "generate")  # at start everything is resident
+    assert (start.offload, start.engine_resume, start.engine_release) == (("actor",), (), ())
+    assert lower(cfg, with_reshard=False).start_mode == "sync"
 
 
 def _required(stage):
@@ -64,9 +82,7 @@ def _required(stage):
 
 
 def _after(switch):
-    if switch.startswith("engine KV cache resume") or "weights+KV cache resume" in switch:
-        return "gen"
-    return "sync" if switch.endswith("engine weights resume") else "train"
+    return {"generate": "gen", "sync": "sync", "train": "train"}[switch.target]
 
 
 @pytest.mark.parametrize("name", algorithm_names())
@@ -207,5 +223,6 @@ def test_memory_that_does_not_fit_is_a_warning_not_an_error(caplog):
     cfg = load_config(str(CONFIGS / "grpo_qwen3_235b.yaml"))
     plan = lower(cfg, with_reshard=False, device_memory_gib=40)
     assert not plan.fits
-    assert "WARNING pool colocated: the training peak" in "\n".join(plan.describe())
+    # the reference's parameters stay resident while generating: generation is the peak here
+    assert "WARNING pool colocated: the generation peak" in "\n".join(plan.describe())
     assert "exceeds the device's 40 GiB" in caplog.text

@@ -244,9 +244,11 @@ class HFEngine:
         """Nothing to drop: each ``generate`` call builds and frees its own KV cache."""
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Move the weights to the CPU (they keep their values) and free the accelerator's cache;
-        no-op on the CPU. The model is one unit here: any of ``tags`` releases all of it."""
-        memory_tags(tags)
+        """With the ``weights`` tag (default: all tags), move the weights to the CPU (they keep
+        their values) and free the accelerator's cache; no-op on the CPU. The KV cache lives
+        only inside each ``generate`` call, so the other tags free nothing."""
+        if "weights" not in memory_tags(tags):
+            return
         self._check_alive()
         if self.device.type != "cpu":
             self.model.to("cpu")
@@ -254,8 +256,9 @@ class HFEngine:
         self._released = True
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Move the weights back to the engine's device (any of ``tags`` resumes all)."""
-        memory_tags(tags)
+        """With the ``weights`` tag (default: all), move the weights back to the engine's device."""
+        if "weights" not in memory_tags(tags):
+            return
         self._check_alive()
         self.model.to(self.device)
         self._released = False

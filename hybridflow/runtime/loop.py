@@ -1,10 +1,13 @@
-"""The RL driver loop: every rank walks the algorithm's graph once per step.
+"""The RL driver loop: every rank walks the ExecutionPlan's stages once per step.
 
 ```
+plan = lower(cfg)                                       the plan `hybridflow plan` prints
+enter(plan.start_mode)
 for step in steps:
     fields = {prompts, answers}                         (the same draw on every rank)
-    for node in graph.topological_order():              generate, reward, old_logprob, ...,
-        fields |= OPS[node.op](session, node, fields)   update_actor, sync_weights
+    for stage in plan.stages:                           generate, reward, old_logprob, ...,
+        apply(stage.switch)                             colocation switch, when the plan has one
+        fields |= OPS[stage.node.op](session, stage.node, fields)       update_actor, sync_weights
     metrics -> MLflow; held-out score every run.heldout_every; checkpoint every run.checkpoint_every
 ```
 """
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from hybridflow.runtime import switches
 from hybridflow.runtime.ops import OPS, NonFiniteStep, current, heldout_reward
 from hybridflow.runtime.session import Session
 
@@ -51,29 +55,36 @@ def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, flo
     return metrics
 
 
-def run_step(s: Session, order, step: int) -> dict[str, float]:
-    """One RL step through the graph; returns its metrics (same on every rank)."""
+def run_step(s: Session, stages, step: int) -> dict[str, float]:
+    """One RL step through the plan's stages; returns its metrics (same on every rank)."""
     s.extras["metrics"] = {}
     prompts = s.prompt_batch(step)
     f = {"prompts": prompts, "answers": [p.row.answer for p in prompts]}
     times = {}
-    for node in order:
+    record = not s.executed_stages
+    for index, stage in enumerate(stages, 1):
         started = time.perf_counter()
-        f.update(OPS[node.op](s, node, f, step))
-        times[f"timing/{node.name}"] = time.perf_counter() - started
+        if stage.switch is not None:
+            switches.apply(s, stage.switch)
+        f.update(OPS[stage.node.op](s, stage.node, f, step))
+        times[f"timing/{stage.node.name}"] = time.perf_counter() - started
+        if record:
+            s.executed_stages.extend(stage.describe(index))
     return _step_metrics(f, times, s)
 
 
-def train_rl(s: Session, graph, *, save) -> None:
-    """Steps ``s.state.step`` .. ``run.steps``; ``save(step)`` writes a checkpoint."""
+def train_rl(s: Session, plan, *, save) -> None:
+    """Steps ``s.state.step`` .. ``run.steps`` of ``plan`` (an ``ExecutionPlan``); ``save(step)``
+    writes a checkpoint."""
     cfg, state = s.cfg, s.state
-    order = graph.topological_order()
+    if plan.start_mode is not None:
+        switches.enter(s, plan.start_mode)
     bar = tqdm(range(state.step, cfg.run.steps), initial=state.step, total=cfg.run.steps, desc="rl",
                unit="step", disable=not s.is_driver)
     for step in bar:
         _inject_fault(step)
         try:
-            metrics = run_step(s, order, step)
+            metrics = run_step(s, plan.stages, step)
         except NonFiniteStep as error:
             if cfg.run.on_nan == "stop":
                 raise
@@ -89,5 +100,6 @@ def train_rl(s: Session, graph, *, save) -> None:
         s.tracker.log_metrics(metrics, step=done)
         bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps:
+            switches.enter(s, "train")  # the optimizer state back on the device, as it is saved
             save(done)
     dist.barrier()

@@ -1,8 +1,9 @@
 """What each graph op does on a rank: ``OPS[node.op](session, node, fields, step) -> new fields``.
 
 The graph (``hybridflow.algorithms.recipes.build_graph``) says which ops run and in which order;
-each handler reads its node's input fields and returns its output fields. Rank 0 drives the
-engine and the reward function and broadcasts their results; everything else runs on every rank.
+each handler reads its node's input fields and returns its output fields. Each replica's
+driver generates its share and scores its share of the samples (``replicas``); both are
+gathered to every rank, and everything else runs on every rank.
 
 Field layouts (B samples, T prompt + response columns, R response columns):
 ``responses`` a ``Rollout`` (packed ``[B, T]`` tensors, texts, group index ``[B]``); ``scores``
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.algorithms.estimators import get_estimator, scores_to_token_rewards
 from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty, masked_mean, value_loss_terms
@@ -26,8 +28,9 @@ from hybridflow.algorithms.shaping import filter_groups, kl_in_reward, overlong_
 from hybridflow.rewards import score_responses
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.tokens import pack_batch
+from hybridflow.runtime import replicas, switches
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
-from hybridflow.runtime.session import Session, broadcast
+from hybridflow.runtime.session import Session
 
 __all__ = ["OPS", "NonFiniteStep", "Rollout", "heldout_reward", "step_seed"]
 
@@ -97,28 +100,15 @@ def _sampling(s: Session, *, greedy: bool = False) -> SamplingParams:
 def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset: int = 0) -> Rollout:
     """Generate on rank 0 and share the samples with every rank.
 
-    Colocated (the 3D-HybridEngine switch): the actor's gradients and optimizer state leave the
-    device and the engine takes its weights and KV cache back for the generation, then the
-    engine releases them for training. On CPU the engine side is a no-op; the actor's gradient
-    buffers are still freed and restored."""
-    colocated = s.cfg.rollout.placement == "colocated"
-    trained = [p for p in (s.actor, s.critic) if p is not None]
-    if colocated:
-        for policy in trained:
-            policy.offload_training_state()
-    payload = None
-    if s.is_driver:
-        if colocated:  # the weights came back with the last push; KV cache and graphs now
-            s.engine.resume_memory()
-        s.engine.reseed(seed)
-        out = s.engine.generate([p.prompt_ids for p in prompts], params)
-        if colocated:
-            s.engine.release_memory()
-        payload = (out.samples, out.seconds)
-    samples, seconds = broadcast(payload)
-    if colocated:
-        for policy in trained:
-            policy.restore_training_state()
+    The GPUs must already hold what generation needs: the plan's switch before a generate
+    stage (or ``switches.enter(s, "generate")`` outside the graph) put it there."""
+    if s.cfg.rollout.placement == "colocated" and s.mode != "generate":
+        raise AssertionError(f"rollout in mode {s.mode!r}: the plan's switches did not bring the engine in")
+    s.rollout_calls += 1
+    out = replicas.generate(s.cfg, s.engine, [p.prompt_ids for p in prompts], params, seed, call=s.rollout_calls)
+    samples, seconds = out.samples, out.seconds
+    for replica, count in enumerate(out.samples_per_replica):
+        s.extras.setdefault("metrics", {})[f"rollout/replica{replica}/samples"] = float(count)
     batch = pack_batch(samples, pad_id=s.tokenizer.pad_token_id)
     texts = s.tokenizer.batch_decode([list(x.response_ids) for x in samples], skip_special_tokens=True)
     rows = [prompts[x.prompt_index].row for x in samples]
@@ -128,14 +118,20 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
 
 
 def score(s: Session, ro: Rollout) -> torch.Tensor:
-    """Rewards of every sample, computed on rank 0 and shared (errors logged there)."""
-    payload = None
-    if s.is_driver:
-        scores, errors = score_responses(ro.texts, ro.answers, ro.sources, s.cfg.reward)
-        payload = (scores, len(errors))
-    scores, errors = broadcast(payload)
-    s.extras["reward_errors"] = s.extras.get("reward_errors", 0) + errors
-    return torch.tensor(scores, dtype=torch.float32)
+    """Rewards of every sample, computed in parallel by the replica drivers (driver k scores
+    samples k, k + R, ...; errors logged there) and shared with every rank."""
+    mine: dict[int, float] = {}
+    errors = 0
+    if s.replica is not None:
+        picked = range(s.replica, len(ro.texts), s.cfg.rollout.num_replicas)
+        scores, failures = score_responses([ro.texts[i] for i in picked], [ro.answers[i] for i in picked],
+                                           [ro.sources[i] for i in picked], s.cfg.reward)
+        mine, errors = dict(zip(picked, scores)), len(failures)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, errors))
+    merged = {i: v for part, _ in gathered for i, v in part.items()}
+    s.extras["reward_errors"] = s.extras.get("reward_errors", 0) + sum(e for _, e in gathered)
+    return torch.tensor([merged[i] for i in range(len(ro.texts))], dtype=torch.float32)
 
 
 @op("generate")
@@ -440,5 +436,6 @@ def heldout_reward(s: Session) -> float | None:
     """Mean reward of greedy responses to the held-out prompts (the engine's current weights)."""
     if not s.heldout_prompts:
         return None
+    switches.enter(s, "generate")
     ro = rollout(s, s.heldout_prompts, _sampling(s, greedy=True), 0)
     return float(score(s, ro).mean())

@@ -49,7 +49,7 @@ def broadcast(value: Any) -> Any:
     return box[0]
 
 
-def start_engine(cfg: HybridflowConfig, model_dir: Path):
+def start_engine(cfg: HybridflowConfig, model_dir: Path, *, replica: int = 0):
     """The rollout engine, started from ``model_dir`` (rank 0): SGLang without torchrun's
     variables, or the transformers engine (small runs, and GPU machines without SGLang)."""
     from hybridflow.rollout import make_engine
@@ -62,10 +62,12 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path):
                            device=str(device()), return_routed_experts=cfg.moe.routing_replay == "r3",
                            load_format="dummy")
     saved = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
+    # replica k's engine ranks sit on GPUs k*tp .. (colocated: the GPUs of the actor ranks that drive them)
+    placement = {"base_gpu_id": replica * cfg.rollout.tp} if replica and torch.cuda.is_available() else {}
     try:
         return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
-                           seed=cfg.run.seed, load_format="dummy")
+                           seed=cfg.run.seed, load_format="dummy", **placement)
     finally:
         os.environ.update(saved)
 
@@ -105,6 +107,15 @@ class Session:
     """The algorithm's ``AlgorithmSpec`` (estimator, loss, which roles run)."""
     pg: Any = None
     """The actor layout's process groups (megatron ``ProcessGroupCollection``)."""
+    replica: int | None = None
+    """The rollout replica this rank drives (its engine is ``engine``), or None."""
+    rollout_calls: int = 0
+    """Generate calls so far, counted alike on every rank (names each call's shared chunk counter)."""
+    mode: str | None = None
+    """What the colocated GPUs hold now: generate, sync, train, or None (everything, at start)."""
+    executed_stages: list[str] = field(default_factory=list)
+    """The first RL step of this process as it ran: each stage and the switch executed before
+    it, in ``hybridflow plan``'s words (the summary reports it)."""
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property

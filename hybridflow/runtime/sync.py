@@ -7,12 +7,14 @@ every actor rank                                   actor process r (colocated wi
   global_named_parameters(actor)  ──execute(plan)──►  buffers shaped as SGLang rank r's tensors
                                                        │ handles.prepare_rank_payload: pad, cast,
                                                        │ share (CUDA-IPC handle / shared memory)
-                                         gather the handles (bytes) to the driver (rank 0)
+                                 gather the handles (bytes) to every replica's driver
                                                        ▼
-                                   engine.push_rank_payloads([payload 0, payload 1, ...])
+             replica k's driver: engine.push_rank_payloads([payload k*tp, ..., payload k*tp+tp-1])
                                    scheduler r maps rank r's tensors from process r and copies
                                    (process r holds its buffers until then: barrier)
 ```
+
+Every replica receives every push (``sync/replica{k}/engine_bytes``).
 
 ``rollout.sync_route=full`` is the baseline: the plan gathers every tensor whole under its
 Hugging Face name on the driver, and every engine rank receives every tensor and slices it.
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
+from hybridflow.runtime.replicas import replica_of
 from hybridflow.weight_sync import WeightSyncPlan, plan_weight_sync
 from reshard.executor import WIRE_DTYPES, ProcessMap, execute
 
@@ -45,11 +48,12 @@ DRIVER = 0
 class EngineSync:
     """Moves one actor's weights into the engine; every actor rank calls ``push`` together.
 
-    Construct it on every rank together (it broadcasts the engine's parameter table from the
-    driver); ``engine`` is the engine handle on the driver and None elsewhere.
+    Construct it on every rank together (it gathers the engines' parameter tables from their
+    drivers); ``engine`` is this rank's replica's engine on a replica driver, None elsewhere.
     """
 
     def __init__(self, cfg: HybridflowConfig, *, source_params, engine=None) -> None:
+        self.cfg = cfg
         self.route = cfg.rollout.sync_route
         self.sync: WeightSyncPlan = plan_weight_sync(cfg)
         self.plan, self.stats = self.sync.plan, self.sync.stats
@@ -67,10 +71,13 @@ class EngineSync:
         generation, so every step must push, even one that left the actor unchanged."""
 
     def _engine_params(self) -> list[dict]:
-        """Every engine rank's parameter table, read on the driver and broadcast to all ranks."""
-        table = [self.engine.rank_params() if dist.get_rank() == DRIVER else None]
-        dist.broadcast_object_list(table, src=DRIVER)
-        return table[0]
+        """Every engine rank's parameter table (engine-major: replica k's ranks at k*tp..), read by
+        each replica's driver from its running engine and gathered on every rank."""
+        mine = (replica_of(self.cfg, dist.get_rank()), self.engine.rank_params()) if self.engine else (None, [])
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        tables = dict(item for item in gathered if item[0] is not None)
+        return [table for replica in sorted(tables) for table in tables[replica]]
 
     def _buffers(self, me: int, device: torch.device) -> dict[str, torch.Tensor]:
         """This process's destination tensors, on the actor's device (on a GPU they are shared
@@ -90,32 +97,47 @@ class EngineSync:
         report = execute(self.plan, self.processes, sources=sources, destinations=buffers)
         moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)], device=device)
         dist.all_reduce(moved)
-        if me == DRIVER:  # colocated on a GPU the engine released its weights after generating
-            self.engine.resume_memory(("weights",))
+        # the engine's weights are resident: the plan's switch before sync_weights resumed them
         pushed = self._push_sliced(me, buffers) if self.route == "sliced" else self._push_full(me, buffers)
         self.pushes += 1
+        per_replica = self._per_replica(pushed)
         seconds = time.perf_counter() - started
-        return {"sync/seconds": seconds, "sync/plan_bytes": float(moved.item()), "sync/engine_bytes": pushed}
+        return {"sync/seconds": seconds, "sync/plan_bytes": float(moved.item()),
+                "sync/engine_bytes": float(sum(per_replica)),
+                **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)}}
+
+    def _per_replica(self, pushed: float) -> list[float]:
+        """The bytes each replica's engine received, on every rank."""
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (replica_of(self.cfg, dist.get_rank()) if self.engine else None, pushed))
+        out = [0.0] * self.cfg.rollout.num_replicas
+        for replica, value in gathered:
+            if replica is not None:
+                out[replica] = value
+        return out
 
     def _push_sliced(self, me: int, buffers: dict[str, torch.Tensor]) -> float:
         from hybridflow.rollout.sglang.handles import prepare_rank_payload
 
-        payload, kept = prepare_rank_payload(me, buffers, self.engine_params[me]) if buffers else (None, [])
-        gathered = [None] * dist.get_world_size() if me == DRIVER else None
-        dist.gather_object(payload, gathered, dst=DRIVER)
+        tp = self.cfg.rollout.tp
+        # payloads carry the engine-local rank: replica k's rank j is global destination k*tp + j
+        payload, kept = prepare_rank_payload(me % tp, buffers, self.engine_params[me]) if buffers else (None, [])
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, payload)  # handles: a few hundred bytes per tensor
         pushed = 0.0
         try:
-            if me == DRIVER:
-                result = self.engine.push_rank_payloads(gathered[: self.destination_ranks])
+            if self.engine is not None:
+                first = replica_of(self.cfg, me) * tp
+                result = self.engine.push_rank_payloads(gathered[first : first + tp])
                 pushed = float(sum(result.bytes_per_rank))
         finally:
-            # the engine read every rank's tensors straight from its owner: hold them until then
+            # each engine read its ranks' tensors straight from their owners: hold them until then
             dist.barrier()
         del kept
         return pushed
 
     def _push_full(self, me: int, buffers: dict[str, torch.Tensor]) -> float:
-        if me != DRIVER:
+        if me != DRIVER:  # one replica (check_runtime_support): its driver is rank 0
             return 0.0
         result = self.engine.push_weights(buffers, route="full")
         self.engine.flush_cache()

@@ -25,12 +25,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from hybridflow.algorithms.recipes import algorithm_spec, build_graph, check_roles
-from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
+from hybridflow.algorithms.recipes import algorithm_spec
+from hybridflow.config import HybridflowConfig, load_config, to_yaml
+from hybridflow.lowering import lower
 from hybridflow.data import PromptSampler
 from hybridflow.runtime import report, state as run_state
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.ops import heldout_reward
+from hybridflow.runtime.replicas import replica_of
 from hybridflow.runtime.session import (
     DRIVER, Session, broadcast, build_policy, load_prompts, prepare_files, start_engine, stop_token_ids,
 )
@@ -130,8 +132,9 @@ def _copy_weights(source, target) -> list[str]:
 def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
 
-    if s.is_driver:
-        s.engine = start_engine(s.cfg, s.model_dir)
+    s.replica = replica_of(s.cfg, s.rank)
+    if s.replica is not None:  # every replica's driver starts its engine, at the same time
+        s.engine = start_engine(s.cfg, s.model_dir, replica=s.replica)
     s.sync = EngineSync(s.cfg, source_params=lambda: global_named_parameters(s.actor), engine=s.engine)
     s.sync.push()
 
@@ -162,7 +165,7 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     extra = {"first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
              "first_step_ppo_kl": first.get("actor/ppo_kl"), "first_step_clipfrac": first.get("actor/clipfrac"),
              "mlflow_run_id": s.tracker.run_id, "mlflow_uri": getattr(s.tracker, "uri", None),
-             "reward_errors": s.extras.get("reward_errors", 0)}
+             "reward_errors": s.extras.get("reward_errors", 0), "executed_stages": s.executed_stages}
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
                         "metrics": summarise_router_stats(s.state.history),
@@ -207,10 +210,8 @@ def run(cfg: HybridflowConfig) -> dict:
 def _run(cfg: HybridflowConfig) -> dict:
     from megatron_adapters import parallel
 
-    spec = algorithm_spec(cfg)
-    check_roles(cfg, spec)
+    plan = lower(cfg, with_reshard=False)  # the stages `hybridflow plan` prints are the ones that run
     check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
-    build_graph(cfg).validate(set(enabled_roles(cfg)) | {"rollout", "reward", "driver"})
     out_dir = Path(cfg.run.output_dir)
     resume_from = broadcast(run_state.resume_point(out_dir, cfg.run.resume) if dist.get_rank() == DRIVER else None)
     if dist.get_rank() == DRIVER and resume_from is None:
@@ -232,7 +233,7 @@ def _run(cfg: HybridflowConfig) -> dict:
             s.state.heldout_after_sft = heldout_reward(s)
             s.state.heldout.append((s.state.step, s.state.heldout_after_sft))
         with out_of_memory_hint(cfg, "the RL steps"):
-            train_rl(s, build_graph(cfg), save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
+            train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
         after_rl = heldout_reward(s)
         if after_rl is not None:
             s.state.heldout.append((s.state.step, after_rl))

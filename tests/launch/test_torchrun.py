@@ -13,7 +13,7 @@ QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_c
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["rollout.num_replicas=2", "actor.parallel.dp=4"], "rollout.num_replicas=2"),
+    (["rollout.num_replicas=2", "rollout.tp=1", "rollout.sync_route=full"], "rollout.num_replicas=2 with"),
     (["rollout.placement=separate"], "rollout.placement=separate"),
     (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
     (["reference.enabled=true", "reference.parallel.ep=1"], "reference.parallel differs"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hybridflow.config import load_config
+from hybridflow.lowering import Stage
 from hybridflow.runtime import loop, report, state
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
 from hybridflow.runtime.model_dir import _mismatches, hf_overrides, rollout_model_dir
@@ -121,7 +122,8 @@ def _fake_session(on_nan: str, steps: int = 3):
     cfg = load_config("configs/quickstart_cpu.yaml", [f"run.on_nan={on_nan}", f"run.steps={steps}",
                                                        "run.heldout_every=0"])
     return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), extras={},
-                           prompt_batch=lambda step: [])
+                           prompt_batch=lambda step: [], executed_stages=[], mode=None, engine=None,
+                           actor=None, critic=None)
 
 
 def _graph_raising_at(bad_step: int):
@@ -135,8 +137,9 @@ def _graph_raising_at(bad_step: int):
                                              seconds=1.0),
                 "scores": torch.ones(2)}
 
-    node = SimpleNamespace(name="update_actor", op="fake_update")
-    return SimpleNamespace(topological_order=lambda: [node]), update, calls
+    node = SimpleNamespace(name="update_actor", op="fake_update", role="actor")
+    stage = Stage(node=node, pool="colocated", ranks=range(1), layout="megatron")
+    return SimpleNamespace(stages=(stage,), start_mode=None), update, calls
 
 
 def test_a_nan_step_stops_the_run_before_any_checkpoint(monkeypatch) -> None:
@@ -159,3 +162,50 @@ def test_a_nan_step_is_skipped_when_configured(monkeypatch) -> None:
     loop.train_rl(s, graph, save=saved.append)
     assert calls == [0, 1, 2] and s.state.step == 3 and saved == [3]
     assert s.state.history[1] == {"step": 2, "actor/skipped_step": 1.0}
+
+
+class _Recorder:
+    """A policy or engine stand-in that records the calls a switch makes."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def offload_training_state(self):
+        self.calls.append(f"{self.name} offload")
+
+    def restore_training_state(self):
+        self.calls.append(f"{self.name} restore")
+
+    def release_memory(self, tags):
+        self.calls.append(f"engine release {'+'.join(tags)}")
+
+    def resume_memory(self, tags):
+        self.calls.append(f"engine resume {'+'.join(tags)}")
+
+
+def test_switches_execute_the_plans_values_in_order():
+    from hybridflow.lowering import lower
+    from hybridflow.runtime import switches
+
+    cfg = load_config("configs/quickstart_cpu.yaml", ["algorithm.name=ppo", "critic.enabled=true"])
+    calls = []
+    s = SimpleNamespace(cfg=cfg, mode=None, actor=_Recorder("actor", calls), critic=_Recorder("critic", calls),
+                        engine=_Recorder("engine", calls))
+    plan = lower(cfg, with_reshard=False)
+    switches.enter(s, plan.start_mode)  # from everything resident to the step's start (sync)
+    for stage in plan.stages:
+        if stage.switch is not None:
+            switches.apply(s, stage.switch)
+    assert calls == ["actor offload", "critic offload", "engine release kv_cache+cuda_graph",  # -> sync
+                     "engine resume kv_cache+cuda_graph",                                      # -> generate
+                     "engine release weights+kv_cache+cuda_graph", "actor restore", "critic restore",  # -> train
+                     "actor offload", "critic offload", "engine resume weights"]               # -> sync
+    assert s.mode == "sync"
+    calls.clear()
+    switches.enter(s, "generate")
+    switches.enter(s, "sync")  # generating GPUs already hold what a sync needs
+    assert calls == ["engine resume kv_cache+cuda_graph"]
+    separate = SimpleNamespace(cfg=load_config("configs/quickstart_cpu.yaml", ["rollout.placement=separate"]),
+                               mode=None)
+    switches.enter(separate, "train")  # engines on their own GPUs: nothing moves
+    assert separate.mode is None

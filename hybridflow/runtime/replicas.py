@@ -1,0 +1,118 @@
+"""Rollout over ``rollout.num_replicas`` engines, each driven by a rank of its own.
+
+```
+replica k = engine ranks k*tp .. k*tp+tp-1 (engine-major, as the reshard plan numbers them);
+colocated, engine rank i shares actor rank i's GPU, so replica k's driver is actor rank k*tp
+
+step's prompts, cut into chunks ──► a shared counter (torch.distributed's store)
+   driver of replica 0: take chunk, generate, take the next ...      a replica busy with long
+   driver of replica 1: take chunk, generate, take the next ...      generations takes fewer
+                                    │                                 chunks: at most one chunk
+   samples (prompt index made global, replica id) ──all-gather──►    in flight per replica
+   every rank, in (prompt, sample) order
+```
+
+Each chunk is sampled with its own seed (chunk 0 with the call's seed), so a sample is a
+function of the weights, its prompt and its chunk's seed, never of which replica served it:
+runs and resumed runs draw the same samples whatever the timing. One replica takes the
+whole batch as one chunk, as before replicas existed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+import torch.distributed as dist
+
+from hybridflow.config import HybridflowConfig
+from hybridflow.rollout.base import RolloutSample, SamplingParams
+
+__all__ = ["ReplicaOutput", "chunk_seed", "driver_rank", "generate", "replica_of"]
+
+_SEED_MOD = 2**31 - 1
+
+
+def driver_rank(cfg: HybridflowConfig, replica: int) -> int:
+    """The global rank that drives ``replica`` (its first engine rank's GPU)."""
+    return replica * cfg.rollout.tp
+
+
+def replica_of(cfg: HybridflowConfig, rank: int) -> int | None:
+    """The replica ``rank`` drives, or None."""
+    tp = cfg.rollout.tp
+    if rank % tp or rank // tp >= cfg.rollout.num_replicas:
+        return None
+    return rank // tp
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The sampling seed of one chunk of a generate call (chunk 0: the call's own)."""
+    return (seed + chunk * 7919) % _SEED_MOD
+
+
+def _chunks(num_prompts: int, cfg: HybridflowConfig) -> list[range]:
+    replicas = cfg.rollout.num_replicas
+    count = 1 if replicas == 1 else min(num_prompts, replicas * cfg.rollout.dispatch_chunks)
+    size = math.ceil(num_prompts / max(count, 1))
+    return [range(start, min(start + size, num_prompts)) for start in range(0, num_prompts, size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaOutput:
+    """A generate call over every replica, as every rank sees it."""
+
+    samples: tuple[RolloutSample, ...]
+    """Every sample, prompt indices global, in (prompt, sample) order."""
+    seconds: float
+    """Wall time of the slowest replica."""
+    samples_per_replica: tuple[int, ...]
+    """How many samples each replica generated."""
+
+
+class _Counter:
+    """The next chunk to take, shared by the replica drivers (the default group's store)."""
+
+    def __init__(self, call: int) -> None:
+        self.store = dist.distributed_c10d._get_default_store()
+        self.key = f"hybridflow/rollout/{call}"
+
+    def take(self) -> int:
+        return self.store.add(self.key, 1) - 1
+
+
+def _drive(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range],
+           counter: _Counter) -> tuple[list[RolloutSample], float]:
+    """Generate chunks on this replica until none is left."""
+    samples, started = [], time.perf_counter()
+    while (chunk := counter.take()) < len(chunks):
+        span = chunks[chunk]
+        engine.reseed(chunk_seed(seed, chunk))
+        out = engine.generate([prompts[i] for i in span], params)
+        samples += [dataclasses.replace(x, prompt_index=span.start + x.prompt_index) for x in out.samples]
+    return samples, time.perf_counter() - started
+
+
+def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
+             seed: int, *, call: int) -> ReplicaOutput:
+    """Every replica's share of ``prompts``, gathered on every rank (collective over the default
+    group; ``engine`` is this rank's replica or None; ``call`` numbers the call, the same on
+    every rank)."""
+    chunks = _chunks(len(prompts), cfg)
+    mine: tuple[int | None, list[RolloutSample], float] = (None, [], 0.0)
+    if engine is not None:
+        samples, seconds = _drive(engine, prompts, params, seed, chunks, _Counter(call))
+        mine = (replica_of(cfg, dist.get_rank()), samples, seconds)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    counts = [0] * cfg.rollout.num_replicas
+    everything = []
+    for replica, samples, _ in gathered:
+        if replica is not None:
+            counts[replica] += len(samples)
+            everything += samples
+    everything.sort(key=lambda x: (x.prompt_index, x.sample_index))
+    return ReplicaOutput(samples=tuple(everything), seconds=max(g[2] for g in gathered),
+                         samples_per_replica=tuple(counts))

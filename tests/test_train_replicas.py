@@ -1,0 +1,52 @@
+"""``hybridflow train`` with two colocated SGLang replicas (tp=1 each) on the quickstart's EP=2 actor.
+
+Each actor rank drives one replica; the step's prompts are pulled in chunks by whichever replica
+is free, every push reaches both replicas, and the run learns. A run killed mid-way and resumed
+reproduces the uninterrupted one exactly: each chunk is sampled with its own seed, so no sample
+depends on which replica served it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import LOGPROB_TOL, _deterministic, _history, _ok, _train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1500)]
+
+REPLICAS = ["rollout.tp=1", "rollout.num_replicas=2", "sft.steps=150", "run.steps=8", "run.checkpoint_every=4",
+            "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8"]
+SAMPLES = 16 * 8
+
+
+@pytest.fixture(scope="module")
+def replica_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("replicas") / "full"
+    _ok(_train(out, *REPLICAS))
+    return out
+
+
+def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(replica_run: Path) -> None:
+    summary = json.loads((replica_run / "summary.json").read_text())
+    assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
+    history = _history(replica_run, "step_000008")
+    for h in history:
+        counts = [h["rollout/replica0/samples"], h["rollout/replica1/samples"]]
+        assert sum(counts) == SAMPLES, h
+        # samples from both replicas score like the trainer: both hold the pushed weights
+        assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h
+        if "sync/engine_bytes" in h:
+            assert h["sync/replica0/engine_bytes"] == h["sync/replica1/engine_bytes"] > 0, h
+    assert sum(h["rollout/replica1/samples"] for h in history) > 0  # the second replica generated
+    assert sum(h["rollout/replica0/samples"] for h in history) > 0
+
+
+def test_a_killed_replica_run_resumes_and_reproduces(replica_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "killed"
+    crashed = _train(out, *REPLICAS, fault_at=5)
+    assert crashed.returncode != 0
+    _ok(_train(out, *REPLICAS))
+    assert _deterministic(_history(out, "step_000008")) == _deterministic(_history(replica_run, "step_000008"))
