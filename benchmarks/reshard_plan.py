@@ -131,7 +131,8 @@ CASES: tuple[Case, ...] = (
          destination=SGLangSettings(tp=2, num_replicas=32), colocated=False),
 )
 
-BANDWIDTH = Bandwidth()
+BANDWIDTH = Bandwidth(intra_node_gbps=200.0, inter_node_gbps=25.0)
+"""The config's defaults (rollout.intra_node_gbps / inter_node_gbps): NVLink and 200 Gb/s InfiniBand per rank."""
 
 
 def _topology(case: Case) -> Topology:

@@ -29,6 +29,7 @@ from hybridflow.layout import ConfigError, ParallelLayout
 
 if TYPE_CHECKING:
     from reshard.sglang import SGLangSettings
+    from reshard.stats import Bandwidth
 
 __all__ = [
     "ConfigError",
@@ -392,6 +393,9 @@ class RunConfig:
     """Prompts drawn per RL step; each is sampled rollout.n times."""
     checkpoint_every: int = 10
     """Save the actor (with optimizer state) and the run state every this many steps; 0 = only at the end."""
+    collective_timeout_minutes: int = 10
+    """How long a rank waits in a torch.distributed collective before the job fails (NCCL / gloo
+    timeout): a dead or hung rank stops the others after this."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept; older ones are deleted after a newer one is complete."""
     resume: str = "auto"
@@ -450,6 +454,15 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     max_total_tokens: int = 8192
     """KV-cache capacity of each engine, in tokens."""
+    reshard_bucket_mb: int = 64
+    """Bucket of the reshard executor: the most bytes one round of weight-sync sends and
+    receives per process (bounds the sync's extra memory)."""
+    push_bucket_mb: int = 512
+    """Bucket of a full-route push into SGLang: tensors per update call."""
+    intra_node_gbps: float = 200.0
+    """Per-rank intra-node bandwidth (NVLink, one direction) the weight-sync time model assumes."""
+    inter_node_gbps: float = 25.0
+    """Per-rank network bandwidth (one direction; 200 Gb/s InfiniBand = 25 GB/s) of the time model."""
     dispatch_chunks: int = 4
     """With several replicas, a step's prompts are cut into num_replicas * dispatch_chunks
     chunks that each replica's driver takes one at a time as it gets free (more: finer
@@ -462,7 +475,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ROLLOUT_ENGINES)
         _check_choice("sync_route", self.sync_route, ("sliced", "full"))
-        _check_positive(self, ("n", "max_total_tokens", "dispatch_chunks"))
+        _check_positive(self, ("n", "max_total_tokens", "dispatch_chunks", "reshard_bucket_mb", "push_bucket_mb",
+                               "intra_node_gbps", "inter_node_gbps"))
         if not 0.0 <= self.temperature:
             raise ConfigError("{p}temperature={t} must be >= 0", t=self.temperature)
         if not 0.0 < self.top_p <= 1.0:
@@ -508,6 +522,12 @@ class RolloutConfig:
             enable_dp_attention=self.enable_dp_attention, dp_size=self.dp_size,
             num_replicas=self.num_replicas,
         )
+
+    def bandwidth(self) -> "Bandwidth":
+        """The weight-sync time model's link speeds (``reshard.stats.Bandwidth``)."""
+        from reshard.stats import Bandwidth
+
+        return Bandwidth(intra_node_gbps=self.intra_node_gbps, inter_node_gbps=self.inter_node_gbps)
 
     def describe(self) -> str:
         """One line, e.g. ``sglang tp=8 ep=8 x8 replicas (64 ranks); colocated, 8 GPUs per node;

@@ -388,11 +388,10 @@ def _weight_syncs(cfg: HybridflowConfig, graph: Graph,
     if not nodes or not with_reshard:
         return tuple(WeightSync(node=name, stats=None) for name in nodes)
     from hybridflow.weight_sync import plan_weight_sync  # here: reshard is the slow import
-    from reshard.stats import Bandwidth
 
-    bandwidth = Bandwidth()
+    bandwidth = cfg.rollout.bandwidth()
     start = time.perf_counter()
-    stats = plan_weight_sync(cfg, bandwidth=bandwidth).stats
+    stats = plan_weight_sync(cfg).stats
     seconds = time.perf_counter() - start
     logger.debug("planned the actor -> rollout weight sync in %.3f s", seconds)
     return tuple(WeightSync(node=name, stats=stats, seconds=seconds, bandwidth=bandwidth)

@@ -23,7 +23,7 @@ from reshard.layouts import TensorLayout
 from reshard.megatron import megatron_layout
 from reshard.planner import Plan, plan_reshard
 from reshard.sglang import sglang_layout
-from reshard.stats import Bandwidth, PlanStats, plan_stats
+from reshard.stats import PlanStats, plan_stats
 from reshard.topology import Topology
 
 __all__ = ["WeightSyncPlan", "describe_weight_sync", "plan_weight_sync", "weight_sync_topology"]
@@ -54,8 +54,7 @@ def weight_sync_topology(cfg: HybridflowConfig, *, num_destination: int | None =
     return Topology.separate(num_source, num_destination, gpus_per_node=rollout.gpus_per_node)
 
 
-def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None,
-                     bandwidth: Bandwidth = Bandwidth()) -> WeightSyncPlan:
+def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None) -> WeightSyncPlan:
     """The reshard plan moving the actor's weights into the rollout engines (``sliced``: each
     engine rank its share; ``full``: whole HF tensors on the driver; default
     ``rollout.sync_route``), and its stats."""
@@ -70,16 +69,16 @@ def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None,
         raise ValueError(f"weight sync route={route!r}: choose sliced or full")
     plan = plan_reshard(source, destination, weight_sync_topology(cfg, num_destination=destination.num_ranks))
     return WeightSyncPlan(source=source, destination=destination, plan=plan,
-                          stats=plan_stats(plan, bandwidth=bandwidth))
+                          stats=plan_stats(plan, bandwidth=cfg.rollout.bandwidth()))
 
 
-def describe_weight_sync(cfg: HybridflowConfig, *,
-                         bandwidth: Bandwidth = Bandwidth()) -> list[str]:
+def describe_weight_sync(cfg: HybridflowConfig) -> list[str]:
     """A few lines for ``hybridflow plan``: planning time, then ``PlanStats.describe()``."""
     start = time.perf_counter()
-    stats = plan_weight_sync(cfg, bandwidth=bandwidth).stats
+    stats = plan_weight_sync(cfg).stats
     seconds = time.perf_counter() - start
     logger.debug("planned the actor -> rollout weight sync in %.3f s", seconds)
+    bandwidth = cfg.rollout.bandwidth()
     header = (
         f"weight sync actor -> rollout, planned from shapes in {seconds:.2f} s (time at "
         f"{bandwidth.intra_node_gbps:g} GB/s intra-, {bandwidth.inter_node_gbps:g} GB/s "

@@ -196,7 +196,7 @@ def execute(
     *,
     sources: Mapping[str, torch.Tensor] | None,
     destinations: Mapping[str, torch.Tensor] | None,
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int,
     verify: bool = False,
     group=None,
 ) -> ExecutionReport:

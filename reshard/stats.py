@@ -42,10 +42,10 @@ __all__ = ["Bandwidth", "PlanStats", "baseline_bytes", "lower_bound_bytes", "pla
 class Bandwidth:
     """Per-rank link speeds of the time model, in GB/s (1e9 bytes per second)."""
 
-    intra_node_gbps: float = 200.0
-    """One rank's intra-node (NVLink) bandwidth per direction."""
-    inter_node_gbps: float = 25.0
-    """One rank's network (NIC) bandwidth per direction (200 Gb/s InfiniBand = 25 GB/s)."""
+    intra_node_gbps: float
+    """One rank's intra-node (NVLink) bandwidth per direction (a run's: ``rollout.intra_node_gbps``)."""
+    inter_node_gbps: float
+    """One rank's network (NIC) bandwidth per direction (a run's: ``rollout.inter_node_gbps``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +131,7 @@ def _simulated_seconds(plan: Plan, nbytes: np.ndarray, bw: Bandwidth) -> float:
     return max(times)
 
 
-def plan_stats(plan: Plan, *, bandwidth: Bandwidth = Bandwidth()) -> PlanStats:
+def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
     """Exact statistics of ``plan`` (bounds computed from its layouts, independently)."""
     nbytes = plan.route_nbytes()
     kind = plan.route_kind

@@ -47,7 +47,7 @@ def test_plan_no_reshard(capsys):
     assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "--no-reshard"]) == 0
     out = capsys.readouterr().out
     assert "# rollout: sglang tp=2" in out
-    assert "reshard" not in out and "weight sync" not in out
+    assert "# reshard:" not in out and "weight sync" not in out
 
 
 def test_plan_separate_rollout(capsys):

@@ -49,15 +49,23 @@ def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, flo
         "response_length/mean": float(lengths.mean()),
         "response_length/clip_ratio": float(ro.batch["truncated"].float().mean()),
         "rollout/tokens_per_s": float(lengths.sum()) / max(ro.seconds, 1e-9),
-        **f.get("actor_metrics", {}), **f.get("critic_metrics", {}), **f.get("rollout_weights", {}), **s.extras.pop("metrics", {}), **times,
+        **f.get("actor_metrics", {}), **f.get("critic_metrics", {}), **f.get("rollout_weights", {}), **s.step_metrics, **times,
     }
     metrics["timing/step"] = sum(times.values())
     return metrics
 
 
+def _checked(node, returned: dict) -> dict:
+    """``returned`` if it holds exactly the fields ``node`` declares (the graph's checks rely on it)."""
+    if set(returned) != set(node.outputs):
+        raise AssertionError(f"op {node.op!r} of node {node.name!r} returned fields {sorted(returned)}; "
+                             f"the node declares {sorted(node.outputs)}")
+    return returned
+
+
 def run_step(s: Session, stages, step: int) -> dict[str, float]:
     """One RL step through the plan's stages; returns its metrics (same on every rank)."""
-    s.extras["metrics"] = {}
+    s.step_metrics = {}
     prompts = s.prompt_batch(step)
     f = {"prompts": prompts, "answers": [p.row.answer for p in prompts]}
     times = {}
@@ -66,7 +74,7 @@ def run_step(s: Session, stages, step: int) -> dict[str, float]:
         started = time.perf_counter()
         if stage.switch is not None:
             switches.apply(s, stage.switch)
-        f.update(OPS[stage.node.op](s, stage.node, f, step))
+        f.update(_checked(stage.node, OPS[stage.node.op](s, stage.node, f, step)))
         times[f"timing/{stage.node.name}"] = time.perf_counter() - started
         if record:
             s.executed_stages.extend(stage.describe(index))

@@ -108,7 +108,7 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
     out = replicas.generate(s.cfg, s.engine, [p.prompt_ids for p in prompts], params, seed, call=s.rollout_calls)
     samples, seconds = out.samples, out.seconds
     for replica, count in enumerate(out.samples_per_replica):
-        s.extras.setdefault("metrics", {})[f"rollout/replica{replica}/samples"] = float(count)
+        s.step_metrics[f"rollout/replica{replica}/samples"] = float(count)
     batch = pack_batch(samples, pad_id=s.tokenizer.pad_token_id)
     texts = s.tokenizer.batch_decode([list(x.response_ids) for x in samples], skip_special_tokens=True)
     rows = [prompts[x.prompt_index].row for x in samples]
@@ -130,7 +130,7 @@ def score(s: Session, ro: Rollout) -> torch.Tensor:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, errors))
     merged = {i: v for part, _ in gathered for i, v in part.items()}
-    s.extras["reward_errors"] = s.extras.get("reward_errors", 0) + sum(e for _, e in gathered)
+    s.reward_errors += sum(e for _, e in gathered)
     return torch.tensor([merged[i] for i in range(len(ro.texts))], dtype=torch.float32)
 
 
@@ -181,7 +181,7 @@ def filter_groups_op(s: Session, node, f: dict, step: int) -> dict:
         kept_scores.append(extra_scores[keep])
         groups += int(keep.sum()) // s.cfg.rollout.n
         rounds += 1
-    s.extras["metrics"].update({"dapo/kept_groups": float(groups), "dapo/sampling_rounds": float(rounds)})
+    s.step_metrics.update({"dapo/kept_groups": float(groups), "dapo/sampling_rounds": float(rounds)})
     if groups == 0:
         logger.warning("step %d: every group had equal rewards; the actor update is skipped", step)
     return {"kept": (_concat(kept), torch.cat(kept_scores))}
@@ -247,7 +247,7 @@ def old_logprob(s: Session, node, f: dict, step: int) -> dict:
     mask = ro.batch["response_mask"].bool()
     if mask.any():  # the engine's log-probs against the trainer's, same weights: a sync check
         diff = (logp - ro.batch["logprobs"]).abs()[mask]
-        s.extras["metrics"].update({"rollout/logprob_diff_max": float(diff.max()),
+        s.step_metrics.update({"rollout/logprob_diff_max": float(diff.max()),
                                     "rollout/logprob_diff_mean": float(diff.mean())})
     return {"old_logprobs": logp, "entropy": ent, **({} if routes is None else {"routed_experts": routes})}
 
@@ -288,7 +288,7 @@ def token_rewards(s: Session, node, f: dict, step: int) -> dict:
         rewards_BR, kl = kl_in_reward(rewards_BR, _response_view(ro, f["old_logprobs"]),
                                       _response_view(ro, f["ref_logprobs"]), mask_BR, algo.kl_reward_coef,
                                       algo.kl_type)
-        s.extras["metrics"]["actor/reward_kl"] = float(kl)
+        s.step_metrics["actor/reward_kl"] = float(kl)
     return {"token_rewards": rewards_BR}
 
 
@@ -385,7 +385,7 @@ def _router_metrics(s: Session) -> dict[str, float]:
         return {}
     metrics = routing.pop_metrics()
     if "train" in routing.last_stats:
-        s.extras["moe_tokens_per_expert"] = routing.last_stats["train"].counts().tolist()
+        s.moe_tokens_per_expert = routing.last_stats["train"].counts().tolist()
     return metrics
 
 

@@ -67,7 +67,8 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, replica: int = 0):
     try:
         return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
-                           seed=cfg.run.seed, load_format="dummy", **placement)
+                           seed=cfg.run.seed, load_format="dummy", bucket_bytes=cfg.rollout.push_bucket_mb << 20,
+                           **placement)
     finally:
         os.environ.update(saved)
 
@@ -116,7 +117,16 @@ class Session:
     executed_stages: list[str] = field(default_factory=list)
     """The first RL step of this process as it ran: each stage and the switch executed before
     it, in ``hybridflow plan``'s words (the summary reports it)."""
-    extras: dict[str, Any] = field(default_factory=dict)
+    step_metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics the ops of the running step report beside their fields (reset every step)."""
+    reward_errors: int = 0
+    """Reward calls that raised so far (scored 0)."""
+    moe_tokens_per_expert: list | None = None
+    """The last training pass's tokens per expert and MoE layer, for the summary."""
+    started: float = 0.0
+    """``time.time()`` when this process started the run."""
+    wall_before: float = 0.0
+    """Wall seconds of the run before this process started (a resumed run's earlier part)."""
 
     @property
     def is_driver(self) -> bool:

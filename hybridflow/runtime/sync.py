@@ -94,7 +94,8 @@ class EngineSync:
         sources = self.source_params()
         device = next(iter(sources.values())).device
         buffers = self._buffers(me, device)
-        report = execute(self.plan, self.processes, sources=sources, destinations=buffers)
+        report = execute(self.plan, self.processes, sources=sources, destinations=buffers,
+                         bucket_bytes=self.cfg.rollout.reshard_bucket_mb << 20)
         moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)], device=device)
         dist.all_reduce(moved)
         # the engine's weights are resident: the plan's switch before sync_weights resumed them

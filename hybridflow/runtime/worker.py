@@ -62,7 +62,7 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
         checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
     if s.is_driver:
         s.state.mlflow_run_id = s.tracker.run_id
-        s.state.wall_seconds = s.extras["wall_before"] + time.time() - s.extras["started"]
+        s.state.wall_seconds = s.wall_before + time.time() - s.started
         run_state.save_state(staging, s.state)
         run_state.publish(staging, final)
         run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
@@ -155,21 +155,21 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg)
     s.spec = algorithm_spec(cfg)
     filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
     s.algo = dataclasses.replace(cfg.algorithm, **filled)
-    s.extras.update(started=time.time(), wall_before=state.wall_seconds)
+    s.started, s.wall_before = time.time(), state.wall_seconds
     return s
 
 
 def _finish(s: Session, heldout_after_rl: float | None) -> dict:
-    wall = s.extras["wall_before"] + time.time() - s.extras["started"]
+    wall = s.wall_before + time.time() - s.started
     first = s.state.history[0] if s.state.history else {}
     extra = {"first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
              "first_step_ppo_kl": first.get("actor/ppo_kl"), "first_step_clipfrac": first.get("actor/clipfrac"),
              "mlflow_run_id": s.tracker.run_id, "mlflow_uri": getattr(s.tracker, "uri", None),
-             "reward_errors": s.extras.get("reward_errors", 0), "executed_stages": s.executed_stages}
+             "reward_errors": s.reward_errors, "executed_stages": s.executed_stages}
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
                         "metrics": summarise_router_stats(s.state.history),
-                        "tokens_per_expert_last_step": s.extras.get("moe_tokens_per_expert")}
+                        "tokens_per_expert_last_step": s.moe_tokens_per_expert}
     summary = report.summarise(s.cfg, s.state, heldout_after_rl=heldout_after_rl, wall_seconds=wall, extra=extra)
     if s.is_driver:
         path = report.write_summary(s.out_dir, summary)
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv[0], argv[1:])
-    parallel.init_default_group()
+    parallel.init_default_group(timeout_minutes=cfg.run.collective_timeout_minutes)
     level = logging.INFO if dist.get_rank() == DRIVER else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     for noisy in ("httpx", "urllib3", "alembic", "mlflow.store.db.utils"):

@@ -277,7 +277,8 @@ def _bias_reshard(pg) -> bool:
     buffers = {}
     if dist.get_rank() == 0:
         buffers = {n: torch.zeros(s) for n, s in destination.param_shapes(0).items()}
-    execute(plan, ProcessMap(source=(0, 1), destination=(0,)), sources=named, destinations=buffers, verify=True)
+    execute(plan, ProcessMap(source=(0, 1), destination=(0,)), sources=named, destinations=buffers,
+            bucket_bytes=1 << 20, verify=True)
     if dist.get_rank() != 0:
         return True
     biases = {n: t for n, t in buffers.items() if n.endswith("e_score_correction_bias")}

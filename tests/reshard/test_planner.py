@@ -15,12 +15,14 @@ import pytest
 
 from hybridflow.layout import ParallelLayout
 from reshard import (
-    SGLangSettings, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout,
+    Bandwidth, SGLangSettings, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout,
 )
 from reshard.families import DTYPE_BYTES
 from reshard.regions import map_into
 from reshard.topology import Device
 from tests.reshard.cases import TINY_MODELS, random_cases
+
+BANDWIDTH = Bandwidth(intra_node_gbps=200.0, inter_node_gbps=25.0)
 
 CASES = random_cases(seed=3, count=240)
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -103,7 +105,7 @@ def test_plan_properties(case):
     _check_sources(plan, source)
     _check_kinds(plan, case.topology)
 
-    stats = plan_stats(plan)
+    stats = plan_stats(plan, bandwidth=BANDWIDTH)
     moved = sum(t.nbytes for t in plan.transfers() if t.kind != "local")
     assert stats.bytes == moved
     assert stats.num_transfers == sum(1 for _ in plan.transfers())
@@ -143,7 +145,7 @@ def test_colocated_identical_layouts_move_nothing():
     model = dataclasses.replace(TINY_MODELS["qwen3_moe"], vocab_size=256)
     source = megatron_layout(model, ParallelLayout(tp=2, ep=2))
     destination = sglang_layout(model, SGLangSettings(tp=2, ep=2))
-    stats = plan_stats(plan_reshard(source, destination, Topology.colocated(2)))
+    stats = plan_stats(plan_reshard(source, destination, Topology.colocated(2)), bandwidth=BANDWIDTH)
     # megatron tp=2 ep=2 on 2 ranks: rank r holds attention tp shard r and experts of ep rank r,
     # exactly SGLang tp=2 ep=2's rank r
     assert stats.bytes == stats.lower_bound_bytes == 0
@@ -168,7 +170,7 @@ def test_vocab_padding_differs_between_the_sides():
         (name, ((96, 128), (0, 16)), 0, ((96, 128), (0, 16)), 1, ((0, 32), (0, 16)))
         for name in ("model.embed_tokens.weight", "lm_head.weight")
     }
-    assert plan_stats(plan).bytes == 2 * 32 * 16 * 2
+    assert plan_stats(plan, bandwidth=BANDWIDTH).bytes == 2 * 32 * 16 * 2
 
 
 def test_model_mismatch_names_the_field():

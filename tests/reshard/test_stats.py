@@ -45,7 +45,7 @@ def test_one_source_to_two_remote_ranks():
 def test_same_node_uses_intra_bandwidth_and_local_is_free():
     topology = Topology(source=(Device(node=0, gpu=0),),
                         destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)))
-    stats = plan_stats(_plan(topology), bandwidth=Bandwidth(intra_node_gbps=100.0))
+    stats = plan_stats(_plan(topology), bandwidth=Bandwidth(intra_node_gbps=100.0, inter_node_gbps=25.0))
     assert stats.local_bytes > 0 and stats.inter_node_bytes == 0
     assert stats.bytes == stats.intra_node_bytes == stats.lower_bound_bytes
     assert stats.max_received_bytes == stats.bytes  # rank 1 receives everything that moves
@@ -53,7 +53,8 @@ def test_same_node_uses_intra_bandwidth_and_local_is_free():
 
 
 def test_as_dict_and_describe():
-    stats = plan_stats(_plan(Topology.colocated(1, num_destination=2)))
+    stats = plan_stats(_plan(Topology.colocated(1, num_destination=2)),
+                       bandwidth=Bandwidth(intra_node_gbps=200.0, inter_node_gbps=25.0))
     d = stats.as_dict()
     assert {"bytes", "lower_bound_bytes", "baseline_bytes", "simulated_seconds",
             "ratio_to_lower_bound", "baseline_ratio"} <= set(d)

@@ -121,7 +121,7 @@ class _Tracker:
 def _fake_session(on_nan: str, steps: int = 3):
     cfg = load_config("configs/quickstart_cpu.yaml", [f"run.on_nan={on_nan}", f"run.steps={steps}",
                                                        "run.heldout_every=0"])
-    return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), extras={},
+    return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), step_metrics={},
                            prompt_batch=lambda step: [], executed_stages=[], mode=None, engine=None,
                            actor=None, critic=None)
 
@@ -137,7 +137,7 @@ def _graph_raising_at(bad_step: int):
                                              seconds=1.0),
                 "scores": torch.ones(2)}
 
-    node = SimpleNamespace(name="update_actor", op="fake_update", role="actor")
+    node = SimpleNamespace(name="update_actor", op="fake_update", role="actor", outputs=("responses", "scores"))
     stage = Stage(node=node, pool="colocated", ranks=range(1), layout="megatron")
     return SimpleNamespace(stages=(stage,), start_mode=None), update, calls
 
@@ -209,3 +209,11 @@ def test_switches_execute_the_plans_values_in_order():
                                mode=None)
     switches.enter(separate, "train")  # engines on their own GPUs: nothing moves
     assert separate.mode is None
+
+
+def test_an_op_returning_undeclared_fields_stops_the_step(monkeypatch) -> None:
+    graph, update, calls = _graph_raising_at(99)
+    graph.stages[0].node.outputs = ("responses",)  # the op also returns scores
+    monkeypatch.setitem(loop.OPS, "fake_update", update)
+    with pytest.raises(AssertionError, match=r"returned fields \['responses', 'scores'\]; the node declares"):
+        loop.run_step(_fake_session("stop"), graph.stages, 0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -43,6 +44,7 @@ import numpy as np
 import psutil
 import torch
 
+from hybridflow.config import RolloutConfig
 from hybridflow.buckets import fill_buckets
 from hybridflow.rollout.base import (
     FINISH_LENGTH,
@@ -64,8 +66,8 @@ ROUTES = ("sliced", "full")
 """Weight-push routes: each rank its own shard, or every rank the full HF tensors."""
 PAUSE_MODES = ("retract", "in_place", "abort")
 """SGLang's pause modes (``PauseGenerationReqInput.mode``)."""
-DEFAULT_BUCKET_BYTES = 512 << 20
-"""Largest payload (per rank) of one ``update_weights_from_tensor`` call."""
+DEFAULT_BUCKET_BYTES = next(f.default for f in dataclasses.fields(RolloutConfig) if f.name == "push_bucket_mb") << 20
+"""Largest payload (per rank) of one ``update_weights_from_tensor`` call: the schema's default."""
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 # read by SGLang's sampler at import time in the scheduler processes, so set before start
 _ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
@@ -85,6 +87,7 @@ def _start(
     return_routed_experts: bool | None = None,
     deterministic: bool = False,
     pause_mode: str = "retract",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     **engine_kwargs: Any,
 ) -> SGLangEngine:
     """Start an offline SGLang engine on ``model_path`` (a local HF model directory).
@@ -125,7 +128,7 @@ def _start(
                 "CPU" if on_cpu else "GPU")
     return SGLangEngine(engine, tp=tp, on_cpu=on_cpu, model_path=model_path, routed_experts=routed,
                         deterministic=deterministic, pause_mode=pause_mode, own_processes=own,
-                        weights_loaded=args.get("load_format") != "dummy")
+                        weights_loaded=args.get("load_format") != "dummy", bucket_bytes=bucket_bytes)
 
 
 def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: int, seed: int,
@@ -245,8 +248,10 @@ class SGLangEngine:
 
     def __init__(self, engine: Any, *, tp: int, on_cpu: bool, model_path: str, routed_experts: bool,
                  deterministic: bool, pause_mode: str, own_processes: frozenset[int],
-                 weights_loaded: bool = True):
+                 weights_loaded: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self._engine = engine
+        self.bucket_bytes = bucket_bytes
+        """Bytes of tensors per update call when a push is bucketed (``rollout.push_bucket_mb``)."""
         self.tp = tp
         """TP ranks of the engine (one payload each in a sliced push)."""
         self.on_cpu = on_cpu
@@ -353,7 +358,7 @@ class SGLangEngine:
         return [{name: tuple(info["shape"]) for name, info in rank.items()} for rank in self.rank_params()]
 
     def push_rank_tensors(self, per_rank: Sequence[Mapping[str, torch.Tensor]], *,
-                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightPushReport:
+                          bucket_bytes: int | None = None) -> WeightPushReport:
         """Give each TP rank only its own tensors, under SGLang's parameter names.
 
         ``per_rank[r]`` maps names to rank r's local tensors, unpadded as the reshard planner lays
@@ -377,7 +382,7 @@ class SGLangEngine:
         started = time.perf_counter()
         received = [0] * self.tp
         with self._update_session(weights=True):
-            for last, bucket in _mark_last(fill_buckets(names, sizes, bucket_bytes)):
+            for last, bucket in _mark_last(fill_buckets(names, sizes, bucket_bytes or self.bucket_bytes)):
                 prepared = [handles.prepare_rank_payload(r, {n: per_rank[r][n] for n in bucket}, params[r])
                             for r in range(self.tp)]
                 self._send_payloads([payload for payload, _kept in prepared], flush_cache=last)
@@ -410,7 +415,7 @@ class SGLangEngine:
             self._update([("post_load", torch.zeros(1))], load_format=post_load.LOADER, flush_cache=True)
 
     def push_full(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightPushReport:
+                  bucket_bytes: int | None = None) -> WeightPushReport:
         """The baseline: every rank receives the full tensors under HF checkpoint names and slices them.
 
         MoE experts go by checkpoint names (``mlp.experts.{e}.gate_proj.weight``); transformers 5's
@@ -422,7 +427,7 @@ class SGLangEngine:
         self._check_full_push(items)
         dtype = self._engine.tokenizer_manager.model_config.dtype
         started = time.perf_counter()
-        buckets = fill_buckets([n for n, _ in items], [t.nbytes for _, t in items], bucket_bytes)
+        buckets = fill_buckets([n for n, _ in items], [t.nbytes for _, t in items], bucket_bytes or self.bucket_bytes)
         tensors = dict(items)
         with self._update_session(weights=True):
             for last, names in _mark_last(buckets):

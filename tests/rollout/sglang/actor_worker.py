@@ -64,7 +64,8 @@ def export(model_dir: str, out: str) -> None:
     me = dist.get_rank()
     buffers = {n: torch.zeros(s) for n, s in destination.param_shapes(me).items()}
     report = execute(plan, ProcessMap(source=(0, 1), destination=(0, 1)),
-                     sources=global_named_parameters(policy), destinations=buffers, verify=True)
+                     sources=global_named_parameters(policy), destinations=buffers, bucket_bytes=1 << 20,
+                     verify=True)
     share = sum(destination.shard_nbytes(s) for shards in destination.shards.values() for s in shards if me in s.ranks)
     torch.save({"tensors": buffers, "plan_share_bytes": share, "report": report.as_dict()},
                os.path.join(out, f"rank{me}.pt"))
