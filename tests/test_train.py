@@ -27,8 +27,8 @@ LOGPROB_TOL = 1e-4
 TIMING = ("timing/", "rollout/tokens_per_s", "sync/seconds")
 
 
-def _train(out: Path, *extra: str, fault_at: int | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _train(out: Path, *extra: str, fault_at: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if fault_at is not None:
         env["HYBRIDFLOW_FAULT_AT_STEP"] = str(fault_at)
     cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml",

@@ -44,9 +44,14 @@ def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(repl
     assert sum(h["rollout/replica0/samples"] for h in history) > 0
 
 
-def test_a_killed_replica_run_resumes_and_reproduces(replica_run: Path, tmp_path: Path) -> None:
-    out = tmp_path / "killed"
-    crashed = _train(out, *REPLICAS, fault_at=5)
-    assert crashed.returncode != 0
+def test_a_replica_failing_mid_generation_stops_the_step_by_name_and_the_run_resumes(replica_run: Path,
+                                                                                     tmp_path: Path) -> None:
+    out = tmp_path / "failed"
+    # generate call 6 is step 5's (call 1 scored the held-out prompts after SFT)
+    failed = _train(out, *REPLICAS, env={"HYBRIDFLOW_FAULT_REPLICA": "1@6"})
+    assert failed.returncode != 0
+    assert "ReplicaFailed: rollout replica 1 (driven by rank 1) failed mid-generation" in failed.stderr
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "step_000004" in saved and "step_000008" not in saved, saved
     _ok(_train(out, *REPLICAS))
     assert _deterministic(_history(out, "step_000008")) == _deterministic(_history(replica_run, "step_000008"))

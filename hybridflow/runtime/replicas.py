@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import Sequence
 
@@ -30,9 +31,15 @@ import torch.distributed as dist
 from hybridflow.config import HybridflowConfig
 from hybridflow.rollout.base import RolloutSample, SamplingParams
 
-__all__ = ["ReplicaOutput", "chunk_seed", "driver_rank", "generate", "replica_of"]
+__all__ = ["FAULT_ENV", "ReplicaFailed", "ReplicaOutput", "chunk_seed", "driver_rank", "generate", "replica_of"]
 
 _SEED_MOD = 2**31 - 1
+FAULT_ENV = "HYBRIDFLOW_FAULT_REPLICA"
+"""Testing hook, ``K@N``: replica K's engine call fails at the N-th generate call of the run."""
+
+
+class ReplicaFailed(RuntimeError):
+    """A rollout replica failed mid-generation; every rank raises it, naming the replica."""
 
 
 def driver_rank(cfg: HybridflowConfig, replica: int) -> int:
@@ -101,18 +108,36 @@ def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], pa
     group; ``engine`` is this rank's replica or None; ``call`` numbers the call, the same on
     every rank)."""
     chunks = _chunks(len(prompts), cfg)
-    mine: tuple[int | None, list[RolloutSample], float] = (None, [], 0.0)
+    mine: tuple = (None, [], 0.0, None)
     if engine is not None:
-        samples, seconds = _drive(engine, prompts, params, seed, chunks, _Counter(call))
-        mine = (replica_of(cfg, dist.get_rank()), samples, seconds)
+        replica = replica_of(cfg, dist.get_rank())
+        try:  # the others must learn of a failure too, or they would wait in the gather below
+            _inject_fault(replica, call)
+            samples, seconds = _drive(engine, prompts, params, seed, chunks, _Counter(call))
+            mine = (replica, samples, seconds, None)
+        except Exception as error:
+            mine = (replica, [], 0.0, f"{type(error).__name__}: {error}")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
+    _raise_failures(gathered)
     counts = [0] * cfg.rollout.num_replicas
     everything = []
-    for replica, samples, _ in gathered:
+    for replica, samples, _, _ in gathered:
         if replica is not None:
             counts[replica] += len(samples)
             everything += samples
     everything.sort(key=lambda x: (x.prompt_index, x.sample_index))
     return ReplicaOutput(samples=tuple(everything), seconds=max(g[2] for g in gathered),
                          samples_per_replica=tuple(counts))
+
+
+def _inject_fault(replica: int, call: int) -> None:
+    if os.environ.get(FAULT_ENV) == f"{replica}@{call}":
+        raise RuntimeError(f"{FAULT_ENV}={replica}@{call}: simulated engine failure")
+
+
+def _raise_failures(gathered: list) -> None:
+    for rank, (replica, _, _, error) in enumerate(gathered):
+        if error is not None:
+            raise ReplicaFailed(f"rollout replica {replica} (driven by rank {rank}) failed mid-generation: {error}; "
+                                "the step is abandoned; rerun the same command to resume from the newest checkpoint")

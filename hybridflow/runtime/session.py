@@ -49,6 +49,15 @@ def broadcast(value: Any) -> Any:
     return box[0]
 
 
+def engine_parallel_args(cfg: HybridflowConfig) -> dict[str, int]:
+    """SGLang's parallel settings beyond tp and ep that the plan assumed (sent only when set):
+    attention data parallelism (SGLang 0.5.23 calls it ``attn_dp_size``; its ``dp_size`` now
+    means whole-model replicas, which hybridflow runs as ``rollout.num_replicas``) and MoE DP."""
+    rollout = cfg.rollout
+    args = {"attn_dp_size": rollout.dp_size if rollout.enable_dp_attention else 1, "moe_dp_size": rollout.moe_dp}
+    return {key: value for key, value in args.items() if value != 1}
+
+
 def start_engine(cfg: HybridflowConfig, model_dir: Path, *, replica: int = 0):
     """The rollout engine, started from ``model_dir`` (rank 0): SGLang without torchrun's
     variables, or the transformers engine (small runs, and GPU machines without SGLang)."""
@@ -62,8 +71,9 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, replica: int = 0):
                            device=str(device()), return_routed_experts=cfg.moe.routing_replay == "r3",
                            load_format="dummy")
     saved = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
-    # replica k's engine ranks sit on GPUs k*tp .. (colocated: the GPUs of the actor ranks that drive them)
-    placement = {"base_gpu_id": replica * cfg.rollout.tp} if replica and torch.cuda.is_available() else {}
+    placement = engine_parallel_args(cfg)
+    if replica and torch.cuda.is_available():  # replica k's engine ranks sit on GPUs k*tp ..
+        placement["base_gpu_id"] = replica * cfg.rollout.tp
     try:
         return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,

@@ -1,0 +1,48 @@
+"""Replica bookkeeping that needs no engine: who drives what, chunking, seeds, failure naming."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.runtime import replicas
+
+QUICKSTART = "configs/quickstart_cpu.yaml"
+
+
+def test_replica_drivers_are_the_first_rank_of_each_engine():
+    cfg = load_config(QUICKSTART, ["rollout.tp=2", "rollout.num_replicas=2", "actor.parallel.dp=4"])
+    assert [replicas.driver_rank(cfg, k) for k in range(2)] == [0, 2]
+    assert [replicas.replica_of(cfg, r) for r in range(5)] == [0, None, 1, None, None]
+
+
+def test_one_replica_takes_the_batch_whole_and_many_take_chunks():
+    one = load_config(QUICKSTART)
+    assert replicas._chunks(16, one) == [range(0, 16)]
+    two = load_config(QUICKSTART, ["rollout.tp=1", "rollout.num_replicas=2", "rollout.dispatch_chunks=3"])
+    chunks = replicas._chunks(16, two)
+    assert len(chunks) == 6 and sum(len(c) for c in chunks) == 16 and chunks[0].start == 0
+    assert replicas._chunks(3, two) == [range(0, 1), range(1, 2), range(2, 3)]  # never an empty chunk
+    assert replicas.chunk_seed(11, 0) == 11 and len({replicas.chunk_seed(11, c) for c in range(6)}) == 6
+
+
+def test_a_failed_replica_is_named_on_every_rank():
+    gathered = [(0, [], 1.0, None), (None, [], 0.0, None), (1, [], 0.0, "RuntimeError: engine died")]
+    with pytest.raises(replicas.ReplicaFailed, match=r"rollout replica 1 \(driven by rank 2\) failed mid-generation: "
+                                                     r"RuntimeError: engine died; .*resume"):
+        replicas._raise_failures(gathered)
+    replicas._raise_failures(gathered[:2])  # no failure: nothing raised
+
+
+def test_the_engine_gets_the_parallel_settings_the_plan_assumed(monkeypatch, tmp_path):
+    from hybridflow.runtime import session
+
+    cfg = load_config(QUICKSTART, ["rollout.enable_dp_attention=true", "rollout.dp_size=2", "rollout.moe_dp=2",
+                                   "rollout.ep=1", "rollout.tp=2"])
+    assert session.engine_parallel_args(cfg) == {"attn_dp_size": 2, "moe_dp_size": 2}
+    assert session.engine_parallel_args(load_config(QUICKSTART)) == {}
+    seen = {}
+    monkeypatch.setattr("hybridflow.rollout.make_engine", lambda name, **kwargs: seen.update(kwargs, name=name))
+    session.start_engine(cfg, tmp_path, replica=1)
+    assert (seen["name"], seen["tp"], seen["attn_dp_size"], seen["moe_dp_size"]) == ("sglang", 2, 2, 2)
+    assert seen["bucket_bytes"] == cfg.rollout.push_bucket_mb << 20 and seen["load_format"] == "dummy"
