@@ -6,7 +6,7 @@ enter(plan.start_mode)
 for step in steps:
     fields = {prompts, answers}                         (the same draw on every rank)
     for stage in plan.stages:                           generate, reward, old_logprob, ...,
-        apply(stage.switch)                             colocation switch, when the plan has one
+        enter(stage.switch.target)                      colocation switch, when the plan has one
         fields |= OPS[stage.node.op](session, stage.node, fields)       update_actor, sync_weights
     metrics -> MLflow; held-out score every run.heldout_every; checkpoint every run.checkpoint_every
 ```
@@ -72,8 +72,8 @@ def run_step(s: Session, stages, step: int) -> dict[str, float]:
     record = not s.executed_stages
     for index, stage in enumerate(stages, 1):
         started = time.perf_counter()
-        if stage.switch is not None:
-            switches.apply(s, stage.switch)
+        if stage.switch is not None:  # from where the last stage left: the planned switch, unless a step was skipped
+            switches.enter(s, stage.switch.target)
         f.update(_checked(stage.node, OPS[stage.node.op](s, stage.node, f, step)))
         times[f"timing/{stage.node.name}"] = time.perf_counter() - started
         if record:

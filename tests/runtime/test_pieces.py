@@ -217,3 +217,13 @@ def test_an_op_returning_undeclared_fields_stops_the_step(monkeypatch) -> None:
     monkeypatch.setitem(loop.OPS, "fake_update", update)
     with pytest.raises(AssertionError, match=r"returned fields \['responses', 'scores'\]; the node declares"):
         loop.run_step(_fake_session("stop"), graph.stages, 0)
+
+
+def test_a_skipped_sync_still_brings_the_engine_in_for_the_next_generation():
+    from hybridflow.runtime import switches
+
+    calls = []
+    s = SimpleNamespace(cfg=load_config("configs/quickstart_cpu.yaml"), mode="train",  # the step stopped mid-way
+                        actor=_Recorder("actor", calls), critic=None, engine=_Recorder("engine", calls))
+    switches.enter(s, "generate")  # what the loop does before the next step's generate stage
+    assert calls == ["actor offload", "engine resume weights+kv_cache+cuda_graph"] and s.mode == "generate"
