@@ -44,10 +44,10 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
         raise ValueError(f"rollout.num_replicas={cfg.rollout.num_replicas} with rollout.sync_route=full: the full "
                          "route gathers whole tensors on one driver in this version; set rollout.sync_route=sliced "
                          "(SGLang) or rollout.num_replicas=1")
-    if cfg.rollout.tp > cfg.rollout.gpus_per_node:
-        raise ValueError(f"rollout.tp={cfg.rollout.tp} spans {-(-cfg.rollout.tp // cfg.rollout.gpus_per_node)} nodes of "
-                         f"rollout.gpus_per_node={cfg.rollout.gpus_per_node}: the runtime does not start engines that "
-                         "span nodes in this version; set rollout.tp <= rollout.gpus_per_node (more rollout.num_replicas)")
+    tp, per_node = cfg.rollout.tp, cfg.rollout.gpus_per_node
+    if tp > per_node and tp % per_node:
+        raise ValueError(f"rollout.tp={tp} does not fill whole nodes of rollout.gpus_per_node={per_node}: an engine "
+                         f"spanning nodes takes all GPUs of each; set rollout.tp to a multiple of {per_node}")
     if cfg.rollout.placement != "colocated":
         raise ValueError("rollout.placement=separate: the runtime drives colocated engines only in this version; "
                          "set rollout.placement=colocated")

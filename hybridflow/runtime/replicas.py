@@ -55,6 +55,21 @@ def replica_of(cfg: HybridflowConfig, rank: int) -> int | None:
     return rank // tp
 
 
+def engine_nodes(cfg: HybridflowConfig) -> int:
+    """Nodes one engine spans: its tp ranks over ``rollout.gpus_per_node`` GPUs each."""
+    return max(1, cfg.rollout.tp // cfg.rollout.gpus_per_node)
+
+
+def node_role(cfg: HybridflowConfig, rank: int) -> tuple[int, int] | None:
+    """(replica, node rank within the engine) when ``rank`` starts an engine's part on its node (the
+    first of the engine's ranks there; node 0's is the replica's driver), else None."""
+    tp, per_node = cfg.rollout.tp, cfg.rollout.gpus_per_node
+    local = rank % tp
+    if rank >= tp * cfg.rollout.num_replicas or local % min(tp, per_node):
+        return None
+    return rank // tp, local // per_node
+
+
 def chunk_seed(seed: int, chunk: int) -> int:
     """The sampling seed of one chunk of a generate call (chunk 0: the call's own)."""
     return (seed + chunk * 7919) % _SEED_MOD

@@ -58,9 +58,23 @@ def engine_parallel_args(cfg: HybridflowConfig) -> dict[str, int]:
     return {key: value for key, value in args.items() if value != 1}
 
 
-def start_engine(cfg: HybridflowConfig, model_dir: Path, *, replica: int = 0):
-    """The rollout engine, started from ``model_dir`` (rank 0): SGLang without torchrun's
-    variables, or the transformers engine (small runs, and GPU machines without SGLang)."""
+def _node_args(cfg: HybridflowConfig, node_rank: int, dist_init_addr: str | None) -> dict[str, Any]:
+    """Where this part of the engine runs: from this rank's GPU on (colocated: engine rank i on
+    actor GPU i), and, for an engine spanning nodes, which node it is and how its nodes meet."""
+    args: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        args["base_gpu_id"] = torch.cuda.current_device()
+    nodes = max(1, cfg.rollout.tp // cfg.rollout.gpus_per_node)
+    if nodes > 1:
+        args.update(nnodes=nodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
+    return args
+
+
+def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, dist_init_addr: str | None = None):
+    """The rollout engine of this replica driver, started from ``model_dir``: SGLang without
+    torchrun's variables, or the transformers engine (small runs, GPU machines without SGLang).
+    ``node_rank`` > 0 starts the part of a multi-node SGLang engine on another node instead
+    (``SGLangNode``: schedulers only, commanded by the driver at ``dist_init_addr``)."""
     from hybridflow.rollout import make_engine
 
     # the directory has no weights (model_dir.py): both engines start empty, the first push fills them
@@ -71,10 +85,14 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, replica: int = 0):
                            device=str(device()), return_routed_experts=cfg.moe.routing_replay == "r3",
                            load_format="dummy")
     saved = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
-    placement = engine_parallel_args(cfg)
-    if replica and torch.cuda.is_available():  # replica k's engine ranks sit on GPUs k*tp ..
-        placement["base_gpu_id"] = replica * cfg.rollout.tp
+    placement = {**engine_parallel_args(cfg), **_node_args(cfg, node_rank, dist_init_addr)}
     try:
+        if node_rank > 0:
+            from hybridflow.rollout.sglang.engine import start_node
+
+            return start_node(str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep, dtype=cfg.rollout.dtype,
+                              max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.run.seed, load_format="dummy",
+                              **placement)
         return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
                            seed=cfg.run.seed, load_format="dummy", bucket_bytes=cfg.rollout.push_bucket_mb << 20,
@@ -120,6 +138,8 @@ class Session:
     """The actor layout's process groups (megatron ``ProcessGroupCollection``)."""
     replica: int | None = None
     """The rollout replica this rank drives (its engine is ``engine``), or None."""
+    engine_node: Any = None
+    """This node's part of a multi-node engine that another rank drives (``SGLangNode``), or None."""
     rollout_calls: int = 0
     """Generate calls so far, counted alike on every rank (names each call's shared chunk counter)."""
     mode: str | None = None

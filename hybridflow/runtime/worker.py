@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -32,7 +34,7 @@ from hybridflow.data import PromptSampler
 from hybridflow.runtime import report, state as run_state
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.ops import heldout_reward
-from hybridflow.runtime.replicas import replica_of
+from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
 from hybridflow.runtime.session import (
     DRIVER, Session, broadcast, build_policy, load_prompts, prepare_files, start_engine, stop_token_ids,
 )
@@ -133,10 +135,40 @@ def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
 
     s.replica = replica_of(s.cfg, s.rank)
-    if s.replica is not None:  # every replica's driver starts its engine, at the same time
-        s.engine = start_engine(s.cfg, s.model_dir, replica=s.replica)
+    role, addresses = node_role(s.cfg, s.rank), _engine_addresses(s)
+    if role is not None:  # every engine's node parts start together (their schedulers meet at start-up)
+        replica, node = role
+        engine = start_engine(s.cfg, s.model_dir, node_rank=node, dist_init_addr=addresses[replica])
+        s.engine, s.engine_node = (engine, None) if node == 0 else (None, engine)
     s.sync = EngineSync(s.cfg, source_params=lambda: global_named_parameters(s.actor), engine=s.engine)
     s.sync.push()
+
+
+def _engine_addresses(s: Session) -> list[str | None]:
+    """Each replica's ``host:port`` where the nodes of an engine spanning nodes meet (its driver's
+    host; ``HYBRIDFLOW_ENGINE_HOST`` overrides the name), gathered on every rank; None per
+    replica when engines fit a node."""
+    mine = None
+    if engine_nodes(s.cfg) > 1 and s.replica is not None:
+        host = os.environ.get("HYBRIDFLOW_ENGINE_HOST") or socket.gethostbyname(socket.gethostname())
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            mine = (s.replica, f"{host}:{sock.getsockname()[1]}")
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    found = dict(item for item in gathered if item is not None)
+    return [found.get(replica) for replica in range(s.cfg.rollout.num_replicas)]
+
+
+def _stop_engines(s: Session, *, in_order: bool) -> None:
+    """Drivers shut their engines down first (that stops every node's schedulers), then each
+    node reaps its own; after a failure, each rank cleans up what it has at once."""
+    if s.engine is not None:
+        s.engine.shutdown()
+    if in_order:
+        dist.barrier()
+    if s.engine_node is not None:
+        s.engine_node.shutdown()
 
 
 def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg) -> Session:
@@ -239,13 +271,12 @@ def _run(cfg: HybridflowConfig) -> dict:
             s.state.heldout.append((s.state.step, after_rl))
         summary = _finish(s, after_rl)
         s.tracker.close()
+        _stop_engines(s, in_order=True)
         return summary
     except BaseException:
         s.tracker.close(status="FAILED")
+        _stop_engines(s, in_order=False)
         raise
-    finally:
-        if s.engine is not None:
-            s.engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

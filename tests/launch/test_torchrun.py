@@ -15,7 +15,7 @@ QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_c
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.num_replicas=2", "rollout.tp=1", "rollout.sync_route=full"], "rollout.num_replicas=2 with"),
     (["rollout.placement=separate"], "rollout.placement=separate"),
-    (["rollout.gpus_per_node=1"], "rollout.tp=2 spans 2 nodes of rollout.gpus_per_node=1"),
+    (["rollout.gpus_per_node=3", "rollout.tp=4", "actor.parallel.dp=4"], "rollout.tp=4 does not fill whole nodes"),
     (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
     (["reference.enabled=true", "reference.parallel.ep=1"], "reference.parallel differs"),
 ])

@@ -43,6 +43,20 @@ def test_the_engine_gets_the_parallel_settings_the_plan_assumed(monkeypatch, tmp
     assert session.engine_parallel_args(load_config(QUICKSTART)) == {}
     seen = {}
     monkeypatch.setattr("hybridflow.rollout.make_engine", lambda name, **kwargs: seen.update(kwargs, name=name))
-    session.start_engine(cfg, tmp_path, replica=1)
+    session.start_engine(cfg, tmp_path)
     assert (seen["name"], seen["tp"], seen["attn_dp_size"], seen["moe_dp_size"]) == ("sglang", 2, 2, 2)
     assert seen["bucket_bytes"] == cfg.rollout.push_bucket_mb << 20 and seen["load_format"] == "dummy"
+
+
+def test_engines_spanning_nodes_start_one_part_per_node():
+    cfg = load_config(QUICKSTART, ["rollout.tp=4", "rollout.num_replicas=2", "rollout.gpus_per_node=2",
+                                   "actor.parallel.dp=8", "actor.parallel.ep=2"])
+    assert replicas.engine_nodes(cfg) == 2
+    roles = {r: replicas.node_role(cfg, r) for r in range(8)}
+    # replica 0 on ranks 0-3 (nodes of GPUs 0-1 and 2-3), replica 1 on ranks 4-7
+    assert roles == {0: (0, 0), 1: None, 2: (0, 1), 3: None, 4: (1, 0), 5: None, 6: (1, 1), 7: None}
+    assert [replicas.replica_of(cfg, r) for r in (0, 2, 4)] == [0, None, 1]  # node 0 parts drive
+    from hybridflow.runtime import session
+
+    assert session._node_args(cfg, 1, "10.0.0.1:1234") == {"nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:1234"}
+    assert session._node_args(load_config(QUICKSTART), 0, None) == {}

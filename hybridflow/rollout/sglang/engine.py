@@ -33,6 +33,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import tempfile
 import time
 import weakref
@@ -69,6 +70,10 @@ PAUSE_MODES = ("retract", "in_place", "abort")
 DEFAULT_BUCKET_BYTES = next(f.default for f in dataclasses.fields(RolloutConfig) if f.name == "push_bucket_mb") << 20
 """Largest payload (per rank) of one ``update_weights_from_tensor`` call: the schema's default."""
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
+_NAME_ONLY = torch.empty(0)
+"""The tensor of a custom-loader call whose name carries the message: empty, so torch pickles it
+without a shared-memory handle, which schedulers on another node (children of another process,
+or on another machine) could not open."""
 # read by SGLang's sampler at import time in the scheduler processes, so set before start
 _ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 _PARAM_REPORT_TIMEOUT_S = 60.0
@@ -98,6 +103,19 @@ def _start(
     unchanged and override the settings chosen here; ``load_format="dummy"`` starts from a
     directory with configs and tokenizer only, and ``generate`` waits for the first push.
     """
+    engine, own, args, on_cpu, routed = _launch(
+        model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+        seed=seed, return_routed_experts=return_routed_experts, deterministic=deterministic, pause_mode=pause_mode,
+        engine_kwargs=engine_kwargs)
+    return SGLangEngine(engine, tp=tp, on_cpu=on_cpu, model_path=model_path, routed_experts=routed,
+                        deterministic=deterministic, pause_mode=pause_mode, own_processes=own,
+                        weights_loaded=args.get("load_format") != "dummy", bucket_bytes=bucket_bytes)
+
+
+def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: int, mem_fraction_static: float | None,
+            seed: int, return_routed_experts: bool | None, deterministic: bool, pause_mode: str,
+            engine_kwargs: dict[str, Any]):
+    """``sglang.Engine(...)`` with hybridflow's settings; returns it with the pids it started."""
     on_cpu = not cpu.has_cuda_gpu()
     _check_start(tp=tp, ep=ep, on_cpu=on_cpu, deterministic=deterministic, pause_mode=pause_mode,
                  return_routed_experts=return_routed_experts)
@@ -126,9 +144,40 @@ def _start(
     own = frozenset(p.pid for p in psutil.Process().children() if p.pid not in children_before)
     logger.info("SGLang engine up in %.1f s (tp=%d, ep=%d, %s)", time.perf_counter() - started, tp, ep,
                 "CPU" if on_cpu else "GPU")
-    return SGLangEngine(engine, tp=tp, on_cpu=on_cpu, model_path=model_path, routed_experts=routed,
-                        deterministic=deterministic, pause_mode=pause_mode, own_processes=own,
-                        weights_loaded=args.get("load_format") != "dummy", bucket_bytes=bucket_bytes)
+    return engine, own, args, on_cpu, routed
+
+
+class SGLangNode:
+    """The part of a multi-node engine on a node other than its first: SGLang's scheduler
+    processes for this node's TP ranks, which the engine's driver (node 0) commands. Nothing
+    is called on it; it only keeps them and reaps them after the driver's shutdown."""
+
+    def __init__(self, own_processes: frozenset[int]) -> None:
+        self._own = own_processes
+
+    def shutdown(self) -> None:
+        """Reap this node's scheduler processes (the driver's shutdown has stopped them)."""
+        _kill_and_reap(_descendants(self._own))
+
+
+def start_node(model_path: str, *, node_rank: int, nnodes: int, dist_init_addr: str, tp: int, ep: int = 1,
+               dtype: str = "float32", max_total_tokens: int = 4096, seed: int = 0, **engine_kwargs: Any) -> SGLangNode:
+    """Start node ``node_rank`` (>= 1) of an engine whose ``tp`` ranks span ``nnodes`` nodes; node 0 is
+    the ``make_engine("sglang", ..., nnodes=, node_rank=0, dist_init_addr=)`` that drives it.
+
+    SGLang's non-zero nodes run schedulers only; ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` makes
+    ``sglang.Engine`` return instead of blocking. This process then ignores SIGQUIT: SGLang's
+    default handler would kill it (an actor rank) when its schedulers stop with the engine."""
+    if node_rank < 1:
+        raise ValueError(f"start_node(node_rank={node_rank}): node 0 is the driving engine (make_engine)")
+    os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+    kwargs = dict(engine_kwargs, nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
+    _, own, *_ = _launch(model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens,
+                         mem_fraction_static=None, seed=seed, return_routed_experts=None, deterministic=False,
+                         pause_mode="retract", engine_kwargs=kwargs)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    logger.info("SGLang engine node %d of %d up (schedulers %s)", node_rank, nnodes, sorted(own))
+    return SGLangNode(own)
 
 
 def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: int, seed: int,
@@ -412,7 +461,7 @@ class SGLangEngine:
                  for name in payloads[0].handles]
         self._update(named, load_format="direct", flush_cache=False)
         if flush_cache:  # the last bucket: "direct" skipped the model's post-load hook (DeepSeek's w_kc / w_vc)
-            self._update([("post_load", torch.zeros(1))], load_format=post_load.LOADER, flush_cache=True)
+            self._update([("post_load", _NAME_ONLY)], load_format=post_load.LOADER, flush_cache=True)
 
     def push_full(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
                   bucket_bytes: int | None = None) -> WeightPushReport:
@@ -458,7 +507,7 @@ class SGLangEngine:
             self._check_open()
             with tempfile.TemporaryDirectory(prefix="hybridflow-sglang-params-") as out:
                 with self._update_session():
-                    self._update([(out, torch.zeros(1))], load_format=param_report.LOADER, flush_cache=False)
+                    self._update([(out, _NAME_ONLY)], load_format=param_report.LOADER, flush_cache=False)
                 self._params = [_read_rank_report(Path(out), rank) for rank in range(self.tp)]
         return self._params
 
@@ -486,7 +535,7 @@ class SGLangEngine:
         then depend only on the weights, the prompts and ``seed``."""
         self._check_open()
         with self._update_session():
-            self._update([(str(int(seed)), torch.zeros(1))], load_format=rank_seed.LOADER, flush_cache=False)
+            self._update([(str(int(seed)), _NAME_ONLY)], load_format=rank_seed.LOADER, flush_cache=False)
 
     # control
 
