@@ -3,13 +3,16 @@
 ```
 rank 0: task files, model directory  ──barrier──►  every rank reads them
 every rank: tokenizer, prompts (train / held-out), actor (megatron-core, the actor's layout)
-rank 0: SGLang engine (its own scheduler processes), MLflow run
-every rank: EngineSync (the reshard plan from shapes; the engine handle on rank 0 only)
+rank 0: MLflow run
+each replica's driver (and, for an engine spanning nodes, the first rank of each of its other
+nodes): its SGLang engine (its own scheduler processes)
+every rank: EngineSync (the reshard plan from shapes; engine handles on the drivers only)
 ```
 
-Rank 0 drives the rollout engine and the reward function and broadcasts what they return, so
-every rank sees the same samples and scores; the trainer work runs on every rank under the
-actor's layout.
+The replica drivers generate and score their shares of each step (``replicas``); samples and
+scores are gathered to every rank, so every rank sees the same ones, and the trainer work runs
+on every rank under the actor's layout. Roles are typed behind small Protocols
+(``ModelRole``, ``RolloutEngine``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from hybridflow.algorithms.recipes import AlgorithmSpec
+    from hybridflow.config import AlgorithmConfig
+    from hybridflow.rollout.base import RolloutEngine
+    from hybridflow.runtime.sync import EngineSync
 
 import torch
 import torch.distributed as dist
@@ -109,6 +118,22 @@ def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bo
     return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe)
 
 
+class ModelRole(Protocol):
+    """What the runtime calls on a model role (``megatron_adapters.policy.MegatronPolicy``)."""
+
+    routing: Any
+    """Router control (routing replay, statistics), or None for dense models."""
+
+    def forward_logprobs(self, batch, *, micro_batch_size: int | None = None, with_entropy: bool = False,
+                         record_routes: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def train_step(self, batch, loss_fn) -> Any: ...
+
+    def offload_training_state(self) -> None: ...
+
+    def restore_training_state(self) -> None: ...
+
+
 @dataclass
 class Session:
     """One rank's view of a run; see the module docstring."""
@@ -124,15 +149,17 @@ class Session:
     sampler: PromptSampler
     state: RunState
     tracker: Tracker
-    engine: Any = None
-    actor: Any = None
-    reference: Any = None
-    critic: Any = None
-    sync: Any = None
+    engine: RolloutEngine | None = None
+    """This rank's replica's engine when it drives one."""
+    actor: ModelRole | None = None
+    reference: ModelRole | None = None
+    critic: ModelRole | None = None
+    """The critic also has ``forward_values`` (``megatron_adapters.critic.MegatronCritic``)."""
+    sync: EngineSync | None = None
     stop_ids: tuple[int, ...] = ()
-    algo: Any = None
+    algo: AlgorithmConfig | None = None
     """``cfg.algorithm`` with the values the algorithm filled in (e.g. DAPO's clip_ratio_high)."""
-    spec: Any = None
+    spec: AlgorithmSpec | None = None
     """The algorithm's ``AlgorithmSpec`` (estimator, loss, which roles run)."""
     pg: Any = None
     """The actor layout's process groups (megatron ``ProcessGroupCollection``)."""
