@@ -32,7 +32,7 @@ import numpy as np
 from reshard.families import DTYPE_BYTES
 from reshard.layouts import TensorLayout
 from reshard.planner import INTER, INTRA, LOCAL, Plan
-from reshard.regions import intersect, num_elements
+from reshard.regions import Region, intersect, num_elements
 from reshard.topology import Device, Topology
 
 __all__ = ["Bandwidth", "PlanStats", "baseline_bytes", "lower_bound_bytes", "plan_stats"]
@@ -70,6 +70,11 @@ class PlanStats:
     """Bytes the gather-and-broadcast scheme moves (see module docstring)."""
     simulated_seconds: float
     """Time under the bandwidth model (see module docstring)."""
+    node_lower_bound_bytes: int
+    """Bytes that must enter destination nodes over the network, each element once per node
+    (``node_lower_bound_bytes``)."""
+    time_lower_bound_seconds: float
+    """Seconds no plan can beat under the bandwidth model (``time_lower_bound_seconds``)."""
     num_routes: int
     """(source rank, destination rank, bundle) routes."""
     num_transfers: int
@@ -81,6 +86,16 @@ class PlanStats:
         return self.bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
 
     @property
+    def node_ratio(self) -> float:
+        """inter-node bytes / the node-level bound (1.0: each element enters each node once)."""
+        return self.inter_node_bytes / self.node_lower_bound_bytes if self.node_lower_bound_bytes else 1.0
+
+    @property
+    def time_ratio(self) -> float:
+        """simulated seconds / the time bound (1.0: the plan runs at the links' limit)."""
+        return self.simulated_seconds / self.time_lower_bound_seconds if self.time_lower_bound_seconds else 1.0
+
+    @property
     def baseline_ratio(self) -> float:
         """baseline / bytes: how many times more the gather scheme moves."""
         return self.baseline_bytes / self.bytes if self.bytes else float("inf")
@@ -88,7 +103,7 @@ class PlanStats:
     def as_dict(self) -> dict:
         """All fields plus the two ratios (JSON-ready)."""
         return {**asdict(self), "ratio_to_lower_bound": self.ratio_to_lower_bound,
-                "baseline_ratio": self.baseline_ratio}
+                "baseline_ratio": self.baseline_ratio, "node_ratio": self.node_ratio, "time_ratio": self.time_ratio}
 
     def describe(self) -> str:
         """A few lines for a terminal (``hybridflow plan``)."""
@@ -102,6 +117,9 @@ class PlanStats:
             f"  max per rank: sent {b(self.max_sent_bytes)}, received "
             f"{b(self.max_received_bytes)}; simulated {self.simulated_seconds:.3g} s; "
             f"{self.num_routes} routes, {self.num_transfers} transfers",
+            f"  network: {b(self.inter_node_bytes)} into nodes, node-level bound "
+            f"{b(self.node_lower_bound_bytes)} (ratio {self.node_ratio:.2f}); time bound "
+            f"{self.time_lower_bound_seconds:.3g} s (simulated {self.time_ratio:.2f}x it)",
         ])
 
 
@@ -136,6 +154,8 @@ def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
     nbytes = plan.route_nbytes()
     kind = plan.route_kind
     moved = kind != LOCAL
+    per_rank = _remote_need_per_rank(plan.source, plan.destination, plan.topology)
+    missing = node_missing_bytes(plan.source, plan.destination, plan.topology)
     return PlanStats(
         bytes=int(nbytes[moved].sum()),
         local_bytes=int(nbytes[kind == LOCAL].sum()),
@@ -145,9 +165,11 @@ def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
                                      plan.source.num_ranks).max(initial=0)),
         max_received_bytes=int(_per_rank(plan.route_dst, nbytes, moved,
                                          plan.destination.num_ranks).max(initial=0)),
-        lower_bound_bytes=lower_bound_bytes(plan.source, plan.destination, plan.topology),
+        lower_bound_bytes=int(per_rank.sum()),
         baseline_bytes=baseline_bytes(plan.destination),
         simulated_seconds=_simulated_seconds(plan, nbytes, bandwidth),
+        node_lower_bound_bytes=sum(missing.values()),
+        time_lower_bound_seconds=_time_bound(per_rank, missing, plan.topology, bandwidth),
         num_routes=plan.num_routes,
         num_transfers=plan.num_transfers(),
     )
@@ -158,11 +180,6 @@ def baseline_bytes(destination: TensorLayout) -> int:
     model = sum(num_elements(tuple((0, n) for n in t.shape)) * DTYPE_BYTES[t.dtype]
                 for t in destination.tensors.values())
     return destination.num_ranks * model
-
-
-def _needed_bytes(destination: TensorLayout) -> int:
-    return sum(destination.shard_nbytes(s) * len(s.ranks)
-               for shards in destination.shards.values() for s in shards)
 
 
 def _device_holdings(source: TensorLayout, devices: set[Device],
@@ -184,11 +201,22 @@ def lower_bound_bytes(source: TensorLayout, destination: TensorLayout, topology:
     Computed from the two layouts and the topology only (not from a plan). Boxes of one source
     tensor are disjoint (copies repeat the same box), so summing overlaps does not double count.
     """
+    return int(_remote_need_per_rank(source, destination, topology).sum())
+
+
+def _remote_need_per_rank(source: TensorLayout, destination: TensorLayout, topology: Topology) -> np.ndarray:
+    """Per destination rank: the bytes it needs that no source rank on its own device holds."""
     topology.check(source.num_ranks, destination.num_ranks)
-    dst_devices = set(topology.destination)
-    held = _device_holdings(source, dst_devices, topology)
+    by_ranks: dict[int, list] = {}  # layouts share rank tuples across tensors: add per tuple once
+    for shards in destination.shards.values():
+        for s in shards:
+            entry = by_ranks.setdefault(id(s.ranks), [s.ranks, 0])
+            entry[1] += destination.shard_nbytes(s)
+    need = np.zeros(destination.num_ranks, np.int64)
+    for ranks, nbytes in by_ranks.values():
+        need[list(ranks)] += nbytes
+    held = _device_holdings(source, set(topology.destination), topology)
     members: dict[int, frozenset] = {}
-    local = 0
     for d, dev in enumerate(topology.destination):
         for name, regions in held.get(dev, {}).items():
             itemsize = DTYPE_BYTES[destination.tensors[name].dtype]
@@ -199,5 +227,103 @@ def lower_bound_bytes(source: TensorLayout, destination: TensorLayout, topology:
                 for region in regions:
                     overlap = intersect(region, shard.region)
                     if overlap is not None:
-                        local += num_elements(overlap) * itemsize
-    return _needed_bytes(destination) - local
+                        need[d] -= num_elements(overlap) * itemsize
+    return need
+
+
+def time_lower_bound_seconds(source: TensorLayout, destination: TensorLayout, topology: Topology,
+                             bandwidth: Bandwidth) -> float:
+    """Seconds no plan can beat under the bandwidth model: each destination node's network bound
+    (``node_lower_bound_bytes`` of that node through all its ranks' links at once) and each
+    destination rank's own receive (what it needs beyond its device, at the intra-node speed,
+    the faster link). Source-side send limits are not counted, so the bound is optimistic."""
+    return _time_bound(_remote_need_per_rank(source, destination, topology),
+                       node_missing_bytes(source, destination, topology), topology, bandwidth)
+
+
+def _time_bound(per_rank: np.ndarray, missing: dict[int, int], topology: Topology, bandwidth: Bandwidth) -> float:
+    receive = float(per_rank.max(initial=0)) / (bandwidth.intra_node_gbps * 1e9)
+    ranks_on = {}
+    for dev in topology.destination:  # per rank, as the time model counts links
+        ranks_on[dev.node] = ranks_on.get(dev.node, 0) + 1
+    network = max((m / (ranks_on[node] * bandwidth.inter_node_gbps * 1e9) for node, m in missing.items()),
+                  default=0.0)
+    return max(receive, network)
+
+
+def _covered_cells(boxes: list[Region], edges: list[list[int]]) -> np.ndarray:
+    """Boolean grid over the cells cut by ``edges`` (per dim): True where any box covers the cell."""
+    grid = np.zeros([len(e) - 1 for e in edges], dtype=bool)
+    for box in boxes:
+        index = tuple(slice(e.index(lo), e.index(hi)) for (lo, hi), e in zip(box, edges))
+        grid[index] = True
+    return grid
+
+
+def _cell_volumes(edges: list[list[int]]) -> np.ndarray:
+    volume = np.ones([len(e) - 1 for e in edges], dtype=np.int64)
+    for dim, e in enumerate(edges):
+        shape = [1] * len(edges)
+        shape[dim] = len(e) - 1
+        volume = volume * np.diff(np.asarray(e, dtype=np.int64)).reshape(shape)
+    return volume
+
+
+def _missing_elements(needed: list[Region], held: list[Region]) -> int:
+    """Elements in the union of ``needed`` boxes that no ``held`` box covers (exact box algebra on
+    the grid their edges cut, so overlaps count once)."""
+    needed = list(dict.fromkeys(needed))  # replicated shards repeat one box
+    held = [box for box in dict.fromkeys(held) if any(intersect(box, n) is not None for n in needed)]
+    if not needed:
+        return 0
+    if len(needed) == 1 and not held:  # the common case, without building a grid
+        return num_elements(needed[0])
+    rank = len(needed[0])
+    edges = [sorted({x for box in needed + held for x in box[dim]}) for dim in range(rank)]
+    missing = _covered_cells(needed, edges) & ~_covered_cells(held, edges)
+    return int(_cell_volumes(edges)[missing].sum())
+
+
+def node_lower_bound_bytes(source: TensorLayout, destination: TensorLayout, topology: Topology) -> int:
+    """Bytes that must cross into destination nodes over the network: for each node hosting
+    destination ranks, what its ranks need (each element once per node, however many of its
+    ranks need it) that no source rank on that node holds. A plan that sends each such element
+    into the node once and fans it out inside reaches it; one that sends it to every rank moves
+    more across the nodes' NICs."""
+    return sum(node_missing_bytes(source, destination, topology).values())
+
+
+def node_missing_bytes(source: TensorLayout, destination: TensorLayout, topology: Topology) -> dict[int, int]:
+    """Per destination node, the bytes of ``node_lower_bound_bytes``."""
+    topology.check(source.num_ranks, destination.num_ranks)
+    dst_nodes = _nodes_of(topology.destination)
+    src_nodes = _nodes_of(topology.source)
+    missing: dict[int, int] = {}
+    for name, shards in destination.shards.items():
+        needed = _boxes_by_node(shards, dst_nodes)
+        held = _boxes_by_node(source.shards.get(name, ()), src_nodes)
+        itemsize = DTYPE_BYTES[destination.tensors[name].dtype]
+        for node, boxes in needed.items():
+            missing[node] = missing.get(node, 0) + _missing_elements(boxes, held.get(node, [])) * itemsize
+    return missing
+
+
+def _nodes_of(devices: tuple[Device, ...]):
+    """ranks tuple -> the nodes they sit on (memoised: layouts share rank tuples across tensors)."""
+    cache: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+
+    def nodes(ranks: tuple[int, ...]) -> frozenset[int]:
+        hit = cache.get(id(ranks))
+        if hit is None or hit[0] is not ranks:
+            hit = cache[id(ranks)] = (ranks, frozenset(devices[r].node for r in ranks))
+        return hit[1]
+
+    return nodes
+
+
+def _boxes_by_node(shards, nodes_of) -> dict[int, list[Region]]:
+    out: dict[int, list[Region]] = {}
+    for shard in shards:
+        for node in nodes_of(shard.ranks):
+            out.setdefault(node, []).append(shard.region)
+    return out

@@ -111,9 +111,32 @@ def test_plan_properties(case):
     assert stats.num_transfers == sum(1 for _ in plan.transfers())
     assert stats.bytes == stats.lower_bound_bytes == _brute_lower_bound(
         source, destination, case.topology)
+    # the node-level bound: exact (element by element), and no plan carries less over the network
+    assert stats.node_lower_bound_bytes == _brute_node_bound(source, destination, case.topology)
+    assert stats.node_lower_bound_bytes <= stats.inter_node_bytes
+    assert stats.time_lower_bound_seconds <= stats.simulated_seconds * (1 + 1e-9)
 
     again = plan_reshard(*case.build(), case.topology)
     assert list(plan.transfers()) == list(again.transfers())
+
+
+def _brute_node_bound(source, destination, topology) -> int:
+    """Per destination node and canonical tensor, element masks of what its ranks need and what
+    its sources hold; the bound counts needed and not held, once per node."""
+    total = 0
+    for node in {d.node for d in topology.destination}:
+        for name, shards in destination.shards.items():
+            spec = destination.tensors[name]
+            need = np.zeros(spec.shape, bool)
+            held = np.zeros(spec.shape, bool)
+            for s in shards:
+                if any(topology.destination[r].node == node for r in s.ranks):
+                    need[_box(s.region)] = True
+            for s in source.shards.get(name, ()):
+                if any(topology.source[r].node == node for r in s.ranks):
+                    held[_box(s.region)] = True
+            total += int((need & ~held).sum()) * DTYPE_BYTES[spec.dtype]
+    return total
 
 
 def test_identical_destination_needs_are_spread_over_holders():

@@ -40,6 +40,11 @@ def test_one_source_to_two_remote_ranks():
     assert stats.simulated_seconds == pytest.approx(want / 10e9)
     assert stats.ratio_to_lower_bound == 1.0
     assert stats.baseline_ratio == pytest.approx(2 * model_elems / (model_elems + replicated))
+    # both destination ranks sit on one node: the replicated norms need to enter it only once
+    assert stats.node_lower_bound_bytes == 2 * model_elems < stats.inter_node_bytes
+    assert stats.node_ratio == pytest.approx((model_elems + replicated) / model_elems)
+    # that node's two NICs at 10 GB/s bound the time; the plan's per-rank sends are slower
+    assert stats.time_lower_bound_seconds == pytest.approx(2 * model_elems / (2 * 10e9))
 
 
 def test_same_node_uses_intra_bandwidth_and_local_is_free():
