@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ENV", "DeviceGuardError", "check_on_device", "enabled", "install", "is_host", "mark_host"]
+__all__ = ["ENV", "DeviceGuardError", "check_on_device", "enabled", "install", "is_host"]
 
 ENV = "HYBRIDFLOW_DEVICE_GUARD"
 """Set to 1 to turn the guard on in this process (and the processes it starts)."""
@@ -68,12 +68,6 @@ def enabled() -> bool:
 def is_host(tensor: torch.Tensor) -> bool:
     """Whether the guard marked ``tensor`` as held on the host."""
     return _origin(tensor) is not None
-
-
-def mark_host(tensor: torch.Tensor, origin: str = "marked by hand") -> torch.Tensor:
-    """Mark ``tensor`` as a host tensor (what ``torch.zeros(...)`` without device= gives)."""
-    setattr(tensor, _MARK, origin)
-    return tensor
 
 
 def check_on_device(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor], where: str) -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
-from hybridflow.runtime.replicas import replica_of
+from hybridflow.runtime.replicas import driver_rank, replica_of
 from hybridflow.weight_sync import WeightSyncPlan, plan_weight_sync
 from reshard.executor import WIRE_DTYPES, ProcessMap, execute
 
@@ -128,7 +128,7 @@ class EngineSync:
         pushed = 0.0
         try:
             if self.engine is not None:
-                first = replica_of(self.cfg, me) * tp
+                first = driver_rank(self.cfg, replica_of(self.cfg, me))  # the replica's first engine rank
                 result = self.engine.push_rank_payloads(gathered[first : first + tp])
                 pushed = float(sum(result.bytes_per_rank))
         finally:
