@@ -51,7 +51,8 @@ class MegatronCritic(MegatronPolicy):
         values_BS = _shift_right(logits_BS1[..., 0].float())
         return values_BS, torch.zeros_like(values_BS)
 
-    def forward_values(self, batch, *, micro_batch_size: int | None = None) -> torch.Tensor:
-        """Values ``[B, T]`` of the global batch on every rank."""
-        values, _ = self.forward_logprobs(batch, micro_batch_size=micro_batch_size)
+    def forward_values(self, batch, *, micro_batch_size: int | None = None, local_rows: bool = False) -> torch.Tensor:
+        """Values ``[B, T]`` of the global batch on every rank (of this DP rank's rows with
+        ``local_rows``)."""
+        values, _ = self.forward_logprobs(batch, micro_batch_size=micro_batch_size, local_rows=local_rows)
         return values

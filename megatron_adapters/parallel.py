@@ -93,6 +93,13 @@ def initialize(layout: ParallelLayout, *, seed: int, prefix: str = "parallel") -
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
+def data_coords() -> tuple[int, int, bool]:
+    """(data-parallel rank, data-parallel size, whether this rank is the first of its
+    model-parallel group, the ranks that hold the same rows)."""
+    return (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+            parallel_state.get_model_parallel_group().rank() == 0)
+
+
 def teardown() -> None:
     """Destroy megatron's model-parallel groups (the default group stays)."""
     parallel_state.destroy_model_parallel()

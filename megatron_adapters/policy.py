@@ -185,9 +185,12 @@ class MegatronPolicy:
 
     # ---------------------------------------------------------------------------- batching
 
-    def _dp_rows(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """This data-parallel rank's contiguous share of the global batch, on the rank's device
-        (the one place a batch enters the trainer: it moves once, not per micro-batch)."""
+    def _dp_rows(self, batch: Batch, local_rows: bool) -> dict[str, torch.Tensor]:
+        """This data-parallel rank's rows on the rank's device: a contiguous share of the global
+        ``batch``, or the whole of it when it holds this DP rank's rows already (``local_rows``).
+        The one place a batch enters the trainer: it moves once, not per micro-batch."""
+        if local_rows:
+            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         size = parallel_state.get_data_parallel_world_size()
         rank = parallel_state.get_data_parallel_rank()
         rows = batch["input_ids"].shape[0]
@@ -235,16 +238,18 @@ class MegatronPolicy:
         return output
 
     def _begin_routing(self, kind: str, batch: Batch, local: Batch, seq: int, micro_rows: int,
-                       record: bool) -> None:
-        """Tell the router control where this rank's rows sit in the global batch."""
+                       record: bool, local_rows: bool) -> None:
+        """Tell the router control where this rank's rows sit in the batch its tables cover: the
+        global batch, or this DP rank's rows alone (``local_rows``)."""
         if self.routing is None:
             if record or ROUTES_KEY in batch:
                 raise ValueError(f"routing replay needs an MoE policy built with a moe config ({ROUTES_KEY})")
             return
         share = local["input_ids"].shape[0]
+        offset = 0 if local_rows else parallel_state.get_data_parallel_rank() * share
         self.routing.begin_pass(kind, rows=batch["input_ids"].shape[0], length=seq, micro_rows=micro_rows,
-                                row_offset=parallel_state.get_data_parallel_rank() * share, record=record,
-                                routes=local.get(ROUTES_KEY))
+                                row_offset=offset, record=record, routes=local.get(ROUTES_KEY),
+                                local_rows=local_rows)
 
     def _end_routing(self) -> None:
         if self.routing is not None:
@@ -284,20 +289,22 @@ class MegatronPolicy:
     @torch.no_grad()
     def forward_logprobs(
         self, batch: Batch, *, micro_batch_size: int | None = None, with_entropy: bool = False,
-        record_routes: bool = False,
+        record_routes: bool = False, local_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy ``[B, T]`` of the global batch, returned on every rank, on the
         host: the runtime's fields live there and enter the trainer again through ``_dp_rows``.
+        With ``local_rows`` the batch is this DP rank's rows and so are the results (every DP
+        rank must then bring the same number of micro-batches).
 
         A batch with ``routed_experts`` ``[B, T, L, k]`` is scored with those experts (routing
         replay); ``record_routes`` keeps the experts the routers chose, as such a table, in
         ``self.routing.take_recorded()`` (on every rank)."""
         for chunk in self.chunks:
             chunk.eval()
-        padded, seq = self._pad_sequence(self._dp_rows(batch))
+        padded, seq = self._pad_sequence(self._dp_rows(batch, local_rows))
         micro_rows = micro_batch_size or self.train_config.micro_batch_size
         micros = self._micro_batches(padded, micro_rows)
-        self._begin_routing("logprob", batch, padded, seq, micro_rows, record_routes)
+        self._begin_routing("logprob", batch, padded, seq, micro_rows, record_routes, local_rows)
 
         def step_fn(data_iterator, model):
             micro = next(data_iterator)
@@ -310,7 +317,7 @@ class MegatronPolicy:
         outputs = self._run(micros, step_fn, forward_only=True, collect=True)
         self._end_routing()
         local = self._stack_last_stage(outputs, padded["input_ids"].shape, seq)
-        return tuple(self._gather_dp(t).cpu() for t in local)  # type: ignore[return-value]
+        return tuple((t if local_rows else self._gather_dp(t)).cpu() for t in local)  # type: ignore[return-value]
 
     def _stack_last_stage(self, outputs, padded_shape, seq) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenate the last stage's micro-batch results and share them across the PP group."""
@@ -335,8 +342,9 @@ class MegatronPolicy:
 
     # ---------------------------------------------------------------------------- training
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> StepResult:
-        """One optimizer step on the global batch with ``loss_fn`` (token-averaged)."""
+    def train_step(self, batch: Batch, loss_fn: LossFn, *, local_rows: bool = False) -> StepResult:
+        """One optimizer step on the global batch with ``loss_fn`` (token-averaged); with
+        ``local_rows``, ``batch`` is this DP rank's rows of it (as in ``forward_logprobs``)."""
         if self.optimizer is None:
             raise RuntimeError("this policy was built with trainable=False")
         if self._offloaded:
@@ -345,9 +353,10 @@ class MegatronPolicy:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        padded, seq = self._pad_sequence(self._dp_rows(batch))
+        padded, seq = self._pad_sequence(self._dp_rows(batch, local_rows))
         micros = self._micro_batches(padded, self.train_config.micro_batch_size)
-        self._begin_routing("train", batch, padded, seq, self.train_config.micro_batch_size, record=False)
+        self._begin_routing("train", batch, padded, seq, self.train_config.micro_batch_size, record=False,
+                            local_rows=local_rows)
 
         def step_fn(data_iterator, model):
             micro = next(data_iterator)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -90,6 +91,8 @@ class _Pass:
     row_offset: int
     length: int
     micro_rows: int
+    local_rows: bool = False
+    """The tables cover this DP rank's rows only (completed over its model-parallel group)."""
     micro_index: dict[int, int] = dataclasses.field(default_factory=dict)
     table_BTLk: torch.Tensor | None = None
     flags_BTL: torch.Tensor | None = None
@@ -141,13 +144,14 @@ class RouterControl:
     # ------------------------------------------------------------------------ a pass
 
     def begin_pass(self, kind: str, *, rows: int, row_offset: int, length: int, micro_rows: int,
-                   record: bool, routes: torch.Tensor | None) -> None:
+                   record: bool, routes: torch.Tensor | None, local_rows: bool = False) -> None:
         """Start a forward pass over ``rows`` global rows of ``length`` positions, this DP rank's
-        from ``row_offset``; ``routes`` is this rank's ``[b, T, L, k]`` replay table or None."""
+        from ``row_offset``; ``routes`` is this rank's ``[b, T, L, k]`` replay table or None.
+        ``local_rows``: the ``rows`` are this DP rank's alone, and so is the recorded table."""
         if routes is not None:
             self._check_routes(routes, record)
         p = _Pass(kind=kind, record=record, rows=rows, row_offset=row_offset, length=length,
-                  micro_rows=micro_rows)
+                  micro_rows=micro_rows, local_rows=local_rows)
         if record:
             if self.moe.routing_replay == "off":
                 raise ValueError("recording routes needs moe.routing_replay=r2 or r3 (megatron's RouterReplay)")
@@ -192,16 +196,20 @@ class RouterControl:
                 replay.clear_router_replay_action()
 
     def end_pass(self) -> None:
-        """Combine every rank's share (collective over the default group)."""
+        """Combine every rank's share: the tables over the ranks that hold the same rows (every
+        rank for the global batch, the model-parallel group for DP-local rows), the statistics
+        over every rank."""
         p, self._pass = self._pass, None
+        same_rows = parallel_state.get_model_parallel_group() if p.local_rows else None
         if p.record:
-            dist.all_reduce(p.table_BTLk, op=dist.ReduceOp.MAX)
+            dist.all_reduce(p.table_BTLk, op=dist.ReduceOp.MAX, group=same_rows)
             self.recorded = p.table_BTLk
         if p.stats is None:
             return
         dist.all_reduce(p.stats.sums)
-        dist.all_reduce(p.flags_BTL, op=dist.ReduceOp.MAX)
-        self._merge(p.kind, p.stats, p.flags_BTL)
+        dist.all_reduce(p.flags_BTL, op=dist.ReduceOp.MAX, group=same_rows)
+        self._merge(p.kind, p.stats, p.flags_BTL,
+                    other_rows=parallel_state.get_data_parallel_group() if p.local_rows else None)
 
     # ------------------------------------------------------------------------ results
 
@@ -286,7 +294,9 @@ class RouterControl:
         view_bS = p.flags_BTL[call.rows, call.positions, call.layer]
         view_bS.copy_(flags_bS[:, : view_bS.shape[1]])
 
-    def _merge(self, kind: str, stats: RouterStats, flags_BTL: torch.Tensor) -> None:
+    def _merge(self, kind: str, stats: RouterStats, flags_BTL: torch.Tensor, *, other_rows=None) -> None:
+        """Add a pass's statistics; ``other_rows``: the group over which the DP ranks' flag
+        counts still add up (each DP rank's flags cover its own rows only)."""
         if kind in self._step:
             self._step[kind].sums += stats.sums
         else:
@@ -294,6 +304,8 @@ class RouterControl:
         compared_BT = (flags_BTL >= 0).any(dim=-1)
         differs_BT = (flags_BTL == 1).any(dim=-1)
         counts = torch.stack([compared_BT.sum(), differs_BT.sum()]).double()
+        if other_rows is not None:
+            dist.all_reduce(counts, group=other_rows)
         self._any_layer[kind] = self._any_layer.get(kind, torch.zeros_like(counts)) + counts
 
 

@@ -50,7 +50,8 @@ def _deterministic(history: list[dict]) -> list[dict]:
 
 
 def _is_spread(key: str) -> bool:
-    return key.startswith("rollout/replica") and key.endswith("/samples")
+    """How the samples fell over the replicas, and so what travelled between ranks (timing-bound)."""
+    return (key.startswith("rollout/replica") and key.endswith("/samples")) or key == "rollout/received_bytes_max_rank"
 
 
 @pytest.fixture(scope="module")

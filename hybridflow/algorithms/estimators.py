@@ -2,8 +2,12 @@
 
 Shapes: ``B`` samples, ``T`` response tokens (right-padded). Every estimator has the signature
 
-    fn(token_rewards [B, T], response_mask [B, T], *, index [B], cfg, values=None, baseline=None)
-        -> (advantages [B, T], returns [B, T])          # both 0 outside the mask
+    fn(token_rewards [B, T], response_mask [B, T], *, index [B], cfg, values=None, baseline=None,
+       split=None) -> (advantages [B, T], returns [B, T])          # both 0 outside the mask
+
+``split`` (a ``losses.BatchSplit``) says the B rows are one data-parallel rank's share of the
+batch, whole groups each: batch-wide statistics (whitening, GPG's valid fraction) then cover
+every rank's rows, so each rank computes what one process would on the whole batch.
 
 ``index`` is the group id of each sample (the samples of one prompt share it; groups may be any
 size and need not be contiguous). Rewards usually sit on the last response token
@@ -19,7 +23,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from hybridflow.algorithms.losses import as_bool_mask, masked_sum, masked_whiten, zero_padding
+from hybridflow.algorithms.losses import BatchSplit, as_bool_mask, masked_sum, masked_whiten, zero_padding
 from hybridflow.config import AlgorithmConfig
 
 __all__ = [
@@ -45,7 +49,8 @@ class Estimator(Protocol):
 
     def __call__(self, token_rewards: torch.Tensor, response_mask: torch.Tensor, *, index: torch.Tensor,
                  cfg: AlgorithmConfig, values: Optional[torch.Tensor] = None,
-                 baseline: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+                 baseline: Optional[torch.Tensor] = None,
+                 split: Optional[BatchSplit] = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 _ESTIMATORS: dict[str, Estimator] = {}
@@ -202,7 +207,7 @@ def _gae(token_rewards, values, response_mask, gamma: float, lam) -> torch.Tenso
 
 
 @register_estimator("gae")
-def gae(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None):
+def gae(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None):
     """Generalised advantage estimation over the response tokens, with VAPO's two lambdas built in.
 
     - returns = GAE(``cfg.critic_lam``, or ``cfg.lam`` when unset) + values: the critic's target;
@@ -223,11 +228,11 @@ def gae(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=Non
     same_lam = isinstance(actor_lam, float) and actor_lam == critic_lam
     actor_advantages = (critic_advantages if same_lam
                         else _gae(token_rewards, values, response_mask, cfg.gamma, actor_lam))
-    return masked_whiten(actor_advantages, response_mask), returns
+    return masked_whiten(actor_advantages, response_mask, split=split), returns
 
 
 @register_estimator("grpo")
-def grpo(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None):
+def grpo(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None):
     """GRPO: (score - group mean) / (group std + eps), or score - group mean when
     ``cfg.norm_adv_by_std`` is false (Dr. GRPO).
 
@@ -242,7 +247,7 @@ def grpo(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=No
 
 
 @register_estimator("rloo")
-def rloo(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None):
+def rloo(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None):
     """RLOO: score minus the mean score of the other samples of the group.
 
     That is ``n / (n - 1) * (score - group mean)`` for a group of n; a group of one has no other
@@ -257,27 +262,27 @@ def rloo(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=No
 
 @register_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None,
-                        baseline=None):
+                        baseline=None, split=None):
     """REINFORCE++: return-to-go of the token rewards (``cfg.gamma``), whitened over the batch's
     masked tokens. Returns = the unwhitened return-to-go."""
     returns = return_to_go(token_rewards, response_mask, cfg.gamma)
-    return masked_whiten(returns, response_mask), returns
+    return masked_whiten(returns, response_mask, split=split), returns
 
 
 @register_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(token_rewards, response_mask, *, index, cfg: AlgorithmConfig,
-                                 values=None, baseline=None):
+                                 values=None, baseline=None, split=None):
     """REINFORCE++ with a group baseline: score - group mean, broadcast, then whitened over the
     batch's masked tokens. A group of one has no baseline (mean 0), as in ``grpo``.
     Returns = advantages."""
     scores = sequence_scores(token_rewards, response_mask)
     mean, _ = _peer_mean_std(scores, index)
-    advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)
+    advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask, split=split)
     return advantages, advantages
 
 
 @register_estimator("remax")
-def remax(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None):
+def remax(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None):
     """ReMax: score minus ``baseline`` [B] (the score of the greedy response to the same prompt),
     broadcast over the response. Returns = return-to-go (``cfg.gamma``) minus the baseline, which
     equals the advantages when gamma is 1 and the score sits on the last token."""
@@ -292,7 +297,7 @@ def remax(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=N
 
 
 @register_estimator("gpg")
-def gpg(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None):
+def gpg(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None):
     """GPG: alpha * (score - group mean), with alpha = B / B_valid.
 
     B_valid counts the samples of groups whose scores are not all equal; the others carry no
@@ -303,7 +308,8 @@ def gpg(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=Non
     """
     scores = sequence_scores(token_rewards, response_mask)
     mean, _, _ = group_mean_std(scores, index)
-    num_valid = int((~group_all_equal(scores, index)).sum().item())
-    alpha = scores.shape[0] / num_valid if num_valid else 1.0
+    counts = torch.tensor([scores.shape[0], int((~group_all_equal(scores, index)).sum())], dtype=torch.float64)
+    total, num_valid = (split.sum(counts) if split is not None else counts).tolist()
+    alpha = total / num_valid if num_valid else 1.0
     advantages = _broadcast(alpha * (scores - mean), response_mask)
     return advantages, advantages

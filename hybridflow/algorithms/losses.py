@@ -14,7 +14,7 @@ here (with ``as_bool_mask`` and ``zero_padding``) and are shared with ``estimato
 
 import logging
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -22,6 +22,7 @@ from hybridflow.config import AlgorithmConfig
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "BatchSplit",
     "PolicyLoss",
     "agg_loss",
     "as_bool_mask",
@@ -81,10 +82,26 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) ->
     return (centred ** 2).sum() / divisor
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked positions; 0 on the padding."""
-    whitened = (x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + eps)
-    return zero_padding(whitened, mask)
+class BatchSplit(Protocol):
+    """A batch split over data-parallel ranks: ``sum`` adds a statistic over every rank's rows
+    (``hybridflow.runtime.shares.Shard``); None where one process holds the whole batch."""
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8,
+                  split: Optional[BatchSplit] = None) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked positions; 0 on the padding. With ``split``,
+    mean and (Bessel-corrected) variance are those of the whole batch, in two passes as here."""
+    if split is None:
+        whitened = (x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + eps)
+        return zero_padding(whitened, mask)
+    wide = torch.float64  # the sums cross ranks; keep them exact enough to match one process
+    total, count = split.sum(torch.stack([masked_sum(x, mask).to(wide), as_bool_mask(mask).sum().to(wide)]))
+    mean = (total / count.clamp(min=1)).to(x.dtype)
+    centred = zero_padding(x - mean, mask)
+    var = split.sum((centred.to(wide) ** 2).sum().reshape(1))[0] / (count - 1).clamp(min=1)
+    return zero_padding((x - mean) * torch.rsqrt(var.to(x.dtype) + eps), mask)
 
 
 # ---------------------------------------------------------------- loss aggregation

@@ -6,7 +6,7 @@ RolloutBatch ──pack_batch (right padding)──► [B, T] input_ids, respons
      estimators work on responses aligned at column 0:   to_response ──► [B, R]
      losses work on the trainer's [B, T] layout:          from_response ◄── [B, R]
                                               │
-     pad_rows: zero-mask rows so B splits over data-parallel ranks x micro-batches
+     pad_rows: zero-mask rows so every DP rank runs the same micro-batches
 ```
 
 Right padding keeps every real token where causal attention sees only real tokens before it,
@@ -41,20 +41,28 @@ def from_response(x_BR: torch.Tensor, prompt_lengths_B: torch.Tensor, length: in
     return out[:, :length]
 
 
-def pad_rows(batch: dict[str, torch.Tensor], multiple: int) -> tuple[dict[str, torch.Tensor], int]:
-    """Append copies of row 0 with every mask zeroed until the rows divide by ``multiple``.
+def pad_rows(batch: dict[str, torch.Tensor], multiple: int, *, rows: int | None = None
+             ) -> tuple[dict[str, torch.Tensor], int]:
+    """Append copies of row 0 with every mask zeroed until the rows divide by ``multiple`` (or
+    number ``rows``, when given: another DP rank may hold more); zero rows when there is none.
 
     The copies carry no response tokens, so they add nothing to any loss or token count.
     Returns the padded batch and the number of real rows.
     """
-    rows = batch["input_ids"].shape[0]
-    extra = -rows % multiple
+    real = batch["input_ids"].shape[0]
+    target = -(-real // multiple) * multiple if rows is None else rows
+    if target < real:
+        raise ValueError(f"cannot pad {real} rows to {target}")
+    extra = target - real
     if extra == 0:
-        return batch, rows
+        return batch, real
     padded = {}
     for key, value in batch.items():
-        filler = value[:1].expand(extra, *value.shape[1:]).clone()
+        if real == 0:
+            filler = value.new_zeros(extra, *value.shape[1:])
+        else:
+            filler = value[:1].expand(extra, *value.shape[1:]).clone()
         if key.endswith("mask") or key in ("advantages", "returns", "token_weights"):
             filler = torch.zeros_like(filler)
         padded[key] = torch.cat([value, filler])
-    return padded, rows
+    return padded, real

@@ -41,13 +41,12 @@ def _inject_fault(step: int) -> None:
 
 
 def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, float]:
-    ro, _ = f["responses"], f["scores"]
-    scores = f["scores"]
-    lengths = ro.batch["response_lengths"].float()
+    ro, scores = f["responses"], f["scores"]  # every sample's numbers, on every rank
+    lengths = ro.lengths.float()
     metrics = {
         "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         "response_length/mean": float(lengths.mean()),
-        "response_length/clip_ratio": float(ro.batch["truncated"].float().mean()),
+        "response_length/clip_ratio": float(ro.truncated.float().mean()),
         "rollout/tokens_per_s": float(lengths.sum()) / max(ro.seconds, 1e-9),
         **f.get("actor_metrics", {}), **f.get("critic_metrics", {}), **f.get("rollout_weights", {}), **s.step_metrics, **times,
     }

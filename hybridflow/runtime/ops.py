@@ -1,14 +1,17 @@
 """What each graph op does on a rank: ``OPS[node.op](session, node, fields, step) -> new fields``.
 
 The graph (``hybridflow.algorithms.recipes.build_graph``) says which ops run and in which order;
-each handler reads its node's input fields and returns its output fields. Each replica's
-driver generates its share and scores its share of the samples (``replicas``); both are
-gathered to every rank, and everything else runs on every rank.
+each handler reads its node's input fields and returns its output fields. The replica drivers
+generate (``replicas``); each data-parallel rank receives only the rows it trains on
+(``shares.owner``: whole groups, so group statistics stay local) and its leader scores them;
+only the scores ``[N]`` and a few numbers per sample are shared by every rank. Batch-wide
+statistics (whitening, metrics, the response width) are sums over the DP ranks (``Shard``).
 
-Field layouts (B samples, T prompt + response columns, R response columns):
-``responses`` a ``Rollout`` (packed ``[B, T]`` tensors, texts, group index ``[B]``); ``scores``
-``[B]``; ``old_logprobs``/``ref_logprobs``/``entropy``/``advantages``/``returns`` ``[B, T]``;
-``token_rewards`` ``[B, R]``; ``kept`` a filtered ``Rollout`` with its scores.
+Field layouts (N samples in all, B = b of them on this DP rank, T prompt + response columns, R
+response columns): ``responses`` a ``Rollout`` (this rank's packed ``[B, T]`` tensors and texts,
+every sample's group, length and truncation ``[N]``); ``scores`` ``[N]``;
+``old_logprobs``/``ref_logprobs``/``entropy``/``advantages``/``returns`` ``[B, T]``;
+``token_rewards`` ``[B, R]``; ``kept`` a filtered ``Rollout`` with its ``[N']`` scores.
 """
 
 from __future__ import annotations
@@ -20,13 +23,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hybridflow.algorithms.estimators import get_estimator, scores_to_token_rewards
 from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty, masked_mean, value_loss_terms
 from hybridflow.algorithms.shaping import filter_groups, kl_in_reward, overlong_penalty, pf_ppo_resample
 from hybridflow.rewards import score_responses
-from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.base import FINISH_LENGTH, RolloutSample, SamplingParams
 from hybridflow.rollout.tokens import pack_batch
 from hybridflow.runtime import replicas, switches
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
@@ -59,32 +61,61 @@ def step_seed(seed: int, step: int, draw: int = 0) -> int:
 
 @dataclass(frozen=True)
 class Rollout:
-    """Sampled responses of a batch of prompts, packed for the trainer."""
+    """Sampled responses of a batch of prompts: this data-parallel rank's rows, packed for the
+    trainer, and the few numbers of every row that batch-wide steps need (N samples in all, b
+    here)."""
 
     batch: dict[str, torch.Tensor]
-    """``pack_batch``'s tensors (right padding)."""
+    """``pack_batch``'s tensors of this rank's rows (right padding)."""
     texts: list[str]
-    """Decoded responses."""
-    index: torch.Tensor
-    """[B] group id of each sample (one per prompt)."""
+    """Decoded responses of this rank's rows."""
     answers: list[Any]
-    """Reference answer of each sample's prompt."""
+    """Reference answer of each of this rank's rows' prompts."""
     sources: list[Any]
-    """``data_source`` of each sample's prompt."""
+    """``data_source`` of each of this rank's rows' prompts."""
+    rows: torch.Tensor
+    """[b] position of each of this rank's rows among all N samples."""
+    groups: torch.Tensor
+    """[N] group id of every sample (one per prompt)."""
+    lengths: torch.Tensor
+    """[N] response length of every sample."""
+    truncated: torch.Tensor
+    """[N] whether each sample hit the length cap."""
     seconds: float
     """Generation wall time."""
 
     @property
-    def num_response(self) -> int:
-        return int(self.batch["response_lengths"].max().item()) if len(self.texts) else 0
+    def total(self) -> int:
+        """N, the samples over every DP rank."""
+        return len(self.groups)
 
-    def rows(self, keep: torch.Tensor) -> "Rollout":
-        """The samples where ``keep`` is True."""
-        idx = keep.nonzero().flatten()
-        batch = {k: v[idx] for k, v in self.batch.items()}
-        pick = idx.tolist()
-        return replace(self, batch=batch, texts=[self.texts[i] for i in pick], index=self.index[idx],
-                       answers=[self.answers[i] for i in pick], sources=[self.sources[i] for i in pick])
+    @property
+    def index(self) -> torch.Tensor:
+        """[b] group id of this rank's rows."""
+        return self.groups[self.rows]
+
+    @property
+    def num_response(self) -> int:
+        """Response columns R of the whole batch (the same on every rank)."""
+        return int(self.lengths.max()) if self.total else 0
+
+    def take(self, source: torch.Tensor) -> "Rollout":
+        """The rollout whose sample j is sample ``source[j]`` of this one (a global index, the same
+        on every rank); each rank keeps the new rows whose source it holds."""
+        local = torch.full((self.total,), -1, dtype=torch.long)
+        local[self.rows] = torch.arange(len(self.rows))
+        src = local[source]
+        mine = (src >= 0).nonzero().flatten()
+        pick = src[mine]
+        picked = pick.tolist()
+        return replace(self, batch={k: v[pick] for k, v in self.batch.items()},
+                       texts=[self.texts[i] for i in picked], answers=[self.answers[i] for i in picked],
+                       sources=[self.sources[i] for i in picked], rows=mine, groups=self.groups[source],
+                       lengths=self.lengths[source], truncated=self.truncated[source])
+
+    def select(self, keep: torch.Tensor) -> "Rollout":
+        """The samples where ``keep`` [N] is True."""
+        return self.take(keep.nonzero().flatten())
 
 
 # --------------------------------------------------------------------------- rollout and reward
@@ -98,40 +129,52 @@ def _sampling(s: Session, *, greedy: bool = False) -> SamplingParams:
 
 
 def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset: int = 0) -> Rollout:
-    """Generate on rank 0 and share the samples with every rank.
+    """Generate on the replica drivers; each data-parallel rank receives its own rows.
 
     The GPUs must already hold what generation needs: the plan's switch before a generate
     stage (or ``switches.enter(s, "generate")`` outside the graph) put it there."""
     if s.cfg.rollout.placement == "colocated" and s.mode != "generate":
         raise AssertionError(f"rollout in mode {s.mode!r}: the plan's switches did not bring the engine in")
     s.rollout_calls += 1
-    out = replicas.generate(s.cfg, s.engine, [p.prompt_ids for p in prompts], params, seed, call=s.rollout_calls)
-    samples, seconds = out.samples, out.seconds
+    out = replicas.generate(s.cfg, s.engine, [p.prompt_ids for p in prompts], params, seed, call=s.rollout_calls,
+                            shard=s.shard, device=s.device)
     for replica, count in enumerate(out.samples_per_replica):
         s.step_metrics[f"rollout/replica{replica}/samples"] = float(count)
-    batch = pack_batch(samples, pad_id=s.tokenizer.pad_token_id)
+    received = s.shard.max(torch.tensor([float(out.received_bytes)]))
+    s.step_metrics["rollout/received_bytes_max_rank"] = float(received)
+    samples = out.samples
+    pad = s.tokenizer.pad_token_id
+    batch = pack_batch(samples, pad_id=pad) if samples else _empty_batch(pad, out.metas)
     texts = s.tokenizer.batch_decode([list(x.response_ids) for x in samples], skip_special_tokens=True)
     rows = [prompts[x.prompt_index].row for x in samples]
-    index = torch.tensor([group_offset + x.prompt_index for x in samples], dtype=torch.long)
-    return Rollout(batch=batch, texts=texts, index=index, answers=[r.answer for r in rows],
-                   sources=[r.data_source for r in rows], seconds=seconds)
+    metas = out.metas
+    return Rollout(batch=batch, texts=texts, answers=[r.answer for r in rows], sources=[r.data_source for r in rows],
+                   rows=torch.tensor(out.positions, dtype=torch.long),
+                   groups=torch.tensor([group_offset + m.prompt_index for m in metas], dtype=torch.long),
+                   lengths=torch.tensor([m.response_len for m in metas], dtype=torch.long),
+                   truncated=torch.tensor([m.finish_reason == FINISH_LENGTH for m in metas], dtype=torch.bool),
+                   seconds=out.seconds)
+
+
+def _empty_batch(pad_id: int, metas) -> dict[str, torch.Tensor]:
+    """``pack_batch``'s tensors with no rows (a DP rank that owns none of a call's prompts)."""
+    shape = next((m.routes_shape for m in metas if m.routes_shape is not None), None)
+    routes = None if shape is None else torch.zeros(1, *shape[1:], dtype=torch.long)
+    dummy = RolloutSample(prompt_index=0, sample_index=0, prompt_ids=(pad_id,), response_ids=(pad_id,),
+                          logprobs=(0.0,), finish_reason=FINISH_LENGTH, routed_experts=routes)
+    return {k: v[:0] for k, v in pack_batch([dummy], pad_id=pad_id).items()}
 
 
 def score(s: Session, ro: Rollout) -> torch.Tensor:
-    """Rewards of every sample, computed in parallel by the replica drivers (driver k scores
-    samples k, k + R, ...; errors logged there) and shared with every rank."""
-    mine: dict[int, float] = {}
+    """[N] rewards of every sample, on every rank: each DP rank's leader scores its own rows (in
+    parallel; errors logged there), and only the scores are shared."""
+    local = torch.zeros(len(ro.texts), dtype=torch.float32)
     errors = 0
-    if s.replica is not None:
-        picked = range(s.replica, len(ro.texts), s.cfg.rollout.num_replicas)
-        scores, failures = score_responses([ro.texts[i] for i in picked], [ro.answers[i] for i in picked],
-                                           [ro.sources[i] for i in picked], s.cfg.reward)
-        mine, errors = dict(zip(picked, scores)), len(failures)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, errors))
-    merged = {i: v for part, _ in gathered for i, v in part.items()}
-    s.reward_errors += sum(e for _, e in gathered)
-    return torch.tensor([merged[i] for i in range(len(ro.texts))], dtype=torch.float32)
+    if s.shard.leader and ro.texts:
+        scores, failures = score_responses(ro.texts, ro.answers, ro.sources, s.cfg.reward)
+        local, errors = torch.tensor(scores, dtype=torch.float32), len(failures)
+    s.reward_errors += int(s.shard.sum(torch.tensor([errors]))[0])
+    return s.shard.gather(ro.rows, local, ro.total)
 
 
 @op("generate")
@@ -150,9 +193,7 @@ def generate_greedy(s: Session, node, f: dict, step: int) -> dict:
 
 
 def _repeat(ro: Rollout, idx: torch.Tensor) -> Rollout:
-    pick = idx.tolist()
-    return replace(ro, batch={k: v[idx] for k, v in ro.batch.items()}, texts=[ro.texts[i] for i in pick],
-                   index=ro.index[idx], answers=[ro.answers[i] for i in pick], sources=[ro.sources[i] for i in pick])
+    return ro.take(idx)
 
 
 @op("reward")
@@ -168,16 +209,16 @@ def filter_groups_op(s: Session, node, f: dict, step: int) -> dict:
     has ``run.prompts_per_step`` groups or ``algorithm.max_sampling_rounds`` rounds ran."""
     want = s.cfg.run.prompts_per_step
     ro, scores = f["responses"], f["scores"]
-    keep = filter_groups(scores, ro.index)
-    kept, kept_scores = [ro.rows(keep)], [scores[keep]]
+    keep = filter_groups(scores, ro.groups)
+    kept, kept_scores = [ro.select(keep)], [scores[keep]]
     groups = int(keep.sum()) // s.cfg.rollout.n
     rounds = 1
     while groups < want and rounds < s.spec.max_sampling_rounds:
         prompts = s.prompt_batch(step, offset=rounds)
         extra = rollout(s, prompts, _sampling(s), step_seed(s.cfg.run.seed, step, rounds), group_offset=rounds * want)
         extra_scores = score(s, extra)
-        keep = filter_groups(extra_scores, extra.index)
-        kept.append(extra.rows(keep))
+        keep = filter_groups(extra_scores, extra.groups)
+        kept.append(extra.select(keep))
         kept_scores.append(extra_scores[keep])
         groups += int(keep.sum()) // s.cfg.rollout.n
         rounds += 1
@@ -195,9 +236,14 @@ def _concat(parts: list[Rollout]) -> Rollout:
             if v.dim() >= 2 and v.shape[1] < length:
                 v = torch.cat([v, v.new_zeros(v.shape[0], length - v.shape[1], *v.shape[2:])], dim=1)
             batch.setdefault(k, []).append(v)
+    offsets = [0]
+    for p in parts:
+        offsets.append(offsets[-1] + p.total)
     return Rollout(batch={k: torch.cat(v) for k, v in batch.items()}, texts=sum((p.texts for p in parts), []),
-                   index=torch.cat([p.index for p in parts]), answers=sum((p.answers for p in parts), []),
-                   sources=sum((p.sources for p in parts), []), seconds=sum(p.seconds for p in parts))
+                   answers=sum((p.answers for p in parts), []), sources=sum((p.sources for p in parts), []),
+                   rows=torch.cat([p.rows + o for p, o in zip(parts, offsets)]),
+                   groups=torch.cat([p.groups for p in parts]), lengths=torch.cat([p.lengths for p in parts]),
+                   truncated=torch.cat([p.truncated for p in parts]), seconds=sum(p.seconds for p in parts))
 
 
 def current(f: dict) -> tuple[Rollout, torch.Tensor]:
@@ -210,20 +256,24 @@ def current(f: dict) -> tuple[Rollout, torch.Tensor]:
 # --------------------------------------------------------------------------- trainer-side scoring
 
 
-def _row_multiple(s: Session) -> int:
-    return s.cfg.actor.parallel.dp * s.cfg.train.micro_batch_size
+def _padded(s: Session, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """``inputs`` padded with masked rows to the same number of micro-batches on every DP rank
+    (the most rows any DP rank holds, rounded up to micro-batches)."""
+    micro = s.cfg.train.micro_batch_size
+    most = int(s.shard.max(torch.tensor([inputs["input_ids"].shape[0]]))[0])
+    return pad_rows(inputs, micro, rows=-(-max(most, 1) // micro) * micro)
 
 
 def _logprobs(s: Session, policy, ro: Rollout, *, with_entropy: bool, routes: torch.Tensor | None = None,
               record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the rollout; ``routes``: replay these experts, ``record``: keep the ones the
-    routers chose (``policy.routing.take_recorded()``). ``attention_mask`` marks the real tokens,
-    which the router statistics count."""
+    """Log-probs of this rank's rows of the rollout; ``routes``: replay these experts, ``record``:
+    keep the ones the routers chose (``policy.routing.take_recorded()``). ``attention_mask``
+    marks the real tokens, which the router statistics count."""
     inputs = {"input_ids": ro.batch["input_ids"], "attention_mask": ro.batch["attention_mask"]}
     if routes is not None:
         inputs["routed_experts"] = routes
-    inputs, rows = pad_rows(inputs, _row_multiple(s))
-    logp, ent = policy.forward_logprobs(inputs, with_entropy=with_entropy, record_routes=record)
+    inputs, rows = _padded(s, inputs)
+    logp, ent = policy.forward_logprobs(inputs, with_entropy=with_entropy, record_routes=record, local_rows=True)
     return logp[:rows], ent[:rows]
 
 
@@ -245,10 +295,12 @@ def old_logprob(s: Session, node, f: dict, step: int) -> dict:
     if mode == "r2":
         routes = s.actor.routing.take_recorded()[: len(logp)]
     mask = ro.batch["response_mask"].bool()
-    if mask.any():  # the engine's log-probs against the trainer's, same weights: a sync check
-        diff = (logp - ro.batch["logprobs"]).abs()[mask]
-        s.step_metrics.update({"rollout/logprob_diff_max": float(diff.max()),
-                                    "rollout/logprob_diff_mean": float(diff.mean())})
+    # the engine's log-probs against the trainer's, same weights: a sync check
+    diff = (logp - ro.batch["logprobs"]).abs()[mask]
+    largest = s.shard.max(torch.tensor([float(diff.max()) if diff.numel() else -1.0]))
+    total, count = s.shard.sum(torch.tensor([float(diff.sum()), float(diff.numel())], dtype=torch.float64))
+    if count:
+        s.step_metrics.update({"rollout/logprob_diff_max": float(largest), "rollout/logprob_diff_mean": float(total / count)})
     return {"old_logprobs": logp, "entropy": ent, **({} if routes is None else {"routed_experts": routes})}
 
 
@@ -262,8 +314,8 @@ def ref_logprob(s: Session, node, f: dict, step: int) -> dict:
 @op("values")
 def values(s: Session, node, f: dict, step: int) -> dict:
     ro, _ = current(f)
-    inputs, rows = pad_rows({"input_ids": ro.batch["input_ids"]}, _row_multiple(s))
-    return {"values": s.critic.forward_values(inputs)[:rows]}
+    inputs, rows = _padded(s, {"input_ids": ro.batch["input_ids"]})
+    return {"values": s.critic.forward_values(inputs, local_rows=True)[:rows]}
 
 
 # --------------------------------------------------------------------------- rewards -> advantages
@@ -276,6 +328,7 @@ def _response_view(ro: Rollout, x_BT: torch.Tensor) -> torch.Tensor:
 @op("token_rewards")
 def token_rewards(s: Session, node, f: dict, step: int) -> dict:
     ro, scores = current(f)
+    scores = scores[ro.rows]
     algo = s.algo
     mask_BR = _response_view(ro, ro.batch["response_mask"])
     if s.spec.overlong_shaping:
@@ -288,7 +341,9 @@ def token_rewards(s: Session, node, f: dict, step: int) -> dict:
         rewards_BR, kl = kl_in_reward(rewards_BR, _response_view(ro, f["old_logprobs"]),
                                       _response_view(ro, f["ref_logprobs"]), mask_BR, algo.kl_reward_coef,
                                       algo.kl_type)
-        s.step_metrics["actor/reward_kl"] = float(kl)
+        tokens = float(mask_BR.bool().sum())
+        kl_sum, count = s.shard.sum(torch.tensor([float(kl) * tokens, tokens], dtype=torch.float64))
+        s.step_metrics["actor/reward_kl"] = float(kl_sum / count.clamp(min=1))
     return {"token_rewards": rewards_BR}
 
 
@@ -297,10 +352,10 @@ def advantages(s: Session, node, f: dict, step: int) -> dict:
     ro, _ = current(f)
     mask_BR = _response_view(ro, ro.batch["response_mask"])
     estimator = get_estimator(dict(node.options).get("estimator", s.spec.estimator))
-    baseline = f.get("baseline_scores")
+    baseline = f["baseline_scores"][ro.rows] if "baseline_scores" in f else None
     values_BR = _response_view(ro, f["values"]) if "values" in f else None
     adv_BR, ret_BR = estimator(f["token_rewards"], mask_BR, index=ro.index, cfg=s.algo,
-                               values=values_BR, baseline=baseline)
+                               values=values_BR, baseline=baseline, split=s.shard)
     length = ro.batch["input_ids"].shape[1]
     lengths = ro.batch["prompt_lengths"]
     return {"advantages": from_response(adv_BR, lengths, length), "returns": from_response(ret_BR, lengths, length)}
@@ -336,45 +391,60 @@ def actor_loss(s: Session, num_response: int) -> Callable:
 def _train_rows(s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
     rows = {"input_ids": ro.batch["input_ids"], "response_mask": ro.batch["response_mask"].float(),
             "attention_mask": ro.batch["attention_mask"], "old_logprobs": f["old_logprobs"],
-            "advantages": f["advantages"], "positive": (scores > 0).float()}
+            "advantages": f["advantages"], "positive": (scores[ro.rows] > 0).float()}
     for key in ("ref_logprobs", "routed_experts"):  # routing replay: the experts to train with
         if key in f:
             rows[key] = f[key]
-    if s.spec.pf_ppo:
+    if s.spec.pf_ppo:  # drawn over the whole batch, alike on every rank; each keeps its own rows
         generator = torch.Generator().manual_seed(step_seed(s.cfg.run.seed, step, 7))
         idx = pf_ppo_resample(scores, s.spec.pf_ppo, generator, pow=s.algo.pf_ppo_weight_pow)
-        rows = {k: v[idx] for k, v in rows.items()}
+        local = torch.full((ro.total,), -1, dtype=torch.long)
+        local[ro.rows] = torch.arange(len(ro.rows))
+        pick = local[idx]
+        rows = {k: v[pick[pick >= 0]] for k, v in rows.items()}
     return rows
 
 
-def _mini_batches(rows: dict[str, torch.Tensor], count: int, multiple: int) -> list[dict[str, torch.Tensor]]:
+def _mini_batches(s: Session, rows: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` mini-batches of this rank's rows, each padded to the same micro-batches on every
+    DP rank (together the DP ranks' i-th parts are the global i-th mini-batch)."""
     total = rows["input_ids"].shape[0]
     bounds = [round(i * total / count) for i in range(count + 1)]
-    parts = [{k: v[a:b] for k, v in rows.items()} for a, b in zip(bounds, bounds[1:]) if b > a]
-    return [pad_rows(p, multiple)[0] for p in parts]
+    sizes = s.shard.max(torch.tensor([b - a for a, b in zip(bounds, bounds[1:])]))
+    micro = s.cfg.train.micro_batch_size
+    parts = []
+    for (a, b), most in zip(zip(bounds, bounds[1:]), sizes.tolist()):
+        if most:  # a part no rank holds rows of is skipped everywhere alike
+            parts.append(pad_rows({k: v[a:b] for k, v in rows.items()}, micro, rows=-(-most // micro) * micro)[0])
+    return parts
 
 
 @op("update_actor")
 def update_actor(s: Session, node, f: dict, step: int) -> dict:
     ro, scores = current(f)
-    if not len(ro.texts) or step < dict(node.options).get("start_step", 0):
+    if not ro.total or step < dict(node.options).get("start_step", 0):
         # nothing kept, or the critic's warm-up
         return {"actor_metrics": {"actor/updated": 0.0, **_router_metrics(s)}}
     loss_fn = actor_loss(s, ro.num_response)
     rows = _train_rows(s, f, ro, scores, step)
     results = []
     for _ in range(s.algo.ppo_epochs):
-        for mini in _mini_batches(rows, s.algo.mini_batches, _row_multiple(s)):
-            result = s.actor.train_step(mini, loss_fn)
+        for mini in _mini_batches(s, rows, s.algo.mini_batches):
+            result = s.actor.train_step(mini, loss_fn, local_rows=True)
             if not result.applied:
                 raise NonFiniteStep(f"step {step}: the actor loss or a gradient is not finite "
                                     f"(loss {result.loss}); the update was not applied")
             results.append(result)
     last = results[-1]
-    metrics = {"actor/pg_loss": sum(r.loss for r in results) / len(results), "actor/grad_norm": last.grad_norm,
+    # the mean over the step's updates, as the loss: the last mini-batch alone may hold no signal
+    metrics = {"actor/pg_loss": sum(r.loss for r in results) / len(results),
+               "actor/grad_norm": sum(r.grad_norm for r in results) / len(results),
                "actor/lr": last.lr, "actor/updated": 1.0}
     for name in last.metrics:
         metrics[f"actor/{name}"] = sum(r.metrics[name] for r in results) / len(results)
+    for name in ("ppo_kl", "clipfrac"):  # before any update of the step: old log-probs vs the trainer's
+        if name in results[0].metrics:
+            metrics[f"actor/{name}_first_mini"] = results[0].metrics[name]
     return {"actor_metrics": {**metrics, **_router_metrics(s)}}
 
 
@@ -410,13 +480,13 @@ def update_critic(s: Session, node, f: dict, step: int) -> dict:
     loss_fn = critic_loss(s.algo.value_clip)
     results = []
     for _ in range(s.algo.ppo_epochs):
-        for mini in _mini_batches(rows, s.algo.mini_batches, _row_multiple(s)):
-            result = s.critic.train_step(mini, loss_fn)
+        for mini in _mini_batches(s, rows, s.algo.mini_batches):
+            result = s.critic.train_step(mini, loss_fn, local_rows=True)
             if not result.applied:
                 raise NonFiniteStep(f"step {step}: the critic loss or a gradient is not finite; not applied")
             results.append(result)
     metrics = {"critic/vf_loss": sum(r.loss for r in results) / len(results),
-               "critic/grad_norm": results[-1].grad_norm}
+               "critic/grad_norm": sum(r.grad_norm for r in results) / len(results)}
     for name in results[-1].metrics:
         metrics[f"critic/{name}"] = sum(r.metrics[name] for r in results) / len(results)
     return {"critic_metrics": metrics}

@@ -8,8 +8,8 @@ step's prompts, cut into chunks ──► a shared counter (torch.distributed's 
    driver of replica 0: take chunk, generate, take the next ...      a replica busy with long
    driver of replica 1: take chunk, generate, take the next ...      generations takes fewer
                                     │                                 chunks: at most one chunk
-   samples (prompt index made global, replica id) ──all-gather──►    in flight per replica
-   every rank, in (prompt, sample) order
+   samples (prompt index made global) ──exchange──► each DP rank      in flight per replica
+   receives the samples of its own prompts (``shares.owner``), in (prompt, sample) order
 ```
 
 Each chunk is sampled with its own seed (chunk 0 with the call's seed), so a sample is a
@@ -24,12 +24,14 @@ import dataclasses
 import math
 import os
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
 from hybridflow.rollout.base import RolloutSample, SamplingParams
+from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
+from hybridflow.runtime.shares import Shard, owner
 
 __all__ = ["FAULT_ENV", "ReplicaFailed", "ReplicaOutput", "chunk_seed", "driver_rank", "generate", "replica_of"]
 
@@ -84,14 +86,20 @@ def _chunks(num_prompts: int, cfg: HybridflowConfig) -> list[range]:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaOutput:
-    """A generate call over every replica, as every rank sees it."""
+    """A generate call over every replica, as one rank sees it: its DP rank's samples only."""
 
     samples: tuple[RolloutSample, ...]
-    """Every sample, prompt indices global, in (prompt, sample) order."""
+    """This rank's DP rank's samples, prompt indices global, in (prompt, sample) order."""
+    positions: tuple[int, ...]
+    """Each of them's position among all the call's samples in (prompt, sample) order."""
+    metas: tuple[SampleMeta, ...]
+    """Every sample's metadata (lengths, finish reason), in (prompt, sample) order."""
     seconds: float
     """Wall time of the slowest replica."""
     samples_per_replica: tuple[int, ...]
     """How many samples each replica generated."""
+    received_bytes: int
+    """Sample bytes this rank received from the drivers."""
 
 
 class _Counter:
@@ -117,33 +125,44 @@ def _drive(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks:
     return samples, time.perf_counter() - started
 
 
+class _Report(NamedTuple):
+    """What each rank tells every other after generating (pickled: a few ints per sample)."""
+
+    replica: int | None
+    metas: list
+    seconds: float
+    error: str | None
+    dp_rank: int
+
+
 def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             seed: int, *, call: int) -> ReplicaOutput:
-    """Every replica's share of ``prompts``, gathered on every rank (collective over the default
-    group; ``engine`` is this rank's replica or None; ``call`` numbers the call, the same on
-    every rank)."""
+             seed: int, *, call: int, shard: Shard, device) -> ReplicaOutput:
+    """Every replica's share of ``prompts``, delivered to the data-parallel ranks that own them
+    (``shares.owner``; collective over the default group). ``engine`` is this rank's replica or
+    None; ``call`` numbers the call, the same on every rank; ``device``: where the samples travel
+    (the rank's GPU, so NCCL carries them)."""
     chunks = _chunks(len(prompts), cfg)
-    mine: tuple = (None, [], 0.0, None)
+    samples, mine = [], _Report(None, [], 0.0, None, shard.dp_rank)
     if engine is not None:
         replica = replica_of(cfg, dist.get_rank())
         try:  # the others must learn of a failure too, or they would wait in the gather below
             _inject_fault(replica, call)
             samples, seconds = _drive(engine, prompts, params, seed, chunks, _Counter(call))
-            mine = (replica, samples, seconds, None)
+            mine = _Report(replica, [meta_of(x) for x in samples], seconds, None, shard.dp_rank)
         except Exception as error:
-            mine = (replica, [], 0.0, f"{type(error).__name__}: {error}")
-    gathered: list = [None] * dist.get_world_size()
+            samples, mine = [], _Report(replica, [], 0.0, f"{type(error).__name__}: {error}", shard.dp_rank)
+    gathered: list[_Report] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(gathered, mine)
     _raise_failures(gathered)
     counts = [0] * cfg.rollout.num_replicas
-    everything = []
-    for replica, samples, _, _ in gathered:
-        if replica is not None:
-            counts[replica] += len(samples)
-            everything += samples
-    everything.sort(key=lambda x: (x.prompt_index, x.sample_index))
-    return ReplicaOutput(samples=tuple(everything), seconds=max(g[2] for g in gathered),
-                         samples_per_replica=tuple(counts))
+    for report in gathered:
+        if report.replica is not None:
+            counts[report.replica] += len(report.metas)
+    got = deliver(samples, [g.metas for g in gathered], [g.dp_rank for g in gathered],
+                  lambda m: owner(m.prompt_index, len(prompts), shard.dp_size), device=device)
+    return ReplicaOutput(samples=got.samples, positions=got.positions, metas=got.metas,
+                         seconds=max(g.seconds for g in gathered), samples_per_replica=tuple(counts),
+                         received_bytes=got.received_bytes)
 
 
 def _inject_fault(replica: int, call: int) -> None:
@@ -152,7 +171,8 @@ def _inject_fault(replica: int, call: int) -> None:
 
 
 def _raise_failures(gathered: list) -> None:
-    for rank, (replica, _, _, error) in enumerate(gathered):
+    for rank, report in enumerate(gathered):
+        replica, error = report.replica, report.error
         if error is not None:
             raise ReplicaFailed(f"rollout replica {replica} (driven by rank {rank}) failed mid-generation: {error}; "
                                 "the step is abandoned; rerun the same command to resume from the newest checkpoint")

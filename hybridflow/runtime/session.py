@@ -9,9 +9,10 @@ nodes): its SGLang engine (its own scheduler processes)
 every rank: EngineSync (the reshard plan from shapes; engine handles on the drivers only)
 ```
 
-The replica drivers generate and score their shares of each step (``replicas``); samples and
-scores are gathered to every rank, so every rank sees the same ones, and the trainer work runs
-on every rank under the actor's layout. Roles are typed behind small Protocols
+The replica drivers generate each step (``replicas``); each data-parallel rank receives only
+the samples it trains on (``exchange``, ``shares``) and its leader scores them; the scores and
+a few numbers per sample reach every rank, and the trainer work runs on every rank under the
+actor's layout, each DP rank on its own rows. Roles are typed behind small Protocols
 (``ModelRole``, ``RolloutEngine``).
 """
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from hybridflow.config import HybridflowConfig, TrainConfig
 from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
 from hybridflow.runtime.model_dir import rollout_model_dir
+from hybridflow.runtime.shares import Shard, single_process
 from hybridflow.runtime.state import RunState
 from hybridflow.runtime.tracking import Tracker
 
@@ -125,9 +127,9 @@ class ModelRole(Protocol):
     """Router control (routing replay, statistics), or None for dense models."""
 
     def forward_logprobs(self, batch, *, micro_batch_size: int | None = None, with_entropy: bool = False,
-                         record_routes: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+                         record_routes: bool = False, local_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def train_step(self, batch, loss_fn) -> Any: ...
+    def train_step(self, batch, loss_fn, *, local_rows: bool = False) -> Any: ...
 
     def offload_training_state(self) -> None: ...
 
@@ -149,6 +151,10 @@ class Session:
     sampler: PromptSampler
     state: RunState
     tracker: Tracker
+    shard: Shard = field(default_factory=single_process)
+    """This rank's data-parallel share of every rollout (``shares``)."""
+    device: torch.device = torch.device("cpu")
+    """The rank's device: where rollout samples travel to it."""
     engine: RolloutEngine | None = None
     """This rank's replica's engine when it drives one."""
     actor: ModelRole | None = None

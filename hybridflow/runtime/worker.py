@@ -35,6 +35,7 @@ from hybridflow.runtime import report, state as run_state
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.ops import heldout_reward
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
+from hybridflow.runtime.shares import Shard
 from hybridflow.runtime.session import (
     DRIVER, Session, broadcast, build_policy, load_prompts, prepare_files, start_engine, stop_token_ids,
 )
@@ -171,8 +172,19 @@ def _stop_engines(s: Session, *, in_order: bool) -> None:
         s.engine_node.shutdown()
 
 
+def _shard() -> Shard:
+    """This rank's data-parallel share; batch-wide sums on a gloo group of every rank."""
+    from megatron_adapters import parallel
+
+    dp_rank, dp_size, leader = parallel.data_coords()
+    group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 else None
+    return Shard(dp_rank=dp_rank, dp_size=dp_size, leader=leader, group=group)
+
+
 def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg) -> Session:
     from transformers import AutoTokenizer
+
+    from megatron_adapters import parallel
 
     train, heldout, model_dir = prepare_files(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -183,7 +195,8 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg)
     s = Session(cfg=cfg, out_dir=out_dir, rank=rank, tokenizer=tokenizer, model_dir=model_dir,
                 train_prompts=prompts, heldout_prompts=held, sft_rows=prompts,
                 sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
-                state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer), pg=pg)
+                state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer), pg=pg,
+                shard=_shard(), device=parallel.device())
     s.spec = algorithm_spec(cfg)
     filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
     s.algo = dataclasses.replace(cfg.algorithm, **filled)
@@ -195,7 +208,8 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     wall = s.wall_before + time.time() - s.started
     first = s.state.history[0] if s.state.history else {}
     extra = {"first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
-             "first_step_ppo_kl": first.get("actor/ppo_kl"), "first_step_clipfrac": first.get("actor/clipfrac"),
+             "first_step_ppo_kl": first.get("actor/ppo_kl_first_mini"),
+             "first_step_clipfrac": first.get("actor/clipfrac_first_mini"),
              "mlflow_run_id": s.tracker.run_id, "mlflow_uri": getattr(s.tracker, "uri", None),
              "reward_errors": s.reward_errors, "executed_stages": s.executed_stages}
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:

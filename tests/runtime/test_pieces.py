@@ -133,7 +133,7 @@ def _graph_raising_at(bad_step: int):
         calls.append(step)
         if step == bad_step:
             raise NonFiniteStep(f"step {step}: not finite")
-        return {"responses": SimpleNamespace(batch={"response_lengths": torch.ones(2), "truncated": torch.zeros(2)},
+        return {"responses": SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2),
                                              seconds=1.0),
                 "scores": torch.ones(2)}
 

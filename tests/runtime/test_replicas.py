@@ -27,7 +27,9 @@ def test_one_replica_takes_the_batch_whole_and_many_take_chunks():
 
 
 def test_a_failed_replica_is_named_on_every_rank():
-    gathered = [(0, [], 1.0, None), (None, [], 0.0, None), (1, [], 0.0, "RuntimeError: engine died")]
+    report = replicas._Report
+    gathered = [report(0, [], 1.0, None, 0), report(None, [], 0.0, None, 1),
+                report(1, [], 0.0, "RuntimeError: engine died", 0)]
     with pytest.raises(replicas.ReplicaFailed, match=r"rollout replica 1 \(driven by rank 2\) failed mid-generation: "
                                                      r"RuntimeError: engine died; .*resume"):
         replicas._raise_failures(gathered)
