@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
-from hybridflow.config import HybridflowConfig, TrainConfig
+from hfschema.train import TrainConfig
+from hybridflow.config import HybridflowConfig
 from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
 from hybridflow.runtime.model_dir import rollout_model_dir
 from hybridflow.runtime.state import RunState

@@ -27,6 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from hfschema.files import write_text_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.lowering import lower
@@ -248,7 +249,7 @@ def _run(cfg: HybridflowConfig) -> dict:
     resume_from = broadcast(run_state.resume_point(out_dir, cfg.run.resume) if dist.get_rank() == DRIVER else None)
     if dist.get_rank() == DRIVER and resume_from is None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        run_state.write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
+        write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     s = _session(cfg, out_dir, resume_from, pg)
     s.tracker.log_params({"algorithm": cfg.algorithm.name, "actor_layout": cfg.actor.parallel.describe(),
