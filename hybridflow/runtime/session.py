@@ -11,8 +11,8 @@ every rank: EngineSync (the reshard plan from shapes; engine handles on the driv
 
 The replica drivers generate and score their shares of each step (``replicas``); samples and
 scores are gathered to every rank, so every rank sees the same ones, and the trainer work runs
-on every rank under the actor's layout. Roles are typed behind small Protocols
-(``ModelRole``, ``RolloutEngine``).
+on every rank under the actor's layout. What the runtime calls on the trainer roles, the engine
+and the tracker is typed by small Protocols (``ModelRole``, ``RolloutEngine``, ``MetricSink``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from hybridflow.config import HybridflowConfig
 from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
 from hybridflow.runtime.model_dir import rollout_model_dir
 from hybridflow.runtime.state import RunState
-from hybridflow.runtime.tracking import Tracker
 
-__all__ = ["Session", "broadcast", "build_policy", "start_engine"]
+__all__ = ["MetricSink", "ModelRole", "Session", "broadcast", "build_policy", "start_engine"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +134,23 @@ class ModelRole(Protocol):
     def restore_training_state(self) -> None: ...
 
 
+class MetricSink(Protocol):
+    """What the runtime calls on the run's tracker (``hybridflow.runtime.tracking.Tracker``)."""
+
+    run_id: str | None
+    """The tracking run, kept in the run state so that a resumed run logs into it; None: none."""
+    uri: str | None
+    """Where the run is tracked, for the summary; None: not tracked (or not on this rank)."""
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_artifact(self, path: str | os.PathLike) -> None: ...
+
+    def close(self, status: str = "FINISHED") -> None: ...
+
+
 @dataclass
 class Session:
     """One rank's view of a run; see the module docstring."""
@@ -149,7 +165,7 @@ class Session:
     sft_rows: list[TokenizedPrompt]
     sampler: PromptSampler
     state: RunState
-    tracker: Tracker
+    tracker: MetricSink
     engine: RolloutEngine | None = None
     """This rank's replica's engine when it drives one."""
     actor: ModelRole | None = None

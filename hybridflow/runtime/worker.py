@@ -197,7 +197,7 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     first = s.state.history[0] if s.state.history else {}
     extra = {"first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
              "first_step_ppo_kl": first.get("actor/ppo_kl"), "first_step_clipfrac": first.get("actor/clipfrac"),
-             "mlflow_run_id": s.tracker.run_id, "mlflow_uri": getattr(s.tracker, "uri", None),
+             "mlflow_run_id": s.tracker.run_id, "mlflow_uri": s.tracker.uri,
              "reward_errors": s.reward_errors, "executed_stages": s.executed_stages}
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
