@@ -9,7 +9,7 @@
     buckets.py    consecutive groups of items under a size budget
     files.py      atomic text writes
 
-Package imports (an arrow: may import):
+Package imports (an arrow: may import; ``tests/test_boundaries.py`` checks them):
 
     hfschema            nothing of the project
     moe                 nothing of the project
