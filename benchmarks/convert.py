@@ -74,7 +74,7 @@ def write_synthetic(path: Path, target_bytes: int) -> tuple[int, int]:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     make_tiny_tokenizer(320).save_pretrained(str(path))
-    from hybridflow.convert import read_model_config
+    from hfschema.hf_config import read_model_config
     from reshard.families import canonical_tensors
 
     tensors = canonical_tensors(read_model_config(path))

@@ -30,11 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from hybridflow.config import ModelConfig  # noqa: E402
-from hybridflow.layout import ParallelLayout  # noqa: E402
+from hfschema.layout import ParallelLayout  # noqa: E402
+from hfschema.model import ModelConfig  # noqa: E402
+from hfschema.sglang import SGLangSettings  # noqa: E402
 from reshard import (  # noqa: E402
-    Bandwidth, PipelineSplit, SGLangSettings, Topology, megatron_layout, plan_reshard, plan_stats,
-    sglang_layout,
+    Bandwidth, PipelineSplit, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout,
 )
 
 logger = logging.getLogger("reshard_plan")

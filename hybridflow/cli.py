@@ -24,7 +24,11 @@ and a one-line message on stderr.
 
 ``selftest`` validates the config here, then starts one process per rank of the actor's
 layout with torchrun (gloo on CPU, NCCL on GPUs) to train the actor a few steps on a synthetic
-task, checkpoint it and reload it (``megatron_adapters/selftest.py``).
+task, checkpoint it and reload it (``hybridflow/selftest.py``).
+
+``train``, ``launch`` and ``slurm`` check the config here first (``hybridflow.preflight``), then
+hand plain values (the actor's layout, the config path and overrides) to ``launch``, which
+starts the processes.
 """
 
 import argparse
@@ -35,11 +39,12 @@ import sys
 from argparse import SUPPRESS
 from collections.abc import Sequence
 
+from hfschema.hf_config import DEFAULT_BUFFER_BYTES, DEFAULT_SHARD_BYTES
 from hybridflow import __version__
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
-from hybridflow.convert import DEFAULT_BUFFER_BYTES, DEFAULT_SHARD_BYTES
 from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
+from hybridflow.preflight import check_slurm_run, preflight
 from launch.multinode import LaunchSpec
 from launch.slurm import SlurmJob
 
@@ -206,7 +211,7 @@ def _selftest(args: argparse.Namespace) -> int:
     nproc = cfg.actor.parallel.world_size
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", "megatron_adapters.selftest",
+        f"--nproc-per-node={nproc}", "-m", "hybridflow.selftest",
         args.config, *args.overrides,
     ]
     env = {**os.environ, "HYBRIDFLOW_SELFTEST_STEPS": str(args.steps)}
@@ -220,7 +225,8 @@ def _train(args: argparse.Namespace) -> int:
     from launch.torchrun import launch_train  # here: keeps `hybridflow plan` import-light
 
     cfg = load_config(args.config, args.overrides)
-    return launch_train(cfg, args.config, args.overrides)
+    preflight(cfg)
+    return launch_train(cfg.actor.parallel, args.config, args.overrides, rollout=cfg.rollout.describe())
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -229,7 +235,9 @@ def _launch(args: argparse.Namespace) -> int:
     spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, **_given(args, LAUNCH_DEFAULTS))
     cfg = load_config(args.config, args.overrides)
-    return launch(cfg, spec, args.config, args.overrides)
+    spec.check_layout(cfg.actor.parallel)
+    preflight(cfg, command="launch")
+    return launch(spec, cfg.actor.parallel, args.config, args.overrides)
 
 
 def _given(args: argparse.Namespace, defaults: dict[str, object]) -> dict[str, object]:
@@ -251,12 +259,14 @@ def _slurm(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     job = slurm.SlurmJob(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-        nproc_per_node=slurm.nproc_per_node(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                                            requested=args.nproc_per_node),
+        nproc_per_node=slurm.nproc_per_node(cfg.actor.parallel, nodes=args.nodes,
+                                            gpus_per_node=args.gpus_per_node, requested=args.nproc_per_node),
         job_name=args.job_name or f"hybridflow-{cfg.run.name}", partition=args.partition, account=args.account,
         time=args.time, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem, env=_env_pairs(args.env),
         extra_directives=tuple(args.sbatch_option), **_given(args, SLURM_DEFAULTS))
-    run_dir, text = slurm.sbatch_for_run(cfg, job, config=args.config, overrides=args.overrides)
+    check_slurm_run(cfg, job)
+    run_dir, text = slurm.sbatch_for_run(job, config=args.config, overrides=args.overrides,
+                                         output_dir=cfg.run.output_dir)
     print(text, end="")
     if args.dry_run:
         return 0

@@ -9,6 +9,10 @@ The dataclasses below are the schema and hold the only defaults; YAML files in
 Each section validates itself in ``__post_init__`` and raises ``ConfigError`` with keys
 relative to itself; ``load_config`` prefixes the section path, so every message names
 a full key such as ``actor.parallel.tp``.
+
+The sections every package shares (``ModelConfig``, ``TrainConfig``, ``MoEConfig``,
+``ParallelLayout``, ``ConfigError``) live in the leaf package ``hfschema``, which imports nothing
+of the project; they are re-exported here as part of the schema.
 """
 
 import dataclasses
@@ -25,10 +29,13 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from hybridflow.layout import ConfigError, ParallelLayout
+from hfschema.checks import check_choice, check_non_negative, check_positive
+from hfschema.layout import ConfigError, ParallelLayout
+from hfschema.model import MODEL_FAMILIES, ModelConfig, RopeScalingConfig
+from hfschema.sglang import SGLangSettings
+from hfschema.train import MoEConfig, TrainConfig
 
 if TYPE_CHECKING:
-    from reshard.sglang import SGLangSettings
     from reshard.stats import Bandwidth
 
 __all__ = [
@@ -58,237 +65,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 ROLE_NAMES = ("actor", "reference", "critic")
 ROLLOUT_ENGINES = ("sglang", "hf")
 ROLLOUT_PLACEMENTS = ("colocated", "separate")
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _check_choice(key: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ConfigError(
-            "{p}{key}={value!r} is not one of: {choices}", key=key, value=value,
-            choices=", ".join(choices),
-        )
-
-
-def _check_positive(section: object, keys: Sequence[str]) -> None:
-    for key in keys:
-        value = getattr(section, key)
-        if value is not None and value <= 0:
-            raise ConfigError("{p}{key}={value} must be > 0", key=key, value=value)
-
-
-def _check_non_negative(section: object, keys: Sequence[str]) -> None:
-    for key in keys:
-        value = getattr(section, key)
-        if value < 0:
-            raise ConfigError("{p}{key}={value} must be >= 0", key=key, value=value)
-
-
 # --------------------------------------------------------------------------- schema
-
-
-@dataclass(kw_only=True)
-class RopeScalingConfig:
-    """RoPE context extension (YaRN for DeepSeek-V3, linear, or Llama-3 style)."""
-
-    type: str = "yarn"
-    """Scaling method: yarn, linear or llama3."""
-    factor: float = 1.0
-    """Context extension factor (new length / original length)."""
-    original_max_position_embeddings: int = 4096
-    """Context length the model was pre-trained with before extension."""
-    beta_fast: float = 32.0
-    """YaRN: rotations above which frequencies are left unscaled."""
-    beta_slow: float = 1.0
-    """YaRN: rotations below which frequencies are fully interpolated."""
-    mscale: float = 1.0
-    """YaRN: attention-temperature scale."""
-    mscale_all_dim: float = 0.0
-    """YaRN: attention-temperature scale applied over all dims (DeepSeek-V3 uses 1.0)."""
-
-    def __post_init__(self) -> None:
-        _check_choice("type", self.type, ("yarn", "linear", "llama3"))
-        if self.factor < 1.0:
-            raise ConfigError("{p}factor={f} must be >= 1.0", f=self.factor)
-        _check_positive(self, ("original_max_position_embeddings",))
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Transformer architecture; dense (llama, qwen2) or MoE (qwen3_moe, mixtral, deepseek_v3)."""
-
-    family: str = "qwen3_moe"
-    """Model family, one of MODEL_FAMILIES; picks the weight mapping and layer spec."""
-    hidden_size: int = 64
-    """Residual stream width."""
-    num_layers: int = 2
-    """Number of transformer layers."""
-    num_attention_heads: int = 4
-    """Query heads per layer."""
-    num_kv_heads: int = 2
-    """Key/value heads (GQA); equal to num_attention_heads for MHA. Unused with MLA."""
-    head_dim: Optional[int] = None
-    """Per-head channels; None = hidden_size // num_attention_heads."""
-    ffn_hidden_size: int = 128
-    """Intermediate size of dense SwiGLU MLPs."""
-    vocab_size: int = 128
-    """Tokenizer vocabulary size (before megatron's padding)."""
-    max_position_embeddings: int = 256
-    """Longest sequence the RoPE tables cover."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    rope_scaling: Optional[RopeScalingConfig] = None
-    """RoPE context extension; None = plain RoPE."""
-    norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
-    tie_word_embeddings: bool = False
-    """Share the input embedding with the output (LM head) projection."""
-    qk_layernorm: bool = False
-    """RMSNorm on per-head queries and keys (Qwen3)."""
-    attention_bias: bool = False
-    """Bias on the q/k/v projections (Qwen2)."""
-    num_experts: int = 4
-    """Routed experts per MoE layer; 0 = dense model (llama, qwen2)."""
-    moe_top_k: int = 2
-    """Routed experts each token is sent to."""
-    moe_ffn_hidden_size: int = 64
-    """Intermediate size of each expert's SwiGLU MLP."""
-    num_shared_experts: int = 0
-    """Always-active shared experts per MoE layer (DeepSeek-V3: 1)."""
-    router_score_function: str = "softmax"
-    """Router scores: softmax, or sigmoid (DeepSeek-V3)."""
-    router_expert_bias: bool = False
-    """Aux-loss-free load-balancing bias (DeepSeek-V3); megatron-core requires sigmoid scores."""
-    router_topk_scaling_factor: Optional[float] = None
-    """Multiplier on the top-k routing weights (DeepSeek-V3: 2.5); None = 1."""
-    router_num_groups: Optional[int] = None
-    """Expert groups for group-limited routing (DeepSeek-V3: 8); None = off."""
-    router_group_topk: Optional[int] = None
-    """Groups each token may route into (DeepSeek-V3: 4); set with router_num_groups."""
-    norm_topk_prob: bool = True
-    """Renormalise the top-k routing weights to sum to 1."""
-    first_k_dense_layers: int = 0
-    """Leading layers that use a dense MLP instead of MoE (DeepSeek-V3: 3)."""
-    q_lora_rank: Optional[int] = None
-    """MLA query compression rank; None = uncompressed queries."""
-    kv_lora_rank: int = 0
-    """MLA key/value compression rank; 0 = no MLA (standard GQA attention)."""
-    qk_nope_head_dim: int = 0
-    """MLA per-head query/key channels without RoPE."""
-    qk_rope_head_dim: int = 0
-    """MLA per-head query/key channels with RoPE."""
-    v_head_dim: int = 0
-    """MLA per-head value channels."""
-
-    def __post_init__(self) -> None:
-        _check_choice("family", self.family, MODEL_FAMILIES)
-        _check_positive(self, (
-            "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
-            "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rope_theta", "norm_eps",
-            "moe_top_k", "moe_ffn_hidden_size", "router_topk_scaling_factor", "q_lora_rank",
-        ))
-        _check_non_negative(self, (
-            "num_experts", "num_shared_experts", "first_k_dense_layers", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        ))
-        self._check_attention()
-        self._check_family()
-        self._check_moe()
-        self._check_router()
-
-    def _check_attention(self) -> None:
-        if self.is_mla:
-            _check_positive(self, ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-            return
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                "{p}hidden_size={h} is not divisible by {p}num_attention_heads={n}; "
-                "set {p}head_dim explicitly", h=self.hidden_size, n=self.num_attention_heads,
-            )
-        if self.num_attention_heads % self.num_kv_heads:
-            raise ConfigError(
-                "{p}num_kv_heads={kv} does not divide {p}num_attention_heads={n}",
-                kv=self.num_kv_heads, n=self.num_attention_heads,
-            )
-
-    def _check_family(self) -> None:
-        if self.family == "deepseek_v3" and not self.is_mla:
-            raise ConfigError(
-                "{p}family='deepseek_v3' uses MLA: set {p}kv_lora_rank, {p}qk_nope_head_dim, "
-                "{p}qk_rope_head_dim and {p}v_head_dim > 0 (got kv_lora_rank={r})",
-                r=self.kv_lora_rank,
-            )
-        if self.family in MOE_FAMILIES and not self.is_moe:
-            raise ConfigError(
-                "{p}family={fam!r} is an MoE family: set {p}num_experts > 0", fam=self.family
-            )
-        if self.family not in MOE_FAMILIES and self.is_moe:
-            raise ConfigError(
-                "{p}family={fam!r} is dense: set {p}num_experts=0 (got {e}), or use one of {moe}",
-                fam=self.family, e=self.num_experts, moe=", ".join(MOE_FAMILIES),
-            )
-
-    def _check_moe(self) -> None:
-        if self.first_k_dense_layers >= self.num_layers:
-            raise ConfigError(
-                "{p}first_k_dense_layers={k} must be < {p}num_layers={n}",
-                k=self.first_k_dense_layers, n=self.num_layers,
-            )
-        if self.is_moe and self.moe_top_k > self.num_experts:
-            raise ConfigError(
-                "{p}moe_top_k={k} must be <= {p}num_experts={e}",
-                k=self.moe_top_k, e=self.num_experts,
-            )
-
-    def _check_router(self) -> None:
-        _check_choice("router_score_function", self.router_score_function, ("softmax", "sigmoid"))
-        if self.router_expert_bias and self.router_score_function != "sigmoid":
-            raise ConfigError(
-                "{p}router_expert_bias=true needs {p}router_score_function='sigmoid' (got {f!r}); "
-                "megatron-core supports the aux-loss-free bias only with sigmoid scores",
-                f=self.router_score_function,
-            )
-        groups, group_topk = self.router_num_groups, self.router_group_topk
-        if (groups is None) != (group_topk is None):
-            raise ConfigError(
-                "{p}router_num_groups={g} and {p}router_group_topk={k}: set both or neither",
-                g=groups, k=group_topk,
-            )
-        if groups is not None:
-            self._check_router_groups(groups, group_topk)
-
-    def _check_router_groups(self, groups: int, group_topk: int) -> None:
-        if groups <= 0 or not 0 < group_topk <= groups:
-            raise ConfigError(
-                "{p}router_group_topk={k} must be in 1..{p}router_num_groups={g}",
-                k=group_topk, g=groups,
-            )
-        if self.num_experts % groups:
-            raise ConfigError(
-                "{p}router_num_groups={g} does not divide {p}num_experts={e}",
-                g=groups, e=self.num_experts,
-            )
-
-    @property
-    def is_moe(self) -> bool:
-        """Whether the model has routed experts."""
-        return self.num_experts > 0
-
-    @property
-    def is_mla(self) -> bool:
-        """Whether attention is multi-head latent attention (DeepSeek-V3)."""
-        return self.kv_lora_rank > 0
-
-    @property
-    def kv_channels(self) -> int:
-        """Per-head channels of standard attention: head_dim, or hidden_size // heads."""
-        if self.head_dim is not None:
-            return self.head_dim
-        return self.hidden_size // self.num_attention_heads
 
 
 @dataclass(kw_only=True)
@@ -299,63 +82,6 @@ class RoleConfig:
     """Whether this role is built; the reference and critic are optional."""
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     """megatron-core parallel layout of this role."""
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Optimizer, learning-rate schedule and batch sizes of the trained roles."""
-
-    optimizer: str = "adam"
-    """Optimizer: adam or sgd."""
-    lr: float = 1e-4
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Floor of the decaying schedules (linear, cosine)."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam first-moment decay."""
-    adam_beta2: float = 0.999
-    """Adam second-moment decay."""
-    adam_eps: float = 1e-8
-    """Adam denominator epsilon."""
-    lr_schedule: str = "constant"
-    """Learning-rate decay after warmup: constant, linear or cosine."""
-    lr_warmup_steps: int = 0
-    """Steps of linear warmup from 0 to lr."""
-    lr_decay_steps: int = 1000
-    """Optimizer steps over which the linear or cosine schedule decays lr to min_lr."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clipping threshold; 0 = off."""
-    micro_batch_size: int = 2
-    """Sequences per forward/backward pass on one data-parallel rank."""
-    global_batch_size: int = 8
-    """Sequences per optimizer step across all data-parallel ranks."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer state across data-parallel ranks (megatron distributed optimizer)."""
-
-    def __post_init__(self) -> None:
-        _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
-        _check_choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
-        _check_positive(
-            self, ("lr", "adam_eps", "micro_batch_size", "global_batch_size", "lr_decay_steps")
-        )
-        _check_non_negative(self, ("min_lr", "weight_decay", "lr_warmup_steps", "clip_grad"))
-        if self.min_lr > self.lr:
-            raise ConfigError("{p}min_lr={m} must be <= {p}lr={lr}", m=self.min_lr, lr=self.lr)
-        for key in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise ConfigError("{p}{key}={v} must be in [0, 1)", key=key, v=getattr(self, key))
-        if self.optimizer == "sgd" and self.use_distributed_optimizer:
-            raise ConfigError(
-                "{p}optimizer=sgd needs {p}use_distributed_optimizer=false "
-                "(megatron-core's distributed optimizer checkpoints Adam state only)"
-            )
-        if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(
-                "{p}global_batch_size={g} is not a multiple of {p}micro_batch_size={m}",
-                g=self.global_batch_size, m=self.micro_batch_size,
-            )
 
 
 @dataclass(kw_only=True)
@@ -370,7 +96,7 @@ class TrackingConfig:
     """Experiment name runs are grouped under."""
 
     def __post_init__(self) -> None:
-        _check_choice("backend", self.backend, ("mlflow", "none"))
+        check_choice("backend", self.backend, ("mlflow", "none"))
 
 
 @dataclass(kw_only=True)
@@ -412,11 +138,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("{p}name must not be empty")
-        _check_choice("mode", self.mode, ("rl", "sft"))
-        _check_choice("resume", self.resume, ("auto", "never"))
-        _check_choice("on_nan", self.on_nan, ("stop", "skip"))
-        _check_non_negative(self, ("seed", "steps", "checkpoint_every", "heldout_prompts", "heldout_every"))
-        _check_positive(self, ("prompts_per_step", "keep_checkpoints"))
+        check_choice("mode", self.mode, ("rl", "sft"))
+        check_choice("resume", self.resume, ("auto", "never"))
+        check_choice("on_nan", self.on_nan, ("stop", "skip"))
+        check_non_negative(self, ("seed", "steps", "checkpoint_every", "heldout_prompts", "heldout_every"))
+        check_positive(self, ("prompts_per_step", "keep_checkpoints"))
 
 
 @dataclass(kw_only=True)
@@ -473,17 +199,17 @@ class RolloutConfig:
     process and every engine rank receives every tensor; the baseline)."""
 
     def __post_init__(self) -> None:
-        _check_choice("engine", self.engine, ROLLOUT_ENGINES)
-        _check_choice("sync_route", self.sync_route, ("sliced", "full"))
-        _check_positive(self, ("n", "max_total_tokens", "dispatch_chunks", "reshard_bucket_mb", "push_bucket_mb",
+        check_choice("engine", self.engine, ROLLOUT_ENGINES)
+        check_choice("sync_route", self.sync_route, ("sliced", "full"))
+        check_positive(self, ("n", "max_total_tokens", "dispatch_chunks", "reshard_bucket_mb", "push_bucket_mb",
                                "intra_node_gbps", "inter_node_gbps"))
         if not 0.0 <= self.temperature:
             raise ConfigError("{p}temperature={t} must be >= 0", t=self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError("{p}top_p={t} must be in (0, 1]", t=self.top_p)
-        _check_choice("placement", self.placement, ROLLOUT_PLACEMENTS)
-        _check_choice("dtype", self.dtype, ROLLOUT_DTYPES)
-        _check_positive(self, ("tp", "ep", "moe_dp", "dp_size", "num_replicas", "gpus_per_node"))
+        check_choice("placement", self.placement, ROLLOUT_PLACEMENTS)
+        check_choice("dtype", self.dtype, ROLLOUT_DTYPES)
+        check_positive(self, ("tp", "ep", "moe_dp", "dp_size", "num_replicas", "gpus_per_node"))
         if self.engine == "hf":
             self._check_unsharded()
             if self.sync_route != "full":
@@ -511,12 +237,9 @@ class RolloutConfig:
         """Engine ranks of all replicas: tp * num_replicas."""
         return self.tp * self.num_replicas
 
-    def sglang_settings(self) -> "SGLangSettings":
-        """These settings as ``reshard.sglang.SGLangSettings`` (an hf replica is a tp=1 engine:
+    def sglang_settings(self) -> SGLangSettings:
+        """These settings as ``hfschema.sglang.SGLangSettings`` (an hf replica is a tp=1 engine:
         both load every canonical tensor whole)."""
-        # imported here: reshard imports this module for ModelConfig
-        from reshard.sglang import SGLangSettings
-
         return SGLangSettings(
             tp=self.tp, ep=self.ep, moe_dp=self.moe_dp,
             enable_dp_attention=self.enable_dp_attention, dp_size=self.dp_size,
@@ -538,7 +261,8 @@ class RolloutConfig:
 
 
 def _rollout_error(error: ValueError) -> ConfigError:
-    """A ``reshard.sglang`` error, whose keys read ``sglang.tp``, as a rollout-section error."""
+    """An ``SGLangSettings`` / ``reshard.sglang`` error, whose keys read ``sglang.tp``, as a
+    rollout-section error."""
     template = str(error).replace("{", "{{").replace("}", "}}")
     return ConfigError(re.sub(r"\bsglang\.", "{p}", template))
 
@@ -617,14 +341,14 @@ class AlgorithmConfig:
     """PF-PPO pow mode's exponent."""
 
     def __post_init__(self) -> None:
-        _check_choice("name", self.name, ALGORITHMS)
+        check_choice("name", self.name, ALGORITHMS)
         if self.loss_agg_mode is not None:
-            _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _check_choice("kl_type", self.kl_type, KL_TYPES)
+            check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        check_choice("kl_type", self.kl_type, KL_TYPES)
         if self.pf_ppo is not None:
-            _check_choice("pf_ppo", self.pf_ppo, ("pow", "max_min", "max_random"))
-        _check_positive(self, ("ppo_epochs", "mini_batches", "max_sampling_rounds", "clip_ratio_low"))
-        _check_non_negative(self, ("kl_loss_coef", "kl_reward_coef", "entropy_coef", "lm_loss_coef",
+            check_choice("pf_ppo", self.pf_ppo, ("pow", "max_min", "max_random"))
+        check_positive(self, ("ppo_epochs", "mini_batches", "max_sampling_rounds", "clip_ratio_low"))
+        check_non_negative(self, ("kl_loss_coef", "kl_reward_coef", "entropy_coef", "lm_loss_coef",
                                    "value_pretrain_steps", "overlong_buffer_len", "value_clip"))
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
@@ -669,8 +393,8 @@ class DataConfig:
     """Shuffle training prompts each epoch (seeded by run.seed)."""
 
     def __post_init__(self) -> None:
-        _check_choice("on_bad_row", self.on_bad_row, ("skip", "fail"))
-        _check_positive(self, ("max_prompt_length", "max_response_length"))
+        check_choice("on_bad_row", self.on_bad_row, ("skip", "fail"))
+        check_positive(self, ("max_prompt_length", "max_response_length"))
 
 
 @dataclass(kw_only=True)
@@ -691,8 +415,8 @@ class TaskConfig:
     the verifier's reward is what RL has to add."""
 
     def __post_init__(self) -> None:
-        _check_choice("name", self.name, ("arithmetic", "max", "countdown"))
-        _check_positive(self, ("train_size", "heldout_size", "max_operand"))
+        check_choice("name", self.name, ("arithmetic", "max", "countdown"))
+        check_positive(self, ("train_size", "heldout_size", "max_operand"))
         if not 0.0 <= self.sft_noise < 1.0:
             raise ConfigError("{p}sft_noise={v} must be in [0, 1)", v=self.sft_noise)
 
@@ -710,7 +434,7 @@ class RewardConfig:
     """A reward function that raises: zero (reward 0, logged with the sample) or fail."""
 
     def __post_init__(self) -> None:
-        _check_choice("on_error", self.on_error, ("zero", "fail"))
+        check_choice("on_error", self.on_error, ("zero", "fail"))
 
 
 @dataclass(kw_only=True)
@@ -727,39 +451,8 @@ class SFTConfig:
     """Column holding the SFT target response."""
 
     def __post_init__(self) -> None:
-        _check_non_negative(self, ("steps",))
-        _check_positive(self, ("lr", "batch_size"))
-
-
-ROUTING_REPLAY_MODES = ("off", "r2", "r3")
-
-
-@dataclass(kw_only=True)
-class MoEConfig:
-    """MoE reinforcement-learning stability: routing replay, router statistics, router control."""
-
-    routing_replay: str = "off"
-    """off; r2: replay in training the experts the actor's own old-log-prob forward chose; r3:
-    replay the experts the rollout engine chose (SGLang returns them on a GPU only)."""
-    freeze_router: bool = False
-    """Keep the router weights and expert bias fixed during RL (no gradient, bias update rate 0)."""
-    expert_bias_update_rate: float = 1e-3
-    """Aux-loss-free expert-bias step per optimizer step (model.router_expert_bias routers only)."""
-    aux_loss_coef: float = 0.0
-    """Load-balancing auxiliary loss coefficient during RL; 0 = off."""
-    z_loss_coef: float = 0.0
-    """Router z-loss coefficient (keeps router logits small) during RL; 0 = off."""
-    router_stats: bool = True
-    """Log router statistics per step (moe/... metrics) and summarise them in summary.json."""
-
-    def __post_init__(self) -> None:
-        _check_choice("routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
-        _check_non_negative(self, ("expert_bias_update_rate", "aux_loss_coef", "z_loss_coef"))
-
-    @property
-    def bias_update_rate(self) -> float:
-        """The expert-bias update rate in effect: 0 while the router is frozen."""
-        return 0.0 if self.freeze_router else self.expert_bias_update_rate
+        check_non_negative(self, ("steps",))
+        check_positive(self, ("lr", "batch_size"))
 
 
 @dataclass(kw_only=True)
@@ -813,7 +506,7 @@ class HybridflowConfig:
                              f"actor.parallel.cp=1 or moe.routing_replay=off")
 
     def _check_rollout(self) -> None:
-        from reshard.sglang import check_settings  # here: reshard imports this module
+        from reshard.sglang import check_settings  # here: reshard is the slow import
 
         try:
             check_settings(self.model, self.rollout.sglang_settings())

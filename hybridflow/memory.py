@@ -63,8 +63,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from hybridflow.config import HybridflowConfig, ModelConfig, RoleConfig
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
+from hfschema.sglang import pad_vocab
+from hybridflow.config import HybridflowConfig, RoleConfig
 
 __all__ = [
     "ENGINE_MARGIN_BYTES",
@@ -282,8 +284,6 @@ def training_components(cfg: HybridflowConfig, role: str, *,
 
 def engine_params_per_rank(cfg: HybridflowConfig) -> int:
     """Parameters one SGLang rank loads (an hf replica: the whole model)."""
-    from reshard.sglang import pad_vocab  # here: reshard imports hybridflow.config
-
     m, s = cfg.model, cfg.rollout.sglang_settings()
     total = 0
     for p in param_split(m):

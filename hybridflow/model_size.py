@@ -9,7 +9,7 @@ Counts use the tokenizer vocabulary, not megatron's padded one, so they match th
 model cards (Qwen3-235B-A22B, DeepSeek-V3 671B without its MTP module).
 """
 
-from hybridflow.config import ModelConfig
+from hfschema.model import ModelConfig
 
 __all__ = ["count_parameters", "format_count"]
 

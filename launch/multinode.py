@@ -1,8 +1,9 @@
 """Start ``hybridflow train`` on one node of several: torchrun with a c10d rendezvous.
 
     hybridflow launch CONFIG [k=v ...] --nnodes N --nproc-per-node G --rdzv-endpoint HOST:PORT
-      │  checks here, in seconds: N*G = the actor layout's ranks, the config, the graph,
-      │  run.resume against the run directory, and the rendezvous endpoint (see below)
+      │  checks first, in seconds: N*G = the actor layout's ranks (LaunchSpec.check_layout), the
+      │  config, the graph and run.resume against the run directory (hybridflow.preflight), and
+      │  the rendezvous endpoint (check_endpoint, see below)
       └─ python -m torch.distributed.run --nnodes N --nproc-per-node G --rdzv-backend c10d
              --rdzv-endpoint HOST:PORT --rdzv-id ID --rdzv-conf join_timeout=T --max-restarts K
              -m hybridflow.runtime.worker CONFIG [k=v ...]
@@ -31,7 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridflow.config import HybridflowConfig
+from hfschema.layout import ParallelLayout
 from launch.reaper import run_reaped
 
 __all__ = ["LaunchSpec", "check_endpoint", "check_process_count", "launch", "parse_endpoint", "torchrun_command"]
@@ -87,15 +88,14 @@ class LaunchSpec:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def check_layout(self, cfg: HybridflowConfig) -> None:
-        """The job must start exactly the ranks the actor's layout fills."""
-        check_process_count(cfg, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """The job must start exactly the ranks the actor's ``layout`` fills."""
+        check_process_count(layout, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
                             self.world_size)
 
 
-def check_process_count(cfg: HybridflowConfig, nodes_flag: str, per_node_flag: str, started: int) -> None:
-    """ValueError naming both flags and ``actor.parallel`` unless ``started`` fills the layout."""
-    layout = cfg.actor.parallel
+def check_process_count(layout: ParallelLayout, nodes_flag: str, per_node_flag: str, started: int) -> None:
+    """ValueError naming both flags and ``actor.parallel`` unless ``started`` fills the actor's ``layout``."""
     if started != layout.world_size:
         raise ValueError(
             f"{nodes_flag} x {per_node_flag} = {started} processes, but actor.parallel fills "
@@ -176,12 +176,11 @@ def check_endpoint(spec: LaunchSpec) -> None:
         time.sleep(1.0)
 
 
-def launch(cfg: HybridflowConfig, spec: LaunchSpec, config_path: str, overrides: Sequence[str]) -> int:
-    """Check what this node can check, then run its torchrun to completion; returns its exit status."""
-    from launch.torchrun import preflight
+def launch(spec: LaunchSpec, layout: ParallelLayout, config_path: str, overrides: Sequence[str]) -> int:
+    """Check the rendezvous, then run this node's torchrun to completion; returns its exit status.
 
-    spec.check_layout(cfg)
-    preflight(cfg, command="launch")
+    The caller checked the run first (``spec.check_layout``, ``hybridflow.preflight``); ``layout``
+    is the actor's, for the start line."""
     check_endpoint(spec)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share a node's cores (see launch.torchrun)
@@ -192,7 +191,7 @@ def launch(cfg: HybridflowConfig, spec: LaunchSpec, config_path: str, overrides:
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     where = "" if spec.node_rank is None else f" node {spec.node_rank}"
     sys.stdout.write(f"hybridflow launch:{where} {spec.nproc_per_node} of {spec.world_size} process(es) "
-                     f"on {spec.nnodes} node(s) ({cfg.actor.parallel.describe()}), rendezvous "
+                     f"on {spec.nnodes} node(s) ({layout.describe()}), rendezvous "
                      f"{spec.rdzv_endpoint or 'standalone'}, up to {spec.max_restarts} restart(s)\n")
     sys.stdout.flush()
     return run_reaped(torchrun_command(spec, config_path, overrides), env)  # no orphan outlives the job

@@ -1,6 +1,7 @@
 """Render (and submit) the sbatch script of a hybridflow run.
 
     hybridflow slurm CONFIG [k=v ...] --nodes N --gpus-per-node G [--partition P ...] [--submit]
+      │  checks first, in the calling process (hybridflow.preflight.check_slurm_run)
       └─ <run.output_dir>/hybridflow.sbatch           (written atomically, printed)
            #SBATCH --nodes=N --ntasks-per-node=1 --requeue --signal=B:USR1@lead ...
            head = first host of the allocation  (scontrol show hostnames)
@@ -24,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridflow.config import HybridflowConfig
+from hfschema.files import write_text_atomic
+from hfschema.layout import ParallelLayout
 from launch.multinode import check_process_count
 
 __all__ = ["SCRIPT_NAME", "SlurmJob", "nproc_per_node", "render_sbatch", "sbatch_for_run", "submit", "write_script"]
@@ -88,10 +90,10 @@ class SlurmJob:
             if not option.startswith("--") or "\n" in option:
                 raise ValueError(f"--sbatch-option={option!r} must be one long option, e.g. --constraint=h100")
 
-    def check_layout(self, cfg: HybridflowConfig) -> None:
-        """The allocation must start exactly the ranks the actor's layout fills."""
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """The allocation must start exactly the ranks the actor's ``layout`` fills."""
         per_node = "--gpus-per-node" if self.gpus_per_node else "--nproc-per-node"
-        check_process_count(cfg, f"--nodes={self.nodes}", f"{per_node}={self.nproc_per_node}",
+        check_process_count(layout, f"--nodes={self.nodes}", f"{per_node}={self.nproc_per_node}",
                             self.nodes * self.nproc_per_node)
 
 
@@ -177,8 +179,6 @@ def render_sbatch(job: SlurmJob, *, config: Path, overrides: Sequence[str], run_
 
 def write_script(text: str, run_dir: Path) -> Path:
     """Write the script into the run directory (atomically) and create its log directory."""
-    from hybridflow.runtime.state import write_text_atomic
-
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create --output's folder
     path = run_dir / SCRIPT_NAME
     write_text_atomic(path, text)
@@ -198,34 +198,30 @@ def submit(script: Path) -> str:
     return done.stdout.strip().split(";")[0]  # --parsable prints "jobid[;cluster]"
 
 
-def nproc_per_node(cfg: HybridflowConfig, *, nodes: int, gpus_per_node: int, requested: int | None) -> int:
-    """Ranks per node: ``requested``, else one per GPU, else (CPU) the actor's ranks split evenly."""
+def nproc_per_node(layout: ParallelLayout, *, nodes: int, gpus_per_node: int, requested: int | None) -> int:
+    """Ranks per node: ``requested``, else one per GPU, else (CPU) the actor's ``layout``'s ranks
+    split evenly."""
     if requested is not None:
         return requested
     if gpus_per_node:
         return gpus_per_node
-    world = cfg.actor.parallel.world_size
+    world = layout.world_size
     if nodes < 1 or world % nodes:
         raise ValueError(f"--nodes={nodes} does not divide the {world} ranks of actor.parallel "
-                         f"({cfg.actor.parallel.describe()}); pass --nproc-per-node or change --nodes")
+                         f"({layout.describe()}); pass --nproc-per-node or change --nodes")
     return world // nodes
 
 
-def sbatch_for_run(cfg: HybridflowConfig, job: SlurmJob, *, config: str, overrides: Sequence[str],
+def sbatch_for_run(job: SlurmJob, *, config: str, overrides: Sequence[str], output_dir: str,
                    workdir: Path | None = None) -> tuple[Path, str]:
-    """Check the run as ``hybridflow launch`` would, then render its script; returns (run dir, text)."""
-    from launch.torchrun import preflight
-
+    """The script of the run in ``output_dir`` (the config's ``run.output_dir``, relative to
+    ``workdir``); returns (run dir, text). The caller checked the run first
+    (``hybridflow.preflight.check_slurm_run``)."""
     config_path = Path(config)
     if not config_path.is_file():
         raise ValueError(f"config file not found: {config}")
-    if cfg.run.resume != "auto":
-        raise ValueError(f"run.resume={cfg.run.resume}: a Slurm job must be able to resume after a requeue; "
-                         "use run.resume=auto (the default) and a new run.output_dir for a fresh run")
-    job.check_layout(cfg)
-    preflight(cfg, command="slurm")
     workdir = (workdir or Path.cwd()).resolve()
-    run_dir = (workdir / cfg.run.output_dir).resolve()
+    run_dir = (workdir / output_dir).resolve()
     # the script pins these two itself: the run directory must not depend on where it runs
     kept = [o for o in overrides if o.partition("=")[0].strip() not in ("run.output_dir", "run.resume")]
     text = render_sbatch(job, config=config_path.resolve(), overrides=kept, run_dir=run_dir, workdir=workdir)

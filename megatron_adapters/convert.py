@@ -40,8 +40,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.config import ModelConfig
-from hybridflow.convert import (
+from hfschema.hf_config import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_SHARD_BYTES,
     SIDE_FILE_DIR,
@@ -49,7 +48,8 @@ from hybridflow.convert import (
     read_model_config,
     side_files,
 )
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
 from reshard.families import canonical_tensors
 
 from .checkpoint import META_FILE, read_meta

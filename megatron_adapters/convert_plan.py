@@ -34,8 +34,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from hybridflow.config import ModelConfig
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
 from reshard.families import canonical_tensors
 from reshard.layouts import Shard
 from reshard.megatron import megatron_layout

@@ -1,6 +1,6 @@
 """Build megatron-core GPT models from hybridflow's HF-style model config.
 
-One ``ModelConfig`` (hybridflow/config.py) describes an architecture the way its Hugging Face
+One ``ModelConfig`` (hfschema/model.py) describes an architecture the way its Hugging Face
 ``config.json`` does. ``transformer_config`` turns it into megatron-core's
 ``TransformerConfig`` (or ``MLATransformerConfig`` for DeepSeek-V3), and ``build_model_chunks``
 builds one ``GPTModel`` per virtual pipeline stage held by this rank, with the layer spec that
@@ -30,8 +30,9 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from hybridflow.config import ModelConfig, MoEConfig
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
+from hfschema.train import MoEConfig
 
 from .parallel import device as rank_device
 from .routing import moe_config_fields

@@ -19,10 +19,9 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from hybridflow import device_guard
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
 
-from . import cpu_compat
+from . import cpu_compat, device_guard
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from hybridflow.config import ModelConfig, TrainConfig
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
+from hfschema.train import TrainConfig
 
 from .model import build_model_chunks
 from .policy import _optimizer_config

@@ -40,11 +40,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from hybridflow import device_guard
-from hybridflow.config import ModelConfig, MoEConfig, TrainConfig
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
+from hfschema.train import MoEConfig, TrainConfig
 from moe.routes import UNROUTED
 
+from . import device_guard
 from .logprobs import token_entropy, token_logprobs
 from .model import build_model_chunks
 from .parallel import device as rank_device

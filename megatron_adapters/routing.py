@@ -38,8 +38,9 @@ from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_func
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from hybridflow.config import ModelConfig, MoEConfig
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
+from hfschema.train import MoEConfig
 from moe.routes import (
     UNROUTED,
     check_suffix_unrouted,

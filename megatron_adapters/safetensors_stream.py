@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.buckets import fill_buckets
+from hfschema.buckets import fill_buckets
 
 __all__ = [
     "DTYPES", "INDEX_FILE", "HFTensor", "SafetensorsReader", "SafetensorsWriter", "check_written",

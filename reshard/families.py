@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from hybridflow.config import ModelConfig
+from hfschema.model import ModelConfig
 
 __all__ = [
     "CanonicalTensor",

@@ -7,7 +7,7 @@ tensor is its own parameter here, so the executor's buffers are the HF tensors t
 
 from __future__ import annotations
 
-from hybridflow.config import ModelConfig
+from hfschema.model import ModelConfig
 
 from reshard.families import canonical_tensors
 from reshard.layouts import LayoutBuilder, TensorLayout

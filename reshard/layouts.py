@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from hybridflow.config import ModelConfig
+from hfschema.model import ModelConfig
 
 from reshard.families import DTYPE_BYTES, CanonicalTensor
 from reshard.regions import Region, num_elements

@@ -41,8 +41,8 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from hybridflow.config import ModelConfig
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
 
 from reshard.families import CanonicalTensor, Placement, canonical_tensors
 from reshard.layouts import LayoutBuilder, TensorLayout

@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from hybridflow.config import HybridflowConfig, ModelConfig, load_config  # noqa: E402
+from hfschema.model import ModelConfig  # noqa: E402
+from hybridflow.config import HybridflowConfig, load_config  # noqa: E402
 from hybridflow.model_size import count_parameters  # noqa: E402
 
 CONFIG = ROOT / "configs" / "quickstart_gpu.yaml"
@@ -94,7 +95,7 @@ def _family_case(family: str, dtype: str, work: Path) -> dict:
     """A tiny HF model of ``family`` converted into megatron-core and scored by both on the device;
     then the run's weight sync (reshard plan, full route) pushes the trainer's weights back into
     the engine and they are scored again."""
-    from hybridflow.convert import read_model_config
+    from hfschema.hf_config import read_model_config
     from hybridflow.rollout import make_engine
     from hybridflow.runtime.sync import EngineSync
     from megatron_adapters import checkpoint
@@ -187,7 +188,7 @@ def _peak_memory() -> int:
 def check_throughput(args, work: Path) -> dict:
     from megatron_adapters import parallel
     from megatron_adapters.plain_loop import PlainTrainer
-    from megatron_adapters.selftest import counting_batch, next_token_loss
+    from hybridflow.selftest import counting_batch, next_token_loss
 
     model = _mid_moe(args.small)
     seq, rows, micro, steps, warmup = (32, 4, 2, 2, 1) if args.small else (2048, 16, 4, 10, 2)
@@ -229,7 +230,7 @@ def check_throughput(args, work: Path) -> dict:
 
 def check_checkpoint(args, work: Path) -> dict:
     from megatron_adapters import checkpoint
-    from megatron_adapters.selftest import counting_batch, next_token_loss
+    from hybridflow.selftest import counting_batch, next_token_loss
     from tests.megatron_adapters.families import tiny
 
     cfg = _base_config(tiny("qwen3_moe"), "float32", work / "checkpoint")

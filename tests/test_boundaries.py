@@ -1,14 +1,24 @@
-"""Import boundaries: only ``megatron_adapters`` imports megatron; only the rollout adapter imports sglang.
+"""Import boundaries: only ``megatron_adapters`` imports megatron; only the rollout adapter imports
+sglang; the project's packages import each other along a DAG with the leaf ``hfschema`` at the bottom.
 
 Every ``.py`` file in the repository is parsed with ``ast`` (nothing is imported) except those
 under ``tests/``, hidden folders (``.venv``, ``.git``) and build output. Caught: ``import x``,
 ``from x import y`` and ``importlib.import_module("x")`` / ``__import__("x")`` with a literal
 name, where ``x`` is the package or one of its submodules (``megatron_adapters`` is not
-``megatron``).
+``megatron``), wherever they sit: module level, inside functions, under ``if TYPE_CHECKING:``.
+
+The package layering (an arrow: may import):
+
+    hfschema, moe        nothing of the project
+    reshard, launch      ──► hfschema
+    megatron_adapters    ──► hfschema, reshard, moe
+    hybridflow           ──► all of the above
+    scripts, benchmarks  ──► any package (they import, nothing imports them)
 """
 
 import ast
 import os
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +27,19 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIPPED_DIRS = {"tests", "build", "dist", "runs", "mlruns", "__pycache__"}
 MEGATRON_ALLOWED = ("megatron_adapters/",)
 SGLANG_ALLOWED = ("rollout/sglang",)
+PACKAGES = ("hfschema", "moe", "reshard", "megatron_adapters", "launch", "hybridflow")
+"""The project's top-level packages: the nodes of the package import graph."""
+IMPORTERS = (*PACKAGES, "scripts", "benchmarks")
+"""Top-level folders whose imports are edges of the graph (scripts and benchmarks only import)."""
+MAY_IMPORT = {
+    "hfschema": (),
+    "moe": (),
+    "reshard": ("hfschema",),
+    "launch": ("hfschema",),
+    "megatron_adapters": ("hfschema", "reshard", "moe"),
+    "hybridflow": ("hfschema", "reshard", "megatron_adapters", "moe", "launch"),
+}
+"""The layering: which other packages each package may import."""
 
 
 def _skipped(name: str) -> bool:
@@ -68,6 +91,68 @@ def violations(root: Path, package: str, allowed: tuple[str, ...]) -> list[str]:
     return found
 
 
+Edges = dict[tuple[str, str], list[str]]
+
+
+def package_imports(root: Path) -> Edges:
+    """(importing folder, imported package) -> ``path:line: imports module`` for each import of
+    one of ``PACKAGES`` from another top-level folder of ``IMPORTERS``."""
+    edges: Edges = defaultdict(list)
+    for path in python_files(root):
+        relative = path.relative_to(root).as_posix()
+        source = relative.split("/", 1)[0]
+        if source not in IMPORTERS:
+            continue
+        for line, module in sorted(imported_modules(path.read_text(), relative)):
+            target = module.split(".", 1)[0]
+            if target in PACKAGES and target != source:
+                edges[source, target].append(f"{relative}:{line}: imports {module}")
+    return dict(edges)
+
+
+def find_cycle(edges: Edges) -> list[str]:
+    """One cycle of the graph as its nodes ``[a, b, ..., a]``; ``[]`` if the graph is a DAG."""
+    graph: dict[str, list[str]] = defaultdict(list)
+    for source, target in sorted(edges):
+        graph[source].append(target)
+    done: set[str] = set()
+    path: list[str] = []  # the depth-first path from the current root: an edge back into it closes a cycle
+
+    def visit(node: str) -> list[str]:
+        path.append(node)
+        for target in graph[node]:
+            if target in path:
+                return path[path.index(target):] + [target]
+            if target not in done and (cycle := visit(target)):
+                return cycle
+        done.add(path.pop())
+        return []
+
+    for node in sorted(graph):
+        if node not in done and (cycle := visit(node)):
+            return cycle
+    return []
+
+
+def cycle_report(cycle: list[str], edges: Edges) -> str:
+    """The cycle on one line, then the imports that make each of its edges."""
+    lines = [" -> ".join(cycle)]
+    for source, target in zip(cycle, cycle[1:]):
+        lines += [f"  {source} -> {target}:", *(f"    {where}" for where in edges[source, target])]
+    return "\n".join(lines)
+
+
+def layering_violations(edges: Edges) -> list[str]:
+    """``path:line: imports module (P may import only: ...)`` for each edge ``MAY_IMPORT`` forbids."""
+    found = []
+    for (source, target), wheres in sorted(edges.items()):
+        allowed = MAY_IMPORT.get(source)
+        if allowed is not None and target not in allowed:
+            only = ", ".join(allowed) or "nothing of the project"
+            found += [f"{where} ({source} may import only: {only})" for where in wheres]
+    return found
+
+
 def test_only_megatron_adapters_imports_megatron():
     found = violations(ROOT, "megatron", MEGATRON_ALLOWED)
     assert not found, "move these megatron imports into megatron_adapters/:\n" + "\n".join(found)
@@ -78,9 +163,24 @@ def test_only_the_rollout_adapter_imports_sglang():
     assert not found, "move these sglang imports into the rollout adapter:\n" + "\n".join(found)
 
 
+def test_packages_form_a_dag():
+    edges = package_imports(ROOT)
+    cycle = find_cycle(edges)
+    assert not cycle, "the packages import each other in a cycle; cut one of its edges:\n" + cycle_report(cycle, edges)
+
+
+def test_hfschema_is_a_leaf():
+    """hfschema (and moe) import nothing of the project; reshard and launch import only hfschema;
+    megatron_adapters imports no hybridflow or launch (``MAY_IMPORT``)."""
+    found = layering_violations(package_imports(ROOT))
+    assert not found, "these imports break the package layering (move the value into hfschema, or pass " \
+                      "plain values in):\n" + "\n".join(found)
+
+
 def test_scanner_covers_the_packages():
     scanned = {path.relative_to(ROOT).parts[0] for path in python_files(ROOT)}
-    assert {"hybridflow", "megatron_adapters", "moe", "reshard", "launch"} <= scanned
+    assert set(PACKAGES) | {"scripts", "benchmarks"} <= scanned
+    assert set(MAY_IMPORT) == set(PACKAGES)
     assert "tests" not in scanned and ".venv" not in scanned
 
 
@@ -115,3 +215,40 @@ def test_scanner_catches_planted_imports(tmp_path):
         "pkg/bad.py:5: imports sglang.srt.entrypoints.engine",
         "pkg/bad.py:7: imports sglang",
     ]
+
+
+def test_graph_checks_catch_planted_imports(tmp_path):
+    planted = {
+        "hfschema/model.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    from hybridflow.config import HybridflowConfig\n",
+        "reshard/planner.py": "from hfschema.model import ModelConfig\nfrom . import layouts\n"
+                              "def plan():\n    from megatron_adapters.policy import MegatronPolicy\n",
+        "launch/torchrun.py": "import hfschema.layout, importlib\n"
+                              "state = importlib.import_module('hybridflow.runtime.state')\n",
+        "megatron_adapters/policy.py": "import moe.routes\nimport reshard\n",
+        "hybridflow/cli.py": "import reshard, launch.slurm\nfrom hfschema.layout import ParallelLayout\n",
+        "scripts/tool.py": "import hybridflow.cli\n",
+        "tests/test_x.py": "import hybridflow\nimport reshard\n",  # tests are not scanned
+    }
+    for name, text in planted.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    edges = package_imports(tmp_path)
+    assert edges["launch", "hybridflow"] == ["launch/torchrun.py:2: imports hybridflow.runtime.state"]
+    assert ("scripts", "hybridflow") in edges and not any(source == "tests" for source, _ in edges)
+    cycle = find_cycle(edges)
+    assert cycle == ["hfschema", "hybridflow", "hfschema"]
+    report = cycle_report(cycle, edges)
+    assert "hfschema/model.py:3: imports hybridflow.config" in report
+    assert "hybridflow/cli.py:2: imports hfschema.layout" in report
+    assert layering_violations(edges) == [
+        "hfschema/model.py:3: imports hybridflow.config (hfschema may import only: nothing of the project)",
+        "launch/torchrun.py:2: imports hybridflow.runtime.state (launch may import only: hfschema)",
+        "reshard/planner.py:4: imports megatron_adapters.policy (reshard may import only: hfschema)",
+    ]
+
+    for name in ("hfschema/model.py", "reshard/planner.py", "launch/torchrun.py"):  # the planted imports out
+        (tmp_path / name).write_text("import os\n")
+    edges = package_imports(tmp_path)
+    assert find_cycle(edges) == [] and layering_violations(edges) == []

@@ -4,15 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config import (
-    HybridflowConfig,
-    ModelConfig,
-    ParallelLayout,
-    RolloutConfig,
-    enabled_roles,
-    load_config,
-    to_yaml,
-)
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
+from hybridflow.config import HybridflowConfig, RolloutConfig, enabled_roles, load_config, to_yaml
 from hybridflow.model_size import count_parameters
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -1,5 +1,5 @@
-"""The device guard (hybridflow/device_guard.py) catches, on a CPU, tensors a GPU run would hold on
-the host: in a collective, and as trainer input. Each case runs in a fresh process (the guard
+"""The device guard (megatron_adapters/device_guard.py) catches, on a CPU, tensors a GPU run would
+hold on the host: in a collective, and as trainer input. Each case runs in a fresh process (the guard
 patches torch.distributed and enters a torch-function mode for the life of the process)."""
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import DEVICE_GUARD_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCENARIOS = textwrap.dedent('''
     import json, os, sys
     import torch, torch.distributed as dist
-    from hybridflow import device_guard as g
+    from megatron_adapters import device_guard as g
     g.install()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
@@ -45,6 +47,7 @@ SCENARIOS = textwrap.dedent('''
         "list_collective": attempt(lambda: dist.all_gather([torch.empty(1, device=dev)], host)),
         "check_on_device": attempt(lambda: g.check_on_device({"input_ids": host}, "trainer input")),
         "p2p_op_builds": type(dist.P2POp(dist.isend, made, 0)).__name__,
+        "env": g.ENV,
     }
     print(json.dumps(out))
 ''')
@@ -71,6 +74,7 @@ def test_guard_marks_host_tensors_and_checks_collectives():
         assert out[fine] == "ok", (fine, out[fine])
     assert out["check_on_device"].startswith("caught: trainer input: tensor 'input_ids'")
     assert out["p2p_op_builds"] == "P2POp"  # P2POp still accepts the guarded isend
+    assert out["env"] == DEVICE_GUARD_ENV  # the variable tests/conftest.py sets for every test process
 
 
 @pytest.mark.distributed

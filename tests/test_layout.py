@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from hybridflow.config import ModelConfig
-from hybridflow.layout import ConfigError, ParallelLayout, divisors
+from hfschema.layout import ConfigError, ParallelLayout, divisors
+from hfschema.model import ModelConfig
 
 
 def _moe(**overrides) -> ModelConfig:

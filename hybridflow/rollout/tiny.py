@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import ModelConfig
+from hfschema.model import ModelConfig
 
 __all__ = [
     "CHAT_TEMPLATE",

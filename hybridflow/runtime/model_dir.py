@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import ModelConfig
+from hfschema.model import ModelConfig
 
 __all__ = ["hf_overrides", "rollout_model_dir"]
 

@@ -12,8 +12,9 @@ every rank: EngineSync (the reshard plan from shapes; engine handles on the driv
 The replica drivers generate each step (``replicas``); each data-parallel rank receives only
 the samples it trains on (``exchange``, ``shares``) and its leader scores them; the scores and
 a few numbers per sample reach every rank, and the trainer work runs on every rank under the
-actor's layout, each DP rank on its own rows. Roles are typed behind small Protocols
-(``ModelRole``, ``RolloutEngine``).
+actor's layout, each DP rank on its own rows. What the runtime calls on the trainer roles, the
+engine and the tracker is typed by small Protocols (``ModelRole``, ``RolloutEngine``,
+``MetricSink``).
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
-from hybridflow.config import HybridflowConfig, TrainConfig
+from hfschema.train import TrainConfig
+from hybridflow.config import HybridflowConfig
 from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
 from hybridflow.runtime.model_dir import rollout_model_dir
 from hybridflow.runtime.shares import Shard, single_process
 from hybridflow.runtime.state import RunState
-from hybridflow.runtime.tracking import Tracker
 
-__all__ = ["Session", "broadcast", "build_policy", "start_engine"]
+__all__ = ["MetricSink", "ModelRole", "Session", "broadcast", "build_policy", "start_engine"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,23 @@ class ModelRole(Protocol):
     def restore_training_state(self) -> None: ...
 
 
+class MetricSink(Protocol):
+    """What the runtime calls on the run's tracker (``hybridflow.runtime.tracking.Tracker``)."""
+
+    run_id: str | None
+    """The tracking run, kept in the run state so that a resumed run logs into it; None: none."""
+    uri: str | None
+    """Where the run is tracked, for the summary; None: not tracked (or not on this rank)."""
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_artifact(self, path: str | os.PathLike) -> None: ...
+
+    def close(self, status: str = "FINISHED") -> None: ...
+
+
 @dataclass
 class Session:
     """One rank's view of a run; see the module docstring."""
@@ -150,7 +168,7 @@ class Session:
     sft_rows: list[TokenizedPrompt]
     sampler: PromptSampler
     state: RunState
-    tracker: Tracker
+    tracker: MetricSink
     shard: Shard = field(default_factory=single_process)
     """This rank's data-parallel share of every rollout (``shares``)."""
     device: torch.device = torch.device("cpu")

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hfschema.files import write_text_atomic
+
 __all__ = ["RunState", "checkpoint_dirs", "latest_checkpoint", "read_state", "write_json_atomic"]
 
 logger = logging.getLogger(__name__)
@@ -61,10 +63,7 @@ class RunState:
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
     """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2))
 
 
 def read_state(directory: str | os.PathLike) -> RunState:
@@ -121,14 +120,6 @@ def prune(output_dir: str | os.PathLike, keep: int) -> None:
     for old in checkpoint_dirs(output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
         logger.info("removed old checkpoint %s", old)
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to a temporary file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def resume_point(output_dir: str | os.PathLike, resume: str) -> Path | None:

@@ -31,6 +31,7 @@ class Tracker:
 
     def __init__(self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None) -> None:
         self.run_id: str | None = None
+        self.uri: str | None = None
         self._mlflow = None
         if not active or cfg.run.tracking.backend == "none":
             return

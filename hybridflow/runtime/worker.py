@@ -27,6 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from hfschema.files import write_text_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.lowering import lower
@@ -210,7 +211,7 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     extra = {"first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
              "first_step_ppo_kl": first.get("actor/ppo_kl_first_mini"),
              "first_step_clipfrac": first.get("actor/clipfrac_first_mini"),
-             "mlflow_run_id": s.tracker.run_id, "mlflow_uri": getattr(s.tracker, "uri", None),
+             "mlflow_run_id": s.tracker.run_id, "mlflow_uri": s.tracker.uri,
              "reward_errors": s.reward_errors, "executed_stages": s.executed_stages}
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
@@ -262,7 +263,7 @@ def _run(cfg: HybridflowConfig) -> dict:
     resume_from = broadcast(run_state.resume_point(out_dir, cfg.run.resume) if dist.get_rank() == DRIVER else None)
     if dist.get_rank() == DRIVER and resume_from is None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        run_state.write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
+        write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     s = _session(cfg, out_dir, resume_from, pg)
     s.tracker.log_params({"algorithm": cfg.algorithm.name, "actor_layout": cfg.actor.parallel.describe(),

@@ -1,7 +1,7 @@
 """``hybridflow launch``: the torchrun command line, and bad input failing within seconds.
 
 Nothing here starts torchrun: every case fails in the checks before it (or only builds the
-command). The end-to-end launch, with restarts, is in ``test_faults.py``.
+command). The end-to-end launch, with restarts, is in ``tests/test_faults.py``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_endpoint_parsing():
 def test_more_processes_than_the_layout_names_numbers_and_keys(cfg):
     spec = LaunchSpec(nnodes=2, nproc_per_node=4, rdzv_endpoint="node001:29500")
     with pytest.raises(ValueError) as info:
-        spec.check_layout(cfg)
+        spec.check_layout(cfg.actor.parallel)
     message = str(info.value)
     for part in ("--nnodes=2", "--nproc-per-node=4", "= 8 processes", "actor.parallel fills 2 ranks",
                  "actor.parallel.dp"):

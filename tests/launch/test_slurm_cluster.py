@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.faults import final_metrics
+from hybridflow.faults import final_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "quickstart_cpu.yaml")

@@ -19,8 +19,8 @@ import torch  # noqa: E402
 
 import megatron_adapters  # noqa: E402,F401  (blocks CUDA-only imports first)
 from families import tiny  # noqa: E402
-from hybridflow.config import TrainConfig  # noqa: E402
-from hybridflow.layout import ParallelLayout  # noqa: E402
+from hfschema.layout import ParallelLayout  # noqa: E402
+from hfschema.train import TrainConfig  # noqa: E402
 from megatron_adapters import checkpoint, cpu_compat, parallel  # noqa: E402
 
 

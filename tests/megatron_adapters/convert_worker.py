@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from hybridflow.config import TrainConfig  # noqa: E402
-from hybridflow.convert import read_model_config  # noqa: E402
-from hybridflow.layout import ParallelLayout  # noqa: E402
+from hfschema.hf_config import read_model_config  # noqa: E402
+from hfschema.layout import ParallelLayout  # noqa: E402
+from hfschema.train import TrainConfig  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
 from task_pool import run_tasks  # noqa: E402

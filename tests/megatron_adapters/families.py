@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridflow.config import ModelConfig, RopeScalingConfig
+from hfschema.model import ModelConfig, RopeScalingConfig
 
 _COMMON = dict(
     hidden_size=64,

@@ -20,8 +20,8 @@ import torch.distributed as dist  # noqa: E402
 
 import megatron_adapters  # noqa: E402,F401
 from families import tiny  # noqa: E402
-from hybridflow.config import TrainConfig  # noqa: E402
-from hybridflow.layout import ParallelLayout  # noqa: E402
+from hfschema.layout import ParallelLayout  # noqa: E402
+from hfschema.train import TrainConfig  # noqa: E402
 from megatron_adapters import parallel  # noqa: E402
 from megatron_adapters.export import global_named_parameters  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402

@@ -40,8 +40,8 @@ import torch.distributed as dist  # noqa: E402
 
 import megatron_adapters  # noqa: E402,F401
 from families import tiny  # noqa: E402
-from hybridflow.config import MoEConfig, TrainConfig  # noqa: E402
-from hybridflow.layout import ParallelLayout  # noqa: E402
+from hfschema.layout import ParallelLayout  # noqa: E402
+from hfschema.train import MoEConfig, TrainConfig  # noqa: E402
 from hybridflow.rollout.base import SamplingParams  # noqa: E402
 from hybridflow.rollout.hf_engine import HFEngine  # noqa: E402
 from hybridflow.rollout.tokens import pack_batch  # noqa: E402
@@ -260,7 +260,8 @@ def _bias_reshard(pg) -> bool:
     from reshard.executor import ProcessMap, execute
     from reshard.megatron import megatron_layout
     from reshard.planner import plan_reshard
-    from reshard.sglang import SGLangSettings, sglang_layout
+    from hfschema.sglang import SGLangSettings
+    from reshard.sglang import sglang_layout
     from reshard.topology import Device, Topology
 
     model = tiny("deepseek_v3")

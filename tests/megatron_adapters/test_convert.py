@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridflow.cli import main
-from hybridflow.config import ModelConfig
-from hybridflow.convert import SIDE_FILE_DIR, read_model_config
-from hybridflow.layout import ParallelLayout
+from hfschema.hf_config import SIDE_FILE_DIR, read_model_config
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
 from megatron_adapters import convert as convert_module
 from megatron_adapters.checkpoint import read_meta
 from megatron_adapters.convert import hf_to_mcore, mcore_to_hf

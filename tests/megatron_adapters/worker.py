@@ -23,11 +23,11 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from families import tiny  # noqa: E402
 
-from hybridflow.config import TrainConfig  # noqa: E402
-from hybridflow.layout import ParallelLayout  # noqa: E402
+from hfschema.layout import ParallelLayout  # noqa: E402
+from hfschema.train import TrainConfig  # noqa: E402
+from hybridflow.selftest import next_token_loss  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
-from megatron_adapters.selftest import next_token_loss  # noqa: E402
 from task_pool import run_tasks  # noqa: E402
 
 SEED = 1234

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from hybridflow.config import ModelConfig
-from hybridflow.layout import ParallelLayout
-from reshard import PipelineSplit, SGLangSettings, Topology, megatron_layout, sglang_layout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
+from hfschema.sglang import SGLangSettings
+from reshard import PipelineSplit, Topology, megatron_layout, sglang_layout
 from reshard.topology import Device
 
 TINY_MODELS: dict[str, ModelConfig] = {

@@ -33,15 +33,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "megatron_adapters"))
 import oracle  # noqa: E402
 from families import tiny  # noqa: E402
 
-from hybridflow.config import TrainConfig  # noqa: E402
-from hybridflow.layout import ParallelLayout  # noqa: E402
+from hfschema.layout import ParallelLayout  # noqa: E402
+from hfschema.train import TrainConfig  # noqa: E402
 from megatron_adapters import parallel  # noqa: E402
 from megatron_adapters.export import global_named_parameters  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
 from reshard.executor import ProcessMap, execute  # noqa: E402
 from reshard.megatron import megatron_layout  # noqa: E402
 from reshard.planner import plan_reshard  # noqa: E402
-from reshard.sglang import SGLangSettings, sglang_layout  # noqa: E402
+from hfschema.sglang import SGLangSettings  # noqa: E402
+from reshard.sglang import sglang_layout  # noqa: E402
 from reshard.topology import Device, Topology  # noqa: E402
 
 LAYOUT = ParallelLayout(tp=2, ep=2, dp=2)

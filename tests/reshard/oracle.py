@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridflow.config import ModelConfig
-from hybridflow.layout import ParallelLayout
-from reshard.sglang import SGLangSettings
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
+from hfschema.sglang import SGLangSettings
 
 PAD_SENTINEL = 12345.0
 

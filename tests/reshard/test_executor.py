@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
 from reshard.executor import ProcessMap, schedule
 from reshard.megatron import megatron_layout
 from reshard.planner import plan_reshard
 from reshard.regions import num_elements
-from reshard.sglang import SGLangSettings, sglang_layout
+from hfschema.sglang import SGLangSettings
+from reshard.sglang import sglang_layout
 from reshard.topology import Topology
 
 from .cases import random_cases

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.config import ModelConfig
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
+from hfschema.model import ModelConfig
 from reshard import PipelineSplit, dense_rank, expert_rank, layer_stages, megatron_layout
 from reshard.regions import intersect, num_elements
 from tests.reshard.cases import TINY_MODELS, random_megatron

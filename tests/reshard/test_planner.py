@@ -13,10 +13,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hybridflow.layout import ParallelLayout
-from reshard import (
-    Bandwidth, SGLangSettings, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout,
-)
+from hfschema.layout import ParallelLayout
+from hfschema.sglang import SGLangSettings
+from reshard import Bandwidth, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout
 from reshard.families import DTYPE_BYTES
 from reshard.regions import map_into
 from reshard.topology import Device

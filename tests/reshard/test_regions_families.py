@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridflow.config import ModelConfig
+from hfschema.model import ModelConfig
 from reshard import FAMILIES, canonical_tensors
 from reshard.megatron import MEGATRON_RULES
 from reshard.regions import intersect, map_into, num_elements, split_even

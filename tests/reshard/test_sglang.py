@@ -4,8 +4,9 @@ import dataclasses
 
 import pytest
 
-from hybridflow.config import ModelConfig
-from reshard import SGLangSettings, pad_vocab, sglang_layout
+from hfschema.model import ModelConfig
+from hfschema.sglang import SGLangSettings, pad_vocab
+from reshard import sglang_layout
 from tests.reshard.cases import TINY_MODELS
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from hybridflow.layout import ParallelLayout
+from hfschema.layout import ParallelLayout
 from reshard import Bandwidth, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout
-from reshard import SGLangSettings
+from hfschema.sglang import SGLangSettings
 from reshard.topology import Device
 from tests.reshard.cases import TINY_MODELS
 

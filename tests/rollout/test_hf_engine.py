@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hybridflow.config import ModelConfig
+from hfschema.model import ModelConfig
 from hybridflow.rollout import RolloutEngine, SamplingParams, make_engine
 from hybridflow.rollout.base import FINISH_LENGTH, FINISH_STOP
 from hybridflow.rollout.hf_engine import HFEngine, sample_next

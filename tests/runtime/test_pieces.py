@@ -227,3 +227,19 @@ def test_a_skipped_sync_still_brings_the_engine_in_for_the_next_generation():
                         actor=_Recorder("actor", calls), critic=None, engine=_Recorder("engine", calls))
     switches.enter(s, "generate")  # what the loop does before the next step's generate stage
     assert calls == ["actor offload", "engine resume weights+kv_cache+cuda_graph"] and s.mode == "generate"
+
+
+def _protocol_members(protocol: type) -> set[str]:
+    """The attributes and methods a Protocol class declares (not those of ``Protocol`` itself)."""
+    methods = {name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")}
+    return set(getattr(protocol, "__annotations__", {})) | methods
+
+
+def test_an_inactive_tracker_has_everything_the_runtime_calls_on_its_metric_sink(tmp_path: Path) -> None:
+    from hybridflow.runtime.session import MetricSink
+    from hybridflow.runtime.tracking import Tracker
+
+    tracker = Tracker(load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path}"]), active=False)
+    assert _protocol_members(MetricSink) == {"run_id", "uri", "log_params", "log_metrics", "log_artifact", "close"}
+    assert all(hasattr(tracker, name) for name in _protocol_members(MetricSink))
+    assert tracker.run_id is None and tracker.uri is None

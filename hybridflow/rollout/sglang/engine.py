@@ -45,8 +45,8 @@ import numpy as np
 import psutil
 import torch
 
+from hfschema.buckets import fill_buckets
 from hybridflow.config import RolloutConfig
-from hybridflow.buckets import fill_buckets
 from hybridflow.rollout.base import (
     FINISH_LENGTH,
     FINISH_STOP,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hybridflow.buckets import fill_buckets
+from hfschema.buckets import fill_buckets
 from hybridflow.rollout import SamplingParams, engine_names, make_engine
 from hybridflow.rollout.sglang import cpu, engine, handles
 

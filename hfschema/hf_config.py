@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import ModelConfig, RopeScalingConfig
+from hfschema.model import ModelConfig, RopeScalingConfig
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",

@@ -6,7 +6,7 @@ the loss can fall fast), saves a distributed checkpoint with optimizer state, lo
 fresh policy and checks the log-probs match, then writes ``selftest.json`` and prints a
 summary. It exits non-zero when the loss did not fall or the reload differs.
 
-    torchrun --standalone --nproc-per-node N -m megatron_adapters.selftest CONFIG [k=v ...]
+    torchrun --standalone --nproc-per-node N -m hybridflow.selftest CONFIG [k=v ...]
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from hybridflow.config import HybridflowConfig, load_config
-
-from . import checkpoint, parallel
-from .policy import MegatronPolicy
+from megatron_adapters import checkpoint, parallel
+from megatron_adapters.policy import MegatronPolicy
 
 logger = logging.getLogger("hybridflow.selftest")
 

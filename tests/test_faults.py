@@ -2,11 +2,11 @@
 
 One uninterrupted ``hybridflow launch`` of the short CPU quickstart (c10d rendezvous on this
 machine) is the reference. A second launch of the same config, with ``--max-restarts N``, gets N
-SIGKILLs in a row from ``launch.faults.FaultHarness``: each at a random rank and a random step.
+SIGKILLs in a row from ``hybridflow.faults.FaultHarness``: each at a random rank and a random step.
 Each time torchrun restarts the workers, they resume from the newest complete checkpoint, and
 the run must end with the reference's metrics (all but the wall-time ones) and weights.
 
-    HYBRIDFLOW_FAULTS=5 HYBRIDFLOW_FAULT_SEED=7 pytest tests/launch/test_faults.py -s
+    HYBRIDFLOW_FAULTS=5 HYBRIDFLOW_FAULT_SEED=7 pytest tests/test_faults.py -s
 
 runs more faults (default 2) or replays a seed (default: random, printed with the report).
 """
@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.faults import FaultHarness, check_checkpoints, final_metrics, run_uninterrupted
+from hybridflow.faults import FaultHarness, check_checkpoints, final_metrics, run_uninterrupted
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "quickstart_cpu.yaml")
 SHORT = ["run.steps=4", "sft.steps=4", "run.checkpoint_every=2", "run.keep_checkpoints=3",
          "run.heldout_prompts=16", "run.prompts_per_step=8", "rollout.n=4"]

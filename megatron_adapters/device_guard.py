@@ -22,7 +22,8 @@ taken as the rank's device), tensors made inside C++ (autograd, kernels), object
 (``broadcast_object_list`` picks its own device), code paths no test runs, and CUDA-only
 behaviour itself (streams, IPC, memory). It checks device placement, not values.
 
-This module imports nothing of the project, so every package may use it.
+It lives beside its two callers, ``parallel.initialize`` (installs it from the environment) and
+the policy (checks its inputs), and imports nothing else of the project.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
-    from hybridflow.config import ModelConfig
+    from hfschema.model import ModelConfig
 
 __all__ = ["ConfigError", "ParallelLayout", "divisors"]
 

@@ -16,7 +16,7 @@ Nothing inside the run cooperates: progress is read from its log and the run dir
 processes are found with psutil, and the kill is a plain SIGKILL from outside, as a node or the
 OOM killer would deliver it.
 
-    python -m launch.faults CONFIG [k=v ...] --out DIR [--faults N] [--seed S] [--reference DIR]
+    python -m hybridflow.faults CONFIG [k=v ...] --out DIR [--faults N] [--seed S] [--reference DIR]
 
 runs the harness by hand and prints the report as JSON; with ``--reference`` (an uninterrupted
 run's directory) it also compares the final metrics.
@@ -40,6 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
+
+from hybridflow.config import load_config
+from hybridflow.runtime.state import checkpoint_dirs, read_state, sft_checkpoint
 
 __all__ = ["FaultHarness", "FaultReport", "Kill", "check_checkpoints", "final_metrics", "launch_command", "main",
            "run_uninterrupted"]
@@ -105,8 +108,6 @@ class FaultReport:
 
 def check_checkpoints(output_dir: str | os.PathLike) -> list[str]:
     """A line per complete checkpoint that a resume could not use (an empty list: all good)."""
-    from hybridflow.runtime.state import checkpoint_dirs, read_state, sft_checkpoint
-
     problems = []
     sft = sft_checkpoint(output_dir)
     for path in [*([sft] if sft.exists() else []), *checkpoint_dirs(output_dir)]:
@@ -124,15 +125,11 @@ def check_checkpoints(output_dir: str | os.PathLike) -> list[str]:
 
 def final_metrics(output_dir: str | os.PathLike) -> list[dict]:
     """The newest checkpoint's per-step metrics without the wall-time ones (equal across reruns on CPU)."""
-    from hybridflow.runtime.state import checkpoint_dirs, read_state
-
     history = read_state(checkpoint_dirs(output_dir)[-1]).history
     return [{k: v for k, v in h.items() if not k.startswith(TIMING_KEYS)} for h in history]
 
 
 def _newest_step(output_dir: Path) -> int | None:
-    from hybridflow.runtime.state import checkpoint_dirs
-
     steps = checkpoint_dirs(output_dir)
     return int(steps[-1].name.removeprefix("step_")) if steps else None
 
@@ -315,7 +312,7 @@ def run_uninterrupted(config: str, overrides: Sequence[str], *, output_dir: Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch.faults", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hybridflow.faults", description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--out", required=True, type=Path, help="run directory of the faulted run (fresh)")
@@ -329,8 +326,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hybridflow.config import load_config
-
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = load_config(args.config, args.overrides)

@@ -1,4 +1,4 @@
-"""What ``hybridflow train`` checks before any rank starts (``launch.torchrun.preflight``)."""
+"""What ``hybridflow train`` checks before any rank starts (``hybridflow.preflight``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from hybridflow.config import load_config
-from launch.torchrun import check_runtime_support, preflight
+from hybridflow.preflight import check_runtime_support, preflight
 
-QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu.yaml")
+QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart_cpu.yaml")
 
 
 @pytest.mark.parametrize("overrides, key", [

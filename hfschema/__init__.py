@@ -1,0 +1,23 @@
+"""The values every package of the project shares, in a leaf that imports nothing of the project.
+
+    layout.py     ParallelLayout (tp, pp, vpp, ep, etp, cp, dp), ConfigError, divisors
+    checks.py     the small field checks the config sections run in ``__post_init__``
+    model.py      ModelConfig (+ RopeScalingConfig): the architecture, HF-style
+    train.py      TrainConfig (optimizer, schedule, batches), MoEConfig (MoE RL stability)
+    sglang.py     SGLangSettings (the engines' parallel settings), pad_vocab
+    hf_config.py  a Hugging Face directory's config.json -> ModelConfig (no torch)
+    buckets.py    consecutive groups of items under a size budget
+    files.py      atomic text writes
+
+Package imports (an arrow: may import; ``tests/test_boundaries.py`` checks them):
+
+    hfschema            nothing of the project
+    moe                 nothing of the project
+    reshard             ──► hfschema
+    launch              ──► hfschema
+    megatron_adapters   ──► hfschema, reshard, moe
+    hybridflow          ──► hfschema, reshard, megatron_adapters, moe, launch
+
+Nothing here imports torch, megatron or sglang; the application config
+(``hybridflow.config``) composes these sections with its own and re-exports them.
+"""

@@ -1,0 +1,219 @@
+"""The model architecture, described the way its Hugging Face ``config.json`` does.
+
+``ModelConfig`` is the one description of an architecture that every package reads: the config
+loader (``hybridflow.config``) nests it under ``model:``, the planners (``reshard``) derive
+tensor shapes from it, ``megatron_adapters`` builds megatron-core models from it and
+``hfschema.hf_config`` reads it from a Hugging Face directory. It checks itself at construction
+and raises ``ConfigError`` with keys relative to itself.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hfschema.checks import check_choice, check_non_negative, check_positive
+from hfschema.layout import ConfigError
+
+__all__ = ["MODEL_FAMILIES", "MOE_FAMILIES", "ModelConfig", "RopeScalingConfig"]
+
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+
+
+@dataclass(kw_only=True)
+class RopeScalingConfig:
+    """RoPE context extension (YaRN for DeepSeek-V3, linear, or Llama-3 style)."""
+
+    type: str = "yarn"
+    """Scaling method: yarn, linear or llama3."""
+    factor: float = 1.0
+    """Context extension factor (new length / original length)."""
+    original_max_position_embeddings: int = 4096
+    """Context length the model was pre-trained with before extension."""
+    beta_fast: float = 32.0
+    """YaRN: rotations above which frequencies are left unscaled."""
+    beta_slow: float = 1.0
+    """YaRN: rotations below which frequencies are fully interpolated."""
+    mscale: float = 1.0
+    """YaRN: attention-temperature scale."""
+    mscale_all_dim: float = 0.0
+    """YaRN: attention-temperature scale applied over all dims (DeepSeek-V3 uses 1.0)."""
+
+    def __post_init__(self) -> None:
+        check_choice("type", self.type, ("yarn", "linear", "llama3"))
+        if self.factor < 1.0:
+            raise ConfigError("{p}factor={f} must be >= 1.0", f=self.factor)
+        check_positive(self, ("original_max_position_embeddings",))
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Transformer architecture; dense (llama, qwen2) or MoE (qwen3_moe, mixtral, deepseek_v3)."""
+
+    family: str = "qwen3_moe"
+    """Model family, one of MODEL_FAMILIES; picks the weight mapping and layer spec."""
+    hidden_size: int = 64
+    """Residual stream width."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    num_attention_heads: int = 4
+    """Query heads per layer."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA); equal to num_attention_heads for MHA. Unused with MLA."""
+    head_dim: Optional[int] = None
+    """Per-head channels; None = hidden_size // num_attention_heads."""
+    ffn_hidden_size: int = 128
+    """Intermediate size of dense SwiGLU MLPs."""
+    vocab_size: int = 128
+    """Tokenizer vocabulary size (before megatron's padding)."""
+    max_position_embeddings: int = 256
+    """Longest sequence the RoPE tables cover."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: Optional[RopeScalingConfig] = None
+    """RoPE context extension; None = plain RoPE."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output (LM head) projection."""
+    qk_layernorm: bool = False
+    """RMSNorm on per-head queries and keys (Qwen3)."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+    num_experts: int = 4
+    """Routed experts per MoE layer; 0 = dense model (llama, qwen2)."""
+    moe_top_k: int = 2
+    """Routed experts each token is sent to."""
+    moe_ffn_hidden_size: int = 64
+    """Intermediate size of each expert's SwiGLU MLP."""
+    num_shared_experts: int = 0
+    """Always-active shared experts per MoE layer (DeepSeek-V3: 1)."""
+    router_score_function: str = "softmax"
+    """Router scores: softmax, or sigmoid (DeepSeek-V3)."""
+    router_expert_bias: bool = False
+    """Aux-loss-free load-balancing bias (DeepSeek-V3); megatron-core requires sigmoid scores."""
+    router_topk_scaling_factor: Optional[float] = None
+    """Multiplier on the top-k routing weights (DeepSeek-V3: 2.5); None = 1."""
+    router_num_groups: Optional[int] = None
+    """Expert groups for group-limited routing (DeepSeek-V3: 8); None = off."""
+    router_group_topk: Optional[int] = None
+    """Groups each token may route into (DeepSeek-V3: 4); set with router_num_groups."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1."""
+    first_k_dense_layers: int = 0
+    """Leading layers that use a dense MLP instead of MoE (DeepSeek-V3: 3)."""
+    q_lora_rank: Optional[int] = None
+    """MLA query compression rank; None = uncompressed queries."""
+    kv_lora_rank: int = 0
+    """MLA key/value compression rank; 0 = no MLA (standard GQA attention)."""
+    qk_nope_head_dim: int = 0
+    """MLA per-head query/key channels without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA per-head query/key channels with RoPE."""
+    v_head_dim: int = 0
+    """MLA per-head value channels."""
+
+    def __post_init__(self) -> None:
+        check_choice("family", self.family, MODEL_FAMILIES)
+        check_positive(self, (
+            "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+            "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rope_theta", "norm_eps",
+            "moe_top_k", "moe_ffn_hidden_size", "router_topk_scaling_factor", "q_lora_rank",
+        ))
+        check_non_negative(self, (
+            "num_experts", "num_shared_experts", "first_k_dense_layers", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        ))
+        self._check_attention()
+        self._check_family()
+        self._check_moe()
+        self._check_router()
+
+    def _check_attention(self) -> None:
+        if self.is_mla:
+            check_positive(self, ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+            return
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "{p}hidden_size={h} is not divisible by {p}num_attention_heads={n}; "
+                "set {p}head_dim explicitly", h=self.hidden_size, n=self.num_attention_heads,
+            )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ConfigError(
+                "{p}num_kv_heads={kv} does not divide {p}num_attention_heads={n}",
+                kv=self.num_kv_heads, n=self.num_attention_heads,
+            )
+
+    def _check_family(self) -> None:
+        if self.family == "deepseek_v3" and not self.is_mla:
+            raise ConfigError(
+                "{p}family='deepseek_v3' uses MLA: set {p}kv_lora_rank, {p}qk_nope_head_dim, "
+                "{p}qk_rope_head_dim and {p}v_head_dim > 0 (got kv_lora_rank={r})",
+                r=self.kv_lora_rank,
+            )
+        if self.family in MOE_FAMILIES and not self.is_moe:
+            raise ConfigError(
+                "{p}family={fam!r} is an MoE family: set {p}num_experts > 0", fam=self.family
+            )
+        if self.family not in MOE_FAMILIES and self.is_moe:
+            raise ConfigError(
+                "{p}family={fam!r} is dense: set {p}num_experts=0 (got {e}), or use one of {moe}",
+                fam=self.family, e=self.num_experts, moe=", ".join(MOE_FAMILIES),
+            )
+
+    def _check_moe(self) -> None:
+        if self.first_k_dense_layers >= self.num_layers:
+            raise ConfigError(
+                "{p}first_k_dense_layers={k} must be < {p}num_layers={n}",
+                k=self.first_k_dense_layers, n=self.num_layers,
+            )
+        if self.is_moe and self.moe_top_k > self.num_experts:
+            raise ConfigError(
+                "{p}moe_top_k={k} must be <= {p}num_experts={e}",
+                k=self.moe_top_k, e=self.num_experts,
+            )
+
+    def _check_router(self) -> None:
+        check_choice("router_score_function", self.router_score_function, ("softmax", "sigmoid"))
+        if self.router_expert_bias and self.router_score_function != "sigmoid":
+            raise ConfigError(
+                "{p}router_expert_bias=true needs {p}router_score_function='sigmoid' (got {f!r}); "
+                "megatron-core supports the aux-loss-free bias only with sigmoid scores",
+                f=self.router_score_function,
+            )
+        groups, group_topk = self.router_num_groups, self.router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ConfigError(
+                "{p}router_num_groups={g} and {p}router_group_topk={k}: set both or neither",
+                g=groups, k=group_topk,
+            )
+        if groups is not None:
+            self._check_router_groups(groups, group_topk)
+
+    def _check_router_groups(self, groups: int, group_topk: int) -> None:
+        if groups <= 0 or not 0 < group_topk <= groups:
+            raise ConfigError(
+                "{p}router_group_topk={k} must be in 1..{p}router_num_groups={g}",
+                k=group_topk, g=groups,
+            )
+        if self.num_experts % groups:
+            raise ConfigError(
+                "{p}router_num_groups={g} does not divide {p}num_experts={e}",
+                g=groups, e=self.num_experts,
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has routed experts."""
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek-V3)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head channels of standard attention: head_dim, or hidden_size // heads."""
+        if self.head_dim is not None:
+            return self.head_dim
+        return self.hidden_size // self.num_attention_heads
