@@ -44,7 +44,7 @@ from hybridflow import __version__
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
 from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
-from hybridflow.preflight import check_slurm_run, preflight
+from hybridflow.preflight import check_separate_nodes, check_slurm_run, engine_ranks, preflight
 from launch.multinode import LaunchSpec
 from launch.slurm import SlurmJob
 
@@ -226,7 +226,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     preflight(cfg)
-    return launch_train(cfg.actor.parallel, args.config, args.overrides, rollout=cfg.rollout.describe())
+    return launch_train(cfg.actor.parallel, args.config, args.overrides, rollout=cfg.rollout.describe(),
+                        engine_ranks=engine_ranks(cfg))
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -235,7 +236,8 @@ def _launch(args: argparse.Namespace) -> int:
     spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, **_given(args, LAUNCH_DEFAULTS))
     cfg = load_config(args.config, args.overrides)
-    spec.check_layout(cfg.actor.parallel)
+    spec.check_layout(cfg.actor.parallel, engine_ranks(cfg))
+    check_separate_nodes(cfg, spec.nproc_per_node)
     preflight(cfg, command="launch")
     return launch(spec, cfg.actor.parallel, args.config, args.overrides)
 
@@ -259,8 +261,8 @@ def _slurm(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     job = slurm.SlurmJob(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-        nproc_per_node=slurm.nproc_per_node(cfg.actor.parallel, nodes=args.nodes,
-                                            gpus_per_node=args.gpus_per_node, requested=args.nproc_per_node),
+        nproc_per_node=slurm.nproc_per_node(cfg.actor.parallel, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                            requested=args.nproc_per_node, engine_ranks=engine_ranks(cfg)),
         job_name=args.job_name or f"hybridflow-{cfg.run.name}", partition=args.partition, account=args.account,
         time=args.time, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem, env=_env_pairs(args.env),
         extra_directives=tuple(args.sbatch_option), **_given(args, SLURM_DEFAULTS))

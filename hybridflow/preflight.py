@@ -25,7 +25,8 @@ from hybridflow.runtime.state import resume_point
 if TYPE_CHECKING:
     from launch.slurm import SlurmJob
 
-__all__ = ["check_node_gpus", "check_runtime_support", "check_slurm_run", "preflight"]
+__all__ = ["check_node_gpus", "check_runtime_support", "check_separate_nodes", "check_slurm_run", "engine_ranks",
+           "preflight", "process_count"]
 
 
 def check_runtime_support(cfg: HybridflowConfig) -> None:
@@ -44,16 +45,52 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
     if tp > per_node and tp % per_node:
         raise ValueError(f"rollout.tp={tp} does not fill whole nodes of rollout.gpus_per_node={per_node}: an engine "
                          f"spanning nodes takes all GPUs of each; set rollout.tp to a multiple of {per_node}")
-    if cfg.rollout.placement != "colocated":
-        raise ValueError("rollout.placement=separate: the runtime drives colocated engines only in this version; "
-                         "set rollout.placement=colocated")
+    if cfg.rollout.placement == "separate":
+        _check_separate(cfg)
+
+
+def _check_separate(cfg: HybridflowConfig) -> None:
+    r = cfg.rollout
+    if r.engine != "sglang" or r.sync_route != "sliced":
+        raise ValueError(f"rollout.placement=separate with rollout.engine={r.engine} and rollout.sync_route="
+                         f"{r.sync_route}: engine ranks of their own run SGLang and take sliced pushes; set "
+                         "rollout.engine=sglang and rollout.sync_route=sliced (or rollout.placement=colocated)")
+    if r.tp > r.gpus_per_node:
+        raise ValueError(f"rollout.placement=separate with rollout.tp={r.tp} > rollout.gpus_per_node="
+                         f"{r.gpus_per_node}: separate engines spanning nodes are not run in this version; "
+                         "set rollout.tp <= rollout.gpus_per_node, or rollout.placement=colocated")
+
+
+def engine_ranks(cfg: HybridflowConfig) -> int:
+    """Processes of their own the engines take: rollout.tp x num_replicas when separate, else 0."""
+    return cfg.rollout.num_ranks if cfg.rollout.placement == "separate" else 0
+
+
+def process_count(cfg: HybridflowConfig) -> int:
+    """Processes (and GPUs) one run takes: the actor's ranks, plus the engine ranks when separate."""
+    return cfg.actor.parallel.world_size + engine_ranks(cfg)
+
+
+def check_separate_nodes(cfg: HybridflowConfig, nproc_per_node: int) -> None:
+    """Separate engine ranks follow the actor's, ``nproc_per_node`` to a node: each engine's tp
+    ranks must share one node (its driver starts SGLang on that node's GPUs)."""
+    if not engine_ranks(cfg):
+        return
+    actors, tp = cfg.actor.parallel.world_size, cfg.rollout.tp
+    for replica in range(cfg.rollout.num_replicas):
+        first = actors + replica * tp
+        if first // nproc_per_node != (first + tp - 1) // nproc_per_node:
+            raise ValueError(f"rollout.placement=separate: engine replica {replica} (ranks {first}..{first + tp - 1}) "
+                             f"would span two nodes of {nproc_per_node} processes; make actor.parallel's "
+                             f"{actors} ranks and rollout.tp={tp} fill whole nodes (or set rollout.placement=colocated)")
 
 
 def check_node_gpus(cfg: HybridflowConfig, available: int) -> None:
     """``hybridflow train`` starts one rank per GPU of this node: the layout must fit them."""
-    world = cfg.actor.parallel.world_size
+    world = process_count(cfg)
+    what = "actor.parallel" if world == cfg.actor.parallel.world_size else "actor.parallel + the separate engine ranks"
     if world > available:
-        raise ValueError(f"actor.parallel needs {world} GPUs ({cfg.actor.parallel.describe()}) but this node has "
+        raise ValueError(f"{what} needs {world} GPUs ({cfg.actor.parallel.describe()}) but this node has "
                          f"{available}: lower actor.parallel.dp (or tp / pp / ep), or run on more nodes with "
                          "hybridflow launch or hybridflow slurm")
 
@@ -82,5 +119,6 @@ def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob) -> None:
     if cfg.run.resume != "auto":
         raise ValueError(f"run.resume={cfg.run.resume}: a Slurm job must be able to resume after a requeue; "
                          "use run.resume=auto (the default) and a new run.output_dir for a fresh run")
-    job.check_layout(cfg.actor.parallel)
+    job.check_layout(cfg.actor.parallel, engine_ranks(cfg))
+    check_separate_nodes(cfg, job.nproc_per_node)
     preflight(cfg, command="slurm")

@@ -88,20 +88,25 @@ class LaunchSpec:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def check_layout(self, layout: ParallelLayout) -> None:
-        """The job must start exactly the ranks the actor's ``layout`` fills."""
+    def check_layout(self, layout: ParallelLayout, engine_ranks: int = 0) -> None:
+        """The job must start exactly the ranks the actor's ``layout`` fills, and ``engine_ranks``
+        more (separate placement)."""
         check_process_count(layout, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
-                            self.world_size)
+                            self.world_size, engine_ranks)
 
 
-def check_process_count(layout: ParallelLayout, nodes_flag: str, per_node_flag: str, started: int) -> None:
-    """ValueError naming both flags and ``actor.parallel`` unless ``started`` fills the actor's ``layout``."""
-    if started != layout.world_size:
+def check_process_count(layout: ParallelLayout, nodes_flag: str, per_node_flag: str, started: int,
+                        engine_ranks: int = 0) -> None:
+    """ValueError naming both flags and ``actor.parallel`` unless ``started`` fills the actor's
+    ``layout`` and the ``engine_ranks`` of separate placement."""
+    want = layout.world_size + engine_ranks
+    if started != want:
+        engines = f" + {engine_ranks} separate engine ranks (rollout.tp x num_replicas)" if engine_ranks else ""
         raise ValueError(
             f"{nodes_flag} x {per_node_flag} = {started} processes, but actor.parallel fills "
-            f"{layout.world_size} ranks (tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp}); "
-            f"start {layout.world_size} processes in all, or change actor.parallel.dp (or tp/pp/cp) "
-            f"to fill {started}")
+            f"{layout.world_size} ranks (tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp}){engines}; "
+            f"start {want} processes in all, or change actor.parallel.dp (or tp/pp/cp) "
+            f"to fill {started - engine_ranks}")
 
 
 def torchrun_command(spec: LaunchSpec, config_path: str, overrides: Sequence[str]) -> list[str]:

@@ -90,11 +90,12 @@ class SlurmJob:
             if not option.startswith("--") or "\n" in option:
                 raise ValueError(f"--sbatch-option={option!r} must be one long option, e.g. --constraint=h100")
 
-    def check_layout(self, layout: ParallelLayout) -> None:
-        """The allocation must start exactly the ranks the actor's ``layout`` fills."""
+    def check_layout(self, layout: ParallelLayout, engine_ranks: int = 0) -> None:
+        """The allocation must start exactly the ranks the actor's ``layout`` fills, and
+        ``engine_ranks`` more (separate placement)."""
         per_node = "--gpus-per-node" if self.gpus_per_node else "--nproc-per-node"
         check_process_count(layout, f"--nodes={self.nodes}", f"{per_node}={self.nproc_per_node}",
-                            self.nodes * self.nproc_per_node)
+                            self.nodes * self.nproc_per_node, engine_ranks)
 
 
 def _directives(job: SlurmJob, log_dir: Path, workdir: Path) -> list[str]:
@@ -198,14 +199,15 @@ def submit(script: Path) -> str:
     return done.stdout.strip().split(";")[0]  # --parsable prints "jobid[;cluster]"
 
 
-def nproc_per_node(layout: ParallelLayout, *, nodes: int, gpus_per_node: int, requested: int | None) -> int:
+def nproc_per_node(layout: ParallelLayout, *, nodes: int, gpus_per_node: int, requested: int | None,
+                   engine_ranks: int = 0) -> int:
     """Ranks per node: ``requested``, else one per GPU, else (CPU) the actor's ``layout``'s ranks
-    split evenly."""
+    (and separate placement's ``engine_ranks``) split evenly."""
     if requested is not None:
         return requested
     if gpus_per_node:
         return gpus_per_node
-    world = layout.world_size
+    world = layout.world_size + engine_ranks
     if nodes < 1 or world % nodes:
         raise ValueError(f"--nodes={nodes} does not divide the {world} ranks of actor.parallel "
                          f"({layout.describe()}); pass --nproc-per-node or change --nodes")

@@ -3,10 +3,11 @@
     hybridflow train CONFIG [k=v ...]
       │  checks first, in the calling process (hybridflow.preflight)
       └─ python -m torch.distributed.run --standalone --nproc-per-node N
-             -m hybridflow.runtime.worker CONFIG [k=v ...]      (N = the actor layout's ranks)
+             -m hybridflow.runtime.worker CONFIG [k=v ...]      (N = the actor layout's ranks [+ engine ranks])
 
-One process per rank of the actor's layout; rank 0 also drives the rollout engine, whose own
-scheduler processes SGLang starts. On a machine without a GPU every rank runs one OpenMP thread
+One process per rank of the actor's layout (colocated: the replica drivers among them drive the
+engines, whose own scheduler processes SGLang starts), and with rollout.placement=separate one
+more per engine rank (rollout.tp x num_replicas), numbered after the actor's. On a machine without a GPU every rank runs one OpenMP thread
 (several ranks share few cores; more threads only oversubscribe them) and uses gloo.
 """
 
@@ -31,13 +32,17 @@ def train_command(nproc: int, config_path: str, overrides: Sequence[str]) -> lis
             "-m", "hybridflow.runtime.worker", config_path, *overrides]
 
 
-def launch_train(layout: ParallelLayout, config_path: str, overrides: Sequence[str], *, rollout: str) -> int:
-    """Run the job to completion, one rank per rank of the actor's ``layout``, after the caller's
+def launch_train(layout: ParallelLayout, config_path: str, overrides: Sequence[str], *, rollout: str,
+                 engine_ranks: int = 0) -> int:
+    """Run the job to completion, one rank per rank of the actor's ``layout`` and ``engine_ranks``
+    more (separate placement: the engines' own ranks, after the actor's), after the caller's
     checks (``hybridflow.preflight``); ``rollout`` describes the engines in the start line.
     Returns torchrun's exit status."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = train_command(layout.world_size, config_path, overrides)
-    sys.stdout.write(f"hybridflow train: {layout.world_size} process(es) ({layout.describe()}), rollout {rollout}\n")
+    nproc = layout.world_size + engine_ranks
+    cmd = train_command(nproc, config_path, overrides)
+    engines = f" + {engine_ranks} engine rank(s)" if engine_ranks else ""
+    sys.stdout.write(f"hybridflow train: {nproc} process(es) ({layout.describe()}{engines}), rollout {rollout}\n")
     sys.stdout.flush()
     return run_reaped(cmd, env)

@@ -42,19 +42,24 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_default_group(timeout_minutes: int = 10) -> None:
-    """Start torch.distributed from torchrun's environment (or as one process without it)."""
+def init_default_group(timeout_minutes: int = 10, *, store=None, rank: int | None = None,
+                       world_size: int | None = None) -> None:
+    """Start torch.distributed from torchrun's environment (or as one process without it); with
+    ``store``, as ``rank`` of ``world_size`` over it instead (one of two worlds that share a
+    torchrun job: the actor's and the engine ranks', separate placement)."""
     if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device())
+    if store is not None:
+        dist.init_process_group(backend=backend(), store=store, rank=rank, world_size=world_size, timeout=timeout)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(device())
-    dist.init_process_group(
-        backend=backend(), timeout=datetime.timedelta(minutes=timeout_minutes)
-    )
+    dist.init_process_group(backend=backend(), timeout=timeout)
 
 
 def _free_port() -> int:

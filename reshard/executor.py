@@ -28,10 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from reshard.planner import Plan, Transfer
 from reshard.regions import Region
+from reshard.transport import GroupLink, Link
 
 __all__ = ["ExecutionReport", "ProcessMap", "execute", "schedule"]
 
@@ -198,10 +198,12 @@ def execute(
     destinations: Mapping[str, torch.Tensor] | None,
     bucket_bytes: int,
     verify: bool = False,
-    group=None,
+    link: Link | None = None,
 ) -> ExecutionReport:
-    """Run ``plan`` on this process (collective: every process of ``processes`` calls it)."""
-    me = dist.get_rank(group)
+    """Run ``plan`` on this process (collective: every process of ``processes`` calls it; the
+    processes are ranks of ``link``, the default group when None)."""
+    link = link or GroupLink()
+    me = link.rank()
     plan.topology.check(plan.source.num_ranks, plan.destination.num_ranks)
     steps = schedule(plan, processes, bucket_bytes=bucket_bytes)
     wire = WIRE_DTYPES[plan.destination.dtype]
@@ -211,7 +213,7 @@ def execute(
             _copy(piece, sources, destinations)
             report.bytes_copied_locally += piece.numel * wire.itemsize
     for messages in steps.rounds:
-        _run_round(messages, me, sources, destinations, wire, verify, group, report)
+        _run_round(messages, me, sources, destinations, wire, verify, link, report)
     return report
 
 
@@ -221,40 +223,34 @@ def _copy(piece: Piece, sources, destinations) -> None:
     dst.copy_(src.reshape(dst.shape))
 
 
-def _run_round(messages, me, sources, destinations, wire, verify, group, report) -> None:
-    ops, inbox, outbox = [], [], []
+def _run_round(messages, me, sources, destinations, wire, verify, link: Link, report) -> None:
+    sends, receives, inbox, outbox = [], [], [], []
     for tag, m in enumerate(messages):
         if m.src == me:
             buffer = torch.cat([_view(sources, p.transfer.src_param, p.src_region).reshape(-1).to(wire) for p in m.pieces])
             outbox.append(buffer)
-            ops.append(dist.P2POp(dist.isend, buffer, _peer(m.dst, group), group=group, tag=2 * tag))
+            sends.append((buffer, m.dst, 2 * tag))
             if verify:
                 sums = torch.stack([_checksum(_view(sources, p.transfer.src_param, p.src_region).to(wire)) for p in m.pieces])
                 outbox.append(sums)
-                ops.append(dist.P2POp(dist.isend, sums, _peer(m.dst, group), group=group, tag=2 * tag + 1))
+                sends.append((sums, m.dst, 2 * tag + 1))
             report.bytes_sent += m.nbytes
         elif m.dst == me:
             device = destinations[m.pieces[0].transfer.dst_param].device  # NCCL receives on the GPU
             buffer = torch.empty(sum(p.numel for p in m.pieces), dtype=wire, device=device)
             sums = torch.empty(len(m.pieces), 2, dtype=torch.float64, device=device) if verify else None
             inbox.append((m, buffer, sums))
-            ops.append(dist.P2POp(dist.irecv, buffer, _peer(m.src, group), group=group, tag=2 * tag))
+            receives.append((buffer, m.src, 2 * tag))
             if verify:
-                ops.append(dist.P2POp(dist.irecv, sums, _peer(m.src, group), group=group, tag=2 * tag + 1))
+                receives.append((sums, m.src, 2 * tag + 1))
             report.bytes_received += m.nbytes
     report.peak_buffer_bytes = max(
         report.peak_buffer_bytes,
         sum(b.numel() * b.element_size() for b in outbox) + sum(b.numel() * b.element_size() for _, b, _ in inbox),
     )
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    link.exchange(sends, receives)
     for m, buffer, sums in inbox:
         _unpack(m, buffer, sums, destinations, report)
-
-
-def _peer(process: int, group) -> int:
-    return process if group is None else dist.get_global_rank(group, process)
 
 
 def _unpack(message: Message, buffer: torch.Tensor, sums, destinations, report) -> None:

@@ -97,6 +97,7 @@ def _family_case(family: str, dtype: str, work: Path) -> dict:
     the engine and they are scored again."""
     from hfschema.hf_config import read_model_config
     from hybridflow.rollout import make_engine
+    from hybridflow.runtime.channel import colocated
     from hybridflow.runtime.sync import EngineSync
     from megatron_adapters import checkpoint
     from megatron_adapters.convert import hf_to_mcore
@@ -113,7 +114,8 @@ def _family_case(family: str, dtype: str, work: Path) -> dict:
     ids = _random_ids(cfg.model.vocab_size, 4, 32)
     trainer = policy.forward_logprobs({"input_ids": ids}, micro_batch_size=4)[0][:, 1:].float()
     loaded = (trainer - _engine_logprobs(engine, ids)).abs()
-    pushed = EngineSync(cfg, source_params=lambda: global_named_parameters(policy), engine=engine).push()
+    pushed = EngineSync(cfg, channel=colocated(), device=_device(), source_params=lambda: global_named_parameters(policy),
+                        engine=engine).push()
     synced = (trainer - _engine_logprobs(engine, ids)).abs()
     engine.shutdown()
     stat, bound = TOLERANCE[dtype]

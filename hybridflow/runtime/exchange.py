@@ -19,9 +19,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from hybridflow.rollout.base import RolloutSample
+from reshard.transport import GroupLink, Link
 
 __all__ = ["Delivery", "SampleMeta", "deliver", "meta_of", "pack", "unpack"]
 
@@ -96,32 +96,31 @@ class Delivery:
 
 
 def deliver(mine: Sequence[RolloutSample], metas_by_rank: Sequence[Sequence[SampleMeta]],
-            dp_of_rank: Sequence[int], owner_of: Callable[[SampleMeta], int], *, device: torch.device,
-            group=None) -> Delivery:
-    """Move every sample to the ranks of the DP rank that owns it (a collective over ``group``,
+            dp_of_rank: Sequence[int | None], owner_of: Callable[[SampleMeta], int], *, device: torch.device,
+            link: Link | None = None) -> Delivery:
+    """Move every sample to the ranks of the DP rank that owns it (a collective over ``link``,
     the default group when None: every rank calls it with the same metadata).
 
     ``mine``: the samples this rank holds (``metas_by_rank[rank]`` describes them);
-    ``dp_of_rank[r]``: rank r's data-parallel rank; ``owner_of(meta)``: the owning DP rank."""
-    rank = dist.get_rank(group)
+    ``dp_of_rank[r]``: rank r's data-parallel rank (None: an engine process, which trains on
+    nothing); ``owner_of(meta)``: the owning DP rank."""
+    link = link or GroupLink()
+    rank = link.rank()
     me = dp_of_rank[rank]
-    ops, inbox = [], []
+    sends, receives, inbox = [], [], []
     for peer, metas in enumerate(metas_by_rank):
         if peer == rank:
             continue
         out = [mine[j] for j, m in enumerate(metas_by_rank[rank]) if owner_of(m) == dp_of_rank[peer]]
         if out:
-            for t in pack(out):
-                ops.append(dist.P2POp(dist.isend, t.to(device), _global(peer, group), group=group))
+            sends += [(t.to(device), peer, tag) for tag, t in enumerate(pack(out))]
         wanted = [m for m in metas if owner_of(m) == me]
         if wanted:
             ints = torch.empty(sum(m.num_ints for m in wanted), dtype=torch.int32, device=device)
             floats = torch.empty(sum(m.response_len for m in wanted), dtype=torch.float32, device=device)
-            ops += [dist.P2POp(dist.irecv, t, _global(peer, group), group=group) for t in (ints, floats)]
+            receives += [(ints, peer, 0), (floats, peer, 1)]
             inbox.append((wanted, ints, floats))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    link.exchange(sends, receives)
     received = [x for x, m in zip(mine, metas_by_rank[rank]) if owner_of(m) == me]
     nbytes = 0
     for wanted, ints, floats in inbox:
@@ -133,7 +132,3 @@ def deliver(mine: Sequence[RolloutSample], metas_by_rank: Sequence[Sequence[Samp
     return Delivery(samples=tuple(received), positions=tuple(position[(x.prompt_index, x.sample_index)]
                                                              for x in received),
                     metas=tuple(m for _, m in order), received_bytes=nbytes)
-
-
-def _global(peer: int, group) -> int:
-    return peer if group is None else dist.get_global_rank(group, peer)

@@ -136,8 +136,10 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
     if s.cfg.rollout.placement == "colocated" and s.mode != "generate":
         raise AssertionError(f"rollout in mode {s.mode!r}: the plan's switches did not bring the engine in")
     s.rollout_calls += 1
-    out = replicas.generate(s.cfg, s.engine, [p.prompt_ids for p in prompts], params, seed, call=s.rollout_calls,
-                            shard=s.shard, device=s.device)
+    ids = [p.prompt_ids for p in prompts]
+    s.channel.announce(("generate", ids, params, seed, s.rollout_calls))  # separate: the engine ranks follow
+    out = replicas.generate(s.cfg, s.engine, ids, params, seed, call=s.rollout_calls, channel=s.channel,
+                            replica=s.replica, shard=s.shard, device=s.device)
     for replica, count in enumerate(out.samples_per_replica):
         s.step_metrics[f"rollout/replica{replica}/samples"] = float(count)
     received = s.shard.max(torch.tensor([float(out.received_bytes)]))

@@ -26,10 +26,9 @@ import os
 import time
 from typing import NamedTuple, Sequence
 
-import torch.distributed as dist
-
 from hybridflow.config import HybridflowConfig
 from hybridflow.rollout.base import RolloutSample, SamplingParams
+from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
 from hybridflow.runtime.shares import Shard, owner
 
@@ -103,10 +102,10 @@ class ReplicaOutput:
 
 
 class _Counter:
-    """The next chunk to take, shared by the replica drivers (the default group's store)."""
+    """The next chunk to take, shared by the replica drivers (the run's store)."""
 
-    def __init__(self, call: int) -> None:
-        self.store = dist.distributed_c10d._get_default_store()
+    def __init__(self, store, call: int) -> None:
+        self.store = store
         self.key = f"hybridflow/rollout/{call}"
 
     def take(self) -> int:
@@ -132,34 +131,37 @@ class _Report(NamedTuple):
     metas: list
     seconds: float
     error: str | None
-    dp_rank: int
+    dp_rank: int | None
+    """The rank's data-parallel rank; None for an engine rank (separate placement)."""
 
 
 def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             seed: int, *, call: int, shard: Shard, device) -> ReplicaOutput:
+             seed: int, *, call: int, channel: Channel, replica: int | None, shard: Shard | None,
+             device) -> ReplicaOutput:
     """Every replica's share of ``prompts``, delivered to the data-parallel ranks that own them
-    (``shares.owner``; collective over the default group). ``engine`` is this rank's replica or
-    None; ``call`` numbers the call, the same on every rank; ``device``: where the samples travel
-    (the rank's GPU, so NCCL carries them)."""
+    (``shares.owner``; collective over ``channel``). ``engine`` is the engine of ``replica``
+    when this rank drives it, else None; ``shard``: this rank's DP share (None on an engine
+    rank); ``call`` numbers the call, the same on every rank; ``device``: where the samples
+    travel (the rank's GPU, so NCCL carries them)."""
     chunks = _chunks(len(prompts), cfg)
-    samples, mine = [], _Report(None, [], 0.0, None, shard.dp_rank)
+    dp_rank = None if shard is None else shard.dp_rank
+    samples, mine = [], _Report(None, [], 0.0, None, dp_rank)
     if engine is not None:
-        replica = replica_of(cfg, dist.get_rank())
         try:  # the others must learn of a failure too, or they would wait in the gather below
             _inject_fault(replica, call)
-            samples, seconds = _drive(engine, prompts, params, seed, chunks, _Counter(call))
-            mine = _Report(replica, [meta_of(x) for x in samples], seconds, None, shard.dp_rank)
+            samples, seconds = _drive(engine, prompts, params, seed, chunks, _Counter(channel.store, call))
+            mine = _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank)
         except Exception as error:
-            samples, mine = [], _Report(replica, [], 0.0, f"{type(error).__name__}: {error}", shard.dp_rank)
-    gathered: list[_Report] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(gathered, mine)
+            samples, mine = [], _Report(replica, [], 0.0, f"{type(error).__name__}: {error}", dp_rank)
+    gathered: list[_Report] = channel.gather(mine)
     _raise_failures(gathered)
     counts = [0] * cfg.rollout.num_replicas
     for report in gathered:
         if report.replica is not None:
             counts[report.replica] += len(report.metas)
+    dp_size = cfg.actor.parallel.dp
     got = deliver(samples, [g.metas for g in gathered], [g.dp_rank for g in gathered],
-                  lambda m: owner(m.prompt_index, len(prompts), shard.dp_size), device=device)
+                  lambda m: owner(m.prompt_index, len(prompts), dp_size), device=device, link=channel.link)
     return ReplicaOutput(samples=got.samples, positions=got.positions, metas=got.metas,
                          seconds=max(g.seconds for g in gathered), samples_per_replica=tuple(counts),
                          received_bytes=got.received_bytes)

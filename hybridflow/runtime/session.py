@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
 from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
+from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.model_dir import rollout_model_dir
 from hybridflow.runtime.shares import Shard, single_process
 from hybridflow.runtime.state import RunState
@@ -173,6 +174,8 @@ class Session:
     """This rank's data-parallel share of every rollout (``shares``)."""
     device: torch.device = torch.device("cpu")
     """The rank's device: where rollout samples travel to it."""
+    channel: Channel | None = None
+    """The processes rollouts and pushes span: the actor ranks, and the engine ranks when separate."""
     engine: RolloutEngine | None = None
     """This rank's replica's engine when it drives one."""
     actor: ModelRole | None = None

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
+from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.replicas import driver_rank, replica_of
 from hybridflow.weight_sync import WeightSyncPlan, plan_weight_sync
 from reshard.executor import WIRE_DTYPES, ProcessMap, execute
@@ -46,89 +47,104 @@ DRIVER = 0
 
 
 class EngineSync:
-    """Moves one actor's weights into the engine; every actor rank calls ``push`` together.
+    """Moves one actor's weights into the engines; every process of ``channel`` calls ``push``
+    together (colocated: the actor ranks; separate: the actor ranks, which send, and the engine
+    ranks, which receive their own shares and hand them to their replica's driver).
 
-    Construct it on every rank together (it gathers the engines' parameter tables from their
-    drivers); ``engine`` is this rank's replica's engine on a replica driver, None elsewhere.
+    Construct it on every process together (the processes that hold destination ranks gather
+    the engines' parameter tables from their drivers); ``engine`` is this process's replica's
+    engine on a replica driver, None elsewhere; ``source_params`` is None on an engine rank.
     """
 
-    def __init__(self, cfg: HybridflowConfig, *, source_params, engine=None) -> None:
+    def __init__(self, cfg: HybridflowConfig, *, channel: Channel, device: torch.device, source_params=None,
+                 engine=None) -> None:
         self.cfg = cfg
+        self.channel = channel
+        self.device = device
         self.route = cfg.rollout.sync_route
         self.sync: WeightSyncPlan = plan_weight_sync(cfg)
         self.plan, self.stats = self.sync.plan, self.sync.stats
-        world = cfg.actor.parallel.world_size
-        # colocated: destination rank r shares actor rank r's device (the config checked r < world)
-        self.processes = ProcessMap(source=tuple(range(world)),
-                                    destination=tuple(range(self.sync.destination.num_ranks)))
+        actors = cfg.actor.parallel.world_size
+        # colocated: destination rank r shares actor rank r's device (the config checked r < world);
+        # separate: destination rank r is joint rank actors + r, a process of its own
+        self.offset = actors if channel.separate else 0
+        self.processes = ProcessMap(source=tuple(range(actors)),
+                                    destination=tuple(self.offset + r for r in range(self.sync.destination.num_ranks)))
         self.dtype = WIRE_DTYPES[cfg.rollout.dtype]
         self.source_params = source_params
         self.engine = engine
         self.pushes = 0
-        self.engine_params = self._engine_params() if self.route == "sliced" else None
+        holds_destination = not channel.separate or source_params is None
+        self.engine_params = self._engine_params() if self.route == "sliced" and holds_destination else None
         self.engine_drops_weights = cfg.rollout.placement == "colocated" and torch.cuda.is_available()
         """Whether the engine's weights are released (and lose their values) after every
         generation, so every step must push, even one that left the actor unchanged."""
 
     def _engine_params(self) -> list[dict]:
         """Every engine rank's parameter table (engine-major: replica k's ranks at k*tp..), read by
-        each replica's driver from its running engine and gathered on every rank."""
+        each replica's driver from its running engine and gathered on every process of the default
+        group (the actor ranks when colocated, the engine ranks when separate)."""
         mine = (replica_of(self.cfg, dist.get_rank()), self.engine.rank_params()) if self.engine else (None, [])
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         tables = dict(item for item in gathered if item[0] is not None)
         return [table for replica in sorted(tables) for table in tables[replica]]
 
-    def _buffers(self, me: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """This process's destination tensors, on the actor's device (on a GPU they are shared
-        with the engine as CUDA-IPC handles, so they must live there)."""
-        if me >= len(self.processes.destination):
+    def _destination(self) -> int | None:
+        """The destination (engine) rank this process plays, or None."""
+        rank = self.channel.rank - self.offset
+        return rank if 0 <= rank < len(self.processes.destination) else None
+
+    def _buffers(self, dest: int | None) -> dict[str, torch.Tensor]:
+        """This process's destination tensors, on its device (on a GPU they are shared with the
+        engine as CUDA-IPC handles, so they must live there)."""
+        if dest is None:
             return {}
-        shapes = self.sync.destination.param_shapes(me)
-        return {name: torch.zeros(shape, dtype=self.dtype, device=device) for name, shape in shapes.items()}
+        shapes = self.sync.destination.param_shapes(dest)
+        return {name: torch.zeros(shape, dtype=self.dtype, device=self.device) for name, shape in shapes.items()}
 
     def push(self) -> dict[str, float]:
-        """Execute the plan, hand the engine its tensors, flush the engine's cache."""
+        """Execute the plan, hand the engines their tensors, flush their caches."""
         started = time.perf_counter()
-        me = dist.get_rank()
-        sources = self.source_params()
-        device = next(iter(sources.values())).device
-        buffers = self._buffers(me, device)
+        if self.source_params is not None:  # an actor rank; separate: the engine ranks receive with us
+            self.channel.announce(("push",))
+        dest = self._destination()
+        sources = self.source_params() if self.source_params is not None else None
+        buffers = self._buffers(dest)
         report = execute(self.plan, self.processes, sources=sources, destinations=buffers,
-                         bucket_bytes=self.cfg.rollout.reshard_bucket_mb << 20)
-        moved = torch.tensor([float(report.bytes_received + report.bytes_copied_locally)], device=device)
-        dist.all_reduce(moved)
+                         bucket_bytes=self.cfg.rollout.reshard_bucket_mb << 20, link=self.channel.link)
+        pushed = 0.0
         # the engine's weights are resident: the plan's switch before sync_weights resumed them
-        pushed = self._push_sliced(me, buffers) if self.route == "sliced" else self._push_full(me, buffers)
+        if self.engine_params is not None:
+            pushed = self._push_sliced(dest, buffers)
+        elif self.route == "full":
+            pushed = self._push_full(buffers)
         self.pushes += 1
-        per_replica = self._per_replica(pushed)
+        replica = replica_of(self.cfg, dist.get_rank()) if self.engine else None
+        gathered = self.channel.gather((replica, pushed, report.bytes_received + report.bytes_copied_locally))
+        per_replica = [0.0] * self.cfg.rollout.num_replicas
+        for k, value, _ in gathered:
+            if k is not None:
+                per_replica[k] = value
         seconds = time.perf_counter() - started
-        return {"sync/seconds": seconds, "sync/plan_bytes": float(moved.item()),
+        return {"sync/seconds": seconds, "sync/plan_bytes": float(sum(g[2] for g in gathered)),
                 "sync/engine_bytes": float(sum(per_replica)),
                 **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)}}
 
-    def _per_replica(self, pushed: float) -> list[float]:
-        """The bytes each replica's engine received, on every rank."""
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (replica_of(self.cfg, dist.get_rank()) if self.engine else None, pushed))
-        out = [0.0] * self.cfg.rollout.num_replicas
-        for replica, value in gathered:
-            if replica is not None:
-                out[replica] = value
-        return out
-
-    def _push_sliced(self, me: int, buffers: dict[str, torch.Tensor]) -> float:
+    def _push_sliced(self, dest: int | None, buffers: dict[str, torch.Tensor]) -> float:
+        """Each destination process shares its buffers; each replica's driver pushes its ranks'
+        shares (collective over the default group, whose rank r plays destination rank r)."""
         from hybridflow.rollout.sglang.handles import prepare_rank_payload
 
         tp = self.cfg.rollout.tp
         # payloads carry the engine-local rank: replica k's rank j is global destination k*tp + j
-        payload, kept = prepare_rank_payload(me % tp, buffers, self.engine_params[me]) if buffers else (None, [])
+        payload, kept = prepare_rank_payload(dest % tp, buffers, self.engine_params[dest]) if buffers else (None, [])
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, payload)  # handles: a few hundred bytes per tensor
         pushed = 0.0
         try:
             if self.engine is not None:
-                first = driver_rank(self.cfg, replica_of(self.cfg, me))  # the replica's first engine rank
+                first = driver_rank(self.cfg, replica_of(self.cfg, dist.get_rank()))  # the replica's first engine rank
                 result = self.engine.push_rank_payloads(gathered[first : first + tp])
                 pushed = float(sum(result.bytes_per_rank))
         finally:
@@ -137,8 +153,8 @@ class EngineSync:
         del kept
         return pushed
 
-    def _push_full(self, me: int, buffers: dict[str, torch.Tensor]) -> float:
-        if me != DRIVER:  # one replica (check_runtime_support): its driver is rank 0
+    def _push_full(self, buffers: dict[str, torch.Tensor]) -> float:
+        if dist.get_rank() != DRIVER:  # one colocated replica (preflight): its driver is rank 0
             return 0.0
         result = self.engine.push_weights(buffers, route="full")
         self.engine.flush_cache()

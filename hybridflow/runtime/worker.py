@@ -36,6 +36,8 @@ from hybridflow.runtime import report, state as run_state
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.ops import heldout_reward
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
+from hybridflow.runtime.channel import Channel, colocated, join
+from hybridflow.runtime.engine_ranks import serve
 from hybridflow.runtime.shares import Shard
 from hybridflow.runtime.session import (
     DRIVER, Session, broadcast, build_policy, load_prompts, prepare_files, start_engine, stop_token_ids,
@@ -136,13 +138,20 @@ def _copy_weights(source, target) -> list[str]:
 def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
 
+    if s.channel.separate:  # the engine ranks start the engines, from the directory rank 0 wrote
+        s.channel.announce(str(s.model_dir))
+        s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device,
+                            source_params=lambda: global_named_parameters(s.actor))
+        s.sync.push()
+        return
     s.replica = replica_of(s.cfg, s.rank)
     role, addresses = node_role(s.cfg, s.rank), _engine_addresses(s)
     if role is not None:  # every engine's node parts start together (their schedulers meet at start-up)
         replica, node = role
         engine = start_engine(s.cfg, s.model_dir, node_rank=node, dist_init_addr=addresses[replica])
         s.engine, s.engine_node = (engine, None) if node == 0 else (None, engine)
-    s.sync = EngineSync(s.cfg, source_params=lambda: global_named_parameters(s.actor), engine=s.engine)
+    s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device, source_params=lambda: global_named_parameters(s.actor),
+                        engine=s.engine)
     s.sync.push()
 
 
@@ -165,6 +174,11 @@ def _engine_addresses(s: Session) -> list[str | None]:
 def _stop_engines(s: Session, *, in_order: bool) -> None:
     """Drivers shut their engines down first (that stops every node's schedulers), then each
     node reaps its own; after a failure, each rank cleans up what it has at once."""
+    if s.channel is not None and s.channel.separate:
+        if in_order:  # the engine ranks stop theirs (serve); after a failure torchrun stops them
+            s.channel.announce(("stop",))
+            s.channel.barrier()
+        return
     if s.engine is not None:
         s.engine.shutdown()
     if in_order:
@@ -182,7 +196,7 @@ def _shard() -> Shard:
     return Shard(dp_rank=dp_rank, dp_size=dp_size, leader=leader, group=group)
 
 
-def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg) -> Session:
+def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg, channel: Channel) -> Session:
     from transformers import AutoTokenizer
 
     from megatron_adapters import parallel
@@ -197,7 +211,7 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg)
                 train_prompts=prompts, heldout_prompts=held, sft_rows=prompts,
                 sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
                 state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer), pg=pg,
-                shard=_shard(), device=parallel.device())
+                shard=_shard(), device=parallel.device(), channel=channel)
     s.spec = algorithm_spec(cfg)
     filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
     s.algo = dataclasses.replace(cfg.algorithm, **filled)
@@ -248,13 +262,14 @@ def out_of_memory_hint(cfg: HybridflowConfig, phase: str) -> Iterator[None]:
             f"(now {cfg.actor.parallel.describe()})") from None
 
 
-def run(cfg: HybridflowConfig) -> dict:
-    """The whole job on this rank (every rank of the actor's layout calls it)."""
+def run(cfg: HybridflowConfig, channel: Channel | None = None) -> dict:
+    """The whole job on this rank (every rank of the actor's layout calls it); ``channel``: the
+    joint group with the engine ranks (separate placement), None when colocated."""
     with out_of_memory_hint(cfg, "start-up"):
-        return _run(cfg)
+        return _run(cfg, channel)
 
 
-def _run(cfg: HybridflowConfig) -> dict:
+def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
     from megatron_adapters import parallel
 
     plan = lower(cfg, with_reshard=False)  # the stages `hybridflow plan` prints are the ones that run
@@ -265,7 +280,7 @@ def _run(cfg: HybridflowConfig) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
-    s = _session(cfg, out_dir, resume_from, pg)
+    s = _session(cfg, out_dir, resume_from, pg, channel or colocated())
     s.tracker.log_params({"algorithm": cfg.algorithm.name, "actor_layout": cfg.actor.parallel.describe(),
                           "rollout": cfg.rollout.describe(), **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()}})
     try:
@@ -299,13 +314,24 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv[0], argv[1:])
-    parallel.init_default_group(timeout_minutes=cfg.run.collective_timeout_minutes)
-    level = logging.INFO if dist.get_rank() == DRIVER else logging.WARNING
+    minutes = cfg.run.collective_timeout_minutes
+    channel = None
+    if cfg.rollout.placement == "separate":  # two worlds in one torchrun job, joined (runtime/channel.py)
+        channel, store, own_rank, own_size = join(cfg.actor.parallel.world_size, timeout_minutes=minutes)
+        prefix = "actor/" if channel.rank < channel.actors else "engine/"
+        parallel.init_default_group(minutes, store=dist.PrefixStore(prefix, store), rank=own_rank,
+                                    world_size=own_size)
+    else:
+        parallel.init_default_group(timeout_minutes=minutes)
+    level = logging.INFO if (channel.rank if channel else dist.get_rank()) == DRIVER else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     for noisy in ("httpx", "urllib3", "alembic", "mlflow.store.db.utils"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        run(cfg)
+        if channel is not None and channel.rank >= channel.actors:
+            serve(cfg, channel)
+        else:
+            run(cfg, channel)
     except DeviceMemoryError as error:  # one line, not a traceback: the message says what to change
         logging.getLogger("hybridflow.train").error("%s", error)
         sys.stderr.write(f"hybridflow train: error: {error}\n")

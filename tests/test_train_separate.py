@@ -1,0 +1,44 @@
+"""``hybridflow train`` with ``rollout.placement=separate``: engine ranks of their own.
+
+torchrun starts the quickstart's 2 actor ranks (EP=2) and the engine ranks after them, in one
+job (``hybridflow/runtime/channel.py``): 2 replicas x tp=1, or 1 replica x tp=2. The engine
+ranks receive each push point to point through the reshard plan and hand it to SGLang; they
+generate, and the samples go straight to the actor DP ranks that train on them. The run learns.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import LOGPROB_TOL, _history, _ok, _train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+
+SEPARATE = ["rollout.placement=separate", "sft.steps=150", "run.steps=6", "run.checkpoint_every=6",
+            "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8"]
+
+
+@pytest.mark.parametrize("engines", [["rollout.tp=1", "rollout.num_replicas=2"], ["rollout.tp=2"]],
+                         ids=["2x_tp1", "1x_tp2"])
+def test_separate_engine_ranks_generate_receive_every_push_and_the_run_learns(tmp_path: Path, engines) -> None:
+    out = tmp_path / "separate"
+    result = _train(out, *SEPARATE, *engines)
+    _ok(result)
+    assert "4 process(es)" in result.stdout and "+ 2 engine rank(s)" in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
+    # the plan put generation on the engine ranks 2-3, and so did the run
+    assert any(line.startswith("1. generate") and "rollout ranks 2-3" in line for line in summary["executed_stages"])
+    replicas = 2 if "rollout.num_replicas=2" in engines else 1
+    history = _history(out, "step_000006")
+    for h in history:
+        assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h  # the engines hold the pushed weights
+        assert sum(h[f"rollout/replica{k}/samples"] for k in range(replicas)) == 16 * 8
+        pushed = [h[f"sync/replica{k}/engine_bytes"] for k in range(replicas)]
+        assert min(pushed) > 0 and len(set(pushed)) == 1, h  # every push reached every replica
+        assert h["sync/plan_bytes"] > 0
+    for k in range(replicas):
+        assert sum(h[f"rollout/replica{k}/samples"] for h in history) > 0  # each replica generated
