@@ -46,3 +46,25 @@ def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_and_le
         # node 1's scheduler scores like the trainer: it received its shares of the pushed weights
         assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h
         assert h["rollout/replica0/samples"] == 128
+
+
+def test_separate_engine_ranks_on_their_own_node_of_a_launch_receive_every_push_and_learn(tmp_path: Path) -> None:
+    """Separate placement over two agents of two ranks: the actor's ranks 0-1 on "node" 0, the
+    tp=2 engine's ranks 2-3 on "node" 1; pushes and samples cross between the nodes."""
+    out, port = tmp_path / "separate_nodes", _free_port()
+    overrides = [f"run.output_dir={out}", "rollout.placement=separate", "sft.steps=150", "run.steps=4",
+                 "run.checkpoint_every=4", "run.heldout_prompts=20"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "launch", "--nnodes", "2", "--nproc-per-node", "2",
+                                "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                "configs/quickstart_cpu.yaml", *overrides],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for node in (0, 1)]
+    logs = [agent.communicate(timeout=800)[0] for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
+    assert any("generate on rollout ranks 2-3" in line for line in summary["executed_stages"])
+    for h in _history(out, "step_000004"):
+        assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h  # the engine on node 1 holds the pushed weights
+        assert h["rollout/replica0/samples"] == 128 and h["sync/replica0/engine_bytes"] > 0
