@@ -28,18 +28,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_and_learns(tmp_path: Path) -> None:
-    out, port = tmp_path / "two_nodes", _free_port()
-    overrides = [f"run.output_dir={out}", "rollout.gpus_per_node=1", "sft.steps=150", "run.steps=6",
-                 "run.checkpoint_every=3", "run.heldout_prompts=20"]
+def _two_agents(port: int, per_node: int, overrides: list[str]) -> None:
+    """Two ``hybridflow launch`` agents ("nodes" 0 and 1 of this machine) run the quickstart to the end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-                                "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
+    agents = [subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "launch", "--nnodes", "2", "--nproc-per-node",
+                                str(per_node), "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
                                 "configs/quickstart_cpu.yaml", *overrides],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for node in (0, 1)]
     logs = [agent.communicate(timeout=800)[0] for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+
+
+def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_and_learns(tmp_path: Path) -> None:
+    out, port = tmp_path / "two_nodes", _free_port()
+    overrides = [f"run.output_dir={out}", "rollout.gpus_per_node=1", "sft.steps=150", "run.steps=6",
+                 "run.checkpoint_every=3", "run.heldout_prompts=20"]
+    _two_agents(port, 1, overrides)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
     for h in _history(out, "step_000006"):
@@ -54,14 +59,7 @@ def test_separate_engine_ranks_on_their_own_node_of_a_launch_receive_every_push_
     out, port = tmp_path / "separate_nodes", _free_port()
     overrides = [f"run.output_dir={out}", "rollout.placement=separate", "sft.steps=150", "run.steps=4",
                  "run.checkpoint_every=4", "run.heldout_prompts=20"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "launch", "--nnodes", "2", "--nproc-per-node", "2",
-                                "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                                "configs/quickstart_cpu.yaml", *overrides],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for node in (0, 1)]
-    logs = [agent.communicate(timeout=800)[0] for agent in agents]
-    assert [a.returncode for a in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    _two_agents(port, 2, overrides)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
     assert any("generate on rollout ranks 2-3" in line for line in summary["executed_stages"])
