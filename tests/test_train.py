@@ -194,3 +194,16 @@ def test_full_route_sync_reaches_the_engine_with_every_tensor(full_run: Path, tm
     assert max(pushed_sliced) < cfg.rollout.tp * model_bytes
     summary = json.loads((out / "summary.json").read_text())
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("algorithm", ["remax", "dapo"])
+def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(tmp_path: Path, algorithm: str) -> None:
+    """ReMax's greedy baseline and DAPO's extra draws are rollouts too: each DP rank receives its
+    share of them, and the baseline / kept rows line up with the samples they belong to."""
+    out = tmp_path / algorithm
+    _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2"))
+    history = _history(out, "step_000002")
+    assert len(history) == 2
+    # a DAPO step that kept no group has no rows to score (and skips its update)
+    checked = [h["rollout/logprob_diff_max"] for h in history if "rollout/logprob_diff_max" in h]
+    assert checked and max(checked) < LOGPROB_TOL, history

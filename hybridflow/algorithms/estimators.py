@@ -90,6 +90,8 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
     A sample with an empty mask gets no reward at all: there is no token to put it on.
     """
     mask = as_bool_mask(response_mask)
+    if mask.shape[-1] == 0:  # no response column (a step that kept no sample): nowhere to put one
+        return torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     last = torch.where(mask, positions, -1).max(dim=-1).values
     rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)

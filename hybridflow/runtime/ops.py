@@ -190,12 +190,8 @@ def generate_greedy(s: Session, node, f: dict, step: int) -> dict:
     # one greedy response per prompt, repeated so it lines up with the n samples of the prompt
     ro = rollout(s, f["prompts"], _sampling(s, greedy=True), 0)
     n = s.cfg.rollout.n
-    repeat = torch.arange(len(ro.texts)).repeat_interleave(n)
-    return {"baseline_responses": _repeat(ro, repeat)}
-
-
-def _repeat(ro: Rollout, idx: torch.Tensor) -> Rollout:
-    return ro.take(idx)
+    repeat = torch.arange(ro.total).repeat_interleave(n)
+    return {"baseline_responses": ro.take(repeat)}
 
 
 @op("reward")

@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     minutes = cfg.run.collective_timeout_minutes
     channel = None
     if cfg.rollout.placement == "separate":  # two worlds in one torchrun job, joined (runtime/channel.py)
+        if torch.cuda.is_available():  # before the joint NCCL group first talks
+            torch.cuda.set_device(parallel.device())
         channel, store, own_rank, own_size = join(cfg.actor.parallel.world_size, timeout_minutes=minutes)
         prefix = "actor/" if channel.rank < channel.actors else "engine/"
         parallel.init_default_group(minutes, store=dist.PrefixStore(prefix, store), rank=own_rank,

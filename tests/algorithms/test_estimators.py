@@ -259,3 +259,11 @@ def test_registry_lists_valid_names_on_unknown():
 def test_registry_rejects_a_duplicate_name():
     with pytest.raises(ValueError, match="already registered"):
         register_estimator("grpo")(lambda *a, **k: None)
+
+
+def test_no_response_column_gets_no_token_reward():
+    """A step that kept no sample (DAPO) has [B, 0] masks: nowhere to put a score."""
+    from hybridflow.algorithms.estimators import scores_to_token_rewards
+
+    assert scores_to_token_rewards(torch.zeros(0), torch.zeros(0, 0)).shape == (0, 0)
+    assert scores_to_token_rewards(torch.ones(2), torch.zeros(2, 0)).shape == (2, 0)
