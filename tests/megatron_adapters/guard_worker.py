@@ -34,8 +34,10 @@ def _host_grads_finite(self) -> bool:
     return bad.item() == 0
 
 
-def _rows_left_on_host(self, batch):
+def _rows_left_on_host(self, batch, local_rows=False):
     """The pre-fix batching: this rank's rows, never moved to the device."""
+    if local_rows:
+        return dict(batch)
     share = batch["input_ids"].shape[0] // self.layout.dp
     rank = parallel_state.get_data_parallel_rank()
     return {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
