@@ -106,7 +106,7 @@ def check_process_count(layout: ParallelLayout, nodes_flag: str, per_node_flag: 
             f"{nodes_flag} x {per_node_flag} = {started} processes, but actor.parallel fills "
             f"{layout.world_size} ranks (tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp}){engines}; "
             f"start {want} processes in all, or change actor.parallel.dp (or tp/pp/cp) "
-            f"to fill {started - engine_ranks}")
+            f"so that the ranks add up to {started}")
 
 
 def torchrun_command(spec: LaunchSpec, config_path: str, overrides: Sequence[str]) -> list[str]:
