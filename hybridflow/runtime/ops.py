@@ -99,12 +99,16 @@ class Rollout:
         """Response columns R of the whole batch (the same on every rank)."""
         return int(self.lengths.max()) if self.total else 0
 
+    def local_index(self, source: torch.Tensor) -> torch.Tensor:
+        """For each global sample position in ``source``, its row on this rank, or -1."""
+        local = torch.full((self.total,), -1, dtype=torch.long)
+        local[self.rows] = torch.arange(len(self.rows))
+        return local[source]
+
     def take(self, source: torch.Tensor) -> "Rollout":
         """The rollout whose sample j is sample ``source[j]`` of this one (a global index, the same
         on every rank); each rank keeps the new rows whose source it holds."""
-        local = torch.full((self.total,), -1, dtype=torch.long)
-        local[self.rows] = torch.arange(len(self.rows))
-        src = local[source]
+        src = self.local_index(source)
         mine = (src >= 0).nonzero().flatten()
         pick = src[mine]
         picked = pick.tolist()
@@ -257,9 +261,14 @@ def current(f: dict) -> tuple[Rollout, torch.Tensor]:
 def _padded(s: Session, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
     """``inputs`` padded with masked rows to the same number of micro-batches on every DP rank
     (the most rows any DP rank holds, rounded up to micro-batches)."""
-    micro = s.cfg.train.micro_batch_size
     most = int(s.shard.max(torch.tensor([inputs["input_ids"].shape[0]]))[0])
-    return pad_rows(inputs, micro, rows=-(-max(most, 1) // micro) * micro)
+    return pad_rows(inputs, s.cfg.train.micro_batch_size, rows=_micro_rows(s, max(most, 1)))
+
+
+def _micro_rows(s: Session, rows: int) -> int:
+    """``rows`` rounded up to whole micro-batches."""
+    micro = s.cfg.train.micro_batch_size
+    return -(-rows // micro) * micro
 
 
 def _logprobs(s: Session, policy, ro: Rollout, *, with_entropy: bool, routes: torch.Tensor | None = None,
@@ -396,9 +405,7 @@ def _train_rows(s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: in
     if s.spec.pf_ppo:  # drawn over the whole batch, alike on every rank; each keeps its own rows
         generator = torch.Generator().manual_seed(step_seed(s.cfg.run.seed, step, 7))
         idx = pf_ppo_resample(scores, s.spec.pf_ppo, generator, pow=s.algo.pf_ppo_weight_pow)
-        local = torch.full((ro.total,), -1, dtype=torch.long)
-        local[ro.rows] = torch.arange(len(ro.rows))
-        pick = local[idx]
+        pick = ro.local_index(idx)
         rows = {k: v[pick[pick >= 0]] for k, v in rows.items()}
     return rows
 
@@ -413,7 +420,7 @@ def _mini_batches(s: Session, rows: dict[str, torch.Tensor], count: int) -> list
     parts = []
     for (a, b), most in zip(zip(bounds, bounds[1:]), sizes.tolist()):
         if most:  # a part no rank holds rows of is skipped everywhere alike
-            parts.append(pad_rows({k: v[a:b] for k, v in rows.items()}, micro, rows=-(-most // micro) * micro)[0])
+            parts.append(pad_rows({k: v[a:b] for k, v in rows.items()}, micro, rows=_micro_rows(s, most))[0])
     return parts
 
 
