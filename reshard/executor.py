@@ -4,15 +4,19 @@
 Plan (same on every process)  +  ProcessMap (side rank -> torch.distributed rank)
         |
         v  pieces: each transfer, split along its first dimension so no piece exceeds the bucket
-        v  messages: consecutive pieces of one (source process, destination process) pair,
+        v  messages: consecutive pieces of one (hop, sender process, receiver process),
         |            packed up to bucket_bytes; same process -> local copies, no message
-        v  rounds: first-fit, so each process sends <= bucket_bytes and receives <= bucket_bytes
-        |          per round (its extra memory: one send and one receive bucket at most)
-        v  per round: pack sends (cast to the wire dtype), batch_isend_irecv, unpack receives
+        v  rounds: first-fit, hop by hop, so each process sends <= bucket_bytes and receives
+        |          <= bucket_bytes per round, and a relayed piece goes out the round after it
+        |          came in (multi-hop routes pipelined bucket by bucket)
+        v  per round: pack the sends (cast to the wire dtype) while the previous round is on
+        |            the wire, land it (unpack), pack what forwards it, post this round
         v  optional verification: per-piece float64 checksums sent beside each message and
                                   compared with the written destination boxes
 ```
 
+The schedule is derived once per (plan, process map, bucket) and cached with the plan. Extra
+memory per process: two send buckets (one in flight, one packed) and one receive bucket.
 Every process derives the same pieces, messages and rounds from the plan, so no metadata
 travels. Source parameters and destination buffers are plain dicts of tensors named as the
 plan's layouts name them (a Megatron rank's parameters; an SGLang rank's parameters). This
@@ -23,9 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,8 +69,12 @@ class Piece:
     """A box of one transfer small enough for a bucket."""
 
     transfer: Transfer
+    region: Region
+    """The piece's box in canonical coordinates (with the tensor: its identity for relays)."""
     src_region: Region
     dst_region: Region
+    also: tuple[tuple[str, Region], ...]
+    """Further places on the receiver that take the piece (``Transfer.also``, split alike)."""
     numel: int
 
 
@@ -77,6 +86,11 @@ class Message:
     dst: int
     pieces: tuple[Piece, ...]
     nbytes: int
+    tag: int = 0
+    """Unique in the schedule: messages of two rounds between one pair never match up wrong."""
+    fresh: bool = False
+    """A relayed piece of it reached the sender in the round just before: packed only once that
+    round has landed (the others are packed while it is still in flight)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +100,13 @@ class Schedule:
     local: tuple[Piece, ...]
     rounds: tuple[tuple[Message, ...], ...]
     bucket_bytes: int
+    _mine: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def rounds_for(self, process: int) -> list[list[Message]]:
+        """The rounds with only the messages ``process`` sends or receives (memoised)."""
+        if process not in self._mine:
+            self._mine[process] = [[m for m in r if process in (m.src, m.dst)] for r in self.rounds]
+        return self._mine[process]
 
 
 @dataclass(kw_only=True)
@@ -95,6 +116,7 @@ class ExecutionReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_copied_locally: int = 0
+    bytes_relayed: int = 0
     rounds: int = 0
     peak_buffer_bytes: int = 0
     verified_pieces: int = 0
@@ -113,34 +135,57 @@ def _pieces(t: Transfer, max_elements: int) -> list[Piece]:
     """Split ``t`` along the first canonical dim with extent > 1 into bucket-sized pieces."""
     numel = math.prod(b - a for a, b in t.region)
     if numel <= max_elements:
-        return [Piece(t, t.src_region, t.dst_region, numel)]
+        return [Piece(t, t.region, t.src_region, t.dst_region, t.also, numel)]
     dim = next(i for i, (a, b) in enumerate(t.region) if b - a > 1)
     rows = t.region[dim][1] - t.region[dim][0]
     per_row = numel // rows
     step = max_elements // per_row
     if step == 0:
-        raise ValueError(f"bucket of {max_elements} elements is smaller than one row ({per_row}) of {t.tensor}")
-    src_dim = dim + len(t.src_region) - len(t.region)
-    dst_dim = dim + len(t.dst_region) - len(t.region)
+        raise ValueError(
+            f"the bucket of {max_elements} elements is smaller than one row ({per_row} elements) "
+            f"of {t.tensor}: raise bucket_bytes (rollout.reshard_bucket_mb) to hold one row"
+        )
+
+    def cut(region: Region, r: int) -> Region:
+        return _split(region, dim + len(region) - len(t.region), r, min(r + step, rows))
+
     return [
-        Piece(t, _split(t.src_region, src_dim, r, min(r + step, rows)),
-              _split(t.dst_region, dst_dim, r, min(r + step, rows)), per_row * (min(r + step, rows) - r))
+        Piece(t, cut(t.region, r), cut(t.src_region, r), cut(t.dst_region, r),
+              tuple((param, cut(box, r)) for param, box in t.also), per_row * (min(r + step, rows) - r))
         for r in range(0, rows, step)
     ]
 
 
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def schedule(plan: Plan, processes: ProcessMap, *, bucket_bytes: int) -> Schedule:
-    """The deterministic execution schedule of ``plan`` (identical on every process)."""
+    """The deterministic execution schedule of ``plan`` (identical on every process), derived
+    once per (plan, processes, bucket) and kept while the plan lives."""
+    per_plan = _CACHE.setdefault(plan, {})
+    key = (processes, bucket_bytes)
+    if key not in per_plan:
+        per_plan[key] = _schedule(plan, processes, bucket_bytes)
+    return per_plan[key]
+
+
+def _schedule(plan: Plan, processes: ProcessMap, bucket_bytes: int) -> Schedule:
     itemsize = torch.empty((), dtype=WIRE_DTYPES[plan.destination.dtype]).element_size()
+    if bucket_bytes < itemsize:
+        raise ValueError(f"bucket_bytes is {bucket_bytes}; give at least one row of the largest tensor")
     max_elements = bucket_bytes // itemsize
     local: list[Piece] = []
-    per_pair: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    per_key: dict[tuple[int, int, int], list[Piece]] = defaultdict(list)
     for t in plan.transfers():
-        src, dst = processes.source[t.src_rank], processes.destination[t.dst_rank]
+        src = (processes.destination if t.relay else processes.source)[t.src_rank]
+        dst = processes.destination[t.dst_rank]
         pieces = _pieces(t, max_elements)
-        (local if src == dst else per_pair[(src, dst)]).extend(pieces)
-    messages = [m for pair in sorted(per_pair) for m in _pack(pair, per_pair[pair], max_elements, itemsize)]
-    return Schedule(local=tuple(local), rounds=_rounds(messages, bucket_bytes), bucket_bytes=bucket_bytes)
+        (local if src == dst else per_key[(t.hop, src, dst)]).extend(pieces)
+    # hop-major: a relayed message is placed after the messages that bring its pieces
+    messages = [m for key in sorted(per_key) for m in _pack(key[1:], per_key[key], max_elements, itemsize)]
+    arrived = {(processes.destination[p.transfer.dst_rank], p.transfer.tensor, p.region): -1 for p in local}
+    return Schedule(local=tuple(local), rounds=_rounds(messages, bucket_bytes, arrived),
+                    bucket_bytes=bucket_bytes)
 
 
 def _pack(pair, pieces: list[Piece], max_elements: int, itemsize: int) -> list[Message]:
@@ -156,23 +201,29 @@ def _pack(pair, pieces: list[Piece], max_elements: int, itemsize: int) -> list[M
     return out
 
 
-def _rounds(messages: list[Message], bucket_bytes: int) -> tuple[tuple[Message, ...], ...]:
-    """First-fit: a message joins the first round where its sender and receiver have room."""
+def _rounds(messages: list[Message], bucket_bytes: int, arrived: dict) -> tuple[tuple[Message, ...], ...]:
+    """First-fit: a message joins the first round, after the rounds that bring its relayed pieces
+    to its sender, where its sender and receiver have room. A relay thus forwards piece k while
+    piece k + 1 is still coming in: multi-hop routes run pipelined."""
     rounds: list[list[Message]] = []
     send_load: list[dict[int, int]] = []
     recv_load: list[dict[int, int]] = []
-    for m in messages:
-        for i, members in enumerate(rounds):
-            if send_load[i].get(m.src, 0) + m.nbytes <= bucket_bytes and recv_load[i].get(m.dst, 0) + m.nbytes <= bucket_bytes:
-                break
-        else:
+    for tag, m in enumerate(messages):
+        ready = max((arrived[(m.src, p.transfer.tensor, p.region)] for p in m.pieces if p.transfer.relay),
+                    default=-1)
+        i = ready + 1
+        while i < len(rounds) and not (send_load[i].get(m.src, 0) + m.nbytes <= bucket_bytes
+                                       and recv_load[i].get(m.dst, 0) + m.nbytes <= bucket_bytes):
+            i += 1
+        while len(rounds) <= i:
             rounds.append([])
             send_load.append({})
             recv_load.append({})
-            i = len(rounds) - 1
-        rounds[i].append(m)
+        rounds[i].append(dataclasses.replace(m, tag=tag, fresh=ready == i - 1))
         send_load[i][m.src] = send_load[i].get(m.src, 0) + m.nbytes
         recv_load[i][m.dst] = recv_load[i].get(m.dst, 0) + m.nbytes
+        for p in m.pieces:
+            arrived[(m.dst, p.transfer.tensor, p.region)] = i
     return tuple(tuple(r) for r in rounds)
 
 
@@ -201,70 +252,110 @@ def execute(
     link: Link | None = None,
 ) -> ExecutionReport:
     """Run ``plan`` on this process (collective: every process of ``processes`` calls it; the
-    processes are ranks of ``link``, the default group when None)."""
+    processes are ranks of ``link``, the default group when None).
+
+    Round i + 1's sends are packed while round i is on the wire; only the messages forwarding
+    what round i brings wait for it to land."""
     link = link or GroupLink()
     me = link.rank()
     plan.topology.check(plan.source.num_ranks, plan.destination.num_ranks)
     steps = schedule(plan, processes, bucket_bytes=bucket_bytes)
-    wire = WIRE_DTYPES[plan.destination.dtype]
+    io = _Io(sources, destinations, WIRE_DTYPES[plan.destination.dtype], verify)
     report = ExecutionReport(rounds=len(steps.rounds))
     for piece in steps.local:
         if processes.source[piece.transfer.src_rank] == me:
-            _copy(piece, sources, destinations)
-            report.bytes_copied_locally += piece.numel * wire.itemsize
-    for messages in steps.rounds:
-        _run_round(messages, me, sources, destinations, wire, verify, link, report)
+            io.write(piece, io.read(piece).reshape(-1))
+            report.bytes_copied_locally += piece.numel * io.wire.itemsize
+    flight = None
+    for messages in steps.rounds_for(me):
+        early = [io.pack(m) for m in messages if m.src == me and not m.fresh]
+        if flight is not None:
+            report.peak_buffer_bytes = max(report.peak_buffer_bytes, flight.nbytes + _size(early))
+            flight.land(io, report)
+        late = [io.pack(m) for m in messages if m.src == me and m.fresh]
+        flight = _Flight.post(messages, me, early + late, io, link, report)
+        report.peak_buffer_bytes = max(report.peak_buffer_bytes, flight.nbytes)
+    if flight is not None:
+        flight.land(io, report)
     return report
 
 
-def _copy(piece: Piece, sources, destinations) -> None:
-    src = _view(sources, piece.transfer.src_param, piece.src_region)
-    dst = _view(destinations, piece.transfer.dst_param, piece.dst_region)
-    dst.copy_(src.reshape(dst.shape))
+def _size(packed) -> int:
+    return sum(t.numel() * t.element_size() for _, tensors in packed for t in tensors)
 
 
-def _run_round(messages, me, sources, destinations, wire, verify, link: Link, report) -> None:
-    sends, receives, inbox, outbox = [], [], [], []
-    for tag, m in enumerate(messages):
-        if m.src == me:
-            buffer = torch.cat([_view(sources, p.transfer.src_param, p.src_region).reshape(-1).to(wire) for p in m.pieces])
-            outbox.append(buffer)
-            sends.append((buffer, m.dst, 2 * tag))
-            if verify:
-                sums = torch.stack([_checksum(_view(sources, p.transfer.src_param, p.src_region).to(wire)) for p in m.pieces])
-                outbox.append(sums)
-                sends.append((sums, m.dst, 2 * tag + 1))
+@dataclass
+class _Io:
+    """Where pieces are read (a source rank's parameters, or a relay's own buffers) and written."""
+
+    sources: Mapping[str, torch.Tensor] | None
+    destinations: Mapping[str, torch.Tensor] | None
+    wire: torch.dtype
+    verify: bool
+
+    def read(self, p: Piece) -> torch.Tensor:
+        params = self.destinations if p.transfer.relay else self.sources
+        return _view(params, p.transfer.src_param, p.src_region).to(self.wire)
+
+    def write(self, p: Piece, flat: torch.Tensor) -> None:
+        for param, region in ((p.transfer.dst_param, p.dst_region), *p.also):
+            dst = _view(self.destinations, param, region)
+            dst.copy_(flat.reshape(dst.shape))
+
+    def pack(self, m: Message) -> tuple[Message, list[torch.Tensor]]:
+        """(message, [buffer] or [buffer, checksums]) ready to send."""
+        views = [self.read(p) for p in m.pieces]
+        out = [torch.cat([v.reshape(-1) for v in views])]
+        if self.verify:
+            out.append(torch.stack([_checksum(v) for v in views]))
+        return m, out
+
+
+@dataclass
+class _Flight:
+    """One round on the wire: its posted works and the buffers they fill."""
+
+    works: list
+    inbox: list
+    nbytes: int
+
+    @classmethod
+    def post(cls, messages, me, packed, io: _Io, link: Link, report) -> _Flight:
+        sends, receives, inbox = [], [], []
+        for m, tensors in packed:
+            sends += [(t, m.dst, 2 * m.tag + i) for i, t in enumerate(tensors)]
             report.bytes_sent += m.nbytes
-        elif m.dst == me:
-            device = destinations[m.pieces[0].transfer.dst_param].device  # NCCL receives on the GPU
-            buffer = torch.empty(sum(p.numel for p in m.pieces), dtype=wire, device=device)
-            sums = torch.empty(len(m.pieces), 2, dtype=torch.float64, device=device) if verify else None
-            inbox.append((m, buffer, sums))
-            receives.append((buffer, m.src, 2 * tag))
-            if verify:
-                receives.append((sums, m.src, 2 * tag + 1))
+            report.bytes_relayed += m.nbytes if m.pieces[0].transfer.relay else 0
+        for m in messages:
+            if m.dst != me:
+                continue
+            device = io.destinations[m.pieces[0].transfer.dst_param].device  # NCCL receives on the GPU
+            tensors = [torch.empty(sum(p.numel for p in m.pieces), dtype=io.wire, device=device)]
+            if io.verify:
+                tensors.append(torch.empty(len(m.pieces), 2, dtype=torch.float64, device=device))
+            receives += [(t, m.src, 2 * m.tag + i) for i, t in enumerate(tensors)]
+            inbox.append((m, tensors))
             report.bytes_received += m.nbytes
-    report.peak_buffer_bytes = max(
-        report.peak_buffer_bytes,
-        sum(b.numel() * b.element_size() for b in outbox) + sum(b.numel() * b.element_size() for _, b, _ in inbox),
-    )
-    link.exchange(sends, receives)
-    for m, buffer, sums in inbox:
-        _unpack(m, buffer, sums, destinations, report)
+        return cls(link.start(sends, receives), inbox, _size(packed) + _size(inbox))
+
+    def land(self, io: _Io, report) -> None:
+        for work in self.works:
+            work.wait()
+        for m, tensors in self.inbox:
+            _unpack(m, tensors, io, report)
 
 
-def _unpack(message: Message, buffer: torch.Tensor, sums, destinations, report) -> None:
+def _unpack(message: Message, tensors: list[torch.Tensor], io: _Io, report) -> None:
+    buffer, sums = tensors[0], (tensors[1] if len(tensors) > 1 else None)
     offset = 0
     for index, p in enumerate(message.pieces):
-        dst = _view(destinations, p.transfer.dst_param, p.dst_region)
-        chunk = buffer[offset : offset + p.numel]
-        dst.copy_(chunk.reshape(dst.shape))
+        io.write(p, buffer[offset : offset + p.numel])
         offset += p.numel
         if sums is not None:
-            got = _checksum(dst.to(buffer.dtype))
+            got = _checksum(_view(io.destinations, p.transfer.dst_param, p.dst_region).to(buffer.dtype))
             if not torch.equal(got, sums[index]):
                 raise RuntimeError(
-                    f"checksum mismatch for {p.transfer.tensor} {p.transfer.region} into "
+                    f"checksum mismatch for {p.transfer.tensor} {p.region} into "
                     f"{p.transfer.dst_param} {p.dst_region} from process {message.src}"
                 )
             report.verified_pieces += 1

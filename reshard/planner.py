@@ -12,17 +12,26 @@
                               v
      bundle slices by their (holding ranks, needing ranks) pair
                               v
-     per (bundle, needing rank), largest bundles first, needing ranks ascending:
-         a holder on the same device  -> local  (copy, no network bytes)
-         else holders on the same node -> intra  (least bytes sent so far, then lowest rank)
-         else all holders               -> inter  (least bytes sent so far, then lowest rank)
+     per bundle, largest first; per node of its needing ranks, nodes ascending:
+         a holder on the needer's device -> local (copy, no link bytes)
+         else a holder on the node        -> intra from it          (NVLink least loaded)
+         else the bundle enters the node ONCE:
+              inter into the needer whose NIC received least, from the holder -- or a
+              destination rank of an earlier node that has it (a relay, <= max_relays
+              nodes deep) -- whose NIC sent least;
+              then intra fan-out from the node's ranks that have it  (NVLink least loaded)
                               v
-     Plan: bundles (shared slice lists) + routes (src rank, dst rank, kind, bundle)
+     Plan: bundles (shared slice lists) + routes (sender, needer, kind, bundle, relay, hop)
            .transfers() / .transfers_for(rank) expand routes into Transfer values
 
 Every destination element is covered exactly once: the source boxes of a tensor partition it,
 so the slices of one destination shard partition the shard, and each (bundle, needing rank)
-gets exactly one route. No torch, no process groups, no weights: a 671B plan is shapes only.
+gets exactly one route. A relay route's sender is a destination rank that needs the same
+bundle and gets it on an earlier route (its ``hop`` is one more), so it forwards exactly what
+it received, from its own buffer. Each element crosses into each destination node at most once:
+the network carries the node-level bound exactly. Loads are counted per device, so colocated
+ranks of the two sides share their device's NIC and NVLink.
+No torch, no process groups, no weights: a 671B plan is shapes only.
 Routes are compact on purpose: a 1,024-rank DeepSeek-V3 plan has millions of
 (slice, destination) pairs but a few hundred thousand routes; statistics are computed from the
 routes exactly.
@@ -57,8 +66,9 @@ class Slice:
     """The box (canonical coordinates)."""
     sources: tuple[Shard, ...]
     """Source shards with exactly the enclosing box (one per copy: tied embeddings have two)."""
-    destination: Shard
-    """The destination shard it is part of."""
+    destinations: tuple[Shard, ...]
+    """Destination shards with exactly the enclosing box (one per copy: a redundant EPLB expert
+    sits in other slots on other ranks); the bundle's needers are their ranks."""
     nbytes: int
     """Bytes of the box."""
 
@@ -101,6 +111,14 @@ class Transfer:
     """Bytes moved."""
     kind: str
     """``local`` (same device), ``intra`` (same node) or ``inter`` (across nodes)."""
+    relay: bool = False
+    """``src_rank`` is a destination rank forwarding what it received (read from its
+    ``src_param`` buffer, which is the same destination parameter as ``dst_param``)."""
+    hop: int = 0
+    """Routes the box took before this one (0: straight from a source rank)."""
+    also: tuple[tuple[str, Region], ...] = ()
+    """Further (parameter, box) places on the destination rank that take the same box (a rank
+    holding one expert in two EPLB slots): one transfer, written into each."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -123,6 +141,10 @@ class Plan:
     """Kind of each route: index into ``KINDS`` (int8)."""
     route_bundle: np.ndarray
     """Bundle index of each route (int64)."""
+    route_relay: np.ndarray
+    """True where the route's sender (``route_src``) is a destination rank (bool)."""
+    route_hop: np.ndarray
+    """Routes the bundle took before this one to reach the sender (int16; 0: a source rank)."""
 
     @property
     def num_routes(self) -> int:
@@ -143,28 +165,42 @@ class Plan:
         """Every transfer, route by route (lazily: a large plan has millions)."""
         return self._expand(np.arange(self.num_routes))
 
+    @property
+    def max_hop(self) -> int:
+        """Deepest route (0: no route forwards)."""
+        return int(self.route_hop.max(initial=0))
+
     def transfers_for(self, rank: int, *, side: str) -> Iterator[Transfer]:
-        """Transfers one rank takes part in: ``side="source"`` (it sends) or ``"destination"``."""
-        column = {"source": self.route_src, "destination": self.route_dst}[side]
-        return self._expand(np.flatnonzero(column == rank))
+        """Transfers one rank takes part in: ``side="source"`` (a source rank sends),
+        ``"relay"`` (a destination rank forwards) or ``"destination"`` (it receives)."""
+        if side == "destination":
+            mask = self.route_dst == rank
+        else:
+            mask = (self.route_src == rank) & (self.route_relay == (side == "relay"))
+        return self._expand(np.flatnonzero(mask))
 
     def _expand(self, routes: np.ndarray) -> Iterator[Transfer]:
         for i in routes.tolist():
             src, dst = int(self.route_src[i]), int(self.route_dst[i])
-            kind = KINDS[self.route_kind[i]]
+            kind, relay, hop = KINDS[self.route_kind[i]], bool(self.route_relay[i]), int(self.route_hop[i])
             for s in self.bundles[self.route_bundle[i]].slices:
-                yield _transfer(s, src, dst, kind)
+                yield _transfer(s, src, dst, kind, relay, hop)
 
 
-def _transfer(s: Slice, src: int, dst: int, kind: str) -> Transfer:
-    shard = next(c for c in s.sources if src in c.ranks)
-    d = s.destination
+def _transfer(s: Slice, src: int, dst: int, kind: str, relay: bool, hop: int) -> Transfer:
+    # a relay needs the same box: it forwards it from where its own buffer holds it
+    (src_param, src_region), *_ = _places(s.destinations if relay else s.sources, src, s.region)
+    (dst_param, dst_region), *also = _places(s.destinations, dst, s.region)
     return Transfer(
         src_rank=src, dst_rank=dst, tensor=s.tensor, region=s.region,
-        src_param=shard.param, src_region=map_into(s.region, shard.region, shard.param_region),
-        dst_param=d.param, dst_region=map_into(s.region, d.region, d.param_region),
-        nbytes=s.nbytes, kind=kind,
+        src_param=src_param, src_region=src_region, dst_param=dst_param, dst_region=dst_region,
+        nbytes=s.nbytes, kind=kind, relay=relay, hop=hop, also=tuple(also),
     )
+
+
+def _places(copies: tuple[Shard, ...], rank: int, region: Region) -> list[tuple[str, Region]]:
+    """(parameter, box in it) of every copy ``rank`` holds ``region`` in."""
+    return [(c.param, map_into(region, c.region, c.param_region)) for c in copies if rank in c.ranks]
 
 
 # ------------------------------------------------------------------------ checking
@@ -194,21 +230,22 @@ def check_compatible(source: TensorLayout, destination: TensorLayout) -> None:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _SourceBox:
+class _Box:
     region: Region
     copies: tuple[Shard, ...]
-    holders: tuple[int, ...]
+    ranks: tuple[int, ...]
 
 
-def _source_boxes(shards: tuple[Shard, ...], interned: dict) -> list[_SourceBox]:
-    """Source shards grouped by box: copies of the same box (tied embedding) merged."""
+def _boxes(shards: tuple[Shard, ...], interned: dict) -> list[_Box]:
+    """Shards grouped by box: copies of the same box (a tied embedding's source, a redundant
+    expert's destination) merged, their ranks united."""
     by_region: dict[Region, list[Shard]] = {}
     for s in shards:
         by_region.setdefault(s.region, []).append(s)
     boxes = []
     for region, copies in by_region.items():
-        holders = copies[0].ranks if len(copies) == 1 else _union(copies, interned)
-        boxes.append(_SourceBox(region=region, copies=tuple(copies), holders=holders))
+        ranks = copies[0].ranks if len(copies) == 1 else _union(copies, interned)
+        boxes.append(_Box(region=region, copies=tuple(copies), ranks=ranks))
     return boxes
 
 
@@ -217,8 +254,8 @@ def _union(copies: list[Shard], interned: dict) -> tuple[int, ...]:
     return interned.setdefault(key, key)
 
 
-def _slices(name: str, itemsize: int, boxes: list[_SourceBox], dst: Shard) -> list[tuple]:
-    """(holders, slice) for each part of ``dst`` inside a source box."""
+def _slices(name: str, itemsize: int, boxes: list[_Box], dst: _Box) -> list[tuple]:
+    """(holders, slice) for each part of the destination box ``dst`` inside a source box."""
     out = []
     covered, needed = 0, num_elements(dst.region)
     for box in boxes:
@@ -227,8 +264,8 @@ def _slices(name: str, itemsize: int, boxes: list[_SourceBox], dst: Shard) -> li
             continue
         n = needed if region is dst.region else num_elements(region)
         covered += n
-        out.append((box.holders, Slice(tensor=name, region=region, sources=box.copies,
-                                       destination=dst, nbytes=n * itemsize)))
+        out.append((box.ranks, Slice(tensor=name, region=region, sources=box.copies,
+                                     destinations=dst.copies, nbytes=n * itemsize)))
     if covered != needed:
         raise ValueError(
             f"{name}: the source layout does not hold all of {dst.region} that destination "
@@ -242,9 +279,9 @@ def _bundles(source: TensorLayout, destination: TensorLayout) -> list[Bundle]:
     groups: dict[tuple[int, int], tuple[tuple, tuple, list[Slice]]] = {}
     interned: dict = {}
     for name, tensor in destination.tensors.items():
-        boxes = _source_boxes(source.shards[name], interned)
+        boxes = _boxes(source.shards[name], interned)
         itemsize = DTYPE_BYTES[tensor.dtype]
-        for dst in destination.shards[name]:
+        for dst in _boxes(destination.shards[name], interned):
             for holders, s in _slices(name, itemsize, boxes, dst):
                 # rank tuples are interned by the layout builders: ids identify them
                 key = (id(holders), id(dst.ranks))
@@ -260,66 +297,147 @@ def _bundles(source: TensorLayout, destination: TensorLayout) -> list[Bundle]:
 # ---------------------------------------------------------------------- choosing
 
 
-class _Chooser:
-    """Picks the source of each (bundle, destination rank): device, then node, then load."""
+class _Links:
+    """Bytes each device's links carry so far: NIC and NVLink, each way. Colocated ranks of the
+    two sides share a device, so they share its links."""
 
-    def __init__(self, topology: Topology, num_source: int) -> None:
+    def __init__(self, topology: Topology) -> None:
+        devices = sorted(set(topology.source) | set(topology.destination))
+        index = {dev: i for i, dev in enumerate(devices)}
+        self.src = [index[d] for d in topology.source]
+        self.dst = [index[d] for d in topology.destination]
+        self.nic_out = [0] * len(devices)
+        self.nic_in = [0] * len(devices)
+        self.nv_out = [0] * len(devices)
+        self.nv_in = [0] * len(devices)
+
+
+class _Chooser:
+    """Routes one bundle to its needers, node by node (see the module docstring):
+
+    a holder on the needer's device -> local; a holder on its node -> intra from the holder
+    whose NVLink has sent least; else the bundle enters the node once (inter, into the needer
+    whose NIC has received least, from the holder or earlier receiver on another node whose NIC
+    has sent least: a relay when that is a destination rank), then fans out inside the node
+    (intra from the node's receiver whose NVLink has sent least)."""
+
+    def __init__(self, topology: Topology, *, max_relays: int) -> None:
         self.src_dev = topology.source
         self.dst_dev = topology.destination
-        self.load = [0] * num_source
-        self._candidates: dict[int, tuple[dict[Device, int], dict[int, list[int]]]] = {}
+        self.links = _Links(topology)
+        self.max_relays = max_relays
+        self._holders: dict[int, tuple[dict[Device, int], dict[int, list[int]]]] = {}
+        self._needers: dict[int, dict[int, list[int]]] = {}
 
     def _index(self, holders: tuple[int, ...]) -> tuple[dict[Device, int], dict[int, list[int]]]:
         key = id(holders)
-        if key not in self._candidates:
+        if key not in self._holders:
             by_device: dict[Device, int] = {}
             by_node: dict[int, list[int]] = {}
             for r in holders:  # ascending: setdefault keeps the lowest rank per device
                 dev = self.src_dev[r]
                 by_device.setdefault(dev, r)
                 by_node.setdefault(dev.node, []).append(r)
-            self._candidates[key] = (by_device, by_node)
-        return self._candidates[key]
+            self._holders[key] = (by_device, by_node)
+        return self._holders[key]
 
-    def choose(self, holders: tuple[int, ...], dst: int, nbytes: int) -> tuple[int, int]:
-        """(source rank, kind) for one route; updates the bytes-sent load of the source."""
+    def _by_node(self, needers: tuple[int, ...]) -> dict[int, list[int]]:
+        key = id(needers)
+        if key not in self._needers:
+            out: dict[int, list[int]] = {}
+            for d in needers:
+                out.setdefault(self.dst_dev[d].node, []).append(d)
+            self._needers[key] = dict(sorted(out.items()))
+        return self._needers[key]
+
+    def route(self, holders: tuple[int, ...], needers: tuple[int, ...], nbytes: int) -> list[tuple]:
+        """(sender, relay, needer, kind, hop) for every needer of one bundle, parents first."""
         by_device, by_node = self._index(holders)
-        dev = self.dst_dev[dst]
-        src = by_device.get(dev)
-        if src is not None:
-            return src, LOCAL
-        same_node = by_node.get(dev.node)
-        kind = INTRA if same_node else INTER
-        src = min(same_node or holders, key=self.load.__getitem__)  # first minimum = lowest rank
-        self.load[src] += nbytes
-        return src, kind
+        routes: list[tuple] = []
+        entries: list[tuple[int, int, int]] = []  # (rank, hop, nodes passed): senders to other nodes
+        for node, ranks in self._by_node(needers).items():
+            have = [(r, False, 0) for r in by_node.get(node, ())]  # (rank, relay, hop) on the node
+            todo = []
+            for d in ranks:
+                src = by_device.get(self.dst_dev[d])
+                if src is None:
+                    todo.append(d)
+                else:
+                    routes.append((src, False, d, LOCAL, 0))
+                    have.append((d, True, 1))
+            if not have and todo:
+                entry = min(todo, key=lambda d: self.links.nic_in[self.links.dst[d]])
+                todo.remove(entry)
+                sender, relay, hop, passed = self._inter_sender(holders, entries)
+                self._charge(sender, relay, entry, nbytes, inter=True)
+                routes.append((sender, relay, entry, INTER, hop))
+                have.append((entry, True, hop + 1))
+                entries.append((entry, hop + 1, passed + 1))
+            for d in todo:
+                sender, relay, hop = min(have, key=self._intra_key)
+                self._charge(sender, relay, d, nbytes, inter=False)
+                routes.append((sender, relay, d, INTRA, hop))
+                have.append((d, True, hop + 1))
+        return routes
+
+    def _device(self, rank: int, relay: bool) -> int:
+        return self.links.dst[rank] if relay else self.links.src[rank]
+
+    def _intra_key(self, candidate: tuple[int, bool, int]) -> tuple:
+        rank, relay, hop = candidate
+        return self.links.nv_out[self._device(rank, relay)], hop, relay, rank
+
+    def _inter_sender(self, holders: tuple[int, ...], entries: list[tuple[int, int, int]]) -> tuple:
+        """(rank, relay, hop, nodes passed) of the holder or earlier entry rank (another node)
+        whose NIC has sent least; ties go to fewer hops, then holders, then the lower rank."""
+        out = self.links.nic_out
+        best = min(holders, key=lambda r: out[self.links.src[r]])  # first minimum: lowest rank
+        choice = (out[self.links.src[best]], 0, False, best, 0)
+        for rank, hop, passed in entries:
+            if passed <= self.max_relays:
+                key = (out[self.links.dst[rank]], hop, True, rank, passed)
+                if key < choice:
+                    choice = key
+        _, hop, relay, rank, passed = choice
+        return rank, relay, hop, passed
+
+    def _charge(self, sender: int, relay: bool, needer: int, nbytes: int, *, inter: bool) -> None:
+        links, a, b = self.links, self._device(sender, relay), self.links.dst[needer]
+        (links.nic_out if inter else links.nv_out)[a] += nbytes
+        (links.nic_in if inter else links.nv_in)[b] += nbytes
 
 
-def plan_reshard(source: TensorLayout, destination: TensorLayout, topology: Topology) -> Plan:
-    """The plan moving every box ``destination`` needs out of ``source`` (pure, deterministic)."""
+def plan_reshard(source: TensorLayout, destination: TensorLayout, topology: Topology, *,
+                 max_relays: int = 8) -> Plan:
+    """The plan moving every box ``destination`` needs out of ``source`` (pure, deterministic).
+
+    ``max_relays``: how many destination nodes a bundle may pass through before it enters a
+    node (0: every bundle enters every node straight from a source rank; fan-out inside a
+    node is always on). The executor pipelines relays bucket by bucket, so each node passed
+    adds about one bucket's transfer time, not a whole bundle's."""
+    if max_relays < 0:
+        raise ValueError(f"max_relays is {max_relays}; give 0 (no relays between nodes) or more")
     check_compatible(source, destination)
     topology.check(source.num_ranks, destination.num_ranks)
     with gc_paused():
-        return _plan(source, destination, topology)
+        return _plan(source, destination, topology, max_relays)
 
 
-def _plan(source: TensorLayout, destination: TensorLayout, topology: Topology) -> Plan:
+def _plan(source: TensorLayout, destination: TensorLayout, topology: Topology, max_relays: int) -> Plan:
     bundles = _bundles(source, destination)
     # largest bundles first: greedy least-loaded balancing does best placing big items early
     order = sorted(range(len(bundles)), key=lambda i: (-bundles[i].nbytes, i))
     bundles = [bundles[i] for i in order]
-    chooser = _Chooser(topology, source.num_ranks)
-    src, dst, kind, which = [], [], [], []
+    chooser = _Chooser(topology, max_relays=max_relays)
+    columns: list[list] = [[], [], [], [], [], []]
     for b_index, b in enumerate(bundles):
-        for d in b.needers:
-            s, k = chooser.choose(b.holders, d, b.nbytes)
-            src.append(s)
-            dst.append(d)
-            kind.append(k)
-            which.append(b_index)
+        for route in chooser.route(b.holders, b.needers, b.nbytes):
+            for column, value in zip(columns, (*route, b_index)):
+                column.append(value)
+    src, relay, dst, kind, hop, which = columns
     return Plan(
         source=source, destination=destination, topology=topology, bundles=tuple(bundles),
         route_src=np.array(src, np.int64), route_dst=np.array(dst, np.int64),
         route_kind=np.array(kind, np.int8), route_bundle=np.array(which, np.int64),
+        route_relay=np.array(relay, bool), route_hop=np.array(hop, np.int16),
     )
-

@@ -17,10 +17,17 @@ Definitions:
   (``update_weights_from_tensor`` with full HF tensors): every destination rank receives every
   canonical tensor of the model whole, and its loader keeps only its part. Baseline = number of
   destination ranks x bytes of the whole (unpadded) model. It ignores the trainer-side gather.
-- ``simulated_seconds``: every rank sends its intra-node bytes at ``intra_node_gbps`` and its
-  inter-node bytes at ``inter_node_gbps`` (GB/s = 1e9 bytes/s), one after the other; sending
-  and receiving overlap fully (full duplex); the network core never congests; latency and
-  local copies are free. Time = the slowest rank's max(send time, receive time).
+- ``simulated_seconds``: every device has one NVLink port at ``intra_node_gbps`` and one NIC at
+  ``inter_node_gbps`` (GB/s = 1e9 bytes/s) per direction; ranks of the two sides on one device
+  share them; all links run at once, full duplex; the network core never congests; relays are
+  pipelined bucket by bucket, so a forwarded route costs its links' bytes (the pipeline fill,
+  one bucket per hop, is not counted); local copies are free. Time = the busiest link's bytes
+  over its bandwidth.
+- ``time_lower_bound_seconds``: no plan can beat the larger of (a) each destination node's
+  network bound (``node_lower_bound_bytes`` of that node) through the NICs of all that node's
+  devices at once, and (b) each destination rank's own need beyond its device through its
+  device's NIC and NVLink at once. Source-side sending is not counted, so the bound is
+  optimistic wherever trainer NICs are the bottleneck.
 """
 
 from __future__ import annotations
@@ -73,6 +80,10 @@ class PlanStats:
     node_lower_bound_bytes: int
     """Bytes that must enter destination nodes over the network, each element once per node
     (``node_lower_bound_bytes``)."""
+    relay_bytes: int
+    """Bytes on routes a destination rank forwards (inside a node or to another node)."""
+    max_hop: int
+    """Deepest route: how many routes a box took before its last one (0: all direct)."""
     time_lower_bound_seconds: float
     """Seconds no plan can beat under the bandwidth model (``time_lower_bound_seconds``)."""
     num_routes: int
@@ -120,6 +131,8 @@ class PlanStats:
             f"  network: {b(self.inter_node_bytes)} into nodes, node-level bound "
             f"{b(self.node_lower_bound_bytes)} (ratio {self.node_ratio:.2f}); time bound "
             f"{self.time_lower_bound_seconds:.3g} s (simulated {self.time_ratio:.2f}x it)",
+            f"  relays: {b(self.relay_bytes)} forwarded by rollout ranks, up to "
+            f"{self.max_hop} hops deep",
         ])
 
 
@@ -138,15 +151,29 @@ def _per_rank(ranks: np.ndarray, nbytes: np.ndarray, mask: np.ndarray, n: int) -
     return out
 
 
+def _route_devices(plan: Plan) -> tuple[np.ndarray, np.ndarray, int]:
+    """Device index of every route's sender and receiver, and the number of devices."""
+    topo = plan.topology
+    devices = sorted(set(topo.source) | set(topo.destination))
+    index = {dev: i for i, dev in enumerate(devices)}
+    src = np.array([index[d] for d in topo.source], np.int64)
+    dst = np.array([index[d] for d in topo.destination], np.int64)
+    relay = plan.route_relay
+    sender = np.empty(plan.num_routes, np.int64)
+    sender[relay] = dst[plan.route_src[relay]]  # a relay's sender is a destination rank
+    sender[~relay] = src[plan.route_src[~relay]]
+    return sender, dst[plan.route_dst], len(devices)
+
+
 def _simulated_seconds(plan: Plan, nbytes: np.ndarray, bw: Bandwidth) -> float:
-    intra, inter = plan.route_kind == INTRA, plan.route_kind == INTER
-    times = []
-    for ranks, n in ((plan.route_src, plan.source.num_ranks),
-                     (plan.route_dst, plan.destination.num_ranks)):
-        seconds = (_per_rank(ranks, nbytes, intra, n) / (bw.intra_node_gbps * 1e9)
-                   + _per_rank(ranks, nbytes, inter, n) / (bw.inter_node_gbps * 1e9))
-        times.append(float(seconds.max(initial=0.0)))
-    return max(times)
+    """The busiest link's bytes over its bandwidth (module docstring)."""
+    sender, receiver, n = _route_devices(plan)
+    seconds = 0.0
+    for kind, gbps in ((INTRA, bw.intra_node_gbps), (INTER, bw.inter_node_gbps)):
+        mask = plan.route_kind == kind
+        for ends in (sender, receiver):
+            seconds = max(seconds, float(_per_rank(ends, nbytes, mask, n).max(initial=0)) / (gbps * 1e9))
+    return seconds
 
 
 def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
@@ -161,7 +188,7 @@ def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
         local_bytes=int(nbytes[kind == LOCAL].sum()),
         intra_node_bytes=int(nbytes[kind == INTRA].sum()),
         inter_node_bytes=int(nbytes[kind == INTER].sum()),
-        max_sent_bytes=int(_per_rank(plan.route_src, nbytes, moved,
+        max_sent_bytes=int(_per_rank(plan.route_src, nbytes, moved & ~plan.route_relay,
                                      plan.source.num_ranks).max(initial=0)),
         max_received_bytes=int(_per_rank(plan.route_dst, nbytes, moved,
                                          plan.destination.num_ranks).max(initial=0)),
@@ -169,6 +196,8 @@ def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
         baseline_bytes=baseline_bytes(plan.destination),
         simulated_seconds=_simulated_seconds(plan, nbytes, bandwidth),
         node_lower_bound_bytes=sum(missing.values()),
+        relay_bytes=int(nbytes[plan.route_relay].sum()),
+        max_hop=plan.max_hop,
         time_lower_bound_seconds=_time_bound(per_rank, missing, plan.topology, bandwidth),
         num_routes=plan.num_routes,
         num_transfers=plan.num_transfers(),
@@ -207,11 +236,13 @@ def lower_bound_bytes(source: TensorLayout, destination: TensorLayout, topology:
 def _remote_need_per_rank(source: TensorLayout, destination: TensorLayout, topology: Topology) -> np.ndarray:
     """Per destination rank: the bytes it needs that no source rank on its own device holds."""
     topology.check(source.num_ranks, destination.num_ranks)
+    boxes = {name: _needed_boxes(shards) for name, shards in destination.shards.items()}
     by_ranks: dict[int, list] = {}  # layouts share rank tuples across tensors: add per tuple once
-    for shards in destination.shards.values():
-        for s in shards:
-            entry = by_ranks.setdefault(id(s.ranks), [s.ranks, 0])
-            entry[1] += destination.shard_nbytes(s)
+    for name, needed in boxes.items():
+        itemsize = DTYPE_BYTES[destination.tensors[name].dtype]
+        for region, ranks in needed:
+            entry = by_ranks.setdefault(id(ranks), [ranks, 0])
+            entry[1] += num_elements(region) * itemsize
     need = np.zeros(destination.num_ranks, np.int64)
     for ranks, nbytes in by_ranks.values():
         need[list(ranks)] += nbytes
@@ -220,33 +251,41 @@ def _remote_need_per_rank(source: TensorLayout, destination: TensorLayout, topol
     for d, dev in enumerate(topology.destination):
         for name, regions in held.get(dev, {}).items():
             itemsize = DTYPE_BYTES[destination.tensors[name].dtype]
-            for shard in destination.shards[name]:
-                ranks = members.setdefault(id(shard.ranks), frozenset(shard.ranks))
-                if d not in ranks:
+            for box, ranks in boxes[name]:
+                if d not in members.setdefault(id(ranks), frozenset(ranks)):
                     continue
                 for region in regions:
-                    overlap = intersect(region, shard.region)
+                    overlap = intersect(region, box)
                     if overlap is not None:
                         need[d] -= num_elements(overlap) * itemsize
     return need
 
 
+def _needed_boxes(shards) -> list[tuple[Region, tuple[int, ...]]]:
+    """(box, ranks needing it) per distinct box: a rank holding one box in two places (an expert
+    in two EPLB slots) needs its bytes once."""
+    by_region: dict[Region, list] = {}
+    for s in shards:
+        by_region.setdefault(s.region, []).append(s)
+    return [(region, copies[0].ranks if len(copies) == 1
+             else tuple(sorted({r for c in copies for r in c.ranks})))
+            for region, copies in by_region.items()]
+
+
 def time_lower_bound_seconds(source: TensorLayout, destination: TensorLayout, topology: Topology,
                              bandwidth: Bandwidth) -> float:
-    """Seconds no plan can beat under the bandwidth model: each destination node's network bound
-    (``node_lower_bound_bytes`` of that node through all its ranks' links at once) and each
-    destination rank's own receive (what it needs beyond its device, at the intra-node speed,
-    the faster link). Source-side send limits are not counted, so the bound is optimistic."""
+    """Seconds no plan can beat under the bandwidth model (module docstring)."""
     return _time_bound(_remote_need_per_rank(source, destination, topology),
                        node_missing_bytes(source, destination, topology), topology, bandwidth)
 
 
 def _time_bound(per_rank: np.ndarray, missing: dict[int, int], topology: Topology, bandwidth: Bandwidth) -> float:
-    receive = float(per_rank.max(initial=0)) / (bandwidth.intra_node_gbps * 1e9)
-    ranks_on = {}
-    for dev in topology.destination:  # per rank, as the time model counts links
-        ranks_on[dev.node] = ranks_on.get(dev.node, 0) + 1
-    network = max((m / (ranks_on[node] * bandwidth.inter_node_gbps * 1e9) for node, m in missing.items()),
+    # one destination rank per device (Topology.check): its need enters through both its links
+    receive = float(per_rank.max(initial=0)) / ((bandwidth.intra_node_gbps + bandwidth.inter_node_gbps) * 1e9)
+    nics: dict[int, int] = {}
+    for dev in set(topology.source) | set(topology.destination):  # any device of the node can ingest
+        nics[dev.node] = nics.get(dev.node, 0) + 1
+    network = max((m / (nics[node] * bandwidth.inter_node_gbps * 1e9) for node, m in missing.items()),
                   default=0.0)
     return max(receive, network)
 

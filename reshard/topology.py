@@ -53,7 +53,7 @@ class Topology:
         return len(set(self.source) | set(self.destination))
 
     def check(self, num_source: int, num_destination: int) -> None:
-        """Raise ValueError when a rank of either side has no place in the topology."""
+        """Raise ValueError unless every rank of each side has exactly one device of its own."""
         for side, have, need in (("source", len(self.source), num_source),
                                  ("destination", len(self.destination), num_destination)):
             if have < need:
@@ -67,6 +67,20 @@ class Topology:
                     f"topology.{side} lists {have} devices but the {side} layout has only "
                     f"{need} ranks; give exactly one Device per rank"
                 )
+            _check_distinct(side, getattr(self, side))
+
+
+def _check_distinct(side: str, devices: tuple[Device, ...]) -> None:
+    """Two ranks of one side on one device would share its links and memory: the planner's
+    link loads and the executor's one-rank-per-process rule both assume they do not."""
+    seen: dict[Device, int] = {}
+    for rank, dev in enumerate(devices):
+        if dev in seen:
+            raise ValueError(
+                f"{side} ranks {seen[dev]} and {rank} are both on node {dev.node} gpu {dev.gpu}: "
+                f"topology.{side} lists that device twice; give each {side} rank its own device"
+            )
+        seen[dev] = rank
 
 
 def _devices(first: int, count: int, gpus_per_node: int) -> tuple[Device, ...]:

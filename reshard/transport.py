@@ -7,8 +7,9 @@ ProcessGroupLink(pg)    a process group object that torch.distributed does not k
                         weight sync of separate placement: its own send / recv
 ```
 
-``exchange`` posts every send and receive of a round at once and waits for all of them, so a
-round never deadlocks on the order in which two processes post.
+``start`` posts every send and receive of a round at once and returns the works to wait on (the
+executor packs the next round meanwhile); ``exchange`` is start-and-wait. A round never
+deadlocks on the order in which two processes post.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class Link(Protocol):
 
     def size(self) -> int: ...
 
+    def start(self, sends: Sequence[Op], receives: Sequence[Op]) -> list: ...
+
     def exchange(self, sends: Sequence[Op], receives: Sequence[Op]) -> None: ...
 
 
@@ -48,12 +51,13 @@ class GroupLink:
     def _peer(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def exchange(self, sends: Sequence[Op], receives: Sequence[Op]) -> None:
+    def start(self, sends: Sequence[Op], receives: Sequence[Op]) -> list:
         ops = [dist.P2POp(dist.isend, t, self._peer(p), group=self.group, tag=tag) for t, p, tag in sends]
         ops += [dist.P2POp(dist.irecv, t, self._peer(p), group=self.group, tag=tag) for t, p, tag in receives]
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def exchange(self, sends: Sequence[Op], receives: Sequence[Op]) -> None:
+        _wait(self.start(sends, receives))
 
 
 class ProcessGroupLink:
@@ -68,8 +72,14 @@ class ProcessGroupLink:
     def size(self) -> int:
         return self.pg.size()
 
-    def exchange(self, sends: Sequence[Op], receives: Sequence[Op]) -> None:
+    def start(self, sends: Sequence[Op], receives: Sequence[Op]) -> list:
         works = [self.pg.send([t], p, tag) for t, p, tag in sends]
-        works += [self.pg.recv([t], p, tag) for t, p, tag in receives]
-        for work in works:
-            work.wait()
+        return works + [self.pg.recv([t], p, tag) for t, p, tag in receives]
+
+    def exchange(self, sends: Sequence[Op], receives: Sequence[Op]) -> None:
+        _wait(self.start(sends, receives))
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()

@@ -142,10 +142,12 @@ def random_topology(rng: random.Random, num_source: int, num_destination: int) -
                                   gpus_per_node=_pick(rng, [2, 4, 8]))
     if kind == 1:
         return Topology.separate(num_source, num_destination, gpus_per_node=_pick(rng, [2, 4]))
-    pool = [Device(node=n, gpu=g) for n in range(rng.randrange(1, 4))
-            for g in range(rng.randrange(1, 5))]
-    return Topology(source=tuple(_pick(rng, pool) for _ in range(num_source)),
-                    destination=tuple(_pick(rng, pool) for _ in range(num_destination)))
+    nodes = rng.randrange(1, 4)
+    per_node = -(-max(num_source, num_destination) // nodes) + rng.randrange(2)
+    pool = [Device(node=n, gpu=g) for n in range(nodes) for g in range(per_node)]
+    # one device per rank on each side; the two sides overlap at random
+    return Topology(source=tuple(rng.sample(pool, num_source)),
+                    destination=tuple(rng.sample(pool, num_destination)))
 
 
 def random_cases(seed: int, count: int) -> list[Case]:

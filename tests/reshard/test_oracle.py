@@ -43,9 +43,11 @@ def test_plan_reproduces_sglang_parameters(case):
 
     buffers = {r: {k: np.zeros(s, np.float32) for k, s in destination.param_shapes(r).items()}
                for r in range(destination.num_ranks)}
-    for t in plan.transfers():
-        buffers[t.dst_rank][t.dst_param][_box(t.dst_region)] = \
-            held[t.src_rank][t.src_param][_box(t.src_region)]
+    for t in plan.transfers():  # in plan order: a relay's box reached it on an earlier route
+        sender = buffers if t.relay else held
+        box = sender[t.src_rank][t.src_param][_box(t.src_region)]
+        for param, region in ((t.dst_param, t.dst_region), *t.also):
+            buffers[t.dst_rank][param][_box(region)] = box
 
     for r in range(destination.num_ranks):
         expected = sglang_params(case.model, case.settings, hf, r)
