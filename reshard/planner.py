@@ -10,11 +10,11 @@
                            x destination shards (with the ranks needing each)
                            -> slices = box intersections (interval arithmetic)
                               v
-     bundle slices by their (holding ranks, needing ranks) pair
+     bundle slices by their (holding ranks, needing ranks) pair, in parts <= part_bytes
                               v
      per bundle, largest first; per node of its needing ranks, nodes ascending:
          a holder on the needer's device -> local (copy, no link bytes)
-         else a holder on the node        -> intra from it          (NVLink least loaded)
+         else a holder on the node        -> intra from it  (the node's holders, NVLink least loaded)
          else the bundle enters the node ONCE:
               inter into the needer whose NIC received least, from the holder -- or a
               destination rank of an earlier node that has it (a relay, <= max_relays
@@ -274,8 +274,9 @@ def _slices(name: str, itemsize: int, boxes: list[_Box], dst: _Box) -> list[tupl
     return out
 
 
-def _bundles(source: TensorLayout, destination: TensorLayout) -> list[Bundle]:
-    """Slices of every tensor, grouped by (holders, needers) in first-appearance order."""
+def _bundles(source: TensorLayout, destination: TensorLayout, part_bytes: int) -> list[Bundle]:
+    """Slices of every tensor, grouped by (holders, needers) in first-appearance order, each
+    group cut into bundles of at most ``part_bytes``."""
     groups: dict[tuple[int, int], tuple[tuple, tuple, list[Slice]]] = {}
     interned: dict = {}
     for name, tensor in destination.tensors.items():
@@ -288,10 +289,42 @@ def _bundles(source: TensorLayout, destination: TensorLayout) -> list[Bundle]:
                 if key not in groups:
                     groups[key] = (holders, dst.ranks, [])
                 groups[key][2].append(s)
-    return [
-        Bundle(holders=h, needers=n, slices=tuple(s), nbytes=sum(x.nbytes for x in s))
-        for h, n, s in groups.values()
-    ]
+    return [b for h, n, s in groups.values() for b in _parts(h, n, s, part_bytes)]
+
+
+def _parts(holders: tuple, needers: tuple, slices: list[Slice], part_bytes: int) -> list[Bundle]:
+    """Consecutive slices packed into bundles of at most ``part_bytes`` (a larger slice cut into
+    row blocks first). Whole models replicated on both sides would otherwise be one bundle, and
+    one bundle takes one route per needer: one NIC each side, however many are idle."""
+    out: list[Bundle] = []
+    current: list[Slice] = []
+    size = 0
+    for whole in slices:
+        for s in _cut(whole, part_bytes):
+            if current and size + s.nbytes > part_bytes:
+                out.append(Bundle(holders=holders, needers=needers, slices=tuple(current), nbytes=size))
+                current, size = [], 0
+            current.append(s)
+            size += s.nbytes
+    if current:
+        out.append(Bundle(holders=holders, needers=needers, slices=tuple(current), nbytes=size))
+    return out
+
+
+def _cut(s: Slice, part_bytes: int) -> list[Slice]:
+    """``s`` in blocks of whole rows along its first dim longer than 1, each <= part_bytes
+    (one row at least)."""
+    if s.nbytes <= part_bytes:
+        return [s]
+    dim = next((i for i, (a, b) in enumerate(s.region) if b - a > 1), None)
+    if dim is None:
+        return [s]
+    lo, hi = s.region[dim]
+    row = s.nbytes // (hi - lo)
+    step = max(1, part_bytes // row)
+    return [dataclasses.replace(s, region=s.region[:dim] + ((a, min(a + step, hi)),) + s.region[dim + 1:],
+                                nbytes=row * (min(a + step, hi) - a))
+            for a in range(lo, hi, step)]
 
 
 # ---------------------------------------------------------------------- choosing
@@ -364,7 +397,10 @@ class _Chooser:
                     todo.append(d)
                 else:
                     routes.append((src, False, d, LOCAL, 0))
-                    have.append((d, True, 1))
+            # where the node holds the bundle, its holders send it (their sends are owed
+            # anyway, and balanced over them); only a bundle that came in over the network is
+            # forwarded inside the node by the ranks that got it
+            relays = not have
             if not have and todo:
                 entry = min(todo, key=lambda d: self.links.nic_in[self.links.dst[d]])
                 todo.remove(entry)
@@ -377,7 +413,8 @@ class _Chooser:
                 sender, relay, hop = min(have, key=self._intra_key)
                 self._charge(sender, relay, d, nbytes, inter=False)
                 routes.append((sender, relay, d, INTRA, hop))
-                have.append((d, True, hop + 1))
+                if relays:
+                    have.append((d, True, hop + 1))
         return routes
 
     def _device(self, rank: int, relay: bool) -> int:
@@ -408,23 +445,27 @@ class _Chooser:
 
 
 def plan_reshard(source: TensorLayout, destination: TensorLayout, topology: Topology, *,
-                 max_relays: int = 8) -> Plan:
+                 max_relays: int = 8, part_bytes: int = 64 << 20) -> Plan:
     """The plan moving every box ``destination`` needs out of ``source`` (pure, deterministic).
 
     ``max_relays``: how many destination nodes a bundle may pass through before it enters a
     node (0: every bundle enters every node straight from a source rank; fan-out inside a
     node is always on). The executor pipelines relays bucket by bucket, so each node passed
-    adds about one bucket's transfer time, not a whole bundle's."""
+    adds about one bucket's transfer time, not a whole bundle's. ``part_bytes``: the most one
+    bundle holds, so large shared needs spread over several NICs."""
     if max_relays < 0:
         raise ValueError(f"max_relays is {max_relays}; give 0 (no relays between nodes) or more")
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes is {part_bytes}; give a positive byte count")
     check_compatible(source, destination)
     topology.check(source.num_ranks, destination.num_ranks)
     with gc_paused():
-        return _plan(source, destination, topology, max_relays)
+        return _plan(source, destination, topology, max_relays, part_bytes)
 
 
-def _plan(source: TensorLayout, destination: TensorLayout, topology: Topology, max_relays: int) -> Plan:
-    bundles = _bundles(source, destination)
+def _plan(source: TensorLayout, destination: TensorLayout, topology: Topology, max_relays: int,
+          part_bytes: int) -> Plan:
+    bundles = _bundles(source, destination, part_bytes)
     # largest bundles first: greedy least-loaded balancing does best placing big items early
     order = sorted(range(len(bundles)), key=lambda i: (-bundles[i].nbytes, i))
     bundles = [bundles[i] for i in order]

@@ -23,11 +23,13 @@ Definitions:
   pipelined bucket by bucket, so a forwarded route costs its links' bytes (the pipeline fill,
   one bucket per hop, is not counted); local copies are free. Time = the busiest link's bytes
   over its bandwidth.
-- ``time_lower_bound_seconds``: no plan can beat the larger of (a) each destination node's
-  network bound (``node_lower_bound_bytes`` of that node) through the NICs of all that node's
-  devices at once, and (b) each destination rank's own need beyond its device through its
-  device's NIC and NVLink at once. Source-side sending is not counted, so the bound is
-  optimistic wherever trainer NICs are the bottleneck.
+- ``time_lower_bound_seconds``: the least time of any plan whose network carries only the
+  node-level bound (what each node lacks, once; the plans this planner makes): the larger of
+  (a) each destination node's ``node_lower_bound_bytes`` through the NICs of all the node's
+  devices at once; (b) per destination rank, what its node holds beyond its device through its
+  NVLink port, and all it needs beyond its device through its NVLink and NIC at once.
+  Source-side sending is not counted, so the bound is optimistic where trainer NICs are the
+  bottleneck.
 """
 
 from __future__ import annotations
@@ -198,7 +200,8 @@ def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
         node_lower_bound_bytes=sum(missing.values()),
         relay_bytes=int(nbytes[plan.route_relay].sum()),
         max_hop=plan.max_hop,
-        time_lower_bound_seconds=_time_bound(per_rank, missing, plan.topology, bandwidth),
+        time_lower_bound_seconds=_time_bound(per_rank, _rank_missing(plan.source, plan.destination, plan.topology),
+                                             missing, plan.topology, bandwidth),
         num_routes=plan.num_routes,
         num_transfers=plan.num_transfers(),
     )
@@ -276,18 +279,56 @@ def time_lower_bound_seconds(source: TensorLayout, destination: TensorLayout, to
                              bandwidth: Bandwidth) -> float:
     """Seconds no plan can beat under the bandwidth model (module docstring)."""
     return _time_bound(_remote_need_per_rank(source, destination, topology),
+                       _rank_missing(source, destination, topology),
                        node_missing_bytes(source, destination, topology), topology, bandwidth)
 
 
-def _time_bound(per_rank: np.ndarray, missing: dict[int, int], topology: Topology, bandwidth: Bandwidth) -> float:
-    # one destination rank per device (Topology.check): its need enters through both its links
-    receive = float(per_rank.max(initial=0)) / ((bandwidth.intra_node_gbps + bandwidth.inter_node_gbps) * 1e9)
+def _time_bound(per_rank: np.ndarray, rank_missing: np.ndarray, missing: dict[int, int], topology: Topology,
+                bandwidth: Bandwidth) -> float:
+    # one destination rank per device (Topology.check). What its node holds comes over its
+    # NVLink (the network carries only what the node lacks); the rest over NVLink or its NIC
+    intra, both = bandwidth.intra_node_gbps * 1e9, (bandwidth.intra_node_gbps + bandwidth.inter_node_gbps) * 1e9
+    on_node = per_rank - rank_missing
+    receive = float(np.maximum(on_node / intra, per_rank / both).max(initial=0))
     nics: dict[int, int] = {}
     for dev in set(topology.source) | set(topology.destination):  # any device of the node can ingest
         nics[dev.node] = nics.get(dev.node, 0) + 1
     network = max((m / (nics[node] * bandwidth.inter_node_gbps * 1e9) for node, m in missing.items()),
                   default=0.0)
     return max(receive, network)
+
+
+def _rank_missing(source: TensorLayout, destination: TensorLayout, topology: Topology) -> np.ndarray:
+    """Per destination rank: the bytes it needs that no source rank on its node holds."""
+    dst_nodes: dict[int, dict[int, list[int]]] = {}
+    held_on = _nodes_of(topology.source)
+    out = np.zeros(destination.num_ranks, np.int64)
+    for name, shards in destination.shards.items():
+        held = {node: list(dict.fromkeys(boxes))
+                for node, boxes in _boxes_by_node(source.shards.get(name, ()), held_on).items()}
+        itemsize = DTYPE_BYTES[destination.tensors[name].dtype]
+        for region, ranks in _needed_boxes(shards):
+            if id(ranks) not in dst_nodes:
+                groups: dict[int, list[int]] = {}
+                for r in ranks:
+                    groups.setdefault(topology.destination[r].node, []).append(r)
+                dst_nodes[id(ranks)] = groups
+            for node, members in dst_nodes[id(ranks)].items():
+                lacking = _box_missing(region, held.get(node, ()))
+                if lacking:
+                    out[members] += lacking * itemsize
+    return out
+
+
+def _box_missing(region: Region, held) -> int:
+    """Elements of ``region`` no ``held`` box covers; the grid only when boxes partly overlap."""
+    overlapping = []
+    for box in held:
+        if all(a <= c and d <= b for (a, b), (c, d) in zip(box, region)):
+            return 0  # one held box contains it (the usual case)
+        if intersect(box, region) is not None:
+            overlapping.append(box)
+    return _missing_elements([region], overlapping) if overlapping else num_elements(region)
 
 
 def _covered_cells(boxes: list[Region], edges: list[list[int]]) -> np.ndarray:

@@ -62,7 +62,7 @@ def run_case(name: str, hf: dict) -> dict:
     layout, settings, topology, processes = CASES[name]
     source = megatron_layout(MODEL, layout, dtype="float32")
     destination = sglang_layout(MODEL, settings, dtype="float32")
-    plan = plan_reshard(source, destination, topology)
+    plan = plan_reshard(source, destination, topology, part_bytes=4096)  # several routes per need
     src_rank, dst_rank = processes.roles(dist.get_rank())
     params = {}
     if src_rank is not None:
@@ -73,8 +73,11 @@ def run_case(name: str, hf: dict) -> dict:
         buffers = {n: torch.zeros(s) for n, s in destination.param_shapes(dst_rank).items()}
     report = execute(plan, processes, sources=params, destinations=buffers, bucket_bytes=2048,
                      verify=True)
+    inter = plan.route_kind == 2
     result = {"report": report.as_dict(), "dst_rank": dst_rank,
-              "relay_routes": int(plan.route_relay.sum()), "max_hop": plan.max_hop}
+              "relay_routes": int(plan.route_relay.sum()), "max_hop": plan.max_hop,
+              "inter_relay_routes": int((plan.route_relay & inter).sum()),
+              "inter_bytes": int(plan.route_nbytes()[inter].sum())}
     if dst_rank is not None:
         want = oracle.sglang_params(MODEL, settings, hf, dst_rank)
         result["names_match"] = set(want) == set(buffers)

@@ -29,12 +29,27 @@ def test_cases_cover_four_models_64_to_2048_gpus():
     assert {c.colocated for c in bench.CASES} == {True, False}
 
 
+def test_nemo_rl_shape_and_replica_sweeps_are_cases():
+    bench = _module()
+    nemo = [c for c in bench.CASES if c.bandwidth == "H100"]
+    assert len(nemo) == 1 and nemo[0].model == "DeepSeek-V3-671B"
+    assert (nemo[0].source.pp, nemo[0].source.ep, nemo[0].source.world_size) == (16, 16, 256)
+    assert (nemo[0].destination.tp, nemo[0].destination.num_replicas) == (32, 8)
+    assert bench.LINKS["H100"].intra_node_gbps == 450.0 and bench.LINKS["H100"].inter_node_gbps == 50.0
+    separate = {(c.model, c.destination.num_replicas) for c in bench.CASES if not c.colocated}
+    for model in ("Qwen3-30B-A3B", "Qwen3-235B-A22B", "DeepSeek-V3-671B"):
+        assert {(model, 8), (model, 32)} <= separate
+
+
 def test_small_case_record_and_atomic_write(tmp_path):
     bench = _module()
     case = next(c for c in bench.CASES if c.model == "Mixtral-8x22B")
     record = bench.run_case(case)
     assert REQUIRED <= set(record)
     assert record["bytes"] == record["lower_bound_bytes"]
+    assert record["inter_node_bytes"] == record["node_lower_bound_bytes"]
+    assert record["goals"]["node_ratio_is_1"] and record["time_ratio"] >= 1.0
+    assert bench.summary([record])["max_node_ratio"] == 1.0
     assert record["baseline_bytes"] >= 7 * record["bytes"]  # SGLang tp=8
     out = tmp_path / "sub" / "bench.json"
     bench._write_atomically(out, json.dumps({"cases": [record]}))

@@ -166,15 +166,20 @@ def test_each_node_gets_the_model_once_from_balanced_holders_and_fans_it_out():
     model = TINY_MODELS["llama"]
     source = megatron_layout(model, ParallelLayout(dp=4))
     destination = sglang_layout(model, SGLangSettings(num_replicas=8))
-    plan = plan_reshard(source, destination, Topology.separate(4, 8, gpus_per_node=4))
+    plan = plan_reshard(source, destination, Topology.separate(4, 8, gpus_per_node=4), part_bytes=1024)
     stats = plan_stats(plan, bandwidth=BANDWIDTH)
     whole = stats.baseline_bytes // 8
     assert stats.inter_node_bytes == stats.node_lower_bound_bytes == 2 * whole
-    assert stats.intra_node_bytes == 6 * whole and stats.relay_bytes == 6 * whole
+    assert stats.intra_node_bytes == 6 * whole and stats.relay_bytes >= 6 * whole
     inter = plan.route_kind == 2
-    assert not plan.route_relay[inter].any()  # holders have idle NICs: no relay between nodes
-    sent = np.bincount(plan.route_src[inter], plan.route_nbytes()[inter], minlength=4)
-    assert sent.max() - sent.min() <= max(b.nbytes for b in plan.bundles), sent
+    part = max(b.nbytes for b in plan.bundles)
+    assert part <= 1024
+    sent = np.bincount(plan.route_src[inter & ~plan.route_relay], plan.route_nbytes()[inter & ~plan.route_relay],
+                       minlength=4)
+    assert (sent > 0).all(), sent  # every holder's NIC takes part
+    took = np.bincount(plan.route_dst[inter], plan.route_nbytes()[inter], minlength=8)
+    assert (took.reshape(2, 4).max(1) - took.reshape(2, 4).min(1) <= part).all(), took
+    assert stats.time_ratio < 1.2
 
 
 def test_relays_carry_the_model_across_engine_nodes():
