@@ -254,30 +254,38 @@ def execute(
     """Run ``plan`` on this process (collective: every process of ``processes`` calls it; the
     processes are ranks of ``link``, the default group when None).
 
-    Round i + 1's sends are packed while round i is on the wire; only the messages forwarding
-    what round i brings wait for it to land."""
+    Round i + 1's sends are packed while round i is on the wire, and posted with round i + 1's
+    receives as soon as round i lands; only the messages forwarding what round i brought are
+    packed after that. The local copies run while round 0 is on the wire."""
     link = link or GroupLink()
     me = link.rank()
     plan.topology.check(plan.source.num_ranks, plan.destination.num_ranks)
     steps = schedule(plan, processes, bucket_bytes=bucket_bytes)
     io = _Io(sources, destinations, WIRE_DTYPES[plan.destination.dtype], verify)
     report = ExecutionReport(rounds=len(steps.rounds))
-    for piece in steps.local:
-        if processes.source[piece.transfer.src_rank] == me:
-            io.write(piece, io.read(piece).reshape(-1))
-            report.bytes_copied_locally += piece.numel * io.wire.itemsize
+    local = [p for p in steps.local if processes.source[p.transfer.src_rank] == me]
     flight = None
-    for messages in steps.rounds_for(me):
+    for i, messages in enumerate(steps.rounds_for(me)):
         early = [io.pack(m) for m in messages if m.src == me and not m.fresh]
         if flight is not None:
             report.peak_buffer_bytes = max(report.peak_buffer_bytes, flight.nbytes + _size(early))
             flight.land(io, report)
-        late = [io.pack(m) for m in messages if m.src == me and m.fresh]
-        flight = _Flight.post(messages, me, early + late, io, link, report)
+        flight = _Flight.post(messages, me, early, io, link, report)
+        if i == 0:  # relays may forward what the local copies bring: fresh ones wait for them
+            _copy_local(local, io, report)
+        flight.send([io.pack(m) for m in messages if m.src == me and m.fresh], link, report)
         report.peak_buffer_bytes = max(report.peak_buffer_bytes, flight.nbytes)
-    if flight is not None:
+    if flight is None:
+        _copy_local(local, io, report)
+    else:
         flight.land(io, report)
     return report
+
+
+def _copy_local(pieces: list[Piece], io: _Io, report: ExecutionReport) -> None:
+    for piece in pieces:
+        io.write(piece, io.read(piece))
+        report.bytes_copied_locally += piece.numel * io.wire.itemsize
 
 
 def _size(packed) -> int:
@@ -297,18 +305,26 @@ class _Io:
         params = self.destinations if p.transfer.relay else self.sources
         return _view(params, p.transfer.src_param, p.src_region).to(self.wire)
 
-    def write(self, p: Piece, flat: torch.Tensor) -> None:
+    def write(self, p: Piece, values: torch.Tensor) -> None:
         for param, region in ((p.transfer.dst_param, p.dst_region), *p.also):
             dst = _view(self.destinations, param, region)
-            dst.copy_(flat.reshape(dst.shape))
+            dst.copy_(values.reshape(dst.shape))
 
     def pack(self, m: Message) -> tuple[Message, list[torch.Tensor]]:
-        """(message, [buffer] or [buffer, checksums]) ready to send."""
-        views = [self.read(p) for p in m.pieces]
-        out = [torch.cat([v.reshape(-1) for v in views])]
-        if self.verify:
-            out.append(torch.stack([_checksum(v) for v in views]))
-        return m, out
+        """(message, [buffer] or [buffer, checksums]) ready to send: each box copied (and cast)
+        once, straight into its place in the buffer."""
+        first = m.pieces[0].transfer
+        params = self.destinations if first.relay else self.sources  # hop 0: sources; later: relays
+        buffer = torch.empty(sum(p.numel for p in m.pieces), dtype=self.wire, device=params[first.src_param].device)
+        offset, sums = 0, []
+        for p in m.pieces:
+            box = _view(params, p.transfer.src_param, p.src_region)
+            chunk = buffer[offset : offset + p.numel].view(box.shape)
+            chunk.copy_(box)
+            offset += p.numel
+            if self.verify:
+                sums.append(_checksum(chunk))
+        return m, [buffer, torch.stack(sums)] if self.verify else [buffer]
 
 
 @dataclass
@@ -318,14 +334,13 @@ class _Flight:
     works: list
     inbox: list
     nbytes: int
+    outbox: list = field(default_factory=list)
+    """The packed sends, kept alive until the round lands."""
 
     @classmethod
     def post(cls, messages, me, packed, io: _Io, link: Link, report) -> _Flight:
-        sends, receives, inbox = [], [], []
-        for m, tensors in packed:
-            sends += [(t, m.dst, 2 * m.tag + i) for i, t in enumerate(tensors)]
-            report.bytes_sent += m.nbytes
-            report.bytes_relayed += m.nbytes if m.pieces[0].transfer.relay else 0
+        """Post this round's receives and the sends in ``packed``."""
+        receives, inbox = [], []
         for m in messages:
             if m.dst != me:
                 continue
@@ -336,7 +351,21 @@ class _Flight:
             receives += [(t, m.src, 2 * m.tag + i) for i, t in enumerate(tensors)]
             inbox.append((m, tensors))
             report.bytes_received += m.nbytes
-        return cls(link.start(sends, receives), inbox, _size(packed) + _size(inbox))
+        flight = cls(link.start([], receives), inbox, _size(inbox))
+        flight.send(packed, link, report)
+        return flight
+
+    def send(self, packed, link: Link, report) -> None:
+        """Post the sends of ``packed`` (more of this round's messages)."""
+        sends = []
+        for m, tensors in packed:
+            sends += [(t, m.dst, 2 * m.tag + i) for i, t in enumerate(tensors)]
+            report.bytes_sent += m.nbytes
+            report.bytes_relayed += m.nbytes if m.pieces[0].transfer.relay else 0
+        if sends:
+            self.works += link.start(sends, [])
+            self.nbytes += _size(packed)
+            self.outbox += packed
 
     def land(self, io: _Io, report) -> None:
         for work in self.works:
