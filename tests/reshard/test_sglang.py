@@ -115,7 +115,7 @@ def test_tp_not_dividing_heads_lists_valid_values():
 
 
 def test_experts_not_divisible_by_ep():
-    model = TINY_MODELS["qwen3_moe_dense_first"]  # 4 experts
+    model = TINY_MODELS["qwen3_moe_small"]  # 4 experts
     with pytest.raises(ValueError, match=r"sglang.ep=8 does not divide the 4 physical experts"):
         sglang_layout(model, SGLangSettings(tp=8, ep=8))
 
