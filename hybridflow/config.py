@@ -157,7 +157,8 @@ class RolloutConfig:
     ep: int = 1
     """Expert-parallel size inside an engine (``--ep-size``)."""
     moe_dp: int = 1
-    """MoE data-parallel size inside an engine (``--moe-dp-size``); moe_tp = tp / ep / moe_dp."""
+    """MoE data-parallel size inside an engine (``--moe-dp-size``); moe_tp = tp / ep / moe_dp.
+    Only 1 for now: SGLang pairs moe_dp > 1 with attention context parallelism, not planned."""
     enable_dp_attention: bool = False
     """Attention data parallel (``--enable-dp-attention``): attention tp = tp / dp_size."""
     dp_size: int = 1

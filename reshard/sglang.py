@@ -28,7 +28,8 @@ fixes (Llama's o_proj bias, Qwen3-MoE's q/k norms, dense layers ...) are refused
 ``ModelConfig`` (``hfschema.model.FAMILY_FIXED``).
 
 Not modelled (SGLang options that change layouts): pipeline parallelism, attention context
-parallelism, ``moe_dense_tp_size=1``, quantised weights. GPU-only layout choices are pinned off
+parallelism (and with it MoE DP, which SGLang 0.5.23 runs only alongside it: ``SGLangSettings``
+refuses moe_dp > 1), ``moe_dense_tp_size=1``, quantised weights. GPU-only layout choices are pinned off
 when the engine starts (``hybridflow.rollout.sglang.engine.GPU_LAYOUT_PINS``, refused if
 overridden): shared-expert fusion into FusedMoE (DeepSeek-V3, sm80+, ep=1), MoE runner backends
 that reorder, transpose or block-permute ``w13`` / ``w2`` (flashinfer_cutlass, triton_kernel,

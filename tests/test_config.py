@@ -236,6 +236,7 @@ def test_rollout_ep_must_divide_experts():
     ("rollout.dtype=int8", "rollout.dtype='int8' is not one of: bfloat16, float16, float32"),
     ("rollout.num_replicas=0", "rollout.num_replicas=0 must be > 0"),
     ("rollout.dp_size=2", "rollout.dp_size=2 needs rollout.enable_dp_attention=true"),
+    ("rollout.moe_dp=2", "rollout.moe_dp=2: SGLang 0.5.23 runs MoE data parallelism only with attention context"),
 ])
 def test_rollout_bad_values(override, expected):
     assert expected in _error(override)
