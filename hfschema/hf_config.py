@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hfschema.layout import ConfigError
 from hfschema.model import ModelConfig, RopeScalingConfig
 
 __all__ = [
@@ -73,6 +74,8 @@ def read_model_config(directory: str | Path) -> ModelConfig:
         return ModelConfig(family=model_type, **fields)
     except KeyError as error:
         raise ValueError(f"{where}: required key {error.args[0]!r} is missing") from None
+    except ConfigError as error:  # a value ModelConfig refuses (e.g. FAMILY_FIXED): name the file
+        raise ValueError(f"{where}: {error}") from None
 
 
 def side_files(directory: str | Path) -> list[Path]:
@@ -183,11 +186,26 @@ def _yarn(c: _Keys) -> tuple[float, RopeScalingConfig | None]:
     return rope["theta"], scaling
 
 
+_DEEPSEEK_FIXED = (
+    ("topk_method", "noaux_tc", "only the aux-loss-free router maps (its gate.e_score_correction_bias "
+     "is router.expert_bias; SGLang builds that tensor for noaux_tc alone)"),
+    ("scoring_func", "sigmoid", "megatron_adapters routes DeepSeek-V3 by sigmoid scores"),
+    ("moe_layer_freq", 1, "only MoE in every layer after first_k_dense_replace maps (SGLang makes "
+     "layers with layer % moe_layer_freq != 0 dense)"),
+    ("attention_bias", False, "MLA's projections map without biases (SGLang builds none)"),
+)
+"""DeepSeek-V3 ``config.json`` keys whose other values ModelConfig cannot describe: (key, the
+value of the released model, why); an absent key reads as that value."""
+
+
 def _deepseek_v3(c: _Keys) -> dict[str, Any]:
     if not c.get("norm_topk_prob", True):
         c.refuse("norm_topk_prob", "megatron-core always renormalises sigmoid top-k weights")
     if not c.get("rope_interleave", True):
         c.refuse("rope_interleave", "megatron-core's MLA applies RoPE to interleaved channels")
+    for key, released, why in _DEEPSEEK_FIXED:
+        if c.get(key, released) != released:
+            c.refuse(key, why)
     theta, scaling = _yarn(c)
     groups = c.get("n_group", 1)
     common = _common(c)

@@ -8,15 +8,69 @@ and raises ``ConfigError`` with keys relative to itself.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError
 
-__all__ = ["MODEL_FAMILIES", "MOE_FAMILIES", "ModelConfig", "RopeScalingConfig"]
+__all__ = ["FAMILY_DERIVED", "FAMILY_FIXED", "MODEL_FAMILIES", "MOE_FAMILIES", "ModelConfig", "RopeScalingConfig"]
 
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+
+_O_PROJ_BIAS = ("its attention_bias also puts a bias on o_proj (HF and SGLang alike), which "
+                "megatron-core builds only with add_bias_linear, MLP biases included")
+_NO_QK_NORM = "the family has no per-head q/k norms (SGLang's attention builds none)"
+_PLAIN_ROUTER = ("SGLang routes this family by softmax top-k, without expert bias, groups or "
+                 "scaling")
+_NO_DENSE = "SGLang builds every layer of this family as an MoE layer"
+_MOE_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "first_k_dense_layers": ((0,), _NO_DENSE),
+    "num_shared_experts": ((0,), "the family has no shared experts (nor has SGLang's MoE block)"),
+    "router_expert_bias": ((False,), _PLAIN_ROUTER),
+    "router_score_function": (("softmax",), _PLAIN_ROUTER),
+    "router_num_groups": ((None,), _PLAIN_ROUTER),
+    "router_topk_scaling_factor": ((None, 1.0), _PLAIN_ROUTER),
+}
+FAMILY_FIXED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
+    "llama": {"attention_bias": ((False,), _O_PROJ_BIAS), "qk_layernorm": ((False,), _NO_QK_NORM)},
+    "qwen2": {
+        "attention_bias": ((True,), "Qwen2 always has q/k/v biases (SGLang's Qwen2Attention "
+                                    "builds qkv_proj.bias whatever the config says)"),
+        "qk_layernorm": ((False,), _NO_QK_NORM),
+    },
+    "qwen3_moe": {
+        "attention_bias": ((False,), _O_PROJ_BIAS),
+        "qk_layernorm": ((True,), "Qwen3-MoE always normalises q and k per head (SGLang's "
+                                  "Qwen3MoeAttention builds q_norm / k_norm)"),
+        # SGLang's Qwen3MoeDecoderLayer.stage_facts makes every layer sparse: mlp_only_layers
+        # and decoder_sparse_step are not honoured
+        **_MOE_FIXED,
+    },
+    "mixtral": {
+        "attention_bias": ((False,), "Mixtral has no attention biases"),
+        "qk_layernorm": ((False,), _NO_QK_NORM),
+        **_MOE_FIXED,
+        "norm_topk_prob": ((True,), "SGLang's MixtralMoE always renormalises the top-k weights"),
+    },
+    "deepseek_v3": {
+        "attention_bias": ((False,), "MLA's projections have no biases (SGLang builds none)"),
+        "qk_layernorm": ((False,), "MLA's q_a / kv_a layernorms are always built; qk_layernorm "
+                                   "is Qwen3's per-head norm"),
+    },
+}
+"""Per family: the values a field may take because the family's architecture (as Hugging Face,
+SGLang's model class and megatron_adapters build it) fixes them, and why. The first value is
+the one to set; the ``FAMILY_DERIVED`` fields left at None take it."""
+FAMILY_DERIVED = ("qk_layernorm", "attention_bias")
+"""Fields whose None default means the family's value (every family fixes both)."""
+
+
+def _text(value: Any) -> str:
+    """A value as a YAML override spells it (true, null, 'softmax', 1.0)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value)
 
 
 @dataclass(kw_only=True)
@@ -75,10 +129,11 @@ class ModelConfig:
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output (LM head) projection."""
-    qk_layernorm: bool = False
-    """RMSNorm on per-head queries and keys (Qwen3)."""
-    attention_bias: bool = False
-    """Bias on the q/k/v projections (Qwen2)."""
+    qk_layernorm: Optional[bool] = None
+    """RMSNorm on per-head queries and keys (Qwen3); None = the family's (true for qwen3_moe
+    only: ``FAMILY_FIXED``)."""
+    attention_bias: Optional[bool] = None
+    """Bias on the q/k/v projections (Qwen2); None = the family's (true for qwen2 only)."""
     num_experts: int = 4
     """Routed experts per MoE layer; 0 = dense model (llama, qwen2)."""
     moe_top_k: int = 2
@@ -114,6 +169,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choice("family", self.family, MODEL_FAMILIES)
+        for key in FAMILY_DERIVED:
+            if getattr(self, key) is None:
+                setattr(self, key, FAMILY_FIXED[self.family][key][0][0])
         check_positive(self, (
             "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
             "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rope_theta", "norm_eps",
@@ -127,6 +185,7 @@ class ModelConfig:
         self._check_family()
         self._check_moe()
         self._check_router()
+        self._check_family_fixed()
 
     def _check_attention(self) -> None:
         if self.is_mla:
@@ -159,6 +218,17 @@ class ModelConfig:
                 "{p}family={fam!r} is dense: set {p}num_experts=0 (got {e}), or use one of {moe}",
                 fam=self.family, e=self.num_experts, moe=", ".join(MOE_FAMILIES),
             )
+
+    def _check_family_fixed(self) -> None:
+        # last: the general rules above name the better fix when both apply
+        for key, (allowed, why) in FAMILY_FIXED[self.family].items():
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ConfigError(
+                    "{p}{key}={value} with {p}family={fam!r}: {why}; set {p}{key}={fix}",
+                    key=key, value=_text(value), fam=self.family, why=why,
+                    fix=_text(allowed[0]),
+                )
 
     def _check_moe(self) -> None:
         if self.first_k_dense_layers >= self.num_layers:

@@ -24,7 +24,8 @@ class SGLangSettings:
     ep: int = 1
     """Expert-parallel size inside an engine (``--ep-size``)."""
     moe_dp: int = 1
-    """MoE data-parallel size (``--moe-dp-size``); moe_tp = tp / ep / moe_dp."""
+    """MoE data-parallel size (``--moe-dp-size``); moe_tp = tp / ep / moe_dp. Only 1 for now:
+    SGLang pairs moe_dp > 1 with attention context parallelism, which is not planned."""
     enable_dp_attention: bool = False
     """Attention data parallel (``--enable-dp-attention``): attention tp = tp / dp_size."""
     dp_size: int = 1
@@ -48,6 +49,12 @@ class SGLangSettings:
             )
         if self.tp % self.dp_size:
             raise ValueError(f"sglang.dp_size={self.dp_size} must divide sglang.tp={self.tp}")
+        if self.moe_dp > 1:
+            raise ValueError(
+                f"sglang.moe_dp={self.moe_dp}: SGLang 0.5.23 runs MoE data parallelism only with "
+                f"attention context parallelism of the same size (--attn-cp-size), which hybridflow "
+                f"neither starts nor plans; set sglang.moe_dp=1 (or raise sglang.ep)"
+            )
         if self.tp % (self.ep * self.moe_dp):
             raise ValueError(
                 f"sglang.ep*moe_dp = {self.ep}*{self.moe_dp} must divide sglang.tp={self.tp} "

@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError, ParallelLayout
-from hfschema.model import MODEL_FAMILIES, ModelConfig, RopeScalingConfig
+from hfschema.model import FAMILY_DERIVED, MODEL_FAMILIES, ModelConfig, RopeScalingConfig
 from hfschema.sglang import SGLangSettings
 from hfschema.train import MoEConfig, TrainConfig
 
@@ -157,7 +157,8 @@ class RolloutConfig:
     ep: int = 1
     """Expert-parallel size inside an engine (``--ep-size``)."""
     moe_dp: int = 1
-    """MoE data-parallel size inside an engine (``--moe-dp-size``); moe_tp = tp / ep / moe_dp."""
+    """MoE data-parallel size inside an engine (``--moe-dp-size``); moe_tp = tp / ep / moe_dp.
+    Only 1 for now: SGLang pairs moe_dp > 1 with attention context parallelism, not planned."""
     enable_dp_attention: bool = False
     """Attention data parallel (``--enable-dp-attention``): attention tp = tp / dp_size."""
     dp_size: int = 1
@@ -545,6 +546,10 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> HybridflowCo
     if overrides:
         sources.append(("overrides", _parse_overrides(overrides)))
     merged = OmegaConf.structured(HybridflowConfig)
+    # the schema's model section comes from a ModelConfig() whose family-derived flags are
+    # resolved for the default family; unset them so a YAML that changes model.family gets its own
+    for key in FAMILY_DERIVED:
+        merged.model[key] = None
     for origin, source in sources:
         merged = _merge(merged, source, origin)
     try:

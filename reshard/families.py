@@ -99,6 +99,13 @@ class FamilySpec:
     """Every kind of canonical tensor, in checkpoint order."""
     dp_attention: bool
     """SGLang builds attention over the attention-TP group (DP attention works)."""
+    tied_head: bool = True
+    """With tie_word_embeddings SGLang's model class uses ``embed_tokens`` as the LM head; False:
+    it always builds its own ``lm_head.weight`` and never copies the embedding into it."""
+    redundant_experts: bool = False
+    """SGLang's MoE block allocates the EPLB redundant slots (``--ep-num-redundant-experts``)."""
+    gate_bias: bool = False
+    """SGLang's MoE gate always holds ``e_score_correction_bias`` (DeepSeek-V3's noaux_tc)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -451,7 +458,9 @@ FAMILIES: dict[str, FamilySpec] = {
             *_router("mlp", "mlp", expert_bias=False),
             *_experts("mlp", "mlp", _HF_EXPERT_NAMES),
         ),
-        dp_attention=True,
+        # Qwen3MoeForCausalLM: ParallelLMHead whatever tie_word_embeddings says;
+        # Qwen3MoeSparseMoeBlock: num_experts + ep_num_redundant_experts slots
+        dp_attention=True, tied_head=False, redundant_experts=True,
     ),
     "mixtral": FamilySpec(
         tensors=(
@@ -460,7 +469,8 @@ FAMILIES: dict[str, FamilySpec] = {
             *_experts("block_sparse_moe", "block_sparse_moe",
                       {"gate": "w1", "up": "w3", "down": "w2"}),
         ),
-        dp_attention=False,
+        # MixtralForCausalLM: its own ParallelLMHead; MixtralMoE: FusedMoE(num_local_experts)
+        dp_attention=False, tied_head=False,
     ),
     "deepseek_v3": FamilySpec(
         tensors=(
@@ -468,7 +478,9 @@ FAMILIES: dict[str, FamilySpec] = {
             *_router("mlp", "mlp", expert_bias=True), *_shared_experts(),
             *_experts("mlp", "mlp", _HF_EXPERT_NAMES),
         ),
-        dp_attention=True,
+        # DeepseekV2MoE: n_routed_experts + ep_num_redundant_experts slots; MoEGate builds
+        # e_score_correction_bias for topk_method noaux_tc (hfschema.hf_config refuses others)
+        dp_attention=True, redundant_experts=True, gate_bias=True,
     ),
 }
 

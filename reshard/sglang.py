@@ -20,8 +20,16 @@ parameters (the CPU FusedMoE pads the per-rank expert intermediate size; vocab p
 is left to the executor, which zero-fills what no box covers. Parameter shapes are the
 unpadded ones, except vocab rows, which SGLang itself pads.
 
+Parameters SGLang's model class of a family holds beyond the registry's tensors are refused
+by ``check_settings`` rather than left unwritten: a separate LM head of a tied model
+(``FamilySpec.tied_head``), DeepSeek's gate bias on a model without one (``gate_bias``), EPLB
+slots a family's MoE does not allocate (``redundant_experts``); flags a family's architecture
+fixes (Llama's o_proj bias, Qwen3-MoE's q/k norms, dense layers ...) are refused by
+``ModelConfig`` (``hfschema.model.FAMILY_FIXED``).
+
 Not modelled (SGLang options that change layouts): pipeline parallelism, attention context
-parallelism, ``moe_dense_tp_size=1``, quantised weights. GPU-only layout choices are pinned off
+parallelism (and with it MoE DP, which SGLang 0.5.23 runs only alongside it: ``SGLangSettings``
+refuses moe_dp > 1), ``moe_dense_tp_size=1``, quantised weights. GPU-only layout choices are pinned off
 when the engine starts (``hybridflow.rollout.sglang.engine.GPU_LAYOUT_PINS``, refused if
 overridden): shared-expert fusion into FusedMoE (DeepSeek-V3, sm80+, ep=1), MoE runner backends
 that reorder, transpose or block-permute ``w13`` / ``w2`` (flashinfer_cutlass, triton_kernel,
@@ -109,6 +117,12 @@ def _check_experts(model: ModelConfig, s: SGLangSettings) -> None:
         return
     rows = _physical_rows(model, s)
     physical = len(rows[0])
+    if physical > model.num_experts and not family_spec(model).redundant_experts:
+        raise ValueError(
+            f"sglang.physical_to_logical has {physical} physical experts for "
+            f"model.num_experts={model.num_experts}: SGLang's {model.family} MoE allocates no "
+            f"redundant expert slots; give rows of exactly {model.num_experts} entries"
+        )
     if physical % s.ep:
         raise ValueError(
             f"sglang.ep={s.ep} does not divide the {physical} physical experts "
@@ -124,8 +138,26 @@ def _check_experts(model: ModelConfig, s: SGLangSettings) -> None:
             )
 
 
+def _check_model_class(model: ModelConfig) -> None:
+    """Refuse models for which SGLang's model class holds a parameter the plan would not write."""
+    spec = family_spec(model)
+    if model.tie_word_embeddings and not spec.tied_head:
+        raise ValueError(
+            f"model.tie_word_embeddings=true: SGLang's {model.family} model builds its own "
+            f"lm_head.weight and never copies the embedding into it, so the engine would keep an "
+            f"unwritten LM head; set model.tie_word_embeddings=false"
+        )
+    if spec.gate_bias and model.is_moe and not model.router_expert_bias:
+        raise ValueError(
+            f"model.router_expert_bias=false: SGLang's {model.family} gate always holds "
+            f"e_score_correction_bias, which the plan would leave unwritten; set "
+            f"model.router_expert_bias=true (with model.router_score_function=sigmoid)"
+        )
+
+
 def check_settings(model: ModelConfig, s: SGLangSettings) -> None:
     """Raise ValueError (naming the key and the fix) if SGLang cannot shard ``model`` so."""
+    _check_model_class(model)
     if s.enable_dp_attention and not family_spec(model).dp_attention:
         raise ValueError(
             f"sglang.enable_dp_attention=true: SGLang builds {model.family} attention over the "

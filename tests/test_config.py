@@ -137,6 +137,34 @@ def test_family_rules():
     assert "model.family='deepseek_v3' uses MLA" in _error("model.family=deepseek_v3")
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # Llama / Qwen3-MoE attention_bias also biases o_proj, which megatron-core cannot hold alone
+    (("model.family=llama", "model.num_experts=0", "model.qk_layernorm=false",
+      "model.attention_bias=true"), "model.attention_bias=true with model.family='llama'"),
+    (("model.attention_bias=true",), "model.attention_bias=true with model.family='qwen3_moe'"),
+    (("model.qk_layernorm=false",), "model.qk_layernorm=false with model.family='qwen3_moe'"),
+    (("model.family=qwen2", "model.num_experts=0", "model.qk_layernorm=false",
+      "model.attention_bias=false"), "model.attention_bias=false with model.family='qwen2'"),
+    (("model.first_k_dense_layers=1",), "SGLang builds every layer of this family as an MoE"),
+    (("model.num_shared_experts=1",), "model.num_shared_experts=1 with model.family='qwen3_moe'"),
+    (("model.router_score_function=sigmoid", "model.router_expert_bias=true"),
+     "model.router_expert_bias=true with model.family='qwen3_moe'"),
+    (("model.family=mixtral", "model.qk_layernorm=false", "model.norm_topk_prob=false"),
+     "model.norm_topk_prob=false with model.family='mixtral'"),
+])
+def test_flags_the_family_fixes_are_refused(overrides, message):
+    # quickstart is qwen3_moe with qk_layernorm: true
+    error = _error(*overrides)
+    assert message in error and "; set model." in error
+
+
+def test_family_flags_default_to_the_family():
+    assert ModelConfig().qk_layernorm and not ModelConfig().attention_bias  # qwen3_moe
+    qwen2 = ModelConfig(family="qwen2", num_experts=0)
+    assert qwen2.attention_bias and not qwen2.qk_layernorm
+    assert load_config(QUICKSTART, ["model.qk_layernorm=null"]).model.qk_layernorm
+
+
 def test_router_rules():
     assert "router_score_function='sigmoid'" in _error("model.router_expert_bias=true")
     assert "set both or neither" in _error("model.router_num_groups=2")
@@ -208,13 +236,14 @@ def test_rollout_ep_must_divide_experts():
     ("rollout.dtype=int8", "rollout.dtype='int8' is not one of: bfloat16, float16, float32"),
     ("rollout.num_replicas=0", "rollout.num_replicas=0 must be > 0"),
     ("rollout.dp_size=2", "rollout.dp_size=2 needs rollout.enable_dp_attention=true"),
+    ("rollout.moe_dp=2", "rollout.moe_dp=2: SGLang 0.5.23 runs MoE data parallelism only with attention context"),
 ])
 def test_rollout_bad_values(override, expected):
     assert expected in _error(override)
 
 
 def test_rollout_dp_attention_needs_a_family_that_has_it():
-    message = _error("model.family=mixtral", "rollout.enable_dp_attention=true",
+    message = _error("model.family=mixtral", "model.qk_layernorm=false", "rollout.enable_dp_attention=true",
                      "rollout.dp_size=2")
     assert message.startswith("rollout.enable_dp_attention=true: SGLang builds mixtral attention")
 
@@ -258,6 +287,7 @@ def test_moe_section_defaults_and_errors():
     assert load_config(QUICKSTART).moe.bias_update_rate == 1e-3
     assert "moe.routing_replay='r4' is not one of: off, r2, r3" in _error("moe.routing_replay=r4")
     assert "moe.z_loss_coef=-1.0 must be >= 0" in _error("moe.z_loss_coef=-1")
-    dense = ("model.family=llama", "model.num_experts=0", "actor.parallel.ep=1", "actor.parallel.dp=2")
+    dense = ("model.family=llama", "model.num_experts=0", "model.qk_layernorm=false", "actor.parallel.ep=1",
+             "actor.parallel.dp=2")
     assert "moe.routing_replay=r2 needs an MoE model" in _error(*dense, "moe.routing_replay=r2")
     assert "moe.freeze_router=True needs an MoE model" in _error(*dense, "moe.freeze_router=true")

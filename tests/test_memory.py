@@ -31,7 +31,7 @@ MLA = ["model.family=deepseek_v3", "model.hidden_size=64", "model.num_layers=2",
        "model.num_attention_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_size=128",
        "model.vocab_size=256", "model.num_experts=4", "model.moe_ffn_hidden_size=32",
        "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16",
-       "model.v_head_dim=16"]
+       "model.v_head_dim=16", "model.router_score_function=sigmoid", "model.router_expert_bias=true"]
 
 
 def _cfg(*overrides):

@@ -278,6 +278,13 @@ def test_cli_round_trip_and_error(hf_dirs, tmp_path, capsys):
     ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
     ("deepseek_v3", "norm_topk_prob", False),
     ("mixtral", "hidden_act", "gelu"),
+    # SGLang would hold tensors (o_proj bias, dense MLPs, no gate bias) ModelConfig cannot describe
+    ("llama", "attention_bias", True),
+    ("qwen3_moe", "attention_bias", True),
+    ("deepseek_v3", "moe_layer_freq", 2),
+    ("deepseek_v3", "topk_method", "greedy"),
+    ("deepseek_v3", "scoring_func", "softmax"),
+    ("deepseek_v3", "attention_bias", True),
 ])
 def test_config_settings_megatron_builds_differently_are_refused(family, key, value, hf_dirs, tmp_path):
     source = _copy(hf_dirs[family], tmp_path)

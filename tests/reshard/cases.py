@@ -25,10 +25,10 @@ TINY_MODELS: dict[str, ModelConfig] = {
         family="qwen3_moe", hidden_size=16, num_layers=4, num_attention_heads=4, num_kv_heads=2,
         head_dim=8, ffn_hidden_size=32, vocab_size=190, num_experts=8, moe_top_k=2,
         moe_ffn_hidden_size=8, qk_layernorm=True),
-    "qwen3_moe_dense_first": ModelConfig(
+    "qwen3_moe_small": ModelConfig(
         family="qwen3_moe", hidden_size=16, num_layers=3, num_attention_heads=8, num_kv_heads=4,
         head_dim=4, ffn_hidden_size=16, vocab_size=64, num_experts=4, moe_top_k=2,
-        moe_ffn_hidden_size=8, qk_layernorm=True, first_k_dense_layers=1, tie_word_embeddings=True),
+        moe_ffn_hidden_size=8, qk_layernorm=True),
     "mixtral": ModelConfig(
         family="mixtral", hidden_size=16, num_layers=2, num_attention_heads=4, num_kv_heads=2,
         ffn_hidden_size=16, vocab_size=100, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16),
@@ -43,10 +43,12 @@ TINY_MODELS: dict[str, ModelConfig] = {
         num_kv_heads=4, ffn_hidden_size=16, vocab_size=70, num_experts=4, moe_top_k=2,
         moe_ffn_hidden_size=8, num_shared_experts=2, router_score_function="sigmoid",
         router_expert_bias=True, first_k_dense_layers=1, q_lora_rank=None, kv_lora_rank=8,
-        qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4),
+        qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, tie_word_embeddings=True),
 }
-"""Covers all five families, tied embeddings, q/k/v bias, q/k norm, first dense layers,
-shared experts, MLA with and without q_lora_rank, vocab sizes that need padding."""
+"""Covers all five families, tied embeddings (dense and MoE), q/k/v bias, q/k norm, first dense
+layers, shared experts, MLA with and without q_lora_rank, vocab sizes that need padding. Only
+what SGLang's model class of the family builds: Qwen3-MoE and Mixtral are never tied and have no
+dense layers (``reshard.sglang.check_settings``, ``hfschema.model.FAMILY_FIXED``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -69,23 +69,50 @@ def test_dp_attention_and_engine_major_replicas():
 
 
 def test_eplb_redundant_expert_lands_on_several_ranks():
-    model = TINY_MODELS["mixtral"]  # 4 experts
+    model = TINY_MODELS["qwen3_moe_small"]  # 4 experts, moe_ffn 8
     row = (0, 1, 2, 3, 3, 0)  # 6 physical slots, 3 per ep rank: rank 1 holds experts 3, 3, 0
     dst = sglang_layout(model, SGLangSettings(tp=2, ep=2, physical_to_logical=(row,)))
     places = {(s.ranks, s.param_region[0]) for s in
-              dst.shards["model.layers.1.block_sparse_moe.experts.3.w2.weight"]}
+              dst.shards["model.layers.1.mlp.experts.3.down_proj.weight"]}
     assert places == {((1,), (0, 1)), ((1,), (1, 2))}
     places = {(s.ranks, s.param_region[0]) for s in
-              dst.shards["model.layers.1.block_sparse_moe.experts.0.w1.weight"]}
+              dst.shards["model.layers.1.mlp.experts.0.gate_proj.weight"]}
     assert places == {((0,), (0, 1)), ((1,), (2, 3))}
-    assert dst.param_shapes(1)["model.layers.1.block_sparse_moe.experts.w13_weight"] == (3, 32, 16)
+    assert dst.param_shapes(1)["model.layers.1.mlp.experts.w13_weight"] == (3, 16, 16)
 
 
-def test_moe_dp_copies_experts():
-    model = TINY_MODELS["qwen3_moe"]
-    dst = sglang_layout(model, SGLangSettings(tp=4, ep=2, moe_dp=2))  # moe_tp 1
-    (shard,) = dst.shards["model.layers.0.mlp.experts.0.down_proj.weight"]
-    assert shard.ranks == (0, 2)
+def test_mixtral_has_no_redundant_expert_slots():
+    # MixtralMoE builds FusedMoE(num_experts=num_local_experts): an EPLB map may permute the
+    # experts but not add slots (the plan would address slots the engine never allocates)
+    with pytest.raises(ValueError, match=r"6 physical experts for model.num_experts=4: SGLang's "
+                                         r"mixtral MoE allocates no redundant expert slots"):
+        sglang_layout(TINY_MODELS["mixtral"],
+                      SGLangSettings(tp=2, ep=2, physical_to_logical=((0, 1, 2, 3, 3, 0),)))
+
+
+def test_moe_dp_is_refused():
+    # SGLang 0.5.23 asserts "attn_cp_size != moe_dp_size is only supported when moe_dp_size == 1"
+    # (arg_groups/parallel_hook.py) and hybridflow neither passes nor plans --attn-cp-size
+    with pytest.raises(ValueError, match=r"sglang.moe_dp=2: .*set sglang.moe_dp=1"):
+        SGLangSettings(tp=4, ep=2, moe_dp=2)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_tied_embeddings_are_refused_where_sglang_keeps_its_own_head(name):
+    # Qwen3MoeForCausalLM / MixtralForCausalLM build a ParallelLMHead whatever
+    # tie_word_embeddings says: the plan (embed_tokens only) would leave lm_head unwritten
+    model = dataclasses.replace(TINY_MODELS[name], tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=rf"model.tie_word_embeddings=true: SGLang's {name} model "
+                                         r"builds its own lm_head.weight"):
+        sglang_layout(model, SGLangSettings())
+
+
+def test_deepseek_gate_bias_is_required():
+    # DeepSeek-V3's MoEGate (topk_method noaux_tc) always holds e_score_correction_bias
+    model = dataclasses.replace(TINY_MODELS["deepseek_v3"], router_expert_bias=False)
+    with pytest.raises(ValueError, match=r"model.router_expert_bias=false: SGLang's deepseek_v3 "
+                                         r"gate always holds e_score_correction_bias"):
+        sglang_layout(model, SGLangSettings())
 
 
 def test_mla_split_and_replicated_parts():
@@ -115,7 +142,7 @@ def test_tp_not_dividing_heads_lists_valid_values():
 
 
 def test_experts_not_divisible_by_ep():
-    model = TINY_MODELS["qwen3_moe_dense_first"]  # 4 experts
+    model = TINY_MODELS["qwen3_moe_small"]  # 4 experts
     with pytest.raises(ValueError, match=r"sglang.ep=8 does not divide the 4 physical experts"):
         sglang_layout(model, SGLangSettings(tp=8, ep=8))
 
