@@ -25,7 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # folders never scanned: tests may compare against megatron directly; the rest is not our source
 SKIPPED_DIRS = {"tests", "build", "dist", "runs", "mlruns", "__pycache__"}
-MEGATRON_ALLOWED = ("megatron_adapters/",)
+MEGATRON_ALLOWED = ("megatron_adapters/", "benchmarks/reshard_exec.py")
+"""benchmarks/reshard_exec.py times megatron-core's own ``megatron.core.resharding`` as a
+competitor's baseline: it runs megatron-core's code, it does not build on it."""
 SGLANG_ALLOWED = ("rollout/sglang",)
 PACKAGES = ("hfschema", "moe", "reshard", "megatron_adapters", "launch", "hybridflow")
 """The project's top-level packages: the nodes of the package import graph."""
