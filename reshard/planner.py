@@ -359,6 +359,8 @@ class _Chooser:
         self.dst_dev = topology.destination
         self.links = _Links(topology)
         self.max_relays = max_relays
+        self.ahead = [0] * len(self.links.nic_out)
+        """Per device: the NIC sends a previous pass made for the bundles not routed yet."""
         self._holders: dict[int, tuple[dict[Device, int], dict[int, list[int]]]] = {}
         self._needers: dict[int, dict[int, list[int]]] = {}
 
@@ -427,16 +429,26 @@ class _Chooser:
     def _inter_sender(self, holders: tuple[int, ...], entries: list[tuple[int, int, int]]) -> tuple:
         """(rank, relay, hop, nodes passed) of the holder or earlier entry rank (another node)
         whose NIC has sent least; ties go to fewer hops, then holders, then the lower rank."""
-        out = self.links.nic_out
-        best = min(holders, key=lambda r: out[self.links.src[r]])  # first minimum: lowest rank
-        choice = (out[self.links.src[best]], 0, False, best, 0)
+        sent, ahead = self.links.nic_out, self.ahead
+
+        def load(device: int) -> int:  # what its NIC has sent, plus what it will have to
+            return sent[device] + ahead[device]
+
+        best = min(holders, key=lambda r: load(self.links.src[r]))  # first minimum: lowest rank
+        choice = (load(self.links.src[best]), 0, False, best, 0)
         for rank, hop, passed in entries:
             if passed <= self.max_relays:
-                key = (out[self.links.dst[rank]], hop, True, rank, passed)
+                key = (load(self.links.dst[rank]), hop, True, rank, passed)
                 if key < choice:
                     choice = key
         _, hop, relay, rank, passed = choice
         return rank, relay, hop, passed
+
+    def forget(self, routes: list[tuple], nbytes: int) -> None:
+        """Drop a previous pass's NIC sends of one bundle from ``ahead`` (it is being routed)."""
+        for sender, relay, _, kind, _ in routes:
+            if kind == INTER:
+                self.ahead[self._device(sender, relay)] -= nbytes
 
     def _charge(self, sender: int, relay: bool, needer: int, nbytes: int, *, inter: bool) -> None:
         links, a, b = self.links, self._device(sender, relay), self.links.dst[needer]
@@ -469,9 +481,15 @@ def _plan(source: TensorLayout, destination: TensorLayout, topology: Topology, m
     # largest bundles first: greedy least-loaded balancing does best placing big items early
     order = sorted(range(len(bundles)), key=lambda i: (-bundles[i].nbytes, i))
     bundles = [bundles[i] for i in order]
+    # two greedy passes: the second knows, per device, the NIC sends the first made for the
+    # bundles still to come (a device whose own shards must leave it later is spared now)
+    rough = _Chooser(topology, max_relays=max_relays)
+    first = [rough.route(b.holders, b.needers, b.nbytes) for b in bundles]
     chooser = _Chooser(topology, max_relays=max_relays)
+    chooser.ahead = list(rough.links.nic_out)
     columns: list[list] = [[], [], [], [], [], []]
     for b_index, b in enumerate(bundles):
+        chooser.forget(first[b_index], b.nbytes)
         for route in chooser.route(b.holders, b.needers, b.nbytes):
             for column, value in zip(columns, (*route, b_index)):
                 column.append(value)
