@@ -188,6 +188,9 @@ def run_case(case: Case) -> dict:
         "goals": {"node_ratio_is_1": stats.inter_node_bytes == stats.node_lower_bound_bytes,
                   "time_ratio_at_most_1_10": stats.time_ratio <= 1.10},
     }
+    if not case.colocated:  # what relays buy: the same plan with every node fed by the trainer
+        direct = plan_stats(plan_reshard(source, destination, _topology(case), max_relays=0), bandwidth=bandwidth)
+        record["without_relays_simulated_seconds"] = round(direct.simulated_seconds, 4)
     record["ratio_to_lower_bound"] = round(record["ratio_to_lower_bound"], 6)
     record["baseline_ratio"] = round(record["baseline_ratio"], 3)
     record["simulated_seconds"] = round(record["simulated_seconds"], 4)

@@ -121,13 +121,15 @@ class EngineSync:
             pushed = self._push_full(buffers)
         self.pushes += 1
         replica = replica_of(self.cfg, dist.get_rank()) if self.engine else None
-        gathered = self.channel.gather((replica, pushed, report.bytes_received + report.bytes_copied_locally))
+        gathered = self.channel.gather((replica, pushed, report.bytes_received + report.bytes_copied_locally,
+                                        report.bytes_relayed))
         per_replica = [0.0] * self.cfg.rollout.num_replicas
-        for k, value, _ in gathered:
+        for k, value, _, _ in gathered:
             if k is not None:
                 per_replica[k] = value
         seconds = time.perf_counter() - started
         return {"sync/seconds": seconds, "sync/plan_bytes": float(sum(g[2] for g in gathered)),
+                "sync/relayed_bytes": float(sum(g[3] for g in gathered)),  # forwarded by engine ranks
                 "sync/engine_bytes": float(sum(per_replica)),
                 **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)}}
 

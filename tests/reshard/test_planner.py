@@ -277,6 +277,20 @@ def test_rank_missing_from_topology():
         plan_reshard(source, destination, Topology.colocated(1, num_destination=4))
 
 
+def test_two_ranks_on_one_device_are_refused():
+    model = TINY_MODELS["llama"]
+    source = megatron_layout(model, ParallelLayout(dp=2))
+    destination = sglang_layout(model, SGLangSettings(num_replicas=2))
+    twice = Topology(source=(Device(node=0, gpu=0), Device(node=0, gpu=0)),
+                     destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)))
+    with pytest.raises(ValueError, match="source ranks 0 and 1 are both on node 0 gpu 0"):
+        plan_reshard(source, destination, twice)
+    twice = Topology(source=(Device(node=0, gpu=0), Device(node=0, gpu=1)),
+                     destination=(Device(node=1, gpu=3), Device(node=1, gpu=3)))
+    with pytest.raises(ValueError, match="destination ranks 0 and 1 are both on node 1 gpu 3"):
+        plan_reshard(source, destination, twice)
+
+
 def test_per_rank_views_for_an_executor():
     """transfers_for(rank) partitions the plan by sender (source ranks and relaying destination
     ranks) and by receiver; holdings agree with param shapes."""
