@@ -18,6 +18,9 @@
                      its GlooCopyService
         memcpy       process 0 alone (the others wait in a barrier): copy_ of `bytes` of bf16,
                      best of max(--repeats, 10) after a warm-up (cheap, and the noisiest figure)
+        wire         gloo's own speed: process 0 sends process 1 as many bytes as the executor's
+                     busiest sender sends, in bucket-sized messages (fraction_of_wire: how near
+                     the executor runs to the transport it is given)
         each transfer: one warm-up pass into zeroed buffers, checked bit for bit against
         `expected`, then the best of --repeats timed passes (barrier ... barrier, on rank 0)
     rank 0 -> {"cases": [...]} -> printed as JSON; --json PATH also writes it (tmp file + rename)
@@ -234,6 +237,28 @@ def memcpy_seconds(nbytes: int, repeats: int) -> float | None:
     return seconds
 
 
+def wire_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float | None:
+    """gloo's own point-to-point speed here: process 0 sends ``nbytes`` to process 1 in
+    bucket-sized messages (the others wait). The executor's busiest sender cannot beat it.
+    None when the executor sends nothing (every box is local)."""
+    if nbytes == 0:
+        return None
+    chunk = torch.ones(max(1, min(bucket_bytes, nbytes) // DTYPE.itemsize), dtype=DTYPE)
+
+    def run() -> None:
+        left = nbytes // DTYPE.itemsize
+        while left > 0:
+            part = chunk[: min(chunk.numel(), left)]
+            if dist.get_rank() == 0:
+                dist.send(part, 1)
+            elif dist.get_rank() == 1:
+                dist.recv(part, 0)
+            left -= part.numel()
+
+    run()  # warm-up
+    return best_seconds(run, repeats)
+
+
 # ------------------------------------------------------------------------- executor
 
 
@@ -250,7 +275,7 @@ def executor_run(plan, processes: ProcessMap, sources, buffers, bucket_bytes: in
         report = execute(plan, processes, sources=sources, destinations=buffers,
                          bucket_bytes=bucket_bytes)
         counts = torch.tensor([report.bytes_sent, report.bytes_copied_locally,
-                               report.peak_buffer_bytes], dtype=torch.int64)
+                               report.peak_buffer_bytes, report.bytes_sent], dtype=torch.int64)
         totals["rounds"] = report.rounds
         totals["counts"] = counts
     return run
@@ -262,7 +287,8 @@ def _executor_totals(totals: dict) -> dict:
     dist.all_reduce(counts)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"executor_bytes_sent": int(counts[0]), "executor_bytes_copied_locally": int(counts[1]),
-            "executor_peak_buffer_bytes": int(peak[0]), "executor_rounds": totals["rounds"]}
+            "executor_peak_buffer_bytes": int(peak[0]), "executor_max_sent_bytes": int(peak[1]),
+            "executor_rounds": totals["rounds"]}
 
 
 # ------------------------------------------------------------------------- baseline
@@ -517,6 +543,7 @@ def run_case(case: Case, model: ModelConfig, source: TensorLayout, sources, base
     theirs = _baseline_case(case, baseline, sources, destination, buffers, expected, args, record)
     mcore = _megatron_case(case, source, sources, destination, buffers, expected, args, record)
     record["memcpy_seconds"] = memcpy_seconds(record["bytes"], args.repeats)
+    record["wire_seconds"] = wire_seconds(record["executor_max_sent_bytes"], record["bucket_bytes"], args.repeats)
     return _finish(record, ours, theirs, mcore) if me == 0 else None
 
 
@@ -574,6 +601,8 @@ def _finish(record: dict, ours: dict, theirs: dict, mcore: dict | None) -> dict:
         "speedup_vs_megatron_resharding":
             _ratio(mcore["seconds"], ours["seconds"]) if mcore else None,
         "fraction_of_memcpy": _ratio(record["memcpy_seconds"], ours["seconds"]),
+        "wire_seconds": round(record["wire_seconds"], 6) if record["wire_seconds"] else None,
+        "fraction_of_wire": _ratio(record["wire_seconds"], ours["seconds"]),
         "checksums_ok": all(r["ok"] and r["checksum"] == ours["checksum"] for r in ran),
         "checksums": {"executor": ours["checksum"], "baseline": theirs["checksum"],
                       "megatron_resharding": mcore["checksum"] if mcore else None},
