@@ -78,10 +78,12 @@ ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 class RoleConfig:
     """One model role (actor, reference, critic): whether it runs and how it is sharded."""
 
-    enabled: bool = True
-    """Whether this role is built; the reference and critic are optional."""
-    parallel: ParallelLayout = field(default_factory=ParallelLayout)
-    """megatron-core parallel layout of this role."""
+    enabled: Optional[bool] = True
+    """Whether this role is built; the reference and critic are optional. The critic's None (its
+    default): built when the algorithm's estimator reads values (ppo's and vapo's gae)."""
+    parallel: Optional[ParallelLayout] = field(default_factory=ParallelLayout)
+    """megatron-core parallel layout of this role; the reference's and critic's None (their
+    default): the actor's layout, the only one the runtime builds them under."""
 
 
 @dataclass(kw_only=True)
@@ -268,6 +270,20 @@ def _rollout_error(error: ValueError) -> ConfigError:
     return ConfigError(re.sub(r"\bsglang\.", "{p}", template))
 
 
+VALUE_ALGORITHMS = ("ppo", "vapo")
+"""Algorithms whose own estimator (gae) reads a critic's values (``algorithm_spec(...).needs_critic``;
+tests/algorithms checks the two agree)."""
+VALUE_ESTIMATORS = ("gae",)
+"""Estimators that read a critic's values."""
+
+
+def needs_values(algorithm: "AlgorithmConfig") -> bool:
+    """Whether the algorithm (with its estimator override) trains on a critic's values."""
+    if algorithm.adv_estimator is not None:
+        return algorithm.adv_estimator in VALUE_ESTIMATORS
+    return algorithm.name in VALUE_ALGORITHMS
+
+
 ALGORITHMS = ("ppo", "grpo", "dapo", "vapo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
               "remax", "gspo", "gpg", "cispo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -306,7 +322,8 @@ class AlgorithmConfig:
     critic_lam: Optional[float] = None
     """GAE lambda of the critic's returns; None = lam (VAPO decouples them: 1.0)."""
     length_adaptive_lam_alpha: Optional[float] = None
-    """VAPO: the actor's lambda per sequence = 1 - 1 / (alpha * response length); None = off."""
+    """VAPO: the actor's lambda per sequence = 1 - 1 / (alpha * response length); None = the
+    algorithm's own (VAPO: 0.05, others: off), 0 = off."""
     norm_adv_by_std: bool = True
     """GRPO: divide group-centred rewards by the group's std (false = Dr. GRPO)."""
     kl_loss_coef: float = 0.0
@@ -317,8 +334,9 @@ class AlgorithmConfig:
     """KL estimator: k1, abs, mse (= k2), low_var_kl (= k3)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
-    lm_loss_coef: float = 0.0
-    """VAPO positive-example LM loss weight (negative log-likelihood of correct samples)."""
+    lm_loss_coef: Optional[float] = None
+    """VAPO positive-example LM loss weight (negative log-likelihood of correct samples); None =
+    the algorithm's own (VAPO: 0.1, others: 0), 0 = off."""
     value_clip: float = 0.5
     """Critic value clipping around the old values."""
     value_pretrain_steps: int = 0
@@ -327,13 +345,14 @@ class AlgorithmConfig:
     """Passes over each step's rollouts."""
     mini_batches: int = 1
     """Optimizer updates per pass (the step's samples split into this many mini-batches)."""
-    dynamic_sampling: bool = False
+    dynamic_sampling: Optional[bool] = None
     """DAPO: drop prompt groups whose rewards are all equal and keep sampling until the batch
-    is full (at most max_sampling_rounds)."""
+    is full (at most max_sampling_rounds); None = the algorithm's own (DAPO: on, others: off)."""
     max_sampling_rounds: int = 3
     """DAPO dynamic sampling: generation rounds per step before training on what was kept."""
-    overlong_buffer_len: int = 0
-    """DAPO overlong shaping: linear penalty over the last this many tokens of the budget."""
+    overlong_buffer_len: Optional[int] = None
+    """DAPO overlong shaping: linear penalty over the last this many tokens of the budget; None =
+    the algorithm's own (DAPO: a fifth of data.max_response_length, others: off), 0 = off."""
     overlong_penalty_factor: float = 1.0
     """DAPO overlong shaping: the penalty at the full budget."""
     pf_ppo: Optional[str] = None
@@ -349,8 +368,11 @@ class AlgorithmConfig:
         if self.pf_ppo is not None:
             check_choice("pf_ppo", self.pf_ppo, ("pow", "max_min", "max_random"))
         check_positive(self, ("ppo_epochs", "mini_batches", "max_sampling_rounds", "clip_ratio_low"))
-        check_non_negative(self, ("kl_loss_coef", "kl_reward_coef", "entropy_coef", "lm_loss_coef",
-                                   "value_pretrain_steps", "overlong_buffer_len", "value_clip"))
+        check_non_negative(self, ("kl_loss_coef", "kl_reward_coef", "entropy_coef", "value_pretrain_steps",
+                                   "value_clip"))
+        for key in ("lm_loss_coef", "overlong_buffer_len", "length_adaptive_lam_alpha"):  # None: the algorithm's
+            if getattr(self, key) is not None:
+                check_non_negative(self, (key,))
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError("{p}{key}={v} must be in [0, 1]", key=key, v=getattr(self, key))
@@ -464,10 +486,10 @@ class HybridflowConfig:
     """Model architecture shared by all roles."""
     actor: RoleConfig = field(default_factory=RoleConfig)
     """The policy being trained; the rollout engines generate with its weights."""
-    reference: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
+    reference: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False, parallel=None))
     """Frozen reference policy for the KL penalty; off by default."""
-    critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
-    """Value model for GAE-style estimators; off by default."""
+    critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=None, parallel=None))
+    """Value model for GAE-style estimators; on when the algorithm needs one."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimizer and batch settings."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -488,6 +510,11 @@ class HybridflowConfig:
     """MoE RL stability: routing replay, router statistics, router freezing and losses."""
 
     def __post_init__(self) -> None:
+        for role in (self.reference, self.critic):
+            if role.parallel is None:
+                role.parallel = dataclasses.replace(self.actor.parallel)
+        if self.critic.enabled is None:
+            self.critic.enabled = needs_values(self.algorithm)
         for name, layout in enabled_roles(self).items():
             layout.check_model(self.model, prefix=f"{name}.parallel")
         self._check_rollout()

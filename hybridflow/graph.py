@@ -36,8 +36,8 @@ ROLES = ("actor", "reference", "critic", "rollout", "reward", DRIVER)
 
 ROLE_SWITCHES = {
     "actor": "set actor.enabled=true",
-    "reference": "set reference.enabled=true (and reference.parallel)",
-    "critic": "set critic.enabled=true (and critic.parallel)",
+    "reference": "set reference.enabled=true (it takes the actor's layout)",
+    "critic": "set critic.enabled=true or leave it unset (it takes the actor's layout)",
     "rollout": "configure the rollout section",
     "reward": "configure the reward section",
     DRIVER: "the driver runs on every rank",

@@ -72,7 +72,7 @@ def test_plan_applies_overrides(capsys):
                  "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "# actor: tp=2 " in out
-    assert "# critic: tp=1 " in out
+    assert "# critic: tp=2 " in out  # unset: the actor's layout
 
 
 def test_bad_override_exits_2(capsys):
@@ -152,8 +152,8 @@ def test_role_larger_than_its_pool_exits_2(capsys):
 
 
 def test_algorithm_without_its_role_exits_2(capsys):
-    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "algorithm.name=ppo"]) == 2
-    assert "set critic.enabled=true" in capsys.readouterr().err
+    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "algorithm.name=ppo", "critic.enabled=false"]) == 2
+    assert "remove critic.enabled=false" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would let SGLang return routed experts")

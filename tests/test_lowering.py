@@ -126,7 +126,7 @@ def test_colocated_engines_may_use_part_of_the_pool():
 
 
 def test_a_smaller_reference_runs_on_the_first_ranks():
-    placement = place(_cfg("reference.enabled=true"))  # reference layout: one rank
+    placement = place(_cfg("reference.enabled=true", "reference.parallel.dp=1"))  # one rank
     assert placement.ranks_of("reference") == range(1)
     assert "  reference on rank 0 of pool colocated only" in placement.describe()
 
@@ -147,8 +147,8 @@ def test_a_role_larger_than_its_pool_names_the_key(placement):
 
 
 def test_missing_roles_fail_before_placement():
-    with pytest.raises(ValueError, match="set critic.enabled=true"):
-        lower(_cfg("algorithm.name=ppo"), with_reshard=False)
+    with pytest.raises(ValueError, match="remove critic.enabled=false"):
+        lower(_cfg("algorithm.name=ppo", "critic.enabled=false"), with_reshard=False)
     with pytest.raises(ValueError, match="needs the reference policy"):
         lower(_cfg("algorithm.kl_loss_coef=0.1"), with_reshard=False)
 

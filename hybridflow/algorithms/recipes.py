@@ -283,6 +283,9 @@ def algorithm_spec(cfg: HybridflowConfig) -> AlgorithmSpec:
 # --------------------------------------------------------------------------- building specs
 
 _SCHEMA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig)}
+OFF = {"dynamic_sampling": False, "overlong_buffer_len": 0, "lm_loss_coef": 0.0,
+       "length_adaptive_lam_alpha": 0.0}
+"""What a knob left None means for an algorithm without a value of its own (0: off)."""
 
 
 def _spec(cfg: HybridflowConfig, *, name: str, description: str, estimator: str,
@@ -310,11 +313,15 @@ def _spec(cfg: HybridflowConfig, *, name: str, description: str, estimator: str,
 
 def _fill(algorithm: AlgorithmConfig, paper: Mapping[str, Any]
           ) -> tuple[dict[str, Any], tuple[tuple[str, Any], ...]]:
-    """algorithm's fields with ``paper`` values where it holds the schema default, and the
-    (config key, value) pairs that were filled."""
+    """algorithm's fields with ``paper`` values where the config left them None (a value the
+    user wrote always wins, even one equal to the schema's), the rest of the None knobs off,
+    and the (config key, value) pairs that were filled."""
     knobs = dataclasses.asdict(algorithm)
-    unset = {k: v for k, v in paper.items() if knobs[k] == _SCHEMA_DEFAULTS[k]}
+    unset = {k: v for k, v in paper.items() if knobs[k] is None}
     knobs.update(unset)
+    knobs.update({k: off for k, off in OFF.items() if knobs[k] is None})
+    if not knobs["length_adaptive_lam_alpha"]:
+        knobs["length_adaptive_lam_alpha"] = None  # 0 = off: the estimator takes None
     return knobs, tuple((f"algorithm.{k}", v) for k, v in unset.items())
 
 
@@ -466,9 +473,9 @@ def _missing_actor(cfg: HybridflowConfig, spec: AlgorithmSpec) -> str | None:
 def _missing_critic(cfg: HybridflowConfig, spec: AlgorithmSpec) -> str | None:
     if cfg.critic.enabled or not spec.needs_critic:
         return None
-    return (f"{_estimator_key(cfg, spec)} needs a critic: set critic.enabled=true (and "
-            "critic.parallel to its layout), or choose a critic-free algorithm such as "
-            "algorithm.name=grpo")
+    return (f"{_estimator_key(cfg, spec)} needs a critic: remove critic.enabled=false (unset, the "
+            "critic is built when the algorithm needs one), or choose a critic-free algorithm "
+            "such as algorithm.name=grpo")
 
 
 def _missing_reference(cfg: HybridflowConfig, spec: AlgorithmSpec) -> str | None:

@@ -152,6 +152,21 @@ def test_a_configured_value_beats_the_algorithms_own():
     assert [key for key, _ in spec.filled] == ["algorithm.dynamic_sampling"]
 
 
+def test_a_written_value_wins_even_when_it_equals_the_schema_default():
+    """DAPO's paper values are switched off by writing the 'off' value, and VAPO's by 0."""
+    spec = algorithm_spec(_cfg("dapo", "algorithm.dynamic_sampling=false", "algorithm.overlong_buffer_len=0"))
+    assert not spec.dynamic_sampling and spec.overlong_buffer_len == 0 and not spec.overlong_shaping
+    assert [key for key, _ in spec.filled] == ["algorithm.clip_ratio_high"]
+    assert "filter_groups" not in _node_names(_graph("dapo", "algorithm.dynamic_sampling=false"))
+    spec = algorithm_spec(_cfg("vapo", "algorithm.lm_loss_coef=0", "algorithm.length_adaptive_lam_alpha=0",
+                               "critic.enabled=true"))
+    assert spec.lm_loss_coef == 0.0 and not spec.lm_loss and spec.length_adaptive_lam_alpha is None
+    assert ("algorithm.critic_lam", 1.0) in spec.filled
+    plain = algorithm_spec(_cfg("grpo"))  # an algorithm without values of its own: all off
+    assert (plain.dynamic_sampling, plain.overlong_buffer_len, plain.lm_loss_coef) == (False, 0, 0.0)
+    assert plain.filled == ()
+
+
 def test_grpo_keeps_the_symmetric_clip_and_any_algorithm_may_sample_dynamically():
     assert algorithm_spec(_cfg("grpo")).clip_ratio_high == 0.2
     graph = _graph("grpo", "algorithm.dynamic_sampling=true")
@@ -253,19 +268,20 @@ def test_registering_a_name_twice_is_an_error():
         register_algorithm("grpo")(lambda cfg: None)
 
 
-def test_a_critic_algorithm_without_the_critic_names_the_key():
-    cfg = load_config(QUICKSTART, ["algorithm.name=ppo"])
+def test_a_critic_algorithm_with_the_critic_switched_off_names_the_key():
+    build_graph(load_config(QUICKSTART, ["algorithm.name=ppo"]))  # unset: the critic is built
+    cfg = load_config(QUICKSTART, ["algorithm.name=ppo", "critic.enabled=false"])
     with pytest.raises(ValueError) as error:
         build_graph(cfg)
     message = str(error.value)
     assert message.startswith("algorithm.name=ppo (advantage estimator gae) needs a critic")
-    assert "set critic.enabled=true (and critic.parallel" in message
+    assert "remove critic.enabled=false" in message
 
 
 def test_an_estimator_override_needing_a_critic_names_the_override():
-    cfg = _cfg("grpo", "algorithm.adv_estimator=gae")
+    cfg = _cfg("grpo", "algorithm.adv_estimator=gae", "critic.enabled=false")
     with pytest.raises(ValueError, match=r"algorithm.adv_estimator=gae needs a critic: "
-                                         r"set critic.enabled=true"):
+                                         r"remove critic.enabled=false"):
         check_roles(cfg, algorithm_spec(cfg))
 
 
@@ -326,3 +342,20 @@ def test_routing_replay_hands_the_routes_from_old_logprob_to_the_update(mode):
     assert graph.node("old_logprob").option("routing_replay") == mode
     assert "routed_experts" in graph.node("update_actor").inputs
     assert "routed_experts" not in {f for n in _graph("dapo").nodes for f in n.inputs + n.outputs}
+
+
+def test_the_critic_is_built_exactly_when_the_estimator_reads_values():
+    """config.needs_values (which resolves critic.enabled=None) agrees with every spec, and the
+    critic takes the actor's layout unless one is written."""
+    from hybridflow.config import ALGORITHMS
+
+    def unset(*overrides):  # the quickstart, critic.enabled left to the algorithm
+        return load_config(QUICKSTART, overrides)
+
+    for name in ALGORITHMS:
+        cfg = unset(f"algorithm.name={name}")
+        assert cfg.critic.enabled == algorithm_spec(cfg).needs_critic, name
+        assert cfg.critic.parallel == cfg.actor.parallel == cfg.reference.parallel
+    assert unset("algorithm.adv_estimator=gae").critic.enabled
+    assert not unset("algorithm.name=ppo", "algorithm.adv_estimator=grpo").critic.enabled
+    assert not unset("algorithm.name=ppo", "critic.enabled=false").critic.enabled  # a written value wins
