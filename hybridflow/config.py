@@ -135,7 +135,9 @@ class RunConfig:
     """Also score the held-out set every this many RL steps (0 = only after SFT and at the end)."""
     on_nan: str = "stop"
     """A non-finite loss or grad norm: stop (the step is not applied, no checkpoint is written,
-    the run exits with an error) or skip (the step is dropped and the run goes on)."""
+    the run exits with an error) or skip (the step is dropped whole and the run goes on: when a
+    step makes more than one update, every trained role is copied to the host before its first
+    update and rolled back, which costs one host copy of the training state per step)."""
 
     def __post_init__(self) -> None:
         if not self.name:

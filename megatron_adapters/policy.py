@@ -96,6 +96,25 @@ def _optimizer_config(train: TrainConfig, params_dtype: torch.dtype) -> Optimize
     )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingSnapshot:
+    """Host copies of a policy's training tensors (``MegatronPolicy.snapshot``)."""
+
+    tensors: list
+    """The live tensors, in order."""
+    copies: list
+    """Their values on the host when the snapshot was taken."""
+    scheduler_steps: int
+    """The learning-rate scheduler's step count."""
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a megatron-core (chained) optimizer: they hold the main
+    params and the moments."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in chained]
+
+
 def _scheduler(optimizer, train: TrainConfig) -> OptimizerParamScheduler:
     decay_steps = max(train.lr_decay_steps, train.lr_warmup_steps + 1)
     return OptimizerParamScheduler(
@@ -385,6 +404,31 @@ class MegatronPolicy:
         if update_ok:
             self.scheduler.step(increment=1)
         return self._step_result(outputs, grad_norm, lr)
+
+    def snapshot(self) -> "TrainingSnapshot":
+        """A host copy of everything an optimizer step changes (weights, the optimizer's main
+        params and moments, the scheduler's step), for ``rollback``: a training step of several
+        updates is then all or nothing. Costs one host copy of the training state."""
+        if self.optimizer is None or self._offloaded:
+            raise RuntimeError("snapshot needs a trainable policy with its training state on the device")
+        tensors = [p.data for chunk in self.chunks for p in chunk.parameters()]
+        for inner in _torch_optimizers(self.optimizer):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    tensors.append(p.data)
+                    tensors += [v for v in inner.state.get(p, {}).values() if torch.is_tensor(v)]
+        unique = list({id(t): t for t in tensors}.values())  # an FP32 optimizer's params are the model's
+        return TrainingSnapshot(tensors=unique, copies=[t.detach().to("cpu", copy=True) for t in unique],
+                                scheduler_steps=self.scheduler.num_steps)
+
+    def rollback(self, snap: "TrainingSnapshot") -> None:
+        """Put back what ``snapshot`` copied (in place: views and buffers stay valid)."""
+        with torch.no_grad():
+            for tensor, copy in zip(snap.tensors, snap.copies):
+                tensor.copy_(copy)
+        self.scheduler.num_steps = snap.scheduler_steps
+        self.scheduler.step(increment=0)  # the learning rate of that step again
+        self.optimizer.zero_grad()
 
     # ---------------------------------------------------------------------------- colocation
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from hybridflow.runtime import switches
 from hybridflow.runtime.ops import OPS, NonFiniteStep, current, heldout_reward
-from hybridflow.runtime.session import Session
+from hybridflow.runtime.session import Session, StepUndo
 
 __all__ = ["FAULT_ENV", "train_rl"]
 
@@ -80,6 +80,24 @@ def run_step(s: Session, stages, step: int) -> dict[str, float]:
     return _step_metrics(f, times, s)
 
 
+def _updates_per_step(s: Session) -> int:
+    """Optimizer updates one RL step makes (every trained role, every epoch and mini-batch)."""
+    roles = sum(role is not None for role in (s.actor, s.critic))
+    return roles * s.algo.ppo_epochs * s.algo.mini_batches
+
+
+def _skip(s: Session, error: NonFiniteStep) -> dict[str, float]:
+    """A step with a non-finite update leaves no trace: the updates it made before are rolled
+    back, and an engine that dropped its weights for training gets the (unchanged) ones back."""
+    undone = s.undo.rollback()
+    logger.warning("%s; run.on_nan=skip: going on without this step%s", error,
+                   " (its earlier updates rolled back)" if undone else "")
+    if s.sync is not None and s.sync.engine_drops_weights:
+        switches.enter(s, "sync")
+        s.sync.push()
+    return {"actor/skipped_step": 1.0, "actor/rolled_back": float(undone)}
+
+
 def train_rl(s: Session, plan, *, save) -> None:
     """Steps ``s.state.step`` .. ``run.steps`` of ``plan`` (an ``ExecutionPlan``); ``save(step)``
     writes a checkpoint."""
@@ -90,13 +108,13 @@ def train_rl(s: Session, plan, *, save) -> None:
                unit="step", disable=not s.is_driver)
     for step in bar:
         _inject_fault(step)
+        s.undo = StepUndo(cfg.run.on_nan == "skip" and _updates_per_step(s) > 1)
         try:
             metrics = run_step(s, plan.stages, step)
         except NonFiniteStep as error:
             if cfg.run.on_nan == "stop":
                 raise
-            logger.warning("%s; run.on_nan=skip: going on without this step", error)
-            metrics = {"actor/skipped_step": 1.0}
+            metrics = _skip(s, error)
         done = step + 1
         if cfg.run.heldout_every and done % cfg.run.heldout_every == 0 and done < cfg.run.steps:
             reward = heldout_reward(s)

@@ -433,6 +433,7 @@ def update_actor(s: Session, node, f: dict, step: int) -> dict:
     loss_fn = actor_loss(s, ro.num_response)
     rows = _train_rows(s, f, ro, scores, step)
     results = []
+    s.undo.before_update(s.actor)
     for _ in range(s.algo.ppo_epochs):
         for mini in _mini_batches(s, rows, s.algo.mini_batches):
             result = s.actor.train_step(mini, loss_fn, local_rows=True)
@@ -484,6 +485,7 @@ def update_critic(s: Session, node, f: dict, step: int) -> dict:
             "old_values": f["values"], "returns": f["returns"]}
     loss_fn = critic_loss(s.algo.value_clip)
     results = []
+    s.undo.before_update(s.critic)
     for _ in range(s.algo.ppo_epochs):
         for mini in _mini_batches(s, rows, s.algo.mini_batches):
             result = s.critic.train_step(mini, loss_fn, local_rows=True)

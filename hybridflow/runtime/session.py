@@ -137,6 +137,31 @@ class ModelRole(Protocol):
 
     def restore_training_state(self) -> None: ...
 
+    def snapshot(self) -> Any: ...
+
+    def rollback(self, snapshot: Any) -> None: ...
+
+
+class StepUndo:
+    """Host snapshots of the roles this RL step updates, taken before each role's first update,
+    when ``run.on_nan=skip`` and the step makes more than one update (one update that fails is
+    never applied, so it needs none): a skipped step then changes no weights at all."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self._taken: list[tuple[ModelRole, Any]] = []
+
+    def before_update(self, role: ModelRole) -> None:
+        if self.active and all(r is not role for r, _ in self._taken):
+            self._taken.append((role, role.snapshot()))
+
+    def rollback(self) -> bool:
+        """Undo every update of the step; whether there was any to undo."""
+        for role, snap in self._taken:
+            role.rollback(snap)
+        undone, self._taken = bool(self._taken), []
+        return undone
+
 
 class MetricSink(Protocol):
     """What the runtime calls on the run's tracker (``hybridflow.runtime.tracking.Tracker``)."""
@@ -203,6 +228,8 @@ class Session:
     it, in ``hybridflow plan``'s words (the summary reports it)."""
     step_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics the ops of the running step report beside their fields (reset every step)."""
+    undo: StepUndo = field(default_factory=lambda: StepUndo(False))
+    """The running step's snapshots for ``run.on_nan=skip`` (reset every step)."""
     reward_errors: int = 0
     """Reward calls that raised so far (scored 0)."""
     moe_tokens_per_expert: list | None = None

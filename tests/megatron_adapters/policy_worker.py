@@ -4,7 +4,10 @@
 reported ``applied=False``), and the next finite step is. ``offload``: freeing the gradient
 buffers and optimizer state between steps (what colocated generation does) leaves training
 bit-identical to a policy that never offloaded, and the buffers really hold no storage while
-offloaded. Prints one ``OK <scenario>`` line per rank.
+offloaded. ``rollback``: two updates, then ``rollback`` to the snapshot taken before them:
+weights, optimizer moments and learning rate are back, and training on from there is
+bit-identical to a policy that never made those updates (what ``run.on_nan=skip`` relies on
+to make a step of several updates all or nothing). Prints one ``OK <scenario>`` line per rank.
 """
 
 from __future__ import annotations
@@ -79,11 +82,29 @@ def offload(pg) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a), "offloading changed training"
 
 
+def rollback(pg) -> None:
+    plain, undone = _policy(pg), _policy(pg)
+    for policy in (plain, undone):
+        policy.train_step(_batch(0), _loss)  # moments and a scheduler step exist before the snapshot
+    snap = undone.snapshot()
+    before = _snapshot(undone)
+    undone.train_step(_batch(7), _loss)
+    undone.train_step(_batch(8), _loss)
+    assert any(not torch.equal(before[k], v) for k, v in _snapshot(undone).items())
+    undone.rollback(snap)
+    assert all(torch.equal(before[k], v) for k, v in _snapshot(undone).items()), "rollback left other weights"
+    for step in (1, 2):
+        a, b = plain.train_step(_batch(step), _loss), undone.train_step(_batch(step), _loss)
+        assert a.lr == b.lr and a.grad_norm == b.grad_norm, (a, b)
+    a, b = _snapshot(plain), _snapshot(undone)
+    assert all(torch.equal(a[k], b[k]) for k in a), "training after a rollback differs"
+
+
 if __name__ == "__main__":
     parallel.init_default_group()
     group = parallel.initialize(LAYOUT, seed=1)
     for name in sys.argv[1:]:
-        {"nan": nan, "offload": offload}[name](group)
+        {"nan": nan, "offload": offload, "rollback": rollback}[name](group)
         os.write(1, f"OK {name} rank {dist.get_rank()}\n".encode())
     parallel.teardown()
     dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""A NaN step never reaches the weights; offloading for colocated generation changes nothing."""
+"""A NaN step never reaches the weights; offloading for colocated generation changes nothing; a
+rollback to a snapshot undoes updates exactly."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ WORKER = Path(__file__).with_name("policy_worker.py")
 
 def test_nan_steps_are_not_applied_and_offloading_is_exact() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           "nan", "offload"]
+           "nan", "offload", "rollback"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=500,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    for name in ("nan", "offload"):
+    for name in ("nan", "offload", "rollback"):
         for rank in (0, 1):
             assert f"OK {name} rank {rank}\n" in result.stdout

@@ -123,7 +123,7 @@ def _fake_session(on_nan: str, steps: int = 3):
                                                        "run.heldout_every=0"])
     return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), step_metrics={},
                            prompt_batch=lambda step: [], executed_stages=[], mode=None, engine=None,
-                           actor=None, critic=None)
+                           actor=None, critic=None, algo=cfg.algorithm, sync=None)
 
 
 def _graph_raising_at(bad_step: int):
@@ -161,7 +161,51 @@ def test_a_nan_step_is_skipped_when_configured(monkeypatch) -> None:
     s = _fake_session("skip")
     loop.train_rl(s, graph, save=saved.append)
     assert calls == [0, 1, 2] and s.state.step == 3 and saved == [3]
-    assert s.state.history[1] == {"step": 2, "actor/skipped_step": 1.0}
+    assert s.state.history[1] == {"step": 2, "actor/skipped_step": 1.0, "actor/rolled_back": 0.0}
+
+
+class _Role:
+    """A trained role that counts its updates and can snapshot / roll back that count."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+
+    def snapshot(self):
+        return self.updates
+
+    def rollback(self, updates):
+        self.updates = updates
+
+
+def test_a_skipped_step_rolls_back_every_update_it_made(monkeypatch) -> None:
+    """The critic's update and the actor's first mini-batch went through when the actor's second
+    one is not finite: with run.on_nan=skip both are undone, and later steps train normally."""
+    def critic_update(s, node, f, step):
+        s.undo.before_update(s.critic)
+        s.critic.updates += 1
+        return {"critic_done": True}
+
+    def actor_update(s, node, f, step):
+        s.undo.before_update(s.actor)
+        s.actor.updates += 1
+        if step == 1:
+            raise NonFiniteStep(f"step {step}: mini-batch 2 not finite")
+        s.actor.updates += 1
+        return {"responses": SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2), seconds=1.0),
+                "scores": torch.ones(2)}
+
+    monkeypatch.setitem(loop.OPS, "fake_critic", critic_update)
+    monkeypatch.setitem(loop.OPS, "fake_actor", actor_update)
+    monkeypatch.setattr(loop.dist, "barrier", lambda: None)
+    stages = tuple(Stage(node=SimpleNamespace(name=name, op=op, role=role, outputs=outputs), pool="colocated",
+                         ranks=range(1), layout="megatron")
+                   for name, op, role, outputs in (("update_critic", "fake_critic", "critic", ("critic_done",)),
+                                                   ("update_actor", "fake_actor", "actor", ("responses", "scores"))))
+    s = _fake_session("skip")
+    s.actor, s.critic = _Role(), _Role()
+    loop.train_rl(s, SimpleNamespace(stages=stages, start_mode=None), save=lambda step: None)
+    assert (s.actor.updates, s.critic.updates) == (4, 2)  # steps 0 and 2 only
+    assert s.state.history[1]["actor/rolled_back"] == 1.0
 
 
 class _Recorder:
