@@ -361,6 +361,17 @@ class AlgorithmConfig:
     """PF-PPO reweighting of samples by reward: pow, max_min or max_random; None = off."""
     pf_ppo_weight_pow: float = 2.0
     """PF-PPO pow mode's exponent."""
+    rollout_correction: Optional[str] = None
+    """Correct for the engine's sampling policy differing from the trainer's (``hybridflow/
+    algorithms/correction.py``): tis (truncated importance weights), mis (weights, samples
+    outside the bounds dropped), mask (dropped only); None = off. Works with every policy loss."""
+    rollout_correction_level: str = "token"
+    """Where the importance ratio is taken: token, sequence (product) or geometric (its
+    length-normalised mean)."""
+    rollout_correction_upper: float = 2.0
+    """The ratio's upper bound: TIS truncates there, MIS and mask drop above it."""
+    rollout_correction_lower: Optional[float] = None
+    """MIS and mask drop below this ratio too; None = no lower bound."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ALGORITHMS)
@@ -369,6 +380,7 @@ class AlgorithmConfig:
         check_choice("kl_type", self.kl_type, KL_TYPES)
         if self.pf_ppo is not None:
             check_choice("pf_ppo", self.pf_ppo, ("pow", "max_min", "max_random"))
+        self._check_rollout_correction()
         check_positive(self, ("ppo_epochs", "mini_batches", "max_sampling_rounds", "clip_ratio_low"))
         check_non_negative(self, ("kl_loss_coef", "kl_reward_coef", "entropy_coef", "value_pretrain_steps",
                                    "value_clip"))
@@ -381,6 +393,16 @@ class AlgorithmConfig:
         if self.clip_ratio_c <= 1.0:
             raise ConfigError("{p}clip_ratio_c={c} must be > 1 (dual clip bounds the loss at c * |A|)",
                               c=self.clip_ratio_c)
+
+    def _check_rollout_correction(self) -> None:
+        if self.rollout_correction is None:
+            return
+        check_choice("rollout_correction", self.rollout_correction, ("tis", "mis", "mask"))
+        check_choice("rollout_correction_level", self.rollout_correction_level, ("token", "sequence", "geometric"))
+        low, high = self.rollout_correction_lower, self.rollout_correction_upper
+        if high <= 0 or (low is not None and not 0 <= low < high):
+            raise ConfigError("{p}rollout_correction_lower={low} / rollout_correction_upper={high} must "
+                              "satisfy 0 <= lower < upper (e.g. lower 0.5, upper 2.0)", low=low, high=high)
 
     @property
     def clip_high(self) -> float:

@@ -9,6 +9,7 @@ node failure), restarted with ``run.resume=auto`` and must reproduce the first r
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -207,3 +208,34 @@ def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(tmp_path:
     # a DAPO step that kept no group has no rows to score (and skips its update)
     checked = [h["rollout/logprob_diff_max"] for h in history if "rollout/logprob_diff_max" in h]
     assert checked and max(checked) < LOGPROB_TOL, history
+
+
+# every registered algorithm the tests above do not run (grpo: full_run; ppo, remax, dapo: above)
+OTHER_ALGORITHMS = ("vapo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "gpg", "cispo")
+
+
+@pytest.mark.parametrize("algorithm", OTHER_ALGORITHMS)
+def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path, algorithm: str) -> None:
+    """``hybridflow train`` with the SGLang engine, two RL steps: every step updates the actor
+    with a finite loss, the engine scores like the trainer, and the critic-based ones train
+    their critic (built by default, under the actor's layout)."""
+    out = tmp_path / algorithm
+    # one run also carries the rollout correction through the runtime (it works with every loss)
+    correction = ("algorithm.rollout_correction=mis", "algorithm.rollout_correction_level=geometric") \
+        if algorithm == "gspo" else ()
+    _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2", "sft.steps=1",
+               "run.heldout_prompts=0", *correction))
+    history = _history(out, "step_000002")
+    assert [h["step"] for h in history] == [1, 2]
+    if correction:  # fp32 engine and trainer agree: nothing is dropped, every weight is about 1
+        assert all(h["actor/rollout_corr/dropped_fraction"] == 0.0 for h in history), history
+        assert all(abs(h["actor/rollout_corr/weight_mean"] - 1) < 1e-3 for h in history), history
+    for h in history:
+        # one SFT step leaves rewards mostly 0: a group of equal rewards has no gradient (norm 0)
+        assert h["actor/updated"] == 1.0 and math.isfinite(h["actor/pg_loss"] + h["actor/grad_norm"]), h
+        assert h["rollout/logprob_diff_max"] < LOGPROB_TOL
+        if algorithm == "vapo":
+            assert h["critic/vf_loss"] > 0, h
+    from hybridflow.algorithms.recipes import algorithm_names
+
+    assert set(algorithm_names()) == {"grpo", "ppo", "remax", "dapo", *OTHER_ALGORITHMS}  # none left untried

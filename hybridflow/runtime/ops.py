@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.algorithms.correction import rollout_correction
 from hybridflow.algorithms.estimators import get_estimator, scores_to_token_rewards
 from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty, masked_mean, value_loss_terms
 from hybridflow.algorithms.shaping import filter_groups, kl_in_reward, overlong_penalty, pf_ppo_resample
@@ -379,7 +380,17 @@ def actor_loss(s: Session, num_response: int) -> Callable:
 
     def loss_fn(logp, entropy, micro):
         mask = micro["response_mask"]
+        correction = None
+        if algo.rollout_correction is not None:  # drop what it drops, weight the rest
+            correction = rollout_correction(
+                micro["old_logprobs"], micro["rollout_logprobs"], mask, mode=algo.rollout_correction,
+                level=algo.rollout_correction_level, upper=algo.rollout_correction_upper,
+                lower=algo.rollout_correction_lower)
+            mask = mask * correction.keep
         mat, metrics = policy_loss(micro["old_logprobs"], logp, micro["advantages"], mask, algo)
+        if correction is not None:
+            mat = mat * correction.weights
+            metrics.update(correction.metrics)
         if algo.entropy_coef > 0:
             mat = mat - algo.entropy_coef * entropy * mask
         if algo.kl_loss_coef > 0:
@@ -402,6 +413,8 @@ def _train_rows(s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: in
     for key in ("ref_logprobs", "routed_experts"):  # routing replay: the experts to train with
         if key in f:
             rows[key] = f[key]
+    if s.algo.rollout_correction is not None:  # the engine's log-probs of the sampled tokens
+        rows["rollout_logprobs"] = ro.batch["logprobs"]
     if s.spec.pf_ppo:  # drawn over the whole batch, alike on every rank; each keeps its own rows
         generator = torch.Generator().manual_seed(step_seed(s.cfg.run.seed, step, 7))
         idx = pf_ppo_resample(scores, s.spec.pf_ppo, generator, pow=s.algo.pf_ppo_weight_pow)
