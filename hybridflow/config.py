@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from reshard.stats import Bandwidth
 
 __all__ = [
+    "ChecksConfig",
     "ConfigError",
     "HybridflowConfig",
     "ModelConfig",
@@ -99,6 +100,41 @@ class TrackingConfig:
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, ("mlflow", "none"))
+
+
+@dataclass(kw_only=True)
+class ChecksConfig:
+    """Correctness gates every RL run evaluates from its own metrics (``hybridflow/runtime/gates.py``),
+    and what a failed one does."""
+
+    on_fail: str = "warn"
+    """A failed gate: warn (logged, counted in ``checks/failed``) or stop (the run exits with
+    the gate's message before the step's checkpoint is written)."""
+    first_step_ppo_kl: float = 1e-3
+    """Step-0 invariant: at the first mini-batch of the first RL step the trainer's new
+    log-probs equal its old ones, so |ppo_kl| must stay below this (and the clip fraction 0)."""
+    token_mult_prob_error: float = 1.05
+    """Engine vs trainer, every step: the token mean of exp(|logp_trainer - logp_engine|)
+    (NeMo-RL's ``token_mult_prob_error``; 1.0 = the engine samples from the trainer's
+    distribution) must stay below this. A broken weight sync gives far more; bf16 engines
+    typically stay under 1.02."""
+    refit_every: int = 10
+    """The refit verifier: on the first weight push and then every this many, each engine's
+    parameters are read back (an SGLang custom loader digests them in place) and compared with
+    the tensors the trainer shared (sliced route only; 0 = off). Costs one pass over the
+    engine's weights."""
+    refit_tolerance: float = 1e-6
+    """The verifier's largest allowed relative difference of a parameter's sum or sum of
+    squares (the engine holds the shared tensors bit for bit, so any difference is a fault)."""
+
+    def __post_init__(self) -> None:
+        check_choice("on_fail", self.on_fail, ("warn", "stop"))
+        check_non_negative(self, ("refit_every",))
+        check_positive(self, ("refit_tolerance",))
+        check_positive(self, ("first_step_ppo_kl",))
+        if self.token_mult_prob_error <= 1.0:
+            raise ConfigError("{p}token_mult_prob_error={v} must be > 1 (1.0 is a perfect match)",
+                              v=self.token_mult_prob_error)
 
 
 @dataclass(kw_only=True)
@@ -532,6 +568,8 @@ class HybridflowConfig:
     """Supervised warm-up / SFT mode."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """MoE RL stability: routing replay, router statistics, router freezing and losses."""
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    """Correctness gates evaluated every RL step."""
 
     def __post_init__(self) -> None:
         for role in (self.reference, self.critic):

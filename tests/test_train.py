@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["run.steps=4", "sft.steps=4", "run.checkpoint_every=2", "run.keep_checkpoints=3",
-         "run.heldout_prompts=16", "run.prompts_per_step=8", "rollout.n=4"]
+         "run.heldout_prompts=16", "run.prompts_per_step=8", "rollout.n=4", "checks.refit_every=1"]
 LOGPROB_TOL = 1e-4
 """fp32 SGLang CPU kernels against fp32 megatron-core; observed <= 1e-6."""
 TIMING = ("timing/", "rollout/tokens_per_s", "sync/seconds")
@@ -72,6 +72,16 @@ def test_first_step_invariants(full_run: Path) -> None:
     for key in ("heldout_reward_after_sft", "heldout_reward_after_rl", "steps", "wall_seconds"):
         assert summary[key] is not None, key
     assert summary["steps"] == 4
+
+
+def test_every_push_is_read_back_and_every_gate_passes(full_run: Path) -> None:
+    """checks.refit_every=1: the engine's weights after each push are what the trainer shared,
+    bit for bit; the engine samples from the trainer's distribution; no gate failed."""
+    history = _history(full_run, "step_000004")
+    pushed = [h for h in history if h.get("sync/engine_bytes")]
+    assert pushed and all(h["checks/refit_max_rel_diff"] == 0.0 for h in pushed), history
+    assert all(1.0 <= h["rollout/token_mult_prob_error"] < 1.001 for h in history), history
+    assert all(h["checks/failed"] == 0.0 for h in history), history
 
 
 def test_the_run_executes_the_plan_that_hybridflow_plan_prints(full_run: Path) -> None:

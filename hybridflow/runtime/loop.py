@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from hybridflow.runtime import switches
+from hybridflow.runtime import gates, switches
 from hybridflow.runtime.ops import OPS, NonFiniteStep, current, heldout_reward
 from hybridflow.runtime.session import Session, StepUndo
 
@@ -115,6 +115,7 @@ def train_rl(s: Session, plan, *, save) -> None:
             if cfg.run.on_nan == "stop":
                 raise
             metrics = _skip(s, error)
+        metrics.update(gates.apply(cfg.checks, metrics, step))  # before this step's checkpoint
         done = step + 1
         if cfg.run.heldout_every and done % cfg.run.heldout_every == 0 and done < cfg.run.steps:
             reward = heldout_reward(s)

@@ -304,11 +304,14 @@ def old_logprob(s: Session, node, f: dict, step: int) -> dict:
         routes = s.actor.routing.take_recorded()[: len(logp)]
     mask = ro.batch["response_mask"].bool()
     # the engine's log-probs against the trainer's, same weights: a sync check
-    diff = (logp - ro.batch["logprobs"]).abs()[mask]
+    diff = (logp - ro.batch["logprobs"]).abs()[mask].double()
     largest = s.shard.max(torch.tensor([float(diff.max()) if diff.numel() else -1.0]))
-    total, count = s.shard.sum(torch.tensor([float(diff.sum()), float(diff.numel())], dtype=torch.float64))
+    # host floats: the shard's group is gloo, whatever device the log-probs are on
+    stats = [float(diff.sum()), float(torch.exp(diff).sum()), float(diff.numel())]
+    total, mult, count = s.shard.sum(torch.tensor(stats, dtype=torch.float64))
     if count:
-        s.step_metrics.update({"rollout/logprob_diff_max": float(largest), "rollout/logprob_diff_mean": float(total / count)})
+        s.step_metrics.update({"rollout/logprob_diff_max": float(largest), "rollout/logprob_diff_mean": float(total / count),
+                               "rollout/token_mult_prob_error": float(mult / count)})
     return {"old_logprobs": logp, "entropy": ent, **({} if routes is None else {"routed_experts": routes})}
 
 

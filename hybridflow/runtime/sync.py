@@ -113,47 +113,64 @@ class EngineSync:
         buffers = self._buffers(dest)
         report = execute(self.plan, self.processes, sources=sources, destinations=buffers,
                          bucket_bytes=self.cfg.rollout.reshard_bucket_mb << 20, link=self.channel.link)
-        pushed = 0.0
+        pushed, worst = 0.0, None
         # the engine's weights are resident: the plan's switch before sync_weights resumed them
         if self.engine_params is not None:
-            pushed = self._push_sliced(dest, buffers)
+            pushed, worst = self._push_sliced(dest, buffers)
         elif self.route == "full":
             pushed = self._push_full(buffers)
         self.pushes += 1
         replica = replica_of(self.cfg, dist.get_rank()) if self.engine else None
         gathered = self.channel.gather((replica, pushed, report.bytes_received + report.bytes_copied_locally,
-                                        report.bytes_relayed))
+                                        report.bytes_relayed, worst))
         per_replica = [0.0] * self.cfg.rollout.num_replicas
-        for k, value, _, _ in gathered:
+        for k, value, *_ in gathered:
             if k is not None:
                 per_replica[k] = value
         seconds = time.perf_counter() - started
+        checked = [g[4] for g in gathered if g[4] is not None]
         return {"sync/seconds": seconds, "sync/plan_bytes": float(sum(g[2] for g in gathered)),
                 "sync/relayed_bytes": float(sum(g[3] for g in gathered)),  # forwarded by engine ranks
                 "sync/engine_bytes": float(sum(per_replica)),
-                **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)}}
+                **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)},
+                **({"checks/refit_max_rel_diff": max(checked)} if checked else {})}
 
-    def _push_sliced(self, dest: int | None, buffers: dict[str, torch.Tensor]) -> float:
+    def _verifying(self) -> bool:
+        """Whether this push reads the engines' weights back (the first, then every
+        ``checks.refit_every``-th; the same answer on every process)."""
+        every = self.cfg.checks.refit_every
+        return self.engine_params is not None and every > 0 and self.pushes % every == 0
+
+    def _push_sliced(self, dest: int | None, buffers: dict[str, torch.Tensor]) -> tuple[float, float | None]:
         """Each destination process shares its buffers; each replica's driver pushes its ranks'
-        shares (collective over the default group, whose rank r plays destination rank r)."""
+        shares (collective over the default group, whose rank r plays destination rank r).
+        Returns the bytes pushed and, on a driver when verifying, the refit verifier's worst
+        relative difference between what its ranks shared and what its engine now holds."""
         from hybridflow.rollout.sglang.handles import prepare_rank_payload
+        from hybridflow.rollout.sglang.param_report import digest
 
         tp = self.cfg.rollout.tp
         # payloads carry the engine-local rank: replica k's rank j is global destination k*tp + j
         payload, kept = prepare_rank_payload(dest % tp, buffers, self.engine_params[dest]) if buffers else (None, [])
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, payload)  # handles: a few hundred bytes per tensor
-        pushed = 0.0
+        pushed, worst = 0.0, None
+        verify = self._verifying()
         try:
             if self.engine is not None:
                 first = driver_rank(self.cfg, replica_of(self.cfg, dist.get_rank()))  # the replica's first engine rank
                 result = self.engine.push_rank_payloads(gathered[first : first + tp])
                 pushed = float(sum(result.bytes_per_rank))
+            if verify:  # digests of exactly the engine-layout tensors each rank shared
+                shared: list = [None] * dist.get_world_size()
+                dist.all_gather_object(shared, {n: digest(t) for n, t in zip(buffers, kept)} if buffers else None)
+                if self.engine is not None:
+                    worst = refit_difference(shared[first : first + tp], self.engine.weight_digests())
         finally:
             # each engine read its ranks' tensors straight from their owners: hold them until then
             dist.barrier()
         del kept
-        return pushed
+        return pushed, worst
 
     def _push_full(self, buffers: dict[str, torch.Tensor]) -> float:
         if dist.get_rank() != DRIVER:  # one colocated replica (preflight): its driver is rank 0
@@ -166,3 +183,16 @@ class EngineSync:
     def destination_ranks(self) -> int:
         """Ranks of the plan's destination (engine ranks for sliced, the driver for full)."""
         return len(self.processes.destination)
+
+
+def refit_difference(shared: list[dict[str, list[float]]], engine: list[dict[str, list[float]]]) -> float:
+    """The largest relative difference between the digests of the tensors each engine rank was
+    given and of its parameters as the engine holds them (a parameter missing there: inf)."""
+    worst = 0.0
+    for given, held in zip(shared, engine):
+        for name, want in given.items():
+            got = held.get(name)
+            if got is None:
+                return float("inf")
+            worst = max(worst, *(abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want)))
+    return worst

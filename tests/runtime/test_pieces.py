@@ -161,7 +161,7 @@ def test_a_nan_step_is_skipped_when_configured(monkeypatch) -> None:
     s = _fake_session("skip")
     loop.train_rl(s, graph, save=saved.append)
     assert calls == [0, 1, 2] and s.state.step == 3 and saved == [3]
-    assert s.state.history[1] == {"step": 2, "actor/skipped_step": 1.0, "actor/rolled_back": 0.0}
+    assert s.state.history[1] == {"step": 2, "actor/skipped_step": 1.0, "actor/rolled_back": 0.0, "checks/failed": 0.0}
 
 
 class _Role:

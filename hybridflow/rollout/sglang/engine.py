@@ -186,7 +186,7 @@ def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tok
     args = dict(
         model_path=model_path, tp_size=tp, ep_size=ep, dtype=dtype, max_total_tokens=max_total_tokens,
         random_seed=seed, skip_server_warmup=True, custom_weight_loader=[param_report.LOADER, rank_seed.LOADER,
-                                                                     post_load.LOADER],
+                                                                     post_load.LOADER, param_report.DIGEST_LOADER],
         enable_return_routed_experts=routed, enable_deterministic_inference=deterministic, log_level="warning",
         custom_sigquit_handler=_child_failed_at_start,
     )
@@ -510,6 +510,16 @@ class SGLangEngine:
                     self._update([(out, _NAME_ONLY)], load_format=param_report.LOADER, flush_cache=False)
                 self._params = [_read_rank_report(Path(out), rank) for rank in range(self.tp)]
         return self._params
+
+    def weight_digests(self) -> list[dict[str, list[float]]]:
+        """Every TP rank's ``{name: [sum, sum of squares]}`` of its parameters as they are now
+        (``param_report.report_digests``): the refit verifier's read-back. The weights must be
+        resident."""
+        self._check_open()
+        with tempfile.TemporaryDirectory(prefix="hybridflow-sglang-digests-") as out:
+            with self._update_session():
+                self._update([(out, _NAME_ONLY)], load_format=param_report.DIGEST_LOADER, flush_cache=False)
+            return [_read_rank_report(Path(out), rank) for rank in range(self.tp)]
 
     @contextlib.contextmanager
     def _update_session(self, *, weights: bool = False) -> Iterator[None]:

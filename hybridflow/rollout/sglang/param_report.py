@@ -1,4 +1,5 @@
-"""Runs inside each SGLang scheduler process: report the rank's parameter names, shapes, dtypes.
+"""Runs inside each SGLang scheduler process: report the rank's parameter names, shapes, dtypes
+(``report_params``), or a digest of each parameter's values (``report_digests``).
 
 SGLang calls a registered ``custom_weight_loader`` as ``fn(model, named_tensors)`` on every
 TP rank when ``update_weights_from_tensor(..., load_format="<module>.<fn>")`` names it. The
@@ -14,10 +15,19 @@ import json
 import os
 import traceback
 
-__all__ = ["LOADER", "report_params"]
+__all__ = ["DIGEST_LOADER", "LOADER", "digest", "report_digests", "report_params"]
 
 LOADER = f"{__name__}.report_params"
 """The ``load_format`` / ``custom_weight_loader`` path of ``report_params``."""
+DIGEST_LOADER = f"{__name__}.report_digests"
+"""The same for ``report_digests`` (the refit verifier)."""
+
+
+def digest(tensor) -> list[float]:
+    """[sum, sum of squares] of ``tensor`` in float64: what the refit verifier compares between
+    the tensors the trainer shared and the engine's parameters."""
+    flat = tensor.detach().reshape(-1).double()
+    return [float(flat.sum()), float((flat * flat).sum())]
 
 
 def _tp_rank() -> int:
@@ -44,6 +54,19 @@ def report_params(model, named_tensors) -> None:
         except Exception:
             _write_atomic(os.path.join(out_dir, f"rank{rank}.error"), traceback.format_exc())
     except Exception:  # nowhere to report to; the caller times out waiting for the file
+        pass
+
+
+def report_digests(model, named_tensors) -> None:
+    """Write ``{name: digest(param)}`` of this rank to ``<dir>/rank<r>.json`` (never raises)."""
+    try:
+        out_dir, rank = named_tensors[0][0], _tp_rank()
+        try:
+            digests = {name: digest(p) for name, p in model.named_parameters()}
+            _write_atomic(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(digests))
+        except Exception:
+            _write_atomic(os.path.join(out_dir, f"rank{rank}.error"), traceback.format_exc())
+    except Exception:
         pass
 
 
