@@ -455,6 +455,29 @@ def check_roles(cfg: HybridflowConfig, spec: AlgorithmSpec) -> None:
     if cfg.reference.enabled and not spec.uses_reference:
         logger.warning("reference.enabled=true, but algorithm.kl_loss_coef and kl_reward_coef "
                        "are 0: the reference stays idle; set reference.enabled=false")
+    for line in idle_options(cfg, spec):
+        logger.warning("%s", line)
+
+
+def idle_options(cfg: HybridflowConfig, spec: AlgorithmSpec) -> list[str]:
+    """One line per ``algorithm.*`` knob the config changed from the schema default that this
+    algorithm never reads (a typo'd intention is better said than silently ignored)."""
+    algo = cfg.algorithm
+    gae = spec.estimator == "gae"
+    reads = {
+        "value_clip": spec.needs_critic, "critic_lam": gae, "value_pretrain_steps": spec.needs_critic,
+        "length_adaptive_lam_alpha": gae, "lam": gae,
+        "gamma": spec.estimator in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+        "norm_adv_by_std": spec.estimator == "grpo",
+        "max_sampling_rounds": spec.dynamic_sampling, "overlong_penalty_factor": spec.overlong_shaping,
+        "pf_ppo_weight_pow": spec.pf_ppo == "pow", "clip_ratio_c": spec.policy_loss == "vanilla",
+        "kl_type": spec.kl_in_loss or spec.kl_in_reward,
+        **{key: algo.rollout_correction is not None for key in
+           ("rollout_correction_level", "rollout_correction_upper", "rollout_correction_lower")},
+    }
+    return [f"algorithm.{key}={getattr(algo, key)!r} has no effect: {_estimator_key(cfg, spec)} "
+            f"(policy loss {spec.policy_loss}) does not read it"
+            for key, used in reads.items() if not used and getattr(algo, key) != _SCHEMA_DEFAULTS[key]]
 
 
 def _estimator_key(cfg: HybridflowConfig, spec: AlgorithmSpec) -> str:

@@ -359,3 +359,20 @@ def test_the_critic_is_built_exactly_when_the_estimator_reads_values():
     assert unset("algorithm.adv_estimator=gae").critic.enabled
     assert not unset("algorithm.name=ppo", "algorithm.adv_estimator=grpo").critic.enabled
     assert not unset("algorithm.name=ppo", "critic.enabled=false").critic.enabled  # a written value wins
+
+
+def test_a_knob_the_algorithm_never_reads_is_named():
+    from hybridflow.algorithms.recipes import idle_options
+
+    cfg = _cfg("grpo", "algorithm.value_clip=0.3", "algorithm.norm_adv_by_std=false", "algorithm.lam=0.9")
+    lines = idle_options(cfg, algorithm_spec(cfg))
+    assert lines == [
+        "algorithm.value_clip=0.3 has no effect: algorithm.name=grpo (advantage estimator grpo) (policy loss "
+        "vanilla) does not read it",
+        "algorithm.lam=0.9 has no effect: algorithm.name=grpo (advantage estimator grpo) (policy loss vanilla) "
+        "does not read it",
+    ]  # norm_adv_by_std is grpo's own knob
+    ppo = _cfg("ppo", "algorithm.value_clip=0.3", "algorithm.lam=0.9")
+    assert idle_options(ppo, algorithm_spec(ppo)) == []
+    assert "rollout_correction_upper" in idle_options(*(lambda c: (c, algorithm_spec(c)))(
+        _cfg("grpo", "algorithm.rollout_correction_upper=3.0")))[0]
