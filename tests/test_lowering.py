@@ -226,3 +226,31 @@ def test_memory_that_does_not_fit_is_a_warning_not_an_error(caplog):
     # the reference's parameters stay resident while generating: generation is the peak here
     assert "WARNING pool colocated: the generation peak" in "\n".join(plan.describe())
     assert "exceeds the device's 40 GiB" in caplog.text
+
+
+PAPER_RECIPES = {"dapo_qwen3_235b": 16, "vapo_qwen3_235b": 32}
+"""The DAPO and VAPO papers' settings at 100B+ MoE scale, and the nodes each asks for."""
+
+
+@pytest.mark.parametrize("name", PAPER_RECIPES)
+def test_paper_recipes_fit_and_carry_the_papers_settings(name, tmp_path):
+    from hybridflow.algorithms.recipes import algorithm_spec
+    from hybridflow.cli import main
+
+    cfg = load_config(str(CONFIGS / f"{name}.yaml"))
+    assert lower(cfg, with_reshard=False).fits
+    spec = algorithm_spec(cfg)
+    assert (spec.clip_ratio_high, cfg.algorithm.clip_ratio_low, spec.loss_agg_mode) == (0.28, 0.2, "token-mean")
+    # 512 prompts x 16 responses in mini-batches of 512: 16 updates a step
+    assert (cfg.run.prompts_per_step, cfg.rollout.n, cfg.train.global_batch_size, cfg.algorithm.mini_batches) == \
+        (512, 16, 512, 16)
+    assert cfg.train.lr == 1e-6 and not cfg.reference.enabled and not spec.uses_reference
+    if spec.name == "dapo":
+        assert spec.dynamic_sampling and spec.overlong_buffer_len == 4096 and cfg.data.max_response_length == 20480
+    else:
+        assert cfg.critic.enabled and spec.needs_critic and spec.critic_warmup_steps == 50
+        assert (spec.lm_loss_coef, spec.length_adaptive_lam_alpha, spec.critic_lam) == (0.1, 0.05, 1.0)
+    nodes = PAPER_RECIPES[name]
+    assert cfg.actor.parallel.world_size == nodes * 8
+    assert main(["slurm", str(CONFIGS / f"{name}.yaml"), f"run.output_dir={tmp_path}", "--nodes", str(nodes),
+                 "--gpus-per-node", "8", "--dry-run"]) == 0
