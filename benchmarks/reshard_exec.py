@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from hfschema.files import write_text_atomic  # noqa: E402
 from hfschema.layout import ParallelLayout  # noqa: E402
 from hfschema.model import ModelConfig  # noqa: E402
 from hfschema.sglang import SGLangSettings  # noqa: E402
@@ -635,7 +636,7 @@ def worker(args: argparse.Namespace) -> None:
         if args.only in case.name:
             records.append(run_case(case, model, source, sources, baseline, args))
     if dist.get_rank() == 0:
-        _write_atomically(Path(args.worker), json.dumps({"cases": records}, indent=2) + "\n")
+        write_text_atomic(Path(args.worker), json.dumps({"cases": records}, indent=2) + "\n")
     dist.destroy_process_group()
 
 
@@ -651,14 +652,6 @@ def launch(args: argparse.Namespace) -> dict:
         subprocess.run(cmd, check=True, stdout=sys.stderr,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
         return json.loads(out.read_text())
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
-                                     delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -680,7 +673,8 @@ def main(argv: list[str] | None = None) -> None:
     text = json.dumps(launch(args), indent=2)
     print(text)
     if args.json:
-        _write_atomically(args.json, text + "\n")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -84,12 +85,17 @@ def _tiny():
     return tiny("qwen3_moe")
 
 
+def _torchrun(worker: Path, out: Path) -> None:
+    """``worker OUT`` on 4 gloo processes; fails the test with its output when it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(worker), str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("executor")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    _torchrun(WORKER, out)
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
 
 
@@ -125,11 +131,7 @@ RELAY_WORKER = Path(__file__).with_name("relay_worker.py")
 @pytest.fixture(scope="module")
 def relayed(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("relay")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(RELAY_WORKER), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    import json
-
+    _torchrun(RELAY_WORKER, out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
