@@ -136,7 +136,8 @@ class AlgorithmSpec:
     estimator: str
     """Advantage estimator, a key of ESTIMATORS."""
     policy_loss: str
-    """Policy loss, by its registry name (vanilla, gspo, cispo, gpg, reinforce)."""
+    """Policy loss, by its registry name (vanilla, gspo, cispo, gpg, reinforce, clip_cov, kl_cov,
+    sapo, gmpo, dppo_tv, dppo_kl, ...: ``losses.policy_loss_names()``)."""
     loss_agg_mode: str
     """How token losses are averaged (token-mean, seq-mean-token-sum, ...)."""
     clip_ratio_high: float
