@@ -120,6 +120,8 @@ ESTIMATORS: dict[str, EstimatorNeeds] = {
     "reinforce_plus_plus_baseline": EstimatorNeeds(groups=True),
     "remax": EstimatorNeeds(fields=("baseline_scores",)),
     "gpg": EstimatorNeeds(groups=True),
+    "opo": EstimatorNeeds(groups=True),
+    "grpo_passk": EstimatorNeeds(groups=True),
 }
 """Advantage estimators by registry name, with what the graph must feed them. A new estimator
 registered in ``estimators.py`` needs an entry here before an algorithm can name it."""
