@@ -324,8 +324,8 @@ def needs_values(algorithm: "AlgorithmConfig") -> bool:
 
 ALGORITHMS = ("ppo", "grpo", "dapo", "vapo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
               "remax", "gspo", "gpg", "cispo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "low_var_kl+", "k3+")
 
 
 @dataclass(kw_only=True)
@@ -345,7 +345,7 @@ class AlgorithmConfig:
     policy_loss: Optional[str] = None
     """Override the algorithm's policy loss (a name in the policy-loss registry)."""
     loss_agg_mode: Optional[str] = None
-    """Override how token losses are averaged: token-mean, seq-mean-token-sum,
+    """Override how token losses are averaged: token-mean, token-sum, seq-mean-token-sum,
     seq-mean-token-mean or seq-mean-token-sum-norm (None = the algorithm's own)."""
     clip_ratio_low: float = 0.2
     """PPO ratio clip below 1 (1 - clip_ratio_low)."""
@@ -369,7 +369,8 @@ class AlgorithmConfig:
     kl_reward_coef: float = 0.0
     """Weight of the KL penalty subtracted from token rewards; > 0 needs the reference."""
     kl_type: str = "low_var_kl"
-    """KL estimator: k1, abs, mse (= k2), low_var_kl (= k3)."""
+    """KL estimator: k1, abs, mse (= k2), low_var_kl (= k3); a ``+`` suffix (k1+, abs+, low_var_kl+,
+    k3+) keeps that estimator's value with the gradient of k2 (straight through)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the policy loss."""
     lm_loss_coef: Optional[float] = None
@@ -408,6 +409,30 @@ class AlgorithmConfig:
     """The ratio's upper bound: TIS truncates there, MIS and mask drop above it."""
     rollout_correction_lower: Optional[float] = None
     """MIS and mask drop below this ratio too; None = no lower bound."""
+    log_ratio_clamp: Optional[float] = 20.0
+    """Every ratio-based policy loss clamps log(pi / pi_old) to +/- this before exp, so one wild
+    token cannot overflow the ratio. verl clamps at 20 in vanilla, sapo and dppo but not in
+    clip_cov, kl_cov and geo_mean: None reproduces those exactly (and lets a ratio overflow)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: at most this fraction of a micro-batch's tokens lose their gradient."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: a token is a candidate when its covariance term (A - mean A) * (logp - mean logp)
+    lies strictly between clip_cov_lb and clip_cov_ub."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that covariance term (see clip_cov_lb)."""
+    clip_cov_seed: int = 0
+    """clip_cov: seed of the draw among the candidates, mixed with a hash of the micro-batch's old
+    log-probs and advantages (verl draws with the global RNG; this is reproducible)."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: the fraction of a micro-batch's tokens, those of largest covariance, that get the
+    |log-ratio| penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of that |log(pi / pi_old)| penalty."""
+    sapo_tau_pos: float = 1.0
+    """sapo: temperature of the soft gate on tokens with a positive advantage."""
+    sapo_tau_neg: float = 1.05
+    """sapo: temperature of the soft gate on the others (advantage <= 0); SAPO gates them more
+    sharply."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ALGORITHMS)
@@ -417,6 +442,7 @@ class AlgorithmConfig:
         if self.pf_ppo is not None:
             check_choice("pf_ppo", self.pf_ppo, ("pow", "max_min", "max_random"))
         self._check_rollout_correction()
+        self._check_policy_loss_knobs()
         check_positive(self, ("ppo_epochs", "mini_batches", "max_sampling_rounds", "clip_ratio_low"))
         check_non_negative(self, ("kl_loss_coef", "kl_reward_coef", "entropy_coef", "value_pretrain_steps",
                                    "value_clip"))
@@ -439,6 +465,17 @@ class AlgorithmConfig:
         if high <= 0 or (low is not None and not 0 <= low < high):
             raise ConfigError("{p}rollout_correction_lower={low} / rollout_correction_upper={high} must "
                               "satisfy 0 <= lower < upper (e.g. lower 0.5, upper 2.0)", low=low, high=high)
+
+    def _check_policy_loss_knobs(self) -> None:
+        check_positive(self, ("log_ratio_clamp", "sapo_tau_pos", "sapo_tau_neg"))
+        check_non_negative(self, ("ppo_kl_coef",))
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0.0 < getattr(self, key) <= 1.0:
+                raise ConfigError("{p}{key}={v} must be in (0, 1] (a fraction of the tokens; verl uses 2e-4)",
+                                  key=key, v=getattr(self, key))
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ConfigError("{p}clip_cov_lb={lb} must be below {p}clip_cov_ub={ub} (verl: 1 and 5)",
+                              lb=self.clip_cov_lb, ub=self.clip_cov_ub)
 
     @property
     def clip_high(self) -> float:

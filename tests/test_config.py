@@ -291,3 +291,27 @@ def test_moe_section_defaults_and_errors():
              "actor.parallel.dp=2")
     assert "moe.routing_replay=r2 needs an MoE model" in _error(*dense, "moe.routing_replay=r2")
     assert "moe.freeze_router=True needs an MoE model" in _error(*dense, "moe.freeze_router=true")
+
+
+def test_algorithm_accepts_the_verl_losses_aggregations_and_kl_kinds():
+    cfg = load_config(QUICKSTART, ("algorithm.policy_loss=clip_cov", "algorithm.loss_agg_mode=token-sum",
+                                   "algorithm.kl_type=low_var_kl+", "algorithm.log_ratio_clamp=null",
+                                   "algorithm.adv_estimator=opo"))
+    algorithm = cfg.algorithm
+    assert (algorithm.loss_agg_mode, algorithm.kl_type, algorithm.log_ratio_clamp) == ("token-sum", "low_var_kl+", None)
+    defaults = (algorithm.clip_cov_ratio, algorithm.clip_cov_lb, algorithm.clip_cov_ub, algorithm.kl_cov_ratio,
+                algorithm.ppo_kl_coef, algorithm.sapo_tau_pos, algorithm.sapo_tau_neg)
+    assert defaults == (0.0002, 1.0, 5.0, 0.0002, 0.1, 1.0, 1.05)  # verl's
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("algorithm.clip_cov_ratio=0", "algorithm.clip_cov_ratio=0.0 must be in (0, 1]"),
+    ("algorithm.kl_cov_ratio=2", "algorithm.kl_cov_ratio=2.0 must be in (0, 1]"),
+    ("algorithm.clip_cov_lb=6", "algorithm.clip_cov_lb=6.0 must be below algorithm.clip_cov_ub=5.0"),
+    ("algorithm.ppo_kl_coef=-1", "algorithm.ppo_kl_coef=-1.0 must be >= 0"),
+    ("algorithm.sapo_tau_pos=0", "algorithm.sapo_tau_pos=0.0 must be > 0"),
+    ("algorithm.log_ratio_clamp=0", "algorithm.log_ratio_clamp=0.0 must be > 0"),
+    ("algorithm.kl_type=k2+", "algorithm.kl_type='k2+' is not one of"),
+])
+def test_algorithm_loss_knobs_bad_values(override, expected):
+    assert expected in _error(override)

@@ -159,13 +159,18 @@ def group_mean_std(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Ten
     return mean[inverse], std[inverse], size[inverse]
 
 
+def _group_extreme(x: torch.Tensor, inverse: torch.Tensor, num_groups: int, reduce: str) -> torch.Tensor:
+    """[num_groups] max (``reduce="amax"``) or min (``"amin"``) of x over each group."""
+    start = -torch.inf if reduce == "amax" else torch.inf
+    empty = torch.full((num_groups,), start, dtype=x.dtype, device=x.device)
+    return empty.scatter_reduce(0, inverse, x, reduce=reduce)
+
+
 def group_all_equal(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """[B] bool: the sample's group has one score only (exact equality; true for groups of one)."""
     inverse, num_groups = group_ids(index)
-    high = torch.full((num_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)
-    low = torch.full((num_groups,), torch.inf, dtype=scores.dtype, device=scores.device)
-    high = high.scatter_reduce(0, inverse, scores, reduce="amax")
-    low = low.scatter_reduce(0, inverse, scores, reduce="amin")
+    high = _group_extreme(scores, inverse, num_groups, "amax")
+    low = _group_extreme(scores, inverse, num_groups, "amin")
     return (high == low)[inverse]
 
 
@@ -314,4 +319,62 @@ def gpg(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=Non
     total, num_valid = (split.sum(counts) if split is not None else counts).tolist()
     alpha = total / num_valid if num_valid else 1.0
     advantages = _broadcast(alpha * (scores - mean), response_mask)
+    return advantages, advantages
+
+
+@register_estimator("opo")
+def opo(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None):
+    """OPO ("On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585; verl's
+    ``compute_opo_outcome_advantage``): score minus the group's length-weighted mean score,
+    ``sum_j |y_j| s_j / sum_j |y_j|`` with ``|y|`` the masked response length.
+
+    That is the variance-minimising baseline when each token's gradient has about the same
+    norm, so a sample weighs in proportion to its length. A group of one has baseline 0 (its
+    score passes through, as in verl); no std normalisation (``cfg.norm_adv_by_std`` is
+    ignored). Returns = advantages.
+    """
+    scores = sequence_scores(token_rewards, response_mask)
+    lengths = as_bool_mask(response_mask).sum(-1).to(scores.dtype)
+    inverse, num_groups = group_ids(index)
+    total_length = _group_sum(lengths, inverse, num_groups)
+    weighted_mean = _group_sum(lengths * scores, inverse, num_groups) / total_length.clamp(min=1)
+    size = _group_sum(torch.ones_like(scores), inverse, num_groups)
+    group_baseline = torch.where(size > 1, weighted_mean, torch.zeros_like(weighted_mean))
+    advantages = _broadcast(scores - group_baseline[inverse], response_mask)
+    return advantages, advantages
+
+
+def _best_of_group(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] bool: the sample is its group's best, the first in batch order on a tie;
+    [B] the group's best minus its second-best score)."""
+    inverse, num_groups = group_ids(index)
+    best = _group_extreme(scores, inverse, num_groups, "amax")
+    positions = torch.arange(scores.shape[0], device=scores.device)
+    at_best = torch.where(scores == best[inverse], positions, scores.shape[0])
+    first = torch.full((num_groups,), scores.shape[0], device=scores.device).scatter_reduce(
+        0, inverse, at_best, reduce="amin")
+    is_best = positions == first[inverse]
+    runner_up = _group_extreme(torch.where(is_best, -torch.inf, scores), inverse, num_groups, "amax")
+    return is_best, (best - runner_up)[inverse]
+
+
+@register_estimator("grpo_passk")
+def grpo_passk(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None,
+               split=None):
+    """Pass@k advantages (arXiv 2503.19595; verl's ``compute_grpo_passk_outcome_advantage``):
+    only each group's best response learns, with advantage best - second-best score, divided by
+    (group std + eps) when ``cfg.norm_adv_by_std``; every other response gets 0.
+
+    The std is the sample std (Bessel-corrected), as in ``grpo``. A tie for the best gives 0
+    (all-equal scores: 0 everywhere). A group of one has no second-best: ValueError, as in verl.
+    Returns = advantages.
+    """
+    scores = sequence_scores(token_rewards, response_mask)
+    _, std, size = group_mean_std(scores, index)
+    if bool((size < 2).any()):
+        raise ValueError("the grpo_passk estimator compares each group's best response with its "
+                         f"second best, but a group has {int(size.min())} sample(s): set rollout.n >= 2")
+    is_best, gap = _best_of_group(scores, index)
+    scale = std + _EPS if cfg.norm_adv_by_std else torch.ones_like(std)
+    advantages = _broadcast(torch.where(is_best, gap / scale, torch.zeros_like(gap)), response_mask)
     return advantages, advantages

@@ -120,6 +120,8 @@ ESTIMATORS: dict[str, EstimatorNeeds] = {
     "reinforce_plus_plus_baseline": EstimatorNeeds(groups=True),
     "remax": EstimatorNeeds(fields=("baseline_scores",)),
     "gpg": EstimatorNeeds(groups=True),
+    "opo": EstimatorNeeds(groups=True),
+    "grpo_passk": EstimatorNeeds(groups=True),
 }
 """Advantage estimators by registry name, with what the graph must feed them. A new estimator
 registered in ``estimators.py`` needs an entry here before an algorithm can name it."""
@@ -136,7 +138,8 @@ class AlgorithmSpec:
     estimator: str
     """Advantage estimator, a key of ESTIMATORS."""
     policy_loss: str
-    """Policy loss, by its registry name (vanilla, gspo, cispo, gpg, reinforce)."""
+    """Policy loss, by its registry name (vanilla, gspo, cispo, gpg, reinforce, clip_cov, kl_cov,
+    sapo, gmpo, dppo_tv, dppo_kl, ...: ``losses.policy_loss_names()``)."""
     loss_agg_mode: str
     """How token losses are averaged (token-mean, seq-mean-token-sum, ...)."""
     clip_ratio_high: float

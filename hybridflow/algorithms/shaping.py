@@ -4,9 +4,11 @@
     scores [B] --filter_groups-->     keep [B] (DAPO dynamic sampling)
     scores [B] --pf_ppo_resample-->   indices [B] (PF-PPO policy filtration)
     token rewards [B, T] --kl_in_reward--> token rewards - coef * KL(actor || reference)
+    measured KL --AdaptiveKLController.update--> next step's coef (Ziegler et al.)
 """
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Optional
 
@@ -16,6 +18,7 @@ from hybridflow.algorithms.estimators import group_all_equal
 from hybridflow.algorithms.losses import kl_penalty, masked_mean, zero_padding
 
 __all__ = [
+    "AdaptiveKLController",
     "PF_PPO_MODES",
     "filter_groups",
     "kl_in_reward",
@@ -132,3 +135,39 @@ def kl_in_reward(token_rewards: torch.Tensor, log_prob: torch.Tensor, ref_log_pr
     kl = zero_padding(kl, response_mask)
     new_rewards = zero_padding(token_rewards - coef * kl, response_mask)
     return new_rewards, masked_mean(kl, response_mask)
+
+
+class AdaptiveKLController:
+    """The in-reward KL coefficient steered towards a target KL (Ziegler et al., 2019, "Fine-Tuning
+    Language Models from Human Preferences"; verl's ``AdaptiveKLController``).
+
+    ``value`` is the coefficient the reward's KL penalty reads. After each step,
+    ``update(current_kl, n_steps)`` multiplies it by
+    ``1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon``: above the target it
+    grows, below it shrinks, by at most 20% per ``horizon`` samples. verl passes the step's
+    batch size as ``n_steps`` and, as ``current_kl``, the batch mean of each sequence's mean
+    token KL under the in-reward estimator. Unlike verl, a non-finite ``current_kl`` is a
+    ValueError rather than a coefficient turned NaN for the rest of the run.
+    """
+
+    def __init__(self, init_kl_coef: float, *, target_kl: float, horizon: int) -> None:
+        if init_kl_coef < 0:
+            raise ValueError(f"init_kl_coef={init_kl_coef} must be >= 0 (verl's default: 0.001)")
+        if target_kl <= 0:
+            raise ValueError(f"target_kl={target_kl} must be > 0 (verl's default: 0.1)")
+        if horizon <= 0:
+            raise ValueError(f"horizon={horizon} must be > 0 (verl's default: 10000 samples)")
+        self.value = float(init_kl_coef)
+        self.target_kl = float(target_kl)
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Move ``value`` after a step that measured ``current_kl`` over ``n_steps`` samples;
+        returns the new value."""
+        if not math.isfinite(current_kl):
+            raise ValueError(f"current_kl={current_kl} is not finite: the KL coefficient is left at {self.value}")
+        if n_steps < 0:
+            raise ValueError(f"n_steps={n_steps} must be >= 0 (the step's number of samples)")
+        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value

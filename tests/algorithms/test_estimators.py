@@ -122,6 +122,89 @@ def test_gpg_with_no_valid_group_is_all_zero():
     close(advantages, [[0.0], [0.0]])
 
 
+# ---------------------------------------------------------------- OPO and pass@k
+
+
+def test_opo_subtracts_the_length_weighted_group_mean():
+    # group 7 (samples 0, 2, 4: scores 1, 0, 2; lengths 3, 3, 2): baseline (3 + 0 + 4) / 8 = 0.875
+    #   -> 0.125, -0.875, 1.125 (the plain mean, 1, would give 0, -1, 1)
+    # group 3 (0, 4; lengths 2, 3): (0 + 12) / 5 = 2.4 -> -2.4, 1.6; group 5 alone: baseline 0 -> 3
+    advantages, returns = run("opo", GROUP_REWARDS, GROUP_MASK, index=GROUP_INDEX)
+    close(advantages, per_sample([0.125, -2.4, -0.875, 1.6, 1.125, 3.0]))
+    close(returns, advantages)
+
+
+def test_opo_with_equal_lengths_is_the_plain_group_mean_and_all_equal_scores_give_zero():
+    rewards, mask, _, index = random_batch(seed=2)
+    full = torch.ones_like(mask)
+    opo_advantages, _ = run("opo", rewards, full, index=index)
+    centred, _ = run("grpo", rewards, full, index=index, norm_adv_by_std=False)
+    close(opo_advantages, centred)
+    equal, _ = run("opo", torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([[1, 1], [1, 0]]))
+    close(equal, [[0.0, 0.0], [0.0, 0.0]])
+
+
+def test_opo_ignores_the_std_switch():
+    with_std, _ = run("opo", GROUP_REWARDS, GROUP_MASK, index=GROUP_INDEX, norm_adv_by_std=True)
+    without, _ = run("opo", GROUP_REWARDS, GROUP_MASK, index=GROUP_INDEX, norm_adv_by_std=False)
+    close(with_std, without)
+
+
+def test_grpo_passk_rewards_only_each_groups_best_by_its_margin():
+    # groups 0 = (1, 0, 2), 1 = (0, 5): the best of each gets best - second best,
+    # divided by the group's sample std (1 and sqrt(12.5)); everyone else 0
+    rewards = torch.tensor([[1.0], [0.0], [0.0], [2.0], [5.0]])
+    index = torch.tensor([0, 1, 0, 0, 1])
+    advantages, returns = run("grpo_passk", rewards, torch.ones(5, 1), index=index)
+    close(advantages, [[0.0], [0.0], [0.0], [1.0 / (1.0 + 1e-6)], [5.0 / (12.5 ** 0.5 + 1e-6)]])
+    close(returns, advantages)
+    unnormalised, _ = run("grpo_passk", rewards, torch.ones(5, 1), index=index, norm_adv_by_std=False)
+    close(unnormalised, [[0.0], [0.0], [0.0], [1.0], [5.0]])
+
+
+def test_grpo_passk_gives_nothing_on_a_tie_for_the_best_or_all_equal_scores():
+    rewards = torch.tensor([[1.0], [1.0], [0.0], [2.0], [2.0]])
+    advantages, _ = run("grpo_passk", rewards, torch.ones(5, 1), index=torch.tensor([0, 0, 0, 1, 1]))
+    close(advantages, torch.zeros(5, 1))
+
+
+def test_grpo_passk_needs_two_samples_per_group():
+    with pytest.raises(ValueError, match="rollout.n >= 2"):
+        run("grpo_passk", torch.ones(3, 1), torch.ones(3, 1), index=torch.tensor([0, 0, 1]))
+
+
+def test_grpo_passk_reward_lands_on_the_best_sample_over_its_response():
+    # scores live on the last token; the advantage covers the whole masked response
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rewards = scores_to_token_rewards(torch.tensor([0.0, 3.0]), mask)
+    advantages, _ = run("grpo_passk", rewards, mask, norm_adv_by_std=False)
+    close(advantages, [[0.0, 0.0, 0.0], [3.0, 3.0, 3.0]])
+
+
+def verl_style_group_loops(scores, lengths, index, norm):
+    """OPO and pass@k advantages [B] as verl computes them, one group at a time."""
+    opo_adv, passk_adv = torch.zeros_like(scores), torch.zeros_like(scores)
+    for group in index.unique():
+        members = (index == group).nonzero().squeeze(-1)
+        s, n = scores[members], lengths[members]
+        opo_adv[members] = s - ((n * s).sum() / n.sum() if len(members) > 1 else 0.0)
+        top, where = torch.topk(s, 2)
+        passk_adv[members[where[0]]] = (top[0] - top[1]) / ((s.std() + 1e-6) if norm else 1.0)
+    return opo_adv, passk_adv
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_opo_and_passk_match_verls_group_loops(norm):
+    gen = torch.Generator().manual_seed(9)
+    index = torch.tensor([4, 1, 4, 2, 1, 2, 4, 2])
+    scores = torch.rand(8, generator=gen, dtype=torch.float64)  # distinct: no tie for the best
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([5, 2, 3, 1, 4, 5, 2, 3]).unsqueeze(1)
+    rewards = scores_to_token_rewards(scores, mask)
+    opo_adv, passk_adv = verl_style_group_loops(scores, mask.sum(-1).to(torch.float64), index, norm)
+    close(run("opo", rewards, mask, index=index)[0], opo_adv.unsqueeze(-1) * mask)
+    close(run("grpo_passk", rewards, mask, index=index, norm_adv_by_std=norm)[0], passk_adv.unsqueeze(-1) * mask)
+
+
 # ---------------------------------------------------------------- REINFORCE family
 
 
@@ -233,7 +316,7 @@ def random_batch(seed: int = 0, batch: int = 6, length: int = 5):
 
 
 @pytest.mark.parametrize("name", ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                  "remax", "gpg"])
+                                  "remax", "gpg", "opo", "grpo_passk"])
 def test_padding_never_changes_an_estimator(name):
     rewards, mask, values, index = random_batch()
     baseline = torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0, 0.5])
@@ -251,7 +334,8 @@ def test_padding_never_changes_an_estimator(name):
 def test_registry_lists_valid_names_on_unknown():
     with pytest.raises(ValueError) as error:
         get_estimator("ppo_magic")
-    for name in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg"):
+    for name in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg", "opo",
+                 "grpo_passk"):
         assert name in str(error.value)
         assert name in estimator_names()
 

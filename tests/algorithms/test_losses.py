@@ -25,7 +25,8 @@ from hybridflow.config import AlgorithmConfig
 
 ATOL = 1e-5
 NAN = float("nan")
-POLICY_LOSSES = ["vanilla", "gspo", "cispo", "gpg", "reinforce"]
+POLICY_LOSSES = ["vanilla", "gspo", "cispo", "gpg", "reinforce", "clip_cov", "kl_cov", "sapo", "gmpo", "geo_mean",
+                 "dppo_tv", "dppo_kl"]
 
 
 def make_cfg(**overrides) -> AlgorithmConfig:
@@ -59,6 +60,7 @@ AGG_MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
 
 @pytest.mark.parametrize("mode, expected", [
     ("token-mean", 15 / 5),               # 1 + 2 + 3 + 4 + 5 over 5 tokens
+    ("token-sum", 15),                    # no normaliser at all
     ("seq-mean-token-sum", (6 + 9) / 2),  # the empty row counts for nothing
     ("seq-mean-token-mean", (2 + 4.5) / 2),
     ("seq-mean-token-sum-norm", 15 / (2 * 4)),  # 2 non-empty sequences * budget 4
@@ -83,11 +85,36 @@ def test_micro_batch_parts_sum_to_the_whole_batch(mode):
     for rows in (slice(0, 2), slice(2, 3), slice(3, 7), slice(7, 9)):  # uneven splits
         n, d = agg_parts(loss_mat[rows], mask[rows], mode, max_response_length=8)
         numerator, denominator = numerator + n, denominator + d
-    torch.testing.assert_close(numerator / denominator, whole, atol=1e-12, rtol=0)
+    # the contract: numerator / max(denominator, 1) (token-sum's denominators are all 0)
+    torch.testing.assert_close(numerator / max(denominator, 1.0), whole, atol=1e-12, rtol=0)
     # averaging the micro-batch losses instead is wrong for this batch: the test can tell
     naive = sum(agg_loss(loss_mat[r], mask[r], mode, max_response_length=8)
                 for r in (slice(0, 2), slice(2, 3), slice(3, 7), slice(7, 9))) / 4
     assert abs(naive - whole) > 1e-3
+
+
+def test_token_sum_is_the_global_token_sum_over_any_split():
+    # verl's token-sum: the sum over every masked token of the global batch, however it is split
+    # into micro-batches (or ranks); each part's denominator is 0, its numerator its own sum
+    gen = torch.Generator().manual_seed(4)
+    loss_mat = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([5, 0, 2, 3, 1, 4]).unsqueeze(1)
+    total = loss_mat[mask].sum()
+    for rows in (slice(0, 1), slice(1, 2), slice(2, 6)):
+        numerator, denominator = agg_parts(loss_mat[rows], mask[rows], "token-sum")
+        torch.testing.assert_close(numerator, loss_mat[rows][mask[rows]].sum())
+        assert denominator == 0
+    torch.testing.assert_close(agg_loss(loss_mat, mask, "token-sum"), total)
+    # its gradient is 1 on every masked token: no normaliser
+    leaf = loss_mat.clone().requires_grad_()
+    agg_loss(leaf, mask, "token-sum").backward()
+    torch.testing.assert_close(leaf.grad, mask.to(torch.float64))
+
+
+def test_the_config_accepts_exactly_the_aggregation_modes_there_are():
+    from hybridflow.config import LOSS_AGG_MODES as CONFIG_MODES
+
+    assert set(CONFIG_MODES) == set(LOSS_AGG_MODES)
 
 
 def test_sum_norm_needs_the_budget_and_unknown_modes_list_the_valid_ones():
@@ -286,6 +313,42 @@ def test_low_var_kl_is_clamped_at_ten_with_finite_gradients():
     close(kl, [10.0, 0.0])
     kl.sum().backward()
     assert torch.isfinite(log_prob.grad).all()
+
+
+STRAIGHT_THROUGH = [("k1+", "k1"), ("abs+", "abs"), ("low_var_kl+", "low_var_kl"), ("k3+", "k3")]
+
+
+@pytest.mark.parametrize("kind, base", STRAIGHT_THROUGH)
+def test_straight_through_kl_has_its_estimators_value_and_the_gradient_of_k2(kind, base):
+    # logp - ref = 1, -1, 0.3, 50 (k3 clamped at 10 there): the value is the base estimator's,
+    # the gradient (logp - ref) * d logp is k2's whatever the clamp
+    ref = torch.tensor([-2.0, -1.0, -1.0, -60.0], dtype=torch.float64)
+    log_prob = (ref + torch.tensor([1.0, -1.0, 0.3, 50.0], dtype=torch.float64)).requires_grad_()
+    kl = kl_penalty(log_prob, ref, kind)
+    torch.testing.assert_close(kl, kl_penalty(log_prob, ref, base))
+    kl.sum().backward()
+    torch.testing.assert_close(log_prob.grad, (log_prob - ref).detach())
+
+
+@pytest.mark.parametrize("kind", ["k1+", "low_var_kl+"])
+def test_straight_through_kl_gradient_matches_finite_differences_of_k2(kind):
+    ref = torch.tensor([[-1.0, -2.5, -0.2]], dtype=torch.float64)
+    log_prob = torch.tensor([[-1.4, -2.0, -0.9]], dtype=torch.float64, requires_grad=True)
+    kl = kl_penalty(log_prob, ref, kind).sum()
+    (grad,) = torch.autograd.grad(kl, log_prob)
+
+    def k2(lp):
+        return kl_penalty(lp, ref, "k2").sum()
+
+    assert torch.autograd.gradcheck(k2, (log_prob,))
+    torch.testing.assert_close(grad, torch.autograd.grad(k2(log_prob), log_prob)[0])
+
+
+def test_the_config_accepts_exactly_the_kl_kinds_there_are():
+    from hybridflow.algorithms.losses import kl_penalty_names
+    from hybridflow.config import KL_TYPES
+
+    assert set(KL_TYPES) == set(kl_penalty_names())
 
 
 def test_unknown_kl_kind_lists_the_valid_ones():

@@ -240,6 +240,16 @@ def test_overrides_replace_estimator_loss_and_aggregation():
         "gspo", "seq-mean-token-sum")
 
 
+@pytest.mark.parametrize("estimator", ["opo", "grpo_passk"])
+def test_group_estimators_are_selectable_and_need_groups(estimator):
+    graph = _graph("grpo", f"algorithm.adv_estimator={estimator}")
+    assert graph.node("advantages").option("estimator") == estimator
+    assert not CRITIC_NODES & _node_names(graph)
+    cfg = _cfg("grpo", f"algorithm.adv_estimator={estimator}", "rollout.n=1")
+    with pytest.raises(ValueError, match="rollout.n=1: set rollout.n >= 2"):
+        check_sampling(cfg, algorithm_spec(cfg))
+
+
 def test_an_estimator_override_brings_the_nodes_it_needs():
     assert CRITIC_NODES <= _node_names(_graph("grpo", "algorithm.adv_estimator=gae",
                                               "critic.enabled=true"))

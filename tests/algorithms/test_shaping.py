@@ -5,6 +5,7 @@ import torch
 
 from hybridflow.algorithms.shaping import (
     PF_PPO_MODES,
+    AdaptiveKLController,
     filter_groups,
     kl_in_reward,
     overlong_penalty,
@@ -109,3 +110,48 @@ def test_kl_in_reward_by_hand():
     close(new_rewards, [[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0]])
     close(kl_mean, 0.3)
     assert not new_rewards.requires_grad  # the KL reward is a constant to the policy gradient
+
+
+# ---------------------------------------------------------------- adaptive KL coefficient
+
+
+def test_adaptive_kl_controller_by_hand():
+    # target 0.1, horizon 100: KL 0.11 -> error 0.1, over 10 samples x (1 + 0.1 * 10 / 100) = 1.01;
+    # KL 1.0 -> error clipped to 0.2: x 1.02; KL 0.05 -> error -0.5 clipped to -0.2: x 0.98
+    controller = AdaptiveKLController(0.5, target_kl=0.1, horizon=100)
+    assert controller.value == 0.5
+    assert controller.update(0.11, 10) == pytest.approx(0.505)
+    assert controller.update(1.0, 10) == pytest.approx(0.505 * 1.02)
+    assert controller.update(0.05, 10) == pytest.approx(0.505 * 1.02 * 0.98)
+    assert controller.value == pytest.approx(0.505 * 1.02 * 0.98)
+
+
+def test_adaptive_kl_controller_holds_at_the_target_and_moves_towards_it():
+    controller = AdaptiveKLController(0.2, target_kl=0.1, horizon=1000)
+    controller.update(0.1, 256)
+    assert controller.value == pytest.approx(0.2)  # at the target: unchanged
+    controller.update(0.1, 0)
+    assert controller.value == pytest.approx(0.2)  # no samples: unchanged
+    for _ in range(50):  # KL above the target raises the coefficient, by at most 20% per horizon
+        controller.update(0.5, 100)
+    assert controller.value == pytest.approx(0.2 * 1.02 ** 50)
+    starting_at_zero = AdaptiveKLController(0.0, target_kl=0.1, horizon=10)
+    assert starting_at_zero.update(5.0, 10) == 0.0  # multiplicative: 0 stays 0, as in verl
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(init_kl_coef=-0.1, target_kl=0.1, horizon=10), "init_kl_coef=-0.1 must be >= 0"),
+    (dict(init_kl_coef=0.1, target_kl=0.0, horizon=10), "target_kl=0.0 must be > 0"),
+    (dict(init_kl_coef=0.1, target_kl=0.1, horizon=0), "horizon=0 must be > 0"),
+])
+def test_adaptive_kl_controller_rejects_bad_settings(kwargs, message):
+    init = kwargs.pop("init_kl_coef")
+    with pytest.raises(ValueError, match=message):
+        AdaptiveKLController(init, **kwargs)
+
+
+def test_adaptive_kl_controller_refuses_a_non_finite_kl_and_keeps_its_value():
+    controller = AdaptiveKLController(0.3, target_kl=0.1, horizon=10)
+    with pytest.raises(ValueError, match="not finite"):
+        controller.update(NAN, 4)
+    assert controller.value == 0.3
