@@ -55,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 Batch = Mapping[str, torch.Tensor]
 # loss_fn(logprobs [b, T], entropy [b, T], micro-batch) -> (summed loss, token count, metrics).
-# The step divides the summed loss by the token count of the whole global batch.
+# The step divides the summed loss by the token count of the whole global batch. Metrics are
+# averaged weighted by the token count, or by ``metrics["weight"]`` when the loss gives one (a
+# loss summed without a divisor reports a count of 0).
 LossFn = Callable[
     [torch.Tensor, torch.Tensor, Batch],
     tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]],
@@ -384,9 +386,10 @@ class MegatronPolicy:
             def loss(logits_BSv):
                 logp_BS, ent_BS = self._scores(logits_BSv, micro, with_entropy=True)
                 loss_sum, tokens, metrics = loss_fn(logp_BS, ent_BS, micro)
+                weight = torch.as_tensor(metrics.pop("weight", tokens)).float()
                 reported = {"loss": torch.stack([loss_sum.detach(), tokens.float()])}
                 for name, value in metrics.items():
-                    reported[name] = torch.stack([value.detach() * tokens, tokens.float()])
+                    reported[name] = torch.stack([value.detach() * weight, weight])
                 return loss_sum, tokens.int(), reported
 
             return self._forward(micro, model), loss

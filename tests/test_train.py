@@ -233,11 +233,15 @@ def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path,
     # one run also carries the rollout correction through the runtime (it works with every loss)
     correction = ("algorithm.rollout_correction=mis", "algorithm.rollout_correction_level=geometric") \
         if algorithm == "gspo" else ()
+    if algorithm == "rloo":  # and one the unnormalised token-sum aggregation
+        correction = ("algorithm.loss_agg_mode=token-sum",)
     _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2", "sft.steps=1",
                "run.heldout_prompts=0", *correction))
     history = _history(out, "step_000002")
     assert [h["step"] for h in history] == [1, 2]
-    if correction:  # fp32 engine and trainer agree: nothing is dropped, every weight is about 1
+    if algorithm == "rloo":  # metrics are token-weighted even though the loss has no divisor
+        assert all(h["actor/entropy"] > 0 for h in history), history
+    elif correction:  # fp32 engine and trainer agree: nothing is dropped, every weight is about 1
         assert all(h["actor/rollout_corr/dropped_fraction"] == 0.0 for h in history), history
         assert all(abs(h["actor/rollout_corr/weight_mean"] - 1) < 1e-3 for h in history), history
     for h in history:

@@ -404,6 +404,8 @@ def actor_loss(s: Session, num_response: int) -> Callable:
             mat = mat - spec.lm_loss_coef * logp * mask * micro["positive"][:, None]
         num, den = agg_parts(mat, mask, spec.loss_agg_mode, max_response_length=num_response)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
+        if spec.loss_agg_mode == "token-sum":  # no divisor: weight the metrics by tokens instead
+            metrics["weight"] = mask.sum()
         return num, den, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
 
     return loss_fn
