@@ -331,7 +331,7 @@ def _cut(s: Slice, part_bytes: int) -> list[Slice]:
 
 
 class _Links:
-    """Bytes each device's links carry so far: NIC and NVLink, each way. Colocated ranks of the
+    """Bytes each device's links carry so far: NIC both ways, NVLink out. Colocated ranks of the
     two sides share a device, so they share its links."""
 
     def __init__(self, topology: Topology) -> None:
@@ -341,8 +341,7 @@ class _Links:
         self.dst = [index[d] for d in topology.destination]
         self.nic_out = [0] * len(devices)
         self.nic_in = [0] * len(devices)
-        self.nv_out = [0] * len(devices)
-        self.nv_in = [0] * len(devices)
+        self.nv_out = [0] * len(devices)  # NVLink receives need no balancing: each needer takes its own
 
 
 class _Chooser:
@@ -453,7 +452,8 @@ class _Chooser:
     def _charge(self, sender: int, relay: bool, needer: int, nbytes: int, *, inter: bool) -> None:
         links, a, b = self.links, self._device(sender, relay), self.links.dst[needer]
         (links.nic_out if inter else links.nv_out)[a] += nbytes
-        (links.nic_in if inter else links.nv_in)[b] += nbytes
+        if inter:
+            links.nic_in[b] += nbytes
 
 
 def plan_reshard(source: TensorLayout, destination: TensorLayout, topology: Topology, *,
