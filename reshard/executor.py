@@ -10,7 +10,8 @@ Plan (same on every process)  +  ProcessMap (side rank -> torch.distributed rank
         |          <= bucket_bytes per round, and a relayed piece goes out the round after it
         |          came in (multi-hop routes pipelined bucket by bucket)
         v  per round: pack the sends (cast to the wire dtype) while the previous round is on
-        |            the wire, land it (unpack), pack what forwards it, post this round
+        |            the wire, land it (unpack), pack what forwards it, post this round's
+        |            sends and receives in one batch
         v  optional verification: per-piece float64 checksums sent beside each message and
                                   compared with the written destination boxes
 ```
@@ -254,9 +255,11 @@ def execute(
     """Run ``plan`` on this process (collective: every process of ``processes`` calls it; the
     processes are ranks of ``link``, the default group when None).
 
-    Round i + 1's sends are packed while round i is on the wire, and posted with round i + 1's
-    receives as soon as round i lands; only the messages forwarding what round i brought are
-    packed after that. The local copies run while round 0 is on the wire."""
+    Round i + 1's sends are packed while round i is on the wire; only the messages forwarding
+    what round i brought are packed after it lands. A round's sends and receives are posted in
+    one batch: NCCL runs separate batches one after the other on its stream, so a receive
+    posted apart from the sends would wait for a peer whose send waits behind its own receive.
+    The local copies run while round 0 is on the wire, unless round 0 forwards what they bring."""
     link = link or GroupLink()
     me = link.rank()
     plan.topology.check(plan.source.num_ranks, plan.destination.num_ranks)
@@ -270,10 +273,12 @@ def execute(
         if flight is not None:
             report.peak_buffer_bytes = max(report.peak_buffer_bytes, flight.nbytes + _size(early))
             flight.land(io, report)
-        flight = _Flight.post(messages, me, early, io, link, report)
-        if i == 0:  # relays may forward what the local copies bring: fresh ones wait for them
+        fresh = [m for m in messages if m.src == me and m.fresh]
+        if i == 0 and fresh:  # round 0 forwards what the local copies bring
             _copy_local(local, io, report)
-        flight.send([io.pack(m) for m in messages if m.src == me and m.fresh], link, report)
+        flight = _Flight.post(messages, me, early + [io.pack(m) for m in fresh], io, link, report)
+        if i == 0 and not fresh:
+            _copy_local(local, io, report)
         report.peak_buffer_bytes = max(report.peak_buffer_bytes, flight.nbytes)
     if flight is None:
         _copy_local(local, io, report)
@@ -333,14 +338,18 @@ class _Flight:
 
     works: list
     inbox: list
-    nbytes: int
-    outbox: list = field(default_factory=list)
+    outbox: list
     """The packed sends, kept alive until the round lands."""
+    nbytes: int
 
     @classmethod
     def post(cls, messages, me, packed, io: _Io, link: Link, report) -> _Flight:
-        """Post this round's receives and the sends in ``packed``."""
-        receives, inbox = [], []
+        """Post this round's receives and the sends in ``packed``, in one batch."""
+        sends, receives, inbox = [], [], []
+        for m, tensors in packed:
+            sends += [(t, m.dst, 2 * m.tag + i) for i, t in enumerate(tensors)]
+            report.bytes_sent += m.nbytes
+            report.bytes_relayed += m.nbytes if m.pieces[0].transfer.relay else 0
         for m in messages:
             if m.dst != me:
                 continue
@@ -351,21 +360,7 @@ class _Flight:
             receives += [(t, m.src, 2 * m.tag + i) for i, t in enumerate(tensors)]
             inbox.append((m, tensors))
             report.bytes_received += m.nbytes
-        flight = cls(link.start([], receives), inbox, _size(inbox))
-        flight.send(packed, link, report)
-        return flight
-
-    def send(self, packed, link: Link, report) -> None:
-        """Post the sends of ``packed`` (more of this round's messages)."""
-        sends = []
-        for m, tensors in packed:
-            sends += [(t, m.dst, 2 * m.tag + i) for i, t in enumerate(tensors)]
-            report.bytes_sent += m.nbytes
-            report.bytes_relayed += m.nbytes if m.pieces[0].transfer.relay else 0
-        if sends:
-            self.works += link.start(sends, [])
-            self.nbytes += _size(packed)
-            self.outbox += packed
+        return cls(link.start(sends, receives), inbox, packed, _size(packed) + _size(inbox))
 
     def land(self, io: _Io, report) -> None:
         for work in self.works:
