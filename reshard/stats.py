@@ -40,7 +40,7 @@ import numpy as np
 
 from reshard.families import DTYPE_BYTES
 from reshard.layouts import TensorLayout
-from reshard.planner import INTER, INTRA, LOCAL, Plan
+from reshard.planner import INTER, INTRA, LOCAL, Plan, _boxes
 from reshard.regions import Region, intersect, num_elements
 from reshard.topology import Device, Topology
 
@@ -265,14 +265,9 @@ def _remote_need_per_rank(source: TensorLayout, destination: TensorLayout, topol
 
 
 def _needed_boxes(shards) -> list[tuple[Region, tuple[int, ...]]]:
-    """(box, ranks needing it) per distinct box: a rank holding one box in two places (an expert
-    in two EPLB slots) needs its bytes once."""
-    by_region: dict[Region, list] = {}
-    for s in shards:
-        by_region.setdefault(s.region, []).append(s)
-    return [(region, copies[0].ranks if len(copies) == 1
-             else tuple(sorted({r for c in copies for r in c.ranks})))
-            for region, copies in by_region.items()]
+    """(box, ranks needing it) per distinct box, as the planner groups them (``planner._boxes``):
+    a rank holding one box in two places (an expert in two EPLB slots) needs its bytes once."""
+    return [(box.region, box.ranks) for box in _boxes(shards, {})]
 
 
 def time_lower_bound_seconds(source: TensorLayout, destination: TensorLayout, topology: Topology,
