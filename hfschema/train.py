@@ -5,7 +5,8 @@ Sections of the run config (``train:`` and ``moe:`` in ``hybridflow.config``) th
 with keys relative to itself.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError
@@ -21,6 +22,9 @@ class TrainConfig:
     """Optimizer: adam or sgd."""
     lr: float = 1e-4
     """Peak learning rate."""
+    critic_lr: Optional[float] = None
+    """Peak learning rate of the critic (its schedule's shape is the actor's); None = lr. PPO
+    critics usually learn faster than the policy (verl's examples: 1e-5 against 1e-6)."""
     min_lr: float = 0.0
     """Floor of the decaying schedules (linear, cosine)."""
     weight_decay: float = 0.0
@@ -55,6 +59,9 @@ class TrainConfig:
         check_non_negative(self, ("min_lr", "weight_decay", "lr_warmup_steps", "clip_grad"))
         if self.min_lr > self.lr:
             raise ConfigError("{p}min_lr={m} must be <= {p}lr={lr}", m=self.min_lr, lr=self.lr)
+        if self.critic_lr is not None and (self.critic_lr <= 0 or self.critic_lr < self.min_lr):
+            raise ConfigError("{p}critic_lr={c} must be > 0 and >= {p}min_lr={m} (null: {p}lr)",
+                              c=self.critic_lr, m=self.min_lr)
         for key in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError("{p}{key}={v} must be in [0, 1)", key=key, v=getattr(self, key))
@@ -68,6 +75,10 @@ class TrainConfig:
                 "{p}global_batch_size={g} is not a multiple of {p}micro_batch_size={m}",
                 g=self.global_batch_size, m=self.micro_batch_size,
             )
+
+    def for_critic(self) -> "TrainConfig":
+        """These settings as the critic trains under them: ``critic_lr`` as its peak rate."""
+        return self if self.critic_lr is None else replace(self, lr=self.critic_lr, critic_lr=None)
 
 
 ROUTING_REPLAY_MODES = ("off", "r2", "r3")

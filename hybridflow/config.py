@@ -367,7 +367,14 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.0
     """Weight of the KL(actor || reference) term in the policy loss; > 0 needs the reference."""
     kl_reward_coef: float = 0.0
-    """Weight of the KL penalty subtracted from token rewards; > 0 needs the reference."""
+    """Weight of the KL penalty subtracted from token rewards; > 0 needs the reference. With
+    ``kl_reward_target`` set, the adaptive controller's starting value."""
+    kl_reward_target: Optional[float] = None
+    """None: kl_reward_coef stays fixed. A value: after every step the coefficient is steered
+    towards this KL (the batch mean of each response's token-mean KL), by at most 20% per
+    ``kl_reward_horizon`` responses (Ziegler et al., 2019; verl's adaptive kl_ctrl, target_kl)."""
+    kl_reward_horizon: int = 10000
+    """Responses over which the adaptive KL controller may move its coefficient by 20%."""
     kl_type: str = "low_var_kl"
     """KL estimator: k1, abs, mse (= k2), low_var_kl (= k3); a ``+`` suffix (k1+, abs+, low_var_kl+,
     k3+) keeps that estimator's value with the gradient of k2 (straight through)."""
@@ -444,6 +451,14 @@ class AlgorithmConfig:
         self._check_rollout_correction()
         self._check_policy_loss_knobs()
         check_positive(self, ("ppo_epochs", "mini_batches", "max_sampling_rounds", "clip_ratio_low"))
+        check_positive(self, ("kl_reward_horizon",))
+        if self.kl_reward_target is not None and not self.kl_reward_target > 0:
+            raise ConfigError("{p}kl_reward_target={v} must be > 0 (null: a fixed kl_reward_coef)",
+                              v=self.kl_reward_target)
+        if self.kl_reward_target is not None and self.kl_reward_coef <= 0:
+            raise ConfigError("{p}kl_reward_target={v} steers {p}kl_reward_coef, which is 0: set "
+                              "{p}kl_reward_coef > 0 as its starting value (verl's default 0.001)",
+                              v=self.kl_reward_target)
         check_non_negative(self, ("kl_loss_coef", "kl_reward_coef", "entropy_coef", "value_pretrain_steps",
                                    "value_clip"))
         for key in ("lm_loss_coef", "overlong_buffer_len", "length_adaptive_lam_alpha"):  # None: the algorithm's

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridflow.algorithms.shaping import KL_COEF_NEXT
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,12 +237,25 @@ def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path,
         if algorithm == "gspo" else ()
     if algorithm == "rloo":  # and one the unnormalised token-sum aggregation
         correction = ("algorithm.loss_agg_mode=token-sum",)
+    if algorithm == "reinforce_plus_plus":  # the adaptive in-reward KL coefficient
+        correction = ("reference.enabled=true", "algorithm.kl_reward_coef=0.05", "algorithm.kl_reward_target=0.001",
+                      "algorithm.kl_reward_horizon=64")
+    if algorithm == "vapo":  # the critic's own learning rate
+        correction = ("train.critic_lr=2e-3",)
     _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2", "sft.steps=1",
                "run.heldout_prompts=0", *correction))
     history = _history(out, "step_000002")
     assert [h["step"] for h in history] == [1, 2]
     if algorithm == "rloo":  # metrics are token-weighted even though the loss has no divisor
         assert all(h["actor/entropy"] > 0 for h in history), history
+    elif algorithm == "reinforce_plus_plus":  # 32 responses a step move the coefficient by <= 10%
+        first, second = history
+        error = min(max(first["actor/reward_kl"] / 0.001 - 1, -0.2), 0.2)
+        assert first["actor/reward_kl_coef"] == 0.05 and first["actor/reward_kl_responses"] == 32, first
+        assert first[KL_COEF_NEXT] == pytest.approx(0.05 * (1 + error * 32 / 64)) != 0.05, first
+        assert second["actor/reward_kl_coef"] == first[KL_COEF_NEXT], second
+    elif algorithm == "vapo":
+        assert all(h["critic/lr"] == 2e-3 and h["actor/lr"] == 1e-3 for h in history), history
     elif correction:  # fp32 engine and trainer agree: nothing is dropped, every weight is about 1
         assert all(h["actor/rollout_corr/dropped_fraction"] == 0.0 for h in history), history
         assert all(abs(h["actor/rollout_corr/weight_mean"] - 1) < 1e-3 for h in history), history

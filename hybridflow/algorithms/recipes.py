@@ -474,7 +474,7 @@ def idle_options(cfg: HybridflowConfig, spec: AlgorithmSpec) -> list[str]:
         "norm_adv_by_std": spec.estimator == "grpo",
         "max_sampling_rounds": spec.dynamic_sampling, "overlong_penalty_factor": spec.overlong_shaping,
         "pf_ppo_weight_pow": spec.pf_ppo == "pow", "clip_ratio_c": spec.policy_loss == "vanilla",
-        "kl_type": spec.kl_in_loss or spec.kl_in_reward,
+        "kl_type": spec.kl_in_loss or spec.kl_in_reward, "kl_reward_horizon": algo.kl_reward_target is not None,
         **{key: algo.rollout_correction is not None for key in
            ("rollout_correction_level", "rollout_correction_upper", "rollout_correction_lower")},
     }
@@ -625,6 +625,7 @@ def _filter_groups(spec: AlgorithmSpec) -> Node | None:
 def _old_logprob(spec: AlgorithmSpec) -> Node:
     return Node(name="old_logprob", role="actor", op="old_logprob",
                 inputs=("responses",) + _after_filter(spec), outputs=("old_logprobs", "entropy"),
+                options={"routing_replay": "off"},
                 doc="log-probs of the responses under the actor before the update")
 
 

@@ -19,8 +19,11 @@ from hybridflow.algorithms.losses import kl_penalty, masked_mean, zero_padding
 
 __all__ = [
     "AdaptiveKLController",
+    "FixedKLController",
+    "KL_COEF_NEXT",
     "PF_PPO_MODES",
     "filter_groups",
+    "kl_controller",
     "kl_in_reward",
     "overlong_penalty",
     "pf_ppo_resample",
@@ -126,7 +129,7 @@ def pf_ppo_resample(scores: torch.Tensor, mode: str, generator: Optional[torch.G
 
 def kl_in_reward(token_rewards: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                  response_mask: torch.Tensor, coef: float, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token rewards - coef * KL per token, the mean KL over the batch's masked tokens).
+    """(token rewards - coef * KL per token, each response's token-mean KL [B]).
 
     The KL here is part of the reward, a constant to the policy gradient, so it is computed
     from detached log-probs. Padding comes back as 0.
@@ -134,7 +137,7 @@ def kl_in_reward(token_rewards: torch.Tensor, log_prob: torch.Tensor, ref_log_pr
     kl = kl_penalty(log_prob.detach(), ref_log_prob.detach(), kind)
     kl = zero_padding(kl, response_mask)
     new_rewards = zero_padding(token_rewards - coef * kl, response_mask)
-    return new_rewards, masked_mean(kl, response_mask)
+    return new_rewards, masked_mean(kl, response_mask, dim=-1)
 
 
 class AdaptiveKLController:
@@ -171,3 +174,29 @@ class AdaptiveKLController:
         error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
         return self.value
+
+
+KL_COEF_NEXT = "actor/reward_kl_coef_next"
+"""The step metric holding the coefficient the KL controller left for the next step."""
+
+
+class FixedKLController:
+    """The in-reward KL coefficient held where the config set it (verl's ``FixedKLController``)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.value
+
+
+def kl_controller(kl_coef: float, target_kl: float | None, horizon: int, history: list[dict]):
+    """The in-reward KL coefficient's controller, resumed from a run's step ``history``: an
+    adaptive one (``target_kl`` set) continues from the coefficient its last step left."""
+    if target_kl is None:
+        return FixedKLController(kl_coef)
+    controller = AdaptiveKLController(kl_coef, target_kl=target_kl, horizon=horizon)
+    left = [h[KL_COEF_NEXT] for h in history if KL_COEF_NEXT in h]
+    if left:
+        controller.value = float(left[-1])
+    return controller

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from hybridflow.algorithms.shaping import KL_COEF_NEXT
 from hybridflow.runtime import gates, switches
 from hybridflow.runtime.ops import OPS, NonFiniteStep, current, heldout_reward
 from hybridflow.runtime.session import Session, StepUndo
@@ -80,6 +81,14 @@ def run_step(s: Session, stages, step: int) -> dict[str, float]:
     return _step_metrics(f, times, s)
 
 
+def _steer_kl(s: Session, metrics: dict[str, float]) -> None:
+    """After an applied step, the in-reward KL coefficient moves by the KL it measured (adaptive
+    controller; a fixed one stays), and the step records where it left it (resume reads it)."""
+    if "actor/reward_kl" in metrics:
+        metrics[KL_COEF_NEXT] = s.kl_reward.update(metrics["actor/reward_kl"],
+                                                   int(metrics["actor/reward_kl_responses"]))
+
+
 def _updates_per_step(s: Session) -> int:
     """Optimizer updates one RL step makes (every trained role, every epoch and mini-batch)."""
     roles = sum(role is not None for role in (s.actor, s.critic))
@@ -111,6 +120,7 @@ def train_rl(s: Session, plan, *, save) -> None:
         s.undo = StepUndo(cfg.run.on_nan == "skip" and _updates_per_step(s) > 1)
         try:
             metrics = run_step(s, plan.stages, step)
+            _steer_kl(s, metrics)
         except NonFiniteStep as error:
             if cfg.run.on_nan == "stop":
                 raise

@@ -201,8 +201,7 @@ def generate_greedy(s: Session, node, f: dict, step: int) -> dict:
 
 @op("reward")
 def reward(s: Session, node, f: dict, step: int) -> dict:
-    options = dict(node.options)
-    source, target = options.get("responses_field", "responses"), options.get("scores_field", "scores")
+    source, target = node.option("responses_field"), node.option("scores_field")
     return {target: score(s, f[source])}
 
 
@@ -216,7 +215,7 @@ def filter_groups_op(s: Session, node, f: dict, step: int) -> dict:
     kept, kept_scores = [ro.select(keep)], [scores[keep]]
     groups = int(keep.sum()) // s.cfg.rollout.n
     rounds = 1
-    while groups < want and rounds < s.spec.max_sampling_rounds:
+    while groups < want and rounds < node.option("max_rounds"):
         prompts = s.prompt_batch(step, offset=rounds)
         extra = rollout(s, prompts, _sampling(s), step_seed(s.cfg.run.seed, step, rounds), group_offset=rounds * want)
         extra_scores = score(s, extra)
@@ -297,7 +296,7 @@ def old_logprob(s: Session, node, f: dict, step: int) -> dict:
     ro, _ = current(f)
     # routing replay: r3 scores with the engine's experts, as training will; r2 records the
     # actor's own experts, which training replays
-    mode = s.cfg.moe.routing_replay
+    mode = node.option("routing_replay")
     routes = _engine_routes(ro) if mode == "r3" else None
     logp, ent = _logprobs(s, s.actor, ro, with_entropy=True, routes=routes, record=mode == "r2")
     if mode == "r2":
@@ -342,19 +341,20 @@ def token_rewards(s: Session, node, f: dict, step: int) -> dict:
     scores = scores[ro.rows]
     algo = s.algo
     mask_BR = _response_view(ro, ro.batch["response_mask"])
-    if s.spec.overlong_shaping:
+    buffer = node.option("overlong_buffer_len")
+    if buffer > 0:
         scores = scores + overlong_penalty(ro.batch["response_lengths"],
                                            max_response_length=s.cfg.data.max_response_length,
-                                           buffer_len=s.spec.overlong_buffer_len,
-                                           penalty_factor=algo.overlong_penalty_factor)
+                                           buffer_len=buffer, penalty_factor=algo.overlong_penalty_factor)
     rewards_BR = scores_to_token_rewards(scores, mask_BR)
-    if algo.kl_reward_coef > 0:
-        rewards_BR, kl = kl_in_reward(rewards_BR, _response_view(ro, f["old_logprobs"]),
-                                      _response_view(ro, f["ref_logprobs"]), mask_BR, algo.kl_reward_coef,
-                                      algo.kl_type)
-        tokens = float(mask_BR.bool().sum())
-        kl_sum, count = s.shard.sum(torch.tensor([float(kl) * tokens, tokens], dtype=torch.float64))
-        s.step_metrics["actor/reward_kl"] = float(kl_sum / count.clamp(min=1))
+    if node.option("kl_penalty"):
+        coef = s.kl_reward.value
+        rewards_BR, kl_B = kl_in_reward(rewards_BR, _response_view(ro, f["old_logprobs"]),
+                                        _response_view(ro, f["ref_logprobs"]), mask_BR, coef, algo.kl_type)
+        kl_sum, count = s.shard.sum(torch.tensor([float(kl_B.sum()), float(len(kl_B))], dtype=torch.float64))
+        # verl's measure: the batch mean of each response's token-mean KL, over this many responses
+        s.step_metrics.update({"actor/reward_kl": float(kl_sum / count.clamp(min=1)),
+                               "actor/reward_kl_coef": coef, "actor/reward_kl_responses": float(count)})
     return {"token_rewards": rewards_BR}
 
 
@@ -362,10 +362,14 @@ def token_rewards(s: Session, node, f: dict, step: int) -> dict:
 def advantages(s: Session, node, f: dict, step: int) -> dict:
     ro, _ = current(f)
     mask_BR = _response_view(ro, ro.batch["response_mask"])
-    estimator = get_estimator(dict(node.options).get("estimator", s.spec.estimator))
+    estimator = get_estimator(node.option("estimator"))
     baseline = f["baseline_scores"][ro.rows] if "baseline_scores" in f else None
     values_BR = _response_view(ro, f["values"]) if "values" in f else None
-    adv_BR, ret_BR = estimator(f["token_rewards"], mask_BR, index=ro.index, cfg=s.algo,
+    cfg = s.algo
+    if values_BR is not None:  # GAE's lambdas, as the graph resolved them
+        cfg = replace(cfg, critic_lam=node.option("critic_lam"),
+                      length_adaptive_lam_alpha=node.option("length_adaptive_lam_alpha"))
+    adv_BR, ret_BR = estimator(f["token_rewards"], mask_BR, index=ro.index, cfg=cfg,
                                values=values_BR, baseline=baseline, split=s.shard)
     length = ro.batch["input_ids"].shape[1]
     lengths = ro.batch["prompt_lengths"]
@@ -375,11 +379,12 @@ def advantages(s: Session, node, f: dict, step: int) -> dict:
 # --------------------------------------------------------------------------- updates
 
 
-def actor_loss(s: Session, num_response: int) -> Callable:
+def actor_loss(s: Session, node, num_response: int) -> Callable:
     """``loss_fn(logp, entropy, micro)`` of the actor update: policy loss (+ entropy, KL, LM terms),
     aggregated as parts so micro-batches and data-parallel ranks add up to the global batch."""
-    algo, spec = s.algo, s.spec
-    policy_loss = get_policy_loss(spec.policy_loss)
+    algo = replace(s.algo, clip_ratio_high=node.option("clip_ratio_high"))
+    policy_loss = get_policy_loss(node.option("policy_loss"))
+    agg_mode, kl_loss, lm_coef = node.option("loss_agg_mode"), node.option("kl_loss"), node.option("lm_loss_coef")
 
     def loss_fn(logp, entropy, micro):
         mask = micro["response_mask"]
@@ -396,22 +401,23 @@ def actor_loss(s: Session, num_response: int) -> Callable:
             metrics.update(correction.metrics)
         if algo.entropy_coef > 0:
             mat = mat - algo.entropy_coef * entropy * mask
-        if algo.kl_loss_coef > 0:
+        if kl_loss:
             kl = kl_penalty(logp, micro["ref_logprobs"], algo.kl_type) * mask
             mat = mat + algo.kl_loss_coef * kl
             metrics["kl_loss"] = masked_mean(kl.detach(), mask)
-        if spec.lm_loss:
-            mat = mat - spec.lm_loss_coef * logp * mask * micro["positive"][:, None]
-        num, den = agg_parts(mat, mask, spec.loss_agg_mode, max_response_length=num_response)
+        if lm_coef:
+            mat = mat - lm_coef * logp * mask * micro["positive"][:, None]
+        num, den = agg_parts(mat, mask, agg_mode, max_response_length=num_response)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
-        if spec.loss_agg_mode == "token-sum":  # no divisor: weight the metrics by tokens instead
+        if agg_mode == "token-sum":  # no divisor: weight the metrics by tokens instead
             metrics["weight"] = mask.sum()
         return num, den, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}
 
     return loss_fn
 
 
-def _train_rows(s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
+def _train_rows(s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: int,
+                pf_ppo: str | None) -> dict[str, torch.Tensor]:
     rows = {"input_ids": ro.batch["input_ids"], "response_mask": ro.batch["response_mask"].float(),
             "attention_mask": ro.batch["attention_mask"], "old_logprobs": f["old_logprobs"],
             "advantages": f["advantages"], "positive": (scores[ro.rows] > 0).float()}
@@ -420,9 +426,9 @@ def _train_rows(s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: in
             rows[key] = f[key]
     if s.algo.rollout_correction is not None:  # the engine's log-probs of the sampled tokens
         rows["rollout_logprobs"] = ro.batch["logprobs"]
-    if s.spec.pf_ppo:  # drawn over the whole batch, alike on every rank; each keeps its own rows
+    if pf_ppo:  # drawn over the whole batch, alike on every rank; each keeps its own rows
         generator = torch.Generator().manual_seed(step_seed(s.cfg.run.seed, step, 7))
-        idx = pf_ppo_resample(scores, s.spec.pf_ppo, generator, pow=s.algo.pf_ppo_weight_pow)
+        idx = pf_ppo_resample(scores, pf_ppo, generator, pow=s.algo.pf_ppo_weight_pow)
         pick = ro.local_index(idx)
         rows = {k: v[pick[pick >= 0]] for k, v in rows.items()}
     return rows
@@ -445,11 +451,11 @@ def _mini_batches(s: Session, rows: dict[str, torch.Tensor], count: int) -> list
 @op("update_actor")
 def update_actor(s: Session, node, f: dict, step: int) -> dict:
     ro, scores = current(f)
-    if not ro.total or step < dict(node.options).get("start_step", 0):
+    if not ro.total or step < node.option("start_step"):
         # nothing kept, or the critic's warm-up
         return {"actor_metrics": {"actor/updated": 0.0, **_router_metrics(s)}}
-    loss_fn = actor_loss(s, ro.num_response)
-    rows = _train_rows(s, f, ro, scores, step)
+    loss_fn = actor_loss(s, node, ro.num_response)
+    rows = _train_rows(s, f, ro, scores, step, node.option("pf_ppo"))
     results = []
     s.undo.before_update(s.actor)
     for _ in range(s.algo.ppo_epochs):
@@ -511,7 +517,7 @@ def update_critic(s: Session, node, f: dict, step: int) -> dict:
                 raise NonFiniteStep(f"step {step}: the critic loss or a gradient is not finite; not applied")
             results.append(result)
     metrics = {"critic/vf_loss": sum(r.loss for r in results) / len(results),
-               "critic/grad_norm": sum(r.grad_norm for r in results) / len(results)}
+               "critic/grad_norm": sum(r.grad_norm for r in results) / len(results), "critic/lr": results[-1].lr}
     for name in results[-1].metrics:
         metrics[f"critic/{name}"] = sum(r.metrics[name] for r in results) / len(results)
     return {"critic_metrics": metrics}

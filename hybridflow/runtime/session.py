@@ -230,6 +230,8 @@ class Session:
     """Metrics the ops of the running step report beside their fields (reset every step)."""
     undo: StepUndo = field(default_factory=lambda: StepUndo(False))
     """The running step's snapshots for ``run.on_nan=skip`` (reset every step)."""
+    kl_reward: Any = None
+    """The in-reward KL coefficient's controller (``shaping.kl_controller``): fixed or adaptive."""
     reward_errors: int = 0
     """Reward calls that raised so far (scored 0)."""
     moe_tokens_per_expert: list | None = None

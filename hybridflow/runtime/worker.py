@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from hfschema.files import write_text_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
+from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.lowering import lower
 from hybridflow.data import PromptSampler
@@ -103,7 +104,7 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     if s.spec.needs_critic:
         from megatron_adapters.critic import MegatronCritic
 
-        s.critic = MegatronCritic(s.cfg.model, s.cfg.actor.parallel, s.cfg.train, pg_collection=s.pg)
+        s.critic = MegatronCritic(s.cfg.model, s.cfg.actor.parallel, s.cfg.train.for_critic(), pg_collection=s.pg)
         if resume_from is not None and (resume_from / "critic").is_dir():
             checkpoint.load(s.critic, resume_from / "critic", with_optimizer=True)
         else:  # the policy's (SFT) transformer under a fresh value head, as PPO critics start
@@ -215,6 +216,8 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
     s.spec = algorithm_spec(cfg)
     filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
     s.algo = dataclasses.replace(cfg.algorithm, **filled)
+    s.kl_reward = kl_controller(s.algo.kl_reward_coef, s.algo.kl_reward_target, s.algo.kl_reward_horizon,
+                                state.history)
     s.started, s.wall_before = time.time(), state.wall_seconds
     return s
 

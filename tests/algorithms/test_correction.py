@@ -93,16 +93,19 @@ def test_every_policy_loss_takes_the_correction(name):
     from types import SimpleNamespace
 
     from hybridflow.algorithms.losses import get_policy_loss
+    from hybridflow.graph import Node
     from hybridflow.runtime.ops import actor_loss
 
     torch.manual_seed(0)
     logp = (OLD.nan_to_num() + 0.1 * torch.randn(2, 3)).requires_grad_()
     micro = {"response_mask": MASK, "old_logprobs": OLD.nan_to_num(), "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3])}
     plain = AlgorithmConfig()
-    spec = SimpleNamespace(policy_loss=name, lm_loss=False, loss_agg_mode="token-mean")
+    node = Node(name="update_actor", role="actor", op="update_actor", options={
+        "policy_loss": name, "loss_agg_mode": "token-mean", "clip_ratio_high": 0.2, "kl_loss": False,
+        "lm_loss_coef": 0.0})
 
     def loss(algo, rollout, mask=MASK):
-        fn = actor_loss(SimpleNamespace(algo=algo, spec=spec), 3)
+        fn = actor_loss(SimpleNamespace(algo=algo), node, 3)
         num, den, _ = fn(logp, torch.zeros(2, 3), {**micro, "response_mask": mask, "rollout_logprobs": rollout})
         return num / den
 

@@ -386,3 +386,45 @@ def test_a_knob_the_algorithm_never_reads_is_named():
     assert idle_options(ppo, algorithm_spec(ppo)) == []
     assert "rollout_correction_upper" in idle_options(*(lambda c: (c, algorithm_spec(c)))(
         _cfg("grpo", "algorithm.rollout_correction_upper=3.0")))[0]
+
+
+def _options_each_op_reads() -> dict[str, set[str]]:
+    """``node.option("key")`` literals in each op of ``hybridflow/runtime/ops.py``, with those of
+    the module's functions it calls (the loss builders)."""
+    import hybridflow.runtime.ops as ops
+
+    tree = ast.parse(Path(ops.__file__).read_text())
+    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+    def reads(name: str, seen: set[str]) -> set[str]:
+        seen.add(name)
+        keys, calls = set(), set()
+        for n in ast.walk(functions[name]):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "option":
+                keys.add(n.args[0].value)
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in functions:
+                calls.add(n.func.id)
+        for callee in calls - seen:
+            keys |= reads(callee, seen)
+        return keys
+
+    by_op = {}
+    for f in functions.values():
+        for d in f.decorator_list:
+            if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "op":
+                by_op[d.args[0].value] = reads(f.name, set())
+    return by_op
+
+
+def test_ops_take_their_settings_from_the_graph_they_run():
+    """What ``hybridflow plan`` prints as a node's options is what its op runs with: every option
+    a graph builder writes is read by the node's op, and no op reads one no builder writes."""
+    reads = _options_each_op_reads()
+    written: dict[str, set[str]] = {op: set() for op in reads}
+    for name in algorithm_names():
+        for extra in ((), ("moe.routing_replay=r2",), ("algorithm.kl_reward_coef=0.01", "reference.enabled=true")):
+            for node in _graph(name, *extra).nodes:
+                keys = {key for key, _ in node.options}
+                assert keys <= reads[node.op], (name, node.name, keys - reads[node.op])
+                written[node.op] |= keys
+    assert written == reads

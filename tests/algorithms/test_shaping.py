@@ -5,7 +5,10 @@ import torch
 
 from hybridflow.algorithms.shaping import (
     PF_PPO_MODES,
+    KL_COEF_NEXT,
     AdaptiveKLController,
+    FixedKLController,
+    kl_controller,
     filter_groups,
     kl_in_reward,
     overlong_penalty,
@@ -101,14 +104,15 @@ def test_pf_ppo_unknown_mode_lists_the_valid_ones():
 
 
 def test_kl_in_reward_by_hand():
-    # k1 KL per token 0.1 0.2 0.3 | 0.4 0.5 (pad); coef 0.5 subtracts half of it; mean KL 1.5 / 5
+    # k1 KL per token 0.1 0.2 0.3 | 0.4 0.5 (pad); coef 0.5 subtracts half of it; per-response
+    # means 0.6 / 3 and 0.9 / 2
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, NAN]])
     ref = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, NAN]])
     log_prob = (ref + torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0]])).requires_grad_()
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     new_rewards, kl_mean = kl_in_reward(rewards, log_prob, ref, mask, 0.5, "k1")
     close(new_rewards, [[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0]])
-    close(kl_mean, 0.3)
+    close(kl_mean, [0.2, 0.45])
     assert not new_rewards.requires_grad  # the KL reward is a constant to the policy gradient
 
 
@@ -155,3 +159,14 @@ def test_adaptive_kl_controller_refuses_a_non_finite_kl_and_keeps_its_value():
     with pytest.raises(ValueError, match="not finite"):
         controller.update(NAN, 4)
     assert controller.value == 0.3
+
+
+def test_the_kl_controller_resumes_from_the_coefficient_the_last_step_left():
+    history = [{"step": 1, KL_COEF_NEXT: 0.0105}, {"step": 2}, {"step": 3, KL_COEF_NEXT: 0.011}]
+    resumed = kl_controller(0.01, 0.1, 100, history)
+    assert isinstance(resumed, AdaptiveKLController) and resumed.value == 0.011
+    fresh = kl_controller(0.01, 0.1, 100, [])
+    assert fresh.value == 0.01 and fresh.update(0.2, 10) == pytest.approx(0.01 * 1.02)
+    # a fixed coefficient ignores both the history and the measured KL
+    fixed = kl_controller(0.01, None, 100, history)
+    assert isinstance(fixed, FixedKLController) and fixed.update(5.0, 10) == 0.01
