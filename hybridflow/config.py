@@ -169,6 +169,9 @@ class RunConfig:
     """Held-out prompts scored (greedy) after SFT and after RL; 0 = skip."""
     heldout_every: int = 0
     """Also score the held-out set every this many RL steps (0 = only after SFT and at the end)."""
+    deterministic: bool = False
+    """Same config and seed, same metrics bit for bit: deterministic torch, megatron-core, NCCL and
+    (on GPUs) SGLang kernels (``hybridflow/runtime/determinism.py``); slower on GPUs."""
     on_nan: str = "stop"
     """A non-finite loss or grad norm: stop (the step is not applied, no checkpoint is written,
     the run exits with an error) or skip (the step is dropped whole and the run goes on: when a

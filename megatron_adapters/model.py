@@ -168,6 +168,8 @@ def transformer_config(
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
         cross_entropy_loss_fusion=False,
+        # run.deterministic switches torch's flag in every rank (hybridflow/runtime/determinism.py)
+        deterministic_mode=torch.are_deterministic_algorithms_enabled(),
     )
     fields.update(_moe_fields(model, layout))
     if model.is_moe:

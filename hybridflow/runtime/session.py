@@ -105,13 +105,19 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, 
 
             return start_node(str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep, dtype=cfg.rollout.dtype,
                               max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.run.seed, load_format="dummy",
-                              **placement)
+                              deterministic=_engine_deterministic(cfg), **placement)
         return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
                            seed=cfg.run.seed, load_format="dummy", bucket_bytes=cfg.rollout.push_bucket_mb << 20,
-                           **placement)
+                           deterministic=_engine_deterministic(cfg), **placement)
     finally:
         os.environ.update(saved)
+
+
+def _engine_deterministic(cfg: HybridflowConfig) -> bool:
+    """SGLang's deterministic inference under run.deterministic, on GPUs: SGLang refuses it on
+    CPU, where the engine already reproduces (hybridflow/runtime/determinism.py)."""
+    return cfg.run.deterministic and torch.cuda.is_available()
 
 
 def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bool = True, moe=None):

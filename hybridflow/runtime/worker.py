@@ -33,7 +33,7 @@ from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.lowering import lower
 from hybridflow.data import PromptSampler
-from hybridflow.runtime import report, state as run_state
+from hybridflow.runtime import determinism, report, state as run_state
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.ops import heldout_reward
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv[0], argv[1:])
+    determinism.apply(cfg.run.deterministic)  # before anything is built or started
     minutes = cfg.run.collective_timeout_minutes
     channel = None
     if cfg.rollout.placement == "separate":  # two worlds in one torchrun job, joined (runtime/channel.py)

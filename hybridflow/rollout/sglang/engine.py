@@ -161,7 +161,8 @@ class SGLangNode:
 
 
 def start_node(model_path: str, *, node_rank: int, nnodes: int, dist_init_addr: str, tp: int, ep: int = 1,
-               dtype: str = "float32", max_total_tokens: int = 4096, seed: int = 0, **engine_kwargs: Any) -> SGLangNode:
+               dtype: str = "float32", max_total_tokens: int = 4096, seed: int = 0, deterministic: bool = False,
+               **engine_kwargs: Any) -> SGLangNode:
     """Start node ``node_rank`` (>= 1) of an engine whose ``tp`` ranks span ``nnodes`` nodes; node 0 is
     the ``make_engine("sglang", ..., nnodes=, node_rank=0, dist_init_addr=)`` that drives it.
 
@@ -173,7 +174,7 @@ def start_node(model_path: str, *, node_rank: int, nnodes: int, dist_init_addr: 
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
     kwargs = dict(engine_kwargs, nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
     _, own, *_ = _launch(model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens,
-                         mem_fraction_static=None, seed=seed, return_routed_experts=None, deterministic=False,
+                         mem_fraction_static=None, seed=seed, return_routed_experts=None, deterministic=deterministic,
                          pause_mode="retract", engine_kwargs=kwargs)
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     logger.info("SGLang engine node %d of %d up (schedulers %s)", node_rank, nnodes, sorted(own))
