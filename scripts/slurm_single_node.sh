@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A one-node Slurm cluster on this machine, for tests of `hybridflow slurm --submit`.
 #
-#   bash scripts/slurm_single_node.sh install  # apt-get install slurm-wlm and munge (root; skipped if present)
+#   bash scripts/slurm_single_node.sh install  # apt-get install slurm-wlm munge (root; no-op if installed)
 #   bash scripts/slurm_single_node.sh start    # write slurm.conf, start munged, slurmctld, slurmd
 #   bash scripts/slurm_single_node.sh status   # exit 0 when the node accepts jobs
 #   bash scripts/slurm_single_node.sh stop     # stop the daemons this script started
@@ -73,8 +73,10 @@ install() {
         < ${#packages[@]})); then
     ((EUID == 0)) || die "installing ${packages[*]} needs root"
     log="$(mktemp)"
-    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-             --no-install-recommends -o Dpkg::Use-Pty=0 "${packages[@]}"; } >"$log" 2>&1; then
+    # another apt on the machine (unattended upgrades, a colleague) is waited for, not failed on
+    local wait=(-o DPkg::Lock::Timeout=300)
+    if ! { apt-get "${wait[@]}" update -qq && DEBIAN_FRONTEND=noninteractive apt-get "${wait[@]}" install \
+             -y -qq --no-install-recommends -o Dpkg::Use-Pty=0 "${packages[@]}"; } >"$log" 2>&1; then
       tail -n 30 "$log" >&2
       die "apt-get install ${packages[*]} failed (output above)"
     fi
@@ -92,6 +94,8 @@ start_munge() {
   [[ -f /etc/munge/munge.key ]] || die "/etc/munge/munge.key is missing (reinstall munge)"
   runuser -u munge -- munged
   munge -n </dev/null | unmunge >/dev/null || die "munged started but a credential does not round-trip"
+  # recorded beside the cluster's own pid files, so `stop` ends this munged and never one it found
+  cp /run/munge/munged.pid "$dir/munged.pid"
 }
 
 cluster_ready() {
@@ -119,7 +123,7 @@ start() {
 
 stop() {
   local name
-  for name in slurmd slurmctld; do
+  for name in slurmd slurmctld munged; do
     if [[ -f "$dir/$name.pid" ]] && pid="$(cat "$dir/$name.pid")" && kill -0 "$pid" 2>/dev/null; then
       kill "$pid"
     fi
