@@ -97,6 +97,9 @@ class TrackingConfig:
     """Tracking server URI; None = a local file store under run.output_dir/mlruns."""
     experiment: str = "hybridflow"
     """Experiment name runs are grouped under."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files under run.output_dir/tensorboard
+    (whatever the backend), for ``tensorboard --logdir``."""
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, ("mlflow", "none"))

@@ -59,6 +59,9 @@ class RunState:
     """The MLflow run to keep logging into."""
     wall_seconds: float = 0.0
     """Wall time spent by earlier starts of this run."""
+    reward_errors: int = 0
+    """Reward calls that raised (scored 0) up to this checkpoint, so a resumed run's summary
+    counts the earlier starts' errors too."""
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:

@@ -69,6 +69,7 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
         checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
     if s.is_driver:
         s.state.mlflow_run_id = s.tracker.run_id
+        s.state.reward_errors = s.reward_errors
         s.state.wall_seconds = s.wall_before + time.time() - s.started
         run_state.save_state(staging, s.state)
         run_state.publish(staging, final)
@@ -204,7 +205,7 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
 
     train, heldout, model_dir = prepare_files(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts, held = load_prompts(cfg, tokenizer, train, heldout)
+    prompts, held, skipped = load_prompts(cfg, tokenizer, train, heldout)
     state = run_state.read_state(resume_from) if resume_from else run_state.RunState()
     rank = dist.get_rank()
     tracker = Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id)
@@ -212,7 +213,8 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
                 train_prompts=prompts, heldout_prompts=held, sft_rows=prompts,
                 sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
                 state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer), pg=pg,
-                shard=_shard(), device=parallel.device(), channel=channel)
+                shard=_shard(), device=parallel.device(), channel=channel,
+                data_rows_skipped=skipped, reward_errors=state.reward_errors)
     s.spec = algorithm_spec(cfg)
     filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
     s.algo = dataclasses.replace(cfg.algorithm, **filled)
@@ -229,12 +231,13 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
              "first_step_ppo_kl": first.get("actor/ppo_kl_first_mini"),
              "first_step_clipfrac": first.get("actor/clipfrac_first_mini"),
              "mlflow_run_id": s.tracker.run_id, "mlflow_uri": s.tracker.uri,
-             "reward_errors": s.reward_errors, "executed_stages": s.executed_stages}
+             "executed_stages": s.executed_stages, "tensorboard_dir": s.tracker.tensorboard_dir}
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
                         "metrics": summarise_router_stats(s.state.history),
                         "tokens_per_expert_last_step": s.moe_tokens_per_expert}
-    summary = report.summarise(s.cfg, s.state, heldout_after_rl=heldout_after_rl, wall_seconds=wall, extra=extra)
+    summary = report.summarise(s.cfg, s.state, heldout_after_rl=heldout_after_rl, wall_seconds=wall,
+                               data_rows_skipped=s.data_rows_skipped, reward_errors=s.reward_errors, extra=extra)
     if s.is_driver:
         path = report.write_summary(s.out_dir, summary)
         plot = report.plot_rewards(s.out_dir, s.state)

@@ -7,7 +7,6 @@ to a real one-node Slurm.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -133,8 +132,10 @@ def test_missing_config(capsys, tmp_path):
     assert "config file not found" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("sbatch") is not None, reason="sbatch is installed here")
-def test_submit_without_sbatch_says_where_the_script_is(capsys, tmp_path):
+def test_submit_without_sbatch_says_where_the_script_is(capsys, tmp_path, monkeypatch):
+    # an empty PATH rather than a skip where sbatch exists: CI installs Slurm, and runs this too
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     code, _, err = _render(capsys, tmp_path, "--nodes", "1", "--gpus-per-node", "0", "--submit")
     assert code == 2 and "sbatch is not installed" in err
     assert (tmp_path / "run" / SCRIPT_NAME).is_file()
