@@ -165,6 +165,10 @@ class RunConfig:
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in output_dir if there is one;
     never: start fresh (refuses a directory that already holds checkpoints)."""
+    resume_fallback: str = "previous"
+    """A newest checkpoint found damaged at a start (a shard missing or truncated, its metadata
+    unreadable; the file is named): previous (set it aside as ``<name>.damaged`` and resume from
+    the newest complete one) or stop (refuse to start)."""
     heldout_prompts: int = 200
     """Held-out prompts scored (greedy) after SFT and after RL; 0 = skip."""
     heldout_every: int = 0
@@ -180,6 +184,7 @@ class RunConfig:
             raise ConfigError("{p}name must not be empty")
         check_choice("mode", self.mode, ("rl", "sft"))
         check_choice("resume", self.resume, ("auto", "never"))
+        check_choice("resume_fallback", self.resume_fallback, ("previous", "stop"))
         check_choice("on_nan", self.on_nan, ("stop", "skip"))
         check_non_negative(self, ("seed", "steps", "checkpoint_every", "heldout_prompts", "heldout_every"))
         check_positive(self, ("prompts_per_step", "keep_checkpoints"))
@@ -490,7 +495,8 @@ class DataConfig:
     One row per prompt, the field's common layout: a ``prompt`` column (a string, or a chat as
     a list of ``{role, content}``), the verifier's reference answer under ``answer_key`` (dots
     walk nested columns, e.g. ``reward_model.ground_truth``), optionally ``data_source`` to pick
-    the reward function per row, and an SFT target under ``sft.response_key``.
+    the reward function per row (under ``reward.function=auto``), and an SFT target under
+    ``sft.response_key``.
     """
 
     train_files: list[str] = field(default_factory=list)
@@ -545,9 +551,11 @@ class TaskConfig:
 class RewardConfig:
     """How a response is scored."""
 
-    function: str = "math"
-    """Reward function: a registered name (math, countdown, exact_match, arithmetic) or a dotted
-    path ``package.module.function`` called as fn(response, answer, **kwargs) -> float."""
+    function: str = "auto"
+    """Reward function of every row: a registered name (math, countdown, exact_match, arithmetic,
+    max) or a dotted path ``package.module.function`` called as fn(response, answer, **kwargs) ->
+    float; auto: a row's data_source when it names a registered reward (the synthetic tasks'
+    rows do), else math."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the reward function."""
     on_error: str = "zero"

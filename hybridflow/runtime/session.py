@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
-from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
+from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.model_dir import rollout_model_dir
 from hybridflow.runtime.shares import Shard, single_process
@@ -268,8 +268,7 @@ def prepare_files(cfg: HybridflowConfig, out_dir: Path) -> tuple[list[str], list
 
 def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: list[str]):
     """Tokenised training prompts (with SFT targets when SFT runs) and held-out prompts."""
-    sft_key = cfg.sft.response_key if cfg.sft.steps > 0 or cfg.run.mode == "sft" else None
-    rows = read_rows(train, cfg.data, sft_key=sft_key)
+    rows = read_rows(train, cfg.data, sft_key=sft_key(cfg))
     prompts, _ = tokenize_rows(rows, tokenizer, cfg.data)
     held = []
     if heldout and cfg.run.heldout_prompts > 0:
