@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import yaml
 
 from hybridflow.config import HybridflowConfig, to_yaml
-from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
 from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, find_resume
@@ -106,6 +105,9 @@ def check_node_gpus(cfg: HybridflowConfig, available: int) -> None:
                          "hybridflow launch or hybridflow slurm")
 
 
+_SHOWN_CHANGES = 8  # config changes listed on the resume line
+
+
 def _say(command: str, line: str, *, warning: bool = False) -> None:
     stream = sys.stderr if warning else sys.stdout
     stream.write(f"hybridflow {command}: {'warning: ' if warning else ''}{line}\n")
@@ -114,6 +116,8 @@ def _say(command: str, line: str, *, warning: bool = False) -> None:
 def check_data(cfg: HybridflowConfig, *, command: str = "train") -> None:
     """The data files as far as a look at their first rows tells (``data.preview_files``), and
     one line saying which reward function scores the rows of each data_source."""
+    from hybridflow.data import preview_files, sft_key  # here: hybridflow.data imports torch; plan imports this module
+
     sources = preview_files(cfg.data, sft_key=sft_key(cfg), with_heldout=cfg.run.heldout_prompts > 0)
     if not cfg.data.train_files:  # the synthetic task's rows name it as their data_source
         sources[cfg.task.name] += cfg.task.train_size
@@ -145,7 +149,8 @@ def check_resume(cfg: HybridflowConfig, *, command: str = "train") -> None:
     changes = check_config_loads(found.path, cfg.run.output_dir, yaml.safe_load(to_yaml(cfg)))
     _say(command, f"resuming from {found.path}")
     if changes:
-        _say(command, f"changed since {found.path.name} was saved: {'; '.join(changes)}")
+        more = f" (and {len(changes) - _SHOWN_CHANGES} more)" if len(changes) > _SHOWN_CHANGES else ""
+        _say(command, f"changed since {found.path.name} was saved: {'; '.join(changes[:_SHOWN_CHANGES])}{more}")
 
 
 def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:

@@ -272,6 +272,14 @@ def recorded_config(checkpoint: Path, output_dir: str | os.PathLike) -> tuple[Pa
     return None
 
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "(no such key now)"
+
+
+_ABSENT = _Absent()
+
+
 def _flat(tree: Any, prefix: str) -> dict[str, Any]:
     if not isinstance(tree, dict):
         return {prefix: tree}
@@ -299,14 +307,16 @@ def config_changes(recorded: dict, current: dict) -> tuple[list[str], list[str]]
     was saved under and this start's (both plain resolved dicts), one ``key: was -> now`` each.
 
     The first list is the model keys that changed when the model's tensors changed name or shape
-    (megatron would fail with a shape error); everything else loads and is only reported.
+    (megatron would fail with a shape error); everything else loads and is only reported. Keys
+    the recorded config lacks (fields added since, at their defaults) are not changes.
     """
     before, after = _flat(recorded, ""), _flat(current, "")
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    lines = {k: f"{k.lstrip('.')}: {before.get(k, '(absent)')!r} -> {after.get(k, '(absent)')!r}" for k in changed}
+    changed = sorted(k for k in before if before[k] != after.get(k, _ABSENT))
+    lines = {k: f"{k.lstrip('.')}: {before[k]!r} -> {after.get(k, _ABSENT)!r}" for k in changed}
     model_keys = [k for k in changed if k.startswith(".model.")]
     shapes_before, shapes_after = _tensor_shapes(recorded.get("model", {})), _tensor_shapes(current.get("model", {}))
-    blocking = model_keys if shapes_before != shapes_after or shapes_before is None else []
+    # a recorded model this version cannot read (a field since removed) is not refused here
+    blocking = model_keys if shapes_before is not None and shapes_before != shapes_after else []
     return [lines[k] for k in blocking], [lines[k] for k in changed if k not in blocking]
 
 

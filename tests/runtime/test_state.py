@@ -88,6 +88,9 @@ def test_a_model_change_is_named_key_by_key_and_other_changes_are_reported() -> 
     assert other == ["run.steps: 30 -> 40"]
     blocking, other = state.config_changes(before, _resolved("model.rope_theta=20000.0"))
     assert blocking == [] and other == ["model.rope_theta: 10000.0 -> 20000.0"]  # same shapes: it loads
+    del before["run"]["resume_fallback"]  # a field added since that run, at its default: no change
+    before["model"]["dropped_field"] = 1  # one removed since: reported, not refused (megatron has the last word)
+    assert state.config_changes(before, _resolved()) == ([], ["model.dropped_field: 1 -> (no such key now)"])
 
 
 def test_resume_compares_with_the_checkpoint_config_first_and_refuses_a_model_it_cannot_load(tmp_path: Path) -> None:
