@@ -165,9 +165,11 @@ def _shard_problems(directory: Path) -> list[str]:
 
 
 def _model_dir_problems(directory: Path) -> list[str]:
+    if not directory.is_dir():
+        return [f"{directory} is missing"]
     missing = [f"{directory / name} is missing" for name in _MODEL_FILES if not (directory / name).is_file()]
-    if not directory.is_dir() or missing:
-        return [f"{directory} is missing"] if not directory.is_dir() else missing
+    if missing:
+        return missing
     try:
         json.loads((directory / "hybridflow.json").read_text())
     except (OSError, ValueError) as error:
@@ -280,10 +282,11 @@ class _Absent:
 _ABSENT = _Absent()
 
 
-def _flat(tree: Any, prefix: str) -> dict[str, Any]:
-    if not isinstance(tree, dict):
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"model.num_layers": 2, ...}`` for nested mappings (lists stay values)."""
+    if not isinstance(tree, dict) or not tree and prefix:
         return {prefix: tree}
-    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}").items()}
+    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
 def _tensor_shapes(model: dict) -> dict[str, tuple[int, ...]] | None:
@@ -310,10 +313,10 @@ def config_changes(recorded: dict, current: dict) -> tuple[list[str], list[str]]
     (megatron would fail with a shape error); everything else loads and is only reported. Keys
     the recorded config lacks (fields added since, at their defaults) are not changes.
     """
-    before, after = _flat(recorded, ""), _flat(current, "")
+    before, after = _flat(recorded), _flat(current)
     changed = sorted(k for k in before if before[k] != after.get(k, _ABSENT))
-    lines = {k: f"{k.lstrip('.')}: {before[k]!r} -> {after.get(k, _ABSENT)!r}" for k in changed}
-    model_keys = [k for k in changed if k.startswith(".model.")]
+    lines = {k: f"{k}: {before[k]!r} -> {after.get(k, _ABSENT)!r}" for k in changed}
+    model_keys = [k for k in changed if k.startswith("model.")]
     shapes_before, shapes_after = _tensor_shapes(recorded.get("model", {})), _tensor_shapes(current.get("model", {}))
     # a recorded model this version cannot read (a field since removed) is not refused here
     blocking = model_keys if shapes_before is not None and shapes_before != shapes_after else []
