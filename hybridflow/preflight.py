@@ -30,7 +30,7 @@ import yaml
 from hybridflow.config import HybridflowConfig, to_yaml
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
-from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, find_resume
+from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpoint_problem, find_resume, sft_checkpoint
 
 if TYPE_CHECKING:
     from launch.slurm import SlurmJob
@@ -136,10 +136,16 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
                          "(its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run on GPUs")
 
 
-def check_resume(cfg: HybridflowConfig, *, command: str = "train") -> None:
+def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_reference: bool = False) -> None:
     """``run.resume`` against the run directory: the checkpoint a start continues from, the
-    damaged ones passed over (``run.resume_fallback``), and a config its model cannot load."""
+    damaged ones passed over (``run.resume_fallback``), and a config its model cannot load.
+    ``uses_reference``: the reference policy loads from the SFT checkpoint, which must then be
+    complete too."""
     found = find_resume(cfg.run.output_dir, cfg.run.resume, fallback=cfg.run.resume_fallback)
+    sft = sft_checkpoint(cfg.run.output_dir)
+    if uses_reference and found.path not in (None, sft) and sft.is_dir() and (problem := checkpoint_problem(sft)):
+        raise ValueError(f"checkpoint sft is damaged: {problem}; the reference policy loads from it (algorithm."
+                         "kl_loss_coef / kl_reward_coef > 0): restore its files, or set a new run.output_dir")
     for path, problem in found.damaged:
         _say(command, f"checkpoint {path.name} is damaged: {problem}; the run sets it aside as "
                       f"{path.name}{DAMAGED_SUFFIX} and resumes from an earlier one (run.resume_fallback=previous)",
@@ -157,7 +163,7 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
     """What can be checked in this process before any rank starts: the algorithm's graph
     against the enabled roles and placement, the reward function, the data files, the engine
     on this machine, and ``run.resume`` against the run directory."""
-    lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
+    plan = lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
     check_runtime_support(cfg)
     check_reward(cfg.reward)
     check_data(cfg, command=command)
@@ -170,7 +176,7 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
         check_engine_device(cfg, on_gpu=torch.cuda.is_available())
     if command == "train" and torch.cuda.is_available():
         check_node_gpus(cfg, torch.cuda.device_count())
-    check_resume(cfg, command=command)
+    check_resume(cfg, command=command, uses_reference=plan.spec.uses_reference)
 
 
 def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob) -> None:

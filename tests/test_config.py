@@ -141,7 +141,8 @@ def test_a_wrong_kind_in_the_yaml_file_names_the_key_and_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  train_files:\n    a: 1\nreward:\n  kwargs: [1]\n")
     message = _error(path=str(bad))
-    assert message == f"data.train_files: expected a list of str, e.g. data.train_files=[a, b], got {{'a': 1}} (in config file {bad})"
+    assert message == ("data.train_files: expected a list of str, e.g. data.train_files=[a, b], got {'a': 1} "
+                       f"(in config file {bad})")
     assert load_config(QUICKSTART, ["rollout.enable_dp_attention=1"]).rollout.enable_dp_attention is True
 
 

@@ -213,3 +213,16 @@ def test_a_model_the_checkpoint_cannot_load_into_is_named_key_by_key(tmp_path, c
                     "for a new run")
     preflight(load_config(QUICKSTART, [f"run.output_dir={run}", "run.steps=40"]))
     assert "hybridflow train: changed since step_000004 was saved: run.steps: 30 -> 40\n" in capsys.readouterr().out
+
+
+def test_a_damaged_sft_checkpoint_is_refused_when_the_reference_loads_from_it(tmp_path, capsys):
+    from tests.runtime.run_dirs import checkpoint, shard
+
+    run = _run_dir(tmp_path / "run")
+    missing = shard(checkpoint(run, "sft", 0))
+    missing.unlink()
+    preflight(load_config(QUICKSTART, [f"run.output_dir={run}"]))  # no KL term: the SFT checkpoint is not read
+    line = _refusal(tmp_path, "reference.enabled=true", "algorithm.kl_loss_coef=0.01", capsys=capsys)
+    assert line == (f"hybridflow train: error: checkpoint sft is damaged: {missing} is missing (listed in .metadata); "
+                    "the reference policy loads from it (algorithm.kl_loss_coef / kl_reward_coef > 0): restore its "
+                    "files, or set a new run.output_dir")

@@ -286,7 +286,10 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"model.num_layers": 2, ...}`` for nested mappings (lists stay values)."""
     if not isinstance(tree, dict) or not tree and prefix:
         return {prefix: tree}
-    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
 
 
 def _tensor_shapes(model: dict) -> dict[str, tuple[int, ...]] | None:
