@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config import DataConfig, HybridflowConfig
-from hybridflow.rollout.tokens import encode_prompts
 
 __all__ = [
     "DATA_SOURCE_KEY",
@@ -387,6 +386,8 @@ def _as_encodable(prompt: str | list[dict[str, str]], use_chat: bool) -> Any:
 
 
 def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool) -> TokenizedPrompt:
+    from hybridflow.rollout.tokens import encode_prompts  # here: it imports torch; preflight reads rows without
+
     try:
         (ids,) = encode_prompts(tokenizer, [_as_encodable(row.prompt, use_chat)])
     except ValueError as error:  # e.g. a prompt that encodes to no tokens

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from hybridflow.config import HybridflowConfig, to_yaml
+from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
 from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpoint_problem, find_resume, sft_checkpoint
@@ -116,8 +117,6 @@ def _say(command: str, line: str, *, warning: bool = False) -> None:
 def check_data(cfg: HybridflowConfig, *, command: str = "train") -> None:
     """The data files as far as a look at their first rows tells (``data.preview_files``), and
     one line saying which reward function scores the rows of each data_source."""
-    from hybridflow.data import preview_files, sft_key  # here: hybridflow.data imports torch; plan imports this module
-
     sources = preview_files(cfg.data, sft_key=sft_key(cfg), with_heldout=cfg.run.heldout_prompts > 0)
     if not cfg.data.train_files:  # the synthetic task's rows name it as their data_source
         sources[cfg.task.name] += cfg.task.train_size
