@@ -26,9 +26,10 @@ and a one-line message on stderr.
 layout with torchrun (gloo on CPU, NCCL on GPUs) to train the actor a few steps on a synthetic
 task, checkpoint it and reload it (``hybridflow/selftest.py``).
 
-``train``, ``launch`` and ``slurm`` check the config here first (``hybridflow.preflight``), then
-hand plain values (the actor's layout, the config path and overrides) to ``launch``, which
-starts the processes.
+``plan`` also resolves ``reward.function``. ``train``, ``launch`` and ``slurm`` check the config
+here first (``hybridflow.preflight``: reward, data files, engine, resume checkpoint), then hand
+plain values (the actor's layout, the config path and overrides) to ``launch``, which starts
+the processes.
 """
 
 import argparse
@@ -45,6 +46,7 @@ from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_y
 from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
 from hybridflow.preflight import check_separate_nodes, check_slurm_run, engine_ranks, preflight
+from hybridflow.rewards import check_reward
 from launch.multinode import LaunchSpec
 from launch.slurm import SlurmJob
 
@@ -195,6 +197,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--device-memory-gib={args.device_memory_gib:g} must be > 0")
     with_reshard = not (args.no_reshard or args.mermaid)
     plan = lower(cfg, with_reshard=with_reshard, device_memory_gib=args.device_memory_gib)
+    check_reward(cfg.reward)  # a misspelled reward would otherwise fail only after the SFT warm-up
     if args.mermaid:
         print(plan.graph.to_mermaid())
         return 0

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
-from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
+from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.model_dir import rollout_model_dir
 from hybridflow.runtime.shares import Shard, single_process
@@ -279,9 +279,9 @@ def prepare_files(cfg: HybridflowConfig, out_dir: Path) -> tuple[list[str], list
 def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: list[str]):
     """Tokenised training prompts (with SFT targets when SFT runs), held-out prompts, and the bad
     rows skipped under ``data.on_bad_row=skip`` (unreadable or untokenisable) by data set."""
-    sft_key = cfg.sft.response_key if cfg.sft.steps > 0 or cfg.run.mode == "sft" else None
     report = DataReport()
-    prompts, too_long = tokenize_rows(read_rows(train, cfg.data, sft_key=sft_key, report=report), tokenizer, cfg.data)
+    prompts, too_long = tokenize_rows(read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report), tokenizer,
+                                      cfg.data)
     skipped = {"train": report.num_skipped + too_long}
     held = []
     if heldout and cfg.run.heldout_prompts > 0:

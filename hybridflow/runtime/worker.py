@@ -26,6 +26,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from hfschema.files import write_text_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
@@ -71,6 +72,7 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
         s.state.mlflow_run_id = s.tracker.run_id
         s.state.reward_errors = s.reward_errors
         s.state.wall_seconds = s.wall_before + time.time() - s.started
+        write_text_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
         run_state.save_state(staging, s.state)
         run_state.publish(staging, final)
         run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
@@ -268,6 +270,17 @@ def out_of_memory_hint(cfg: HybridflowConfig, phase: str) -> Iterator[None]:
             f"(now {cfg.actor.parallel.describe()})") from None
 
 
+def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> Path | None:
+    """Rank 0: the checkpoint this start continues from (damaged newer ones set aside), refused
+    key by key when this config's model cannot load it (what preflight checked already)."""
+    path = run_state.resume_point(out_dir, cfg.run.resume, fallback=cfg.run.resume_fallback, set_aside_damaged=True)
+    if path is not None:
+        changes = run_state.check_config_loads(path, out_dir, yaml.safe_load(to_yaml(cfg)))
+        if changes:
+            logger.info("changed since %s was saved: %s", path.name, "; ".join(changes))
+    return path
+
+
 def run(cfg: HybridflowConfig, channel: Channel | None = None) -> dict:
     """The whole job on this rank (every rank of the actor's layout calls it); ``channel``: the
     joint group with the engine ranks (separate placement), None when colocated."""
@@ -281,7 +294,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
     plan = lower(cfg, with_reshard=False)  # the stages `hybridflow plan` prints are the ones that run
     check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
     out_dir = Path(cfg.run.output_dir)
-    resume_from = broadcast(run_state.resume_point(out_dir, cfg.run.resume) if dist.get_rank() == DRIVER else None)
+    resume_from = broadcast(_resume_point(cfg, out_dir) if dist.get_rank() == DRIVER else None)
     if dist.get_rank() == DRIVER and resume_from is None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
