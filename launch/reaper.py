@@ -44,9 +44,9 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Signals that stop a job cleanly (the launcher forwards them; the ranks handle them)."""
-TORCHRUN_SHUTDOWN_S = 15
+TORCHRUN_SHUTDOWN_S = 10
 """torchrun's ``--shutdown-timeout``: how long it waits for its ranks to exit before SIGKILL."""
-STOP_GRACE_S = 20.0
+STOP_GRACE_S = 15.0
 """How long after a stop signal the launcher waits before it SIGKILLs whatever is left."""
 REQUEST_FILE = "checkpoint.request"
 """In the run directory: the ranks checkpoint at their next step boundary and stop

@@ -341,9 +341,13 @@ def main(argv: list[str] | None = None) -> int:
             serve(cfg, channel)
         else:
             run(cfg, channel)
-    except stops.Stopped as stop:
+    except stops.Stopped as stop:  # engines are shut down (run); now leave at once
         logging.getLogger("hybridflow.train").warning("%s", stop)
-        return 128 + stop.signum
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no process-group teardown: a step cut short leaves collectives unmatched, and
+        # destroying their groups then waits for peers that are gone (seen: until torchrun's SIGKILL)
+        os._exit(128 + stop.signum)
     except DeviceMemoryError as error:  # one line, not a traceback: the message says what to change
         record_failure(error)
         logging.getLogger("hybridflow.train").error("%s", error)

@@ -2,8 +2,9 @@
 
 A stop signal to the launcher ends every process of the job within ``STOP_BOUND_S`` with exit
 status 128 + the signal; a rank's error is the launcher's last line and ``error.txt``. The job's
-processes are found by a marker in their environment, which every descendant inherits, orphans
-and processes in other sessions included.
+processes are the command's descendants when the signal is sent, and any process that carries a
+marker in its environment, which every descendant inherits (orphans and processes in other
+sessions included; SGLang's renamed processes overwrite theirs, but are descendants).
 
 The real runs use the transformers rollout engine (``rollout.engine=hf``): the cheapest that
 starts the whole process tree of a run (the launcher, torchrun, two ranks, their checkpoint
@@ -48,11 +49,22 @@ def _marked(marker: str) -> list[psutil.Process]:
     return found
 
 
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
 class Job:
     """A command started in its own session with a marker, its output in a log file."""
 
     def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.marker, self.log = uuid.uuid4().hex, log
+        self.marker, self.log, self.left = uuid.uuid4().hex, log, []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), MARKER: self.marker, **(env or {})}
         with log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -68,20 +80,34 @@ class Job:
             assert time.monotonic() < deadline, f"no {needle!r} within {timeout_s:g} s:\n{self.text()[-3000:]}"
             time.sleep(0.2)
 
+    def processes(self) -> list[psutil.Process]:
+        """The command's descendants and every marked process."""
+        found = {p.pid: p for p in _marked(self.marker)}
+        try:
+            found.update((p.pid, p) for p in psutil.Process(self.proc.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+        return list(found.values())
+
     def stop(self, sig: int) -> tuple[int, float]:
         """Send ``sig`` to the command; (exit status, seconds until no process of the job is left)."""
-        assert len(_marked(self.marker)) > 1, "the job has not started its processes"
+        job = self.processes()
+        assert len(job) > 1, "the job has not started its processes"
         sent = time.monotonic()
         self.proc.send_signal(sig)
-        while _marked(self.marker) and time.monotonic() - sent < STOP_BOUND_S + 10:
+        while (_alive(job) or _marked(self.marker)) and time.monotonic() - sent < STOP_BOUND_S + 10:
             time.sleep(0.2)
         gone_s = time.monotonic() - sent
+        self.left = _alive(job)
         self.kill()
         return self.proc.wait(timeout=10), gone_s
 
     def kill(self) -> None:
-        for proc in _marked(self.marker):  # whatever outlived the bound, so that no test leaks it
-            proc.kill()
+        for proc in _marked(self.marker) + self.left:  # whatever outlived the bound: no test leaks it
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 # --- the reaper on stand-in jobs: seconds, no torch -------------------------------------------
@@ -156,6 +182,26 @@ def test_a_signal_stops_every_process_of_hybridflow_train(tmp_path, sig) -> None
     assert job.text().rstrip().splitlines()[-1] == f"hybridflow train: stopped by {name}; exit status {128 + sig}"
     assert check_checkpoints(out) == []  # every complete checkpoint is whole; a cut one stays .partial
     assert not (out / ERROR_FILE).exists()  # a stop is not a failure
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_sigterm_stops_the_sglang_engine_processes_too(tmp_path) -> None:
+    """The quickstart's SGLang engine (tp=2): its scheduler and detokenizer processes, children
+    of rank 0, go with the job (torchrun signals each rank's process group)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml", f"run.output_dir={out}",
+           "sft.steps=0", "run.steps=50", "run.heldout_prompts=4", "run.heldout_every=0", "run.prompts_per_step=2",
+           "rollout.n=2"]
+    job = Job(cmd, tmp_path / "run.log")
+    try:
+        job.wait_for("rl:", timeout_s=400)
+        titles = [" ".join(p.cmdline()) for p in job.processes()]
+        assert any(t.startswith("sglang::scheduler") for t in titles), titles  # SGLang renames its processes
+        code, gone_s = job.stop(signal.SIGTERM)
+    finally:
+        job.kill()
+    assert code == 128 + signal.SIGTERM and gone_s < STOP_BOUND_S, (code, gone_s)
 
 
 @pytest.mark.distributed
