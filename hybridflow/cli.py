@@ -230,7 +230,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     preflight(cfg)
     return launch_train(cfg.actor.parallel, args.config, args.overrides, rollout=cfg.rollout.describe(),
-                        engine_ranks=engine_ranks(cfg))
+                        engine_ranks=engine_ranks(cfg), output_dir=cfg.run.output_dir)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -242,7 +242,7 @@ def _launch(args: argparse.Namespace) -> int:
     spec.check_layout(cfg.actor.parallel, engine_ranks(cfg))
     check_separate_nodes(cfg, spec.nproc_per_node)
     preflight(cfg, command="launch")
-    return launch(spec, cfg.actor.parallel, args.config, args.overrides)
+    return launch(spec, cfg.actor.parallel, args.config, args.overrides, output_dir=cfg.run.output_dir)
 
 
 def _given(args: argparse.Namespace, defaults: dict[str, object]) -> dict[str, object]:

@@ -34,7 +34,7 @@ from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.lowering import lower
 from hybridflow.data import PromptSampler
-from hybridflow.runtime import determinism, report, state as run_state
+from hybridflow.runtime import determinism, report, state as run_state, stops
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.ops import heldout_reward
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
@@ -47,6 +47,7 @@ from hybridflow.runtime.session import (
 from hybridflow.runtime.sft import run_sft, sft_train_config
 from hybridflow.runtime.sync import EngineSync
 from hybridflow.runtime.tracking import Tracker
+from launch.failures import record_failure
 from moe.routes import check_replay_device
 from moe.stats import summarise as summarise_router_stats
 
@@ -61,22 +62,23 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
 
     final = s.out_dir / "checkpoints" / name
     staging = run_state.staging_dir(final)
-    if s.is_driver:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    dist.barrier()
-    checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
-    if policy is None and s.critic is not None:
-        checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
-    if s.is_driver:
-        s.state.mlflow_run_id = s.tracker.run_id
-        s.state.reward_errors = s.reward_errors
-        s.state.wall_seconds = s.wall_before + time.time() - s.started
-        write_text_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
-        run_state.save_state(staging, s.state)
-        run_state.publish(staging, final)
-        run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
-    dist.barrier()
+    with stops.deferred():  # a stop signal now waits for the checkpoint (within the launcher's grace)
+        if s.is_driver:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        dist.barrier()
+        checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
+        if policy is None and s.critic is not None:
+            checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
+        if s.is_driver:
+            s.state.mlflow_run_id = s.tracker.run_id
+            s.state.reward_errors = s.reward_errors
+            s.state.wall_seconds = s.wall_before + time.time() - s.started
+            write_text_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
+            run_state.save_state(staging, s.state)
+            run_state.publish(staging, final)
+            run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
+        dist.barrier()
 
 
 def _warm_up(s: Session) -> None:
@@ -314,7 +316,11 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
             s.state.heldout_after_sft = heldout_reward(s)
             s.state.heldout.append((s.state.step, s.state.heldout_after_sft))
         with out_of_memory_hint(cfg, "the RL steps"):
-            train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
+            finished = train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
+        if not finished:  # checkpointed on request (stops.REQUEST_FILE): a later start resumes there
+            s.tracker.close(status="KILLED")
+            _stop_engines(s, in_order=True)
+            return {}
         after_rl = heldout_reward(s)
         if after_rl is not None:
             s.state.heldout.append((s.state.step, after_rl))
@@ -322,8 +328,8 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         s.tracker.close()
         _stop_engines(s, in_order=True)
         return summary
-    except BaseException:
-        s.tracker.close(status="FAILED")
+    except BaseException as error:
+        s.tracker.close(status="KILLED" if isinstance(error, stops.Stopped) else "FAILED")
         _stop_engines(s, in_order=False)
         raise
 
@@ -332,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_adapters import parallel
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    stops.install()
     cfg = load_config(argv[0], argv[1:])
     determinism.apply(cfg.run.deterministic)  # before anything is built or started
     minutes = cfg.run.collective_timeout_minutes
@@ -354,10 +361,21 @@ def main(argv: list[str] | None = None) -> int:
             serve(cfg, channel)
         else:
             run(cfg, channel)
+    except stops.Stopped as stop:  # engines are shut down (run); now leave at once
+        logging.getLogger("hybridflow.train").warning("%s", stop)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no process-group teardown: a step cut short leaves collectives unmatched, and
+        # destroying their groups then waits for peers that are gone (seen: until torchrun's SIGKILL)
+        os._exit(128 + stop.signum)
     except DeviceMemoryError as error:  # one line, not a traceback: the message says what to change
+        record_failure(error)
         logging.getLogger("hybridflow.train").error("%s", error)
         sys.stderr.write(f"hybridflow train: error: {error}\n")
         return 1
+    except BaseException as error:  # before the clean-up below: a peer's later error cannot look first
+        record_failure(error)
+        raise
     finally:
         parallel.teardown()
         dist.destroy_process_group()

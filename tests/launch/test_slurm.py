@@ -52,7 +52,10 @@ def test_one_cpu_node(capsys, tmp_path):
     assert f"--output={tmp_path / 'run' / 'logs'}/slurm-%j.out" in directives
     assert f"--chdir={Path.cwd().resolve()}" in directives
     assert 'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in script
-    assert "trap requeue_before_time_limit USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert "trap checkpoint_before_time_limit USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert f"> {tmp_path / 'run' / 'checkpoint.request'}" in script  # the ranks save, then stop
+    for name in ("INT", "TERM", "HUP"):
+        assert f"trap 'stop_job" in script and f" {name}' {name}" in script
     assert "srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1" in script
     assert "-m hybridflow.cli launch " + CONFIG in script
     assert "--nnodes 1 --nproc-per-node 2 --max-restarts 0" in script

@@ -137,7 +137,8 @@ def _fake_session(on_nan: str, steps: int = 3):
                                                        "run.heldout_every=0"])
     return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), step_metrics={},
                            prompt_batch=lambda step: [], executed_stages=[], mode=None, engine=None,
-                           actor=None, critic=None, algo=cfg.algorithm, sync=None)
+                           actor=None, critic=None, algo=cfg.algorithm, sync=None, rank=0,
+                           out_dir=Path("unused"), shard=SimpleNamespace(group=None))
 
 
 def _graph_raising_at(bad_step: int):
