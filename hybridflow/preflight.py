@@ -109,8 +109,13 @@ def check_node_gpus(cfg: HybridflowConfig, available: int) -> None:
 _SHOWN_CHANGES = 8  # config changes listed on the resume line
 
 
+_PRODUCT_ON_STDOUT = ("plan", "slurm")
+"""Commands whose standard output is what they make (the plan, the batch script): their
+preflight lines go to standard error, so the output stays usable as it is."""
+
+
 def _say(command: str, line: str, *, warning: bool = False) -> None:
-    stream = sys.stderr if warning else sys.stdout
+    stream = sys.stderr if warning or command in _PRODUCT_ON_STDOUT else sys.stdout
     stream.write(f"hybridflow {command}: {'warning: ' if warning else ''}{line}\n")
 
 
