@@ -48,7 +48,6 @@ FAULT_ENV = "HYBRIDFLOW_FAULT_REPLICA"
 FAULT_KILL_ENV = "HYBRIDFLOW_FAULT_KILL_ENGINE"
 """Testing hook, ``K@N``: replica K's driver SIGKILLs one of its SGLang engine's scheduler
 processes from a thread while the N-th generate call of the run generates (its first try)."""
-_KILL_DELAY_S = 0.2
 
 
 class ReplicaFailed(RuntimeError):
@@ -211,9 +210,16 @@ def _inject_fault(replica: int, call: int) -> None:
 
 
 def _kill_a_scheduler_soon(engine) -> None:
-    """SIGKILL the engine's first scheduler process shortly after this call (FAULT_KILL_ENV)."""
-    pid = engine.watch.schedulers()[0]
-    threading.Timer(_KILL_DELAY_S, os.kill, args=(pid, signal.SIGKILL)).start()
+    """SIGKILL the engine's first scheduler process from a thread once the driver waits in the
+    engine's next call, the generate about to start (FAULT_KILL_ENV)."""
+    pid, watch = engine.watch.schedulers()[0], engine.watch
+
+    def kill() -> None:
+        while not watch.active:
+            time.sleep(0.001)
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True, name="hybridflow-fault-kill").start()
 
 
 def _raise_failures(gathered: list, *, restartable: bool = False) -> None:

@@ -104,8 +104,9 @@ def _start(
     ``SamplingParams.seed`` take effect (GPU only). ``engine_kwargs`` go to ``sglang.Engine``
     unchanged and override the settings chosen here; ``load_format="dummy"`` starts from a
     directory with configs and tokenizer only, and ``generate`` waits for the first push.
-    ``generate_timeout_s``: a generate or reseed call running longer counts as a hung engine
-    (``EngineLost``, as when one of its processes dies; ``watch``); None: no bound.
+    ``generate_timeout_s``: a call that waits on the engine (generate, each weight-update
+    call) running longer counts as a hung engine (``EngineLost``, as when one of its processes
+    dies; ``watch``); None: no bound.
     """
     engine, own, args, on_cpu, routed = _launch(
         model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
@@ -312,7 +313,7 @@ class SGLangEngine:
                  generate_timeout_s: float | None = None):
         self._engine = engine
         self.generate_timeout_s = generate_timeout_s
-        """Bound of one generate or reseed call (None: none); past it the engine counts as hung."""
+        """Bound of one call that waits on the engine (None: none); past it the engine counts as hung."""
         self.watch = ProcessWatch(_descendants(own_processes), engine.loop)
         """Liveness of the engine's own processes during calls (``watch``)."""
         self.watch.take_over(engine.tokenizer_manager)
@@ -359,10 +360,10 @@ class SGLangEngine:
             return RolloutBatch(samples=(), seconds=0.0)
         started = time.perf_counter()
         sampling = [self._sampling(params, i) for i in range(len(input_ids))]
-        outputs = self.watch.call(lambda: self._engine.generate(
+        outputs = self._watched(lambda: self._engine.generate(
             input_ids=input_ids, sampling_params=sampling, return_logprob=True,
             return_routed_experts=self._routed_experts,
-        ), timeout_s=self.generate_timeout_s, what="generate")
+        ), "generate")
         seconds = time.perf_counter() - started
         samples = tuple(self._sample(out, i // params.n, i % params.n, input_ids[i]) for i, out in enumerate(outputs))
         return RolloutBatch(samples=samples, seconds=seconds)
@@ -545,29 +546,29 @@ class SGLangEngine:
         resident, and a completed push makes released weights whole again: the caller pushes all)."""
         if weights:
             self._check_weights_writable()
-        _check_result(self._engine.begin_weight_update(), "begin_weight_update")
+        _check_result(self._watched(self._engine.begin_weight_update, "begin_weight_update"), "begin_weight_update")
         try:
             yield
         finally:
-            _check_result(self._engine.end_weight_update(), "end_weight_update")
+            _check_result(self._watched(self._engine.end_weight_update, "end_weight_update"), "end_weight_update")
         if weights:
             self._weights_lost = False
 
     def _update(self, named: list, *, load_format: str | None, flush_cache: bool) -> None:
-        result = self._engine.update_weights_from_tensor(named_tensors=named, load_format=load_format,
-                                                         flush_cache=flush_cache)
+        result = self._watched(lambda: self._engine.update_weights_from_tensor(
+            named_tensors=named, load_format=load_format, flush_cache=flush_cache), "update_weights_from_tensor")
         _check_result(result, f"update_weights_from_tensor(load_format={load_format!r})")
 
     def reseed(self, seed: int) -> None:
         """Seed every rank's sampling generator (``rank_seed``); the next generate call's samples
         then depend only on the weights, the prompts and ``seed``."""
         self._check_open()
+        with self._update_session():
+            self._update([(str(int(seed)), _NAME_ONLY)], load_format=rank_seed.LOADER, flush_cache=False)
 
-        def reseed() -> None:
-            with self._update_session():
-                self._update([(str(int(seed)), _NAME_ONLY)], load_format=rank_seed.LOADER, flush_cache=False)
-
-        self.watch.call(reseed, timeout_s=self.generate_timeout_s, what="reseed")
+    def _watched(self, fn, what: str) -> Any:
+        """``fn()``, a call that waits on the engine, as EngineLost if the engine is lost meanwhile."""
+        return self.watch.call(fn, timeout_s=self.generate_timeout_s, what=what)
 
     # control
 
@@ -588,7 +589,7 @@ class SGLangEngine:
     def flush_cache(self) -> None:
         """Drop the prefix (radix) cache; RuntimeError if SGLang refuses (requests still running)."""
         self._check_open()
-        result = self._engine.flush_cache()
+        result = self._watched(self._engine.flush_cache, "flush_cache")
         if not getattr(result, "success", True):
             raise RuntimeError(f"SGLang flush_cache failed: {getattr(result, 'message', result)}")
 
@@ -646,7 +647,7 @@ class SGLangEngine:
 
     def _run(self, coroutine: Any) -> Any:
         self._check_open()
-        return self._engine.loop.run_until_complete(coroutine)
+        return self._watched(lambda: self._engine.loop.run_until_complete(coroutine), "pause / continue")
 
 
 def _shutdown(engine: Any, own: frozenset[int]) -> None:

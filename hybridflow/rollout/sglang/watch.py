@@ -47,8 +47,14 @@ class ProcessWatch:
         self._names = {p.pid: _name(p) for p in processes}
         self._loop = loop
         self._active = False
+        self._what = "a call"
         self.cause: str | None = None
         """Why the engine stopped serving (first cause seen), or None while it serves."""
+
+    @property
+    def active(self) -> bool:
+        """Whether a watched call is running now."""
+        return self._active
 
     @property
     def pids(self) -> list[int]:
@@ -69,7 +75,7 @@ class ProcessWatch:
         # running loop (outside one, SGLang would make a new loop): install it now, then replace it
         self._loop.run_until_complete(_called(manager.auto_create_handle_loop))
         self._loop.remove_signal_handler(signal.SIGQUIT)
-        self._loop.add_signal_handler(signal.SIGQUIT, self._lost, "an SGLang process reported a failure (SIGQUIT)")
+        self._loop.add_signal_handler(signal.SIGQUIT, self._signalled)
 
     def call(self, fn: Callable[[], T], *, timeout_s: float | None, what: str) -> T:
         """``fn()``, stopped and turned into ``EngineLost`` when an engine process dies, one
@@ -78,7 +84,7 @@ class ProcessWatch:
         done = threading.Event()
         poller = threading.Thread(target=self._poll, args=(done, timeout_s, what), daemon=True,
                                   name="hybridflow-engine-watch")
-        self._active = True
+        self._active, self._what = True, what
         poller.start()
         try:
             result = fn()
@@ -120,6 +126,12 @@ class ProcessWatch:
                 continue
             self._loop.call_soon_threadsafe(self._lost, cause)
             return
+
+    def _signalled(self) -> None:
+        """SIGQUIT: a scheduler that failed (often a peer of one that died: that one is named)."""
+        dead = self.dead()
+        self._lost(f"{dead} during {self._what}" if dead is not None
+                   else f"an SGLang process reported a failure (SIGQUIT) during {self._what}")
 
     def _lost(self, cause: str) -> None:
         """In the loop's thread: record ``cause`` and stop the loop if a call is running on it."""
