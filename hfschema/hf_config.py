@@ -7,8 +7,11 @@ HF dir ── config.json ──► model_type ──► HF_CONFIG_READERS[model
 ```
 
 Readers are registered per ``model_type`` (transformers' name for the architecture); each turns
-the raw ``config.json`` into hybridflow's ``ModelConfig`` fields and refuses settings megatron-core
-would compute differently (sliding windows, MLP biases, other RoPE variants), naming the key.
+the raw ``config.json`` into hybridflow's ``ModelConfig`` fields. Settings megatron-core would
+compute differently are refused, naming the key, in two tables: ``HF_FIXED`` for ``config.json``
+keys that have no ``ModelConfig`` field (sliding windows, MLP biases, router jitter), and
+``ModelConfig``'s own ``FAMILY_FIXED`` / ``ROUTER_RULES`` for those that do (they also guard the
+YAML config). An absent key reads as transformers' default for it.
 The converters themselves live in ``megatron_adapters.convert``; ``hybridflow convert`` calls them.
 """
 
@@ -26,6 +29,7 @@ __all__ = [
     "DEFAULT_BUFFER_BYTES",
     "DEFAULT_SHARD_BYTES",
     "HF_CONFIG_READERS",
+    "HF_FIXED",
     "SIDE_FILE_DIR",
     "IGNORED_TENSORS",
     "WEIGHT_INDEX",
@@ -69,8 +73,12 @@ def read_model_config(directory: str | Path) -> ModelConfig:
             f"{where}: model_type={model_type!r} has no converter; "
             f"known: {', '.join(HF_CONFIG_READERS)}"
         )
+    keys = _Keys(config, where)
+    for key, value, why in HF_FIXED[model_type]:
+        if keys.get(key, value) != value:
+            keys.refuse(key, f"{why}; only {key}={value!r} maps")
     try:
-        fields = HF_CONFIG_READERS[model_type](_Keys(config, where))
+        fields = HF_CONFIG_READERS[model_type](keys)
         return ModelConfig(family=model_type, **fields)
     except KeyError as error:
         raise ValueError(f"{where}: required key {error.args[0]!r} is missing") from None
@@ -120,8 +128,6 @@ def _plain_rope(c: _Keys) -> float:
 
 
 def _common(c: _Keys) -> dict[str, Any]:
-    if c.get("hidden_act", "silu") != "silu":
-        c.refuse("hidden_act", "megatron_adapters builds SwiGLU (silu) MLPs only")
     heads = c["num_attention_heads"]
     return dict(
         hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
@@ -134,23 +140,16 @@ def _common(c: _Keys) -> dict[str, Any]:
 
 
 def _llama(c: _Keys) -> dict[str, Any]:
-    if c.get("mlp_bias", False):
-        c.refuse("mlp_bias", "MLP biases are not supported (megatron_adapters sets add_bias_linear=False)")
     return dict(_common(c), rope_theta=_plain_rope(c), num_experts=0,
                 attention_bias=bool(c.get("attention_bias", False)))
 
 
 def _qwen2(c: _Keys) -> dict[str, Any]:
-    if c.get("use_sliding_window", False):
-        c.refuse("use_sliding_window", "sliding-window attention is not built by megatron_adapters")
     # Qwen2 always has q/k/v biases; its config has no switch for them.
     return dict(_common(c), rope_theta=_plain_rope(c), num_experts=0, attention_bias=True)
 
 
 def _qwen3_moe(c: _Keys) -> dict[str, Any]:
-    if c.get("mlp_only_layers", []) or c.get("decoder_sparse_step", 1) != 1:
-        c.refuse("mlp_only_layers", "only all-MoE models (mlp_only_layers=[], decoder_sparse_step=1) "
-                 "map onto ModelConfig")
     return dict(
         _common(c), rope_theta=_plain_rope(c), qk_layernorm=True,
         # the hub's configs say num_experts; transformers 5 writes its alias num_local_experts
@@ -186,42 +185,63 @@ def _yarn(c: _Keys) -> tuple[float, RopeScalingConfig | None]:
     return rope["theta"], scaling
 
 
-_DEEPSEEK_FIXED = (
-    ("topk_method", "noaux_tc", "only the aux-loss-free router maps (its gate.e_score_correction_bias "
-     "is router.expert_bias; SGLang builds that tensor for noaux_tc alone)"),
-    ("scoring_func", "sigmoid", "megatron_adapters routes DeepSeek-V3 by sigmoid scores"),
-    ("moe_layer_freq", 1, "only MoE in every layer after first_k_dense_replace maps (SGLang makes "
-     "layers with layer % moe_layer_freq != 0 dense)"),
-    ("attention_bias", False, "MLA's projections map without biases (SGLang builds none)"),
-)
-"""DeepSeek-V3 ``config.json`` keys whose other values ModelConfig cannot describe: (key, the
-value of the released model, why); an absent key reads as that value."""
+def _deepseek_groups(c: _Keys) -> tuple[int | None, int | None]:
+    """(router_num_groups, router_group_topk); None when every group is chosen: both sides then
+    route by plain top-k, and megatron-core is spared group scores that change nothing."""
+    groups, chosen = c.get("n_group", 8), c.get("topk_group", 4)  # transformers' defaults
+    return (None, None) if chosen == groups else (groups, chosen)
 
 
 def _deepseek_v3(c: _Keys) -> dict[str, Any]:
-    if not c.get("norm_topk_prob", True):
-        c.refuse("norm_topk_prob", "megatron-core always renormalises sigmoid top-k weights")
-    if not c.get("rope_interleave", True):
-        c.refuse("rope_interleave", "megatron-core's MLA applies RoPE to interleaved channels")
-    for key, released, why in _DEEPSEEK_FIXED:
-        if c.get(key, released) != released:
-            c.refuse(key, why)
     theta, scaling = _yarn(c)
-    groups = c.get("n_group", 1)
+    groups, chosen = _deepseek_groups(c)
     common = _common(c)
     return dict(
         common, head_dim=c["v_head_dim"], num_kv_heads=common["num_attention_heads"],
         rope_theta=theta, rope_scaling=scaling, num_experts=c["n_routed_experts"],
         moe_top_k=c["num_experts_per_tok"], moe_ffn_hidden_size=c["moe_intermediate_size"],
-        num_shared_experts=c.get("n_shared_experts", 0), router_score_function="sigmoid",
-        router_expert_bias=True, router_topk_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
-        router_num_groups=groups if groups > 1 else None,
-        router_group_topk=c.get("topk_group") if groups > 1 else None,
-        first_k_dense_layers=c.get("first_k_dense_replace", 0), q_lora_rank=c.get("q_lora_rank"),
+        # transformers always multiplies by routed_scaling_factor and renormalises by norm_topk_prob
+        num_shared_experts=c.get("n_shared_experts", 1), router_score_function="sigmoid",
+        router_expert_bias=True, router_topk_scaling_factor=float(c.get("routed_scaling_factor", 2.5)),
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)), router_num_groups=groups,
+        router_group_topk=chosen, first_k_dense_layers=c.get("first_k_dense_replace", 3),
+        q_lora_rank=c.get("q_lora_rank"),
         kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
         qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
     )
 
+
+_SILU = ("hidden_act", "silu", "megatron_adapters builds SwiGLU (silu) MLPs only")
+HF_FIXED: dict[str, tuple[tuple[str, Any, str], ...]] = {
+    "llama": (_SILU, ("mlp_bias", False, "MLP biases are not supported (megatron_adapters sets "
+                      "add_bias_linear=False)")),
+    "qwen2": (_SILU, ("use_sliding_window", False, "sliding-window attention is not built by "
+                      "megatron_adapters")),
+    "qwen3_moe": (
+        _SILU,
+        ("mlp_only_layers", [], "only all-MoE models map onto ModelConfig"),
+        ("decoder_sparse_step", 1, "only all-MoE models map onto ModelConfig"),
+    ),
+    "mixtral": (_SILU, ("router_jitter_noise", 0.0, "transformers multiplies the MoE block's input "
+                        "(the experts' too) by uniform noise when training; megatron_adapters adds "
+                        "none, and megatron-core's moe_input_jitter_eps would jitter the router's "
+                        "input only")),
+    "deepseek_v3": (
+        _SILU,
+        ("rope_interleave", True, "megatron-core's MLA applies RoPE to interleaved channels"),
+        ("topk_method", "noaux_tc", "only the aux-loss-free router maps (its gate.e_score_correction_bias "
+         "is router.expert_bias; SGLang builds that tensor for noaux_tc alone)"),
+        ("scoring_func", "sigmoid", "megatron_adapters routes DeepSeek-V3 by sigmoid scores, as "
+         "transformers does whatever the key says"),
+        ("moe_layer_freq", 1, "only MoE in every layer after first_k_dense_replace maps (SGLang makes "
+         "layers with layer % moe_layer_freq != 0 dense)"),
+        ("attention_bias", False, "MLA's projections map without biases (SGLang builds none)"),
+    ),
+}
+"""Per ``model_type``: ``config.json`` keys without a ``ModelConfig`` field whose other values
+megatron_adapters would compute differently: (key, the one value that maps, why). An absent key
+reads as that value: transformers' default (it has none for topk_method and scoring_func, which
+its DeepSeek-V3 ignores)."""
 
 HF_CONFIG_READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
     "llama": _llama,

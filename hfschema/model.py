@@ -7,13 +7,17 @@ tensor shapes from it, ``megatron_adapters`` builds megatron-core models from it
 and raises ``ConfigError`` with keys relative to itself.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError
 
-__all__ = ["FAMILY_DERIVED", "FAMILY_FIXED", "MODEL_FAMILIES", "MOE_FAMILIES", "ModelConfig", "RopeScalingConfig"]
+__all__ = [
+    "FAMILY_DERIVED", "FAMILY_FIXED", "MODEL_FAMILIES", "MOE_FAMILIES", "ROUTER_RULES", "ModelConfig",
+    "RopeScalingConfig", "RouterRule",
+]
 
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -64,6 +68,81 @@ SGLang's model class and megatron_adapters build it) fixes them, and why. The fi
 the one to set; the ``FAMILY_DERIVED`` fields left at None take it."""
 FAMILY_DERIVED = ("qk_layernorm", "attention_bias")
 """Fields whose None default means the family's value (every family fixes both)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterRule:
+    """A combination of router settings that megatron-core routes differently from the family's
+    Hugging Face router (transformers 5.19), so the converted model's logits would differ."""
+
+    keys: tuple[str, ...]
+    """The ``ModelConfig`` fields involved, named in the error."""
+    hf_keys: tuple[str, ...]
+    """The ``config.json`` keys they are read from (``hfschema.hf_config``)."""
+    megatron_keys: tuple[str, ...]
+    """The megatron-core ``TransformerConfig`` fields they become (``megatron_adapters.model``)."""
+    differs: Callable[["ModelConfig"], bool]
+    """Whether the two implementations compute different routes or weights for this model."""
+    why: str
+    """What each side computes."""
+    fix: str
+    """The settings that compute alike."""
+
+
+def _group_scores_differ(m: "ModelConfig") -> bool:
+    # choosing every group drops no expert: the group scores are then never compared
+    return (m.router_num_groups is not None and m.router_group_topk < m.router_num_groups
+            and m.moe_top_k // m.router_group_topk != 2)
+
+
+def _sigmoid_norm_differs(m: "ModelConfig") -> bool:
+    return m.router_score_function == "sigmoid" and m.norm_topk_prob != (m.moe_top_k > 1)
+
+
+def _softmax_top1_differs(m: "ModelConfig") -> bool:
+    return m.router_score_function == "softmax" and m.moe_top_k == 1 and m.norm_topk_prob
+
+
+_GROUP_SCORES = RouterRule(
+    keys=("moe_top_k", "router_group_topk", "router_num_groups"),
+    hf_keys=("num_experts_per_tok", "topk_group", "n_group"),
+    megatron_keys=("moe_router_topk", "moe_router_group_topk", "moe_router_num_groups"),
+    differs=_group_scores_differ,
+    why=("transformers' DeepseekV3TopkRouter ranks expert groups by the sum of each group's top 2 "
+         "biased scores, megatron-core's group_limited_topk by the sum of its top "
+         "moe_router_topk // moe_router_group_topk"),
+    fix=("only moe_top_k // router_group_topk = 2 (DeepSeek-V3: 8 // 4), or router_group_topk = "
+         "router_num_groups, routes alike"),
+)
+_SIGMOID_NORM = RouterRule(
+    keys=("norm_topk_prob", "moe_top_k"),
+    hf_keys=("norm_topk_prob", "num_experts_per_tok"),
+    megatron_keys=("moe_router_topk",),
+    differs=_sigmoid_norm_differs,
+    why=("megatron-core renormalises sigmoid top-k weights exactly when moe_router_topk > 1 (it has "
+         "no switch for it), transformers exactly when norm_topk_prob is true"),
+    fix="only norm_topk_prob = (moe_top_k > 1) weighs alike",
+)
+_SOFTMAX_TOP1 = RouterRule(
+    keys=("moe_top_k", "norm_topk_prob"),
+    hf_keys=("num_experts_per_tok", "norm_topk_prob (Mixtral: always true)"),
+    megatron_keys=("moe_router_topk", "moe_router_pre_softmax"),
+    differs=_softmax_top1_differs,
+    why=("transformers renormalises the one softmax weight to 1.0; megatron-core refuses top-1 "
+         "softmax routing without moe_router_pre_softmax (the router would get no gradient) and "
+         "with it weighs by the softmax probability"),
+    fix="only norm_topk_prob = false routes a top-1 model alike",
+)
+ROUTER_RULES: dict[str, tuple[RouterRule, ...]] = {
+    "qwen3_moe": (_SOFTMAX_TOP1,),
+    "mixtral": (_SOFTMAX_TOP1,),
+    "deepseek_v3": (_GROUP_SCORES, _SIGMOID_NORM),
+}
+"""Per family: router setting combinations megatron-core computes differently from the family's
+Hugging Face router; ``ModelConfig`` refuses them, at config load and at conversion alike. Every
+other combination ``FAMILY_FIXED`` leaves open routes alike once ``megatron_adapters.model`` maps
+it (``norm_topk_prob`` -> ``moe_router_pre_softmax``): ``tests/megatron_adapters/test_router_rules.py``
+runs both implementations on each."""
 
 
 def _text(value: Any) -> str:
@@ -186,6 +265,7 @@ class ModelConfig:
         self._check_moe()
         self._check_router()
         self._check_family_fixed()
+        self._check_router_rules()
 
     def _check_attention(self) -> None:
         if self.is_mla:
@@ -228,6 +308,16 @@ class ModelConfig:
                     "{p}{key}={value} with {p}family={fam!r}: {why}; set {p}{key}={fix}",
                     key=key, value=_text(value), fam=self.family, why=why,
                     fix=_text(allowed[0]),
+                )
+
+    def _check_router_rules(self) -> None:
+        for rule in ROUTER_RULES.get(self.family, ()):
+            if rule.differs(self):
+                settings = ", ".join(f"{{p}}{key}={_text(getattr(self, key))}" for key in rule.keys)
+                raise ConfigError(
+                    settings + " (config.json {hf}; megatron-core {mc}) with {p}family={fam!r}: "
+                    "{why}; {fix}", hf=", ".join(rule.hf_keys), mc=", ".join(rule.megatron_keys),
+                    fam=self.family, why=rule.why, fix=rule.fix,
                 )
 
     def _check_moe(self) -> None:

@@ -26,9 +26,10 @@ and a one-line message on stderr.
 layout with torchrun (gloo on CPU, NCCL on GPUs) to train the actor a few steps on a synthetic
 task, checkpoint it and reload it (``hybridflow/selftest.py``).
 
-``train``, ``launch`` and ``slurm`` check the config here first (``hybridflow.preflight``), then
-hand plain values (the actor's layout, the config path and overrides) to ``launch``, which
-starts the processes.
+``plan`` also resolves ``reward.function``. ``train``, ``launch`` and ``slurm`` check the config
+here first (``hybridflow.preflight``: reward, data files, engine, resume checkpoint), then hand
+plain values (the actor's layout, the config path and overrides) to ``launch``, which starts
+the processes.
 """
 
 import argparse
@@ -45,6 +46,7 @@ from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_y
 from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
 from hybridflow.preflight import check_separate_nodes, check_slurm_run, engine_ranks, preflight
+from hybridflow.rewards import check_reward
 from launch.multinode import LaunchSpec
 from launch.slurm import SlurmJob
 
@@ -195,6 +197,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--device-memory-gib={args.device_memory_gib:g} must be > 0")
     with_reshard = not (args.no_reshard or args.mermaid)
     plan = lower(cfg, with_reshard=with_reshard, device_memory_gib=args.device_memory_gib)
+    check_reward(cfg.reward)  # a misspelled reward would otherwise fail only after the SFT warm-up
     if args.mermaid:
         print(plan.graph.to_mermaid())
         return 0
@@ -227,7 +230,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     preflight(cfg)
     return launch_train(cfg.actor.parallel, args.config, args.overrides, rollout=cfg.rollout.describe(),
-                        engine_ranks=engine_ranks(cfg))
+                        engine_ranks=engine_ranks(cfg), output_dir=cfg.run.output_dir)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -239,7 +242,7 @@ def _launch(args: argparse.Namespace) -> int:
     spec.check_layout(cfg.actor.parallel, engine_ranks(cfg))
     check_separate_nodes(cfg, spec.nproc_per_node)
     preflight(cfg, command="launch")
-    return launch(spec, cfg.actor.parallel, args.config, args.overrides)
+    return launch(spec, cfg.actor.parallel, args.config, args.overrides, output_dir=cfg.run.output_dir)
 
 
 def _given(args: argparse.Namespace, defaults: dict[str, object]) -> dict[str, object]:

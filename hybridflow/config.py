@@ -97,6 +97,9 @@ class TrackingConfig:
     """Tracking server URI; None = a local file store under run.output_dir/mlruns."""
     experiment: str = "hybridflow"
     """Experiment name runs are grouped under."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files under run.output_dir/tensorboard
+    (whatever the backend), for ``tensorboard --logdir``."""
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, ("mlflow", "none"))
@@ -165,6 +168,10 @@ class RunConfig:
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in output_dir if there is one;
     never: start fresh (refuses a directory that already holds checkpoints)."""
+    resume_fallback: str = "previous"
+    """A newest checkpoint found damaged at a start (a shard missing or truncated, its metadata
+    unreadable; the file is named): previous (set it aside as ``<name>.damaged`` and resume from
+    the newest complete one) or stop (refuse to start)."""
     heldout_prompts: int = 200
     """Held-out prompts scored (greedy) after SFT and after RL; 0 = skip."""
     heldout_every: int = 0
@@ -183,6 +190,7 @@ class RunConfig:
             raise ConfigError("{p}name must not be empty")
         check_choice("mode", self.mode, ("rl", "sft"))
         check_choice("resume", self.resume, ("auto", "never"))
+        check_choice("resume_fallback", self.resume_fallback, ("previous", "stop"))
         check_choice("on_nan", self.on_nan, ("stop", "skip"))
         check_non_negative(self, ("seed", "steps", "checkpoint_every", "heldout_prompts", "heldout_every"))
         check_positive(self, ("prompts_per_step", "keep_checkpoints"))
@@ -521,7 +529,8 @@ class DataConfig:
     One row per prompt, the field's common layout: a ``prompt`` column (a string, or a chat as
     a list of ``{role, content}``), the verifier's reference answer under ``answer_key`` (dots
     walk nested columns, e.g. ``reward_model.ground_truth``), optionally ``data_source`` to pick
-    the reward function per row, and an SFT target under ``sft.response_key``.
+    the reward function per row (under ``reward.function=auto``), and an SFT target under
+    ``sft.response_key``.
     """
 
     train_files: list[str] = field(default_factory=list)
@@ -576,9 +585,11 @@ class TaskConfig:
 class RewardConfig:
     """How a response is scored."""
 
-    function: str = "math"
-    """Reward function: a registered name (math, countdown, exact_match, arithmetic) or a dotted
-    path ``package.module.function`` called as fn(response, answer, **kwargs) -> float."""
+    function: str = "auto"
+    """Reward function of every row: a registered name (math, countdown, exact_match, arithmetic,
+    max) or a dotted path ``package.module.function`` called as fn(response, answer, **kwargs) ->
+    float; auto: a row's data_source when it names a registered reward (the synthetic tasks'
+    rows do), else math."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the reward function."""
     on_error: str = "zero"
@@ -718,9 +729,20 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> HybridflowCo
     try:
         cfg = _to_object(merged, "")
     except OmegaConfBaseException as e:  # e.g. a ${...} that does not resolve
+        _check_resolved(merged)  # a ${...} that resolves to the wrong kind: name its key
         raise ValueError(_omegaconf_message(e)) from None
     logger.debug("loaded config %s with overrides %s", path, list(overrides))
     return cfg
+
+
+def _check_resolved(merged: DictConfig) -> None:
+    """The kind checks of ``_check_keys`` on the resolved config (OmegaConf's error for a
+    ``${...}`` that resolves to a list where a string belongs names no key)."""
+    try:  # resolved untyped, so that a wrong kind resolves instead of failing without a key
+        resolved = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_container(merged)), resolve=True)
+    except OmegaConfBaseException:
+        return  # the resolution itself failed: the caller's message says where
+    _check_keys(resolved, HybridflowConfig, "")
 
 
 def to_yaml(cfg: HybridflowConfig) -> str:
@@ -745,10 +767,13 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"override {item!r} must look like key=value, e.g. train.lr=3e-4")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except (OmegaConfBaseException, yaml.YAMLError) as e:
-        raise ValueError(f"cannot parse overrides {list(overrides)}: {e}") from None
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            detail = str(getattr(e, "msg", None) or e).splitlines()[0]
+            raise ValueError(f"override {item!r} does not parse ({detail}); quote a value with "
+                             f"special characters, e.g. '{key.strip()}=\"...\"'") from None
+    return OmegaConf.from_dotlist(list(overrides))
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -771,21 +796,54 @@ def _join(path: str, key: str) -> str:
 
 
 def _check_keys(source: dict, cls: type, path: str) -> None:
-    """Reject keys the schema does not have, and scalars where a section is expected."""
+    """Reject keys the schema does not have, and values of the wrong kind (a mapping, a list or
+    a scalar where the schema wants another): OmegaConf's own errors for those name no key."""
     types = _field_types(cls)
     for key, value in source.items():
         if key not in types:
             raise ValueError(_unknown_key_message(str(key), path, list(types)))
-        tp, optional = _unwrap_optional(types[key])
-        if not dataclasses.is_dataclass(tp):
-            continue
-        if isinstance(value, dict):
-            _check_keys(value, tp, _join(path, key))
-        elif not (value is None and optional or _is_interpolation(value)):
-            raise ValueError(
-                f"{_join(path, key)}: expected a mapping with keys "
-                f"{', '.join(_field_types(tp))}, got {_show(value)}"
-            )
+        _check_kind(value, types[key], _join(path, key))
+
+
+def _check_kind(value: object, declared: Any, key: str) -> None:
+    """``value`` (plain YAML data) has the container kind of ``declared``; OmegaConf converts
+    and checks scalars itself (``'3'`` into an int, ``'abc'`` refused with the key)."""
+    tp, optional = _unwrap_optional(declared)
+    if value is None and optional or _is_interpolation(value) or tp is Any:
+        return
+    if value is None:
+        raise ValueError(f"{key}: expected {_type_name(declared)}, got null")
+    origin = typing.get_origin(tp) or tp
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping with keys {', '.join(_field_types(tp))}, got {_show(value)}")
+        _check_keys(value, tp, key)
+    elif origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ValueError(f"{key}: expected {_type_name(tp)}, e.g. {key}=[a, b], got {_show(value)}")
+        item = (typing.get_args(tp) or (Any,))[0]
+        for index, element in enumerate(value):
+            _check_kind(element, item, f"{key}[{index}]")
+    elif origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping, e.g. {key}={{name: value}}, got {_show(value)}")
+    elif isinstance(value, (dict, list)) or tp is bool and type(value) is int and value not in (0, 1):
+        raise ValueError(f"{key}: expected {_type_name(declared)}, got {_show(value)}")
+
+
+def _type_name(declared: Any) -> str:
+    """``int``, ``str or null``, ``a list of str``, ``a ModelConfig mapping``."""
+    tp, optional = _unwrap_optional(declared)
+    origin = typing.get_origin(tp) or tp
+    if dataclasses.is_dataclass(tp):
+        name = f"a {tp.__name__} mapping"
+    elif origin in (list, tuple):
+        name = f"a list of {_type_name((typing.get_args(tp) or (Any,))[0])}"
+    elif origin is dict:
+        name = "a mapping"
+    else:
+        name = getattr(tp, "__name__", str(tp))
+    return f"{name} or null" if optional else name
 
 
 def _show(value: object) -> str:
@@ -832,15 +890,14 @@ def _omegaconf_message(error: OmegaConfBaseException, source: DictConfig | None 
 
 def _expected_type(key: str) -> str | None:
     """Readable schema type of the field at dotted ``key``; None if there is no such field."""
-    cls, tp, optional = HybridflowConfig, None, False
+    cls, declared = HybridflowConfig, None
     for part in key.split("."):
         types = _field_types(cls) if dataclasses.is_dataclass(cls) else {}
         if part not in types:
             return None
-        tp, optional = _unwrap_optional(types[part])
-        cls = tp
-    name = f"a {tp.__name__} mapping" if dataclasses.is_dataclass(tp) else tp.__name__
-    return f"{name} or null" if optional else name
+        declared = types[part]
+        cls, _ = _unwrap_optional(declared)
+    return _type_name(declared)
 
 
 def _to_object(node: DictConfig, path: str) -> Any:

@@ -28,13 +28,13 @@ import logging
 import os
 import random
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import DataConfig
-from hybridflow.rollout.tokens import encode_prompts
+from hybridflow.config import DataConfig, HybridflowConfig
 
 __all__ = [
     "DATA_SOURCE_KEY",
@@ -42,7 +42,9 @@ __all__ = [
     "PromptRow",
     "PromptSampler",
     "TokenizedPrompt",
+    "preview_files",
     "read_rows",
+    "sft_key",
     "tokenize_rows",
     "write_atomically",
     "write_jsonl",
@@ -52,7 +54,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DATA_SOURCE_KEY = "data_source"
-"""Column naming the row's origin; a registered reward name there picks the reward function."""
+"""Column naming the row's origin; under ``reward.function=auto`` a registered reward name there
+picks the reward function."""
 _MAX_WARNINGS_PER_FILE = 10  # past this, bad rows of a file are counted, not logged one by one
 
 
@@ -70,7 +73,8 @@ class PromptRow:
     answer: Any
     """The reference answer handed to the reward function (``data.answer_key``)."""
     data_source: str | None = None
-    """Where the row comes from; a registered reward name here picks the reward function."""
+    """Where the row comes from; a registered reward name here picks the reward function under
+    ``reward.function=auto``."""
     sft_response: str | None = None
     """The SFT target, when ``read_rows`` was given ``sft_key``."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -303,6 +307,71 @@ def read_rows(paths: Sequence[str | os.PathLike], cfg: DataConfig, *, sft_key: s
     return rows
 
 
+# --------------------------------------------------------------------------- preflight
+
+PREVIEW_ROWS = 1000
+"""Rows of each file that ``preview_files`` reads (preflight must take seconds, not a full pass)."""
+
+
+def _columns(records: Sequence[Any]) -> str:
+    seen = dict.fromkeys(k for r in records if isinstance(r, Mapping) for k in r)
+    return ", ".join(map(str, seen)) or "none"
+
+
+def _preview_file(path_text: str, key: str, cfg: DataConfig, sft_key: str | None,
+                  sources: Counter) -> None:
+    path = Path(path_text)
+    where = f"{key}={path_text}"
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        raise ValueError(f"{where}: unsupported data file extension {path.suffix!r}; convert it to one of: "
+                         f"{', '.join(_READERS)}")
+    if not path.is_file():
+        raise ValueError(f"{where}: no such file (relative paths are read from {os.getcwd()}); fix the path")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{where}: the file is not readable by this user; fix its permissions")
+    try:
+        records = [(n, r) for (n, r), _ in zip(reader.rows(path), range(PREVIEW_ROWS))]
+    except (OSError, ValueError) as error:  # UnicodeDecodeError, or the parquet reader's ValueError
+        raise ValueError(f"{where}: cannot be read ({error}); fix or replace the file") from None
+    if not records:
+        raise ValueError(f"{where}: the file holds no rows; fill it or remove it from {key.split('[')[0]}")
+    first_bad, good = None, 0
+    for number, record in records:
+        try:
+            row = _make_row(f"{path_text}:{number}", record, cfg, sft_key)
+        except _BadRow as reason:
+            if cfg.on_bad_row == "fail":  # what the run would stop at, said now
+                raise ValueError(f"{where}: {reader.unit.format(n=number)}: {reason}; fix the row, or set "
+                                 "data.on_bad_row=skip to skip such rows") from None
+            first_bad = first_bad or f"{reader.unit.format(n=number)}: {reason}"
+            continue
+        good += 1
+        sources[row.data_source] += 1
+    if not good:
+        raise ValueError(f"{where}: none of its first {len(records)} rows is usable ({first_bad}); its columns: "
+                         f"{_columns([r for _, r in records])}; set data.prompt_key / data.answer_key (or "
+                         "sft.response_key) to the file's columns")
+
+
+def sft_key(cfg: HybridflowConfig) -> str | None:
+    """The column the training rows must carry an SFT target in: ``sft.response_key`` when SFT runs."""
+    return cfg.sft.response_key if cfg.sft.steps > 0 or cfg.run.mode == "sft" else None
+
+
+def preview_files(cfg: DataConfig, *, sft_key: str | None, with_heldout: bool = True) -> Counter:
+    """What preflight checks of ``data.train_files`` and ``data.heldout_files`` without reading them
+    whole: each exists, is readable, holds rows, and its first ``PREVIEW_ROWS`` rows carry the
+    configured columns (at least one good row; none bad under ``data.on_bad_row=fail``). Returns
+    the training rows previewed per ``data_source``; ValueError naming the key and the fix."""
+    sources: Counter = Counter()
+    for index, path in enumerate(cfg.train_files):
+        _preview_file(os.fspath(path), f"data.train_files[{index}]", cfg, sft_key, sources)
+    for index, path in enumerate(cfg.heldout_files if with_heldout else ()):
+        _preview_file(os.fspath(path), f"data.heldout_files[{index}]", cfg, None, Counter())
+    return sources
+
+
 # --------------------------------------------------------------------------- tokenising
 
 
@@ -317,6 +386,8 @@ def _as_encodable(prompt: str | list[dict[str, str]], use_chat: bool) -> Any:
 
 
 def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool) -> TokenizedPrompt:
+    from hybridflow.rollout.tokens import encode_prompts  # here: it imports torch; preflight reads rows without
+
     try:
         (ids,) = encode_prompts(tokenizer, [_as_encodable(row.prompt, use_chat)])
     except ValueError as error:  # e.g. a prompt that encodes to no tokens

@@ -42,7 +42,7 @@ from pathlib import Path
 import psutil
 
 from hybridflow.config import load_config
-from hybridflow.runtime.state import checkpoint_dirs, read_state, sft_checkpoint
+from hybridflow.runtime.state import checkpoint_dirs, checkpoint_problem, read_state, sft_checkpoint
 
 __all__ = ["FaultHarness", "FaultReport", "Kill", "check_checkpoints", "final_metrics", "launch_command", "main",
            "run_uninterrupted"]
@@ -111,15 +111,13 @@ def check_checkpoints(output_dir: str | os.PathLike) -> list[str]:
     problems = []
     sft = sft_checkpoint(output_dir)
     for path in [*([sft] if sft.exists() else []), *checkpoint_dirs(output_dir)]:
-        try:
-            state = read_state(path)
-        except ValueError as e:
-            problems.append(str(e))
+        problem = checkpoint_problem(path)  # what a resume checks: state, metadata, every listed shard
+        if problem is not None:
+            problems.append(f"{path}: {problem}")
             continue
+        state = read_state(path)
         if path.name != "sft" and state.step != int(path.name.removeprefix("step_")):
             problems.append(f"{path}: state.json says step {state.step}")
-        if not (path / "actor" / ".metadata").is_file():
-            problems.append(f"{path}: actor/.metadata is missing (the distributed checkpoint is incomplete)")
     return problems
 
 

@@ -4,13 +4,20 @@
       └─ preflight(cfg, command=...)
            lower(cfg, with_reshard=False)   the graph against the enabled roles and placement
            check_runtime_support(cfg)       what ``hybridflow plan`` accepts but the runtime does not run yet
-           routing replay vs this machine   (not for slurm: a login node may have no GPU)
+           check_reward(cfg.reward)         reward.function resolves and takes reward.kwargs
+           check_data(cfg)                  data files exist, hold rows with the configured columns;
+                                            prints which reward scores which data_source
+           routing replay, engine vs this machine   (not for slurm: a login node may have no GPU)
            check_node_gpus(cfg, ...)        train only: the actor's layout fits this node's GPUs
-           run.resume vs the run directory  prints the checkpoint a start resumes from
+           check_resume(cfg, ...)           run.resume vs the run directory: damaged checkpoints
+                                            (run.resume_fallback), a model the checkpoint cannot
+                                            load into; prints the checkpoint a start resumes from
       └─ launch.torchrun | launch.multinode | launch.slurm, with plain values (the actor's layout,
          the config path and overrides): they start processes and never read the config
 
 Every refusal is a ``ValueError`` naming the key and the fix; the CLI prints it and exits 2.
+What passes but deserves a look (a data_source verifier an explicit reward.function bypasses, a
+damaged checkpoint passed over) is one ``warning:`` line on stderr; the rest one line on stdout.
 """
 
 from __future__ import annotations
@@ -18,15 +25,19 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from hybridflow.config import HybridflowConfig
+import yaml
+
+from hybridflow.config import HybridflowConfig, to_yaml
+from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
-from hybridflow.runtime.state import resume_point
+from hybridflow.rewards import check_reward, describe_routing
+from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpoint_problem, find_resume, sft_checkpoint
 
 if TYPE_CHECKING:
     from launch.slurm import SlurmJob
 
-__all__ = ["check_node_gpus", "check_runtime_support", "check_separate_nodes", "check_slurm_run", "engine_ranks",
-           "preflight", "process_count"]
+__all__ = ["check_data", "check_engine_device", "check_node_gpus", "check_resume", "check_runtime_support",
+           "check_separate_nodes", "check_slurm_run", "engine_ranks", "preflight", "process_count"]
 
 
 def check_runtime_support(cfg: HybridflowConfig) -> None:
@@ -95,22 +106,76 @@ def check_node_gpus(cfg: HybridflowConfig, available: int) -> None:
                          "hybridflow launch or hybridflow slurm")
 
 
+_SHOWN_CHANGES = 8  # config changes listed on the resume line
+
+
+def _say(command: str, line: str, *, warning: bool = False) -> None:
+    stream = sys.stderr if warning else sys.stdout
+    stream.write(f"hybridflow {command}: {'warning: ' if warning else ''}{line}\n")
+
+
+def check_data(cfg: HybridflowConfig, *, command: str = "train") -> None:
+    """The data files as far as a look at their first rows tells (``data.preview_files``), and
+    one line saying which reward function scores the rows of each data_source."""
+    sources = preview_files(cfg.data, sft_key=sft_key(cfg), with_heldout=cfg.run.heldout_prompts > 0)
+    if not cfg.data.train_files:  # the synthetic task's rows name it as their data_source
+        sources[cfg.task.name] += cfg.task.train_size
+    line, warnings = describe_routing(cfg.reward, sources)
+    _say(command, line + (" (the first rows of each file)" if cfg.data.train_files else ""))
+    for warning in warnings:
+        _say(command, warning, warning=True)
+
+
+def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
+    """What the rollout engine refuses on this machine, said before the SFT warm-up instead of
+    at the engine's start after it."""
+    r = cfg.rollout
+    if r.engine == "sglang" and not on_gpu and r.ep > 1:
+        raise ValueError(f"rollout.ep={r.ep} on a machine without a GPU: SGLang's CPU engine runs only ep=1 "
+                         "(its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run on GPUs")
+
+
+def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_reference: bool = False) -> None:
+    """``run.resume`` against the run directory: the checkpoint a start continues from, the
+    damaged ones passed over (``run.resume_fallback``), and a config its model cannot load.
+    ``uses_reference``: the reference policy loads from the SFT checkpoint, which must then be
+    complete too."""
+    found = find_resume(cfg.run.output_dir, cfg.run.resume, fallback=cfg.run.resume_fallback)
+    sft = sft_checkpoint(cfg.run.output_dir)
+    if uses_reference and found.path not in (None, sft) and sft.is_dir() and (problem := checkpoint_problem(sft)):
+        raise ValueError(f"checkpoint sft is damaged: {problem}; the reference policy loads from it (algorithm."
+                         "kl_loss_coef / kl_reward_coef > 0): restore its files, or set a new run.output_dir")
+    for path, problem in found.damaged:
+        _say(command, f"checkpoint {path.name} is damaged: {problem}; the run sets it aside as "
+                      f"{path.name}{DAMAGED_SUFFIX} and resumes from an earlier one (run.resume_fallback=previous)",
+             warning=True)
+    if found.path is None:
+        return
+    changes = check_config_loads(found.path, cfg.run.output_dir, yaml.safe_load(to_yaml(cfg)))
+    _say(command, f"resuming from {found.path}")
+    if changes:
+        more = f" (and {len(changes) - _SHOWN_CHANGES} more)" if len(changes) > _SHOWN_CHANGES else ""
+        _say(command, f"changed since {found.path.name} was saved: {'; '.join(changes[:_SHOWN_CHANGES])}{more}")
+
+
 def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
     """What can be checked in this process before any rank starts: the algorithm's graph
-    against the enabled roles and placement, and ``run.resume`` against the run directory."""
-    lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
+    against the enabled roles and placement, the reward function, the data files, the engine
+    on this machine, and ``run.resume`` against the run directory."""
+    plan = lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
     check_runtime_support(cfg)
+    check_reward(cfg.reward)
+    check_data(cfg, command=command)
     if command != "slurm":  # this machine runs the ranks (a Slurm login node may have no GPU)
         import torch
 
         from moe.routes import check_replay_device
 
         check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
+        check_engine_device(cfg, on_gpu=torch.cuda.is_available())
     if command == "train" and torch.cuda.is_available():
         check_node_gpus(cfg, torch.cuda.device_count())
-    resume_from = resume_point(cfg.run.output_dir, cfg.run.resume)
-    if resume_from is not None:
-        sys.stdout.write(f"hybridflow {command}: resuming from {resume_from}\n")
+    check_resume(cfg, command=command, uses_reference=plan.spec.uses_reference)
 
 
 def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob) -> None:

@@ -1,8 +1,9 @@
 """Reward functions: verifiers that score a response against a reference answer.
 
 ```
-reward.function  ──┐                      (a row's data_source, when it names a registered
-row data_source  ──┴─ _function_name ──►   reward, wins over reward.function)
+reward.function  ──┐                      auto (the default): a row's data_source when it names
+row data_source  ──┴─ function_name ───►   a registered reward, else math; any other value:
+                          │                that function for every row, whatever data_source says
                           │ get_reward: registered name, or dotted path pkg.mod.fn (imported)
                           ▼
 fn(response, answer, **reward.kwargs) -> float   ── raises / NaN / not a number:
@@ -12,6 +13,11 @@ score_responses -> (scores, errors)
 ```
 
 Built-ins register by name: ``exact_match``, ``math``, ``arithmetic`` and ``countdown``.
+An explicitly written ``reward.function`` wins because a user who names a function expects it
+to score their data; ``auto`` keeps the synthetic tasks (whose rows carry their verifier's name
+as ``data_source``) and mixed data sets scored by their own verifiers. ``check_reward`` and
+``describe_routing`` let preflight fail on a bad name and print which function scores which
+data_source before any rank starts; ``score_responses`` logs each new pairing once.
 Nothing here calls ``eval``: countdown equations are parsed with ``ast`` and only a whitelist
 of nodes is evaluated, with exact fractions.
 """
@@ -19,7 +25,9 @@ of nodes is evaluated, with exact fractions.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
+import inspect
 import logging
 import math as _math
 import numbers
@@ -32,9 +40,13 @@ from typing import Any
 from hybridflow.config import RewardConfig
 
 __all__ = [
+    "AUTO",
     "RewardError",
     "RewardFn",
+    "check_reward",
+    "describe_routing",
     "extract_final_answer",
+    "function_name",
     "get_reward",
     "register_reward",
     "reward_names",
@@ -48,6 +60,11 @@ RewardFn = Callable[..., float]
 
 _REWARDS: dict[str, RewardFn] = {}
 _SHOWN_CHARS = 120  # response text shown in an error message
+AUTO = "auto"
+"""``reward.function`` that routes each row by its ``data_source`` (see ``function_name``)."""
+AUTO_FALLBACK = "math"
+"""What ``auto`` scores a row with when its data_source names no registered reward."""
+_LOGGED_ROUTES: set[tuple[str | None, str]] = set()  # (data_source, function) pairs logged once
 
 
 class RewardError(RuntimeError):
@@ -94,8 +111,50 @@ def get_reward(name: str) -> RewardFn:
         return _REWARDS[name]
     if "." in name.strip("."):
         return _import_reward(name)
-    raise ValueError(f"reward.function={name!r} is not a registered reward ({', '.join(reward_names())}) "
-                     f"nor a dotted path package.module.function")
+    close = difflib.get_close_matches(name, reward_names(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"reward.function={name!r} is not a registered reward ({', '.join(reward_names())}), "
+                     f"{AUTO!r} nor a dotted path package.module.function; {hint}set reward.function to one of them")
+
+
+def check_reward(cfg: RewardConfig) -> None:
+    """``reward.function`` resolves (``auto``: always) and takes ``(response, answer, **reward.kwargs)``;
+    ValueError naming the key and the fix otherwise. Imports a dotted path's module."""
+    names = [AUTO_FALLBACK] if cfg.function == AUTO else [cfg.function]
+    for name in names:
+        fn = get_reward(name)
+        try:
+            inspect.signature(fn).bind("response", "answer", **cfg.kwargs)
+        except TypeError as error:
+            raise ValueError(f"reward.function={name!r} cannot be called as fn(response, answer, "
+                             f"**reward.kwargs) with reward.kwargs={dict(cfg.kwargs)} ({error}); fix "
+                             "reward.kwargs or the function's parameters") from None
+        except ValueError:  # no signature to read (a builtin): it is checked when called
+            pass
+
+
+def function_name(data_source: str | None, cfg: RewardConfig) -> str:
+    """The reward that scores a row: ``reward.function``, or under ``auto`` the row's data_source
+    when that names a registered reward, else ``AUTO_FALLBACK``."""
+    if cfg.function != AUTO:
+        return cfg.function
+    return data_source if data_source in _REWARDS else AUTO_FALLBACK
+
+
+def describe_routing(cfg: RewardConfig, sources: Mapping[str | None, int]) -> tuple[str, list[str]]:
+    """One line saying which function scores the rows of each data_source (``sources``: rows per
+    data_source, None for rows without one), and a warning for each registered data_source that
+    an explicit ``reward.function`` bypasses."""
+    routes: dict[str, list[str]] = {}
+    for source in sorted(sources, key=lambda s: (s is None, str(s))):
+        shown = "no data_source" if source is None else f"{source!r}"
+        routes.setdefault(function_name(source, cfg), []).append(f"{shown} ({sources[source]} rows)")
+    line = "; ".join(f"{', '.join(shown)} -> {name}" for name, shown in routes.items())
+    bypassed = sorted(s for s in sources if s in _REWARDS and s != function_name(s, cfg))
+    warnings = [f"reward.function={cfg.function!r} scores the rows whose data_source is {s!r}, not the "
+                f"registered {s!r} verifier; set reward.function={AUTO} to score each row by its data_source"
+                for s in bypassed]
+    return f"reward ({cfg.function}): {line or 'no rows'}", warnings
 
 
 # --------------------------------------------------------------------------- numbers in text
@@ -277,9 +336,10 @@ def countdown(response: str, answer: Any, *, format_score: float = 0.1, **kwargs
 # --------------------------------------------------------------------------- scoring
 
 
-def _function_name(data_source: str | None, cfg: RewardConfig) -> str:
-    """A row's data_source picks its reward when it names a registered one; else reward.function."""
-    return data_source if data_source in _REWARDS else cfg.function
+def _log_new_routes(data_sources: Sequence[str | None], names: Sequence[str]) -> None:
+    for route in set(zip(data_sources, names)) - _LOGGED_ROUTES:
+        _LOGGED_ROUTES.add(route)
+        logger.info("reward: rows with data_source %r are scored by %s", *route)
 
 
 def _check_score(value: Any) -> float:
@@ -320,8 +380,9 @@ def score_responses(
 ) -> tuple[list[float], list[str]]:
     """Score each response against its answer; return the scores and one message per failure.
 
-    The function is the row's ``data_source`` when that names a registered reward (the
-    synthetic tasks write theirs), else ``cfg.function``; it is called with ``cfg.kwargs``. A
+    The function is ``function_name(row's data_source, cfg)``: ``cfg.function``, or under
+    ``auto`` the row's registered data_source (the synthetic tasks write theirs), else
+    ``AUTO_FALLBACK``; it is called with ``cfg.kwargs``. A
     function that raises or returns a non-number or a non-finite number gives 0.0 and an
     error message (each distinct error logged once) under ``cfg.on_error=zero``, and raises a
     RewardError naming the sample under ``fail``.
@@ -329,9 +390,9 @@ def score_responses(
     if not len(responses) == len(answers) == len(data_sources):
         raise ValueError(f"score_responses got {len(responses)} responses, {len(answers)} answers "
                          f"and {len(data_sources)} data sources; they must pair up")
-    names = [_function_name(source, cfg) for source in data_sources]
-    # reward.function is resolved even when every row's data_source overrides it: a typo fails now
-    functions = {name: get_reward(name) for name in {cfg.function, *names}}
+    names = [function_name(source, cfg) for source in data_sources]
+    functions = {name: get_reward(name) for name in names}
+    _log_new_routes(data_sources, names)
     errors, scores = _ErrorLog(cfg), []
     for index, (response, answer, name) in enumerate(zip(responses, answers, names)):
         try:

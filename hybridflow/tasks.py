@@ -17,8 +17,8 @@ Each row has the layout ``hybridflow.data`` reads, e.g. for arithmetic::
      "sft_response": "19"}
 
 ``data_source`` is the task's name, which is also the name of its reward function, so
-``rewards.score_responses`` scores these rows with the task's verifier whatever
-``reward.function`` says.
+under ``reward.function=auto`` (the default) ``rewards.score_responses`` scores these rows with
+the task's verifier; an explicit ``reward.function`` scores them instead (preflight warns).
 
 Why noisy demonstrations: SFT on them can at best imitate the mixture of right and wrong
 answers, so held-out accuracy plateaus below 1; reward from the verifier is what RL adds.

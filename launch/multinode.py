@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hfschema.layout import ParallelLayout
-from launch.reaper import run_reaped
+from launch.reaper import TORCHRUN_SHUTDOWN_S
+from launch.torchrun import run_job
 
 __all__ = ["LaunchSpec", "check_endpoint", "check_process_count", "launch", "parse_endpoint", "torchrun_command"]
 
@@ -112,7 +113,8 @@ def check_process_count(layout: ParallelLayout, nodes_flag: str, per_node_flag: 
 def torchrun_command(spec: LaunchSpec, config_path: str, overrides: Sequence[str]) -> list[str]:
     """The torchrun command line of this node."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}",
-           f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
+           f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}",
+           f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}"]
     if spec.rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
@@ -181,8 +183,11 @@ def check_endpoint(spec: LaunchSpec) -> None:
         time.sleep(1.0)
 
 
-def launch(spec: LaunchSpec, layout: ParallelLayout, config_path: str, overrides: Sequence[str]) -> int:
-    """Check the rendezvous, then run this node's torchrun to completion; returns its exit status.
+def launch(spec: LaunchSpec, layout: ParallelLayout, config_path: str, overrides: Sequence[str], *,
+           output_dir: str | None = None) -> int:
+    """Check the rendezvous, then run this node's torchrun to completion or a stop signal;
+    returns the exit status (``launch.torchrun.run_job``: 128 + N after signal N; on failure
+    this node's first failing rank is the last line and ``<output_dir>/error.txt``).
 
     The caller checked the run first (``spec.check_layout``, ``hybridflow.preflight``); ``layout``
     is the actor's, for the start line."""
@@ -199,4 +204,5 @@ def launch(spec: LaunchSpec, layout: ParallelLayout, config_path: str, overrides
                      f"on {spec.nnodes} node(s) ({layout.describe()}), rendezvous "
                      f"{spec.rdzv_endpoint or 'standalone'}, up to {spec.max_restarts} restart(s)\n")
     sys.stdout.flush()
-    return run_reaped(torchrun_command(spec, config_path, overrides), env)  # no orphan outlives the job
+    return run_job(torchrun_command(spec, config_path, overrides), env, command="hybridflow launch",
+                   output_dir=output_dir)  # no orphan outlives the job

@@ -10,9 +10,11 @@
 
 A requeued job (``scontrol requeue``, preemption, a node failure with ``--requeue``) runs the
 same script again: the run directory is fixed in it and ``run.resume=auto`` continues from the
-newest complete checkpoint. Slurm signals the batch shell ``signal_lead_s`` before the time
-limit and the script requeues itself, so a long run spans several allocations instead of
-ending as TIMEOUT. Logs go to ``<run dir>/logs/slurm-<job id>.out``, appended across requeues.
+newest complete checkpoint. Slurm signals the batch shell (``--signal=B:USR1@signal_lead_s``)
+before the time limit; the script writes ``<run dir>/checkpoint.request``, the ranks save at the
+end of their step and stop, and the script requeues the job, so a long run spans several
+allocations instead of ending as TIMEOUT, and loses no step. SIGINT, SIGTERM and SIGHUP to the
+script stop the launch on every node (``launch.reaper``); it exits with 128 + the signal. Logs go to ``<run dir>/logs/slurm-<job id>.out``, appended across requeues.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ from pathlib import Path
 from hfschema.files import write_text_atomic
 from hfschema.layout import ParallelLayout
 from launch.multinode import check_process_count
+from launch.reaper import REQUEST_FILE, STOP_GRACE_S
 
 __all__ = ["SCRIPT_NAME", "SlurmJob", "nproc_per_node", "render_sbatch", "sbatch_for_run", "submit", "write_script"]
 
 SCRIPT_NAME = "hybridflow.sbatch"
+KILL_AFTER_S = int(STOP_GRACE_S) + 10
+"""After INT/TERM/HUP, how long the script waits for the launch to stop (its own grace and
+its SIGKILL) before it kills srun."""
 _DIRECTIVE_VALUE = re.compile(r"^[^\s'\"\\]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -61,7 +67,7 @@ class SlurmJob:
     max_restarts: int = 0
     """Times torchrun restarts the workers within one allocation before the job fails."""
     signal_lead_s: int = 300
-    """Seconds before the time limit at which the script requeues the job."""
+    """Seconds before the time limit at which the script asks for a checkpoint, then requeues the job."""
     env: tuple[tuple[str, str], ...] = ()
     """Extra ``export NAME=VALUE`` lines (e.g. NCCL settings)."""
     extra_directives: tuple[str, ...] = field(default=())
@@ -140,25 +146,55 @@ head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 echo "hybridflow: job $SLURM_JOB_ID (requeued ${{SLURM_RESTART_COUNT:-0}} times) on $SLURM_JOB_NODELIST;" \\
   "rendezvous $head_node:{port}; run dir {run_dir}"
 
-# Slurm sends USR1 to this shell {lead} s before the time limit: requeue the job so that it goes on
-# from its newest checkpoint in a new allocation (same job id, same run directory).
-requeue_before_time_limit() {{
-  echo "hybridflow: time limit in {lead} s; requeueing job $SLURM_JOB_ID"
-  scontrol requeue "$SLURM_JOB_ID"
-}}
-trap requeue_before_time_limit USR1
-
 {launch}
 launcher=$!
-# `wait` returns early when a trapped signal arrives; keep waiting for the launcher itself.
+requeue=0 stop_signal=0 deadline="" escalate=""
+
+# Slurm sends USR1 to this shell {lead} s before the time limit: ask the ranks to checkpoint at the
+# end of their step and stop (the request file), then requeue the job, which goes on from that
+# checkpoint in a new allocation (same job id, same run directory). A step that does not end
+# within {request_wait} s is cut short with SIGTERM (the launch's clean stop).
+checkpoint_before_time_limit() {{
+  echo "hybridflow: time limit in {lead} s; asking the run to checkpoint and stop, then requeueing job $SLURM_JOB_ID"
+  echo "checkpoint at the next step boundary and stop" > {request}
+  requeue=1 escalate=TERM deadline=$((SECONDS + {request_wait}))
+}}
+# INT, TERM, HUP: the launch stops every process of the job within its grace; SIGKILL after {kill_after} s.
+stop_job() {{
+  echo "hybridflow: SIG$2: stopping job $SLURM_JOB_ID"
+  stop_signal=$1 escalate=KILL deadline=$((SECONDS + {kill_after}))
+  kill -s TERM "$launcher" 2>/dev/null || true
+}}
+trap checkpoint_before_time_limit USR1
+trap 'stop_job 2 INT' INT
+trap 'stop_job 15 TERM' TERM
+trap 'stop_job 1 HUP' HUP
+
+# Polled, not a bare `wait`: a trap runs between two polls, and a deadline is kept.
+while kill -0 "$launcher" 2>/dev/null; do
+  if [ -n "$deadline" ] && [ "$SECONDS" -ge "$deadline" ]; then
+    echo "hybridflow: the launch did not stop in time; sending it SIG$escalate"
+    kill -s "$escalate" "$launcher" 2>/dev/null || true
+    if [ "$escalate" = TERM ]; then escalate=KILL deadline=$((SECONDS + {kill_after})); else deadline=""; fi
+  fi
+  sleep 1
+done
 status=0
 wait "$launcher" || status=$?
-while kill -0 "$launcher" 2>/dev/null; do
-  status=0
-  wait "$launcher" || status=$?
-done
+if [ "$stop_signal" -ne 0 ]; then
+  exit $((128 + stop_signal))
+fi
+if [ "$requeue" -eq 1 ]; then
+  scontrol requeue "$SLURM_JOB_ID"
+fi
 exit "$status"
 """
+
+
+def _request_wait_s(job: SlurmJob) -> int:
+    """Seconds after the time-limit signal that the ranks get to checkpoint before SIGTERM:
+    what is left of the lead once the launch's own stop (``KILL_AFTER_S``) and a margin fit."""
+    return max(job.signal_lead_s - KILL_AFTER_S - 15, job.signal_lead_s // 2)
 
 
 def render_sbatch(job: SlurmJob, *, config: Path, overrides: Sequence[str], run_dir: Path,
@@ -173,7 +209,9 @@ def render_sbatch(job: SlurmJob, *, config: Path, overrides: Sequence[str], run_
         "# A requeue resumes this run directory from its newest complete checkpoint.",
     ]
     body = _BODY.format(port=job.rdzv_port, run_dir=shlex.quote(str(run_dir)), lead=job.signal_lead_s,
-                        launch=_launch_line(job, python=python, config=config, overrides=pinned))
+                        request=shlex.quote(str(run_dir / REQUEST_FILE)), request_wait=_request_wait_s(job),
+                        kill_after=KILL_AFTER_S, launch=_launch_line(job, python=python, config=config,
+                                                                     overrides=pinned))
     return "\n".join([*header, *_directives(job, run_dir / "logs", workdir), "", *_environment(job), "",
                       body])
 

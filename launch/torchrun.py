@@ -9,19 +9,27 @@ One process per rank of the actor's layout (colocated: the replica drivers among
 engines, whose own scheduler processes SGLang starts), and with rollout.placement=separate one
 more per engine rank (rollout.tp x num_replicas), numbered after the actor's. On a machine without a GPU every rank runs one OpenMP thread
 (several ranks share few cores; more threads only oversubscribe them) and uses gloo.
+
+``run_job`` is how both launchers run torchrun: a signal stops every process of the job within
+a bound (``launch.reaper``), and a failed rank's error is the launcher's last line and the run
+directory's ``error.txt`` (``launch.failures``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from hfschema.layout import ParallelLayout
-from launch.reaper import run_reaped
+from launch.failures import ERROR_DIR_ENV, ERROR_FILE, report_failure
+from launch.reaper import REQUEST_FILE, TORCHRUN_SHUTDOWN_S, run_reaped
 
-__all__ = ["launch_train", "train_command"]
+__all__ = ["launch_train", "run_job", "train_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +37,39 @@ logger = logging.getLogger(__name__)
 def train_command(nproc: int, config_path: str, overrides: Sequence[str]) -> list[str]:
     """The torchrun command line of a single-node run of ``nproc`` ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "hybridflow.runtime.worker", config_path, *overrides]
+            f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}", "-m", "hybridflow.runtime.worker", config_path, *overrides]
+
+
+def run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output_dir: str | None) -> int:
+    """Run torchrun's ``cmd`` under the reaper; returns the exit status (128 + N after signal N).
+
+    On failure the first failing rank's error is printed last (``command: rank R failed: ...``)
+    and written to ``<output_dir>/error.txt``. An error file or checkpoint request left by an
+    earlier start is removed first (a stale request would stop this start after one step)."""
+    if output_dir is not None:
+        for stale in (ERROR_FILE, REQUEST_FILE):
+            Path(output_dir, stale).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hybridflow-errors-") as errors:
+        result = run_reaped(cmd, {**env, ERROR_DIR_ENV: errors})
+        if result.signum is not None:
+            line = f"{command}: stopped by {signal.Signals(result.signum).name}; exit status {result.returncode}"
+        elif result.returncode != 0:
+            line = report_failure(errors, output_dir, command=command, returncode=result.returncode)
+        else:
+            return 0
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    return result.returncode
 
 
 def launch_train(layout: ParallelLayout, config_path: str, overrides: Sequence[str], *, rollout: str,
-                 engine_ranks: int = 0) -> int:
+                 engine_ranks: int = 0, output_dir: str | None = None) -> int:
     """Run the job to completion, one rank per rank of the actor's ``layout`` and ``engine_ranks``
     more (separate placement: the engines' own ranks, after the actor's), after the caller's
-    checks (``hybridflow.preflight``); ``rollout`` describes the engines in the start line.
-    Returns torchrun's exit status."""
+    checks (``hybridflow.preflight``); ``rollout`` describes the engines in the start line;
+    ``output_dir`` (the config's ``run.output_dir``) receives ``error.txt`` on failure.
+    Returns the exit status (``run_job``)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     nproc = layout.world_size + engine_ranks
@@ -45,4 +77,4 @@ def launch_train(layout: ParallelLayout, config_path: str, overrides: Sequence[s
     engines = f" + {engine_ranks} engine rank(s)" if engine_ranks else ""
     sys.stdout.write(f"hybridflow train: {nproc} process(es) ({layout.describe()}{engines}), rollout {rollout}\n")
     sys.stdout.flush()
-    return run_reaped(cmd, env)
+    return run_job(cmd, env, command="hybridflow train", output_dir=output_dir)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A one-node Slurm cluster on this machine, for tests of `hybridflow slurm --submit`.
 #
+#   bash scripts/slurm_single_node.sh install  # apt-get install slurm-wlm munge (root; no-op if installed)
 #   bash scripts/slurm_single_node.sh start    # write slurm.conf, start munged, slurmctld, slurmd
 #   bash scripts/slurm_single_node.sh status   # exit 0 when the node accepts jobs
 #   bash scripts/slurm_single_node.sh stop     # stop the daemons this script started
@@ -64,6 +65,26 @@ EOF
   mv "$conf.tmp" "$conf"
 }
 
+# Quiet and unattended: no prompts (CI has no stdin), no recommended extras, and apt's chatter
+# kept in a log that is shown only on failure. Nothing is done when both packages are installed.
+install() {
+  local packages=(slurm-wlm munge) log
+  if (($(dpkg-query -W -f='${db:Status-Status}\n' "${packages[@]}" 2>/dev/null | grep -cx installed) \
+        < ${#packages[@]})); then
+    ((EUID == 0)) || die "installing ${packages[*]} needs root"
+    log="$(mktemp)"
+    # another apt on the machine (unattended upgrades, a colleague) is waited for, not failed on
+    local wait=(-o DPkg::Lock::Timeout=300)
+    if ! { apt-get "${wait[@]}" update -qq && DEBIAN_FRONTEND=noninteractive apt-get "${wait[@]}" install \
+             -y -qq --no-install-recommends -o Dpkg::Use-Pty=0 "${packages[@]}"; } >"$log" 2>&1; then
+      tail -n 30 "$log" >&2
+      die "apt-get install ${packages[*]} failed (output above)"
+    fi
+    rm -f "$log"
+  fi
+  need slurmctld; need slurmd; need munged; need sbatch
+}
+
 start_munge() {
   if munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
     return
@@ -73,6 +94,8 @@ start_munge() {
   [[ -f /etc/munge/munge.key ]] || die "/etc/munge/munge.key is missing (reinstall munge)"
   runuser -u munge -- munged
   munge -n </dev/null | unmunge >/dev/null || die "munged started but a credential does not round-trip"
+  # recorded beside the cluster's own pid files, so `stop` ends this munged and never one it found
+  cp /run/munge/munged.pid "$dir/munged.pid"
 }
 
 cluster_ready() {
@@ -100,7 +123,7 @@ start() {
 
 stop() {
   local name
-  for name in slurmd slurmctld; do
+  for name in slurmd slurmctld munged; do
     if [[ -f "$dir/$name.pid" ]] && pid="$(cat "$dir/$name.pid")" && kill -0 "$pid" 2>/dev/null; then
       kill "$pid"
     fi
@@ -108,8 +131,9 @@ stop() {
 }
 
 case "${1:-}" in
+  install) install ;;
   start) start ;;
   stop) stop ;;
   status) cluster_ready ;;
-  *) sed -n '2,7s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
+  *) sed -n '2,8s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
 esac

@@ -7,8 +7,25 @@ reaches a collective or the trainer fails the test, although on this CPU it is o
 
 import os
 
+import pytest
+
 DEVICE_GUARD_ENV = "HYBRIDFLOW_DEVICE_GUARD"
 """``megatron_adapters.device_guard.ENV`` (tests/test_device_guard.py checks they agree); spelled
 out because importing ``megatron_adapters`` loads megatron-core (seconds) into every test session."""
 
 os.environ.setdefault(DEVICE_GUARD_ENV, "1")
+
+REQUIRE_SLURM_ENV = "HYBRIDFLOW_REQUIRE_SLURM"
+"""Set to 1 by ``.ci/run`` once it has started the one-node Slurm cluster: from then on a test
+marked ``slurm`` that skips (Slurm missing, or any later skip condition) is reported as failed,
+so CI cannot go green without having submitted a job."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and item.get_closest_marker("slurm") and os.environ.get(REQUIRE_SLURM_ENV) == "1":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE_SLURM_ENV}=1 says a Slurm cluster is up, but this test skipped: {reason}"

@@ -113,6 +113,39 @@ def test_scalar_where_a_section_is_expected():
     assert "actor.parallel: expected a mapping with keys tp, pp" in _error("actor.parallel=4")
 
 
+@pytest.mark.parametrize("override, expected", [
+    ("model.num_layers=[1,2]", "model.num_layers: expected int, got [1, 2]"),
+    ("data.train_files=5", "data.train_files: expected a list of str, e.g. data.train_files=[a, b], got 5"),
+    ("data.train_files={a: 1}", "data.train_files: expected a list of str, e.g. data.train_files=[a, b], got {'a': 1}"),
+    ("data.train_files.0=a.jsonl", "data.train_files: expected a list of str"),
+    ("data.train_files=[a.jsonl, {b: 1}]", "data.train_files[1]: expected str, got {'b': 1}"),
+    ("data.train_files=[a.jsonl, [b]]", "data.train_files[1]: expected str, got ['b']"),
+    ("data.train_files=[null]", "data.train_files[0]: expected str, got null"),
+    ("reward.kwargs=[1]", "reward.kwargs: expected a mapping, e.g. reward.kwargs={name: value}, got [1]"),
+    ("reward.kwargs=abc", "reward.kwargs: expected a mapping"),
+    ("run.name={a: 1}", "run.name: expected str, got {'a': 1}"),
+    ("rollout.enable_dp_attention=5", "rollout.enable_dp_attention: expected bool, got 5"),
+    ("algorithm.clip_ratio_high=[1]", "algorithm.clip_ratio_high: expected float or null, got [1]"),
+    ("train={a: 1}", "unknown config key 'train.a'"),
+    ("run=[1, 2]", "run: expected a mapping with keys name, output_dir"),
+    ("data.train_files=${run.name}", "data.train_files: expected a list of str, e.g. data.train_files=[a, b], "
+                                      "got 'quickstart_cpu'"),
+    ("run.name=${oops", "override 'run.name=${oops' does not parse"),
+])
+def test_a_value_of_the_wrong_kind_is_one_line_naming_the_key(override, expected):
+    message = _error(override)
+    assert expected in message and "\n" not in message
+
+
+def test_a_wrong_kind_in_the_yaml_file_names_the_key_and_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  train_files:\n    a: 1\nreward:\n  kwargs: [1]\n")
+    message = _error(path=str(bad))
+    assert message == ("data.train_files: expected a list of str, e.g. data.train_files=[a, b], got {'a': 1} "
+                       f"(in config file {bad})")
+    assert load_config(QUICKSTART, ["rollout.enable_dp_attention=1"]).rollout.enable_dp_attention is True
+
+
 def test_unknown_family_lists_valid_ones():
     message = _error("model.family=gpt2")
     assert "model.family='gpt2'" in message

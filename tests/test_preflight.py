@@ -63,3 +63,166 @@ def test_separate_placement_passes_for_train_and_counts_the_engine_ranks(tmp_pat
     monkeypatch.setattr("moe.routes.check_replay_device", lambda *a, **k: None)
     with pytest.raises(ValueError, match="actor.parallel \\+ the separate engine ranks needs 4 GPUs"):
         preflight(cfg)
+
+
+# --------------------------------------------------------------------------- reward, data, engine, resume
+
+
+def _refusal(tmp_path, *overrides: str, capsys=None) -> str:
+    """The one line ``hybridflow train`` prints before exiting 2 (no rank is started)."""
+    from hybridflow.cli import main
+
+    assert main(["train", QUICKSTART, f"run.output_dir={tmp_path / 'run'}", *overrides]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    return line
+
+
+def _jsonl(path: Path, *rows: dict) -> str:
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def _parquet(path: Path, *rows: dict) -> str:
+    from hybridflow.data import write_parquet
+
+    return str(write_parquet(path, rows))
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+ROW = {"prompt": "1+1=", "reward_model": {"ground_truth": 2}, "data_source": "arithmetic", "sft_response": "2"}
+
+
+def test_a_misspelled_reward_function_stops_train_before_any_rank_starts(tmp_path, capsys):
+    line = _refusal(tmp_path, "reward.function=mxa", capsys=capsys)
+    assert line.startswith("hybridflow train: error: reward.function='mxa' is not a registered reward")
+    assert "did you mean 'max'?" in line
+
+
+def test_plan_resolves_the_reward_function_too(capsys):
+    from hybridflow.cli import main
+
+    assert main(["plan", QUICKSTART, "reward.function=my_rewards.score", "--no-reshard"]) == 2
+    assert "cannot import module 'my_rewards'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make, overrides, expected", [
+    (lambda d: str(d / "missing.jsonl"), (), "data.train_files[0]={}: no such file (relative paths are read from"),
+    (lambda d: _jsonl(d / "empty.jsonl"), (), "data.train_files[0]={}: the file holds no rows; fill it or remove "
+                                               "it from data.train_files"),
+    (lambda d: _jsonl(d / "q.jsonl", {"question": "1+1=", "answer": 2}), (),
+     "data.train_files[0]={}: none of its first 1 rows is usable (line 1 (1-based): no prompt column 'prompt' "
+     "(data.prompt_key)); its columns: question, answer; set data.prompt_key"),
+    (lambda d: _jsonl(d / "noans.jsonl", {"prompt": "1+1=", "sft_response": "2"}), (),
+     "no value under 'reward_model' (reading 'reward_model.ground_truth')"),
+    (lambda d: _jsonl(d / "nosft.jsonl", {k: v for k, v in ROW.items() if k != "sft_response"}), (),
+     "no SFT response in 'sft_response' (sft.response_key)"),
+    (lambda d: _jsonl(d / "bad.jsonl", ROW, {"prompt": ""}), ("data.on_bad_row=fail",),
+     "data.train_files[0]={}: line 2 (1-based): empty prompt in 'prompt'; fix the row, or set data.on_bad_row=skip"),
+    (lambda d: str(d / "rows.csv"), (), "data.train_files[0]={}: unsupported data file extension '.csv'; convert "
+                                        "it to one of: .jsonl, .parquet"),
+    (lambda d: _parquet(d / "q.parquet", {"question": "1+1=", "answer": 2}), (),
+     "data.train_files[0]={}: none of its first 1 rows is usable (row 0 (0-based): no prompt column 'prompt'"),
+    (lambda d: _write(d / "text.parquet", b"not parquet"), (), "data.train_files[0]={}: cannot be read ("),
+    (lambda d: _write(d / "binary.jsonl", b"\xff\xfe\x00"), (), "data.train_files[0]={}: cannot be read ("),
+])
+def test_data_files_are_checked_before_any_rank_starts(tmp_path, capsys, make, overrides, expected):
+    path = make(tmp_path)
+    line = _refusal(tmp_path, f"data.train_files=[{path}]", *overrides, capsys=capsys)
+    assert expected.format(path) in line
+
+
+def test_a_heldout_file_is_checked_too(tmp_path, capsys):
+    good = _jsonl(tmp_path / "train.jsonl", ROW)
+    line = _refusal(tmp_path, f"data.train_files=[{good}]", f"data.heldout_files=[{good},{tmp_path}/h.jsonl]",
+                    capsys=capsys)
+    assert f"data.heldout_files[1]={tmp_path}/h.jsonl: no such file" in line
+
+
+def test_preflight_states_which_reward_scores_which_data_source_and_warns_when_one_is_bypassed(tmp_path, capsys):
+    rows = _jsonl(tmp_path / "train.jsonl", ROW, ROW, {**ROW, "data_source": "openai/gsm8k"})
+    preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]",
+                                       "reward.function=auto"]))
+    out = capsys.readouterr()
+    assert ("hybridflow train: reward (auto): 'arithmetic' (2 rows) -> arithmetic; 'openai/gsm8k' (1 rows) -> math "
+            "(the first rows of each file)") in out.out.splitlines()
+    assert out.err == ""
+    preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]"]))
+    out = capsys.readouterr()  # the quickstart's explicit reward.function=max scores every row
+    assert "hybridflow train: reward (max): 'arithmetic' (2 rows), 'openai/gsm8k' (1 rows) -> max" in out.out
+    assert out.err == ("hybridflow train: warning: reward.function='max' scores the rows whose data_source is "
+                       "'arithmetic', not the registered 'arithmetic' verifier; set reward.function=auto to score "
+                       "each row by its data_source\n")
+
+
+def test_the_synthetic_task_routes_by_its_name(tmp_path, capsys):
+    preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path}", "task.name=countdown"]))
+    out = capsys.readouterr()
+    assert "reward (max): 'countdown' (" in out.out and "not the registered 'countdown' verifier" in out.err
+
+
+def test_sglang_expert_parallelism_is_refused_on_a_cpu_machine(tmp_path, capsys):
+    line = _refusal(tmp_path, "rollout.ep=2", capsys=capsys)
+    assert line == ("hybridflow train: error: rollout.ep=2 on a machine without a GPU: SGLang's CPU engine runs "
+                    "only ep=1 (its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run "
+                    "on GPUs")
+
+
+def _run_dir(root: Path) -> Path:
+    """A quickstart run directory with a complete step 2 and step 4."""
+    from hybridflow.config import to_yaml
+    from tests.runtime.run_dirs import checkpoint
+
+    root.mkdir()
+    (root / "config.yaml").write_text(to_yaml(load_config(QUICKSTART, [f"run.output_dir={root}"])))
+    for name, step in (("step_000002", 2), ("step_000004", 4)):
+        checkpoint(root, name, step)
+    return root
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_passed_over_or_refused(tmp_path, capsys):
+    from tests.runtime.run_dirs import shard
+
+    run = _run_dir(tmp_path / "run")
+    missing = shard(run / "checkpoints" / "step_000004")
+    missing.unlink()
+    preflight(load_config(QUICKSTART, [f"run.output_dir={run}"]))
+    out = capsys.readouterr()
+    assert f"hybridflow train: resuming from {run / 'checkpoints' / 'step_000002'}\n" in out.out
+    assert out.err.endswith(f"hybridflow train: warning: checkpoint step_000004 is damaged: {missing} is missing "
+                            "(listed in .metadata); the run sets it aside as step_000004.damaged and resumes from "
+                            "an earlier one (run.resume_fallback=previous)\n")
+    assert (run / "checkpoints" / "step_000004").is_dir()  # preflight only looks
+    line = _refusal(tmp_path, "run.resume_fallback=stop", capsys=capsys)
+    assert line == (f"hybridflow train: error: checkpoint step_000004 is damaged: {missing} is missing (listed in "
+                    f".metadata); set run.resume_fallback=previous to resume from the newest complete checkpoint, "
+                    f"or move {run / 'checkpoints' / 'step_000004'} away")
+
+
+def test_a_model_the_checkpoint_cannot_load_into_is_named_key_by_key(tmp_path, capsys):
+    run = _run_dir(tmp_path / "run")
+    line = _refusal(tmp_path, "model.num_layers=3", "model.moe_ffn_hidden_size=16", capsys=capsys)
+    assert line == ("hybridflow train: error: checkpoint step_000004 holds a different model than this config "
+                    "(model.moe_ffn_hidden_size: 32 -> 16; model.num_layers: 2 -> 3; saved under "
+                    f"{run / 'config.yaml'}): restore those model keys to resume, or set a new run.output_dir "
+                    "for a new run")
+    preflight(load_config(QUICKSTART, [f"run.output_dir={run}", "run.steps=40"]))
+    assert "hybridflow train: changed since step_000004 was saved: run.steps: 30 -> 40\n" in capsys.readouterr().out
+
+
+def test_a_damaged_sft_checkpoint_is_refused_when_the_reference_loads_from_it(tmp_path, capsys):
+    from tests.runtime.run_dirs import checkpoint, shard
+
+    run = _run_dir(tmp_path / "run")
+    missing = shard(checkpoint(run, "sft", 0))
+    missing.unlink()
+    preflight(load_config(QUICKSTART, [f"run.output_dir={run}"]))  # no KL term: the SFT checkpoint is not read
+    line = _refusal(tmp_path, "reference.enabled=true", "algorithm.kl_loss_coef=0.01", capsys=capsys)
+    assert line == (f"hybridflow train: error: checkpoint sft is damaged: {missing} is missing (listed in .metadata); "
+                    "the reference policy loads from it (algorithm.kl_loss_coef / kl_reward_coef > 0): restore its "
+                    "files, or set a new run.output_dir")

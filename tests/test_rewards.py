@@ -8,6 +8,8 @@ import pytest
 from hybridflow.config import RewardConfig
 from hybridflow.rewards import (
     RewardError,
+    check_reward,
+    describe_routing,
     extract_final_answer,
     get_reward,
     register_reward,
@@ -33,6 +35,11 @@ def nan_reward(response, answer, **kwargs):
 
 def text_reward(response, answer, **kwargs):
     return "1.0"
+
+
+def strict_reward(response, answer):
+    """Takes no keyword arguments: any reward.kwargs is a mistake."""
+    return 1.0
 
 
 THIS_MODULE = __name__
@@ -171,10 +178,47 @@ def test_score_responses_uses_the_function_and_its_kwargs():
     assert scores == [1.0, 0.25] and errors == []
 
 
-def test_a_registered_data_source_picks_the_reward():
+def test_under_auto_a_registered_data_source_picks_the_reward():
+    cfg = RewardConfig()  # function=auto
+    scores, _ = score_responses(["19 then 3", "19 then 3"], [19, 19], ["arithmetic", "openai/gsm8k"], cfg)
+    assert scores == [1.0, 0.0]  # arithmetic reads the first integer; the unknown source gets math (the last)
+
+
+def test_an_explicit_reward_function_scores_every_row_whatever_its_data_source():
     cfg = RewardConfig(function="exact_match")
-    scores, _ = score_responses(["19 ok", "19 ok"], [19, 19], ["arithmetic", "openai/gsm8k"], cfg)
-    assert scores == [1.0, 0.0]  # arithmetic for the first; the unknown source falls back
+    scores, _ = score_responses(["19 ok", "19"], [19, 19], ["arithmetic", "openai/gsm8k"], cfg)
+    assert scores == [0.0, 1.0]  # exact_match on both: the arithmetic verifier is not called
+
+
+def test_routing_is_described_in_one_line_and_a_bypassed_verifier_is_warned_about():
+    sources = {"arithmetic": 90, "openai/gsm8k": 10, None: 2}
+    line, warnings = describe_routing(RewardConfig(), sources)
+    assert line == ("reward (auto): 'arithmetic' (90 rows) -> arithmetic; "
+                    "'openai/gsm8k' (10 rows), no data_source (2 rows) -> math")
+    assert warnings == []
+    line, warnings = describe_routing(RewardConfig(function=f"{THIS_MODULE}.half_reward"), sources)
+    assert line.endswith(f"no data_source (2 rows) -> {THIS_MODULE}.half_reward") and "\n" not in line
+    assert warnings == [f"reward.function='{THIS_MODULE}.half_reward' scores the rows whose data_source is "
+                        "'arithmetic', not the registered 'arithmetic' verifier; set reward.function=auto to "
+                        "score each row by its data_source"]
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (RewardConfig(function="maths"), r"reward.function='maths' is not a registered reward .*did you mean 'math'\?"),
+    (RewardConfig(function="no_such_pkg.fn"), r"reward.function='no_such_pkg.fn': cannot import module 'no_such_pkg'"),
+    (RewardConfig(function=f"{THIS_MODULE}.nope"), r"has nothing named 'nope'"),
+    (RewardConfig(function=f"{THIS_MODULE}.strict_reward", kwargs={"scale": 2}),
+     r"cannot be called as fn\(response, answer, \*\*reward.kwargs\) with reward.kwargs=\{'scale': 2\}"),
+])
+def test_check_reward_names_the_key_and_the_fix(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        check_reward(cfg)
+
+
+def test_check_reward_accepts_auto_names_and_paths():
+    for function in ("auto", "countdown", f"{THIS_MODULE}.strict_reward"):
+        check_reward(RewardConfig(function=function))
+    check_reward(RewardConfig(function="countdown", kwargs={"format_score": 0.2}))
 
 
 def test_a_raising_function_scores_zero_and_is_logged_once(caplog):

@@ -24,7 +24,7 @@ def rows_of(path, data_cfg=None):
 
 
 def scores_of(rows):
-    """Scores of the rows' SFT responses; reward.function stays at its default (math): the
+    """Scores of the rows' SFT responses; reward.function stays at its default (auto): the
     rows' data_source picks the task's verifier."""
     scores, errors = score_responses([r.sft_response for r in rows], [r.answer for r in rows],
                                      [r.data_source for r in rows], RewardConfig())

@@ -149,6 +149,26 @@ def test_a_killed_run_resumes_and_reproduces(full_run: Path, tmp_path: Path) -> 
     assert second["heldout_reward_after_rl"] == first["heldout_reward_after_rl"]
 
 
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
+        full_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    out = tmp_path / "damaged"
+    shutil.copytree(full_run, out)
+    newest = out / "checkpoints" / "step_000004"
+    shard = sorted((newest / "actor").glob("*.distcp"))[-1]
+    shard.unlink()
+    assert (newest / "config.yaml").is_file()  # each checkpoint keeps the config it was saved under
+    stop = _train(out, "run.resume_fallback=stop")
+    assert stop.returncode == 2 and f"{shard} is missing (listed in .metadata)" in stop.stderr
+    result = _train(out)
+    _ok(result)
+    assert f"checkpoint step_000004 is damaged: {shard} is missing" in result.stderr
+    assert f"resuming from {out / 'checkpoints' / 'step_000002'}" in result.stdout
+    assert (out / "checkpoints" / "step_000004.damaged").is_dir()
+    assert _deterministic(_history(out, "step_000004")) == _deterministic(_history(full_run, "step_000004"))
+
+
 def test_resume_never_refuses_a_run_directory_with_checkpoints(full_run: Path) -> None:
     result = _train(full_run, "run.resume=never")
     assert result.returncode == 2

@@ -23,22 +23,26 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
-from hybridflow.runtime import gates, switches
+from hybridflow.runtime import gates, stops, switches
 from hybridflow.runtime.ops import OPS, NonFiniteStep, current, heldout_reward
 from hybridflow.runtime.session import Session, StepUndo
 
-__all__ = ["FAULT_ENV", "train_rl"]
+__all__ = ["FAULT_ENV", "RAISE_ENV", "train_rl"]
 
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "HYBRIDFLOW_FAULT_AT_STEP"
 """Testing hook: the process exits abruptly when this RL step starts (a crash mid-training)."""
+RAISE_ENV = "HYBRIDFLOW_RAISE_AT_STEP"
+"""Testing hook, ``STEP:RANK``: that rank raises when that RL step starts (a bug in one rank)."""
 
 
-def _inject_fault(step: int) -> None:
+def _inject_fault(step: int, rank: int) -> None:
     if os.environ.get(FAULT_ENV) == str(step):
         logger.error("%s=%d: simulating a crash", FAULT_ENV, step)
         os._exit(17)
+    if os.environ.get(RAISE_ENV) == f"{step}:{rank}":
+        raise RuntimeError(f"{RAISE_ENV}={step}:{rank}: simulated failure in rank {rank}")
 
 
 def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, float]:
@@ -107,16 +111,16 @@ def _skip(s: Session, error: NonFiniteStep) -> dict[str, float]:
     return {"actor/skipped_step": 1.0, "actor/rolled_back": float(undone)}
 
 
-def train_rl(s: Session, plan, *, save) -> None:
+def train_rl(s: Session, plan, *, save) -> bool:
     """Steps ``s.state.step`` .. ``run.steps`` of ``plan`` (an ``ExecutionPlan``); ``save(step)``
-    writes a checkpoint."""
+    writes a checkpoint. False: stopped early after a checkpoint asked for (``stops``)."""
     cfg, state = s.cfg, s.state
     if plan.start_mode is not None:
         switches.enter(s, plan.start_mode)
     bar = tqdm(range(state.step, cfg.run.steps), initial=state.step, total=cfg.run.steps, desc="rl",
                unit="step", disable=not s.is_driver)
     for step in bar:
-        _inject_fault(step)
+        _inject_fault(step, s.rank)
         s.undo = StepUndo(cfg.run.on_nan == "skip" and _updates_per_step(s) > 1)
         try:
             metrics = run_step(s, plan.stages, step)
@@ -135,7 +139,16 @@ def train_rl(s: Session, plan, *, save) -> None:
         state.history.append({"step": done, **metrics})
         s.tracker.log_metrics(metrics, step=done)
         bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
-        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps:
+        saved = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps
+        requested = done < cfg.run.steps and stops.checkpoint_requested(s.out_dir, is_driver=s.is_driver,
+                                                                        group=s.shard.group)
+        if saved or requested:
             switches.enter(s, "train")  # the optimizer state back on the device, as it is saved
             save(done)
+        if requested:
+            if s.is_driver:
+                stops.done_request(s.out_dir)
+            logger.warning("checkpointed step %d as %s asked; stopping", done, stops.REQUEST_FILE)
+            return False
     dist.barrier()
+    return True

@@ -14,8 +14,9 @@ logger = logging.getLogger(__name__)
 
 
 def summarise(cfg, state: RunState, *, heldout_after_rl: float | None, wall_seconds: float,
-              extra: dict[str, Any]) -> dict[str, Any]:
-    """The run's headline numbers."""
+              data_rows_skipped: dict[str, int], reward_errors: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """The run's headline numbers, with what it left out: bad data rows skipped (by data set)
+    and reward calls that raised (scored 0)."""
     history = state.history
     first, last = (history[0], history[-1]) if history else ({}, {})
     return {
@@ -32,6 +33,8 @@ def summarise(cfg, state: RunState, *, heldout_after_rl: float | None, wall_seco
         "train_reward_last": last.get("reward/mean"),
         "heldout": [list(x) for x in state.heldout],
         "wall_seconds": wall_seconds,
+        "data_rows_skipped": dict(data_rows_skipped),
+        "reward_errors": reward_errors,
         **extra,
     }
 
@@ -73,6 +76,16 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
 
 
+def _format_left_out(summary: dict[str, Any]) -> str:
+    """What the run did not use, always shown: a clean run says so, a lossy one cannot hide it."""
+    skipped, errors = summary["data_rows_skipped"], summary["reward_errors"]
+    rows = f"{sum(skipped.values())} bad data rows"
+    if any(skipped.values()):
+        rows += " (" + ", ".join(f"{name} {count}" for name, count in skipped.items()) + "; see data.on_bad_row)"
+    scored = f"{errors} reward errors" + (" (scored 0; see reward.on_error)" if errors else "")
+    return f"  left out     {rows}, {scored}"
+
+
 def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
     """The one-screen summary printed at the end of ``hybridflow train``."""
     lines = [
@@ -83,6 +96,7 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
         f"{_fmt(summary['train_reward_last'])}",
         f"  held-out     after SFT {_fmt(summary['heldout_reward_after_sft'])}, after RL "
         f"{_fmt(summary['heldout_reward_after_rl'])}",
+        _format_left_out(summary),
         f"  wall time    {summary['wall_seconds']:.0f} s",
         f"  outputs      {out_dir}/summary.json, reward_curve.png, checkpoints/",
     ]
@@ -95,4 +109,6 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
                      f"{_fmt(mismatch)} (mean)")
     if summary.get("mlflow_uri"):
         lines.append(f"  MLflow       run {summary.get('mlflow_run_id')} at {summary['mlflow_uri']}")
+    if summary.get("tensorboard_dir"):
+        lines.append(f"  TensorBoard  tensorboard --logdir {summary['tensorboard_dir']}")
     return "\n".join(lines)

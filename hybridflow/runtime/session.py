@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
-from hybridflow.data import PromptSampler, TokenizedPrompt, read_rows, tokenize_rows
+from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.model_dir import rollout_model_dir
 from hybridflow.runtime.shares import Shard, single_process
@@ -243,6 +243,8 @@ class Session:
     """The in-reward KL coefficient's controller (``shaping.kl_controller``): fixed or adaptive."""
     reward_errors: int = 0
     """Reward calls that raised so far (scored 0)."""
+    data_rows_skipped: dict[str, int] = field(default_factory=dict)
+    """Bad data rows skipped when the prompts were read, by data set (train, heldout)."""
     moe_tokens_per_expert: list | None = None
     """The last training pass's tokens per expert and MoE layer, for the summary."""
     started: float = 0.0
@@ -278,14 +280,19 @@ def prepare_files(cfg: HybridflowConfig, out_dir: Path) -> tuple[list[str], list
 
 
 def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: list[str]):
-    """Tokenised training prompts (with SFT targets when SFT runs) and held-out prompts."""
-    sft_key = cfg.sft.response_key if cfg.sft.steps > 0 or cfg.run.mode == "sft" else None
-    rows = read_rows(train, cfg.data, sft_key=sft_key)
-    prompts, _ = tokenize_rows(rows, tokenizer, cfg.data)
+    """Tokenised training prompts (with SFT targets when SFT runs), held-out prompts, and the bad
+    rows skipped under ``data.on_bad_row=skip`` (unreadable or untokenisable) by data set."""
+    report = DataReport()
+    prompts, too_long = tokenize_rows(read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report), tokenizer,
+                                      cfg.data)
+    skipped = {"train": report.num_skipped + too_long}
     held = []
     if heldout and cfg.run.heldout_prompts > 0:
-        held, _ = tokenize_rows(read_rows(heldout, cfg.data)[: cfg.run.heldout_prompts], tokenizer, cfg.data)
-    return prompts, held
+        report = DataReport()
+        rows = read_rows(heldout, cfg.data, report=report)[: cfg.run.heldout_prompts]
+        held, too_long = tokenize_rows(rows, tokenizer, cfg.data)
+        skipped["heldout"] = report.num_skipped + too_long
+    return prompts, held, skipped
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

@@ -7,8 +7,10 @@
   data/                       generated task files (when data.train_files is empty)
   checkpoints/
     sft/                      actor after the SFT warm-up (+ state.json)
-    step_000010/              actor with optimizer state (+ state.json: step, history, MLflow run)
+    step_000010/              actor with optimizer state (+ state.json: step, history, MLflow run;
+                              config.yaml: the resolved config it was saved under)
     step_000020.partial/      being written: never read, removed by the next save
+    step_000030.damaged/      found incomplete at a start and set aside (run.resume_fallback=previous)
   summary.json, reward_curve.png, mlflow.db, mlartifacts/
 ```
 
@@ -16,6 +18,16 @@ A checkpoint directory is complete only once it has its final name: everything i
 under ``.partial`` (the actor through ``megatron_adapters.checkpoint``, which stages itself too),
 ``state.json`` last, then one rename. A crash at any point leaves either the previous complete
 checkpoint or a ``.partial`` directory that resume ignores.
+
+A published checkpoint can still be damaged later (a deleted or truncated shard, a disk that
+filled during a copy). ``checkpoint_problem`` reads what the checkpoint itself lists, without
+loading a tensor: ``state.json``, each model directory's ``hybridflow.json``, megatron's
+``metadata.json`` and ``common.pt``, torch's ``.metadata`` and every shard file it names, at
+least as long as the byte ranges it records. ``find_resume`` walks the checkpoints newest first
+under ``run.resume_fallback``: ``previous`` passes over damaged ones (named with the file) to
+the newest complete one, ``stop`` refuses the start. ``config_changes`` compares the config a
+checkpoint was saved under with this start's, key by key: a change of the model's tensor shapes
+cannot load.
 """
 
 from __future__ import annotations
@@ -31,12 +43,18 @@ from typing import Any
 
 from hfschema.files import write_text_atomic
 
-__all__ = ["RunState", "checkpoint_dirs", "latest_checkpoint", "read_state", "write_json_atomic"]
+__all__ = ["Resume", "RunState", "checkpoint_dirs", "checkpoint_problem", "config_changes", "find_resume",
+           "latest_checkpoint", "read_state", "write_json_atomic"]
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+CONFIG_FILE = "config.yaml"
+DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_MODEL_DIRS = ("actor", "critic")  # the actor always; the critic when the run trained one
+_MODEL_FILES = ("hybridflow.json", "metadata.json", "common.pt", ".metadata")  # what a complete save writes
+_SHOWN_PROBLEMS = 3
 
 
 @dataclass
@@ -59,6 +77,9 @@ class RunState:
     """The MLflow run to keep logging into."""
     wall_seconds: float = 0.0
     """Wall time spent by earlier starts of this run."""
+    reward_errors: int = 0
+    """Reward calls that raised (scored 0) up to this checkpoint, so a resumed run's summary
+    counts the earlier starts' errors too."""
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
@@ -122,11 +143,202 @@ def prune(output_dir: str | os.PathLike, keep: int) -> None:
         logger.info("removed old checkpoint %s", old)
 
 
-def resume_point(output_dir: str | os.PathLike, resume: str) -> Path | None:
-    """The checkpoint a start continues from under ``run.resume``; ValueError when ``never``
-    meets a directory that already holds checkpoints (nothing of that run is touched)."""
-    latest = latest_checkpoint(output_dir)
-    if latest is not None and resume == "never":
-        raise ValueError(f"run.output_dir={output_dir} already holds checkpoints ({latest.name}); set "
+# --------------------------------------------------------------------------- resume
+
+
+def _shard_problems(directory: Path) -> list[str]:
+    """Shard files torch's ``.metadata`` lists that are missing or shorter than listed."""
+    from torch.distributed.checkpoint import FileSystemReader  # here: the rest of this module is torch-free
+
+    try:
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as error:  # a truncated or foreign pickle: any error means unreadable
+        return [f"{directory / '.metadata'} is unreadable ({type(error).__name__}: {error})"]
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path} is missing (listed in .metadata)")
+        elif path.stat().st_size < size:
+            problems.append(f"{path} is truncated ({path.stat().st_size} bytes, .metadata lists {size})")
+    return problems
+
+
+def _model_dir_problems(directory: Path) -> list[str]:
+    if not directory.is_dir():
+        return [f"{directory} is missing"]
+    missing = [f"{directory / name} is missing" for name in _MODEL_FILES if not (directory / name).is_file()]
+    if missing:
+        return missing
+    try:
+        json.loads((directory / "hybridflow.json").read_text())
+    except (OSError, ValueError) as error:
+        return [f"{directory / 'hybridflow.json'} is unreadable ({error})"]
+    return _shard_problems(directory)
+
+
+def checkpoint_problem(directory: str | os.PathLike) -> str | None:
+    """What makes a published checkpoint unusable (the files named), or None when it is complete."""
+    directory = Path(directory)
+    try:
+        read_state(directory)
+    except ValueError:
+        return f"{directory / STATE_FILE} is missing or unreadable"
+    problems = []
+    for name in _MODEL_DIRS:
+        if name == "actor" or (directory / name).exists():
+            problems += _model_dir_problems(directory / name)
+    if not problems:
+        return None
+    more = len(problems) - _SHOWN_PROBLEMS
+    return "; ".join(problems[:_SHOWN_PROBLEMS]) + (f" (and {more} more)" if more > 0 else "")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a start continues from, and the newer checkpoints passed over on the way."""
+
+    path: Path | None
+    """The newest complete checkpoint; None: a fresh start."""
+    damaged: tuple[tuple[Path, str], ...] = ()
+    """(checkpoint, what is wrong with it) for each newer one found damaged, newest first."""
+
+
+def _candidates(output_dir: Path) -> list[Path]:
+    """Published checkpoints, newest first: the RL steps, then the SFT one."""
+    sft = sft_checkpoint(output_dir)
+    return list(reversed(checkpoint_dirs(output_dir))) + ([sft] if sft.is_dir() else [])
+
+
+def find_resume(output_dir: str | os.PathLike, resume: str, *, fallback: str = "previous") -> Resume:
+    """The checkpoint a start continues from under ``run.resume`` and ``run.resume_fallback``;
+    ValueError (naming the files and the fix) when ``never`` meets a directory that holds
+    checkpoints, when ``stop`` meets a damaged newest one, or when none is complete."""
+    output_dir = Path(output_dir)
+    candidates = _candidates(output_dir)
+    if candidates and resume == "never":
+        raise ValueError(f"run.output_dir={output_dir} already holds checkpoints ({candidates[0].name}); set "
                          "run.resume=auto to continue that run, or pick a new run.name / run.output_dir")
-    return latest
+    damaged: list[tuple[Path, str]] = []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return Resume(path=path, damaged=tuple(damaged))
+        if fallback == "stop":
+            raise ValueError(f"checkpoint {path.name} is damaged: {problem}; set run.resume_fallback=previous to "
+                             f"resume from the newest complete checkpoint, or move {path} away")
+        damaged.append((path, problem))
+    if damaged:
+        raise ValueError(f"no complete checkpoint in {output_dir / 'checkpoints'} (newest: {damaged[0][0].name}: "
+                         f"{damaged[0][1]}); restore the files, or set a new run.output_dir to start over")
+    return Resume(path=None)
+
+
+def set_aside(damaged: tuple[tuple[Path, str], ...]) -> None:
+    """Rename damaged checkpoints to ``<name>.damaged`` (rank 0 only): resume and pruning no longer
+    see them, and their files stay for a look."""
+    for path, problem in damaged:
+        target = path.with_name(path.name + DAMAGED_SUFFIX)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(path, target)
+        logger.warning("checkpoint %s is damaged (%s); set aside as %s", path, problem, target.name)
+
+
+def resume_point(output_dir: str | os.PathLike, resume: str, *, fallback: str = "previous",
+                 set_aside_damaged: bool = False) -> Path | None:
+    """The checkpoint a start continues from (``find_resume``); with ``set_aside_damaged`` (the
+    run's rank 0) the damaged newer ones are renamed out of the way."""
+    found = find_resume(output_dir, resume, fallback=fallback)
+    if set_aside_damaged:
+        set_aside(found.damaged)
+    if found.path is not None:
+        logger.info("resuming from %s", found.path)
+    return found.path
+
+
+# --------------------------------------------------------------------------- config changes
+
+
+def recorded_config(checkpoint: Path, output_dir: str | os.PathLike) -> tuple[Path, dict] | None:
+    """The config a checkpoint was saved under: its own ``config.yaml``, else the run's first start's."""
+    import yaml
+
+    for path in (checkpoint / CONFIG_FILE, Path(output_dir) / CONFIG_FILE):
+        if path.is_file():
+            try:
+                loaded = yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(loaded, dict):
+                return path, loaded
+    return None
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(no such key now)"
+
+
+_ABSENT = _Absent()
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"model.num_layers": 2, ...}`` for nested mappings (lists stay values)."""
+    if not isinstance(tree, dict) or not tree and prefix:
+        return {prefix: tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _tensor_shapes(model: dict) -> dict[str, tuple[int, ...]] | None:
+    """The model's Hugging Face tensors and shapes (what the checkpoint's shapes follow), or None
+    when ``model`` is no longer a valid model section."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from hfschema.model import ModelConfig
+    from reshard.families import canonical_tensors
+
+    try:
+        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
+        return {t.name: t.shape for t in canonical_tensors(config)}
+    except (OmegaConfBaseException, ValueError, TypeError):
+        return None
+
+
+def config_changes(recorded: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(changes the checkpoint cannot load into, other changes) between the config a checkpoint
+    was saved under and this start's (both plain resolved dicts), one ``key: was -> now`` each.
+
+    The first list is the model keys that changed when the model's tensors changed name or shape
+    (megatron would fail with a shape error); everything else loads and is only reported. Keys
+    the recorded config lacks (fields added since, at their defaults) are not changes.
+    """
+    before, after = _flat(recorded), _flat(current)
+    changed = sorted(k for k in before if before[k] != after.get(k, _ABSENT))
+    lines = {k: f"{k}: {before[k]!r} -> {after.get(k, _ABSENT)!r}" for k in changed}
+    model_keys = [k for k in changed if k.startswith("model.")]
+    shapes_before, shapes_after = _tensor_shapes(recorded.get("model", {})), _tensor_shapes(current.get("model", {}))
+    # a recorded model this version cannot read (a field since removed) is not refused here
+    blocking = model_keys if shapes_before is not None and shapes_before != shapes_after else []
+    return [lines[k] for k in blocking], [lines[k] for k in changed if k not in blocking]
+
+
+def check_config_loads(checkpoint: Path, output_dir: str | os.PathLike, current: dict) -> list[str]:
+    """The changes since ``checkpoint`` was saved (``current``: this start's resolved config as a
+    plain dict) that it loads despite; ValueError naming each key it cannot load into."""
+    recorded = recorded_config(checkpoint, output_dir)
+    if recorded is None:
+        return []  # a run from before configs were kept: megatron's own error is all there is
+    path, config = recorded
+    blocking, other = config_changes(config, current)
+    if blocking:
+        raise ValueError(f"checkpoint {checkpoint.name} holds a different model than this config "
+                         f"({'; '.join(blocking)}; saved under {path}): restore those model keys to resume, "
+                         "or set a new run.output_dir for a new run")
+    return other

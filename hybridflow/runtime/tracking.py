@@ -1,9 +1,12 @@
-"""Metrics to MLflow (rank 0 only), or nowhere with ``run.tracking.backend=none``.
+"""Metrics to MLflow (rank 0 only), or nowhere with ``run.tracking.backend=none``; and with
+``run.tracking.tensorboard=true`` also to TensorBoard event files, whichever the backend.
 
 The default store is local: a SQLite database under the run directory
 (``<output_dir>/mlflow.db``, artifacts beside it), so a laptop run needs no server and
 ``mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`` shows it. A resumed run
 reopens the same MLflow run (its id is kept in the run state) and keeps logging at the next step.
+TensorBoard's files go to ``<output_dir>/tensorboard`` (``tensorboard --logdir`` it); a resumed
+run adds a new event file there, which TensorBoard reads as the same run.
 """
 
 from __future__ import annotations
@@ -32,9 +35,17 @@ class Tracker:
     def __init__(self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None) -> None:
         self.run_id: str | None = None
         self.uri: str | None = None
+        self.tensorboard_dir: str | None = None
         self._mlflow = None
-        if not active or cfg.run.tracking.backend == "none":
+        self._tensorboard = None
+        if not active:
             return
+        if cfg.run.tracking.backend == "mlflow":
+            self._start_mlflow(cfg, run_id)
+        if cfg.run.tracking.tensorboard:
+            self._start_tensorboard(Path(cfg.run.output_dir).resolve() / "tensorboard")
+
+    def _start_mlflow(self, cfg: HybridflowConfig, run_id: str | None) -> None:
         import mlflow
 
         uri = cfg.run.tracking.uri or default_tracking_uri(cfg.run.output_dir)
@@ -52,15 +63,30 @@ class Tracker:
         self.uri = uri
         logger.info("MLflow run %s at %s (artifacts under %s)", self.run_id, uri, artifacts)
 
+    def _start_tensorboard(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self._tensorboard = SummaryWriter(log_dir=str(log_dir))
+        self.tensorboard_dir = str(log_dir)
+        logger.info("TensorBoard event files under %s", log_dir)
+
     def log_params(self, params: dict[str, Any]) -> None:
         if self._mlflow is not None:
             self._mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        if self._tensorboard is not None:
+            table = "\n".join(f"| {k} | {v} |" for k, v in params.items())
+            self._tensorboard.add_text("params", f"| param | value |\n|---|---|\n{table}")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if self._mlflow is None:
-            return
         finite = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        self._mlflow.log_metrics(finite, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics(finite, step=step)
+        if self._tensorboard is not None:
+            for name, value in finite.items():
+                self._tensorboard.add_scalar(name, value, global_step=step)
+            # a step's points reach the disk now, not at the writer's next timed flush: a job
+            # killed by Slurm or the reaper keeps every step it finished
+            self._tensorboard.flush()
 
     def log_artifact(self, path: str | os.PathLike) -> None:
         if self._mlflow is not None:
@@ -70,3 +96,6 @@ class Tracker:
         if self._mlflow is not None:
             self._mlflow.end_run(status=status)
             self._mlflow = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None

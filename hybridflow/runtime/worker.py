@@ -26,6 +26,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from hfschema.files import write_text_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
@@ -33,7 +34,7 @@ from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.lowering import lower
 from hybridflow.data import PromptSampler
-from hybridflow.runtime import determinism, report, state as run_state
+from hybridflow.runtime import determinism, report, state as run_state, stops
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.ops import heldout_reward
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
@@ -47,6 +48,7 @@ from hybridflow.runtime.session import (
 from hybridflow.runtime.sft import run_sft, sft_train_config
 from hybridflow.runtime.sync import EngineSync
 from hybridflow.runtime.tracking import Tracker
+from launch.failures import record_failure
 from moe.routes import check_replay_device
 from moe.stats import summarise as summarise_router_stats
 
@@ -61,20 +63,23 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
 
     final = s.out_dir / "checkpoints" / name
     staging = run_state.staging_dir(final)
-    if s.is_driver:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    dist.barrier()
-    checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
-    if policy is None and s.critic is not None:
-        checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
-    if s.is_driver:
-        s.state.mlflow_run_id = s.tracker.run_id
-        s.state.wall_seconds = s.wall_before + time.time() - s.started
-        run_state.save_state(staging, s.state)
-        run_state.publish(staging, final)
-        run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
-    dist.barrier()
+    with stops.deferred():  # a stop signal now waits for the checkpoint (within the launcher's grace)
+        if s.is_driver:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        dist.barrier()
+        checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
+        if policy is None and s.critic is not None:
+            checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
+        if s.is_driver:
+            s.state.mlflow_run_id = s.tracker.run_id
+            s.state.reward_errors = s.reward_errors
+            s.state.wall_seconds = s.wall_before + time.time() - s.started
+            write_text_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
+            run_state.save_state(staging, s.state)
+            run_state.publish(staging, final)
+            run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
+        dist.barrier()
 
 
 def _warm_up(s: Session) -> None:
@@ -206,7 +211,7 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
 
     train, heldout, model_dir = prepare_files(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts, held = load_prompts(cfg, tokenizer, train, heldout)
+    prompts, held, skipped = load_prompts(cfg, tokenizer, train, heldout)
     state = run_state.read_state(resume_from) if resume_from else run_state.RunState()
     rank = dist.get_rank()
     tracker = Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id)
@@ -214,7 +219,8 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
                 train_prompts=prompts, heldout_prompts=held, sft_rows=prompts,
                 sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
                 state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer), pg=pg,
-                shard=_shard(), device=parallel.device(), channel=channel)
+                shard=_shard(), device=parallel.device(), channel=channel,
+                data_rows_skipped=skipped, reward_errors=state.reward_errors)
     s.spec = algorithm_spec(cfg)
     filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
     s.algo = dataclasses.replace(cfg.algorithm, **filled)
@@ -231,13 +237,14 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
              "first_step_ppo_kl": first.get("actor/ppo_kl_first_mini"),
              "first_step_clipfrac": first.get("actor/clipfrac_first_mini"),
              "mlflow_run_id": s.tracker.run_id, "mlflow_uri": s.tracker.uri,
-             "reward_errors": s.reward_errors, "executed_stages": s.executed_stages,
+             "executed_stages": s.executed_stages, "tensorboard_dir": s.tracker.tensorboard_dir,
              "engine_restarts": s.restarts.used if s.restarts is not None else 0}
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
                         "metrics": summarise_router_stats(s.state.history),
                         "tokens_per_expert_last_step": s.moe_tokens_per_expert}
-    summary = report.summarise(s.cfg, s.state, heldout_after_rl=heldout_after_rl, wall_seconds=wall, extra=extra)
+    summary = report.summarise(s.cfg, s.state, heldout_after_rl=heldout_after_rl, wall_seconds=wall,
+                               data_rows_skipped=s.data_rows_skipped, reward_errors=s.reward_errors, extra=extra)
     if s.is_driver:
         path = report.write_summary(s.out_dir, summary)
         plot = report.plot_rewards(s.out_dir, s.state)
@@ -268,6 +275,17 @@ def out_of_memory_hint(cfg: HybridflowConfig, phase: str) -> Iterator[None]:
             f"(now {cfg.actor.parallel.describe()})") from None
 
 
+def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> Path | None:
+    """Rank 0: the checkpoint this start continues from (damaged newer ones set aside), refused
+    key by key when this config's model cannot load it (what preflight checked already)."""
+    path = run_state.resume_point(out_dir, cfg.run.resume, fallback=cfg.run.resume_fallback, set_aside_damaged=True)
+    if path is not None:
+        changes = run_state.check_config_loads(path, out_dir, yaml.safe_load(to_yaml(cfg)))
+        if changes:
+            logger.info("changed since %s was saved: %s", path.name, "; ".join(changes))
+    return path
+
+
 def run(cfg: HybridflowConfig, channel: Channel | None = None) -> dict:
     """The whole job on this rank (every rank of the actor's layout calls it); ``channel``: the
     joint group with the engine ranks (separate placement), None when colocated."""
@@ -281,7 +299,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
     plan = lower(cfg, with_reshard=False)  # the stages `hybridflow plan` prints are the ones that run
     check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
     out_dir = Path(cfg.run.output_dir)
-    resume_from = broadcast(run_state.resume_point(out_dir, cfg.run.resume) if dist.get_rank() == DRIVER else None)
+    resume_from = broadcast(_resume_point(cfg, out_dir) if dist.get_rank() == DRIVER else None)
     if dist.get_rank() == DRIVER and resume_from is None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
@@ -301,7 +319,11 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
             s.state.heldout_after_sft = heldout_reward(s)
             s.state.heldout.append((s.state.step, s.state.heldout_after_sft))
         with out_of_memory_hint(cfg, "the RL steps"):
-            train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
+            finished = train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
+        if not finished:  # checkpointed on request (stops.REQUEST_FILE): a later start resumes there
+            s.tracker.close(status="KILLED")
+            _stop_engines(s, in_order=True)
+            return {}
         after_rl = heldout_reward(s)
         if after_rl is not None:
             s.state.heldout.append((s.state.step, after_rl))
@@ -309,8 +331,8 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         s.tracker.close()
         _stop_engines(s, in_order=True)
         return summary
-    except BaseException:
-        s.tracker.close(status="FAILED")
+    except BaseException as error:
+        s.tracker.close(status="KILLED" if isinstance(error, stops.Stopped) else "FAILED")
         _stop_engines(s, in_order=False)
         raise
 
@@ -319,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_adapters import parallel
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    stops.install()
     cfg = load_config(argv[0], argv[1:])
     determinism.apply(cfg.run.deterministic)  # before anything is built or started
     minutes = cfg.run.collective_timeout_minutes
@@ -341,10 +364,21 @@ def main(argv: list[str] | None = None) -> int:
             serve(cfg, channel)
         else:
             run(cfg, channel)
+    except stops.Stopped as stop:  # engines are shut down (run); now leave at once
+        logging.getLogger("hybridflow.train").warning("%s", stop)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no process-group teardown: a step cut short leaves collectives unmatched, and
+        # destroying their groups then waits for peers that are gone (seen: until torchrun's SIGKILL)
+        os._exit(128 + stop.signum)
     except DeviceMemoryError as error:  # one line, not a traceback: the message says what to change
+        record_failure(error)
         logging.getLogger("hybridflow.train").error("%s", error)
         sys.stderr.write(f"hybridflow train: error: {error}\n")
         return 1
+    except BaseException as error:  # before the clean-up below: a peer's later error cannot look first
+        record_failure(error)
+        raise
     finally:
         parallel.teardown()
         dist.destroy_process_group()

@@ -39,7 +39,7 @@ def test_orphans_of_a_crashed_job_are_reaped(tmp_path) -> None:
     launcher = textwrap.dedent(f"""
         import os, sys
         from launch.reaper import run_reaped
-        code = run_reaped([sys.executable, "-c", {_JOB!r}, {str(pid_file)!r}], os.environ)
+        code = run_reaped([sys.executable, "-c", {_JOB!r}, {str(pid_file)!r}], os.environ).returncode
         sys.exit(0 if code == 17 else 1)
     """)
     started = time.monotonic()

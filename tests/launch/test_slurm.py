@@ -7,7 +7,6 @@ to a real one-node Slurm.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -53,7 +52,10 @@ def test_one_cpu_node(capsys, tmp_path):
     assert f"--output={tmp_path / 'run' / 'logs'}/slurm-%j.out" in directives
     assert f"--chdir={Path.cwd().resolve()}" in directives
     assert 'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in script
-    assert "trap requeue_before_time_limit USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert "trap checkpoint_before_time_limit USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert f"> {tmp_path / 'run' / 'checkpoint.request'}" in script  # the ranks save, then stop
+    for name in ("INT", "TERM", "HUP"):
+        assert f"trap 'stop_job" in script and f" {name}' {name}" in script
     assert "srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1" in script
     assert "-m hybridflow.cli launch " + CONFIG in script
     assert "--nnodes 1 --nproc-per-node 2 --max-restarts 0" in script
@@ -133,8 +135,10 @@ def test_missing_config(capsys, tmp_path):
     assert "config file not found" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("sbatch") is not None, reason="sbatch is installed here")
-def test_submit_without_sbatch_says_where_the_script_is(capsys, tmp_path):
+def test_submit_without_sbatch_says_where_the_script_is(capsys, tmp_path, monkeypatch):
+    # an empty PATH rather than a skip where sbatch exists: CI installs Slurm, and runs this too
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     code, _, err = _render(capsys, tmp_path, "--nodes", "1", "--gpus-per-node", "0", "--submit")
     assert code == 2 and "sbatch is not installed" in err
     assert (tmp_path / "run" / SCRIPT_NAME).is_file()

@@ -4,7 +4,9 @@
 Debian's slurm-wlm and munge). The short CPU quickstart is submitted and must end COMPLETED in
 ``sacct``; a second submission is requeued (``scontrol requeue``) once its first RL checkpoint
 exists, and must resume from that checkpoint in the same run directory and end with the first
-job's metrics. Skipped only where Slurm is not installed (``sbatch`` not on PATH).
+job's metrics. Skipped only where Slurm is not installed (``sbatch`` not on PATH), and there not
+under ``HYBRIDFLOW_REQUIRE_SLURM=1`` (``.ci/run`` sets it): then the skip is an error
+(``tests/conftest.py``).
 """
 
 from __future__ import annotations

@@ -74,14 +74,28 @@ def test_summary_and_plot(tmp_path: Path) -> None:
     cfg = load_config("configs/quickstart_cpu.yaml")
     run = state.RunState(step=2, heldout_after_sft=0.25, sft_losses=[3.0, 1.0], heldout=[(0, 0.25), (2, 0.5)],
                          history=[{"step": 1, "reward/mean": 0.2}, {"step": 2, "reward/mean": 0.4}])
-    summary = report.summarise(cfg, run, heldout_after_rl=0.5, wall_seconds=12.0, extra={})
+    summary = report.summarise(cfg, run, heldout_after_rl=0.5, wall_seconds=12.0,
+                               data_rows_skipped={"train": 0, "heldout": 0}, reward_errors=0, extra={})
     for key, value in (("heldout_reward_after_sft", 0.25), ("heldout_reward_after_rl", 0.5), ("steps", 2),
                        ("wall_seconds", 12.0), ("train_reward_last", 0.4)):
         assert summary[key] == value
     path = report.write_summary(tmp_path, summary)
     assert json.loads(path.read_text())["steps"] == 2
     assert report.plot_rewards(tmp_path, run).read_bytes()[:4] == b"\x89PNG"
-    assert "after RL 0.500" in report.format_summary(summary, tmp_path)
+    screen = report.format_summary(summary, tmp_path)
+    assert "after RL 0.500" in screen
+    assert "left out     0 bad data rows, 0 reward errors\n" in screen  # a clean run says it is clean
+
+
+def test_skipped_rows_and_reward_errors_reach_the_screen_and_summary_json(tmp_path: Path) -> None:
+    cfg = load_config("configs/quickstart_cpu.yaml")
+    summary = report.summarise(cfg, state.RunState(), heldout_after_rl=None, wall_seconds=1.0,
+                               data_rows_skipped={"train": 3, "heldout": 1}, reward_errors=2, extra={})
+    saved = json.loads(report.write_summary(tmp_path, summary).read_text())
+    assert saved["data_rows_skipped"] == {"train": 3, "heldout": 1} and saved["reward_errors"] == 2
+    (line,) = [x for x in report.format_summary(saved, tmp_path).splitlines() if "left out" in x]
+    assert "4 bad data rows (train 3, heldout 1; see data.on_bad_row)" in line
+    assert "2 reward errors (scored 0; see reward.on_error)" in line
 
 
 def test_the_rollout_model_directory_matches_the_config() -> None:
@@ -123,7 +137,8 @@ def _fake_session(on_nan: str, steps: int = 3):
                                                        "run.heldout_every=0"])
     return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), step_metrics={},
                            prompt_batch=lambda step: [], executed_stages=[], mode=None, engine=None,
-                           actor=None, critic=None, algo=cfg.algorithm, sync=None)
+                           actor=None, critic=None, algo=cfg.algorithm, sync=None, rank=0,
+                           out_dir=Path("unused"), shard=SimpleNamespace(group=None))
 
 
 def _graph_raising_at(bad_step: int):
@@ -287,3 +302,27 @@ def test_an_inactive_tracker_has_everything_the_runtime_calls_on_its_metric_sink
     assert _protocol_members(MetricSink) == {"run_id", "uri", "log_params", "log_metrics", "log_artifact", "close"}
     assert all(hasattr(tracker, name) for name in _protocol_members(MetricSink))
     assert tracker.run_id is None and tracker.uri is None
+
+
+def test_load_prompts_counts_the_bad_rows_it_skips_by_data_set(tmp_path: Path) -> None:
+    from hybridflow.rollout.tiny import make_tiny_tokenizer
+    from hybridflow.runtime.session import load_prompts
+
+    good = json.dumps({"prompt": "1+2=", "reward_model": {"ground_truth": 3}, "sft_response": "3"})
+    too_long = json.dumps({"prompt": "1+2=" * 40, "reward_model": {"ground_truth": 3}, "sft_response": "3"})
+    train, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+    train.write_text("\n".join([good, "{not json", too_long, good]) + "\n")
+    heldout.write_text("\n".join([good, json.dumps({"reward_model": {"ground_truth": 1}})]) + "\n")
+    cfg = load_config("configs/quickstart_cpu.yaml", ["data.on_bad_row=skip", "data.max_prompt_length=32"])
+    prompts, held, skipped = load_prompts(cfg, make_tiny_tokenizer(), [str(train)], [str(heldout)])
+    assert (len(prompts), len(held)) == (2, 1)
+    assert skipped == {"train": 2, "heldout": 1}  # unreadable and too long both count
+
+
+def test_reward_errors_survive_a_resume_and_old_states_still_load(tmp_path: Path) -> None:
+    (tmp_path / "new").mkdir()
+    state.save_state(tmp_path / "new", state.RunState(step=2, reward_errors=3))
+    assert state.read_state(tmp_path / "new").reward_errors == 3
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "state.json").write_text(json.dumps({"step": 2}))  # written before the field
+    assert state.read_state(tmp_path / "old").reward_errors == 0

@@ -1,0 +1,92 @@
+"""The first failing rank's error, as the launcher's last line and ``<run dir>/error.txt``.
+
+    rank (hybridflow.runtime.worker)            launcher (launch.torchrun, launch.multinode)
+    an exception escapes the job  ──►  $HYBRIDFLOW_ERROR_DIR/rank<R>.json   {rank, restart, time, error}
+      (written before the rank's clean-up,       │
+       so a peer's later error cannot beat it)   └─ torchrun failed: the newest restart's earliest
+                                                    record  ──►  stderr, last:  hybridflow train: rank R failed: Type: message
+                                                                 <run dir>/error.txt (atomically)
+
+torchrun's own ``record`` / ``TORCHELASTIC_ERROR_FILE`` mechanism is not used: it stamps errors
+with whole seconds and picks the lowest rank among equal stamps (a peer's "connection closed"
+can then pass for the cause), it writes only after the rank's ``finally`` blocks have closed
+its process groups (by when the peers are failing too), and it prints a JSON traceback block
+rather than one line. Full tracebacks stay in each rank's output. Ranks stopped by a signal
+(``hybridflow.runtime.stops.Stopped``) write nothing: they did not fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hfschema.files import write_text_atomic
+
+__all__ = ["ERROR_DIR_ENV", "ERROR_FILE", "Failure", "first_failure", "record_failure", "report_failure"]
+
+ERROR_DIR_ENV = "HYBRIDFLOW_ERROR_DIR"
+"""Where the ranks of this launcher write their error records (set by the launcher)."""
+ERROR_FILE = "error.txt"
+"""The first failure of the run's last start, in the run directory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """One rank's error."""
+
+    rank: int
+    """The rank's global rank (torchrun's RANK)."""
+    restart: int
+    """torchrun's restart round (TORCHELASTIC_RESTART_COUNT) it failed in."""
+    time: float
+    """When the exception reached the job's top level (``time.time()``)."""
+    error: str
+    """``Type: message``."""
+
+    def line(self) -> str:
+        return f"rank {self.rank} failed: {self.error}"
+
+
+def record_failure(error: BaseException, *, env: dict[str, str] | None = None) -> Path | None:
+    """In a rank: write ``error`` for the launcher; None when no launcher asked for it."""
+    env = os.environ if env is None else env
+    directory = env.get(ERROR_DIR_ENV)
+    if not directory:
+        return None
+    message = str(error).strip() or "(no message)"
+    failure = Failure(rank=int(env.get("RANK", "0")), restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                      time=time.time(), error=f"{type(error).__name__}: {message}")
+    path = Path(directory) / f"rank{failure.rank}.json"
+    write_text_atomic(path, json.dumps(asdict(failure)))
+    return path
+
+
+def first_failure(directory: str | os.PathLike) -> Failure | None:
+    """The earliest error of the newest restart round recorded in ``directory``."""
+    found = []
+    for path in Path(directory).glob("rank*.json"):
+        try:
+            found.append(Failure(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # a record cut short by a kill says nothing reliable
+    if not found:
+        return None
+    last_round = max(f.restart for f in found)
+    return min((f for f in found if f.restart == last_round), key=lambda f: (f.time, f.rank))
+
+
+def report_failure(directory: str | os.PathLike, output_dir: str | os.PathLike | None, *, command: str,
+                   returncode: int) -> str:
+    """The launcher's last line after torchrun failed; also written to ``<output_dir>/error.txt``."""
+    failure = first_failure(directory)
+    if failure is None:
+        line = (f"{command}: the job failed with exit status {returncode}; no rank reported an error "
+                "(a rank killed or exiting abruptly); see the ranks' output above")
+    else:
+        line = f"{command}: {failure.line()}"
+    if output_dir is not None and Path(output_dir).is_dir():
+        write_text_atomic(Path(output_dir) / ERROR_FILE, line + "\n")
+    return line

@@ -1,0 +1,46 @@
+"""The first failing rank's error: records written by ranks, chosen and reported by the launcher."""
+
+from __future__ import annotations
+
+import json
+
+from launch.failures import ERROR_DIR_ENV, ERROR_FILE, first_failure, record_failure, report_failure
+
+
+def _record(directory, rank: int, restart: int, when: float, error: str) -> None:
+    payload = {"rank": rank, "restart": restart, "time": when, "error": error}
+    (directory / f"rank{rank}.json").write_text(json.dumps(payload))
+
+
+def test_a_rank_writes_its_error_only_when_a_launcher_asked(tmp_path) -> None:
+    assert record_failure(ValueError("x"), env={}) is None
+    env = {ERROR_DIR_ENV: str(tmp_path), "RANK": "3", "TORCHELASTIC_RESTART_COUNT": "1"}
+    path = record_failure(ValueError("train.lr=-1 must be > 0"), env=env)
+    saved = json.loads(path.read_text())
+    assert path.name == "rank3.json" and saved["rank"] == 3 and saved["restart"] == 1
+    assert saved["error"] == "ValueError: train.lr=-1 must be > 0"
+
+
+def test_the_earliest_error_of_the_newest_restart_is_the_first_failure(tmp_path) -> None:
+    _record(tmp_path, 0, 1, 20.0, "RuntimeError: Connection reset by peer")
+    _record(tmp_path, 1, 1, 19.5, "ValueError: the cause")
+    _record(tmp_path, 2, 0, 5.0, "KeyError: an earlier start's failure")
+    (tmp_path / "rank3.json").write_text('{"rank": 3, "ti')  # cut short by a kill: ignored
+    first = first_failure(tmp_path)
+    assert (first.rank, first.error) == (1, "ValueError: the cause")
+    assert first_failure(tmp_path / "nothing") is None
+
+
+def test_the_report_names_the_rank_and_lands_in_the_run_directory(tmp_path) -> None:
+    errors, run = tmp_path / "errors", tmp_path / "run"
+    errors.mkdir()
+    run.mkdir()
+    _record(errors, 1, 0, 1.0, "ValueError: the cause")
+    line = report_failure(errors, run, command="hybridflow launch", returncode=1)
+    assert line == "hybridflow launch: rank 1 failed: ValueError: the cause"
+    assert (run / ERROR_FILE).read_text() == line + "\n"
+
+
+def test_a_failure_without_a_record_still_says_so(tmp_path) -> None:
+    line = report_failure(tmp_path, None, command="hybridflow train", returncode=17)
+    assert "exit status 17" in line and "no rank reported an error" in line

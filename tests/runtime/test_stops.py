@@ -1,0 +1,80 @@
+"""A rank's stop: signals become ``Stopped`` (after a checkpoint being written), and a
+checkpoint request ends the RL loop at the next step boundary, after saving it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from hybridflow.runtime import loop, stops
+from launch.reaper import REQUEST_FILE
+from tests.runtime.test_pieces import _fake_session, _graph_raising_at
+
+
+@pytest.fixture
+def handlers():
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stops.install()
+    yield
+    stops._State.pending = None
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_raises_stopped(handlers, sig) -> None:
+    with pytest.raises(stops.Stopped) as stopped:
+        os.kill(os.getpid(), sig)
+    assert stopped.value.signum == sig and signal.Signals(sig).name in str(stopped.value)
+
+
+def test_a_signal_during_a_checkpoint_waits_for_its_end(handlers) -> None:
+    written = []
+    with pytest.raises(stops.Stopped):
+        with stops.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            written.append("state.json")  # the save goes on to its end
+    assert written == ["state.json"]
+
+
+def test_a_save_that_fails_under_a_pending_stop_is_a_stop(handlers) -> None:
+    with pytest.raises(stops.Stopped):
+        with stops.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise EOFError("the save's helper process was signalled too")
+    with pytest.raises(EOFError):  # without a stop, an error is an error
+        with stops.deferred():
+            raise EOFError
+
+
+def test_a_checkpoint_request_saves_the_step_and_leaves_the_loop(monkeypatch, tmp_path) -> None:
+    graph, update, calls = _graph_raising_at(-1)
+    monkeypatch.setitem(loop.OPS, "fake_update", update)
+    monkeypatch.setattr(loop.dist, "barrier", lambda: None)
+    monkeypatch.setattr(loop.switches, "enter", lambda s, mode: None)
+    s = _fake_session("stop", steps=5)
+    s.is_driver, s.out_dir = True, tmp_path
+    saved = []
+
+    def save(step):
+        saved.append(step)
+        if step == 2:  # asked while step 3 runs (the Slurm script before the time limit)
+            stops.request_checkpoint(tmp_path)
+
+    s.cfg.run.checkpoint_every = 2
+    assert loop.train_rl(s, graph, save=save) is False
+    assert calls == [0, 1, 2] and saved == [2, 3] and s.state.step == 3
+    assert not (tmp_path / REQUEST_FILE).exists()  # a resumed start must not stop again
+
+
+def test_without_a_request_the_loop_runs_to_the_end(monkeypatch, tmp_path) -> None:
+    graph, update, calls = _graph_raising_at(-1)
+    monkeypatch.setitem(loop.OPS, "fake_update", update)
+    monkeypatch.setattr(loop.dist, "barrier", lambda: None)
+    monkeypatch.setattr(loop.switches, "enter", lambda s, mode: None)
+    s = _fake_session("stop", steps=3)
+    s.is_driver, s.out_dir = True, tmp_path
+    assert loop.train_rl(s, graph, save=lambda step: None) is True
+    assert calls == [0, 1, 2]

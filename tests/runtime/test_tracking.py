@@ -1,0 +1,60 @@
+"""``run.tracking``: TensorBoard event files beside (or instead of) MLflow, read back from disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from hybridflow.config import load_config
+from hybridflow.runtime.tracking import Tracker
+
+
+def _scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _tracker(tmp_path: Path, *overrides: str, active: bool = True) -> Tracker:
+    cfg = load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path}", *overrides])
+    return Tracker(cfg, active=active)
+
+
+def test_tensorboard_is_off_by_default(tmp_path: Path) -> None:
+    tracker = _tracker(tmp_path, "run.tracking.backend=none")
+    assert tracker.tensorboard_dir is None
+    tracker.log_metrics({"reward/mean": 0.5}, step=1)
+    tracker.close()
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_tensorboard_alone_writes_event_files_a_reader_reads_back(tmp_path: Path) -> None:
+    tracker = _tracker(tmp_path, "run.tracking.backend=none", "run.tracking.tensorboard=true")
+    assert tracker.tensorboard_dir == str(tmp_path.resolve() / "tensorboard") and tracker.run_id is None
+    tracker.log_params({"algorithm": "grpo"})
+    tracker.log_metrics({"reward/mean": 0.25, "actor/kl": float("nan")}, step=1)
+    tracker.log_metrics({"reward/mean": 0.75}, step=2)
+    # flushed per step: readable before close, as after a job killed mid-run
+    assert _scalars(tracker.tensorboard_dir) == {"reward/mean": [(1, 0.25), (2, 0.75)]}
+    tracker.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_tensorboard_beside_mlflow_gets_the_same_metrics(tmp_path: Path) -> None:
+    import mlflow
+
+    tracker = _tracker(tmp_path, "run.tracking.tensorboard=true")
+    tracker.log_metrics({"reward/mean": 0.5}, step=3)
+    run_id, uri = tracker.run_id, tracker.uri
+    tracker.close()
+    assert _scalars(str(tmp_path / "tensorboard")) == {"reward/mean": [(3, 0.5)]}
+    history = mlflow.MlflowClient(tracking_uri=uri).get_metric_history(run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(3, 0.5)]
+
+
+def test_an_inactive_rank_writes_no_event_files(tmp_path: Path) -> None:
+    tracker = _tracker(tmp_path, "run.tracking.tensorboard=true", active=False)
+    tracker.log_metrics({"reward/mean": 0.5}, step=1)
+    tracker.close()
+    assert tracker.tensorboard_dir is None and not (tmp_path / "tensorboard").exists()
