@@ -249,9 +249,22 @@ class RolloutConfig:
     """Weight push: sliced (each engine rank receives its reshard-plan share, shared from the
     actor process that holds it) or full (the plan gathers whole HF tensors on the driving
     process and every engine rank receives every tensor; the baseline)."""
+    generate_timeout_s: float = 300.0
+    """A generate call (one chunk on one replica) that runs longer counts as a hung engine:
+    it is killed and restarted (max_engine_restarts) or the run stops naming it. Must stay
+    below run.collective_timeout_minutes, which bounds the other ranks' wait meanwhile."""
+    max_engine_restarts: int = 3
+    """Engine restarts the run survives (an engine whose processes died or that hung): the
+    replica's engine is restarted, given the current weights and the step's generate call
+    retried with the same seeds; one more failure stops the run. 0: stop at the first."""
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ROLLOUT_ENGINES)
+        if self.generate_timeout_s <= 0:
+            raise ConfigError("{p}generate_timeout_s={t} must be > 0 (seconds)", t=self.generate_timeout_s)
+        if self.max_engine_restarts < 0:
+            raise ConfigError("{p}max_engine_restarts={k} must be >= 0 (0: stop at the first engine failure)",
+                              k=self.max_engine_restarts)
         check_choice("sync_route", self.sync_route, ("sliced", "full"))
         check_positive(self, ("n", "max_total_tokens", "dispatch_chunks", "reshard_bucket_mb", "push_bucket_mb",
                                "intra_node_gbps", "inter_node_gbps"))
@@ -677,6 +690,12 @@ class HybridflowConfig:
                 f"(or rollout.tp) so that tp*num_replicas <= {world}, or set "
                 f"rollout.placement=separate"
             )
+        if self.rollout.generate_timeout_s >= 60 * self.run.collective_timeout_minutes:
+            # the other ranks wait for the drivers in a collective: past its timeout the job fails first
+            raise ValueError(f"rollout.generate_timeout_s={self.rollout.generate_timeout_s:g} must stay below "
+                             f"run.collective_timeout_minutes={self.run.collective_timeout_minutes} (in seconds), "
+                             "or the waiting ranks fail before a hung engine is caught; lower the first or raise "
+                             "the second")
 
 
 def enabled_roles(cfg: HybridflowConfig) -> dict[str, ParallelLayout]:

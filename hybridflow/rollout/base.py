@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "EngineLost",
     "FINISH_LENGTH",
     "FINISH_STOP",
     "MEMORY_TAGS",
@@ -41,6 +42,11 @@ FINISH_STOP = "stop"
 """The response ended with EOS or a stop token."""
 FINISH_LENGTH = "length"
 """The response hit ``max_new_tokens`` (truncated; RL recipes may shape or mask it)."""
+
+
+class EngineLost(RuntimeError):
+    """The engine stopped serving mid-call: one of its processes died, or the call ran past its
+    timeout. The engine is unusable; a new one can take its place (``runtime/recovery.py``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -144,7 +144,7 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
     ids = [p.prompt_ids for p in prompts]
     s.channel.announce(("generate", ids, params, seed, s.rollout_calls))  # separate: the engine ranks follow
     out = replicas.generate(s.cfg, s.engine, ids, params, seed, call=s.rollout_calls, channel=s.channel,
-                            replica=s.replica, shard=s.shard, device=s.device)
+                            replica=s.replica, shard=s.shard, device=s.device, restarts=s.restarts)
     for replica, count in enumerate(out.samples_per_replica):
         s.step_metrics[f"rollout/replica{replica}/samples"] = float(count)
     received = s.shard.max(torch.tensor([float(out.received_bytes)]))

@@ -16,6 +16,11 @@ Each chunk is sampled with its own seed (chunk 0 with the call's seed), so a sam
 function of the weights, its prompt and its chunk's seed, never of which replica served it:
 runs and resumed runs draw the same samples whatever the timing. One replica takes the
 whole batch as one chunk, as before replicas existed.
+
+A driver whose engine is lost mid-call (``EngineLost``: a process of it died, or a call outran
+``rollout.generate_timeout_s``) reports it like any failure; with ``restarts`` every rank then
+has the lost engines replaced and re-synced (``recovery``) and the whole call runs again, same
+chunks, same seeds, so it returns the samples the failed call would have.
 """
 
 from __future__ import annotations
@@ -23,20 +28,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import threading
 import time
 from typing import NamedTuple, Sequence
 
 from hybridflow.config import HybridflowConfig
-from hybridflow.rollout.base import RolloutSample, SamplingParams
+from hybridflow.rollout.base import EngineLost, RolloutSample, SamplingParams
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
 from hybridflow.runtime.shares import Shard, owner
 
-__all__ = ["FAULT_ENV", "ReplicaFailed", "ReplicaOutput", "chunk_seed", "driver_rank", "generate", "replica_of"]
+__all__ = ["FAULT_ENV", "FAULT_KILL_ENV", "ReplicaFailed", "ReplicaOutput", "chunk_seed", "driver_rank", "generate",
+           "replica_of"]
 
 _SEED_MOD = 2**31 - 1
 FAULT_ENV = "HYBRIDFLOW_FAULT_REPLICA"
 """Testing hook, ``K@N``: replica K's engine call fails at the N-th generate call of the run."""
+FAULT_KILL_ENV = "HYBRIDFLOW_FAULT_KILL_ENGINE"
+"""Testing hook, ``K@N``: replica K's driver SIGKILLs one of its SGLang engine's scheduler
+processes from a thread while the N-th generate call of the run generates (its first try)."""
 
 
 class ReplicaFailed(RuntimeError):
@@ -113,12 +124,15 @@ class _Counter:
 
 
 def _drive(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range],
-           counter: _Counter) -> tuple[list[RolloutSample], float]:
-    """Generate chunks on this replica until none is left."""
+           counter: _Counter, *, kill: bool = False) -> tuple[list[RolloutSample], float]:
+    """Generate chunks on this replica until none is left (``kill``: the FAULT_KILL_ENV hook)."""
     samples, started = [], time.perf_counter()
     while (chunk := counter.take()) < len(chunks):
         span = chunks[chunk]
         engine.reseed(chunk_seed(seed, chunk))
+        if kill:
+            _kill_a_scheduler_soon(engine)
+            kill = False
         out = engine.generate([prompts[i] for i in span], params)
         samples += [dataclasses.replace(x, prompt_index=span.start + x.prompt_index) for x in out.samples]
     return samples, time.perf_counter() - started
@@ -133,28 +147,34 @@ class _Report(NamedTuple):
     error: str | None
     dp_rank: int | None
     """The rank's data-parallel rank; None for an engine rank (separate placement)."""
+    lost: bool = False
+    """Whether ``error`` is the engine lost (``EngineLost``): a new engine can take over."""
 
 
 def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
              seed: int, *, call: int, channel: Channel, replica: int | None, shard: Shard | None,
-             device) -> ReplicaOutput:
+             device, restarts=None) -> ReplicaOutput:
     """Every replica's share of ``prompts``, delivered to the data-parallel ranks that own them
     (``shares.owner``; collective over ``channel``). ``engine`` is the engine of ``replica``
     when this rank drives it, else None; ``shard``: this rank's DP share (None on an engine
     rank); ``call`` numbers the call, the same on every rank; ``device``: where the samples
-    travel (the rank's GPU, so NCCL carries them)."""
+    travel (the rank's GPU, so NCCL carries them); ``restarts``: this rank's
+    ``recovery.EngineRestarts`` (None: a lost engine stops the run)."""
     chunks = _chunks(len(prompts), cfg)
     dp_rank = None if shard is None else shard.dp_rank
-    samples, mine = [], _Report(None, [], 0.0, None, dp_rank)
-    if engine is not None:
-        try:  # the others must learn of a failure too, or they would wait in the gather below
-            _inject_fault(replica, call)
-            samples, seconds = _drive(engine, prompts, params, seed, chunks, _Counter(channel.store, call))
-            mine = _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank)
-        except Exception as error:
-            samples, mine = [], _Report(replica, [], 0.0, f"{type(error).__name__}: {error}", dp_rank)
-    gathered: list[_Report] = channel.gather(mine)
-    _raise_failures(gathered)
+    attempt = 0
+    while True:
+        samples, mine = [], _Report(None, [], 0.0, None, dp_rank)
+        if engine is not None:
+            samples, mine = _attempt(engine, prompts, params, seed, chunks, channel, replica=replica, call=call,
+                                     attempt=attempt, dp_rank=dp_rank)
+        gathered: list[_Report] = channel.gather(mine)
+        _raise_failures(gathered, restartable=restarts is not None)
+        lost = [(rank, g.replica, g.error) for rank, g in enumerate(gathered) if g.lost]
+        if not lost:
+            break
+        engine = restarts.restart(lost)  # every rank together; raises ReplicaFailed past the limit
+        attempt += 1
     counts = [0] * cfg.rollout.num_replicas
     for report in gathered:
         if report.replica is not None:
@@ -167,14 +187,46 @@ def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], pa
                          received_bytes=got.received_bytes)
 
 
+def _attempt(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range], channel: Channel, *,
+             replica: int, call: int, attempt: int, dp_rank: int | None) -> tuple[list[RolloutSample], _Report]:
+    """This driver's share of one try of the call, and its report (a failure too: the others
+    must learn of it, or they would wait in the gather)."""
+    counter = _Counter(channel.store, call if attempt == 0 else f"{call}/retry{attempt}")
+    try:
+        if attempt == 0:
+            _inject_fault(replica, call)
+        kill = attempt == 0 and os.environ.get(FAULT_KILL_ENV) == f"{replica}@{call}"
+        samples, seconds = _drive(engine, prompts, params, seed, chunks, counter, kill=kill)
+        return samples, _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank)
+    except EngineLost as error:  # its message is the cause: which process, or the timeout
+        return [], _Report(replica, [], 0.0, str(error), dp_rank, lost=True)
+    except Exception as error:
+        return [], _Report(replica, [], 0.0, f"{type(error).__name__}: {error}", dp_rank)
+
+
 def _inject_fault(replica: int, call: int) -> None:
     if os.environ.get(FAULT_ENV) == f"{replica}@{call}":
         raise RuntimeError(f"{FAULT_ENV}={replica}@{call}: simulated engine failure")
 
 
-def _raise_failures(gathered: list) -> None:
+def _kill_a_scheduler_soon(engine) -> None:
+    """SIGKILL the engine's first scheduler process from a thread once the driver waits in the
+    engine's next call, the generate about to start (FAULT_KILL_ENV)."""
+    pid, watch = engine.watch.schedulers()[0], engine.watch
+
+    def kill() -> None:
+        while not watch.active:
+            time.sleep(0.001)
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True, name="hybridflow-fault-kill").start()
+
+
+def _raise_failures(gathered: list, *, restartable: bool = False) -> None:
+    """ReplicaFailed for the first failure, unless every failure is a lost engine and
+    ``restartable`` (the caller restarts those)."""
     for rank, report in enumerate(gathered):
         replica, error = report.replica, report.error
-        if error is not None:
+        if error is not None and not (report.lost and restartable):
             raise ReplicaFailed(f"rollout replica {replica} (driven by rank {rank}) failed mid-generation: {error}; "
                                 "the step is abandoned; rerun the same command to resume from the newest checkpoint")

@@ -109,7 +109,8 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, 
         return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
                            seed=cfg.run.seed, load_format="dummy", bucket_bytes=cfg.rollout.push_bucket_mb << 20,
-                           deterministic=_engine_deterministic(cfg), **placement)
+                           deterministic=_engine_deterministic(cfg), generate_timeout_s=cfg.rollout.generate_timeout_s,
+                           **placement)
     finally:
         os.environ.update(saved)
 
@@ -214,6 +215,8 @@ class Session:
     critic: ModelRole | None = None
     """The critic also has ``forward_values`` (``megatron_adapters.critic.MegatronCritic``)."""
     sync: EngineSync | None = None
+    restarts: Any = None
+    """Replaces lost engines (``recovery.EngineRestarts``), on every rank once rollout started."""
     stop_ids: tuple[int, ...] = ()
     algo: AlgorithmConfig | None = None
     """``cfg.algorithm`` with the values the algorithm filled in (e.g. DAPO's clip_ratio_high)."""

@@ -103,8 +103,9 @@ class EngineSync:
         shapes = self.sync.destination.param_shapes(dest)
         return {name: torch.zeros(shape, dtype=self.dtype, device=self.device) for name, shape in shapes.items()}
 
-    def push(self) -> dict[str, float]:
-        """Execute the plan, hand the engines their tensors, flush their caches."""
+    def push(self, *, counted: bool = True) -> dict[str, float]:
+        """Execute the plan, hand the engines their tensors, flush their caches. ``counted=False``:
+        a push that re-fills a restarted engine, which leaves the refit checks' schedule as it was."""
         started = time.perf_counter()
         if self.source_params is not None:  # an actor rank; separate: the engine ranks receive with us
             self.channel.announce(("push",))
@@ -119,7 +120,7 @@ class EngineSync:
             pushed, worst = self._push_sliced(dest, buffers)
         elif self.route == "full":
             pushed = self._push_full(buffers)
-        self.pushes += 1
+        self.pushes += counted
         replica = replica_of(self.cfg, dist.get_rank()) if self.engine else None
         gathered = self.channel.gather((replica, pushed, report.bytes_received + report.bytes_copied_locally,
                                         report.bytes_relayed, worst))

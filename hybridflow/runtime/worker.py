@@ -38,6 +38,7 @@ from hybridflow.runtime import determinism, report, state as run_state, stops
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.ops import heldout_reward
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
+from hybridflow.runtime.recovery import EngineRestarts
 from hybridflow.runtime.channel import Channel, colocated, join
 from hybridflow.runtime.engine_ranks import serve
 from hybridflow.runtime.shares import Shard
@@ -144,6 +145,7 @@ def _copy_weights(source, target) -> list[str]:
 def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
 
+    s.restarts = EngineRestarts(s)
     if s.channel.separate:  # the engine ranks start the engines, from the directory rank 0 wrote
         s.channel.announce(str(s.model_dir))
         s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device,
@@ -235,7 +237,8 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
              "first_step_ppo_kl": first.get("actor/ppo_kl_first_mini"),
              "first_step_clipfrac": first.get("actor/clipfrac_first_mini"),
              "mlflow_run_id": s.tracker.run_id, "mlflow_uri": s.tracker.uri,
-             "executed_stages": s.executed_stages, "tensorboard_dir": s.tracker.tensorboard_dir}
+             "executed_stages": s.executed_stages, "tensorboard_dir": s.tracker.tensorboard_dir,
+             "engine_restarts": s.restarts.used if s.restarts is not None else 0}
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
                         "metrics": summarise_router_stats(s.state.history),

@@ -58,6 +58,7 @@ from hybridflow.rollout.base import (
     register_engine,
 )
 from hybridflow.rollout.sglang import cpu, handles, param_report, post_load, rank_seed
+from hybridflow.rollout.sglang.watch import ProcessWatch
 
 __all__ = ["ROUTES", "SGLangEngine", "SGLangStartError"]
 
@@ -93,6 +94,7 @@ def _start(
     deterministic: bool = False,
     pause_mode: str = "retract",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    generate_timeout_s: float | None = None,
     **engine_kwargs: Any,
 ) -> SGLangEngine:
     """Start an offline SGLang engine on ``model_path`` (a local HF model directory).
@@ -102,6 +104,9 @@ def _start(
     ``SamplingParams.seed`` take effect (GPU only). ``engine_kwargs`` go to ``sglang.Engine``
     unchanged and override the settings chosen here; ``load_format="dummy"`` starts from a
     directory with configs and tokenizer only, and ``generate`` waits for the first push.
+    ``generate_timeout_s``: a call that waits on the engine (generate, each weight-update
+    call) running longer counts as a hung engine (``EngineLost``, as when one of its processes
+    dies; ``watch``); None: no bound.
     """
     engine, own, args, on_cpu, routed = _launch(
         model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
@@ -109,7 +114,8 @@ def _start(
         engine_kwargs=engine_kwargs)
     return SGLangEngine(engine, tp=tp, on_cpu=on_cpu, model_path=model_path, routed_experts=routed,
                         deterministic=deterministic, pause_mode=pause_mode, own_processes=own,
-                        weights_loaded=args.get("load_format") != "dummy", bucket_bytes=bucket_bytes)
+                        weights_loaded=args.get("load_format") != "dummy", bucket_bytes=bucket_bytes,
+                        generate_timeout_s=generate_timeout_s)
 
 
 def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: int, mem_fraction_static: float | None,
@@ -142,6 +148,7 @@ def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: 
         raise
     # the processes SGLang started (schedulers, detokenizer): shutdown kills these, nothing else
     own = frozenset(p.pid for p in psutil.Process().children() if p.pid not in children_before)
+    engine._hybridflow_zmq_contexts = _new_zmq_contexts(contexts_before)  # closed at shutdown (watch: a lost engine)
     logger.info("SGLang engine up in %.1f s (tp=%d, ep=%d, %s)", time.perf_counter() - started, tp, ep,
                 "CPU" if on_cpu else "GPU")
     return engine, own, args, on_cpu, routed
@@ -253,14 +260,18 @@ def _zmq_context_ids() -> set[int]:
     return {id(o) for o in gc.get_objects() if isinstance(o, zmq.Context) and not o.closed}
 
 
+def _new_zmq_contexts(before: set[int]) -> list:
+    """The open pyzmq contexts of this process not in ``before``."""
+    import zmq
+
+    return [o for o in gc.get_objects() if isinstance(o, zmq.Context) and not o.closed and id(o) not in before]
+
+
 def _close_new_zmq_contexts(before: set[int]) -> None:
     """Close the contexts a failed start left behind: garbage-collecting one with open sockets
     (default linger: forever) blocks this process for good in ``Context.term``."""
-    import zmq
-
-    for context in [o for o in gc.get_objects() if isinstance(o, zmq.Context) and not o.closed]:
-        if id(context) not in before:
-            context.destroy(linger=0)
+    for context in _new_zmq_contexts(before):
+        context.destroy(linger=0)
 
 
 def _check_start(*, tp: int, ep: int, on_cpu: bool, deterministic: bool, pause_mode: str,
@@ -298,8 +309,14 @@ class SGLangEngine:
 
     def __init__(self, engine: Any, *, tp: int, on_cpu: bool, model_path: str, routed_experts: bool,
                  deterministic: bool, pause_mode: str, own_processes: frozenset[int],
-                 weights_loaded: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 weights_loaded: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 generate_timeout_s: float | None = None):
         self._engine = engine
+        self.generate_timeout_s = generate_timeout_s
+        """Bound of one call that waits on the engine (None: none); past it the engine counts as hung."""
+        self.watch = ProcessWatch(_descendants(own_processes), engine.loop)
+        """Liveness of the engine's own processes during calls (``watch``)."""
+        self.watch.take_over(engine.tokenizer_manager)
         self.bucket_bytes = bucket_bytes
         """Bytes of tensors per update call when a push is bucketed (``rollout.push_bucket_mb``)."""
         self.tp = tp
@@ -342,10 +359,11 @@ class SGLangEngine:
         if not input_ids:
             return RolloutBatch(samples=(), seconds=0.0)
         started = time.perf_counter()
-        outputs = self._engine.generate(
-            input_ids=input_ids, sampling_params=[self._sampling(params, i) for i in range(len(input_ids))],
-            return_logprob=True, return_routed_experts=self._routed_experts,
-        )
+        sampling = [self._sampling(params, i) for i in range(len(input_ids))]
+        outputs = self._watched(lambda: self._engine.generate(
+            input_ids=input_ids, sampling_params=sampling, return_logprob=True,
+            return_routed_experts=self._routed_experts,
+        ), "generate")
         seconds = time.perf_counter() - started
         samples = tuple(self._sample(out, i // params.n, i % params.n, input_ids[i]) for i, out in enumerate(outputs))
         return RolloutBatch(samples=samples, seconds=seconds)
@@ -528,17 +546,17 @@ class SGLangEngine:
         resident, and a completed push makes released weights whole again: the caller pushes all)."""
         if weights:
             self._check_weights_writable()
-        _check_result(self._engine.begin_weight_update(), "begin_weight_update")
+        _check_result(self._watched(self._engine.begin_weight_update, "begin_weight_update"), "begin_weight_update")
         try:
             yield
         finally:
-            _check_result(self._engine.end_weight_update(), "end_weight_update")
+            _check_result(self._watched(self._engine.end_weight_update, "end_weight_update"), "end_weight_update")
         if weights:
             self._weights_lost = False
 
     def _update(self, named: list, *, load_format: str | None, flush_cache: bool) -> None:
-        result = self._engine.update_weights_from_tensor(named_tensors=named, load_format=load_format,
-                                                         flush_cache=flush_cache)
+        result = self._watched(lambda: self._engine.update_weights_from_tensor(
+            named_tensors=named, load_format=load_format, flush_cache=flush_cache), "update_weights_from_tensor")
         _check_result(result, f"update_weights_from_tensor(load_format={load_format!r})")
 
     def reseed(self, seed: int) -> None:
@@ -547,6 +565,10 @@ class SGLangEngine:
         self._check_open()
         with self._update_session():
             self._update([(str(int(seed)), _NAME_ONLY)], load_format=rank_seed.LOADER, flush_cache=False)
+
+    def _watched(self, fn, what: str) -> Any:
+        """``fn()``, a call that waits on the engine, as EngineLost if the engine is lost meanwhile."""
+        return self.watch.call(fn, timeout_s=self.generate_timeout_s, what=what)
 
     # control
 
@@ -567,7 +589,7 @@ class SGLangEngine:
     def flush_cache(self) -> None:
         """Drop the prefix (radix) cache; RuntimeError if SGLang refuses (requests still running)."""
         self._check_open()
-        result = self._engine.flush_cache()
+        result = self._watched(self._engine.flush_cache, "flush_cache")
         if not getattr(result, "success", True):
             raise RuntimeError(f"SGLang flush_cache failed: {getattr(result, 'message', result)}")
 
@@ -625,7 +647,7 @@ class SGLangEngine:
 
     def _run(self, coroutine: Any) -> Any:
         self._check_open()
-        return self._engine.loop.run_until_complete(coroutine)
+        return self._watched(lambda: self._engine.loop.run_until_complete(coroutine), "pause / continue")
 
 
 def _shutdown(engine: Any, own: frozenset[int]) -> None:
@@ -647,6 +669,27 @@ def _shutdown(engine: Any, own: frozenset[int]) -> None:
     finally:
         sglang_engine_module.kill_process_tree = original
         _kill_and_reap(tree)
+        _release_loop_and_sockets(engine)
+
+
+def _release_loop_and_sockets(engine: Any) -> None:
+    """Cancel what the engine left on the (process-wide) asyncio loop and close its zmq contexts.
+
+    A lost engine leaves a generate request waiting forever and its tokenizer manager's loops
+    reading dead sockets; left there, they would run again under the next engine on the same
+    loop (and SGLang's wrapper kills this process when one of them fails), and garbage-collecting
+    the contexts would block in ``Context.term``."""
+    import asyncio
+
+    loop = engine.loop
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks and not loop.is_running() and not loop.is_closed():
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    for context in getattr(engine, "_hybridflow_zmq_contexts", ()):
+        if not context.closed:
+            context.destroy(linger=0)
 
 
 def _descendants(pids: frozenset[int]) -> list[psutil.Process]:

@@ -1,5 +1,6 @@
 """The SGLang adapter's pieces that need no running engine: start-up checks, output parsing."""
 
+import asyncio
 import base64
 import json
 from types import SimpleNamespace
@@ -71,10 +72,12 @@ class _FakeSGLang:
     engine cannot start here); records the calls SGLang would receive."""
 
     tokenizer_manager = SimpleNamespace(context_len=64, model_config=SimpleNamespace(
-        vocab_size=320, hf_text_config=SimpleNamespace(num_hidden_layers=2, num_experts_per_tok=2)))
+        vocab_size=320, hf_text_config=SimpleNamespace(num_hidden_layers=2, num_experts_per_tok=2)),
+        _subprocess_watchdog=None, auto_create_handle_loop=lambda: None)
 
     def __init__(self):
         self.calls = []
+        self.loop = asyncio.new_event_loop()  # the watch takes SIGQUIT over on it
 
     def release_memory_occupation(self, tags=None):
         self.calls.append(("release", tuple(tags)))
