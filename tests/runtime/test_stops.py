@@ -49,13 +49,19 @@ def test_a_save_that_fails_under_a_pending_stop_is_a_stop(handlers) -> None:
             raise EOFError
 
 
-def test_a_checkpoint_request_saves_the_step_and_leaves_the_loop(monkeypatch, tmp_path) -> None:
+def _loop_without_ranks(monkeypatch, tmp_path, steps: int):
+    """(graph, session, the steps its update ran) of a loop with no process group or GPUs."""
     graph, update, calls = _graph_raising_at(-1)
     monkeypatch.setitem(loop.OPS, "fake_update", update)
     monkeypatch.setattr(loop.dist, "barrier", lambda: None)
     monkeypatch.setattr(loop.switches, "enter", lambda s, mode: None)
-    s = _fake_session("stop", steps=5)
+    s = _fake_session("stop", steps=steps)
     s.is_driver, s.out_dir = True, tmp_path
+    return graph, s, calls
+
+
+def test_a_checkpoint_request_saves_the_step_and_leaves_the_loop(monkeypatch, tmp_path) -> None:
+    graph, s, calls = _loop_without_ranks(monkeypatch, tmp_path, steps=5)
     saved = []
 
     def save(step):
@@ -70,11 +76,6 @@ def test_a_checkpoint_request_saves_the_step_and_leaves_the_loop(monkeypatch, tm
 
 
 def test_without_a_request_the_loop_runs_to_the_end(monkeypatch, tmp_path) -> None:
-    graph, update, calls = _graph_raising_at(-1)
-    monkeypatch.setitem(loop.OPS, "fake_update", update)
-    monkeypatch.setattr(loop.dist, "barrier", lambda: None)
-    monkeypatch.setattr(loop.switches, "enter", lambda s, mode: None)
-    s = _fake_session("stop", steps=3)
-    s.is_driver, s.out_dir = True, tmp_path
+    graph, s, calls = _loop_without_ranks(monkeypatch, tmp_path, steps=3)
     assert loop.train_rl(s, graph, save=lambda step: None) is True
     assert calls == [0, 1, 2]
