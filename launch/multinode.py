@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -152,16 +153,47 @@ def _check_port_free(host: str, port: int) -> None:
             raise
 
 
-def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
-    """None if a TCP connection to host:port succeeds, else why not."""
+def _resolve(host: str, port: int) -> None:
+    """ValueError naming the flag unless ``host`` resolves."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise ValueError(f"--rdzv-endpoint={host}:{port}: cannot resolve host {host!r} ({e.strerror}); "
                          "use the first node's host name or IP address") from None
+
+
+def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
+    """None if a TCP connection to host:port succeeds, else why not."""
+    _resolve(host, port)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
     except OSError as e:
         return e.strerror or type(e).__name__
+
+
+_STORE_PROBE = """
+import datetime, sys
+import torch.distributed as dist
+try:
+    dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=float(sys.argv[3])))
+except Exception as error:
+    sys.stdout.write(str(error).splitlines()[0])
+    sys.exit(1)
+"""
+
+
+def _store_error(host: str, port: int, timeout_s: float) -> str | None:
+    """None if a torch TCPStore answers at host:port, else what did. A TCP connect alone proves
+    little: a proxy or another service may accept it, and torchrun would then wait out its join
+    timeout. The client runs in its own process, whose C++ retry warnings stay out of the user's
+    terminal."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _STORE_PROBE, host, str(port), f"{timeout_s:g}"],
+                              capture_output=True, text=True, timeout=timeout_s + 60)
+    except subprocess.TimeoutExpired:
+        return f"no TCPStore handshake within {timeout_s:g} s"
+    return None if done.returncode == 0 else (done.stdout.strip() or f"probe exit {done.returncode}")
 
 
 def check_endpoint(spec: LaunchSpec) -> None:
@@ -169,8 +201,14 @@ def check_endpoint(spec: LaunchSpec) -> None:
     if spec.rdzv_endpoint is None:
         return
     host, port = parse_endpoint(spec.rdzv_endpoint)
-    hosts_it = spec.node_rank == 0 if spec.node_rank is not None else _is_this_machine(host)
-    if hosts_it:
+    local = _is_this_machine(host)
+    if spec.node_rank == 0 and not local:
+        _resolve(host, port)
+        # torchrun's c10d backend would try to join a store nobody hosts and fail after its
+        # join timeout with a traceback (82 s with an unrouted address, measured)
+        raise ValueError(f"--rdzv-endpoint={spec.rdzv_endpoint}: --node-rank=0 hosts the rendezvous, but "
+                         f"{host!r} is not an address of this machine; give node 0's own host name or IP")
+    if local if spec.node_rank is None else spec.node_rank == 0:
         _check_port_free(host, port)
         return
     deadline = time.monotonic() + spec.rdzv_wait_s
@@ -181,6 +219,11 @@ def check_endpoint(spec: LaunchSpec) -> None:
                 f"{spec.rdzv_wait_s:g} s (last error: {error}); start node rank 0 (it hosts the rendezvous) "
                 "and check the host and port, or wait longer with --rdzv-wait-s")
         time.sleep(1.0)
+    if (error := _store_error(host, port, timeout_s=max(deadline - time.monotonic(), 5.0))) is not None:
+        raise ValueError(
+            f"--rdzv-endpoint={spec.rdzv_endpoint}: something accepts connections there, but it is not "
+            f"torchrun's rendezvous ({error}); give node rank 0's address and the port its launcher uses "
+            "(a proxy or another service holds this one)")
 
 
 def launch(spec: LaunchSpec, layout: ParallelLayout, config_path: str, overrides: Sequence[str], *,

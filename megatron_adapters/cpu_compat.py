@@ -51,7 +51,29 @@ def block_cuda_only_imports() -> None:
     for name in CUDA_ONLY_MODULES:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]
+    _quiet_gpu_extra_fallback_warnings()
     _disable_jit_fuser()
+
+
+GPU_EXTRA_WARNINGS = (r"Apex is not installed", r"Transformer Engine and Apex are not installed")
+"""megatron-core's import-time UserWarnings for a missing transformer-engine / apex."""
+
+
+def _quiet_gpu_extra_fallback_warnings() -> None:
+    """Hide megatron-core's "Apex is not installed" warnings (and torch's CUDA-runtime one) on a CPU machine.
+
+    Avoids: two to eight warning lines above every ``convert`` error and in every rank's log.
+    transformer-engine and apex are the GPU extra (``requirements/gpu.txt``), never installed
+    without CUDA, so the fallbacks they announce are the CPU path itself, not a problem to fix.
+    Must run before megatron is imported (the warnings fire once, at import).
+    """
+    import warnings
+
+    for message in GPU_EXTRA_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    # the same for torch's "No CUDA runtime is found" when an import reaches its C++ extension
+    # builder (a machine without a GPU has no CUDA runtime by definition)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def _disable_jit_fuser() -> None:

@@ -243,14 +243,17 @@ def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(tmp_path:
 
 
 # every registered algorithm the tests above do not run (grpo: full_run; ppo, remax, dapo: above)
+HF_ENGINE = ("rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full")
 OTHER_ALGORITHMS = ("vapo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "gpg", "cispo")
 
 
 @pytest.mark.parametrize("algorithm", OTHER_ALGORITHMS)
 def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path, algorithm: str) -> None:
-    """``hybridflow train`` with the SGLang engine, two RL steps: every step updates the actor
-    with a finite loss, the engine scores like the trainer, and the critic-based ones train
-    their critic (built by default, under the actor's layout)."""
+    """``hybridflow train``, two RL steps: every step updates the actor with a finite loss, the
+    engine scores like the trainer, and the critic-based ones train their critic (built by
+    default, under the actor's layout). These runs take the transformers engine, which starts in
+    the ranks' own processes, half a run's wall time here: what they test is the algorithm, and
+    the SGLang engine carries grpo, ppo, remax and dapo through the same runtime above."""
     out = tmp_path / algorithm
     # one run also carries the rollout correction through the runtime (it works with every loss)
     correction = ("algorithm.rollout_correction=mis", "algorithm.rollout_correction_level=geometric") \
@@ -263,7 +266,7 @@ def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path,
     if algorithm == "vapo":  # the critic's own learning rate
         correction = ("train.critic_lr=2e-3",)
     _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2", "sft.steps=1",
-               "run.heldout_prompts=0", *correction))
+               "run.heldout_prompts=0", *HF_ENGINE, *correction))
     history = _history(out, "step_000002")
     assert [h["step"] for h in history] == [1, 2]
     if algorithm == "rloo":  # metrics are token-weighted even though the loss has no divisor

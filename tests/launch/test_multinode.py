@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +99,21 @@ def test_unresolvable_host_fails_at_once():
         check_endpoint(spec)
 
 
+def test_node_0_refuses_an_endpoint_that_is_not_its_own_address():
+    # 10.255.255.1 is not this machine: torchrun's c10d backend would try to join a store nobody
+    # hosts and fail after its join timeout with a traceback (82 s, measured); a joiner that
+    # reaches something else there is refused by the handshake (the next tests)
+    spec = LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=0, rdzv_endpoint="10.255.255.1:29500")
+    with pytest.raises(ValueError, match="--node-rank=0 hosts the rendezvous, but '10.255.255.1' is not an address"):
+        check_endpoint(spec)
+
+
+def test_the_hosting_node_refuses_an_unresolvable_host_by_name():
+    spec = LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=0, rdzv_endpoint="no-such-node.invalid:29500")
+    with pytest.raises(ValueError, match="cannot resolve host 'no-such-node.invalid'"):
+        check_endpoint(spec)
+
+
 def test_the_hosting_node_refuses_a_busy_port():
     with socket.socket() as busy:
         busy.bind(("", 0))
@@ -108,12 +124,38 @@ def test_the_hosting_node_refuses_a_busy_port():
             check_endpoint(spec)
 
 
-def test_a_reachable_endpoint_passes():
+def test_a_reachable_rendezvous_store_passes():
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    check_endpoint(LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=1, rdzv_endpoint=f"127.0.0.1:{store.port}"))
+
+
+def test_a_service_that_is_not_the_rendezvous_is_named_in_one_line():
+    # it accepts the connection and answers in its own protocol, as a proxy or a web server would
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        check_endpoint(LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=1, rdzv_endpoint=f"127.0.0.1:{port}"))
+
+        def answer() -> None:
+            while True:
+                try:
+                    conn, _ = server.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        spec = LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=1, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_wait_s=1)
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="it is not torchrun's rendezvous") as info:
+            check_endpoint(spec)
+        assert "\n" not in str(info.value) and time.monotonic() - started < 30
 
 
 def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:

@@ -273,6 +273,19 @@ def test_cli_round_trip_and_error(hf_dirs, tmp_path, capsys):
     assert "convert.tp=3 does not divide" in capsys.readouterr().err
 
 
+def test_a_convert_error_is_the_only_line_on_stderr(tmp_path):
+    """In a fresh process (megatron imported there first): no "Apex is not installed" or CUDA
+    runtime warnings above the error on a machine without a GPU (``cpu_compat``)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "convert", "hf-to-mcore", "--hf", str(tmp_path),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"hybridflow convert: error: {tmp_path}/config.json not found: "
+                                        "a Hugging Face model directory needs config.json"], done.stderr
+
+
 @pytest.mark.parametrize("family,key,value", [
     ("qwen2", "use_sliding_window", True),
     ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
