@@ -33,6 +33,9 @@ def _two_agents(port: int, per_node: int, overrides: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "launch", "--nnodes", "2", "--nproc-per-node",
                                 str(per_node), "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                # node 0's launcher checks the whole run before it hosts the store:
+                                # seconds on an idle machine, over 20 s on a loaded 2-core one (seen)
+                                "--rdzv-wait-s", "180",
                                 "configs/quickstart_cpu.yaml", *overrides],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for node in (0, 1)]
