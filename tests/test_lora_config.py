@@ -49,3 +49,11 @@ def test_bad_values_name_their_key():
     assert "lora.lr" in _error(ON, "lora.lr=-1")
     assert "lora.target_modules" in _error(ON, "lora.target_modules=[]")
     assert "lora.ranks" in _error("lora.ranks=4")  # an unknown key
+
+
+def test_preflight_refuses_lora_in_sft_mode():
+    from hybridflow.preflight import check_runtime_support
+
+    check_runtime_support(load_config(QUICKSTART, [ON]))
+    with pytest.raises(ValueError, match="lora.enabled=true with run.mode=sft"):
+        check_runtime_support(load_config(QUICKSTART, [ON, "run.mode=sft"]))
