@@ -1,9 +1,11 @@
-"""LoRA adapters under TP=2 and EP=2 train exactly as in one process; the base stays frozen.
+"""LoRA adapters under TP=2, EP=2 and PP=2 train exactly as in one process; the base stays frozen.
 
 Two torchrun pools (``lora_worker.py``): one process saves each case's initial state (base and
 adapters) and trains two steps, then checks that a LoRA checkpoint resumes; two processes load
-that state under TP=2 (dense llama with attention + MLP adapters; qwen3_moe with attention and
-expert adapters) and EP=2 (qwen3_moe) and train the same two steps.
+that state under TP=2 (dense llama and qwen2 with attention + MLP adapters; qwen3_moe with
+attention and expert adapters), PP=2 (llama) and EP=2 (qwen3_moe) and train the same two steps.
+The two-process pool also trains a converted HF llama under TP=2 and exports PEFT files, which
+transformers + peft must score as the trainer does.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ WORKER = Path(__file__).with_name("lora_worker.py")
 TOL = 1e-5
 PEFT_TOL = 1e-4
 """fp32 megatron-core vs fp32 transformers (as the converter tests)."""
-TARGETS = {"llama": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+DENSE = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+TARGETS = {"llama": DENSE, "qwen2": DENSE,  # qwen2: biased qkv, tied embeddings
            "qwen3_moe": ["linear_qkv", "linear_proj", "experts"]}
-CASES = {"llama_tp2": ("llama", {"tp": 2}), "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}),
-         "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2})}
+CASES = {"llama_tp2": ("llama", {"tp": 2}), "qwen2_tp2": ("qwen2", {"tp": 2}), "llama_pp2": ("llama", {"pp": 2}),
+         "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}), "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2})}
 
 
 def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str) -> None:
