@@ -105,9 +105,17 @@ def read_meta(directory: str | os.PathLike) -> dict:
     return json.loads(meta.read_text())
 
 
-def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False) -> dict:
-    """Load a checkpoint saved under any layout into ``policy``; returns its metadata."""
+def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False,
+         base_of_lora: bool = False) -> dict:
+    """Load a checkpoint saved under any layout into ``policy``; returns its metadata. A policy
+    with LoRA adapters loads a checkpoint without them as its base (fresh adapters, B = 0); a
+    LoRA checkpoint loads into a policy without adapters only with ``base_of_lora`` (its frozen
+    base weights, without what the adapters learned)."""
     meta = read_meta(directory)
+    if meta.get("lora") and policy.lora is None and not base_of_lora:
+        raise ValueError(f"{directory} holds LoRA adapters and this policy has none: loading it would drop what "
+                         "they learned; build the policy with its lora config (or pass base_of_lora=True for "
+                         "the frozen base alone)")
     if with_optimizer:
         _require_optimizer_state(meta, directory)
         _ensure_optimizer_state(policy)

@@ -73,7 +73,7 @@ def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: s
     checkpoint.save(policy, init_dir)
     out = _train(policy)
     base = make_policy(family, {}, None)  # (re-initialising the groups retires ``policy``)
-    checkpoint.load(base, init_dir)  # a LoRA checkpoint into a plain policy: its base weights
+    checkpoint.load(base, init_dir, base_of_lora=True)  # a LoRA checkpoint's base weights
     base_logp = base.forward_logprobs(batch(base.model_config.vocab_size))[0]
     # resume: train one step, save with optimizer state, a fresh policy resumes and steps again
     again = make_policy(family, {}, targets)
@@ -84,7 +84,12 @@ def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: s
     resumed = make_policy(family, {}, targets)
     checkpoint.load(resumed, resume_dir, with_optimizer=True)
     resumed.train_step(data, next_token_loss)
-    return {**out, "base_logp": base_logp, "resumed_adapters": adapter_state(resumed)}
+    try:  # without base_of_lora: refused, it would drop the adapters' training
+        checkpoint.load(base, resume_dir)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {**out, "base_logp": base_logp, "resumed_adapters": adapter_state(resumed), "refused": refused}
 
 
 def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adapters.convert import hf_to_mcore
+from megatron_adapters.convert import hf_to_mcore, mcore_to_hf
 from tests.megatron_adapters.convert_models import make_hf_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -89,6 +89,12 @@ def test_reference_starts_at_the_base_and_freezes_it(runs, family: str) -> None:
 def test_resume_from_a_lora_checkpoint(runs, family: str) -> None:
     ref = runs[f"{family}_ref"]
     assert _max_diff(ref["resumed_adapters"], ref["adapters"]) <= TOL
+    assert "holds LoRA adapters" in ref["refused"]  # not silently into a policy without adapters
+
+
+def test_converter_refuses_a_lora_checkpoint(runs, tmp_path) -> None:
+    with pytest.raises(ValueError, match="LoRA run's checkpoint"):
+        mcore_to_hf(runs["dir"] / "resume_llama", tmp_path / "hf")
 
 
 @pytest.mark.parametrize("name", list(CASES))
