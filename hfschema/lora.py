@@ -9,7 +9,7 @@ from hfschema.checks import check_non_negative, check_positive
 from hfschema.layout import ConfigError, ParallelLayout
 from hfschema.model import ModelConfig
 
-__all__ = ["LORA_TARGETS", "LoRAConfig", "check_lora_model", "target_dims"]
+__all__ = ["LORA_TARGETS", "LoRAConfig", "adapter_params_per_rank", "check_lora_model", "target_dims"]
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts", "shared_experts")
 """Target names: megatron-core's attention projections, the dense MLP's projections, every
@@ -85,3 +85,34 @@ def check_lora_model(lora: LoRAConfig, model: ModelConfig, layout: ParallelLayou
     if {"experts"} & set(lora.target_modules) and layout.etp != 1:
         raise ValueError(f"lora.target_modules=experts needs actor.parallel.etp=1 (got {layout.etp}): "
                          "expert adapters are not split over expert tensor parallelism")
+
+
+def _pair(rank: int, dims: tuple[int, int], tp: int, column: bool) -> int:
+    """One rank's A + B of one module: column: A whole, B's rows / tp; row: A's columns / tp, B whole."""
+    fan_in, fan_out = dims
+    return rank * (fan_in + fan_out // tp) if column else rank * (fan_in // tp + fan_out)
+
+
+def adapter_params_per_rank(lora: LoRAConfig, model: ModelConfig, layout: ParallelLayout,
+                            *, moe_layer: bool) -> tuple[int, int]:
+    """(dense, routed-expert) adapter parameters one rank holds for one layer (MoE or dense)."""
+    if not lora.enabled:
+        return 0, 0
+    r, tp, targets = lora.rank, layout.tp, set(lora.target_modules)
+    dense = experts = 0
+    for name, column in (("linear_qkv", True), ("linear_proj", False)):
+        if name in targets and (dims := target_dims(model, name)):
+            dense += _pair(r, dims, tp, column)
+    if not moe_layer:
+        for name, column in (("linear_fc1", True), ("linear_fc2", False)):
+            if name in targets and (dims := target_dims(model, name)):
+                dense += _pair(r, dims, tp, column)
+        return dense, 0
+    hidden, ffn = model.hidden_size, model.moe_ffn_hidden_size
+    if "shared_experts" in targets and model.num_shared_experts:
+        shared = ffn * model.num_shared_experts
+        dense += _pair(r, (hidden, 2 * shared), tp, True) + _pair(r, (shared, hidden), tp, False)
+    if "experts" in targets:
+        per_expert = r * (hidden + 2 * ffn) + r * (ffn + hidden)
+        experts = per_expert * model.num_experts // (layout.ep * layout.etp)
+    return dense, experts

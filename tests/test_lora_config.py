@@ -57,3 +57,17 @@ def test_preflight_refuses_lora_in_sft_mode():
     check_runtime_support(load_config(QUICKSTART, [ON]))
     with pytest.raises(ValueError, match="lora.enabled=true with run.mode=sft"):
         check_runtime_support(load_config(QUICKSTART, [ON, "run.mode=sft"]))
+
+
+def test_memory_plan_counts_grads_and_state_of_the_adapters_only():
+    from hybridflow.memory import training_components
+
+    full = training_components(load_config(QUICKSTART), "actor")[1]
+    cfg = load_config(QUICKSTART, [ON, "lora.target_modules=[linear_qkv,linear_proj,experts]"])
+    lora = training_components(cfg, "actor")[1]
+    # per layer, r=16: qkv 16 * (64 + 128) + proj 16 * (64 + 64); 4 experts / ep=2 of
+    # 16 * (64 + 2 * 32) + 16 * (32 + 64); two layers. (benchmarks/lora_cost.py measures the same at ep=1.)
+    adapters = 2 * (16 * 192 + 16 * 128 + 2 * (16 * 128 + 16 * 96))
+    assert lora["actor grads"] == 4 * adapters
+    assert lora["actor optimizer"] < full["actor optimizer"] / 2
+    assert lora["actor params"] == full["actor params"] + 2 * adapters
