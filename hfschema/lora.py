@@ -82,6 +82,10 @@ def check_lora_model(lora: LoRAConfig, model: ModelConfig, layout: ParallelLayou
         if lora.rank > min(dims):
             raise ValueError(f"lora.rank={lora.rank} is larger than {target}'s smaller dimension {min(dims)} "
                              f"(in={dims[0]}, out={dims[1]}); lower lora.rank to <= {min(dims)}")
+    if lora.dropout and layout.tp > 1:
+        raise ValueError(f"lora.dropout={lora.dropout} with actor.parallel.tp={layout.tp}: a TP-replicated A would "
+                         "see a different dropout mask on each TP rank and drift apart; set lora.dropout=0 or "
+                         "actor.parallel.tp=1")
     if {"experts"} & set(lora.target_modules) and layout.etp != 1:
         raise ValueError(f"lora.target_modules=experts needs actor.parallel.etp=1 (got {layout.etp}): "
                          "expert adapters are not split over expert tensor parallelism")

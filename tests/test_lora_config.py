@@ -49,6 +49,8 @@ def test_bad_values_name_their_key():
     assert "lora.lr" in _error(ON, "lora.lr=-1")
     assert "lora.target_modules" in _error(ON, "lora.target_modules=[]")
     assert "lora.ranks" in _error("lora.ranks=4")  # an unknown key
+    tp2 = ["actor.parallel.tp=2", "actor.parallel.ep=1", "actor.parallel.dp=1", "actor.parallel.etp=1"]
+    assert "lora.dropout=0.1 with actor.parallel.tp=2" in _error(ON, "lora.dropout=0.1", *tp2)
 
 
 def test_preflight_refuses_lora_in_sft_mode():
