@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError, ParallelLayout
+from hfschema.lora import LoRAConfig, check_lora_model
 from hfschema.model import FAMILY_DERIVED, MODEL_FAMILIES, ModelConfig, RopeScalingConfig
 from hfschema.sglang import SGLangSettings
 from hfschema.train import MoEConfig, TrainConfig
@@ -56,6 +57,7 @@ __all__ = [
     "TrainConfig",
     "AlgorithmConfig",
     "DataConfig",
+    "LoRAConfig",
     "TaskConfig",
     "RewardConfig",
     "SFTConfig",
@@ -649,6 +651,8 @@ class HybridflowConfig:
     """MoE RL stability: routing replay, router statistics, router freezing and losses."""
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     """Correctness gates evaluated every RL step."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters for the RL actor (off by default)."""
 
     def __post_init__(self) -> None:
         for role in (self.reference, self.critic):
@@ -660,6 +664,7 @@ class HybridflowConfig:
             layout.check_model(self.model, prefix=f"{name}.parallel")
         self._check_rollout()
         self._check_moe_section()
+        check_lora_model(self.lora, self.model, self.actor.parallel)
 
     def _check_moe_section(self) -> None:
         moe = self.moe

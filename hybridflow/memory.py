@@ -41,6 +41,9 @@ Formulas (bytes per GPU; ``T = micro_batch_size * (max_prompt_length + max_respo
 - logits (last stage): two fp32 copies of ``[T, Vp / tp]``, the cast that log-probs and
   entropy read and the copy megatron's cross-entropy kernel writes into
   (``megatron_adapters/logprobs.py``). The critic's value head has one column instead of Vp.
+- LoRA (``lora.enabled``, the actor): the adapters' parameters beside the frozen base; gradients
+  and optimizer state for the adapters only (column layers: A whole, B / tp; row layers: A / tp,
+  B whole; routed experts' adapters / (ep * etp)).
 - reference: bf16 parameters only (its forward holds one layer at a time).
 - rollout engine rank, weights in ``rollout.dtype``: attention / attn_tp (attn_tp = tp /
   dp_size with DP attention; MLA down-projections replicated), embedding / attn_tp, LM head,
@@ -64,6 +67,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hfschema.layout import ParallelLayout
+from hfschema.lora import adapter_params_per_rank
 from hfschema.model import ModelConfig
 from hfschema.sglang import pad_vocab
 from hybridflow.config import HybridflowConfig, RoleConfig
@@ -247,6 +251,16 @@ def _head_rows(cfg: HybridflowConfig, role: str) -> int:
     return 1 if role == "critic" else getattr(cfg, role).parallel.padded_vocab_size(cfg.model)
 
 
+def _adapter_params(cfg: HybridflowConfig, layout: ParallelLayout, stage: int) -> _RankParams:
+    """LoRA adapter parameters one rank of pipeline stage ``stage`` holds."""
+    dense = experts = 0
+    for i in stage_layers(cfg.model.num_layers, layout, stage):
+        moe_layer = cfg.model.is_moe and i >= cfg.model.first_k_dense_layers
+        d, e = adapter_params_per_rank(cfg.lora, cfg.model, layout, moe_layer=moe_layer)
+        dense, experts = dense + d, experts + e
+    return _RankParams(dense, experts)
+
+
 def _training_stage(cfg: HybridflowConfig, role: str, stage: int, *,
                     full_recompute: bool) -> dict[str, int]:
     layout = getattr(cfg, role).parallel
@@ -255,6 +269,9 @@ def _training_stage(cfg: HybridflowConfig, role: str, stage: int, *,
     out = {f"{role} params": (p.dense + p.experts) * TRAIN_PARAM_BYTES}
     if role not in TRAINED_ROLES:
         return out
+    if role == "actor" and cfg.lora.enabled:  # a frozen base: grads and state for the adapters only
+        p = _adapter_params(cfg, layout, stage)
+        out[f"{role} params"] += (p.dense + p.experts) * TRAIN_PARAM_BYTES
     train = cfg.train
     state = OPTIMIZER_BYTES[train.optimizer]
     if train.use_distributed_optimizer:

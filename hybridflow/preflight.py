@@ -58,6 +58,9 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
                          f"spanning nodes takes all GPUs of each; set rollout.tp to a multiple of {per_node}")
     if cfg.rollout.placement == "separate":
         _check_separate(cfg)
+    if cfg.lora.enabled and cfg.run.mode == "sft":
+        raise ValueError("lora.enabled=true with run.mode=sft: adapters train the RL actor only (the SFT warm-up "
+                         "and run.mode=sft train the whole model); set lora.enabled=false or run.mode=rl")
 
 
 def _check_separate(cfg: HybridflowConfig) -> None:

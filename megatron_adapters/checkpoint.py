@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from .lora import is_adapter
 from .policy import MegatronPolicy
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def _meta(policy: MegatronPolicy, *, with_optimizer: bool, step: int) -> dict:
         "expert_parallel": policy.layout.ep > 1,
         "with_optimizer": with_optimizer,
         "step": step,
+        "lora": policy.lora is not None,
         "scheduler": policy.scheduler.state_dict() if with_optimizer and policy.scheduler else None,
     }
 
@@ -103,18 +105,34 @@ def read_meta(directory: str | os.PathLike) -> dict:
     return json.loads(meta.read_text())
 
 
-def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False) -> dict:
-    """Load a checkpoint saved under any layout into ``policy``; returns its metadata."""
+def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False,
+         base_of_lora: bool = False) -> dict:
+    """Load a checkpoint saved under any layout into ``policy``; returns its metadata. A policy
+    with LoRA adapters loads a checkpoint without them as its base (fresh adapters, B = 0); a
+    LoRA checkpoint loads into a policy without adapters only with ``base_of_lora`` (its frozen
+    base weights, without what the adapters learned)."""
     meta = read_meta(directory)
+    if meta.get("lora") and policy.lora is None and not base_of_lora:
+        raise ValueError(f"{directory} holds LoRA adapters and this policy has none: loading it would drop what "
+                         "they learned; build the policy with its lora config (or pass base_of_lora=True for "
+                         "the frozen base alone)")
     if with_optimizer:
         _require_optimizer_state(meta, directory)
         _ensure_optimizer_state(policy)
     state = _sharded_state(policy, with_optimizer=with_optimizer, is_loading=True)
+    base_only = policy.lora is not None and not meta.get("lora")
+    if base_only:  # a full model (the SFT warm-up) under fresh adapters: B = 0, the model as saved
+        if with_optimizer:
+            raise ValueError(f"{directory} was saved without LoRA adapters: its optimizer state is the full "
+                             "model's; load its weights only (with_optimizer=False)")
+        state = {k: {n: t for n, t in v.items() if not is_adapter(n)} for k, v in state.items()}
     loaded = dist_checkpointing.load(state, str(directory))
     for index, chunk in enumerate(policy.chunks):
         module = getattr(chunk, "module", chunk)
         key = "model" if len(policy.chunks) == 1 else f"model{index}"
-        module.load_state_dict(loaded[key], strict=True)
+        result = module.load_state_dict(loaded[key], strict=not base_only)
+        if base_only and (result.unexpected_keys or not all(map(is_adapter, result.missing_keys))):
+            raise ValueError(f"{directory} does not match this model beyond its adapters: {result}")
     if with_optimizer:
         policy.optimizer.load_state_dict(loaded["optimizer"])
         if meta.get("scheduler") and policy.scheduler is not None:

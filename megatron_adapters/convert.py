@@ -429,6 +429,10 @@ def mcore_to_hf(
     started = time.perf_counter()
     source, out = Path(mcore_dir), Path(out_dir)
     meta = read_meta(source)
+    if meta.get("lora"):  # its weights are the frozen base: converting them would drop the training
+        raise ValueError(f"{source} is a LoRA run's checkpoint: its model weights are the frozen base and the "
+                         "training is in the adapters; export those with megatron_adapters.peft_io.export_peft "
+                         "(PEFT files for the base model converted from the SFT checkpoint)")
     model, files = _mcore_model(source, hf_config)
     target = _target_dtype(dtype)
     reader = DistReader(source)

@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from .lora import is_adapter, merged_weights
 from .policy import MegatronPolicy
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -25,13 +26,18 @@ _WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
 
 def global_named_parameters(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
     """Every parameter of this rank's chunks and the expert-bias buffers (detached), keyed by
-    global-layer name."""
+    global-layer name. Under LoRA an adapted weight is the merged W + s * B A (a new tensor) and
+    the adapters themselves are left out: the engine serves ordinary weights."""
     named: dict[str, torch.Tensor] = {}
     for chunk in policy.chunks:
         module = getattr(chunk, "module", chunk)
         layers = module.decoder.layers if hasattr(module, "decoder") else []
         buffers = [(n, b) for n, b in module.named_buffers() if n.endswith(_WEIGHT_BUFFERS)]
+        merged = merged_weights(module)
         for name, param in [*module.named_parameters(), *buffers]:
+            if is_adapter(name):
+                continue
+            param = merged.get(name, param)
             match = _LAYER.match(name)
             if match:
                 number = layers[int(match.group(1))].layer_number - 1

@@ -41,12 +41,14 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from hfschema.layout import ParallelLayout
+from hfschema.lora import LoRAConfig
 from hfschema.model import ModelConfig
 from hfschema.train import MoEConfig, TrainConfig
 from moe.routes import UNROUTED
 
 from . import device_guard
 from .logprobs import token_entropy, token_logprobs
+from .lora import apply_lora
 from .model import build_model_chunks
 from .parallel import device as rank_device
 from .routing import ROUTES_KEY, RouterControl
@@ -147,7 +149,12 @@ class MegatronPolicy:
         params_dtype: torch.dtype = torch.float32,
         trainable: bool = True,
         moe: MoEConfig | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
+        self.lora = lora if lora is not None and lora.enabled else None
+        """The adapters' settings when this policy trains LoRA adapters on a frozen base."""
+        if self.lora is not None and self.lora.lr is not None:
+            train = dataclasses.replace(train, lr=self.lora.lr)
         self.model_config = model
         self.layout = layout
         self.train_config = train
@@ -162,6 +169,8 @@ class MegatronPolicy:
         if moe is not None and model.is_moe:
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
             self.routing = RouterControl(chunks, model, layout, moe, tp_rank=tp_rank, device=self.device)
+        if self.lora is not None:  # before DDP: frozen weights get no grad buffer nor optimizer state
+            apply_lora(chunks, self.lora)
         self.p2p = P2PCommunicator(pp_group=pg_collection.pp, config=self.config)
         self.optimizer = None
         self.scheduler = None

@@ -121,12 +121,14 @@ def _engine_deterministic(cfg: HybridflowConfig) -> bool:
     return cfg.run.deterministic and torch.cuda.is_available()
 
 
-def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bool = True, moe=None):
+def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bool = True, moe=None, lora=None):
     """A megatron-core policy of the actor's model under the actor's layout (``moe``: the RL
-    actor's routing replay, router statistics and router settings)."""
+    actor's routing replay, router statistics and router settings; ``lora``: the RL actor's
+    adapters)."""
     from megatron_adapters.policy import MegatronPolicy
 
-    return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe)
+    return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe,
+                          lora=lora)
 
 
 class ModelRole(Protocol):

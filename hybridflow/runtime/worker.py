@@ -101,7 +101,7 @@ def _warm_up(s: Session) -> None:
 def _load_actor(s: Session, resume_from: Path | None) -> None:
     from megatron_adapters import checkpoint
 
-    s.actor = build_policy(s.cfg, s.cfg.train, s.pg, moe=s.cfg.moe)
+    s.actor = build_policy(s.cfg, s.cfg.train, s.pg, moe=s.cfg.moe, lora=s.cfg.lora)
     sft = run_state.sft_checkpoint(s.out_dir)
     if resume_from is not None and resume_from.name != "sft":
         checkpoint.load(s.actor, resume_from / "actor", with_optimizer=True)

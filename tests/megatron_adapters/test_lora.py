@@ -1,0 +1,131 @@
+"""LoRA adapters under TP=2, EP=2 and PP=2 train exactly as in one process; the base stays frozen.
+
+Two torchrun pools (``lora_worker.py``): one process saves each case's initial state (base and
+adapters) and trains two steps, then checks that a LoRA checkpoint resumes; two processes load
+that state under TP=2 (dense llama and qwen2 with attention + MLP adapters; qwen3_moe with
+attention and expert adapters), PP=2 (llama) and EP=2 (qwen3_moe) and train the same two steps.
+The two-process pool also trains a converted HF llama under TP=2 and exports PEFT files, which
+transformers + peft must score as the trainer does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_adapters.convert import hf_to_mcore, mcore_to_hf
+from tests.megatron_adapters.convert_models import make_hf_dir
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+WORKER = Path(__file__).with_name("lora_worker.py")
+TOL = 1e-5
+PEFT_TOL = 1e-4
+"""fp32 megatron-core vs fp32 transformers (as the converter tests)."""
+DENSE = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+TARGETS = {"llama": DENSE, "qwen2": DENSE,  # qwen2: biased qkv, tied embeddings
+           "qwen3_moe": ["linear_qkv", "linear_proj", "experts"]}
+CASES = {"llama_tp2": ("llama", {"tp": 2}), "qwen2_tp2": ("qwen2", {"tp": 2}), "llama_pp2": ("llama", {"pp": 2}),
+         "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}), "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2})}
+
+
+def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str) -> None:
+    plan = workdir / f"{label}.json"
+    plan.write_text(json.dumps(tasks))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(WORKER), str(plan)]
+    log = workdir / f"{label}.log"
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun {label} failed ({proc.returncode}); tail of {log}:\n" + log.read_text()[-4000:])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    work = tmp_path_factory.mktemp("lora_runs")
+    refs = [{"kind": "lora_reference", "family": f, "targets": t, "init_dir": str(work / f"init_{f}"),
+             "resume_dir": str(work / f"resume_{f}"), "out": str(work / f"{f}_ref.pt")} for f, t in TARGETS.items()]
+    cases = [{"kind": "lora_equivalence", "family": f, "spec": spec, "targets": TARGETS[f],
+              "init_dir": str(work / f"init_{f}"), "out": str(work / f"{name}.pt")} for name, (f, spec) in CASES.items()]
+    hf = make_hf_dir(work, "llama")
+    hf_to_mcore(hf, work / "mcore_llama")
+    cases.append({"kind": "peft_roundtrip", "hf_dir": str(hf), "mcore_dir": str(work / "mcore_llama"), "spec": {"tp": 2},
+                  "targets": TARGETS["llama"], "peft_dir": str(work / "peft_llama"), "out": str(work / "peft.pt")})
+    _torchrun(1, refs, work, "world1")
+    _torchrun(2, cases, work, "world2")
+    results = {"dir": work}
+    for name in [*(f"{f}_ref" for f in TARGETS), *CASES, "peft"]:
+        result = torch.load(work / f"{name}.pt")
+        if "exception" in result:
+            pytest.fail(f"worker task {name} raised:\n{result['exception']}")
+        results[name] = result
+    return results
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+def test_reference_starts_at_the_base_and_freezes_it(runs, family: str) -> None:
+    ref = runs[f"{family}_ref"]
+    assert torch.equal(ref["logp_before"], ref["base_logp"])  # B = 0: step 0 is the base model
+    assert ref["base_identical"] and not ref["base_requires_grad"]
+    # megatron's DDP and optimizer see the adapters only
+    assert ref["optimizer_numel"] == ref["adapter_numel"] == ref["grad_buffer_numel"]
+    assert (ref["logp_after"] - ref["logp_before"]).abs().max() > 1e-3  # the adapters learned
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+def test_resume_from_a_lora_checkpoint(runs, family: str) -> None:
+    ref = runs[f"{family}_ref"]
+    assert _max_diff(ref["resumed_adapters"], ref["adapters"]) <= TOL
+    assert "holds LoRA adapters" in ref["refused"]  # not silently into a policy without adapters
+
+
+def test_converter_refuses_a_lora_checkpoint(runs, tmp_path) -> None:
+    with pytest.raises(ValueError, match="LoRA run's checkpoint"):
+        mcore_to_hf(runs["dir"] / "resume_llama", tmp_path / "hf")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_equals_one_process(runs, name: str) -> None:
+    family = CASES[name][0]
+    ref, got = runs[f"{family}_ref"], runs[name]
+    assert got["base_identical"] and not got["base_requires_grad"]
+    assert (got["logp_before"] - ref["logp_before"]).abs().max() <= TOL
+    for mine, theirs in zip(got["steps"], ref["steps"]):
+        assert abs(mine["loss"] - theirs["loss"]) <= TOL
+        assert abs(mine["grad_norm"] - theirs["grad_norm"]) <= TOL
+        assert _max_diff(mine["grads"], theirs["grads"]) <= TOL
+    assert _max_diff(got["adapters"], ref["adapters"]) <= TOL
+    assert (got["logp_after"] - ref["logp_after"]).abs().max() <= TOL
+
+
+def test_peft_files_load_into_transformers_and_score_as_the_trainer(runs) -> None:
+    """The TP=2 trainer's adapters as PEFT files on transformers' model of the converted weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    work, got = runs["dir"], runs["peft"]
+    net = AutoModelForCausalLM.from_pretrained(str(work / "hf_llama"), dtype=torch.float32)
+    net = PeftModel.from_pretrained(net, str(work / "peft_llama")).eval()
+    ids = got["input_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(net(input_ids=ids).logits.float(), dim=-1)
+    expected = torch.cat([torch.zeros(ids.shape[0], 1), logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)], 1)
+    assert (got["logp"] - expected).abs().max() <= PEFT_TOL
+    with torch.no_grad():
+        with net.disable_adapter():  # the adapters matter: without them the scores differ
+            base = torch.log_softmax(net(input_ids=ids).logits.float(), dim=-1)
+    assert (base - logp).abs().max() > 1e-3
+    assert (got["imported_logp"] - got["logp"]).abs().max() <= TOL  # and they import back
