@@ -69,7 +69,7 @@ def _checked(node, returned: dict) -> dict:
 
 def run_step(s: Session, stages, step: int) -> dict[str, float]:
     """One RL step through the plan's stages; returns its metrics (same on every rank)."""
-    s.step_metrics = {}
+    s.step_metrics, s.stale_weights = {}, None
     prompts = s.prompt_batch(step)
     f = {"prompts": prompts, "answers": [p.row.answer for p in prompts]}
     times = {}
@@ -82,7 +82,10 @@ def run_step(s: Session, stages, step: int) -> dict[str, float]:
         times[f"timing/{stage.node.name}"] = time.perf_counter() - started
         if record:
             s.executed_stages.extend(stage.describe(index))
-    return _step_metrics(f, times, s)
+    metrics = _step_metrics(f, times, s)
+    if s.pipeline is not None:  # how much generation overlapped training (asks the engine ranks)
+        metrics.update(s.pipeline.end_step(float(current(f)[0].lengths.sum())))
+    return metrics
 
 
 def _steer_kl(s: Session, metrics: dict[str, float]) -> None:
