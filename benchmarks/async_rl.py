@@ -37,7 +37,7 @@ MODES = {"sync": ["async_rl.mode=sync"], "one_step_off": ["async_rl.mode=one_ste
          "async": ["async_rl.mode=async", "async_rl.max_staleness=2"]}
 LONG_EVERY, LONG_FACTOR = 8, 8
 COMMON = ["rollout.placement=separate", "rollout.tp=1", "run.prompts_per_step=16", "rollout.n=8",
-          "run.heldout_prompts=20", "run.checkpoint_every=0", "data.max_response_length=40",
+          "run.heldout_prompts=20", "run.checkpoint_every=0", "data.max_response_length=24",
           "algorithm.rollout_correction=tis"]
 
 
@@ -51,7 +51,7 @@ def _long_tail_files(out: Path) -> tuple[Path, Path]:
     for i, row in enumerate(rows):
         if i % LONG_EVERY == 0:
             row["prompt"] = re.sub(r"=$", "?=", row["prompt"])
-            row[key] = f"{row[key]} " + "z" * (4 * LONG_FACTOR - 2)  # ~8x the 2-4 tokens of a short answer
+            row[key] = f"{row[key]} " + "z" * (2 * LONG_FACTOR - 2)  # 16 tokens: 8x a short answer and its end
     long_train = out / "long_tail_train.jsonl"
     long_train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return long_train, heldout

@@ -62,7 +62,7 @@ def test_async_runs_learn_and_train_only_on_samples_within_k_versions(runs, mode
         if step == 0:  # the trainer's own weights generated it: the sync check holds
             assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h
         else:  # an older version did: the behaviour policy's distance, and the correction weighs it
-            assert "rollout/logprob_diff_max" not in h and h["async/behaviour_logprob_diff_max"] > LOGPROB_TOL, h
+            assert "rollout/logprob_diff_max" not in h and h["async/behaviour/logprob_diff_max"] > LOGPROB_TOL, h
             assert any(key.startswith("actor/rollout_corr/") for key in h), h
 
 

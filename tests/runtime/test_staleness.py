@@ -98,3 +98,10 @@ def test_good_async_settings_pass():
                       ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2"], []):
         cfg = load_config(QUICKSTART, overrides)
         check_async(cfg, lower(cfg, with_reshard=False))
+
+
+def test_plan_states_the_interleaving_it_runs():
+    cfg = load_config(QUICKSTART, ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2"])
+    assert cfg.async_rl.lag == 2 and "max(start, b-2)" in cfg.async_rl.describe()
+    assert load_config(QUICKSTART, ["async_rl.mode=one_step_off", *SEPARATE]).async_rl.lag == 1
+    assert load_config(QUICKSTART, []).async_rl.describe().startswith("sync")
