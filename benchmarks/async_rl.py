@@ -99,12 +99,13 @@ def main() -> None:
               f"engine rank (tp=1), every {LONG_EVERY}th training prompt {LONG_FACTOR}x longer, "
               f"{args.steps} RL steps x 16 prompts x 8 samples, steps/s over steps 2..{args.steps}",
               "goal_async_1_5x_sync_met": modes[-1]["speedup_vs_sync"] >= 1.5,
-              "note": "overlap only shortens a step when generation and training have hardware of their own; "
-                      "here the actor ranks, the engine rank and its SGLang scheduler share the same CPU cores "
-                      "(2 on the machine measured, with other jobs), so generating during training slows "
-                      "training by about as much as it saves. The engine also runs its requests in the order "
-                      "they were announced, so a step's weight push waits for the batch in flight: async K=2 "
-                      "runs further ahead than one_step_off but cannot absorb a long batch by more than one step."}
+              "note": "one run per mode: after the first step the modes' policies differ, and so do their "
+                      "response lengths (response_length_mean) and generation work; on a CPU shared with other "
+                      "jobs the load also varies between the runs, and overlapped processes take a larger share "
+                      "of contended cores. Read the speed-up as indicative, not as a controlled measurement. The "
+                      "engine runs its requests in the order they were announced, so a step's weight push waits "
+                      "for the batch in flight: async K=2 runs further ahead than one_step_off but cannot absorb "
+                      "a long batch by more than one step."}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
