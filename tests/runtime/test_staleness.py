@@ -105,3 +105,15 @@ def test_plan_states_the_interleaving_it_runs():
     assert cfg.async_rl.lag == 2 and "max(start, b-2)" in cfg.async_rl.describe()
     assert load_config(QUICKSTART, ["async_rl.mode=one_step_off", *SEPARATE]).async_rl.lag == 1
     assert load_config(QUICKSTART, []).async_rl.describe().startswith("sync")
+
+
+def test_the_summary_reports_staleness_and_overlap():
+    from hybridflow.runtime.report import summarise_async
+
+    cfg = load_config(QUICKSTART, ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2"])
+    history = [{"async/staleness_mean": 0.0, "async/staleness_max": 0.0, "async/overlap_fraction": 0.2},
+               {"async/staleness_mean": 2.0, "async/staleness_max": 2.0, "async/overlap_fraction": 0.4,
+                "async/dropped_samples": 3.0}]
+    got = summarise_async(cfg.async_rl, history)
+    assert got == {"mode": "async", "max_staleness": 2, "staleness_mean": 1.0, "staleness_max": 2.0,
+                   "overlap_fraction_mean": pytest.approx(0.3), "dropped_samples": 3.0}
