@@ -186,6 +186,7 @@ def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
         vocab = layout.padded_vocab_size(cfg.model)
         lines.append(f"{name}: {layout.describe()}; padded vocab {vocab}")
     lines.append(f"rollout: {cfg.rollout.describe()}")
+    lines.append(f"async_rl: {cfg.async_rl.describe()}")
     return lines + plan.spec.describe() + plan.describe()
 
 

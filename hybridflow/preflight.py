@@ -36,7 +36,7 @@ from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpo
 if TYPE_CHECKING:
     from launch.slurm import SlurmJob
 
-__all__ = ["check_data", "check_engine_device", "check_node_gpus", "check_resume", "check_runtime_support",
+__all__ = ["check_async", "check_data", "check_engine_device", "check_node_gpus", "check_resume", "check_runtime_support",
            "check_separate_nodes", "check_slurm_run", "engine_ranks", "preflight", "process_count"]
 
 
@@ -73,6 +73,36 @@ def _check_separate(cfg: HybridflowConfig) -> None:
         raise ValueError(f"rollout.placement=separate with rollout.tp={r.tp} > rollout.gpus_per_node="
                          f"{r.gpus_per_node}: separate engines spanning nodes are not run in this version; "
                          "set rollout.tp <= rollout.gpus_per_node, or rollout.placement=colocated")
+
+
+def check_async(cfg: HybridflowConfig, plan=None) -> None:
+    """``async_rl`` against the placement and the graph: one line naming the keys."""
+    a = cfg.async_rl
+    if a.mode == "async" and a.max_staleness < 1:
+        raise ValueError(f"async_rl.max_staleness={a.max_staleness} under async_rl.mode=async: generation runs "
+                         "K >= 1 policy versions ahead; set async_rl.max_staleness >= 1 (or async_rl.mode=sync)")
+    if a.buffer_batches < 1:
+        raise ValueError(f"async_rl.buffer_batches={a.buffer_batches} is smaller than one batch (run.prompts_per_step"
+                         f" x rollout.n = {cfg.run.prompts_per_step * cfg.rollout.n} samples); set it >= 1")
+    if a.mode == "sync":
+        return
+    if cfg.rollout.placement != "separate":
+        raise ValueError(f"async_rl.mode={a.mode} with rollout.placement={cfg.rollout.placement}: colocated engines "
+                         "share the actor's GPUs, so there is nothing to overlap; set rollout.placement=separate "
+                         "or async_rl.mode=sync")
+    if a.mode == "one_step_off" and a.max_staleness != 1:
+        raise ValueError(f"async_rl.max_staleness={a.max_staleness} with async_rl.mode=one_step_off, which is K=1 by "
+                         "definition; set async_rl.mode=async for K > 1")
+    if a.buffer_batches < a.lag:
+        raise ValueError(f"async_rl.buffer_batches={a.buffer_batches} cannot hold the {a.lag} batch(es) generation "
+                         f"runs ahead under async_rl.mode={a.mode} (max_staleness {a.lag}); set "
+                         f"async_rl.buffer_batches >= {a.lag}")
+    ops = [stage.node.op for stage in (plan.stages if plan is not None else ())]
+    if "generate_greedy" in ops or "filter_groups" in ops:
+        raise ValueError(f"async_rl.mode={a.mode} with algorithm.name={cfg.algorithm.name}: its graph draws more "
+                         "than one rollout per step (a greedy baseline or dynamic sampling), which the async "
+                         "pipeline does not run ahead yet; set async_rl.mode=sync, or algorithm.dynamic_sampling="
+                         "false")
 
 
 def engine_ranks(cfg: HybridflowConfig) -> int:
@@ -172,6 +202,7 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
     on this machine, and ``run.resume`` against the run directory."""
     plan = lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
     check_runtime_support(cfg)
+    check_async(cfg, plan)
     check_reward(cfg.reward)
     check_data(cfg, command=command)
     if command != "slurm":  # this machine runs the ranks (a Slurm login node may have no GPU)

@@ -10,7 +10,15 @@ engine rank r (joint rank actors + r; rank r of the engines' own default group)
      ("push",)                                  receive rank r's share of the reshard plan from
                                                 the actor ranks, hand it to the driver's engine
      ("stop",)                                  shut the engine down
+   asynchronous RL (``pipeline``): the buffer of started batches lives here, on the drivers
+     ("start", batch, prompts, params, seed)    generate the batch now, keep its samples
+     ("collect", batch)                         deliver them to the actor DP ranks
+     ("intervals",)                             report when this rank generated since last asked
+     ("save_buffer", dir) / ("load_buffer", dir)  the kept samples to / from a checkpoint
 ```
+
+Requests run in the order announced: a push announced after a start lands after that batch is
+generated, so every batch samples with the version it was started under.
 
 The engine ranks hold no model, data or optimizer: a restarted job rebuilds them from the
 config, and the actor ranks' checkpoints are the run's whole state.
@@ -21,6 +29,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
@@ -29,7 +38,10 @@ from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.session import start_engine
 from hybridflow.runtime.sync import EngineSync
 
-__all__ = ["serve"]
+__all__ = ["BUFFER_FILE", "serve"]
+
+BUFFER_FILE = "async_buffer_replica"
+"""A checkpoint's saved buffer: one file per replica driver, ``<BUFFER_FILE><replica>.pt``."""
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +55,7 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
     engine = start_engine(cfg, model_dir) if replica is not None else None
     try:
         sync = EngineSync(cfg, channel=channel, device=device(), engine=engine)
+        buffer = _Buffer(cfg, engine, replica, channel)
         while True:
             request = channel.broadcast(None)
             if request[0] == "generate":
@@ -53,9 +66,57 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
                 sync.push()
             elif request[0] == "stop":
                 break
+            elif request[0] in _Buffer.REQUESTS:
+                getattr(buffer, request[0])(*request[1:])
             else:
                 raise AssertionError(f"engine rank {dist.get_rank()}: unknown request {request[0]!r}")
     finally:
         if engine is not None:
             engine.shutdown()
     channel.barrier()
+
+
+class _Buffer:
+    """The batches this driver generated ahead of the trainer (asynchronous RL), by batch index;
+    every engine rank follows the requests, only a driver holds samples."""
+
+    REQUESTS = ("start", "collect", "intervals", "save_buffer", "load_buffer")
+
+    def __init__(self, cfg: HybridflowConfig, engine, replica: int | None, channel: Channel) -> None:
+        self.cfg, self.engine, self.replica, self.channel = cfg, engine, replica, channel
+        self.kept: dict[int, replicas.Started] = {}
+        self.busy: list[tuple[float, float]] = []
+
+    def start(self, batch: int, prompts, params, seed: int) -> None:
+        if self.engine is not None:
+            started = replicas.start(self.cfg, self.engine, prompts, params, seed, call=f"async/{batch}",
+                                     channel=self.channel, replica=self.replica)
+            self.kept[batch] = started
+            if started.report.interval is not None:
+                self.busy.append(started.report.interval)
+
+    def collect(self, batch: int, num_prompts: int) -> None:
+        from megatron_adapters.parallel import device
+
+        replicas.collect(self.cfg, self.kept.pop(batch, None), num_prompts=num_prompts, channel=self.channel,
+                         shard=None, device=device())
+
+    def intervals(self) -> None:
+        self.channel.gather(self.busy)
+        self.busy = []
+
+    def save_buffer(self, directory: str) -> None:
+        if self.engine is not None and self.kept:
+            torch.save(self.kept, Path(directory) / f"{BUFFER_FILE}{self.replica}.pt")
+        self.channel.barrier()  # written before actor rank 0 publishes the checkpoint
+
+    def load_buffer(self, directory: str) -> None:
+        """This driver's saved batches, and those of saved replicas past today's count (a resumed
+        run with fewer replicas): replica j's file goes to driver j % num_replicas."""
+        if self.engine is not None:
+            count = self.cfg.rollout.num_replicas
+            for path in sorted(Path(directory).glob(f"{BUFFER_FILE}*.pt")):
+                if int(path.stem[len(BUFFER_FILE):]) % count == self.replica:
+                    for batch, started in torch.load(path, weights_only=False).items():
+                        self.kept[batch] = self.kept[batch].merged(started) if batch in self.kept else started
+        self.channel.barrier()

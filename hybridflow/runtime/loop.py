@@ -69,7 +69,8 @@ def _checked(node, returned: dict) -> dict:
 
 def run_step(s: Session, stages, step: int) -> dict[str, float]:
     """One RL step through the plan's stages; returns its metrics (same on every rank)."""
-    s.step_metrics = {}
+    s.step_metrics, s.stale_weights = {}, None
+    began = time.perf_counter()
     prompts = s.prompt_batch(step)
     f = {"prompts": prompts, "answers": [p.row.answer for p in prompts]}
     times = {}
@@ -82,7 +83,11 @@ def run_step(s: Session, stages, step: int) -> dict[str, float]:
         times[f"timing/{stage.node.name}"] = time.perf_counter() - started
         if record:
             s.executed_stages.extend(stage.describe(index))
-    return _step_metrics(f, times, s)
+    metrics = _step_metrics(f, times, s)
+    if s.pipeline is not None:  # how much generation overlapped training (asks the engine ranks)
+        metrics.update(s.pipeline.end_step(float(current(f)[0].lengths.sum())))
+    metrics["timing/step_wall"] = time.perf_counter() - began  # the stages and what runs between them
+    return metrics
 
 
 def _steer_kl(s: Session, metrics: dict[str, float]) -> None:

@@ -17,6 +17,9 @@ function of the weights, its prompt and its chunk's seed, never of which replica
 runs and resumed runs draw the same samples whatever the timing. One replica takes the
 whole batch as one chunk, as before replicas existed.
 
+Asynchronous RL (separate placement) splits a call in two: ``start`` (the engine ranks generate
+at once and keep their samples) and, steps later, ``collect`` (the gather and delivery above).
+
 A driver whose engine is lost mid-call (``EngineLost``: a process of it died, or a call outran
 ``rollout.generate_timeout_s``) reports it like any failure; with ``restarts`` every rank then
 has the lost engines replaced and re-synced (``recovery``) and the whole call runs again, same
@@ -39,8 +42,8 @@ from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
 from hybridflow.runtime.shares import Shard, owner
 
-__all__ = ["FAULT_ENV", "FAULT_KILL_ENV", "ReplicaFailed", "ReplicaOutput", "chunk_seed", "driver_rank", "generate",
-           "replica_of"]
+__all__ = ["FAULT_ENV", "FAULT_KILL_ENV", "ReplicaFailed", "ReplicaOutput", "Started", "chunk_seed", "collect",
+           "driver_rank", "generate", "replica_of", "start"]
 
 _SEED_MOD = 2**31 - 1
 FAULT_ENV = "HYBRIDFLOW_FAULT_REPLICA"
@@ -110,6 +113,8 @@ class ReplicaOutput:
     """How many samples each replica generated."""
     received_bytes: int
     """Sample bytes this rank received from the drivers."""
+    intervals: tuple[tuple[float, float], ...] = ()
+    """When each driver generated its share (``time.time()`` start, end)."""
 
 
 class _Counter:
@@ -149,6 +154,8 @@ class _Report(NamedTuple):
     """The rank's data-parallel rank; None for an engine rank (separate placement)."""
     lost: bool = False
     """Whether ``error`` is the engine lost (``EngineLost``): a new engine can take over."""
+    interval: tuple[float, float] | None = None
+    """When this driver generated (``time.time()`` at start and end); None: it did not."""
 
 
 def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -175,16 +182,59 @@ def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], pa
             break
         engine = restarts.restart(lost)  # every rank together; raises ReplicaFailed past the limit
         attempt += 1
+    return _deliver(cfg, samples, gathered, len(prompts), channel=channel, device=device)
+
+
+def _deliver(cfg: HybridflowConfig, samples: list[RolloutSample], gathered: list[_Report], num_prompts: int, *,
+             channel: Channel, device) -> ReplicaOutput:
+    """The drivers' samples to the DP ranks that own their prompts (collective over ``channel``)."""
     counts = [0] * cfg.rollout.num_replicas
     for report in gathered:
         if report.replica is not None:
             counts[report.replica] += len(report.metas)
     dp_size = cfg.actor.parallel.dp
     got = deliver(samples, [g.metas for g in gathered], [g.dp_rank for g in gathered],
-                  lambda m: owner(m.prompt_index, len(prompts), dp_size), device=device, link=channel.link)
+                  lambda m: owner(m.prompt_index, num_prompts, dp_size), device=device, link=channel.link)
     return ReplicaOutput(samples=got.samples, positions=got.positions, metas=got.metas,
                          seconds=max(g.seconds for g in gathered), samples_per_replica=tuple(counts),
-                         received_bytes=got.received_bytes)
+                         received_bytes=got.received_bytes,
+                         intervals=tuple(g.interval for g in gathered if g.interval is not None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """A driver's share of a call started ahead of its collection (asynchronous RL), kept in the
+    driver's memory: its samples and its report."""
+
+    samples: list[RolloutSample]
+    report: _Report
+
+    def merged(self, other: "Started") -> "Started":
+        """Both shares as one (a resumed run with fewer replicas than saved buffers)."""
+        r = self.report
+        return Started(self.samples + other.samples,
+                       r._replace(metas=r.metas + other.report.metas, seconds=r.seconds + other.report.seconds))
+
+
+def start(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, *,
+          call: str, channel: Channel, replica: int) -> Started:
+    """Generate this driver's share of ``prompts`` now, with the weights its engine holds, for a
+    later ``collect`` (the chunks and seeds are those ``generate`` would use: the samples do not
+    depend on when they are collected). A failure is kept in the report and raised at collect."""
+    return Started(*_attempt(engine, prompts, params, seed, _chunks(len(prompts), cfg), channel, replica=replica,
+                             call=call, attempt=0, dp_rank=None))
+
+
+def collect(cfg: HybridflowConfig, started: Started | None, *, num_prompts: int, channel: Channel,
+            shard: Shard | None, device) -> ReplicaOutput:
+    """A started call's samples, delivered as ``generate`` delivers them (collective over
+    ``channel``; ``started``: this driver's share, None on every other process)."""
+    dp_rank = None if shard is None else shard.dp_rank
+    samples, mine = ([], _Report(None, [], 0.0, None, dp_rank)) if started is None else (started.samples,
+                                                                                         started.report)
+    gathered: list[_Report] = channel.gather(mine)
+    _raise_failures(gathered)
+    return _deliver(cfg, samples, gathered, num_prompts, channel=channel, device=device)
 
 
 def _attempt(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range], channel: Channel, *,
@@ -196,8 +246,10 @@ def _attempt(engine, prompts: Sequence, params: SamplingParams, seed: int, chunk
         if attempt == 0:
             _inject_fault(replica, call)
         kill = attempt == 0 and os.environ.get(FAULT_KILL_ENV) == f"{replica}@{call}"
+        began = time.time()
         samples, seconds = _drive(engine, prompts, params, seed, chunks, counter, kill=kill)
-        return samples, _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank)
+        return samples, _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank,
+                                interval=(began, time.time()))
     except EngineLost as error:  # its message is the cause: which process, or the timeout
         return [], _Report(replica, [], 0.0, str(error), dp_rank, lost=True)
     except Exception as error:

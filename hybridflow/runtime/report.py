@@ -8,7 +8,7 @@ from typing import Any
 
 from hybridflow.runtime.state import RunState, write_json_atomic
 
-__all__ = ["format_summary", "plot_rewards", "summarise", "write_summary"]
+__all__ = ["format_summary", "plot_rewards", "summarise", "summarise_async", "write_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,25 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
         lines.append(f"  MoE          routing replay {moe['routing_replay']}, load max/mean "
                      f"{_fmt(m.get('moe/train/load_max_mean', {}).get('last'))}, top-k mismatch in training "
                      f"{_fmt(mismatch)} (mean)")
+    ar = summary.get("async_rl")
+    if ar:
+        lines.append(f"  async RL     {ar['mode']} (max staleness {ar['max_staleness']}), staleness mean "
+                     f"{_fmt(ar['staleness_mean'])} max {_fmt(ar['staleness_max'])}, generation overlapping "
+                     f"training {_fmt(ar['overlap_fraction_mean'])} of step time")
     if summary.get("mlflow_uri"):
         lines.append(f"  MLflow       run {summary.get('mlflow_run_id')} at {summary['mlflow_uri']}")
     if summary.get("tensorboard_dir"):
         lines.append(f"  TensorBoard  tensorboard --logdir {summary['tensorboard_dir']}")
     return "\n".join(lines)
+
+
+def summarise_async(async_rl, history: list[dict[str, float]]) -> dict[str, Any]:
+    """Asynchronous RL over the run: mode, K, sample staleness and overlap of generation with training."""
+    def mean(key: str) -> float | None:
+        values = [h[key] for h in history if key in h]
+        return sum(values) / len(values) if values else None
+
+    return {"mode": async_rl.mode, "max_staleness": async_rl.lag, "staleness_mean": mean("async/staleness_mean"),
+            "staleness_max": max((h.get("async/staleness_max", 0.0) for h in history), default=None),
+            "overlap_fraction_mean": mean("async/overlap_fraction"),
+            "dropped_samples": sum(h.get("async/dropped_samples", 0.0) for h in history)}

@@ -230,6 +230,11 @@ class Session:
     """The rollout replica this rank drives (its engine is ``engine``), or None."""
     engine_node: Any = None
     """This node's part of a multi-node engine that another rank drives (``SGLangNode``), or None."""
+    pipeline: Any = None
+    """Asynchronous RL's buffer of batches started ahead (``pipeline.Pipeline``), or None (sync)."""
+    stale_weights: torch.Tensor | None = None
+    """[N] loss weights of the step's samples past ``async_rl.max_staleness`` (on_stale=downweight),
+    or None: every sample weighs 1."""
     rollout_calls: int = 0
     """Generate calls so far, counted alike on every rank (names each call's shared chunk counter)."""
     mode: str | None = None

@@ -80,6 +80,9 @@ class RunState:
     reward_errors: int = 0
     """Reward calls that raised (scored 0) up to this checkpoint, so a resumed run's summary
     counts the earlier starts' errors too."""
+    async_buffer: list[list[int]] = field(default_factory=list)
+    """Asynchronous RL: the [batch, policy version] pairs pending at this checkpoint, whose samples
+    the engine drivers saved beside it (``async_rl.resume=checkpoint``)."""
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:

@@ -36,6 +36,7 @@ from hybridflow.lowering import lower
 from hybridflow.data import PromptSampler
 from hybridflow.runtime import determinism, report, state as run_state, stops
 from hybridflow.runtime.loop import train_rl
+from hybridflow.runtime.pipeline import Pipeline
 from hybridflow.runtime.ops import heldout_reward
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
 from hybridflow.runtime.recovery import EngineRestarts
@@ -71,11 +72,14 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
         checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
         if policy is None and s.critic is not None:
             checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
+        # asynchronous RL: the engine drivers save the batches started ahead beside the checkpoint
+        buffer = s.pipeline.save(staging) if s.pipeline is not None else []
         if s.is_driver:
             s.state.mlflow_run_id = s.tracker.run_id
             s.state.reward_errors = s.reward_errors
             s.state.wall_seconds = s.wall_before + time.time() - s.started
             write_text_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
+            s.state.async_buffer = buffer
             run_state.save_state(staging, s.state)
             run_state.publish(staging, final)
             run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
@@ -239,6 +243,8 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
              "mlflow_run_id": s.tracker.run_id, "mlflow_uri": s.tracker.uri,
              "executed_stages": s.executed_stages, "tensorboard_dir": s.tracker.tensorboard_dir,
              "engine_restarts": s.restarts.used if s.restarts is not None else 0}
+    if s.pipeline is not None:
+        extra["async_rl"] = report.summarise_async(s.cfg.async_rl, s.state.history)
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
                         "metrics": summarise_router_stats(s.state.history),
@@ -315,6 +321,8 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         with out_of_memory_hint(cfg, "building the actor and the engine"):
             _load_actor(s, resume_from)
             _start_rollout(s)
+        if cfg.async_rl.mode != "sync":
+            s.pipeline = Pipeline(s, resume_from)
         if s.state.heldout_after_sft is None:
             s.state.heldout_after_sft = heldout_reward(s)
             s.state.heldout.append((s.state.step, s.state.heldout_after_sft))

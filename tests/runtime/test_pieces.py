@@ -137,7 +137,7 @@ def _fake_session(on_nan: str, steps: int = 3):
                                                        "run.heldout_every=0"])
     return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), step_metrics={},
                            prompt_batch=lambda step: [], executed_stages=[], mode=None, engine=None,
-                           actor=None, critic=None, algo=cfg.algorithm, sync=None, rank=0,
+                           actor=None, critic=None, algo=cfg.algorithm, sync=None, rank=0, pipeline=None,
                            out_dir=Path("unused"), shard=SimpleNamespace(group=None))
 
 

@@ -1,0 +1,119 @@
+"""Asynchronous RL on separate placement, the actor ranks' side: batches started ahead on the
+engine ranks, collected steps later (``async_rl.mode`` one_step_off | async).
+
+```
+actor ranks (every one calls it; rank 0's announcements)       engine ranks (engine_ranks.serve)
+step k   rollout(k): [start k, at the start step]  ─────────►   generate batch k, keep it
+                     collect k  ◄──── samples, to their DP ranks ─  deliver batch k
+                     start k+1 .. k+L not yet started ──────►     generate them, one after another,
+         old log-probs, advantages, update (version k -> k+1)      with the weights they hold now
+         sync_weights: push version k+1 ─────────────────────►    (after the batches before it)
+         end_step: ("intervals",) ◄── when the engines generated ─  overlap of generation and training
+```
+
+Every batch's samples carry the version they were started under (``pending``); the trainer
+admits the step's samples by ``staleness.admit`` and logs the ``async/...`` metrics. The engine
+log-probs are the behaviour policy: ``algorithm.rollout_correction`` reweights the samples
+against the trainer's old (proximal) log-probs. At a checkpoint the pending batches are saved
+beside it with their versions (``async_rl.resume=checkpoint``) or left to be regenerated (drop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.runtime import replicas, staleness
+
+__all__ = ["Pipeline"]
+
+logger = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """The actor side of the async buffer, alike on every actor rank (``s``: the session)."""
+
+    def __init__(self, s: Any, resume_from: Path | None) -> None:
+        self.s, self.cfg = s, s.cfg.async_rl
+        self.lag = self.cfg.lag
+        self.pending: dict[int, int] = {}
+        """batch -> the policy version it was started under (generated or generating)."""
+        self.window: list[float] = []
+        """This step's [start, training start, training end] (``time.time()``)."""
+        self.versions = torch.zeros(0, dtype=torch.long)
+        saved = {int(b): int(v) for b, v in s.state.async_buffer}
+        if saved and resume_from is not None and self.cfg.resume == "checkpoint":
+            s.channel.announce(("load_buffer", str(resume_from)))
+            s.channel.barrier()
+            self.pending = saved
+        elif saved:
+            logger.info("async_rl.resume=drop: regenerating the %d pending batch(es) with the resumed weights",
+                        len(saved))
+
+    def _start(self, batch: int, version: int) -> None:
+        from hybridflow.runtime.ops import sampling, step_seed
+
+        ids = [p.prompt_ids for p in self.s.prompt_batch(batch)]
+        # the seed sync mode uses for this step: a batch's samples depend on its version only
+        self.s.channel.announce(("start", batch, ids, sampling(self.s), step_seed(self.s.cfg.run.seed, batch)))
+        self.pending[batch] = version
+
+    def rollout(self, step: int) -> tuple[replicas.ReplicaOutput, int]:
+        """Batch ``step``'s samples (this DP rank's) and the version that generated them; the
+        batches up to ``step + lag`` are started before it returns."""
+        from megatron_adapters.parallel import device
+
+        self.window = [time.time()]
+        before, after = staleness.starts(step, lag=self.lag, steps=self.s.cfg.run.steps, pending=self.pending)
+        for batch in before:
+            self._start(batch, step)
+        num_prompts = self.s.cfg.run.prompts_per_step
+        self.s.channel.announce(("collect", step, num_prompts))
+        out = replicas.collect(self.s.cfg, None, num_prompts=num_prompts, channel=self.s.channel, shard=self.s.shard,
+                               device=device())
+        version = self.pending.pop(step)
+        for batch in after:
+            self._start(batch, step)
+        self.window.append(time.time())
+        return out, version
+
+    def admit(self, step: int, version: int, total: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """(keep [N], weight [N], metrics) of batch ``step``'s N samples for the trainer at ``step``."""
+        self.versions = torch.full((total,), version, dtype=torch.long)
+        keep, weight = staleness.admit(self.versions, step, self.lag, on_stale=self.cfg.on_stale,
+                                       stale_weight=self.cfg.stale_weight)
+        metrics = staleness.staleness_metrics(self.versions, step, self.lag)
+        metrics.update({"async/buffer_batches": float(len(self.pending)), "async/policy_version": float(step),
+                        "async/dropped_samples": float((~keep).sum()), "async/downweighted_samples":
+                        float((weight < 1).sum())})
+        return keep, weight, metrics
+
+    def training_done(self) -> None:
+        """The update is over (the push comes next)."""
+        if len(self.window) == 2:
+            self.window.append(time.time())
+
+    def end_step(self, trained_tokens: float) -> dict[str, float]:
+        """The step's overlap of generation with training, and each side's tokens/s."""
+        self.training_done()
+        self.s.channel.announce(("intervals",))
+        busy = [i for part in self.s.channel.gather([]) for i in part]
+        start, train_start, train_end = self.window
+        wall = max(time.time() - start, 1e-9)
+        trained = max(train_end - train_start, 1e-9)
+        overlap = staleness.overlap_seconds(busy, (train_start, train_end))
+        return {"async/overlap_fraction": overlap / wall, "async/overlap_seconds": overlap,
+                "async/training_tokens_per_s": trained_tokens / trained}
+
+    def save(self, directory: Path) -> list[list[int]]:
+        """Save the pending batches beside a checkpoint (``async_rl.resume=checkpoint``; every actor
+        rank calls it); returns what the run state records: [batch, version] pairs."""
+        if self.cfg.resume != "checkpoint" or not self.pending:
+            return []
+        self.s.channel.announce(("save_buffer", str(directory)))
+        self.s.channel.barrier()
+        return [[b, v] for b, v in sorted(self.pending.items())]
