@@ -126,7 +126,8 @@ def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bo
     actor's routing replay, router statistics and router settings)."""
     from megatron_adapters.policy import MegatronPolicy
 
-    return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe)
+    return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe,
+                          packing_config=cfg.packing)
 
 
 class ModelRole(Protocol):
