@@ -11,7 +11,8 @@ PackPlan: micro i = rows (r0, r1, ...) ──pack──► one row [1, W_i]:
    positions 0..n0-1 0..n1-1 ... 0            too: a token's experts move with it), per-row
    segments  0 ...    1 ...    ... n          fields spread over their row's tokens
    ▼
-attention: local spec ─ block-diagonal causal mask [1, 1, W, W] from the segments
+attention: local spec ─ block-diagonal causal attention: megatron's core attention once per
+                        segment (SegmentedAttention), the cost of the samples, not of W²
            TE spec    ─ PackedSeqParams(qkv_format="thd", cu_seqlens) from the same segments
    ▼
 scores [1, W_i] ──unpack──► [b, T] (zeros where nothing was computed)
@@ -28,16 +29,18 @@ Legend: b rows on this DP rank, T columns, W packed row width, L MoE layers, k e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from functools import partial
 from itertools import accumulate
 from typing import Mapping, Sequence
 
 import torch
 
 __all__ = [
-    "FIRST_KEY", "POSITIONS_KEY", "SEGMENTS_KEY", "PackPlan", "attention_mask", "balance_shares",
-    "pack", "packed_seq_params", "plan_budget", "plan_fixed", "sample_lengths", "unpack",
+    "FIRST_KEY", "POSITIONS_KEY", "SEGMENTS_KEY", "PackPlan", "SegmentedAttention", "balance_shares",
+    "pack", "packed_seq_params", "plan_budget", "plan_fixed", "sample_lengths", "segment_lengths", "unpack",
 ]
 
 FIRST_KEY = "packed_first"
@@ -209,13 +212,44 @@ def unpack(packed: Sequence[torch.Tensor], plan: PackPlan, shape: Sequence[int],
     return out
 
 
-def attention_mask(segments_1W: torch.Tensor) -> torch.Tensor:
-    """``[1, 1, W, W]`` bool, True where attention is masked out: across samples and the future
-    (megatron's local attention takes masks of this sense)."""
-    seg_W = segments_1W[0]
-    width = seg_W.numel()
-    future = torch.ones(width, width, dtype=torch.bool, device=seg_W.device).triu(diagonal=1)
-    return (future | (seg_W[:, None] != seg_W[None, :]))[None, None]
+def segment_lengths(segments_1W: torch.Tensor) -> list[int]:
+    """Lengths of a packed row's segments (its samples, then the padding if any), in order."""
+    counts = torch.bincount(segments_1W[0])
+    return counts[counts > 0].tolist()
+
+
+class SegmentedAttention:
+    """megatron's local core attention, run once per segment of a packed row while ``active``.
+
+    The same numbers as one causal attention under a block-diagonal mask over the row, at the cost
+    of the samples (sum of length²) instead of the row (width²), and without a width² mask. Wraps
+    the ``forward`` of each local ``DotProductAttention`` of the chunks; outside ``active`` they
+    run as before. Sound because nothing re-runs a forward later (no activation recompute).
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        self.lengths: list[int] | None = None
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, DotProductAttention):
+                    module.forward = partial(self._forward, module.forward)
+
+    @contextlib.contextmanager
+    def active(self, lengths: list[int]):
+        """Split every core attention call by ``lengths`` (along the sequence) inside the block."""
+        self.lengths = lengths
+        try:
+            yield
+        finally:
+            self.lengths = None
+
+    def _forward(self, plain, query, key, value, attention_mask, *args, **kwargs):
+        if self.lengths is None:
+            return plain(query, key, value, attention_mask, *args, **kwargs)
+        parts = zip(query.split(self.lengths), key.split(self.lengths), value.split(self.lengths))
+        return torch.cat([plain(q, k, v, None, *args, **kwargs) for q, k, v in parts])  # [s, b, ...] each
 
 
 def packed_seq_params(segments_1W: torch.Tensor):
@@ -226,7 +260,7 @@ def packed_seq_params(segments_1W: torch.Tensor):
 
     seg_W = segments_1W[0]
     counts = torch.bincount(seg_W)
-    counts = counts[counts > 0]
+    counts = counts[counts > 0]  # the padding segment, when there is no padding
     cu_seqlens = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=seg_W.device)
     cu_seqlens[1:] = torch.cumsum(counts, dim=0).to(torch.int32)
     longest = int(counts.max())

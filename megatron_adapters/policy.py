@@ -2,7 +2,8 @@
 
 ```
 global batch (every rank holds it)            MegatronPolicy
-  input_ids [B, T], fields [B, ...]  ──►  this DP rank's rows ──► micro-batches
+  input_ids [B, T], fields [B, ...]  ──►  this DP rank's rows ──► micro-batches (packing.enabled:
+                                              │      one packed row each, ``packing.py``)
                                               │
                forward_backward_func (PP schedule, VPP chunks) ── GPTModel chunks (DDP)
                                               │ last pipeline stage: vocab-parallel logits
@@ -21,6 +22,7 @@ before it; position 0 has no context and is 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from functools import partial
@@ -162,7 +164,8 @@ class MegatronPolicy:
         """Where this rank's chunks, batches and collective buffers live."""
         chunks = self._build_chunks(model, layout, params_dtype, pg_collection)
         self.config = chunks[0].config
-        self._thd = uses_te_attention(chunks)  # packed rows go to TE as THD, else a block-diagonal mask
+        # packed rows: TE attention takes them as THD, megatron's local attention one sample at a time
+        self._segmented = None if uses_te_attention(chunks) else packing.SegmentedAttention(chunks)
         # routing replay, router statistics, frozen router (before DDP: frozen weights get no grad buffer)
         self.routing: RouterControl | None = None
         if moe is not None and model.is_moe:
@@ -282,7 +285,7 @@ class MegatronPolicy:
 
     def _packed_micros(self, kind: str, batch: Batch, micro_rows: int, record: bool, local_rows: bool):
         """Packed micro-batches of this rank's rows, the routing pass begun over them (tables in
-        packed coordinates: one row per micro-batch); returns (micros, local rows, plan, order)."""
+        packed coordinates: one row per micro-batch); returns (micros, local rows, (plan, order))."""
         local, order = self._packed_rows(batch, local_rows)
         plan = self._plan(local, micro_rows)
         micros = [packing.pack(local, plan, i, fills={ROUTES_KEY: UNROUTED}) for i in range(len(plan.micro_rows))]
@@ -335,18 +338,19 @@ class MegatronPolicy:
         device_guard.check_on_device(micro, "MegatronPolicy model input")
         ids_BS = micro["input_ids"]
         positions_BS = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
-        mask, packed = None, None
+        packed, segments = None, contextlib.nullcontext()
         if SEGMENTS_KEY in micro:
             positions_BS = micro[POSITIONS_KEY]
-            if self._thd:
+            if self._segmented is None:
                 packed = packing.packed_seq_params(micro[SEGMENTS_KEY])
             else:
-                mask = packing.attention_mask(micro[SEGMENTS_KEY])
-        if self.routing is None:
-            return model(ids_BS, positions_BS, mask, packed_seq_params=packed)
-        self.routing.before_forward(model, micro)
-        output = model(ids_BS, positions_BS, mask, packed_seq_params=packed)
-        self.routing.after_forward(model)
+                segments = self._segmented.active(packing.segment_lengths(micro[SEGMENTS_KEY]))
+        with segments:
+            if self.routing is None:
+                return model(ids_BS, positions_BS, None, packed_seq_params=packed)
+            self.routing.before_forward(model, micro)
+            output = model(ids_BS, positions_BS, None, packed_seq_params=packed)
+            self.routing.after_forward(model)
         return output
 
     def _begin_routing(self, kind: str, batch: Batch, local: Batch, seq: int, micro_rows: int,

@@ -27,10 +27,13 @@ def test_packed_quickstart_trains_and_scores_as_the_engine(tmp_path: Path) -> No
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL
-    assert summary["first_step_ppo_kl"] == 0.0  # old and new log-probs, both packed, agree
+    # old and new log-probs agree to rounding: the update's packed rows hold other samples beside
+    # each one than the old-log-prob pass's rows (8.9e-8 seen; exactly 0 unpacked)
+    assert abs(summary["first_step_ppo_kl"]) < 1e-6
     for key in ("heldout_reward_after_sft", "heldout_reward_after_rl"):
         assert summary[key] is not None, key
     history = _history(out, "step_000004")
     assert all(h["rollout/logprob_diff_max"] < LOGPROB_TOL for h in history), history
-    assert all(h["actor/updated"] == 1.0 and h["actor/grad_norm"] > 0 for h in history), history
+    assert all(h["actor/updated"] == 1.0 for h in history), history
+    assert any(h["actor/grad_norm"] > 0 for h in history), history  # a step of equal rewards has none
     assert all(h["moe/train/replay_match"] == 1.0 for h in history if "moe/train/replay_match" in h), history

@@ -12,13 +12,13 @@ from megatron_adapters.packing import (
     FIRST_KEY,
     POSITIONS_KEY,
     SEGMENTS_KEY,
-    attention_mask,
     balance_shares,
     pack,
     packed_seq_params,
     plan_budget,
     plan_fixed,
     sample_lengths,
+    segment_lengths,
     unpack,
 )
 
@@ -115,14 +115,8 @@ def test_pack_gathers_tokens_and_their_routes_and_unpacks_back() -> None:
     assert (back[~kept] == -1).all()
 
 
-def test_attention_is_causal_inside_each_sample_only() -> None:
-    segments = torch.tensor([[0, 0, 0, 1, 1, 2]])
-    allowed = ~attention_mask(segments)[0, 0]
-    expected = torch.zeros(6, 6, dtype=torch.bool)
-    for lo, hi in ((0, 3), (3, 5), (5, 6)):
-        expected[lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()
-    assert torch.equal(allowed, expected)
-    assert allowed.any(dim=-1).all()  # no empty softmax row, padding included
+def test_segments_are_the_samples_then_the_padding() -> None:
+    assert segment_lengths(torch.tensor([[0, 0, 0, 1, 1, 2]])) == [3, 2, 1]
 
 
 def test_thd_params_hold_the_cumulative_lengths() -> None:
