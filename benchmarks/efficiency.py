@@ -17,9 +17,10 @@
     -> one JSON object, printed; --json PATH also writes it (tmp file + rename)
 
 The loss is a next-token loss over every real token but each row's first, token-averaged over the
-batch. Attention on the CPU runs megatron's local spec: a packed row attends over its whole
-width under a block-diagonal mask, so a packed row's attention costs width², not the sum of its
-samples' length² (a THD kernel on TE would); the figures include that.
+batch. Attention on the CPU runs megatron's local spec, once per sample of a packed row
+(``megatron_adapters.packing.SegmentedAttention``): a packed row's attention costs the sum of its
+samples' length², as a THD kernel on TE does. The step seconds share this machine's two cores
+with whatever else runs: compare modes of one run, not runs.
 
     .venv/bin/python benchmarks/efficiency.py [--rows 32] [--budget 4096] [--steps 2] [--json out.json]
 """
