@@ -148,7 +148,8 @@ def _child(mode: str, lengths: list[int], args) -> dict:
 
 
 def _lora_keys(args) -> dict:
-    return {}  # filled in by the LoRA half
+    """Full fine-tuning vs LoRA: trainer bytes and push bytes (``benchmarks/lora_cost.py``)."""
+    return {}
 
 
 def measure(args) -> dict:
@@ -166,7 +167,7 @@ def measure(args) -> dict:
         result[f"speedup_vs_{base}"] = modes[base]["step_seconds"] / modes["packed_budget"]["step_seconds"]
     losses = [stats["first_loss"] for stats in modes.values()]
     result["loss_spread"] = max(losses) - min(losses)
-    lora_keys = _lora_keys(args)
+    lora_keys = _lora_keys(args)  # filled in by the LoRA half
     result.update(lora_keys)
     return result
 

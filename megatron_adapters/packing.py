@@ -19,10 +19,11 @@ scores [1, W_i] ──unpack──► [b, T] (zeros where nothing was computed)
 ```
 
 The first token of each sample has no context: its score is 0, as at position 0 of an unpacked
-row. Padding after the samples is a segment of its own (so no softmax row is empty) that nothing
-counts. Rotary embeddings on the local spec are applied at the row's offsets: q·k of rotary
-depends only on the distance between two tokens, and the mask keeps both in one sample, so the
-scores are those of positions 0..n-1.
+row. Padding after the samples is a segment of its own that nothing counts. Rotary embeddings
+on the local spec are applied at the row's offsets (megatron's GPTModel builds them from the row
+length, not from position ids): q·k under rotary depends only on the distance between two
+tokens, and attention keeps both in one sample, so the scores are those of positions 0..n-1
+(to rounding). On TE, the THD path restarts them at each sample from ``cu_seqlens``.
 
 Legend: b rows on this DP rank, T columns, W packed row width, L MoE layers, k experts per token.
 """
