@@ -33,6 +33,7 @@ from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError, ParallelLayout
 from hfschema.lora import LoRAConfig, check_lora_model
 from hfschema.model import FAMILY_DERIVED, MODEL_FAMILIES, ModelConfig, RopeScalingConfig
+from hfschema.packing import PackingConfig
 from hfschema.sglang import SGLangSettings
 from hfschema.train import MoEConfig, TrainConfig
 
@@ -700,6 +701,8 @@ class HybridflowConfig:
     """Supervised warm-up / SFT mode."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """MoE RL stability: routing replay, router statistics, router freezing and losses."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Sequence packing and token-budget micro-batches of the trained roles."""
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     """Correctness gates evaluated every RL step."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)

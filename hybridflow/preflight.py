@@ -4,6 +4,8 @@
       └─ preflight(cfg, command=...)
            lower(cfg, with_reshard=False)   the graph against the enabled roles and placement
            check_runtime_support(cfg)       what ``hybridflow plan`` accepts but the runtime does not run yet
+           check_packing(cfg, ...)          packing: the token budget holds the longest sample; a loss
+                                            computed token by token
            check_reward(cfg.reward)         reward.function resolves and takes reward.kwargs
            check_data(cfg)                  data files exist, hold rows with the configured columns;
                                             prints which reward scores which data_source
@@ -36,7 +38,8 @@ from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpo
 if TYPE_CHECKING:
     from launch.slurm import SlurmJob
 
-__all__ = ["check_async", "check_data", "check_engine_device", "check_node_gpus", "check_resume", "check_runtime_support",
+__all__ = ["check_async", "check_data", "check_engine_device", "check_node_gpus", "check_packing", "check_resume",
+           "check_runtime_support",
            "check_separate_nodes", "check_slurm_run", "engine_ranks", "preflight", "process_count"]
 
 
@@ -61,6 +64,41 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
     if cfg.lora.enabled and cfg.run.mode == "sft":
         raise ValueError("lora.enabled=true with run.mode=sft: adapters train the RL actor only (the SFT warm-up "
                          "and run.mode=sft train the whole model); set lora.enabled=false or run.mode=rl")
+
+
+ROW_WISE_POLICY_LOSSES = ("gspo", "gmpo", "geo_mean", "clip_cov", "kl_cov")
+"""Policy losses that read each sample's row as a whole (a packed row holds several samples)."""
+
+
+def check_packing(cfg: HybridflowConfig, *, policy_loss: str, loss_agg_mode: str) -> None:
+    """``packing``: a budget that holds the longest possible sample, and a loss computed token by
+    token (a packed row holds several samples, so per-row reductions would mix them)."""
+    packing = cfg.packing
+    if not packing.enabled:
+        return
+    layout = cfg.actor.parallel
+    if layout.cp > 1:
+        raise ValueError(f"packing.enabled with actor.parallel.cp={layout.cp}: packed rows are not split over "
+                         "context parallelism in this version; set actor.parallel.cp=1 or packing.enabled=false")
+    budget = packing.max_tokens_per_micro_batch
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    multiple = layout.tp * layout.cp
+    if budget is not None and budget - budget % multiple < longest:
+        raise ValueError(f"packing.max_tokens_per_micro_batch={budget} is below the longest possible sample, "
+                         f"data.max_prompt_length + data.max_response_length = {longest} (a packed row is a "
+                         f"multiple of actor.parallel.tp={layout.tp}); raise it to at least "
+                         f"{-(-longest // multiple) * multiple}")
+    if not loss_agg_mode.startswith("token-"):
+        raise ValueError(f"packing.enabled with algorithm.loss_agg_mode={loss_agg_mode}: a packed row holds several "
+                         "samples, so per-sequence means would mix them; use token-mean or token-sum, or "
+                         "packing.enabled=false")
+    if policy_loss in ROW_WISE_POLICY_LOSSES:
+        raise ValueError(f"packing.enabled with algorithm.policy_loss={policy_loss}: that loss reduces each "
+                         "sample's row as a whole and a packed row holds several; set packing.enabled=false")
+    if cfg.algorithm.rollout_correction is not None and cfg.algorithm.rollout_correction_level != "token":
+        raise ValueError(f"packing.enabled with algorithm.rollout_correction_level="
+                         f"{cfg.algorithm.rollout_correction_level}: sequence weights reduce each row as a "
+                         "whole; use rollout_correction_level=token or packing.enabled=false")
 
 
 def _check_separate(cfg: HybridflowConfig) -> None:
@@ -203,6 +241,7 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
     plan = lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
     check_runtime_support(cfg)
     check_async(cfg, plan)
+    check_packing(cfg, policy_loss=plan.spec.policy_loss, loss_agg_mode=plan.spec.loss_agg_mode)
     check_reward(cfg.reward)
     check_data(cfg, command=command)
     if command != "slurm":  # this machine runs the ranks (a Slurm login node may have no GPU)

@@ -2,7 +2,8 @@
 
 ```
 global batch (every rank holds it)            MegatronPolicy
-  input_ids [B, T], fields [B, ...]  ──►  this DP rank's rows ──► micro-batches
+  input_ids [B, T], fields [B, ...]  ──►  this DP rank's rows ──► micro-batches (packing.enabled:
+                                              │      one packed row each, ``packing.py``)
                                               │
                forward_backward_func (PP schedule, VPP chunks) ── GPTModel chunks (DDP)
                                               │ last pipeline stage: vocab-parallel logits
@@ -21,6 +22,7 @@ before it; position 0 has no context and is 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from functools import partial
@@ -43,15 +45,17 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from hfschema.layout import ParallelLayout
 from hfschema.lora import LoRAConfig
 from hfschema.model import ModelConfig
+from hfschema.packing import PackingConfig
 from hfschema.train import MoEConfig, TrainConfig
 from moe.routes import UNROUTED
 
-from . import device_guard
+from . import device_guard, packing
 from .logprobs import token_entropy, token_logprobs
 from .lora import apply_lora
 from .model import build_model_chunks
+from .packing import FIRST_KEY, POSITIONS_KEY, SEGMENTS_KEY, PackPlan, uses_te_attention
 from .parallel import device as rank_device
-from .routing import ROUTES_KEY, RouterControl
+from .routing import ROUTES_KEY, VALID_KEY, RouterControl
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +154,15 @@ class MegatronPolicy:
         trainable: bool = True,
         moe: MoEConfig | None = None,
         lora: LoRAConfig | None = None,
+        packing_config: PackingConfig | None = None,
     ) -> None:
         self.lora = lora if lora is not None and lora.enabled else None
         """The adapters' settings when this policy trains LoRA adapters on a frozen base."""
         if self.lora is not None and self.lora.lr is not None:
             train = dataclasses.replace(train, lr=self.lora.lr)
         self.model_config = model
+        self.packing = packing_config or PackingConfig()
+        """Sequence packing and token-budget micro-batches (``megatron_adapters.packing``)."""
         self.layout = layout
         self.train_config = train
         self.pg = pg_collection
@@ -164,6 +171,8 @@ class MegatronPolicy:
         """Where this rank's chunks, batches and collective buffers live."""
         chunks = self._build_chunks(model, layout, params_dtype, pg_collection)
         self.config = chunks[0].config
+        # packed rows: TE attention takes them as THD, megatron's local attention one sample at a time
+        self._segmented = None if uses_te_attention(chunks) else packing.SegmentedAttention(chunks)
         # routing replay, router statistics, frozen router (before DDP: frozen weights get no grad buffer)
         self.routing: RouterControl | None = None
         if moe is not None and model.is_moe:
@@ -255,17 +264,102 @@ class MegatronPolicy:
             for i in range(0, rows, micro_batch_size)
         ]
 
+    # ---------------------------------------------------------------------------- packing
+
+    def _packed_rows(self, batch: Batch, local_rows: bool) -> tuple[dict[str, torch.Tensor], list[int] | None]:
+        """This DP rank's rows for packed passes; with a token budget and the global batch, shares
+        of equal row counts and near-equal tokens (the row order of the shares is returned)."""
+        size = parallel_state.get_data_parallel_world_size()
+        if local_rows or self.packing.budget is None or size == 1:
+            return self._dp_rows(batch, local_rows), None
+        shares = packing.balance_shares(packing.sample_lengths(batch), size)
+        pick = torch.tensor(shares[parallel_state.get_data_parallel_rank()])
+        return {k: v[pick].to(self.device, non_blocking=True) for k, v in batch.items()}, sum(shares, [])
+
+    def _plan(self, local: Batch, micro_rows: int) -> PackPlan:
+        """Micro-batches of ``micro_rows`` rows, or filled up to the token budget in as many
+        micro-batches as the busiest DP rank needs (every DP rank runs the same count)."""
+        lengths = packing.sample_lengths(local)
+        multiple = self.layout.tp * self.layout.cp
+        budget = self.packing.budget
+        if budget is None:
+            plan = packing.plan_fixed(lengths, micro_rows, multiple=multiple)
+        else:
+            plan = packing.plan_budget(lengths, budget, multiple=multiple)
+            count = torch.tensor([len(plan.micro_rows)], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            if int(count) > len(plan.micro_rows):
+                plan = packing.plan_budget(lengths, budget, min_micro_batches=int(count), multiple=multiple)
+        return plan.with_common_width() if self.layout.pp > 1 else plan  # stages exchange one shape
+
+    def _packed_micros(self, kind: str, batch: Batch, micro_rows: int, record: bool, local_rows: bool):
+        """Packed micro-batches of this rank's rows, the routing pass begun over them (tables in
+        packed coordinates: one row per micro-batch); returns (micros, local rows, (plan, order))."""
+        local, order = self._packed_rows(batch, local_rows)
+        plan = self._plan(local, micro_rows)
+        micros = [packing.pack(local, plan, i, fills={ROUTES_KEY: UNROUTED}) for i in range(len(plan.micro_rows))]
+        if self.routing is None:
+            if record or ROUTES_KEY in batch:
+                raise ValueError(f"routing replay needs an MoE policy built with a moe config ({ROUTES_KEY})")
+            return micros, local, (plan, order)
+        for micro, rows in zip(micros, plan.micro_rows):  # the padding after the samples is no token
+            micro.setdefault(VALID_KEY, micro[SEGMENTS_KEY] < len(rows))
+        widest = max(plan.row_width(i) for i in range(len(micros)))
+        self.routing.begin_pass(kind, rows=len(micros), length=widest, micro_rows=1, row_offset=0, record=record,
+                                routes=local.get(ROUTES_KEY), local_rows=True)
+        return micros, local, (plan, order)
+
+    def _packed_logprobs(self, batch: Batch, micro_rows: int, with_entropy: bool, record: bool,
+                         local_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_logprobs`` over packed micro-batches; recorded routes unpacked to rows."""
+        micros, local, (plan, order) = self._packed_micros("logprob", batch, micro_rows, record, local_rows)
+
+        def step_fn(data_iterator, model):
+            micro = next(data_iterator)
+
+            def collect(logits_BSv, non_loss_data=True):
+                return self._score(logits_BSv, micro, with_entropy)
+
+            return self._forward(micro, model), collect
+
+        outputs = self._run(micros, step_fn, forward_only=True, collect=True)
+        self._end_routing()
+        shape = tuple(local["input_ids"].shape)
+        if record:
+            table = self.routing.recorded
+            unpacked = packing.unpack(list(table.split(1)), plan, (*shape, *table.shape[2:]), fill=UNROUTED)
+            self.routing.recorded = unpacked if local_rows else self._gather_rows(unpacked, order)
+        scores = self._stack_last_stage(outputs, shape, shape[1], plan)
+        return tuple((t if local_rows else self._gather_rows(t, order)).cpu() for t in scores)  # type: ignore[return-value]
+
+    def _gather_rows(self, local: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+        """Every DP rank's rows in global order (``order``: the global row of each gathered one)."""
+        gathered = self._gather_dp(local)
+        if order is None:
+            return gathered
+        out = torch.empty_like(gathered)
+        out[torch.tensor(order, device=gathered.device)] = gathered
+        return out
+
     # ---------------------------------------------------------------------------- forward
 
     def _forward(self, micro: Batch, model) -> torch.Tensor:
         device_guard.check_on_device(micro, "MegatronPolicy model input")
         ids_BS = micro["input_ids"]
         positions_BS = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
-        if self.routing is None:
-            return model(ids_BS, positions_BS, None)
-        self.routing.before_forward(model, micro)
-        output = model(ids_BS, positions_BS, None)
-        self.routing.after_forward(model)
+        packed, segments = None, contextlib.nullcontext()
+        if SEGMENTS_KEY in micro:
+            positions_BS = micro[POSITIONS_KEY]
+            if self._segmented is None:
+                packed = packing.packed_seq_params(micro[SEGMENTS_KEY])
+            else:
+                segments = self._segmented.active(packing.segment_lengths(micro[SEGMENTS_KEY]))
+        with segments:
+            if self.routing is None:
+                return model(ids_BS, positions_BS, None, packed_seq_params=packed)
+            self.routing.before_forward(model, micro)
+            output = model(ids_BS, positions_BS, None, packed_seq_params=packed)
+            self.routing.after_forward(model)
         return output
 
     def _begin_routing(self, kind: str, batch: Batch, local: Batch, seq: int, micro_rows: int,
@@ -297,6 +391,13 @@ class MegatronPolicy:
             return logp_BS, torch.zeros_like(logp_BS)
         ent_BS = _shift_right(token_entropy(logits_BSv, vocab_size=vocab, tp_group=tp_group))
         return logp_BS, ent_BS
+
+    def _score(self, logits_BSv: torch.Tensor, micro: Batch, with_entropy: bool):
+        """``_scores``, with a packed row's sample starts and padding at 0 (no context there)."""
+        first, second = self._scores(logits_BSv, micro, with_entropy)
+        if FIRST_KEY not in micro:
+            return first, second
+        return first.masked_fill(micro[FIRST_KEY], 0.0), second.masked_fill(micro[FIRST_KEY], 0.0)
 
     def _run(self, micros, step_fn, *, forward_only: bool, collect: bool) -> list:
         forward_backward = get_forward_backward_func()
@@ -332,8 +433,10 @@ class MegatronPolicy:
         ``self.routing.take_recorded()`` (on every rank)."""
         for chunk in self.chunks:
             chunk.eval()
-        padded, seq = self._pad_sequence(self._dp_rows(batch, local_rows))
         micro_rows = micro_batch_size or self.train_config.micro_batch_size
+        if self.packing.enabled:
+            return self._packed_logprobs(batch, micro_rows, with_entropy, record_routes, local_rows)
+        padded, seq = self._pad_sequence(self._dp_rows(batch, local_rows))
         micros = self._micro_batches(padded, micro_rows)
         self._begin_routing("logprob", batch, padded, seq, micro_rows, record_routes, local_rows)
 
@@ -341,7 +444,7 @@ class MegatronPolicy:
             micro = next(data_iterator)
 
             def collect(logits_BSv, non_loss_data=True):
-                return self._scores(logits_BSv, micro, with_entropy)
+                return self._score(logits_BSv, micro, with_entropy)
 
             return self._forward(micro, model), collect
 
@@ -350,13 +453,16 @@ class MegatronPolicy:
         local = self._stack_last_stage(outputs, padded["input_ids"].shape, seq)
         return tuple((t if local_rows else self._gather_dp(t)).cpu() for t in local)  # type: ignore[return-value]
 
-    def _stack_last_stage(self, outputs, padded_shape, seq) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenate the last stage's micro-batch results and share them across the PP group."""
+    def _stack_last_stage(self, outputs, padded_shape, seq, plan: PackPlan | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenate (or unpack, with ``plan``) the last stage's micro-batch results and share
+        them across the PP group."""
         rows, length = padded_shape
         both = torch.zeros(2, rows, length, device=self.device)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            both[0] = torch.cat([logp for logp, _ in outputs])
-            both[1] = torch.cat([ent for _, ent in outputs])
+            join = torch.cat if plan is None else partial(packing.unpack, plan=plan, shape=(rows, length))
+            both[0] = join([logp for logp, _ in outputs])
+            both[1] = join([ent for _, ent in outputs])
         if self.layout.pp > 1:
             src = parallel_state.get_pipeline_model_parallel_last_rank()
             dist.broadcast(both, src=src, group=self.pg.pp)
@@ -384,16 +490,19 @@ class MegatronPolicy:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        padded, seq = self._pad_sequence(self._dp_rows(batch, local_rows))
-        micros = self._micro_batches(padded, self.train_config.micro_batch_size)
-        self._begin_routing("train", batch, padded, seq, self.train_config.micro_batch_size, record=False,
-                            local_rows=local_rows)
+        if self.packing.enabled:
+            micros, _, _ = self._packed_micros("train", batch, self.train_config.micro_batch_size, False, local_rows)
+        else:
+            padded, seq = self._pad_sequence(self._dp_rows(batch, local_rows))
+            micros = self._micro_batches(padded, self.train_config.micro_batch_size)
+            self._begin_routing("train", batch, padded, seq, self.train_config.micro_batch_size, record=False,
+                                local_rows=local_rows)
 
         def step_fn(data_iterator, model):
             micro = next(data_iterator)
 
             def loss(logits_BSv):
-                logp_BS, ent_BS = self._scores(logits_BSv, micro, with_entropy=True)
+                logp_BS, ent_BS = self._score(logits_BSv, micro, with_entropy=True)
                 loss_sum, tokens, metrics = loss_fn(logp_BS, ent_BS, micro)
                 weight = torch.as_tensor(metrics.pop("weight", tokens)).float()
                 reported = {"loss": torch.stack([loss_sum.detach(), tokens.float()])}

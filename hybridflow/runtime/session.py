@@ -128,7 +128,7 @@ def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bo
     from megatron_adapters.policy import MegatronPolicy
 
     return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe,
-                          lora=lora)
+                          lora=lora, packing_config=cfg.packing)
 
 
 class ModelRole(Protocol):

@@ -114,7 +114,8 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     if s.spec.needs_critic:
         from megatron_adapters.critic import MegatronCritic
 
-        s.critic = MegatronCritic(s.cfg.model, s.cfg.actor.parallel, s.cfg.train.for_critic(), pg_collection=s.pg)
+        s.critic = MegatronCritic(s.cfg.model, s.cfg.actor.parallel, s.cfg.train.for_critic(), pg_collection=s.pg,
+                                  packing_config=s.cfg.packing)
         if resume_from is not None and (resume_from / "critic").is_dir():
             checkpoint.load(s.critic, resume_from / "critic", with_optimizer=True)
         else:  # the policy's (SFT) transformer under a fresh value head, as PPO critics start

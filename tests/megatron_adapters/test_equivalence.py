@@ -46,11 +46,11 @@ def _cases(specs: dict) -> list[tuple[str, str, dict]]:
     ]
 
 
-def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str) -> None:
+def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str, *, worker: Path = WORKER) -> None:
     plan = workdir / f"{label}.json"
     plan.write_text(json.dumps(tasks))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER), str(plan)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(worker), str(plan)]
     log = workdir / f"{label}.log"
     with log.open("w") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1500)
