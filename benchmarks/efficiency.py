@@ -14,6 +14,9 @@
     per mode: tokens the model processes (padding included), seconds of one train_step (median
     of --steps after a warm-up step), peak resident memory of the process and its growth over
     the model's set-up, and the step's loss (the same in every mode: a check, not a figure)
+    then full fine-tuning vs LoRA r=16 on a 69M-parameter MoE (benchmarks/lora_cost.py, its own
+    process): full_ft_trainer_bytes / lora_trainer_bytes (weights + grads + optimizer state),
+    merged_push_bytes / adapter_push_bytes (what one weight push sends)
     -> one JSON object, printed; --json PATH also writes it (tmp file + rename)
 
 The loss is a next-token loss over every real token but each row's first, token-averaged over the
@@ -147,9 +150,20 @@ def _child(mode: str, lengths: list[int], args) -> dict:
         return json.loads(out.read_text())
 
 
+LORA_KEYS = ("full_ft_trainer_bytes", "lora_trainer_bytes", "merged_push_bytes", "adapter_push_bytes")
+
+
 def _lora_keys(args) -> dict:
-    """Full fine-tuning vs LoRA: trainer bytes and push bytes (``benchmarks/lora_cost.py``)."""
-    return {}
+    """Full fine-tuning vs LoRA r=16 on the medium MoE: trainer bytes (weights + grads + optimizer
+    state) and push bytes (``benchmarks/lora_cost.py``, in its own process: it builds policies
+    under a one-process group of its own)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "lora.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lora_cost.py"), "--models", "medium", "--rank", "16",
+                        "--json", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+        medium = json.loads(out.read_text())["medium"]
+    return {**{key: medium[key] for key in LORA_KEYS}, "lora": medium}
 
 
 def measure(args) -> dict:
@@ -167,8 +181,7 @@ def measure(args) -> dict:
         result[f"speedup_vs_{base}"] = modes[base]["step_seconds"] / modes["packed_budget"]["step_seconds"]
     losses = [stats["first_loss"] for stats in modes.values()]
     result["loss_spread"] = max(losses) - min(losses)
-    lora_keys = _lora_keys(args)  # filled in by the LoRA half
-    result.update(lora_keys)
+    result.update(_lora_keys(args))
     return result
 
 
