@@ -1,7 +1,8 @@
 """``hybridflow train configs/quickstart_cpu_packed.yaml``, kept short like ``test_train``: packed
 rows and token-budget micro-batches through SFT, old / new log-probs and the GRPO update, with
 routing replay (r2: the routes the actor records in its packed old-log-prob pass are replayed in
-its packed update). The trainer's packed log-probs must match the engine's, token for token."""
+its packed update), and the DP ranks' prompts chosen by tokens. The trainer's packed log-probs
+must match the engine's, token for token."""
 
 from __future__ import annotations
 
@@ -35,5 +36,8 @@ def test_packed_quickstart_trains_and_scores_as_the_engine(tmp_path: Path) -> No
     history = _history(out, "step_000004")
     assert all(h["rollout/logprob_diff_max"] < LOGPROB_TOL for h in history), history
     assert all(h["actor/updated"] == 1.0 for h in history), history
+    # the DP ranks' prompts were chosen by tokens (shares.balanced_owners; its unit test shows
+    # the balance); every rank agreed on them, or the samples above would not have arrived
+    assert all(1.0 <= h["rollout/dp_tokens_max_over_mean"] < 1.25 for h in history), history
     assert any(h["actor/grad_norm"] > 0 for h in history), history  # a step of equal rewards has none
     assert all(h["moe/train/replay_match"] == 1.0 for h in history if "moe/train/replay_match" in h), history

@@ -155,6 +155,10 @@ def as_rollout(s: Session, prompts, out: replicas.ReplicaOutput, group_offset: i
     received = s.shard.max(torch.tensor([float(out.received_bytes)]))
     s.step_metrics["rollout/received_bytes_max_rank"] = float(received)
     samples = out.samples
+    # the busiest DP rank's tokens over the mean: its micro-batches set the step's pace
+    tokens = torch.tensor([float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples))])
+    mean = float(s.shard.sum(tokens)) / s.shard.dp_size
+    s.step_metrics["rollout/dp_tokens_max_over_mean"] = float(s.shard.max(tokens)) / max(mean, 1.0)
     pad = s.tokenizer.pad_token_id
     batch = pack_batch(samples, pad_id=pad) if samples else _empty_batch(pad, out.metas)
     texts = s.tokenizer.batch_decode([list(x.response_ids) for x in samples], skip_special_tokens=True)

@@ -40,7 +40,7 @@ from hybridflow.config import HybridflowConfig
 from hybridflow.rollout.base import EngineLost, RolloutSample, SamplingParams
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
-from hybridflow.runtime.shares import Shard, owner
+from hybridflow.runtime.shares import Shard, balanced_owners, owner
 
 __all__ = ["FAULT_ENV", "FAULT_KILL_ENV", "ReplicaFailed", "ReplicaOutput", "Started", "chunk_seed", "collect",
            "driver_rank", "generate", "replica_of", "start"]
@@ -192,13 +192,26 @@ def _deliver(cfg: HybridflowConfig, samples: list[RolloutSample], gathered: list
     for report in gathered:
         if report.replica is not None:
             counts[report.replica] += len(report.metas)
-    dp_size = cfg.actor.parallel.dp
     got = deliver(samples, [g.metas for g in gathered], [g.dp_rank for g in gathered],
-                  lambda m: owner(m.prompt_index, num_prompts, dp_size), device=device, link=channel.link)
+                  _owner_of(cfg, gathered, num_prompts), device=device, link=channel.link)
     return ReplicaOutput(samples=got.samples, positions=got.positions, metas=got.metas,
                          seconds=max(g.seconds for g in gathered), samples_per_replica=tuple(counts),
                          received_bytes=got.received_bytes,
                          intervals=tuple(g.interval for g in gathered if g.interval is not None))
+
+
+def _owner_of(cfg: HybridflowConfig, gathered: list[_Report], num_prompts: int):
+    """meta -> the DP rank that trains on it: ``shares.owner``'s blocks, or under token-budget
+    micro-batches the same counts balanced by the tokens every rank now knows (the metadata)."""
+    dp_size = cfg.actor.parallel.dp
+    if cfg.packing.max_tokens_per_micro_batch is None or dp_size == 1:
+        return lambda m: owner(m.prompt_index, num_prompts, dp_size)
+    tokens = [0] * num_prompts
+    for report in gathered:
+        for m in report.metas:
+            tokens[m.prompt_index] += m.prompt_len + m.response_len
+    owners = balanced_owners(tokens, dp_size)
+    return lambda m: owners[m.prompt_index]
 
 
 @dataclasses.dataclass(frozen=True)

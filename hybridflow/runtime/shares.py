@@ -2,7 +2,8 @@
 
 ```
 a generate call's prompts 0 .. P-1 ──► DP rank p * dp // P owns prompt p and all n of its samples
-   (contiguous blocks; a group never straddles ranks, so group statistics stay local)
+   (contiguous blocks; a group never straddles ranks, so group statistics stay local);
+   under token-budget micro-batches the same counts, chosen by tokens (``balanced_owners``)
 every rank of a DP rank's model-parallel group (TP / PP peers) holds the same rows;
 the first of them (the "leader") speaks for the rows in batch-wide sums
 ```
@@ -20,12 +21,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Shard", "owner", "single_process"]
+__all__ = ["Shard", "balanced_owners", "owner", "single_process"]
 
 
 def owner(prompt_index: int, num_prompts: int, dp_size: int) -> int:
     """The data-parallel rank that trains on the samples of ``prompt_index``."""
     return prompt_index * dp_size // max(num_prompts, 1)
+
+
+def balanced_owners(tokens: list[int], dp_size: int) -> list[int]:
+    """Each prompt's DP rank when the ranks should train on about equal tokens (token-budget
+    micro-batches, ``packing.max_tokens_per_micro_batch``): ``tokens[p]`` is prompt p's tokens,
+    all its samples together. The largest prompt goes first, each to the rank with the fewest
+    tokens among those still short of their ``owner`` share of prompts, so every rank keeps
+    the prompt count it has by default and a group still never straddles ranks. Ties go to the
+    lower prompt index and rank: every rank computes the same answer from the same metadata."""
+    quota = [0] * dp_size
+    for p in range(len(tokens)):
+        quota[owner(p, len(tokens), dp_size)] += 1
+    load, count, owners = [0] * dp_size, [0] * dp_size, [0] * len(tokens)
+    for p in sorted(range(len(tokens)), key=lambda p: (-tokens[p], p)):
+        rank = min((r for r in range(dp_size) if count[r] < quota[r]), key=lambda r: (load[r], r))
+        owners[p], load[rank], count[rank] = rank, load[rank] + tokens[p], count[rank] + 1
+    return owners
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.runtime.shares import owner
+from hybridflow.runtime.shares import balanced_owners, owner
 
 pytestmark = [pytest.mark.distributed]
 
@@ -24,6 +24,18 @@ def test_owners_are_contiguous_whole_groups_and_balanced():
         assert owners == sorted(owners) and all(0 <= o < dp for o in owners)
         counts = [owners.count(d) for d in range(dp)]
         assert max(counts) - min(counts) <= 1
+
+
+def test_token_balanced_owners_keep_the_prompt_counts_and_even_out_the_tokens():
+    # one long-tail prompt per block of 4: the blocks put all the long ones on rank 0
+    tokens = [800 if p % 4 == 0 and p < 8 else 100 for p in range(16)]
+    blocks = [owner(p, 16, 2) for p in range(16)]
+    balanced = balanced_owners(tokens, 2)
+    load = lambda owners: [sum(t for t, o in zip(tokens, owners) if o == r) for r in range(2)]
+    assert load(blocks) == [2200, 800] and load(balanced) == [1500, 1500]
+    assert sorted(balanced) == sorted(blocks)  # every rank keeps its number of prompts (groups)
+    assert balanced_owners(tokens, 2) == balanced  # the same on every rank: ties by index
+    assert balanced_owners([5, 5, 5], 1) == [0, 0, 0]
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp4", "tp2xdp2"])
