@@ -309,10 +309,8 @@ class MegatronPolicy:
                                 routes=local.get(ROUTES_KEY), local_rows=True)
         return micros, local, (plan, order)
 
-    def _packed_logprobs(self, batch: Batch, micro_rows: int, with_entropy: bool, record: bool,
-                         local_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_logprobs`` over packed micro-batches; recorded routes unpacked to rows."""
-        micros, local, (plan, order) = self._packed_micros("logprob", batch, micro_rows, record, local_rows)
+    def _scoring_step(self, with_entropy: bool):
+        """The forward-only step function of megatron's schedule that scores each micro-batch."""
 
         def step_fn(data_iterator, model):
             micro = next(data_iterator)
@@ -322,7 +320,14 @@ class MegatronPolicy:
 
             return self._forward(micro, model), collect
 
-        outputs = self._run(micros, step_fn, forward_only=True, collect=True)
+        return step_fn
+
+    def _packed_logprobs(self, batch: Batch, micro_rows: int, with_entropy: bool, record: bool,
+                         local_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_logprobs`` over packed micro-batches; recorded routes unpacked to rows."""
+        micros, local, (plan, order) = self._packed_micros("logprob", batch, micro_rows, record, local_rows)
+
+        outputs = self._run(micros, self._scoring_step(with_entropy), forward_only=True, collect=True)
         self._end_routing()
         shape = tuple(local["input_ids"].shape)
         if record:
@@ -440,15 +445,7 @@ class MegatronPolicy:
         micros = self._micro_batches(padded, micro_rows)
         self._begin_routing("logprob", batch, padded, seq, micro_rows, record_routes, local_rows)
 
-        def step_fn(data_iterator, model):
-            micro = next(data_iterator)
-
-            def collect(logits_BSv, non_loss_data=True):
-                return self._score(logits_BSv, micro, with_entropy)
-
-            return self._forward(micro, model), collect
-
-        outputs = self._run(micros, step_fn, forward_only=True, collect=True)
+        outputs = self._run(micros, self._scoring_step(with_entropy), forward_only=True, collect=True)
         self._end_routing()
         local = self._stack_last_stage(outputs, padded["input_ids"].shape, seq)
         return tuple((t if local_rows else self._gather_dp(t)).cpu() for t in local)  # type: ignore[return-value]

@@ -14,10 +14,6 @@ shards, not the converter's chunks) must give back the original HF tensors bit f
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from megatron_adapters.convert import hf_to_mcore, mcore_to_hf
 from megatron_adapters.dist_io import DistReader
 from tests.megatron_adapters.convert_models import FAMILIES, MOE_FAMILIES, hf_tensors, make_hf_dir
+from tests.megatron_adapters.pools import run_pool
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
@@ -43,16 +40,7 @@ def _spec(family: str, pool: str) -> dict:
 
 
 def _torchrun(nproc: int, tasks: list[dict], root: Path, label: str) -> None:
-    plan = root / f"{label}.json"
-    plan.write_text(json.dumps(tasks))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), str(plan)]
-    log = root / f"{label}.log"
-    with log.open("w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1100)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun {label} failed ({proc.returncode}); tail of {log}:\n{log.read_text()[-4000:]}")
+    run_pool(WORKER, nproc, tasks, root, label, timeout=1100)
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,12 @@ in ``worker.py``; the tests below only compare what they recorded:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.megatron_adapters.pools import run_pool
 from .families import FAMILIES, MOE_FAMILIES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1800)]
@@ -47,15 +44,7 @@ def _cases(specs: dict) -> list[tuple[str, str, dict]]:
 
 
 def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str, *, worker: Path = WORKER) -> None:
-    plan = workdir / f"{label}.json"
-    plan.write_text(json.dumps(tasks))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(worker), str(plan)]
-    log = workdir / f"{label}.log"
-    with log.open("w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=1500)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun {label} failed ({proc.returncode}); tail of {log}:\n" + log.read_text()[-4000:])
+    run_pool(worker, nproc, tasks, workdir, label, timeout=1500)
 
 
 class Runs:

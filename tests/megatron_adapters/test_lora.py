@@ -10,10 +10,6 @@ transformers + peft must score as the trainer does.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +17,7 @@ import torch
 
 from megatron_adapters.convert import hf_to_mcore, mcore_to_hf
 from tests.megatron_adapters.convert_models import make_hf_dir
+from tests.megatron_adapters.pools import run_pool
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -36,16 +33,7 @@ CASES = {"llama_tp2": ("llama", {"tp": 2}), "qwen2_tp2": ("qwen2", {"tp": 2}), "
 
 
 def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str) -> None:
-    plan = workdir / f"{label}.json"
-    plan.write_text(json.dumps(tasks))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), str(plan)]
-    log = workdir / f"{label}.log"
-    with log.open("w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun {label} failed ({proc.returncode}); tail of {log}:\n" + log.read_text()[-4000:])
+    run_pool(WORKER, nproc, tasks, workdir, label, timeout=800)
 
 
 @pytest.fixture(scope="module")
