@@ -235,14 +235,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from launch.multinode import launch
+    from launch.multinode import hosts_rendezvous, launch
 
     spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, **_given(args, LAUNCH_DEFAULTS))
     cfg = load_config(args.config, args.overrides)
     spec.check_layout(cfg.actor.parallel, engine_ranks(cfg))
     check_separate_nodes(cfg, spec.nproc_per_node)
-    preflight(cfg, command="launch")
+    preflight(cfg, command="launch", content=hosts_rendezvous(spec))  # one node reads the checkpoint through
     return launch(spec, cfg.actor.parallel, args.config, args.overrides, output_dir=cfg.run.output_dir)
 
 

@@ -665,9 +665,13 @@ class SFTConfig:
     """Sequences per SFT step (the actor's global batch for SFT)."""
     response_key: str = "sft_response"
     """Column holding the SFT target response."""
+    checkpoint_every: int = 0
+    """Also save the SFT actor with its optimizer state every this many SFT steps, as
+    ``checkpoints/sft_<step>`` (0 = only when SFT ends, or a checkpoint is requested); a start
+    continues an unfinished SFT from the newest one, which are removed once SFT is complete."""
 
     def __post_init__(self) -> None:
-        check_non_negative(self, ("steps",))
+        check_non_negative(self, ("steps", "checkpoint_every"))
         check_positive(self, ("lr", "batch_size"))
 
 

@@ -24,6 +24,7 @@ damaged checkpoint passed over) is one ``warning:`` line on stderr; the rest one
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from hybridflow.config import HybridflowConfig, to_yaml
 from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
+from hybridflow.runtime import checksums
 from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpoint_problem, find_resume, sft_checkpoint
 
 if TYPE_CHECKING:
@@ -211,14 +213,19 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
                          "(its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run on GPUs")
 
 
-def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_reference: bool = False) -> None:
+def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_reference: bool = False,
+                 content: bool = True) -> None:
     """``run.resume`` against the run directory: the checkpoint a start continues from, the
     damaged ones passed over (``run.resume_fallback``), and a config its model cannot load.
     ``uses_reference``: the reference policy loads from the SFT checkpoint, which must then be
-    complete too."""
-    found = find_resume(cfg.run.output_dir, cfg.run.resume, fallback=cfg.run.resume_fallback)
+    complete too. ``content``: compare the files with their checksums (once per job: the ranks
+    this process launches are told, ``checksums.VERIFIED_ENV``)."""
+    found = find_resume(cfg.run.output_dir, cfg.run.resume, fallback=cfg.run.resume_fallback, content=content)
+    if content and found.path is not None:
+        os.environ[checksums.VERIFIED_ENV] = str(found.path)
     sft = sft_checkpoint(cfg.run.output_dir)
-    if uses_reference and found.path not in (None, sft) and sft.is_dir() and (problem := checkpoint_problem(sft)):
+    if (uses_reference and found.path not in (None, sft) and sft.is_dir()
+            and (problem := checkpoint_problem(sft, content=content))):
         raise ValueError(f"checkpoint sft is damaged: {problem}; the reference policy loads from it (algorithm."
                          "kl_loss_coef / kl_reward_coef > 0): restore its files, or set a new run.output_dir")
     for path, problem in found.damaged:
@@ -234,10 +241,11 @@ def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_referenc
         _say(command, f"changed since {found.path.name} was saved: {'; '.join(changes[:_SHOWN_CHANGES])}{more}")
 
 
-def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
+def preflight(cfg: HybridflowConfig, *, command: str = "train", content: bool = True) -> None:
     """What can be checked in this process before any rank starts: the algorithm's graph
     against the enabled roles and placement, the reward function, the data files, the engine
-    on this machine, and ``run.resume`` against the run directory."""
+    on this machine, and ``run.resume`` against the run directory (``content``: with the
+    checksums, which the node that hosts rank 0 compares, once per job)."""
     plan = lower(cfg, with_reshard=False)  # graph, roles, placement: every check that needs no process
     check_runtime_support(cfg)
     check_async(cfg, plan)
@@ -253,7 +261,7 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train") -> None:
         check_engine_device(cfg, on_gpu=torch.cuda.is_available())
     if command == "train" and torch.cuda.is_available():
         check_node_gpus(cfg, torch.cuda.device_count())
-    check_resume(cfg, command=command, uses_reference=plan.spec.uses_reference)
+    check_resume(cfg, command=command, uses_reference=plan.spec.uses_reference, content=content)
 
 
 def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob) -> None:
@@ -264,4 +272,4 @@ def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob) -> None:
                          "use run.resume=auto (the default) and a new run.output_dir for a fresh run")
     job.check_layout(cfg.actor.parallel, engine_ranks(cfg))
     check_separate_nodes(cfg, job.nproc_per_node)
-    preflight(cfg, command="slurm")
+    preflight(cfg, command="slurm", content=False)  # the job's node 0 compares them when it starts

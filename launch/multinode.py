@@ -37,7 +37,7 @@ from hfschema.layout import ParallelLayout
 from launch.reaper import TORCHRUN_SHUTDOWN_S
 from launch.torchrun import run_job
 
-__all__ = ["LaunchSpec", "check_endpoint", "check_process_count", "launch", "parse_endpoint", "torchrun_command"]
+__all__ = ["LaunchSpec", "check_endpoint", "check_process_count", "hosts_rendezvous", "launch", "parse_endpoint", "torchrun_command"]
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -194,6 +194,14 @@ def _store_error(host: str, port: int, timeout_s: float) -> str | None:
     except subprocess.TimeoutExpired:
         return f"no TCPStore handshake within {timeout_s:g} s"
     return None if done.returncode == 0 else (done.stdout.strip() or f"probe exit {done.returncode}")
+
+
+def hosts_rendezvous(spec: LaunchSpec) -> bool:
+    """Whether this node hosts the rendezvous: node rank 0, or (ranks assigned at the rendezvous,
+    as under Slurm) the endpoint's own machine; a single node always does."""
+    if spec.node_rank is not None or spec.rdzv_endpoint is None:
+        return spec.node_rank in (None, 0)
+    return _is_this_machine(parse_endpoint(spec.rdzv_endpoint)[0])
 
 
 def check_endpoint(spec: LaunchSpec) -> None:

@@ -136,13 +136,27 @@ def test_reports_are_written(full_run: Path) -> None:
     assert not list((full_run / "checkpoints").glob("*.partial"))
 
 
-def test_a_killed_run_resumes_and_reproduces(full_run: Path, tmp_path: Path) -> None:
+def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: Path, tmp_path: Path) -> None:
+    """A checkpoint request during SFT (what the Slurm script writes before the time limit)
+    saves the SFT so far and stops; the next start goes on with SFT, then dies when RL step 3
+    starts; the third start resumes from step 2. The end equals the uninterrupted run."""
+    from hybridflow.runtime import stops
+
     out = tmp_path / "killed"
+    request = stops.request_checkpoint(out)  # there before the start: honoured after SFT step 1
+    stopped = _train(out)
+    _ok(stopped)
+    assert "checkpointed SFT step 1" in stopped.stderr and not request.exists(), stopped.stderr[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["sft_000001"]
     crashed = _train(out, fault_at=2)  # dies when step 3 (0-based 2) starts
     assert crashed.returncode != 0
+    assert f"resuming from {out / 'checkpoints' / 'sft_000001'}" in crashed.stdout, crashed.stdout[-2000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert "step_000002" in saved and "step_000004" not in saved, saved
+    assert saved == ["sft", "step_000002"], saved  # sft_000001 removed once the SFT was complete
     _ok(_train(out))
+    sft_losses = [json.loads((run / "checkpoints" / "sft" / "state.json").read_text())["sft_losses"]
+                  for run in (full_run, out)]
+    assert sft_losses[0] == sft_losses[1] and len(sft_losses[1]) == 4
     assert _deterministic(_history(out, "step_000004")) == _deterministic(_history(full_run, "step_000004"))
     first = json.loads((full_run / "summary.json").read_text())
     second = json.loads((out / "summary.json").read_text())
@@ -156,14 +170,17 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_o
     out = tmp_path / "damaged"
     shutil.copytree(full_run, out)
     newest = out / "checkpoints" / "step_000004"
+    assert all((c / "checksums.json").is_file() for c in (out / "checkpoints").iterdir())
     shard = sorted((newest / "actor").glob("*.distcp"))[-1]
-    shard.unlink()
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # one byte changed in place: the size and .metadata still agree
+    shard.write_bytes(bytes(damaged))
     assert (newest / "config.yaml").is_file()  # each checkpoint keeps the config it was saved under
     stop = _train(out, "run.resume_fallback=stop")
-    assert stop.returncode == 2 and f"{shard} is missing (listed in .metadata)" in stop.stderr
+    assert stop.returncode == 2 and f"{shard} has changed since it was written" in stop.stderr, stop.stderr[-2000:]
     result = _train(out)
     _ok(result)
-    assert f"checkpoint step_000004 is damaged: {shard} is missing" in result.stderr
+    assert f"checkpoint step_000004 is damaged: {shard} has changed since it was written" in result.stderr
     assert f"resuming from {out / 'checkpoints' / 'step_000002'}" in result.stdout
     assert (out / "checkpoints" / "step_000004.damaged").is_dir()
     assert _deterministic(_history(out, "step_000004")) == _deterministic(_history(full_run, "step_000004"))

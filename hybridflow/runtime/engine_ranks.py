@@ -2,7 +2,7 @@
 
 ```
 engine rank r (joint rank actors + r; rank r of the engines' own default group)
-  wait for the model directory (actor rank 0 wrote it)
+  wait for the model directory (actor rank 0 wrote it; None: the run ended before rollout)
   replica k's driver (r = k * tp) starts its SGLang engine on its GPUs (r .. r + tp - 1)
   loop on the joint channel:
      ("generate", prompts, params, seed, call)  drive the replica's share of the chunks; the
@@ -50,7 +50,11 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
     """Run this engine rank until actor rank 0 says stop (every engine rank calls it)."""
     from megatron_adapters.parallel import device
 
-    model_dir = Path(channel.broadcast(None))
+    announced = channel.broadcast(None)
+    if announced is None:  # the run ended before its rollout began (run.mode=sft, or a stop during SFT)
+        channel.barrier()
+        return
+    model_dir = Path(announced)
     replica = replicas.replica_of(cfg, dist.get_rank())
     engine = start_engine(cfg, model_dir) if replica is not None else None
     try:

@@ -52,14 +52,18 @@ def _nll(logp, entropy, micro):
 
 
 def run_sft(policy, rows: list[TokenizedPrompt], tokenizer, *, steps: int, batch_size: int, seed: int,
-            end_id: int, row_multiple: int, on_step=None) -> list[float]:
-    """Train ``policy`` for ``steps`` SFT steps; returns the loss of each step."""
+            end_id: int, row_multiple: int, start: int = 0, on_step=None) -> list[float]:
+    """Train ``policy`` for SFT steps ``start`` .. ``steps - 1``; returns the loss of each.
+    ``on_step(step, result)`` follows each step; a true return stops SFT there (a checkpoint
+    request). Step k's batch is a function of (seed, k), so a resumed SFT draws what an
+    uninterrupted one would."""
     usable = [r for r in rows if r.row.sft_response]
     if not usable:
         raise ValueError("SFT needs targets: no training row has the column named by sft.response_key")
     sampler = PromptSampler(len(usable), batch_size, seed + 17)
     losses = []
-    bar = tqdm(range(steps), desc="sft", unit="step", disable=dist.get_rank() != 0)
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc="sft", unit="step",
+               disable=dist.get_rank() != 0)
     for step in bar:
         batch, _ = pad_rows(sft_batch([usable[i] for i in sampler.batch(step)], tokenizer, end_id), row_multiple)
         result = policy.train_step(batch, _nll)
@@ -68,6 +72,6 @@ def run_sft(policy, rows: list[TokenizedPrompt], tokenizer, *, steps: int, batch
                                      "before applying it (no checkpoint written)")
         losses.append(result.loss)
         bar.set_postfix(loss=f"{result.loss:.3f}")
-        if on_step is not None:
-            on_step(step, result)
+        if on_step is not None and on_step(step, result):
+            break
     return losses

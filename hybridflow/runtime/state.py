@@ -6,6 +6,8 @@
   model/                      the rollout engine's starting model directory
   data/                       generated task files (when data.train_files is empty)
   checkpoints/
+    sft_000040/               actor with optimizer state mid-SFT (a checkpoint request, or
+                              sft.checkpoint_every); removed once sft/ is complete
     sft/                      actor after the SFT warm-up (+ state.json)
     step_000010/              actor with optimizer state (+ state.json: step, history, MLflow run;
                               config.yaml: the resolved config it was saved under)
@@ -20,14 +22,15 @@ under ``.partial`` (the actor through ``megatron_adapters.checkpoint``, which st
 checkpoint or a ``.partial`` directory that resume ignores.
 
 A published checkpoint can still be damaged later (a deleted or truncated shard, a disk that
-filled during a copy). ``checkpoint_problem`` reads what the checkpoint itself lists, without
-loading a tensor: ``state.json``, each model directory's ``hybridflow.json``, megatron's
-``metadata.json`` and ``common.pt``, torch's ``.metadata`` and every shard file it names, at
-least as long as the byte ranges it records. ``find_resume`` walks the checkpoints newest first
-under ``run.resume_fallback``: ``previous`` passes over damaged ones (named with the file) to
-the newest complete one, ``stop`` refuses the start. ``config_changes`` compares the config a
-checkpoint was saved under with this start's, key by key: a change of the model's tensor shapes
-cannot load.
+filled during a copy, bytes changed in place). ``checkpoint_problem`` reads what the checkpoint
+itself lists, without loading a tensor: ``state.json``, each model directory's
+``hybridflow.json``, megatron's ``metadata.json`` and ``common.pt``, torch's ``.metadata`` and
+every shard file it names, at least as long as the byte ranges it records; then every file's
+CRC-32 against ``checksums.json``, written with the checkpoint (``runtime.checksums``).
+``find_resume`` walks the checkpoints newest first under ``run.resume_fallback``: ``previous``
+passes over damaged ones (named with the file) to the newest complete one, ``stop`` refuses
+the start. ``config_changes`` compares the config a checkpoint was saved under with this
+start's, key by key: a change of the model's tensor shapes cannot load.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from hfschema.files import write_text_atomic
+from hybridflow.runtime import checksums
 
 __all__ = ["Resume", "RunState", "checkpoint_dirs", "checkpoint_problem", "config_changes", "find_resume",
-           "latest_checkpoint", "read_state", "write_json_atomic"]
+           "is_rl_checkpoint", "latest_checkpoint", "read_state", "write_json_atomic"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
 DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_SFT_DIR = re.compile(r"^sft_(\d+)$")
 _MODEL_DIRS = ("actor", "critic")  # the actor always; the critic when the run trained one
 _MODEL_FILES = ("hybridflow.json", "metadata.json", "common.pt", ".metadata")  # what a complete save writes
 _SHOWN_PROBLEMS = 3
@@ -65,6 +70,8 @@ class RunState:
     """RL steps completed."""
     sft_done: bool = False
     """Whether the SFT warm-up finished (its checkpoint is ``checkpoints/sft``)."""
+    sft_step: int = 0
+    """SFT steps completed when an unfinished SFT was checkpointed (``checkpoints/sft_<step>``)."""
     heldout_after_sft: float | None = None
     """Held-out reward measured right after SFT."""
     history: list[dict[str, float]] = field(default_factory=list)
@@ -83,6 +90,9 @@ class RunState:
     async_buffer: list[list[int]] = field(default_factory=list)
     """Asynchronous RL: the [batch, policy version] pairs pending at this checkpoint, whose samples
     the engine drivers saved beside it (``async_rl.resume=checkpoint``)."""
+    checksummed: bool = False
+    """Whether the checkpoint's files have their checksums in ``checksums.json`` (``runtime.checksums``;
+    False for checkpoints written before checksums were)."""
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
@@ -106,13 +116,27 @@ def save_state(directory: str | os.PathLike, state: RunState) -> None:
     write_json_atomic(Path(directory) / STATE_FILE, asdict(state))
 
 
-def checkpoint_dirs(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete RL checkpoints, oldest first."""
+def _numbered(output_dir: str | os.PathLike, pattern: re.Pattern) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := pattern.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def checkpoint_dirs(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete RL checkpoints, oldest first."""
+    return _numbered(output_dir, _STEP_DIR)
+
+
+def sft_progress_dirs(output_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints of an unfinished SFT (``sft_<step>``), oldest first."""
+    return _numbered(output_dir, _SFT_DIR)
+
+
+def is_rl_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is an RL step's checkpoint (the actor with its RL optimizer state)."""
+    return _STEP_DIR.match(path.name) is not None
 
 
 def sft_checkpoint(output_dir: str | os.PathLike) -> Path:
@@ -140,8 +164,11 @@ def publish(staging: Path, final: Path) -> None:
 
 
 def prune(output_dir: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest ``keep`` RL checkpoints (rank 0 only, after a save completed)."""
-    for old in checkpoint_dirs(output_dir)[:-keep]:
+    """Delete all but the newest ``keep`` RL checkpoints, and the mid-SFT ones past the newest
+    ``keep`` or once ``sft`` is complete (rank 0 only, after a save completed)."""
+    sft_done = (sft_checkpoint(output_dir) / STATE_FILE).is_file()
+    progress = sft_progress_dirs(output_dir)
+    for old in checkpoint_dirs(output_dir)[:-keep] + (progress if sft_done else progress[:-keep]):
         shutil.rmtree(old, ignore_errors=True)
         logger.info("removed old checkpoint %s", old)
 
@@ -183,17 +210,21 @@ def _model_dir_problems(directory: Path) -> list[str]:
     return _shard_problems(directory)
 
 
-def checkpoint_problem(directory: str | os.PathLike) -> str | None:
-    """What makes a published checkpoint unusable (the files named), or None when it is complete."""
+def checkpoint_problem(directory: str | os.PathLike, *, content: bool = True) -> str | None:
+    """What makes a published checkpoint unusable (the files named), or None when it is complete.
+    ``content``: also compare every file with its recorded checksum (skipped for the checkpoint
+    preflight compared already, ``checksums.verified_elsewhere``)."""
     directory = Path(directory)
     try:
-        read_state(directory)
+        saved = read_state(directory)
     except ValueError:
         return f"{directory / STATE_FILE} is missing or unreadable"
     problems = []
     for name in _MODEL_DIRS:
         if name == "actor" or (directory / name).exists():
             problems += _model_dir_problems(directory / name)
+    if not problems and content and saved.checksummed and not checksums.verified_elsewhere(directory):
+        problems = checksums.problems(directory)
     if not problems:
         return None
     more = len(problems) - _SHOWN_PROBLEMS
@@ -211,15 +242,18 @@ class Resume:
 
 
 def _candidates(output_dir: Path) -> list[Path]:
-    """Published checkpoints, newest first: the RL steps, then the SFT one."""
+    """Published checkpoints, newest first: the RL steps, the SFT one, then an unfinished SFT's."""
     sft = sft_checkpoint(output_dir)
-    return list(reversed(checkpoint_dirs(output_dir))) + ([sft] if sft.is_dir() else [])
+    return (list(reversed(checkpoint_dirs(output_dir))) + ([sft] if sft.is_dir() else [])
+            + list(reversed(sft_progress_dirs(output_dir))))
 
 
-def find_resume(output_dir: str | os.PathLike, resume: str, *, fallback: str = "previous") -> Resume:
+def find_resume(output_dir: str | os.PathLike, resume: str, *, fallback: str = "previous",
+                content: bool = True) -> Resume:
     """The checkpoint a start continues from under ``run.resume`` and ``run.resume_fallback``;
     ValueError (naming the files and the fix) when ``never`` meets a directory that holds
-    checkpoints, when ``stop`` meets a damaged newest one, or when none is complete."""
+    checkpoints, when ``stop`` meets a damaged newest one, or when none is complete.
+    ``content``: compare checksums too (``checkpoint_problem``)."""
     output_dir = Path(output_dir)
     candidates = _candidates(output_dir)
     if candidates and resume == "never":
@@ -227,7 +261,7 @@ def find_resume(output_dir: str | os.PathLike, resume: str, *, fallback: str = "
                          "run.resume=auto to continue that run, or pick a new run.name / run.output_dir")
     damaged: list[tuple[Path, str]] = []
     for path in candidates:
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, content=content)
         if problem is None:
             return Resume(path=path, damaged=tuple(damaged))
         if fallback == "stop":

@@ -34,7 +34,7 @@ from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.lowering import lower
 from hybridflow.data import PromptSampler
-from hybridflow.runtime import determinism, report, state as run_state, stops
+from hybridflow.runtime import checksums, determinism, report, state as run_state, stops
 from hybridflow.runtime.loop import train_rl
 from hybridflow.runtime.pipeline import Pipeline
 from hybridflow.runtime.ops import heldout_reward
@@ -75,31 +75,70 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
         # asynchronous RL: the engine drivers save the batches started ahead beside the checkpoint
         buffer = s.pipeline.save(staging) if s.pipeline is not None else []
         if s.is_driver:
+            write_text_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
+        _record_checksums(s, staging)
+        if s.is_driver:
             s.state.mlflow_run_id = s.tracker.run_id
             s.state.reward_errors = s.reward_errors
             s.state.wall_seconds = s.wall_before + time.time() - s.started
-            write_text_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
             s.state.async_buffer = buffer
+            s.state.checksummed = True
             run_state.save_state(staging, s.state)
             run_state.publish(staging, final)
             run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
         dist.barrier()
 
 
-def _warm_up(s: Session) -> None:
-    """SFT into ``checkpoints/sft`` unless a checkpoint says it is done."""
+def _record_checksums(s: Session, staging: Path) -> None:
+    """Every file of the checkpoint being written, hashed by the actor ranks in shares of equal
+    bytes, into its ``checksums.json`` (collective; rank 0 deals the files and writes it)."""
+    dist.barrier()  # every file in place before rank 0 lists them
+    shares = broadcast(checksums.shares_of(staging, checksums.listed_files(staging), dist.get_world_size())
+                       if s.is_driver else None)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, checksums.hash_files(staging, shares[dist.get_rank()]))
+    if s.is_driver:
+        checksums.write_manifest(staging, parts)
+
+
+def _warm_up(s: Session, resume_from: Path | None) -> bool:
+    """SFT into ``checkpoints/sft`` unless a checkpoint says it is done; an unfinished one goes on
+    from its ``sft_<step>`` checkpoint. False: stopped on a checkpoint request (saved first)."""
+    from megatron_adapters import checkpoint
+
     cfg = s.cfg
     if s.state.sft_done or cfg.sft.steps == 0:
-        return
+        return True
     policy = build_policy(cfg, sft_train_config(cfg), s.pg)
+    if s.state.sft_step:  # resume_from is the unfinished SFT's checkpoint
+        checkpoint.load(policy, resume_from / "actor", with_optimizer=True)
     end_id = s.stop_ids[-1] if s.stop_ids else s.tokenizer.eos_token_id
     end_id = s.tokenizer.convert_tokens_to_ids("<|im_end|>") if s.tokenizer.chat_template else end_id
-    s.state.sft_losses = run_sft(policy, s.train_prompts, s.tokenizer, steps=cfg.sft.steps,
-                                 batch_size=cfg.sft.batch_size, seed=cfg.run.seed, end_id=end_id,
-                                 row_multiple=cfg.actor.parallel.dp * cfg.train.micro_batch_size,
-                                 on_step=lambda i, r: s.tracker.log_metrics({"sft/loss": r.loss}, step=i))
+    requested = False
+
+    def after(step: int, result) -> bool:
+        nonlocal requested
+        s.tracker.log_metrics({"sft/loss": result.loss}, step=step)
+        s.state.sft_losses.append(result.loss)
+        done = s.state.sft_step = step + 1
+        every = cfg.sft.checkpoint_every
+        requested = done < cfg.sft.steps and stops.checkpoint_requested(s.out_dir, is_driver=s.is_driver,
+                                                                        group=s.shard.group)
+        if requested or (every and done % every == 0 and done < cfg.sft.steps):
+            _save(s, f"sft_{done:06d}", with_optimizer=True, policy=policy)
+        return requested
+
+    run_sft(policy, s.train_prompts, s.tokenizer, steps=cfg.sft.steps, start=s.state.sft_step,
+            batch_size=cfg.sft.batch_size, seed=cfg.run.seed, end_id=end_id,
+            row_multiple=cfg.actor.parallel.dp * cfg.train.micro_batch_size, on_step=after)
+    if requested:
+        if s.is_driver:
+            stops.done_request(s.out_dir)
+        logger.warning("checkpointed SFT step %d as %s asked; stopping", s.state.sft_step, stops.REQUEST_FILE)
+        return False
     s.state.sft_done = True
     _save(s, "sft", with_optimizer=False, policy=policy)
+    return True
 
 
 def _load_actor(s: Session, resume_from: Path | None) -> None:
@@ -107,7 +146,7 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
 
     s.actor = build_policy(s.cfg, s.cfg.train, s.pg, moe=s.cfg.moe, lora=s.cfg.lora)
     sft = run_state.sft_checkpoint(s.out_dir)
-    if resume_from is not None and resume_from.name != "sft":
+    if resume_from is not None and run_state.is_rl_checkpoint(resume_from):
         checkpoint.load(s.actor, resume_from / "actor", with_optimizer=True)
     elif (sft / "actor").is_dir():
         checkpoint.load(s.actor, sft / "actor")
@@ -189,7 +228,8 @@ def _stop_engines(s: Session, *, in_order: bool) -> None:
     node reaps its own; after a failure, each rank cleans up what it has at once."""
     if s.channel is not None and s.channel.separate:
         if in_order:  # the engine ranks stop theirs (serve); after a failure torchrun stops them
-            s.channel.announce(("stop",))
+            # before the rollout started (run.mode=sft, a stop during SFT) they wait for its directory
+            s.channel.announce(("stop",) if s.sync is not None else None)
             s.channel.barrier()
         return
     if s.engine is not None:
@@ -316,9 +356,12 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
                           "rollout": cfg.rollout.describe(), **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()}})
     try:
         with out_of_memory_hint(cfg, "the SFT warm-up"):
-            _warm_up(s)
+            if not _warm_up(s, resume_from):  # checkpointed on request: a later start goes on from there
+                return _stopped_on_request(s)
         if cfg.run.mode == "sft":
-            return _finish(s, None)
+            summary = _finish(s, None)
+            _stop_engines(s, in_order=True)
+            return summary
         with out_of_memory_hint(cfg, "building the actor and the engine"):
             _load_actor(s, resume_from)
             _start_rollout(s)
@@ -330,9 +373,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         with out_of_memory_hint(cfg, "the RL steps"):
             finished = train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
         if not finished:  # checkpointed on request (stops.REQUEST_FILE): a later start resumes there
-            s.tracker.close(status="KILLED")
-            _stop_engines(s, in_order=True)
-            return {}
+            return _stopped_on_request(s)
         after_rl = heldout_reward(s)
         if after_rl is not None:
             s.state.heldout.append((s.state.step, after_rl))
@@ -344,6 +385,12 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         s.tracker.close(status="KILLED" if isinstance(error, stops.Stopped) else "FAILED")
         _stop_engines(s, in_order=False)
         raise
+
+
+def _stopped_on_request(s: Session) -> dict:
+    s.tracker.close(status="KILLED")
+    _stop_engines(s, in_order=True)
+    return {}
 
 
 def main(argv: list[str] | None = None) -> int:
