@@ -2,10 +2,17 @@
 
     rank (hybridflow.runtime.worker)            launcher (launch.torchrun, launch.multinode)
     an exception escapes the job  ──►  $HYBRIDFLOW_ERROR_DIR/rank<R>.json   {rank, restart, time, error}
-      (written before the rank's clean-up,       │
-       so a peer's later error cannot beat it)   └─ torchrun failed: the newest restart's earliest
-                                                    record  ──►  stderr, last:  hybridflow train: rank R failed: Type: message
-                                                                 <run dir>/error.txt (atomically)
+      (written before the rank's clean-up,       and <run dir>/logs/errors/rank<R>.json (every node's
+       so a peer's later error cannot beat it)   ranks: the run directory is shared, as checkpoints need)
+                                                 │
+                                                 └─ torchrun failed: the newest restart's earliest
+                                                    record of this launch, any node's  ──►
+                                                    stderr, last:  hybridflow train: rank R failed: Type: message
+                                                    <run dir>/error.txt (atomically)
+
+On several nodes each node's launcher names the same first failure, whichever node it came
+from: the ranks' clocks are compared (NTP keeps a cluster's within milliseconds), and records
+older than the launch (an earlier job in the same run directory) are passed over.
 
 torchrun's own ``record`` / ``TORCHELASTIC_ERROR_FILE`` mechanism is not used: it stamps errors
 with whole seconds and picks the lowest rank among equal stamps (a peer's "connection closed"
@@ -25,10 +32,14 @@ from pathlib import Path
 
 from hfschema.files import write_text_atomic
 
-__all__ = ["ERROR_DIR_ENV", "ERROR_FILE", "Failure", "first_failure", "record_failure", "report_failure"]
+__all__ = ["ERROR_DIR_ENV", "ERROR_FILE", "RUN_ERRORS", "RUN_ERROR_DIR_ENV", "Failure", "first_failure",
+           "record_failure", "report_failure"]
 
 ERROR_DIR_ENV = "HYBRIDFLOW_ERROR_DIR"
 """Where the ranks of this launcher write their error records (set by the launcher)."""
+RUN_ERROR_DIR_ENV = "HYBRIDFLOW_RUN_ERROR_DIR"
+"""The run directory's ``RUN_ERRORS``, where every node's ranks write their records too."""
+RUN_ERRORS = Path("logs") / "errors"
 ERROR_FILE = "error.txt"
 """The first failure of the run's last start, in the run directory."""
 
@@ -61,17 +72,24 @@ def record_failure(error: BaseException, *, env: dict[str, str] | None = None) -
                       time=time.time(), error=f"{type(error).__name__}: {message}")
     path = Path(directory) / f"rank{failure.rank}.json"
     write_text_atomic(path, json.dumps(asdict(failure)))
+    if shared := env.get(RUN_ERROR_DIR_ENV):
+        try:
+            write_text_atomic(Path(shared) / path.name, json.dumps(asdict(failure)))
+        except OSError:  # a run directory this node cannot write: its own launcher still knows
+            pass
     return path
 
 
-def first_failure(directory: str | os.PathLike) -> Failure | None:
-    """The earliest error of the newest restart round recorded in ``directory``."""
+def first_failure(*directories: str | os.PathLike, since: float = 0.0) -> Failure | None:
+    """The earliest error of the newest restart round recorded in ``directories`` at ``since`` or later."""
     found = []
-    for path in Path(directory).glob("rank*.json"):
+    for path in (p for directory in directories for p in Path(directory).glob("rank*.json")):
         try:
-            found.append(Failure(**json.loads(path.read_text())))
+            failure = Failure(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue  # a record cut short by a kill says nothing reliable
+        if failure.time >= since:
+            found.append(failure)
     if not found:
         return None
     last_round = max(f.restart for f in found)
@@ -79,9 +97,12 @@ def first_failure(directory: str | os.PathLike) -> Failure | None:
 
 
 def report_failure(directory: str | os.PathLike, output_dir: str | os.PathLike | None, *, command: str,
-                   returncode: int) -> str:
-    """The launcher's last line after torchrun failed; also written to ``<output_dir>/error.txt``."""
-    failure = first_failure(directory)
+                   returncode: int, since: float = 0.0) -> str:
+    """The launcher's last line after torchrun failed (the first failure among this node's records
+    in ``directory`` and every node's in the run directory, from ``since`` on); also written to
+    ``<output_dir>/error.txt``."""
+    shared = [Path(output_dir) / RUN_ERRORS] if output_dir is not None else []
+    failure = first_failure(directory, *shared, since=since)
     if failure is None:
         line = (f"{command}: the job failed with exit status {returncode}; no rank reported an error "
                 "(a rank killed or exiting abruptly); see the ranks' output above")

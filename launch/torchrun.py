@@ -22,11 +22,12 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hfschema.layout import ParallelLayout
-from launch.failures import ERROR_DIR_ENV, ERROR_FILE, report_failure
+from launch.failures import ERROR_DIR_ENV, ERROR_FILE, RUN_ERROR_DIR_ENV, RUN_ERRORS, report_failure
 from launch.reaper import REQUEST_FILE, TORCHRUN_SHUTDOWN_S, run_reaped
 
 __all__ = ["launch_train", "run_job", "train_command"]
@@ -49,18 +50,28 @@ def run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output_
     if output_dir is not None:
         for stale in (ERROR_FILE, REQUEST_FILE):
             Path(output_dir, stale).unlink(missing_ok=True)
+    started, shared = time.time(), _run_errors(output_dir)
     with tempfile.TemporaryDirectory(prefix="hybridflow-errors-") as errors:
-        result = run_reaped(cmd, {**env, ERROR_DIR_ENV: errors})
+        result = run_reaped(cmd, {**env, ERROR_DIR_ENV: errors, **shared})
         if result.signum is not None:
             line = f"{command}: stopped by {signal.Signals(result.signum).name}; exit status {result.returncode}"
         elif result.returncode != 0:
-            line = report_failure(errors, output_dir, command=command, returncode=result.returncode)
+            line = report_failure(errors, output_dir, command=command, returncode=result.returncode, since=started)
         else:
             return 0
     sys.stdout.flush()
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
     return result.returncode
+
+
+def _run_errors(output_dir: str | None) -> dict[str, str]:
+    """The run directory's error records, where the ranks of every node write theirs (created here)."""
+    if output_dir is None:
+        return {}
+    shared = Path(output_dir) / RUN_ERRORS
+    shared.mkdir(parents=True, exist_ok=True)
+    return {RUN_ERROR_DIR_ENV: str(shared)}
 
 
 def launch_train(layout: ParallelLayout, config_path: str, overrides: Sequence[str], *, rollout: str,

@@ -30,13 +30,21 @@ LOGPROB_TOL = 1e-4
 TIMING = ("timing/", "rollout/tokens_per_s", "sync/seconds")
 
 
-def _train(out: Path, *extra: str, fault_at: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+def _train(out: Path, *extra: str, fault_at: int | None = None, env: dict | None = None,
+           during=None) -> subprocess.CompletedProcess:
+    """``hybridflow train`` of the short quickstart into ``out``; ``during()``: called once the
+    job has started (while it runs)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if fault_at is not None:
         env["HYBRIDFLOW_FAULT_AT_STEP"] = str(fault_at)
     cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml",
            f"run.output_dir={out}", *SHORT, *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as job:
+        if during is not None:
+            during()
+        stdout, stderr = job.communicate(timeout=900)
+    return subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
 
 
 def _ok(result: subprocess.CompletedProcess) -> None:
@@ -137,20 +145,29 @@ def test_reports_are_written(full_run: Path) -> None:
 
 
 def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: Path, tmp_path: Path) -> None:
-    """A checkpoint request during SFT (what the Slurm script writes before the time limit)
-    saves the SFT so far and stops; the next start goes on with SFT, then dies when RL step 3
+    """A checkpoint request during SFT (what the Slurm script writes before the time limit),
+    written from outside once the job runs, saves the SFT so far and stops; the next start goes on with SFT, then dies when RL step 3
     starts; the third start resumes from step 2. The end equals the uninterrupted run."""
+    import time
+
     from hybridflow.runtime import stops
 
     out = tmp_path / "killed"
-    request = stops.request_checkpoint(out)  # there before the start: honoured after SFT step 1
-    stopped = _train(out)
+
+    def request_once_started() -> None:  # rank 0 writes config.yaml before it builds the SFT actor
+        while not (out / "config.yaml").is_file():
+            time.sleep(0.05)
+        stops.request_checkpoint(out)
+
+    stopped = _train(out, during=request_once_started)
     _ok(stopped)
-    assert "checkpointed SFT step 1" in stopped.stderr and not request.exists(), stopped.stderr[-2000:]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["sft_000001"]
+    (partial,) = [p.name for p in (out / "checkpoints").iterdir()]
+    assert partial in ("sft_000001", "sft_000002", "sft_000003"), partial  # not the whole SFT (4 steps)
+    assert f"checkpointed SFT step {int(partial[4:])}" in stopped.stderr, stopped.stderr[-2000:]
+    assert not (out / stops.REQUEST_FILE).exists()
     crashed = _train(out, fault_at=2)  # dies when step 3 (0-based 2) starts
     assert crashed.returncode != 0
-    assert f"resuming from {out / 'checkpoints' / 'sft_000001'}" in crashed.stdout, crashed.stdout[-2000:]
+    assert f"resuming from {out / 'checkpoints' / partial}" in crashed.stdout, crashed.stdout[-2000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved == ["sft", "step_000002"], saved  # sft_000001 removed once the SFT was complete
     _ok(_train(out))

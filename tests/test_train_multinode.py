@@ -28,9 +28,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _two_agents(port: int, per_node: int, overrides: list[str]) -> None:
-    """Two ``hybridflow launch`` agents ("nodes" 0 and 1 of this machine) run the quickstart to the end."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _two_agents(port: int, per_node: int, overrides: list[str], *, env: dict | None = None,
+                succeed: bool = True) -> list[str]:
+    """Two ``hybridflow launch`` agents ("nodes" 0 and 1 of this machine) run the quickstart to the
+    end, and (``succeed``) both exit 0; returns their output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     agents = [subprocess.Popen([sys.executable, "-m", "hybridflow.cli", "launch", "--nnodes", "2", "--nproc-per-node",
                                 str(per_node), "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
                                 # node 0's launcher checks the whole run before it hosts the store:
@@ -40,7 +42,23 @@ def _two_agents(port: int, per_node: int, overrides: list[str]) -> None:
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for node in (0, 1)]
     logs = [agent.communicate(timeout=800)[0] for agent in agents]
-    assert [a.returncode for a in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    if succeed:
+        assert [a.returncode for a in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    else:
+        assert 0 not in [a.returncode for a in agents], logs[0][-3000:] + logs[1][-3000:]
+    return logs
+
+
+def test_both_nodes_name_the_rank_that_failed_first_even_on_the_other_node(tmp_path: Path) -> None:
+    """Rank 1 (node 1) raises when RL starts; rank 0 (node 0) then fails too, later, on the
+    closed connection. Node 0's launcher sees rank 1's record through the run directory."""
+    out, port = tmp_path / "failing", _free_port()
+    overrides = [f"run.output_dir={out}", "rollout.gpus_per_node=1", "sft.steps=1", "run.steps=2",
+                 "run.heldout_prompts=0"]
+    logs = _two_agents(port, 1, overrides, env={"HYBRIDFLOW_RAISE_AT_STEP": "0:1"}, succeed=False)
+    cause = "hybridflow launch: rank 1 failed: RuntimeError: HYBRIDFLOW_RAISE_AT_STEP=0:1: simulated failure in rank 1"
+    assert [log.strip().splitlines()[-1] for log in logs] == [cause, cause], logs[0][-3000:] + logs[1][-3000:]
+    assert (out / "error.txt").read_text() == cause + "\n"
 
 
 def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_and_learns(tmp_path: Path) -> None:

@@ -7,8 +7,9 @@
       └─ otherwise: Stopped raised where the rank is; the job's clean-up runs (engines shut down,
          the MLflow run marked KILLED) and the rank exits with 128 + signal
     <run dir>/checkpoint.request  (``request_checkpoint``; the Slurm script writes it before the time limit)
-      └─ seen by rank 0 at a step boundary; every rank agrees (one all-reduce per step), saves
-         the step and leaves the RL loop; the file is removed once the checkpoint is complete
+      └─ seen by rank 0 at an RL or SFT step boundary; every rank agrees (one all-reduce per
+         step), saves the step (SFT: ``checkpoints/sft_<step>``) and leaves the loop; the file
+         is removed once the checkpoint is complete
 
 Stopped derives from BaseException, as KeyboardInterrupt does, so that no ``except Exception``
 on the way swallows it. A rank blocked inside a collective only sees the signal when the call

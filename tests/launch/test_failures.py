@@ -44,3 +44,24 @@ def test_the_report_names_the_rank_and_lands_in_the_run_directory(tmp_path) -> N
 def test_a_failure_without_a_record_still_says_so(tmp_path) -> None:
     line = report_failure(tmp_path, None, command="hybridflow train", returncode=17)
     assert "exit status 17" in line and "no rank reported an error" in line
+
+
+def test_every_node_names_the_first_failure_of_the_whole_job(tmp_path) -> None:
+    """Two nodes' launchers: node 1's rank 3 failed first; each node sees its own ranks' records
+    and the run directory's, where every rank writes too, so both name rank 3."""
+    from launch.failures import RUN_ERROR_DIR_ENV, RUN_ERRORS
+
+    run = tmp_path / "run"
+    shared = run / RUN_ERRORS
+    shared.mkdir(parents=True)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    _record(shared, 3, 0, 1.0, "KeyError: from a job before this launch")  # older than the launch: passed over
+    env = {RUN_ERROR_DIR_ENV: str(shared), "TORCHELASTIC_RESTART_COUNT": "0"}
+    record_failure(ValueError("the cause"), env={**env, ERROR_DIR_ENV: str(nodes[1]), "RANK": "3"})
+    record_failure(RuntimeError("Connection closed by peer"), env={**env, ERROR_DIR_ENV: str(nodes[0]), "RANK": "0"})
+    lines = [report_failure(node, run, command="hybridflow launch", returncode=1, since=2.0) for node in nodes]
+    assert lines == ["hybridflow launch: rank 3 failed: ValueError: the cause"] * 2
+    assert first_failure(nodes[0]).rank == 0  # without the run directory, node 0 knew only its own rank
+    assert (run / ERROR_FILE).read_text() == lines[0] + "\n"
