@@ -11,10 +11,13 @@ every TP size computes the same kind of function and each rank trains its own co
 come back aligned like log-probs: position ``t`` holds V of the state in which token ``t`` was
 generated (the hidden state at ``t - 1``). Everything else — micro-batching, pipeline schedule,
 DDP, the distributed optimizer, dist checkpoints — is ``MegatronPolicy``'s; a critic checkpoint
-reloads under the same TP size (the head's global shape is ``[tp, H]``).
+reloads under the same TP size (the head's global shape is ``[tp, H]``). The GPTModel is built
+untied whatever ``tie_word_embeddings`` says: the value head is no copy of the word embeddings.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -41,7 +44,11 @@ class MegatronCritic(MegatronPolicy):
     """A value model under any layout: ``forward_values`` and ``train_step`` on values."""
 
     def _build_chunks(self, model, layout, params_dtype, pg_collection) -> list:
-        chunks = super()._build_chunks(model, layout, params_dtype, pg_collection)
+        # No LM head, so nothing to tie: built tied, megatron-core would keep treating the head's
+        # weight as the word embeddings' (all-reduce their grads across the first and last
+        # stages under PP, tie their checkpoint keys) though the value head is [tp, H].
+        untied = dataclasses.replace(model, tie_word_embeddings=False)
+        chunks = super()._build_chunks(untied, layout, params_dtype, pg_collection)
         for chunk in chunks:
             if chunk.post_process:
                 chunk.output_layer = ValueHead(chunk.config, pg_collection.tp)

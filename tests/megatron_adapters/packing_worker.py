@@ -121,8 +121,6 @@ def packed(family: str, spec: dict) -> dict:
             "tokens": (got["tokens"], ref["tokens"]),
             "after": _masked_diff(got["after"], ref["after"], mask),
         }
-    if tiny(family).tie_word_embeddings and layout.pp > 1:
-        return out  # a critic of tied embeddings does not train under PP > 1, packed or not
     critics = {name: _critic_pass(_build(MegatronCritic, family, layout, pg, PACKINGS[name], critic_moe), data)
                for name in ("unpacked", "packed", "budget")}
     vref = critics["unpacked"]
@@ -131,6 +129,7 @@ def packed(family: str, spec: dict) -> dict:
         out[name].update({
             "values": _masked_diff(vgot["values"], vref["values"], mask),
             "value_loss": abs(vgot["loss"] - vref["loss"]),
+            "value_grad_norm": abs(vgot["grad_norm"] - vref["grad_norm"]) / vref["grad_norm"],
             "value_after": _masked_diff(vgot["after"], vref["after"], mask),
         })
     return out
