@@ -43,6 +43,7 @@ import psutil
 
 from hybridflow.config import load_config
 from hybridflow.runtime.state import checkpoint_dirs, checkpoint_problem, read_state, sft_checkpoint
+from launch.torchrun_entry import TORCHRUN
 
 __all__ = ["FaultHarness", "FaultReport", "Kill", "check_checkpoints", "final_metrics", "launch_command", "main",
            "run_uninterrupted"]
@@ -188,7 +189,7 @@ def _workers(launcher: psutil.Process) -> dict[int, psutil.Process]:
             with proc.oneshot():
                 if "hybridflow.runtime.worker" not in " ".join(proc.cmdline()):
                     continue
-                if "torch.distributed.run" not in " ".join(proc.parent().cmdline()):
+                if TORCHRUN not in " ".join(proc.parent().cmdline()):
                     continue  # a process the worker started (SGLang's schedulers keep its cmdline)
                 found[int(proc.environ()["RANK"])] = proc
         except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError, KeyError):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from hfschema.layout import ParallelLayout
 from launch.reaper import TORCHRUN_SHUTDOWN_S
 from launch.torchrun import run_job
+from launch.torchrun_entry import TORCHRUN
 
 __all__ = ["LaunchSpec", "check_endpoint", "check_process_count", "hosts_rendezvous", "launch", "parse_endpoint", "torchrun_command"]
 
@@ -113,7 +114,7 @@ def check_process_count(layout: ParallelLayout, nodes_flag: str, per_node_flag: 
 
 def torchrun_command(spec: LaunchSpec, config_path: str, overrides: Sequence[str]) -> list[str]:
     """The torchrun command line of this node."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}",
+    cmd = [sys.executable, "-m", TORCHRUN, f"--nnodes={spec.nnodes}",
            f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}",
            f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}"]
     if spec.rdzv_endpoint is None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from hfschema.layout import ParallelLayout
 from launch.failures import ERROR_DIR_ENV, ERROR_FILE, RUN_ERROR_DIR_ENV, RUN_ERRORS, report_failure
 from launch.reaper import REQUEST_FILE, TORCHRUN_SHUTDOWN_S, run_reaped
+from launch.torchrun_entry import TORCHRUN
 
 __all__ = ["launch_train", "run_job", "train_command"]
 
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 def train_command(nproc: int, config_path: str, overrides: Sequence[str]) -> list[str]:
     """The torchrun command line of a single-node run of ``nproc`` ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
             f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}", "-m", "hybridflow.runtime.worker", config_path, *overrides]
 
 

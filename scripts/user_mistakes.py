@@ -41,7 +41,7 @@ class Case:
     """(this case's run directory, the work directory) -> None, before the command."""
     env: dict[str, str] = field(default_factory=dict)
     during: Callable[[subprocess.Popen, Path], None] | None = None
-    """Acts on the running command (a signal, a request file)."""
+    """Acts on the running command (a signal, a request file), once."""
     needs_run: bool = False
     """Starts from a copy of the shared run directory."""
 
@@ -53,6 +53,7 @@ class Seen:
     last_lines: list[str]
     exit: int
     seconds: float
+    """From the start of the command, or from the ``during`` act (a signal) when there is one."""
     left: list[str]
     """Processes of the command still alive 30 s after it ended (none expected)."""
 
@@ -123,7 +124,10 @@ CASES = [
     Case("reward", "`reward.function=maxx` (misspelt)", _train("reward.function=maxx")),
     Case("reward", "`reward.function=mypkg.rewards.score` (no such module)", _train("reward.function=mypkg.rewards.score")),
     Case("reward", "`reward.function=hybridflow.rewards.nope`", _train("reward.function=hybridflow.rewards.nope")),
-    Case("reward", "`reward.kwargs={scale: 2}` the function does not take", _train("reward.kwargs={scale: 2}")),
+    Case("reward", "`reward.kwargs={scale: 2}` that the user's function does not take",
+         _train("reward.function=myrewards.score", "reward.kwargs={scale: 2}"),
+         setup=_write("myrewards.py", "def score(response, answer):\n    return float(response.strip() == str(answer))\n"),
+         env={"PYTHONPATH": "{work}"}),
     Case("data", "training file missing", _train("data.train_files=[{work}/nope.jsonl]")),
     Case("data", "empty training file", _train("data.train_files=[{work}/empty.jsonl]"), setup=_write("empty.jsonl", "")),
     Case("data", "rows without the prompt column", _train("data.train_files=[{work}/cols.jsonl]"),
@@ -144,8 +148,8 @@ CASES = [
     Case("config", "`algorithm.name=ppo2`", _train("algorithm.name=ppo2")),
     Case("config", "`train.global_batch_size=100` with micro-batch 16", _train("train.global_batch_size=100")),
     Case("config", "`algorithm.name=dapo rollout.n=1`", _train("algorithm.name=dapo", "rollout.n=1")),
-    Case("config", "`packing.max_tokens_per_micro_batch=64` (below one sample)",
-         _train("packing.enabled=true", "packing.max_tokens_per_micro_batch=64")),
+    Case("config", "`packing.max_tokens_per_micro_batch=16` (below one sample's 32 + 4 tokens)",
+         _train("packing.enabled=true", "packing.max_tokens_per_micro_batch=16")),
     Case("config", "`async_rl.mode=async` with colocated placement", _train("async_rl.mode=async")),
     Case("launch", "`slurm --nodes 1 --gpus-per-node 1` for a 2-rank layout",
          ["slurm", "--nodes", "1", "--gpus-per-node", "1", CONFIG, "run.output_dir={run}"]),
@@ -214,13 +218,14 @@ def run_case(case: Case, work: Path, base: Path | None, index: int) -> Seen:
     if case.setup is not None:
         case.setup(run, work)
     args = [a.replace("{run}", str(run)).replace("{work}", str(work)) for a in case.args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **case.env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: v.replace("{work}", str(work)) for k, v in case.env.items()}}
     started = time.perf_counter()
     job = subprocess.Popen([sys.executable, "-m", "hybridflow.cli", *args], cwd=ROOT, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                            env={**env, MARK: run.name})
     if case.during is not None:
         case.during(job, run)
+        started = time.perf_counter()
     output, _ = job.communicate(timeout=1800)
     seconds = time.perf_counter() - started
     time.sleep(0.5)
@@ -241,7 +246,7 @@ def _base_run(work: Path) -> Path:
 
 
 def markdown(seen: list[Seen]) -> str:
-    rows = ["| # | area | mistake | what the user sees (last 3 lines) | exit | s | processes left |",
+    rows = ["| # | area | mistake | what the user sees (last 3 lines) | exit | s (after the act, if any) | processes left |",
             "|---|---|---|---|---|---|---|"]
     for i, s in enumerate(seen, 1):
         shown = " / ".join(line.replace("|", "\\|")[:300] for line in s.last_lines)

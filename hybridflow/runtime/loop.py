@@ -153,7 +153,7 @@ def train_rl(s: Session, plan, *, save) -> bool:
         if requested:
             if s.is_driver:
                 stops.done_request(s.out_dir)
-            logger.warning("checkpointed step %d as %s asked; stopping", done, stops.REQUEST_FILE)
+                logger.warning("checkpointed step %d as %s asked; stopping", done, stops.REQUEST_FILE)
             return False
     dist.barrier()
     return True

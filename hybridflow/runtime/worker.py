@@ -134,7 +134,7 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
     if requested:
         if s.is_driver:
             stops.done_request(s.out_dir)
-        logger.warning("checkpointed SFT step %d as %s asked; stopping", s.state.sft_step, stops.REQUEST_FILE)
+            logger.warning("checkpointed SFT step %d as %s asked; stopping", s.state.sft_step, stops.REQUEST_FILE)
         return False
     s.state.sft_done = True
     _save(s, "sft", with_optimizer=False, policy=policy)

@@ -37,7 +37,7 @@ def _free_port() -> int:
 def test_multi_node_command_uses_c10d_with_a_join_timeout():
     spec = LaunchSpec(nnodes=4, nproc_per_node=8, rdzv_endpoint="node001:29500", rdzv_id="job7", max_restarts=3)
     cmd = torchrun_command(spec, "c.yaml", ["run.steps=2"])
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "launch.torchrun_entry"]
     for arg in ("--nnodes=4", "--nproc-per-node=8", "--max-restarts=3", "--rdzv-backend=c10d",
                 "--rdzv-endpoint=node001:29500", "--rdzv-id=job7", "--rdzv-conf=join_timeout=600"):
         assert arg in cmd
