@@ -20,14 +20,22 @@ engine rank r (joint rank actors + r; rank r of the engines' own default group)
 Requests run in the order announced: a push announced after a start lands after that batch is
 generated, so every batch samples with the version it was started under.
 
+A driver whose engine is lost in a generate call or a push is restarted inside that call, with
+every actor and engine rank (``recovery``): the call's gather tells every process which engines
+were lost, the driver starts a new engine, the actor ranks push it their weights (no
+announcement: every process is already in the call) and the call runs again. A lost engine in a
+``start`` is not restarted: ``collect`` stops the run naming why (``replicas.ASYNC_LOST``).
+
 The engine ranks hold no model, data or optimizer: a restarted job rebuilds them from the
 config, and the actor ranks' checkpoints are the run's whole state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +43,7 @@ import torch.distributed as dist
 from hybridflow.config import HybridflowConfig
 from hybridflow.runtime import replicas
 from hybridflow.runtime.channel import Channel
+from hybridflow.runtime.recovery import EngineRestarts
 from hybridflow.runtime.session import start_engine
 from hybridflow.runtime.sync import EngineSync
 
@@ -44,6 +53,18 @@ BUFFER_FILE = "async_buffer_replica"
 """A checkpoint's saved buffer: one file per replica driver, ``<BUFFER_FILE><replica>.pt``."""
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _EngineRank:
+    """What an engine rank holds (a ``recovery.EngineHolder``): its replica's engine on a driver,
+    replaced there when it is lost."""
+
+    cfg: HybridflowConfig
+    model_dir: Path
+    replica: int | None
+    engine: Any = None
+    sync: EngineSync | None = None
 
 
 def serve(cfg: HybridflowConfig, channel: Channel) -> None:
@@ -56,18 +77,20 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
         return
     model_dir = Path(announced)
     replica = replicas.replica_of(cfg, dist.get_rank())
-    engine = start_engine(cfg, model_dir) if replica is not None else None
+    held = _EngineRank(cfg, model_dir, replica, start_engine(cfg, model_dir) if replica is not None else None)
     try:
-        sync = EngineSync(cfg, channel=channel, device=device(), engine=engine)
-        buffer = _Buffer(cfg, engine, replica, channel)
+        held.sync = EngineSync(cfg, channel=channel, device=device(), engine=held.engine)
+        restarts = EngineRestarts(held)  # the actor ranks count the restarts in their metrics
+        held.sync.restarts = restarts
+        buffer = _Buffer(cfg, held, channel)
         while True:
             request = channel.broadcast(None)
             if request[0] == "generate":
                 _, prompts, params, seed, call = request
-                replicas.generate(cfg, engine, prompts, params, seed, call=call, channel=channel, replica=replica,
-                                  shard=None, device=device())
+                replicas.generate(cfg, held.engine, prompts, params, seed, call=call, channel=channel,
+                                  replica=replica, shard=None, device=device(), restarts=restarts)
             elif request[0] == "push":
-                sync.push()
+                held.sync.push()
             elif request[0] == "stop":
                 break
             elif request[0] in _Buffer.REQUESTS:
@@ -75,8 +98,8 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
             else:
                 raise AssertionError(f"engine rank {dist.get_rank()}: unknown request {request[0]!r}")
     finally:
-        if engine is not None:
-            engine.shutdown()
+        if held.engine is not None:
+            held.engine.shutdown()
     channel.barrier()
 
 
@@ -86,10 +109,15 @@ class _Buffer:
 
     REQUESTS = ("start", "collect", "intervals", "save_buffer", "load_buffer")
 
-    def __init__(self, cfg: HybridflowConfig, engine, replica: int | None, channel: Channel) -> None:
-        self.cfg, self.engine, self.replica, self.channel = cfg, engine, replica, channel
+    def __init__(self, cfg: HybridflowConfig, held: _EngineRank, channel: Channel) -> None:
+        self.cfg, self.held, self.replica, self.channel = cfg, held, held.replica, channel
         self.kept: dict[int, replicas.Started] = {}
         self.busy: list[tuple[float, float]] = []
+
+    @property
+    def engine(self):
+        """The driver's engine as it is now (a restart replaces it), or None."""
+        return self.held.engine
 
     def start(self, batch: int, prompts, params, seed: int) -> None:
         if self.engine is not None:

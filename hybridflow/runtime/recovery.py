@@ -1,36 +1,64 @@
 """Lost rollout engines replaced mid-run, up to ``rollout.max_engine_restarts``.
 
 ```
-replicas.generate: the drivers' reports, gathered on every rank
-   some report an engine lost (EngineLost: a process died, or a call outran generate_timeout_s)
-      │  EngineRestarts.restart(lost), every rank together, the same decision everywhere
-      ├─ past max_engine_restarts, or a layout restarts do not cover: ReplicaFailed, one line
-      │  naming the replica, the cause and the setting to raise
-      ├─ each lost replica's driver: shut the old engine down (every process of it killed
-      │  and reaped), start a new one as the run did (start_engine: load_format=dummy, empty)
-      ├─ every rank: the reshard plan's weight push (EngineSync.push), so the new engine
-      │  holds the actor's current weights before it serves
-      └─ replicas.generate runs the call again: same chunks, same seeds, same samples
+replicas.generate: the drivers' reports       EngineSync.push: each driver's "lost" flag
+   gathered on every process of the channel (colocated: the actor ranks; separate: the actor
+   ranks and the engine ranks), so every process sees the same engines lost (EngineLost: a
+   process died, or a call outran generate_timeout_s)
+      │  EngineRestarts.replace(lost), every process together, the same decision everywhere
+      ├─ past max_engine_restarts, or engines spanning nodes: ReplicaFailed, one line naming
+      │  the replica, the cause and the setting to raise
+      ├─ each lost replica's driver (an actor rank colocated, an engine rank separate): shut
+      │  the old engine down (every process of it killed and reaped), start a new one as the
+      │  run did (start_engine: load_format=dummy, empty); EngineSync.engine follows
+      ├─ every process: the reshard plan's weight push again (actor ranks send, engine ranks
+      │  receive; no "push" announcement: the engine ranks are already in the same call), so
+      │  the new engine holds the actor's current weights before it serves
+      └─ generate: the call runs again, same chunks, same seeds, same samples
+         push: the push runs again, as the lost one would have (refit checks included)
 ```
 
 A fresh engine holds all its memory, which is what generation needs: the colocated GPUs stay
-in the ``generate`` mode they were in. The budget counts the restarts of this process (a
-resumed run starts with the whole budget again).
+in the ``generate`` mode they were in. A colocated engine lost in a push comes back holding its
+KV cache too, in the ``sync`` mode, which may not have room for it (checked on CPUs only so far). The budget counts the restarts of this process (a
+resumed run starts with the whole budget again); every process counts every restart, so the
+budget's answer is the same on all of them.
+
+Not covered, each refused by name: engines spanning nodes (``check_restart``), and batches
+that asynchronous RL started ahead (``replicas.collect``): the engine ranks generate those
+while the actor ranks train, so no one could push the new engine the batch's weights.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any, Callable, Protocol
 
+from hybridflow.config import HybridflowConfig
 from hybridflow.runtime.replicas import ReplicaFailed, engine_nodes
-from hybridflow.runtime.session import Session, start_engine
+from hybridflow.runtime.session import start_engine
 
-__all__ = ["EngineRestarts", "check_restart"]
+__all__ = ["EngineHolder", "EngineRestarts", "check_restart"]
 
 logger = logging.getLogger(__name__)
 
 METRIC = "rollout/engine_restarts"
 """Restarts in the step (a step metric) and over the run (the summary's ``engine_restarts``)."""
+
+
+class EngineHolder(Protocol):
+    """Where a process keeps its replica's engine: the ``Session`` on an actor rank, the engine
+    rank's own small record in separate placement (``engine_ranks``)."""
+
+    cfg: HybridflowConfig
+    model_dir: Path
+    replica: int | None
+    """The replica this process drives, or None."""
+    engine: Any
+    """That replica's engine, or None."""
+    sync: Any
+    """The process's ``sync.EngineSync``: the push that fills a new engine."""
 
 
 def check_restart(cfg, lost: list[tuple[int, int, str]], used: int) -> None:
@@ -39,10 +67,7 @@ def check_restart(cfg, lost: list[tuple[int, int, str]], used: int) -> None:
     rank, replica, cause = lost[0]
     where = f"rollout replica {replica} (driven by rank {rank}) lost its engine: {cause}"
     limit = cfg.rollout.max_engine_restarts
-    if cfg.rollout.placement == "separate":
-        raise ReplicaFailed(f"{where}; engine restarts are not supported with rollout.placement=separate yet: "
-                            "rerun the same command to resume from the newest checkpoint")
-    if engine_nodes(cfg) > 1:
+    if engine_nodes(cfg) > 1:  # the other nodes' parts would have to restart and meet the driver's again
         raise ReplicaFailed(f"{where}; engine restarts are not supported for engines spanning nodes yet: "
                             "rerun the same command to resume from the newest checkpoint")
     if used + len(lost) > limit:
@@ -51,26 +76,37 @@ def check_restart(cfg, lost: list[tuple[int, int, str]], used: int) -> None:
 
 
 class EngineRestarts:
-    """One rank's part in replacing lost engines (every rank of the run holds one)."""
+    """One process's part in replacing lost engines (every process of the channel holds one).
 
-    def __init__(self, s: Session) -> None:
-        self.s = s
+    ``metrics``: the running step's metrics, where the restarts are counted (actor ranks; None
+    on an engine rank, whose metrics no one reads)."""
+
+    def __init__(self, holder: EngineHolder, *, metrics: Callable[[], dict[str, float]] | None = None) -> None:
+        self.holder = holder
+        self.metrics = metrics
         self.used = 0
         """Restarts so far in this process."""
 
-    def restart(self, lost: list[tuple[int, int, str]]):
-        """Replace the engines of ``lost`` ([(driver rank, replica, cause)]) and push them the
-        current weights (collective); returns this rank's engine, new or not."""
-        s = self.s
-        check_restart(s.cfg, lost, self.used)
+    def replace(self, lost: list[tuple[int, int, str]]) -> None:
+        """Replace the engines of ``lost`` ([(driver rank, replica, cause)]) with new, empty ones
+        (every process together: each checks the same budget; the lost replicas' drivers act)."""
+        h = self.holder
+        check_restart(h.cfg, lost, self.used)
         self.used += len(lost)
-        s.step_metrics[METRIC] = s.step_metrics.get(METRIC, 0.0) + len(lost)
-        if s.engine is not None and s.replica in {replica for _, replica, _ in lost}:
-            cause = next(c for _, replica, c in lost if replica == s.replica)
-            logger.warning("rollout replica %d lost its engine (%s): restarting it (restart %d of %d)", s.replica,
-                           cause, self.used, s.cfg.rollout.max_engine_restarts)
-            s.engine.shutdown()  # kills and reaps whatever of it is left
-            s.engine = start_engine(s.cfg, s.model_dir)
-            s.sync.engine = s.engine
-        s.sync.push(counted=False)  # the weights the failed call generated with
-        return s.engine
+        if self.metrics is not None:
+            step = self.metrics()
+            step[METRIC] = step.get(METRIC, 0.0) + len(lost)
+        if h.engine is not None and h.replica in {replica for _, replica, _ in lost}:
+            cause = next(c for _, replica, c in lost if replica == h.replica)
+            logger.warning("rollout replica %d lost its engine (%s): restarting it (restart %d of %d)", h.replica,
+                           cause, self.used, h.cfg.rollout.max_engine_restarts)
+            h.engine.shutdown()  # kills and reaps whatever of it is left
+            h.engine = start_engine(h.cfg, h.model_dir)
+            h.sync.engine = h.engine
+
+    def restart(self, lost: list[tuple[int, int, str]]):
+        """``replace`` the engines of ``lost``, then push them the current weights (collective;
+        a push that loses an engine restarts it too); returns this process's engine, new or not."""
+        self.replace(lost)
+        self.holder.sync.push(counted=False, announce=False)  # the weights the failed call generated with
+        return self.holder.engine

@@ -21,9 +21,11 @@ Asynchronous RL (separate placement) splits a call in two: ``start`` (the engine
 at once and keep their samples) and, steps later, ``collect`` (the gather and delivery above).
 
 A driver whose engine is lost mid-call (``EngineLost``: a process of it died, or a call outran
-``rollout.generate_timeout_s``) reports it like any failure; with ``restarts`` every rank then
-has the lost engines replaced and re-synced (``recovery``) and the whole call runs again, same
-chunks, same seeds, so it returns the samples the failed call would have.
+``rollout.generate_timeout_s``) reports it like any failure; with ``restarts`` every process of
+the channel then has the lost engines replaced and re-synced (``recovery``: separate placement's
+engine ranks and actor ranks alike, all inside this call) and the whole call runs again, same
+chunks, same seeds, so it returns the samples the failed call would have. A batch started
+ahead (``start``) is not regenerated: ``collect`` stops the run naming why (``ASYNC_LOST``).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
 from hybridflow.runtime.shares import Shard, balanced_owners, owner
 
-__all__ = ["FAULT_ENV", "FAULT_KILL_ENV", "ReplicaFailed", "ReplicaOutput", "Started", "chunk_seed", "collect",
-           "driver_rank", "generate", "replica_of", "start"]
+__all__ = ["FAULT_ENV", "FAULT_KILL_ENV", "FAULT_KILL_PUSH_ENV", "ReplicaFailed", "ReplicaOutput", "Started",
+           "chunk_seed", "collect", "driver_rank", "generate", "kill_a_scheduler_soon", "replica_of", "start"]
 
 _SEED_MOD = 2**31 - 1
 FAULT_ENV = "HYBRIDFLOW_FAULT_REPLICA"
@@ -51,6 +53,12 @@ FAULT_ENV = "HYBRIDFLOW_FAULT_REPLICA"
 FAULT_KILL_ENV = "HYBRIDFLOW_FAULT_KILL_ENGINE"
 """Testing hook, ``K@N``: replica K's driver SIGKILLs one of its SGLang engine's scheduler
 processes from a thread while the N-th generate call of the run generates (its first try)."""
+FAULT_KILL_PUSH_ENV = "HYBRIDFLOW_FAULT_KILL_ENGINE_PUSH"
+"""Testing hook, ``K@N``: the same, while replica K's driver hands its engine the N-th counted
+weight push of the run (``sync.EngineSync.push``; the first push fills the engines at start)."""
+ASYNC_LOST = ("a batch started ahead (asynchronous RL) cannot be regenerated on a new engine: the actor ranks "
+              "train meanwhile and hold newer weights than it was started under")
+"""Why ``collect`` refuses to restart a lost engine."""
 
 
 class ReplicaFailed(RuntimeError):
@@ -136,7 +144,7 @@ def _drive(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks:
         span = chunks[chunk]
         engine.reseed(chunk_seed(seed, chunk))
         if kill:
-            _kill_a_scheduler_soon(engine)
+            kill_a_scheduler_soon(engine)
             kill = False
         out = engine.generate([prompts[i] for i in span], params)
         samples += [dataclasses.replace(x, prompt_index=span.start + x.prompt_index) for x in out.samples]
@@ -246,7 +254,7 @@ def collect(cfg: HybridflowConfig, started: Started | None, *, num_prompts: int,
     samples, mine = ([], _Report(None, [], 0.0, None, dp_rank)) if started is None else (started.samples,
                                                                                          started.report)
     gathered: list[_Report] = channel.gather(mine)
-    _raise_failures(gathered)
+    _raise_failures(gathered, why_not=ASYNC_LOST)
     return _deliver(cfg, samples, gathered, num_prompts, channel=channel, device=device)
 
 
@@ -274,9 +282,9 @@ def _inject_fault(replica: int, call: int) -> None:
         raise RuntimeError(f"{FAULT_ENV}={replica}@{call}: simulated engine failure")
 
 
-def _kill_a_scheduler_soon(engine) -> None:
+def kill_a_scheduler_soon(engine) -> None:
     """SIGKILL the engine's first scheduler process from a thread once the driver waits in the
-    engine's next call, the generate about to start (FAULT_KILL_ENV)."""
+    engine's next call, the one about to start (FAULT_KILL_ENV, FAULT_KILL_PUSH_ENV)."""
     pid, watch = engine.watch.schedulers()[0], engine.watch
 
     def kill() -> None:
@@ -287,11 +295,13 @@ def _kill_a_scheduler_soon(engine) -> None:
     threading.Thread(target=kill, daemon=True, name="hybridflow-fault-kill").start()
 
 
-def _raise_failures(gathered: list, *, restartable: bool = False) -> None:
+def _raise_failures(gathered: list, *, restartable: bool = False, why_not: str | None = None) -> None:
     """ReplicaFailed for the first failure, unless every failure is a lost engine and
-    ``restartable`` (the caller restarts those)."""
+    ``restartable`` (the caller restarts those); ``why_not``: why a lost engine is not restarted
+    here, for the message."""
     for rank, report in enumerate(gathered):
         replica, error = report.replica, report.error
         if error is not None and not (report.lost and restartable):
-            raise ReplicaFailed(f"rollout replica {replica} (driven by rank {rank}) failed mid-generation: {error}; "
+            why = f"; {why_not}" if report.lost and why_not else ""
+            raise ReplicaFailed(f"rollout replica {replica} (driven by rank {rank}) failed mid-generation: {error}{why}; "
                                 "the step is abandoned; rerun the same command to resume from the newest checkpoint")

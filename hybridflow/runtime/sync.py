@@ -14,7 +14,9 @@ every actor rank                                   actor process r (colocated wi
                                    (process r holds its buffers until then: barrier)
 ```
 
-Every replica receives every push (``sync/replica{k}/engine_bytes``).
+Every replica receives every push (``sync/replica{k}/engine_bytes``). A driver whose engine
+is lost meanwhile (``EngineLost``) says so in the gather that ends the push; every process then
+replaces the lost engines together (``recovery``) and the push runs again.
 
 ``rollout.sync_route=full`` is the baseline: the plan gathers every tensor whole under its
 Hugging Face name on the driver, and every engine rank receives every tensor and slices it.
@@ -27,14 +29,18 @@ the driver gathers for a sliced push is a few hundred bytes per tensor.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
 from hybridflow.runtime.channel import Channel
-from hybridflow.runtime.replicas import driver_rank, replica_of
+from hybridflow.rollout.base import EngineLost
+from hybridflow.runtime.replicas import (FAULT_KILL_PUSH_ENV, ReplicaFailed, driver_rank, kill_a_scheduler_soon,
+                                         replica_of)
 from hybridflow.weight_sync import WeightSyncPlan, plan_weight_sync
 from reshard.executor import WIRE_DTYPES, ProcessMap, execute
 
@@ -44,6 +50,28 @@ logger = logging.getLogger(__name__)
 
 DRIVER = 0
 """The process that drives the rollout engine."""
+
+
+class _Pushed(NamedTuple):
+    """What each process tells every other after a push (a few numbers)."""
+
+    replica: int | None
+    """The replica this process drives, or None."""
+    engine_bytes: float
+    """Bytes its engine received."""
+    plan_bytes: int
+    """Bytes the reshard plan delivered to this process (received and copied locally)."""
+    relayed_bytes: int
+    """Bytes it forwarded for others."""
+    worst: float | None
+    """The refit verifier's worst relative difference on this driver, or None."""
+    lost: str | None = None
+    """Why this driver's engine was lost during the push (``EngineLost``), or None."""
+
+
+def _lost(gathered: list[_Pushed]) -> list[tuple[int, int, str]]:
+    """[(driver rank, replica, cause)] of the engines lost during a push."""
+    return [(rank, g.replica, g.lost) for rank, g in enumerate(gathered) if g.lost is not None]
 
 
 class EngineSync:
@@ -74,6 +102,9 @@ class EngineSync:
         self.source_params = source_params
         self.engine = engine
         self.pushes = 0
+        """Counted pushes so far (the refit checks' schedule)."""
+        self.restarts = None
+        """This process's ``recovery.EngineRestarts`` (None: an engine lost in a push stops the run)."""
         holds_destination = not channel.separate or source_params is None
         self.engine_params = self._engine_params() if self.route == "sliced" and holds_destination else None
         self.engine_drops_weights = cfg.rollout.placement == "colocated" and torch.cuda.is_available()
@@ -103,38 +134,60 @@ class EngineSync:
         shapes = self.sync.destination.param_shapes(dest)
         return {name: torch.zeros(shape, dtype=self.dtype, device=self.device) for name, shape in shapes.items()}
 
-    def push(self, *, counted: bool = True) -> dict[str, float]:
+    def push(self, *, counted: bool = True, announce: bool = True) -> dict[str, float]:
         """Execute the plan, hand the engines their tensors, flush their caches. ``counted=False``:
-        a push that re-fills a restarted engine, which leaves the refit checks' schedule as it was."""
+        a push that re-fills a restarted engine, which leaves the refit checks' schedule as it was;
+        ``announce=False``: the engine ranks are already in this push with us (a restart inside a
+        call). An engine lost meanwhile is restarted (``restarts``) and the push runs again."""
         started = time.perf_counter()
-        if self.source_params is not None:  # an actor rank; separate: the engine ranks receive with us
+        if announce and self.source_params is not None:  # an actor rank; separate: the engine ranks receive with us
             self.channel.announce(("push",))
+        verify = self._verifying()  # the retries check what the lost push would have checked
+        gathered = self._push_once(verify, kill=counted and self._fault_kill())
+        while lost := _lost(gathered):
+            if self.restarts is None:
+                rank, replica, cause = lost[0]
+                raise ReplicaFailed(f"rollout replica {replica} (driven by rank {rank}) lost its engine during a "
+                                    f"weight push: {cause}; rerun the same command to resume from the newest checkpoint")
+            self.restarts.replace(lost)  # every process together; ReplicaFailed past the budget
+            gathered = self._push_once(verify, kill=False)
+        self.pushes += counted
+        return self._metrics(gathered, time.perf_counter() - started)
+
+    def _push_once(self, verify: bool, *, kill: bool) -> list[_Pushed]:
+        """One try of the push; every process's ``_Pushed``, gathered on every process."""
         dest = self._destination()
         sources = self.source_params() if self.source_params is not None else None
         buffers = self._buffers(dest)
         report = execute(self.plan, self.processes, sources=sources, destinations=buffers,
                          bucket_bytes=self.cfg.rollout.reshard_bucket_mb << 20, link=self.channel.link)
-        pushed, worst = 0.0, None
+        pushed, worst, lost = 0.0, None, None
         # the engine's weights are resident: the plan's switch before sync_weights resumed them
         if self.engine_params is not None:
-            pushed, worst = self._push_sliced(dest, buffers)
+            pushed, worst, lost = self._push_sliced(dest, buffers, verify, kill=kill)
         elif self.route == "full":
             pushed = self._push_full(buffers)
-        self.pushes += counted
         replica = replica_of(self.cfg, dist.get_rank()) if self.engine else None
-        gathered = self.channel.gather((replica, pushed, report.bytes_received + report.bytes_copied_locally,
-                                        report.bytes_relayed, worst))
+        return self.channel.gather(_Pushed(replica, pushed, report.bytes_received + report.bytes_copied_locally,
+                                           report.bytes_relayed, worst, lost))
+
+    def _metrics(self, gathered: list[_Pushed], seconds: float) -> dict[str, float]:
         per_replica = [0.0] * self.cfg.rollout.num_replicas
-        for k, value, *_ in gathered:
-            if k is not None:
-                per_replica[k] = value
-        seconds = time.perf_counter() - started
-        checked = [g[4] for g in gathered if g[4] is not None]
-        return {"sync/seconds": seconds, "sync/plan_bytes": float(sum(g[2] for g in gathered)),
-                "sync/relayed_bytes": float(sum(g[3] for g in gathered)),  # forwarded by engine ranks
+        for g in gathered:
+            if g.replica is not None:
+                per_replica[g.replica] = g.engine_bytes
+        checked = [g.worst for g in gathered if g.worst is not None]
+        return {"sync/seconds": seconds, "sync/plan_bytes": float(sum(g.plan_bytes for g in gathered)),
+                "sync/relayed_bytes": float(sum(g.relayed_bytes for g in gathered)),  # forwarded by engine ranks
                 "sync/engine_bytes": float(sum(per_replica)),
                 **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)},
                 **({"checks/refit_max_rel_diff": max(checked)} if checked else {})}
+
+    def _fault_kill(self) -> bool:
+        """Whether this driver's engine is to lose a scheduler in this push (FAULT_KILL_PUSH_ENV)."""
+        if self.engine is None:
+            return False
+        return os.environ.get(FAULT_KILL_PUSH_ENV) == f"{replica_of(self.cfg, dist.get_rank())}@{self.pushes + 1}"
 
     def _verifying(self) -> bool:
         """Whether this push reads the engines' weights back (the first, then every
@@ -142,11 +195,14 @@ class EngineSync:
         every = self.cfg.checks.refit_every
         return self.engine_params is not None and every > 0 and self.pushes % every == 0
 
-    def _push_sliced(self, dest: int | None, buffers: dict[str, torch.Tensor]) -> tuple[float, float | None]:
+    def _push_sliced(self, dest: int | None, buffers: dict[str, torch.Tensor], verify: bool, *,
+                     kill: bool) -> tuple[float, float | None, str | None]:
         """Each destination process shares its buffers; each replica's driver pushes its ranks'
         shares (collective over the default group, whose rank r plays destination rank r).
-        Returns the bytes pushed and, on a driver when verifying, the refit verifier's worst
-        relative difference between what its ranks shared and what its engine now holds."""
+        Returns the bytes pushed; on a driver when ``verify``ing, the refit verifier's worst
+        relative difference between what its ranks shared and what its engine now holds; and,
+        on a driver whose engine was lost meanwhile, the cause (the collectives still complete:
+        the other processes must not wait for it)."""
         from hybridflow.rollout.sglang.handles import prepare_rank_payload
         from hybridflow.rollout.sglang.param_report import digest
 
@@ -155,23 +211,31 @@ class EngineSync:
         payload, kept = prepare_rank_payload(dest % tp, buffers, self.engine_params[dest]) if buffers else (None, [])
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, payload)  # handles: a few hundred bytes per tensor
-        pushed, worst = 0.0, None
-        verify = self._verifying()
+        pushed, worst, lost = 0.0, None, None
         try:
             if self.engine is not None:
                 first = driver_rank(self.cfg, replica_of(self.cfg, dist.get_rank()))  # the replica's first engine rank
-                result = self.engine.push_rank_payloads(gathered[first : first + tp])
-                pushed = float(sum(result.bytes_per_rank))
+                pushed, lost = self._hand_over(gathered[first : first + tp], kill=kill)
             if verify:  # digests of exactly the engine-layout tensors each rank shared
                 shared: list = [None] * dist.get_world_size()
                 dist.all_gather_object(shared, {n: digest(t) for n, t in zip(buffers, kept)} if buffers else None)
-                if self.engine is not None:
+                if self.engine is not None and lost is None:
                     worst = refit_difference(shared[first : first + tp], self.engine.weight_digests())
         finally:
             # each engine read its ranks' tensors straight from their owners: hold them until then
             dist.barrier()
         del kept
-        return pushed, worst
+        return pushed, worst, lost
+
+    def _hand_over(self, payloads: list, *, kill: bool) -> tuple[float, str | None]:
+        """The driver's push of its ranks' payloads: (bytes pushed, None), or (0, the cause) when
+        the engine is lost meanwhile (``kill``: the FAULT_KILL_PUSH_ENV hook)."""
+        if kill:
+            kill_a_scheduler_soon(self.engine)
+        try:
+            return float(sum(self.engine.push_rank_payloads(payloads).bytes_per_rank)), None
+        except EngineLost as error:  # its message is the cause: which process, or the timeout
+            return 0.0, str(error)
 
     def _push_full(self, buffers: dict[str, torch.Tensor]) -> float:
         if dist.get_rank() != DRIVER:  # one colocated replica (preflight): its driver is rank 0

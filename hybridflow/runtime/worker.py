@@ -189,11 +189,12 @@ def _copy_weights(source, target) -> list[str]:
 def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
 
-    s.restarts = EngineRestarts(s)
+    s.restarts = EngineRestarts(s, metrics=lambda: s.step_metrics)
     if s.channel.separate:  # the engine ranks start the engines, from the directory rank 0 wrote
         s.channel.announce(str(s.model_dir))
         s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device,
                             source_params=lambda: global_named_parameters(s.actor))
+        s.sync.restarts = s.restarts
         s.sync.push()
         return
     s.replica = replica_of(s.cfg, s.rank)
@@ -204,6 +205,7 @@ def _start_rollout(s: Session) -> None:
         s.engine, s.engine_node = (engine, None) if node == 0 else (None, engine)
     s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device, source_params=lambda: global_named_parameters(s.actor),
                         engine=s.engine)
+    s.sync.restarts = s.restarts
     s.sync.push()
 
 
