@@ -113,11 +113,13 @@ def _hf_dir(config: dict) -> Callable[[Path, Path], None]:
     return setup
 
 
-DEEPSEEK_GROUPS = {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 8,
-                   "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "vocab_size": 256,
-                   "kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-                   "v_head_dim": 16, "first_k_dense_replace": 1, "n_shared_experts": 1}
+DEEPSEEK_GROUPS = {  # a tiny DeepSeek-V3 whose routing picks 2 experts from the best 2 of 4 groups
+    "model_type": "deepseek_v3", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "routed_scaling_factor": 2.5,
+    "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "norm_topk_prob": True, "q_lora_rank": 48,
+    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 ROWS_WITHOUT_PROMPT = '{"question": "1+1?", "answer": "2"}\n'
 
 CASES = [

@@ -29,3 +29,12 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"{REQUIRE_SLURM_ENV}=1 says a Slurm cluster is up, but this test skipped: {reason}"
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory):
+    """The uninterrupted short quickstart run (``tests.test_train.uninterrupted_run``), made once
+    for every module whose faulted runs must reproduce it."""
+    from tests.test_train import uninterrupted_run
+
+    return uninterrupted_run(tmp_path_factory)

@@ -4,8 +4,8 @@ The quickstart run (EP=2 actor, one colocated SGLang tp=2 engine) with one of th
 scheduler processes SIGKILLed while step 2 generates (``HYBRIDFLOW_FAULT_KILL_ENGINE``) and
 again while step 3's weights are pushed (``HYBRIDFLOW_FAULT_KILL_ENGINE_PUSH``): the driver's
 watch sees the process gone, the engine is replaced, given the current weights, and the call
-(or the push) runs again with the same seeds, so the run's metrics are those of an
-uninterrupted run.
+(or the push) runs again with the same seeds, so the run's metrics are those of the
+uninterrupted one (``tests/conftest.py``'s ``full_run``, the same config, deterministic).
 
 With ``rollout.placement=separate`` (two engine ranks, one tp=1 replica each) replica 1 loses
 its engine while step 2 generates and replica 0 while step 2's weights are pushed to it: the
@@ -25,10 +25,9 @@ import pytest
 from hybridflow.config import load_config
 from hybridflow.runtime import recovery, replicas
 from hybridflow.runtime import sync as sync_module
-from tests.test_train import _deterministic, _history, _ok, _train
+from tests.test_train import DETERMINISTIC, _deterministic, _history, _ok, _train
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
-STEPS = ["run.steps=4"]
 KILLED = "rollout/engine_restarts"
 RESTARTED = r"rollout replica {replica} lost its engine \([^\n]*\): restarting it"
 """The driver's line for each restart. The cause it names varies with timing (a short generate
@@ -42,11 +41,12 @@ def _restarts_of(replica: int, stderr: str) -> int:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
-def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path: Path) -> None:
+def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterrupted_one(
+        tmp_path: Path, full_run: Path) -> None:
     # generate call 3 is step 2's (call 1 scored the held-out prompts after SFT); push 4 is step
     # 3's (push 1 filled the engine at start, pushes 2 and 3 were steps 1's and 2's)
     faults = {replicas.FAULT_KILL_ENV: "0@3", replicas.FAULT_KILL_PUSH_ENV: "0@4"}
-    killed = _train(tmp_path / "killed", *STEPS, env=faults)
+    killed = _train(tmp_path / "killed", DETERMINISTIC, env=faults)  # the config of full_run
     _ok(killed)
     assert _restarts_of(0, killed.stderr) == 2 and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
@@ -54,8 +54,7 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
     history = _history(tmp_path / "killed", "step_000004")
     assert [h.get(KILLED, 0.0) for h in history] == [0.0, 1.0, 1.0, 0.0]
 
-    _ok(_train(tmp_path / "whole", *STEPS))
-    whole = _history(tmp_path / "whole", "step_000004")
+    whole = _history(full_run, "step_000004")
     assert [{k: v for k, v in h.items() if k != KILLED} for h in _deterministic(history)] == _deterministic(whole)
 
 

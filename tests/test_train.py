@@ -70,8 +70,9 @@ def _is_spread(key: str) -> bool:
     return (key.startswith("rollout/replica") and key.endswith("/samples")) or key == "rollout/received_bytes_max_rank"
 
 
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> Path:
+def uninterrupted_run(tmp_path_factory) -> Path:
+    """The short quickstart, deterministic, to the end (``tests/conftest.py``'s ``full_run``:
+    one run for this module and the runs elsewhere that must reproduce it)."""
     out = tmp_path_factory.mktemp("train") / "full"
     result = _train(out, DETERMINISTIC)
     _ok(result)
