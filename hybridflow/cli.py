@@ -328,6 +328,9 @@ def _add_convert_parser(commands) -> None:
 
 
 def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
+    from hfschema.hf_config import read_model_config
+
+    read_model_config(args.hf)  # a bad config.json is refused before megatron-core loads (seconds)
     from megatron_adapters.convert import hf_to_mcore  # here: keeps other commands torch-free
 
     report = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
