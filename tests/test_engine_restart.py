@@ -102,7 +102,9 @@ def test_restarts_are_refused_by_name_where_they_are_not_supported() -> None:
     lost = [(2, 0, "process 1 (x) exited with code 1 during generate")]
     recovery.check_restart(load_config(QUICKSTART, ["rollout.placement=separate"]), lost, used=0)  # supported now
     spanning = load_config(QUICKSTART, ["rollout.gpus_per_node=1"])  # tp=2 over two one-GPU nodes
-    with pytest.raises(replicas.ReplicaFailed, match="not supported for engines spanning nodes"):
+    recovery.check_restart(spanning, lost, used=0, spanning=True)  # colocated: every node's part restarts
+    with pytest.raises(replicas.ReplicaFailed, match="not supported for engines spanning nodes with "
+                                                     "rollout.placement=separate"):
         recovery.check_restart(spanning, lost, used=0)
     # a batch started ahead (asynchronous RL) is not regenerated: collect says why, in one line
     started = [replicas._Report(0, [], 0.0, "process 1 (x) was killed by SIGKILL during generate", None, lost=True)]

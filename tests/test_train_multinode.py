@@ -2,7 +2,8 @@
 127.0.0.1, and the quickstart's SGLang engine (tp=2) spans both "nodes" (``rollout.gpus_per_node=1``):
 rank 0 drives node 0 of the engine, rank 1 starts node 1 (SGLang's ``nnodes`` / ``node_rank`` /
 ``dist_init_addr``). Each node's scheduler maps its share of every push from the actor rank on
-its own node, and the run learns."""
+its own node, an engine killed mid-step is replaced on both nodes, and the run learns. A rank
+that fails on one node is named by both nodes' launchers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.runtime import replicas
 from tests.test_train import LOGPROB_TOL, _history
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -61,15 +63,23 @@ def test_both_nodes_name_the_rank_that_failed_first_even_on_the_other_node(tmp_p
     assert (out / "error.txt").read_text() == cause + "\n"
 
 
-def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_and_learns(tmp_path: Path) -> None:
+def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_survives_a_kill_and_learns(
+        tmp_path: Path) -> None:
+    """One of node 0's schedulers is SIGKILLed while step 2 generates (generate call 3; call 1
+    scored the held-out prompts): both nodes' parts of the engine are replaced, meet again at the
+    driver's new address, receive the current weights, and the step runs again."""
     out, port = tmp_path / "two_nodes", _free_port()
     overrides = [f"run.output_dir={out}", "rollout.gpus_per_node=1", "sft.steps=150", "run.steps=6",
                  "run.checkpoint_every=3", "run.heldout_prompts=20"]
-    _two_agents(port, 1, overrides)
+    logs = _two_agents(port, 1, overrides, env={replicas.FAULT_KILL_ENV: "0@3"})
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine_restarts"] == 1, logs[0][-3000:]
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
-    for h in _history(out, "step_000006"):
-        # node 1's scheduler scores like the trainer: it received its shares of the pushed weights
+    history = _history(out, "step_000006")
+    assert [h.get("rollout/engine_restarts", 0.0) for h in history] == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    for h in history:
+        # node 1's scheduler scores like the trainer: it received its shares of the pushed weights,
+        # the restarted part too
         assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h
         assert h["rollout/replica0/samples"] == 128
 

@@ -24,7 +24,12 @@ KV cache too, in the ``sync`` mode, which may not have room for it (checked on C
 resumed run starts with the whole budget again); every process counts every restart, so the
 budget's answer is the same on all of them.
 
-Not covered, each refused by name: engines spanning nodes (``check_restart``), and batches
+An engine spanning nodes is replaced whole: the first rank of each of its nodes shuts its part
+down and starts a new one, and the parts meet at the driver's new address (``respawn``, the
+worker's ``_respawn``), as at the run's start.
+
+Not covered, each refused by name: engines spanning nodes with separate placement
+(``check_restart``), and batches
 that asynchronous RL started ahead (``replicas.collect``): the engine ranks generate those
 while the actor ranks train, so no one could push the new engine the batch's weights.
 """
@@ -61,15 +66,16 @@ class EngineHolder(Protocol):
     """The process's ``sync.EngineSync``: the push that fills a new engine."""
 
 
-def check_restart(cfg, lost: list[tuple[int, int, str]], used: int) -> None:
+def check_restart(cfg, lost: list[tuple[int, int, str]], used: int, *, spanning: bool = False) -> None:
     """ReplicaFailed (one line) unless the engines ``lost`` ([(driver rank, replica, cause)]) can
-    be restarted after ``used`` restarts so far."""
+    be restarted after ``used`` restarts so far; ``spanning``: engines spanning nodes can be
+    (every node's part restarts, colocated placement)."""
     rank, replica, cause = lost[0]
     where = f"rollout replica {replica} (driven by rank {rank}) lost its engine: {cause}"
     limit = cfg.rollout.max_engine_restarts
-    if engine_nodes(cfg) > 1:  # the other nodes' parts would have to restart and meet the driver's again
-        raise ReplicaFailed(f"{where}; engine restarts are not supported for engines spanning nodes yet: "
-                            "rerun the same command to resume from the newest checkpoint")
+    if engine_nodes(cfg) > 1 and not spanning:  # separate placement: the engine ranks start whole engines only
+        raise ReplicaFailed(f"{where}; engine restarts are not supported for engines spanning nodes with "
+                            "rollout.placement=separate yet: rerun the same command to resume from the newest checkpoint")
     if used + len(lost) > limit:
         raise ReplicaFailed(f"{where}; {used} of rollout.max_engine_restarts={limit} restarts used: "
                             "raise rollout.max_engine_restarts to survive more engine failures")
@@ -79,11 +85,15 @@ class EngineRestarts:
     """One process's part in replacing lost engines (every process of the channel holds one).
 
     ``metrics``: the running step's metrics, where the restarts are counted (actor ranks; None
-    on an engine rank, whose metrics no one reads)."""
+    on an engine rank, whose metrics no one reads). ``respawn(replicas)``: replaces every node's
+    part of those replicas' engines when engines span nodes (collective: each part's rank starts
+    its new part, and they meet at the driver's new address); None: such engines are refused."""
 
-    def __init__(self, holder: EngineHolder, *, metrics: Callable[[], dict[str, float]] | None = None) -> None:
+    def __init__(self, holder: EngineHolder, *, metrics: Callable[[], dict[str, float]] | None = None,
+                 respawn: Callable[[set[int]], None] | None = None) -> None:
         self.holder = holder
         self.metrics = metrics
+        self.respawn = respawn
         self.used = 0
         """Restarts so far in this process."""
 
@@ -91,7 +101,8 @@ class EngineRestarts:
         """Replace the engines of ``lost`` ([(driver rank, replica, cause)]) with new, empty ones
         (every process together: each checks the same budget; the lost replicas' drivers act)."""
         h = self.holder
-        check_restart(h.cfg, lost, self.used)
+        spanning = engine_nodes(h.cfg) > 1
+        check_restart(h.cfg, lost, self.used, spanning=self.respawn is not None)
         self.used += len(lost)
         if self.metrics is not None:
             step = self.metrics()
@@ -100,9 +111,12 @@ class EngineRestarts:
             cause = next(c for _, replica, c in lost if replica == h.replica)
             logger.warning("rollout replica %d lost its engine (%s): restarting it (restart %d of %d)", h.replica,
                            cause, self.used, h.cfg.rollout.max_engine_restarts)
-            h.engine.shutdown()  # kills and reaps whatever of it is left
-            h.engine = start_engine(h.cfg, h.model_dir)
-            h.sync.engine = h.engine
+            if not spanning:
+                h.engine.shutdown()  # kills and reaps whatever of it is left
+                h.engine = start_engine(h.cfg, h.model_dir)
+        if spanning:  # every rank: the parts on other nodes restart with the driver's
+            self.respawn({replica for _, replica, _ in lost})
+        h.sync.engine = h.engine
 
     def restart(self, lost: list[tuple[int, int, str]]):
         """``replace`` the engines of ``lost``, then push them the current weights (collective;

@@ -189,7 +189,8 @@ def _copy_weights(source, target) -> list[str]:
 def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
 
-    s.restarts = EngineRestarts(s, metrics=lambda: s.step_metrics)
+    s.restarts = EngineRestarts(s, metrics=lambda: s.step_metrics, respawn=None if s.channel.separate else
+                                lambda replicas: _respawn(s, replicas))
     if s.channel.separate:  # the engine ranks start the engines, from the directory rank 0 wrote
         s.channel.announce(str(s.model_dir))
         s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device,
@@ -198,15 +199,32 @@ def _start_rollout(s: Session) -> None:
         s.sync.push()
         return
     s.replica = replica_of(s.cfg, s.rank)
-    role, addresses = node_role(s.cfg, s.rank), _engine_addresses(s)
-    if role is not None:  # every engine's node parts start together (their schedulers meet at start-up)
-        replica, node = role
-        engine = start_engine(s.cfg, s.model_dir, node_rank=node, dist_init_addr=addresses[replica])
-        s.engine, s.engine_node = (engine, None) if node == 0 else (None, engine)
+    _start_parts(s, None)
     s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device, source_params=lambda: global_named_parameters(s.actor),
                         engine=s.engine)
     s.sync.restarts = s.restarts
     s.sync.push()
+
+
+def _start_parts(s: Session, replicas: set[int] | None) -> None:
+    """This rank's part of the engines of ``replicas`` (None: all), if it starts one: the
+    driver's, or another node's of an engine spanning nodes (collective: every engine's node
+    parts start together, their schedulers meet at start-up at the driver's address)."""
+    role, addresses = node_role(s.cfg, s.rank), _engine_addresses(s)
+    if role is not None and (replicas is None or role[0] in replicas):
+        replica, node = role
+        engine = start_engine(s.cfg, s.model_dir, node_rank=node, dist_init_addr=addresses[replica])
+        s.engine, s.engine_node = (engine, None) if node == 0 else (None, engine)
+
+
+def _respawn(s: Session, replicas: set[int]) -> None:
+    """Replace every node's part of the engines of ``replicas`` (engines spanning nodes; every
+    rank calls it, ``recovery.EngineRestarts``): the old parts are shut down, then new ones
+    start and meet at the drivers' new addresses."""
+    role = node_role(s.cfg, s.rank)
+    if role is not None and role[0] in replicas:
+        (s.engine if role[1] == 0 else s.engine_node).shutdown()  # kills and reaps whatever of it is left
+    _start_parts(s, replicas)
 
 
 def _engine_addresses(s: Session) -> list[str | None]:
