@@ -6,8 +6,8 @@ replicas.generate: the drivers' reports       EngineSync.push: each driver's "lo
    ranks and the engine ranks), so every process sees the same engines lost (EngineLost: a
    process died, or a call outran generate_timeout_s)
       │  EngineRestarts.replace(lost), every process together, the same decision everywhere
-      ├─ past max_engine_restarts, or engines spanning nodes: ReplicaFailed, one line naming
-      │  the replica, the cause and the setting to raise
+      ├─ past max_engine_restarts, or separate engines spanning nodes: ReplicaFailed, one line
+      │  naming the replica, the cause and the setting to raise
       ├─ each lost replica's driver (an actor rank colocated, an engine rank separate): shut
       │  the old engine down (every process of it killed and reaped), start a new one as the
       │  run did (start_engine: load_format=dummy, empty); EngineSync.engine follows
@@ -20,18 +20,19 @@ replicas.generate: the drivers' reports       EngineSync.push: each driver's "lo
 
 A fresh engine holds all its memory, which is what generation needs: the colocated GPUs stay
 in the ``generate`` mode they were in. A colocated engine lost in a push comes back holding its
-KV cache too, in the ``sync`` mode, which may not have room for it (checked on CPUs only so far). The budget counts the restarts of this process (a
-resumed run starts with the whole budget again); every process counts every restart, so the
-budget's answer is the same on all of them.
+KV cache too, in the ``sync`` mode, which may not have room for it (checked on CPUs only so
+far). The budget counts the restarts of this process (a resumed run starts with the whole
+budget again); every process counts every restart, so the budget's answer is the same on all
+of them.
 
 An engine spanning nodes is replaced whole: the first rank of each of its nodes shuts its part
 down and starts a new one, and the parts meet at the driver's new address (``respawn``, the
 worker's ``_respawn``), as at the run's start.
 
 Not covered, each refused by name: engines spanning nodes with separate placement
-(``check_restart``), and batches
-that asynchronous RL started ahead (``replicas.collect``): the engine ranks generate those
-while the actor ranks train, so no one could push the new engine the batch's weights.
+(``check_restart``), and batches that asynchronous RL started ahead (``replicas.collect``):
+the engine ranks generate those while the actor ranks train, so no one could push the new
+engine the batch's weights.
 """
 
 from __future__ import annotations
