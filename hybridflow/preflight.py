@@ -125,7 +125,15 @@ def check_async(cfg: HybridflowConfig, plan=None) -> None:
         raise ValueError(f"async_rl.buffer_batches={a.buffer_batches} is smaller than one batch (run.prompts_per_step"
                          f" x rollout.n = {cfg.run.prompts_per_step * cfg.rollout.n} samples); set it >= 1")
     if a.mode == "sync":
+        if a.partial_rollout:
+            raise ValueError("async_rl.partial_rollout=true with async_rl.mode=sync: nothing is generated ahead, so no "
+                             "request spans a weight update; set async_rl.mode=one_step_off or async (or "
+                             "async_rl.partial_rollout=false)")
         return
+    if a.partial_rollout and a.segment_tokens >= cfg.data.max_response_length:
+        raise ValueError(f"async_rl.segment_tokens={a.segment_tokens} >= data.max_response_length="
+                         f"{cfg.data.max_response_length}: every request would end in its first segment, so none spans "
+                         "a weight update; set async_rl.segment_tokens below it (or async_rl.partial_rollout=false)")
     if cfg.rollout.placement != "separate":
         raise ValueError(f"async_rl.mode={a.mode} with rollout.placement={cfg.rollout.placement}: colocated engines "
                          "share the actor's GPUs, so there is nothing to overlap; set rollout.placement=separate "

@@ -101,6 +101,10 @@ class RolloutSample:
     """The experts each MoE layer chose for every token fed to the model — the prompt's and
     the response's but the last, SGLang's ``return_routed_experts`` layout: ``[P + R - 1, L, k]``
     ints (P prompt, R response tokens, L MoE layers) — or None."""
+    segments: tuple[tuple[int, int], ...] = ()
+    """(first response token, policy version) of each weight version that sampled part of the
+    response, in order, when it was generated across weight pushes (asynchronous RL's partial
+    rollouts, ``runtime/replicas.advance``); empty: one version sampled it all."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

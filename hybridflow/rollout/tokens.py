@@ -11,6 +11,8 @@ token ids per prompt ──► engine.generate ──► RolloutSample: prompt i
 [B, T]  input_ids, attention_mask, response_mask, position_ids, logprobs
 [B]     prompt_lengths, response_lengths, truncated
 [B, T, L, k] routed_experts (when every sample has them; -1 where nothing was routed)
+[B, T]  token_versions (partial rollouts, when every sample has segments: the policy version
+        that sampled each response token; -1 elsewhere)
 ```
 
 Alignment follows ``megatron_adapters``: position ``t`` of a ``[B, T]`` tensor scores token
@@ -190,4 +192,25 @@ def pack_batch(
     experts = _pack_experts(samples, length, left)
     if experts is not None:
         batch["routed_experts"] = experts
+    versions = _pack_versions(samples, length, left)
+    if versions is not None:
+        batch["token_versions"] = versions
     return batch
+
+
+def _pack_versions(samples: Sequence[RolloutSample], length: int, left: bool) -> torch.Tensor | None:
+    """``[B, T]`` policy version of each response token, -1 elsewhere; None unless every sample
+    has ``segments``."""
+    have = [bool(s.segments) for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"sample {have.index(False)} has no segments but others do; pack samples of one batch")
+    out = torch.full((len(samples), length), -1, dtype=torch.long)
+    for row, s in enumerate(samples):
+        used = len(s.prompt_ids) + len(s.response_ids)
+        first = (length - used if left else 0) + len(s.prompt_ids)
+        ends = [begin for begin, _ in s.segments[1:]] + [len(s.response_ids)]
+        for (begin, version), end in zip(s.segments, ends):
+            out[row, first + begin : first + end] = version
+    return out

@@ -11,7 +11,11 @@ engine rank r (joint rank actors + r; rank r of the engines' own default group)
                                                 the actor ranks, hand it to the driver's engine
      ("stop",)                                  shut the engine down
    asynchronous RL (``pipeline``): the buffer of started batches lives here, on the drivers
-     ("start", batch, prompts, params, seed)    generate the batch now, keep its samples
+     ("start", batch, prompts, params, seed, segment, version)
+                                                generate the batch now, keep its samples
+                                                (partial rollouts: its first segment, tagged)
+     ("advance", version, segment)              partial rollouts, after a push: continue the
+                                                kept batches' unfinished requests
      ("collect", batch)                         deliver them to the actor DP ranks
      ("intervals",)                             report when this rank generated since last asked
      ("save_buffer", dir) / ("load_buffer", dir)  the kept samples to / from a checkpoint
@@ -107,7 +111,7 @@ class _Buffer:
     """The batches this driver generated ahead of the trainer (asynchronous RL), by batch index;
     every engine rank follows the requests, only a driver holds samples."""
 
-    REQUESTS = ("start", "collect", "intervals", "save_buffer", "load_buffer")
+    REQUESTS = ("start", "advance", "collect", "intervals", "save_buffer", "load_buffer")
 
     def __init__(self, cfg: HybridflowConfig, held: _EngineRank, channel: Channel) -> None:
         self.cfg, self.held, self.replica, self.channel = cfg, held, held.replica, channel
@@ -119,13 +123,25 @@ class _Buffer:
         """The driver's engine as it is now (a restart replaces it), or None."""
         return self.held.engine
 
-    def start(self, batch: int, prompts, params, seed: int) -> None:
+    def start(self, batch: int, prompts, params, seed: int, segment: int | None = None,
+              version: int | None = None) -> None:
         if self.engine is not None:
             started = replicas.start(self.cfg, self.engine, prompts, params, seed, call=f"async/{batch}",
-                                     channel=self.channel, replica=self.replica)
+                                     channel=self.channel, replica=self.replica, segment=segment, version=version)
             self.kept[batch] = started
             if started.report.interval is not None:
                 self.busy.append(started.report.interval)
+
+    def advance(self, version: int, segment: int) -> None:
+        """Policy ``version`` is loaded: the kept batches' unfinished requests go on with it,
+        ``segment`` tokens more, and the batch trained next (``version``'s own) to its end."""
+        if self.engine is None:
+            return
+        for batch in sorted(self.kept):
+            if self.kept[batch].unfinished():
+                self.kept[batch], interval = replicas.advance(self.engine, self.kept[batch], version,
+                                                              segment=None if batch <= version else segment)
+                self.busy.append(interval)
 
     def collect(self, batch: int, num_prompts: int) -> None:
         from megatron_adapters.parallel import device

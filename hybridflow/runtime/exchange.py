@@ -36,6 +36,8 @@ class SampleMeta:
     response_len: int
     finish_reason: str
     routes_shape: tuple[int, ...] | None
+    segments: tuple[tuple[int, int], ...] = ()
+    """``RolloutSample.segments``: a few pairs, so they travel with the metadata."""
 
     @property
     def num_ints(self) -> int:
@@ -46,7 +48,8 @@ class SampleMeta:
 def meta_of(x: RolloutSample) -> SampleMeta:
     routes = None if x.routed_experts is None else tuple(torch.as_tensor(x.routed_experts).shape)
     return SampleMeta(prompt_index=x.prompt_index, sample_index=x.sample_index, prompt_len=len(x.prompt_ids),
-                      response_len=len(x.response_ids), finish_reason=x.finish_reason, routes_shape=routes)
+                      response_len=len(x.response_ids), finish_reason=x.finish_reason, routes_shape=routes,
+                      segments=tuple(x.segments))
 
 
 def pack(samples: Sequence[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +79,7 @@ def unpack(metas: Sequence[SampleMeta], ints: torch.Tensor, floats: torch.Tensor
         out.append(RolloutSample(prompt_index=m.prompt_index, sample_index=m.sample_index,
                                  prompt_ids=tuple(ids[: m.prompt_len]), response_ids=tuple(ids[m.prompt_len :]),
                                  logprobs=tuple(floats_list[f : f + m.response_len]),
-                                 finish_reason=m.finish_reason, routed_experts=routes))
+                                 finish_reason=m.finish_reason, routed_experts=routes, segments=m.segments))
         f += m.response_len
     return out
 

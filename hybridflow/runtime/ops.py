@@ -208,9 +208,32 @@ def _admitted(s: Session, step: int, out: replicas.ReplicaOutput, version: int) 
     ro = as_rollout(s, s.prompt_batch(step), out)
     keep, weight, metrics = s.pipeline.admit(step, version, ro.total)
     s.step_metrics.update(metrics)
+    if s.cfg.async_rl.partial_rollout:  # every rank: the numbers are sums over the DP ranks
+        s.step_metrics.update(_token_version_metrics(s, token_versions(ro), step))
     s.step_metrics["async/generation_tokens_per_s"] = float(ro.lengths.sum()) / max(ro.seconds, 1e-9)
     s.stale_weights = None if bool((weight == 1).all()) else weight[keep]
     return ro if bool(keep.all()) else ro.select(keep)
+
+
+def token_versions(ro: Rollout) -> torch.Tensor:
+    """[b, T] policy version of each response token of this rank's rows (partial rollouts), -1
+    where none: padding, prompts, a rank without rows, samples generated before tagging."""
+    default = torch.full(ro.batch["response_mask"].shape, -1, dtype=torch.long, device=ro.batch["response_mask"].device)
+    return ro.batch.get("token_versions", default)
+
+
+def _token_version_metrics(s: Session, versions: torch.Tensor, step: int) -> dict[str, float]:
+    """Partial rollouts, over every DP rank: the response tokens sampled d versions behind the
+    trainer (d = 0 .. K), their mean lag, and the samples whose tokens span several versions."""
+    k = s.cfg.async_rl.lag
+    lag = (step - versions[versions >= 0]).clamp(0, k)
+    spanning = sum(len(set(row[row >= 0].tolist())) > 1 for row in versions)
+    counts = s.shard.sum(torch.cat([torch.bincount(lag, minlength=k + 1).double(), torch.tensor([float(spanning)],
+                                                                                                  dtype=torch.float64)]))
+    tokens = float(counts[:-1].sum())
+    mean = float((counts[:-1] * torch.arange(k + 1, dtype=torch.float64)).sum()) / max(tokens, 1.0)
+    return {**{f"async/tokens_version_lag_{d}": float(c) for d, c in enumerate(counts[:-1].tolist())},
+            "async/token_staleness_mean": mean, "async/partial_samples": float(counts[-1])}
 
 
 @op("generate_greedy")
@@ -336,7 +359,20 @@ def old_logprob(s: Session, node, f: dict, step: int) -> dict:
     if count:
         s.step_metrics.update({f"{prefix}/logprob_diff_max": float(largest), f"{prefix}/logprob_diff_mean": float(total / count),
                                f"{prefix}/token_mult_prob_error": float(mult / count)})
+    if s.cfg.async_rl.partial_rollout:  # the tags checked against the trainer's own weights
+        s.step_metrics.update(_diff_by_version(s, diff, token_versions(ro)[mask].to(diff.device) == step))
     return {"old_logprobs": logp, "entropy": ent, **({} if routes is None else {"routed_experts": routes})}
+
+
+def _diff_by_version(s: Session, diff: torch.Tensor, current: torch.Tensor) -> dict[str, float]:
+    """|engine - trainer| log-prob of the tokens tagged with the trainer's own version (the same
+    weights: the sync check's size) and the mean over the older ones, over every rank."""
+    largest = s.shard.max(torch.tensor([float(diff[current].max()) if bool(current.any()) else -1.0]))
+    older = s.shard.sum(torch.tensor([float(diff[~current].sum()), float((~current).sum())], dtype=torch.float64))
+    out = {"async/behaviour/current_version_logprob_diff_max": float(largest)} if float(largest) >= 0 else {}
+    if older[1]:
+        out["async/behaviour/older_versions_logprob_diff_mean"] = float(older[0] / older[1])
+    return out
 
 
 def _staleness(s: Session) -> float:
@@ -559,9 +595,12 @@ def update_critic(s: Session, node, f: dict, step: int) -> dict:
 def sync_weights(s: Session, node, f: dict, step: int) -> dict:
     if s.pipeline is not None:
         s.pipeline.training_done()
-    if not f["actor_metrics"].get("actor/updated") and not s.sync.engine_drops_weights:
-        return {"rollout_weights": {}}  # the engine already has these weights
-    return {"rollout_weights": s.sync.push()}
+    pushed = {}
+    if f["actor_metrics"].get("actor/updated") or s.sync.engine_drops_weights:  # else the engine has them
+        pushed = s.sync.push()
+    if s.pipeline is not None:
+        s.pipeline.pushed(step)
+    return {"rollout_weights": pushed}
 
 
 # --------------------------------------------------------------------------- evaluation

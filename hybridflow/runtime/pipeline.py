@@ -8,6 +8,8 @@ step k   rollout(k): [start k, at the start step]  ─────────�
                      start k+1 .. k+L not yet started ──────►     generate them, one after another,
          old log-probs, advantages, update (version k -> k+1)      with the weights they hold now
          sync_weights: push version k+1 ─────────────────────►    (after the batches before it)
+                       [advance k+1: partial rollouts] ───►     the kept batches' unfinished requests
+                                                               go on with version k+1
          end_step: ("intervals",) ◄── when the engines generated ─  overlap of generation and training
 ```
 
@@ -16,6 +18,12 @@ admits the step's samples by ``staleness.admit`` and logs the ``async/...`` metr
 log-probs are the behaviour policy: ``algorithm.rollout_correction`` reweights the samples
 against the trainer's old (proximal) log-probs. At a checkpoint the pending batches are saved
 beside it with their versions (``async_rl.resume=checkpoint``) or left to be regenerated (drop).
+
+Partial rollouts (``async_rl.partial_rollout``): a batch started ahead generates at most
+``segment_tokens`` per request; after every push its unfinished requests continue with the new
+weights (``replicas.advance``), and the batch trained at the next step runs to its end. Each
+token keeps the version that sampled it (``RolloutSample.segments``, the trainer's
+``token_versions``); a sample's staleness is its oldest token's, still the batch's start version.
 """
 
 from __future__ import annotations
@@ -58,9 +66,18 @@ class Pipeline:
         from hybridflow.runtime.ops import sampling, step_seed
 
         ids = [p.prompt_ids for p in self.s.prompt_batch(batch)]
+        partial = self.cfg.partial_rollout
+        # a batch trained before the next push is generated whole
+        segment = self.cfg.segment_tokens if partial and batch > version else None
         # the seed sync mode uses for this step: a batch's samples depend on its version only
-        self.s.channel.announce(("start", batch, ids, sampling(self.s), step_seed(self.s.cfg.run.seed, batch)))
+        self.s.channel.announce(("start", batch, ids, sampling(self.s), step_seed(self.s.cfg.run.seed, batch), segment,
+                                 version if partial else None))
         self.pending[batch] = version
+
+    def pushed(self, step: int) -> None:
+        """Step ``step``'s weights (version step + 1) are on the engines: partial rollouts go on."""
+        if self.cfg.partial_rollout and self.pending:
+            self.s.channel.announce(("advance", step + 1, self.cfg.segment_tokens))
 
     def rollout(self, step: int) -> tuple[replicas.ReplicaOutput, int]:
         """Batch ``step``'s samples (this DP rank's) and the version that generated them; the

@@ -19,6 +19,17 @@ whole batch as one chunk, as before replicas existed.
 
 Asynchronous RL (separate placement) splits a call in two: ``start`` (the engine ranks generate
 at once and keep their samples) and, steps later, ``collect`` (the gather and delivery above).
+With partial rollouts a batch started ahead generates ``segment`` tokens per request, and after
+each weight push ``advance`` continues its unfinished requests with the new weights: every
+response token keeps the policy version that sampled it (``RolloutSample.segments``).
+
+```
+start b (version v)     chunk c: generate <= segment tokens per request (seed: chunk c's)
+push v+1, advance v+1   chunk c's unfinished requests: prompt + tokens so far as the prompt,
+                        <= segment more tokens (seed: chunk c's, segment 1), the prefix re-read
+                        with the new weights; routed experts kept from the segment that fed each
+                        token; the batch about to be collected (b = v+1) runs to its end instead
+```
 
 A driver whose engine is lost mid-call (``EngineLost``: a process of it died, or a call outran
 ``rollout.generate_timeout_s``) reports it like any failure; with ``restarts`` every process of
@@ -39,15 +50,20 @@ import time
 from typing import NamedTuple, Sequence
 
 from hybridflow.config import HybridflowConfig
-from hybridflow.rollout.base import EngineLost, RolloutSample, SamplingParams
+import torch
+
+from hybridflow.rollout.base import FINISH_LENGTH, EngineLost, RolloutSample, SamplingParams
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
 from hybridflow.runtime.shares import Shard, balanced_owners, owner
 
 __all__ = ["FAULT_ENV", "FAULT_KILL_ENV", "FAULT_KILL_PUSH_ENV", "ReplicaFailed", "ReplicaOutput", "Started",
-           "chunk_seed", "collect", "driver_rank", "generate", "kill_a_scheduler_soon", "replica_of", "start"]
+           "advance", "chunk_seed", "collect", "driver_rank", "generate", "kill_a_scheduler_soon", "replica_of",
+           "start"]
 
 _SEED_MOD = 2**31 - 1
+_SEGMENT_SEED = 104729
+"""Offsets a continuation's seeds from the segments before it (a prime, like the chunks' 7919)."""
 FAULT_ENV = "HYBRIDFLOW_FAULT_REPLICA"
 """Testing hook, ``K@N``: replica K's engine call fails at the N-th generate call of the run."""
 FAULT_KILL_ENV = "HYBRIDFLOW_FAULT_KILL_ENGINE"
@@ -137,9 +153,10 @@ class _Counter:
 
 
 def _drive(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range],
-           counter: _Counter, *, kill: bool = False) -> tuple[list[RolloutSample], float]:
-    """Generate chunks on this replica until none is left (``kill``: the FAULT_KILL_ENV hook)."""
-    samples, started = [], time.perf_counter()
+           counter: _Counter, *, kill: bool = False) -> tuple[list[RolloutSample], float, list[int]]:
+    """Generate chunks on this replica until none is left (``kill``: the FAULT_KILL_ENV hook):
+    the samples, the seconds, and each sample's chunk."""
+    samples, chunk_of, started = [], [], time.perf_counter()
     while (chunk := counter.take()) < len(chunks):
         span = chunks[chunk]
         engine.reseed(chunk_seed(seed, chunk))
@@ -148,7 +165,8 @@ def _drive(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks:
             kill = False
         out = engine.generate([prompts[i] for i in span], params)
         samples += [dataclasses.replace(x, prompt_index=span.start + x.prompt_index) for x in out.samples]
-    return samples, time.perf_counter() - started
+        chunk_of += [chunk] * len(out.samples)
+    return samples, time.perf_counter() - started, chunk_of
 
 
 class _Report(NamedTuple):
@@ -181,8 +199,8 @@ def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], pa
     while True:
         samples, mine = [], _Report(None, [], 0.0, None, dp_rank)
         if engine is not None:
-            samples, mine = _attempt(engine, prompts, params, seed, chunks, channel, replica=replica, call=call,
-                                     attempt=attempt, dp_rank=dp_rank)
+            samples, mine, _ = _attempt(engine, prompts, params, seed, chunks, channel, replica=replica, call=call,
+                                        attempt=attempt, dp_rank=dp_rank)
         gathered: list[_Report] = channel.gather(mine)
         _raise_failures(gathered, restartable=restarts is not None)
         lost = [(rank, g.replica, g.error) for rank, g in enumerate(gathered) if g.lost]
@@ -229,21 +247,90 @@ class Started:
 
     samples: list[RolloutSample]
     report: _Report
+    chunk_of: tuple[int, ...] = ()
+    """Each sample's chunk: ``advance`` continues a chunk's unfinished requests together, with
+    seeds of that chunk, so a sample never depends on which replica holds it."""
+    params: SamplingParams | None = None
+    """The call's sampling, its whole ``max_new_tokens`` (partial rollouts; None otherwise)."""
+    seed: int = 0
+    segments: int = 0
+    """Continuations run so far (``advance``): each draws its own seeds."""
 
     def merged(self, other: "Started") -> "Started":
         """Both shares as one (a resumed run with fewer replicas than saved buffers)."""
         r = self.report
-        return Started(self.samples + other.samples,
-                       r._replace(metas=r.metas + other.report.metas, seconds=r.seconds + other.report.seconds))
+        return dataclasses.replace(self, samples=self.samples + other.samples, chunk_of=self.chunk_of + other.chunk_of,
+                                   report=r._replace(metas=r.metas + other.report.metas,
+                                                     seconds=r.seconds + other.report.seconds))
+
+    def unfinished(self) -> list[int]:
+        """Positions of the requests a partial rollout has yet to continue."""
+        if self.params is None or self.report.error is not None:
+            return []
+        limit = self.params.max_new_tokens
+        return [i for i, x in enumerate(self.samples) if x.finish_reason == FINISH_LENGTH
+                and len(x.response_ids) < limit]
 
 
 def start(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, *,
-          call: str, channel: Channel, replica: int) -> Started:
+          call: str, channel: Channel, replica: int, segment: int | None = None,
+          version: int | None = None) -> Started:
     """Generate this driver's share of ``prompts`` now, with the weights its engine holds, for a
     later ``collect`` (the chunks and seeds are those ``generate`` would use: the samples do not
-    depend on when they are collected). A failure is kept in the report and raised at collect."""
-    return Started(*_attempt(engine, prompts, params, seed, _chunks(len(prompts), cfg), channel, replica=replica,
-                             call=call, attempt=0, dp_rank=None))
+    depend on when they are collected). A failure is kept in the report and raised at collect.
+
+    Partial rollouts: ``version`` (the engine's policy version) tags every token; ``segment``
+    caps this first part at that many tokens per request, the rest left to ``advance``."""
+    first = params if segment is None else dataclasses.replace(params, max_new_tokens=min(segment, params.max_new_tokens))
+    samples, report, chunk_of = _attempt(engine, prompts, first, seed, _chunks(len(prompts), cfg), channel,
+                                         replica=replica, call=call, attempt=0, dp_rank=None)
+    if version is None:
+        return Started(samples, report)
+    samples = [dataclasses.replace(x, segments=((0, version),)) for x in samples]
+    return Started(samples, report._replace(metas=[meta_of(x) for x in samples]), tuple(chunk_of), params, seed)
+
+
+def advance(engine, started: Started, version: int, *, segment: int | None) -> tuple[Started, tuple[float, float]]:
+    """Continue ``started``'s unfinished requests with the weights ``engine`` holds now, policy
+    ``version`` (the pause at a token boundary and the in-flight weight update of partial
+    rollouts): ``segment`` more tokens each, or to their end (None). Returns the batch and when
+    it generated; a failure is kept in the report, raised at collect as ``start``'s are."""
+    began, samples = time.time(), list(started.samples)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in started.unfinished():  # a chunk's requests, by the tokens they hold (one budget each)
+        groups.setdefault((started.chunk_of[i], len(samples[i].response_ids)), []).append(i)
+    error, lost = None, False
+    try:
+        for (chunk, done), rows in sorted(groups.items()):
+            left = started.params.max_new_tokens - done
+            params = dataclasses.replace(started.params, n=1, max_new_tokens=left if segment is None
+                                         else min(segment, left))
+            engine.reseed(chunk_seed(started.seed + (started.segments + 1) * _SEGMENT_SEED, chunk))
+            out = engine.generate([samples[i].prompt_ids + samples[i].response_ids for i in rows], params)
+            for more in out.samples:
+                i = rows[more.prompt_index]
+                samples[i] = _continued(samples[i], more, version)
+    except EngineLost as failure:
+        error, lost = str(failure), True
+    except Exception as failure:
+        error = f"{type(failure).__name__}: {failure}"
+    ended = time.time()
+    report = started.report._replace(metas=[meta_of(x) for x in samples], error=error, lost=lost,
+                                     seconds=started.report.seconds + (ended - began))
+    return dataclasses.replace(started, samples=samples, report=report, segments=started.segments + 1), (began, ended)
+
+
+def _continued(x: RolloutSample, more: RolloutSample, version: int) -> RolloutSample:
+    """``x`` followed by ``more``, a continuation whose prompt was x's prompt and response: the
+    new tokens tagged ``version``; routed experts kept as each token was first fed (the new
+    call's rows for x's tokens re-read them under the new weights)."""
+    routes = x.routed_experts
+    if routes is not None and more.routed_experts is not None:
+        routes = torch.as_tensor(routes)
+        routes = torch.cat([routes, torch.as_tensor(more.routed_experts)[len(routes):]])
+    return dataclasses.replace(x, response_ids=x.response_ids + more.response_ids, logprobs=x.logprobs + more.logprobs,
+                               finish_reason=more.finish_reason, routed_experts=routes,
+                               segments=x.segments + ((len(x.response_ids), version),))
 
 
 def collect(cfg: HybridflowConfig, started: Started | None, *, num_prompts: int, channel: Channel,
@@ -259,22 +346,22 @@ def collect(cfg: HybridflowConfig, started: Started | None, *, num_prompts: int,
 
 
 def _attempt(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range], channel: Channel, *,
-             replica: int, call: int, attempt: int, dp_rank: int | None) -> tuple[list[RolloutSample], _Report]:
-    """This driver's share of one try of the call, and its report (a failure too: the others
-    must learn of it, or they would wait in the gather)."""
+             replica: int, call: int, attempt: int, dp_rank: int | None) -> tuple[list[RolloutSample], _Report, list[int]]:
+    """This driver's share of one try of the call, its report (a failure too: the others must
+    learn of it, or they would wait in the gather) and each sample's chunk."""
     counter = _Counter(channel.store, call if attempt == 0 else f"{call}/retry{attempt}")
     try:
         if attempt == 0:
             _inject_fault(replica, call)
         kill = attempt == 0 and os.environ.get(FAULT_KILL_ENV) == f"{replica}@{call}"
         began = time.time()
-        samples, seconds = _drive(engine, prompts, params, seed, chunks, counter, kill=kill)
+        samples, seconds, chunk_of = _drive(engine, prompts, params, seed, chunks, counter, kill=kill)
         return samples, _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank,
-                                interval=(began, time.time()))
+                                interval=(began, time.time())), chunk_of
     except EngineLost as error:  # its message is the cause: which process, or the timeout
-        return [], _Report(replica, [], 0.0, str(error), dp_rank, lost=True)
+        return [], _Report(replica, [], 0.0, str(error), dp_rank, lost=True), []
     except Exception as error:
-        return [], _Report(replica, [], 0.0, f"{type(error).__name__}: {error}", dp_rank)
+        return [], _Report(replica, [], 0.0, f"{type(error).__name__}: {error}", dp_rank), []
 
 
 def _inject_fault(replica: int, call: int) -> None:

@@ -112,6 +112,9 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
         lines.append(f"  async RL     {ar['mode']} (max staleness {ar['max_staleness']}), staleness mean "
                      f"{_fmt(ar['staleness_mean'])} max {_fmt(ar['staleness_max'])}, generation overlapping "
                      f"training {_fmt(ar['overlap_fraction_mean'])} of step time")
+        if ar.get("partial_rollout"):
+            lines.append(f"               partial rollouts: {_fmt(ar['partial_samples'])} samples spanned a weight "
+                         f"update; token staleness mean {_fmt(ar['token_staleness_mean'])}")
     if summary.get("mlflow_uri"):
         lines.append(f"  MLflow       run {summary.get('mlflow_run_id')} at {summary['mlflow_uri']}")
     if summary.get("tensorboard_dir"):
@@ -125,7 +128,11 @@ def summarise_async(async_rl, history: list[dict[str, float]]) -> dict[str, Any]
         values = [h[key] for h in history if key in h]
         return sum(values) / len(values) if values else None
 
-    return {"mode": async_rl.mode, "max_staleness": async_rl.lag, "staleness_mean": mean("async/staleness_mean"),
-            "staleness_max": max((h.get("async/staleness_max", 0.0) for h in history), default=None),
-            "overlap_fraction_mean": mean("async/overlap_fraction"),
-            "dropped_samples": sum(h.get("async/dropped_samples", 0.0) for h in history)}
+    out = {"mode": async_rl.mode, "max_staleness": async_rl.lag, "staleness_mean": mean("async/staleness_mean"),
+           "staleness_max": max((h.get("async/staleness_max", 0.0) for h in history), default=None),
+           "overlap_fraction_mean": mean("async/overlap_fraction"),
+           "dropped_samples": sum(h.get("async/dropped_samples", 0.0) for h in history)}
+    if async_rl.partial_rollout:
+        out.update(partial_rollout=True, token_staleness_mean=mean("async/token_staleness_mean"),
+                   partial_samples=sum(h.get("async/partial_samples", 0.0) for h in history))
+    return out

@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run(cfg, channel)
     except stops.Stopped as stop:  # engines are shut down (run); now leave at once
-        logging.getLogger("hybridflow.train").warning("%s", stop)
+        if os.environ.get("RANK", "0") == "0":  # one line for the job: every rank got the signal
+            logging.getLogger("hybridflow.train").warning("%s", stop)
         sys.stdout.flush()
         sys.stderr.flush()
         # no process-group teardown: a step cut short leaves collectives unmatched, and
