@@ -7,18 +7,31 @@ megatron module (whole, as one process holds it)      PEFT modules of the HF mod
                                                   lora_B = B's rows of that projection
   linear_fc1  A, B [gate; up]               ──►  gate_proj / up_proj (the same split)
   linear_proj, linear_fc2  A, B             ──►  o_proj, down_proj as they are
+
+routed expert e of E (layer L)                        PEFT target_parameters (ParamWrapper)
+  linear_fc1  A_e [r, H], B_e [2I, r]       ──►  model.layers.L.mlp.experts.gate_up_proj [E, 2I, H]
+  linear_fc2  A_e [r, I], B_e [H, r]        ──►  model.layers.L.mlp.experts.down_proj    [E, H, I]
+      lora_A [E*r, in]:  rows e*r .. e*r+r-1 are A_e
+      lora_B [out, r*E]: column k*E + e is column k of B_e
 ```
 
 Which rows of a megatron weight are which HF tensor's is the reshard planner's TP=1 Megatron
 layout (``reshard.megatron``), the one mapping the converters use; B's rows follow the weight's
 rows. A fused module shares one A, so its HF projections get equal lora_A; importing needs that.
 PEFT's scale ``lora_alpha / r`` is the trainer's ``alpha / rank``.
+
+Routed experts: transformers 5 loads a MoE layer's experts as two fused 3-D parameters (every
+MoE family here, Mixtral's ``block_sparse_moe`` renamed to ``mlp``), [E, out, in] per expert
+like a Linear weight, ``gate_up_proj`` being [gate; up] as megatron's fc1. PEFT's ParamWrapper
+adds ``scale * B_e A_e`` to expert e's slice with the A / B layouts above, so B_e and A_e go
+over unchanged; the E experts of a layer are gathered from every EP rank first.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -35,6 +48,10 @@ __all__ = ["export_peft", "import_peft"]
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
+_FUSED = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+_FUSED_ORDER = ("gate_up_proj", "down_proj")
+"""The order transformers' experts modules register their fused parameters in (PEFT nests by it)."""
 
 
 def _row_map(policy) -> dict[str, list[tuple[str, tuple[int, int], int, int]]]:
@@ -55,23 +72,60 @@ def _row_map(policy) -> dict[str, list[tuple[str, tuple[int, int], int, int]]]:
 def _check_exportable(state_keys, rows) -> None:
     for key in state_keys:
         module = key.rsplit(".", 1)[0]
-        if ".mlp.experts." in module:
-            raise ValueError("PEFT export of routed-expert adapters is not supported: transformers 5 holds a "
-                             "layer's experts as one fused parameter, not as Linear modules; drop 'experts' from "
-                             "lora.target_modules to export")
         if module not in rows:
             raise AssertionError(f"{module}: no HF tensor maps to it")
 
 
-def peft_tensors(policy) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The PEFT state dict of ``policy``'s adapters and the target module leaf names (collective)."""
+def _fused_target(module: str) -> tuple[str, int] | None:
+    """(HF fused parameter, expert index) of a routed expert's fc1 / fc2, None for other modules.
+    Every MoE family's transformers model holds layer L's experts as ``model.layers.L.mlp.experts``."""
+    match = _EXPERT.match(module)
+    if match is None:
+        return None
+    layer, expert, fc = match.groups()
+    return f"model.layers.{layer}.mlp.experts.{_FUSED[fc]}", int(expert)
+
+
+def _param_prefix(param: str, targeted: set[str]) -> str:
+    """PEFT's key prefix of a fused parameter's adapter. PEFT wraps the targeted parameters of
+    one module each around the previous in registration order, so every targeted parameter
+    registered after ``param`` puts its wrapper outside, and ``param``'s one ``.base_layer`` deeper."""
+    module, name = param.rsplit(".", 1)
+    outer = [n for n in _FUSED_ORDER[_FUSED_ORDER.index(name) + 1:] if n in targeted]
+    return f"{_PREFIX}{module}{'.base_layer' * len(outer)}"
+
+
+def _expert_tensors(state: dict[str, torch.Tensor], num_experts: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The PEFT tensors of the routed experts' adapters and their ``target_parameters``."""
+    groups: dict[str, dict[int, str]] = {}  # {fused parameter: {expert: megatron module}}
+    for key in state:
+        module, suffix = key.rsplit(".", 1)
+        target = _fused_target(module)
+        if target is not None and suffix == "lora_a":
+            groups.setdefault(target[0], {})[target[1]] = module
+    targeted = {param.rsplit(".", 1)[1] for param in groups}
+    out = {}
+    for param, experts in groups.items():
+        if sorted(experts) != list(range(num_experts)):
+            raise AssertionError(f"{param}: adapters of experts {sorted(experts)}, not all {num_experts}")
+        modules = [experts[e] for e in range(num_experts)]
+        prefix = _param_prefix(param, targeted)
+        # ParamWrapper reads lora_A as [E, r, in] and lora_B as [out, r, E]
+        out[f"{prefix}.lora_A.weight"] = torch.cat([state[f"{m}.lora_a"] for m in modules])
+        out[f"{prefix}.lora_B.weight"] = torch.stack([state[f"{m}.lora_b"] for m in modules], dim=-1).flatten(1)
+    return out, sorted(f"mlp.experts.{name}" for name in targeted)
+
+
+def peft_tensors(policy) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """The PEFT state dict of ``policy``'s adapters, the target module leaf names and the target
+    (fused expert) parameters (collective: gathers every TP / EP / PP rank's adapters)."""
     state, rows = adapter_state(policy), _row_map(policy)
     _check_exportable(state, rows)
-    out: dict[str, torch.Tensor] = {}
+    out, parameters = _expert_tensors(state, policy.model_config.num_experts)
     leaves = set()
     for key in sorted(state):
         module, suffix = key.rsplit(".", 1)
-        if suffix != "lora_b":
+        if suffix != "lora_b" or _fused_target(module) is not None:
             continue
         a, b = state[f"{module}.lora_a"], state[key]
         for hf, (lo, hi), at, total in rows[module]:
@@ -79,19 +133,21 @@ def peft_tensors(policy) -> tuple[dict[str, torch.Tensor], list[str]]:
             out.setdefault(name_b, b.new_zeros(total, b.shape[1]))[lo:hi] = b[at: at + hi - lo]
             out[f"{_PREFIX}{hf}.lora_A.weight"] = a.clone()
             leaves.add(hf.rsplit(".", 1)[-1])
-    return {k: v.contiguous() for k, v in out.items()}, sorted(leaves)
+    return {k: v.contiguous() for k, v in out.items()}, sorted(leaves), parameters
 
 
 def export_peft(policy, directory: str | os.PathLike) -> Path:
     """Write ``policy``'s adapters as a PEFT LoRA directory (collective; rank 0 writes)."""
-    tensors, targets = peft_tensors(policy)
+    tensors, targets, parameters = peft_tensors(policy)
     path = Path(directory)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         lora = policy.lora
         config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": targets, "bias": "none",
+            # PEFT's ParamWrapper refuses any dropout; it is training-only, these files are for inference
+            "lora_dropout": 0.0 if parameters else lora.dropout, "target_modules": targets,
+            "target_parameters": parameters or None, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
             "base_model_name_or_path": None,
         }
@@ -120,6 +176,21 @@ def _whole_adapters(tensors: dict[str, torch.Tensor], rows) -> dict[str, tuple[t
     return whole
 
 
+def _whole_expert_adapters(tensors, rows, target_parameters: list[str], rank: int) -> dict:
+    """{megatron expert module: (A_e, B_e)} from the fused parameters' PEFT tensors (inverse of
+    ``_expert_tensors``)."""
+    targeted = {param.rsplit(".", 1)[-1] for param in target_parameters}
+    whole = {}
+    for module in rows:
+        target = _fused_target(module)
+        if target is None or target[0].rsplit(".", 1)[1] not in targeted:
+            continue
+        prefix = _param_prefix(target[0], targeted)
+        a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
+        whole[module] = (a.unflatten(0, (-1, rank))[target[1]], b.unflatten(1, (rank, -1))[..., target[1]])
+    return whole
+
+
 @torch.no_grad()
 def import_peft(policy, directory: str | os.PathLike) -> None:
     """Load a PEFT LoRA directory into ``policy``'s adapters (same rank and targets)."""
@@ -128,7 +199,9 @@ def import_peft(policy, directory: str | os.PathLike) -> None:
     if config["r"] != policy.lora.rank or float(config["lora_alpha"]) != policy.lora.alpha:
         raise ValueError(f"{path}: r={config['r']}, lora_alpha={config['lora_alpha']} differ from lora.rank="
                          f"{policy.lora.rank}, lora.alpha={policy.lora.alpha}")
-    whole = _whole_adapters(load_file(str(path / WEIGHTS_FILE)), _row_map(policy))
+    tensors, rows = load_file(str(path / WEIGHTS_FILE)), _row_map(policy)
+    whole = _whole_adapters(tensors, rows)
+    whole.update(_whole_expert_adapters(tensors, rows, config.get("target_parameters") or [], policy.lora.rank))
     for chunk in policy.chunks:
         for _, module in adapted_modules(chunk):
             if module.lora_name not in whole:
