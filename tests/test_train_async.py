@@ -76,7 +76,7 @@ def test_partial_rollouts_finish_requests_with_tokens_of_each_version_tagged_cor
     summary = json.loads((out / "summary.json").read_text())
     assert summary["async_rl"]["partial_rollout"] and summary["async_rl"]["partial_samples"] > 0
     for step, h in enumerate(_history(out, "step_000006")):
-        lag = min(step, 2)  # batch `step` started at version step - lag; a token more with each push after
+        lag = min(step, 2)  # batch `step` started at version step - lag; a token more at each step after
         counts = [h[f"async/tokens_version_lag_{d}"] for d in range(3)]
         assert counts[lag] >= 16 * 8 and not any(counts[lag + 1 :]), (step, counts)  # every first token
         if step >= 1:  # the answers of two tokens or more span the update(s)

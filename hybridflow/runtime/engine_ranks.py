@@ -14,8 +14,8 @@ engine rank r (joint rank actors + r; rank r of the engines' own default group)
      ("start", batch, prompts, params, seed, segment, version)
                                                 generate the batch now, keep its samples
                                                 (partial rollouts: its first segment, tagged)
-     ("advance", version, segment)              partial rollouts, after a push: continue the
-                                                kept batches' unfinished requests
+     ("advance", version, segment)              partial rollouts, as the actor trains: the kept
+                                                batches' unfinished requests go a segment on
      ("collect", batch)                         deliver them to the actor DP ranks
      ("intervals",)                             report when this rank generated since last asked
      ("save_buffer", dir) / ("load_buffer", dir)  the kept samples to / from a checkpoint
@@ -133,19 +133,24 @@ class _Buffer:
                 self.busy.append(started.report.interval)
 
     def advance(self, version: int, segment: int) -> None:
-        """Policy ``version`` is loaded: the kept batches' unfinished requests go on with it,
-        ``segment`` tokens more, and the batch trained next (``version``'s own) to its end."""
-        if self.engine is None:
-            return
-        for batch in sorted(self.kept):
-            if self.kept[batch].unfinished():
-                self.kept[batch], interval = replicas.advance(self.engine, self.kept[batch], version,
-                                                              segment=None if batch <= version else segment)
-                self.busy.append(interval)
+        """The engine holds policy ``version``: the unfinished requests of the kept batches that
+        an older version generated go ``segment`` tokens further with it."""
+        for batch in sorted(self.kept) if self.engine is not None else ():
+            if self.kept[batch].version != version:
+                self._continue(batch, version, segment)
+
+    def _continue(self, batch: int, version: int, segment: int | None) -> None:
+        if self.kept[batch].unfinished():
+            self.kept[batch], interval = replicas.advance(self.engine, self.kept[batch], version, segment=segment)
+            self.busy.append(interval)
 
     def collect(self, batch: int, num_prompts: int) -> None:
+        """Deliver batch ``batch``; a partial rollout's requests first run to their end with the
+        weights held now, the version of the step that trains on it (``batch``)."""
         from megatron_adapters.parallel import device
 
+        if batch in self.kept:
+            self._continue(batch, batch, None)
         replicas.collect(self.cfg, self.kept.pop(batch, None), num_prompts=num_prompts, channel=self.channel,
                          shard=None, device=device())
 

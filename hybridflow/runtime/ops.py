@@ -595,12 +595,9 @@ def update_critic(s: Session, node, f: dict, step: int) -> dict:
 def sync_weights(s: Session, node, f: dict, step: int) -> dict:
     if s.pipeline is not None:
         s.pipeline.training_done()
-    pushed = {}
-    if f["actor_metrics"].get("actor/updated") or s.sync.engine_drops_weights:  # else the engine has them
-        pushed = s.sync.push()
-    if s.pipeline is not None:
-        s.pipeline.pushed(step)
-    return {"rollout_weights": pushed}
+    if not f["actor_metrics"].get("actor/updated") and not s.sync.engine_drops_weights:
+        return {"rollout_weights": {}}  # the engine already has these weights
+    return {"rollout_weights": s.sync.push()}
 
 
 # --------------------------------------------------------------------------- evaluation

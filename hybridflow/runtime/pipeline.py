@@ -7,9 +7,10 @@ step k   rollout(k): [start k, at the start step]  ─────────�
                      collect k  ◄──── samples, to their DP ranks ─  deliver batch k
                      start k+1 .. k+L not yet started ──────►     generate them, one after another,
          old log-probs, advantages, update (version k -> k+1)      with the weights they hold now
+                     [advance k: partial rollouts] ──────►   the batches started before step k:
+                                                                their unfinished requests go on
+                                                                with version k, a segment more
          sync_weights: push version k+1 ─────────────────────►    (after the batches before it)
-                       [advance k+1: partial rollouts] ───►     the kept batches' unfinished requests
-                                                               go on with version k+1
          end_step: ("intervals",) ◄── when the engines generated ─  overlap of generation and training
 ```
 
@@ -20,10 +21,12 @@ against the trainer's old (proximal) log-probs. At a checkpoint the pending batc
 beside it with their versions (``async_rl.resume=checkpoint``) or left to be regenerated (drop).
 
 Partial rollouts (``async_rl.partial_rollout``): a batch started ahead generates at most
-``segment_tokens`` per request; after every push its unfinished requests continue with the new
-weights (``replicas.advance``), and the batch trained at the next step runs to its end. Each
-token keeps the version that sampled it (``RolloutSample.segments``, the trainer's
-``token_versions``); a sample's staleness is its oldest token's, still the batch's start version.
+``segment_tokens`` per request. At each later step, while the actor trains, its unfinished
+requests continue a segment further with that step's weights, the ones the last push brought
+(``replicas.advance``); collecting it runs them to their end with the weights of the step that
+trains on it. Each token keeps the version that sampled it (``RolloutSample.segments``, the
+trainer's ``token_versions``); a sample's staleness is its oldest token's, the batch's start
+version, so still within K.
 """
 
 from __future__ import annotations
@@ -74,11 +77,6 @@ class Pipeline:
                                  version if partial else None))
         self.pending[batch] = version
 
-    def pushed(self, step: int) -> None:
-        """Step ``step``'s weights (version step + 1) are on the engines: partial rollouts go on."""
-        if self.cfg.partial_rollout and self.pending:
-            self.s.channel.announce(("advance", step + 1, self.cfg.segment_tokens))
-
     def rollout(self, step: int) -> tuple[replicas.ReplicaOutput, int]:
         """Batch ``step``'s samples (this DP rank's) and the version that generated them; the
         batches up to ``step + lag`` are started before it returns."""
@@ -95,6 +93,8 @@ class Pipeline:
         version = self.pending.pop(step)
         for batch in after:
             self._start(batch, step)
+        if self.cfg.partial_rollout and any(v < step for v in self.pending.values()):
+            self.s.channel.announce(("advance", step, self.cfg.segment_tokens))
         self.window.append(time.time())
         return out, version
 

@@ -19,16 +19,18 @@ whole batch as one chunk, as before replicas existed.
 
 Asynchronous RL (separate placement) splits a call in two: ``start`` (the engine ranks generate
 at once and keep their samples) and, steps later, ``collect`` (the gather and delivery above).
-With partial rollouts a batch started ahead generates ``segment`` tokens per request, and after
-each weight push ``advance`` continues its unfinished requests with the new weights: every
-response token keeps the policy version that sampled it (``RolloutSample.segments``).
+With partial rollouts a batch started ahead generates ``segment`` tokens per request, and at
+each later step, then at its collection, ``advance`` continues its unfinished requests with the
+weights the engine holds by then: every response token keeps the policy version that sampled it
+(``RolloutSample.segments``).
 
 ```
-start b (version v)     chunk c: generate <= segment tokens per request (seed: chunk c's)
-push v+1, advance v+1   chunk c's unfinished requests: prompt + tokens so far as the prompt,
-                        <= segment more tokens (seed: chunk c's, segment 1), the prefix re-read
-                        with the new weights; routed experts kept from the segment that fed each
-                        token; the batch about to be collected (b = v+1) runs to its end instead
+start b (version v)       chunk c: generate <= segment tokens per request (seed: chunk c's)
+advance, at step v+1      chunk c's unfinished requests: prompt + tokens so far as the prompt,
+(engine at version v+1)   <= segment more tokens (seed: chunk c's, segment 1), the prefix re-read
+                          with the new weights; routed experts kept from the segment that fed
+                          each token
+collect b (version b)     the same, to the end of every request
 ```
 
 A driver whose engine is lost mid-call (``EngineLost``: a process of it died, or a call outran
@@ -255,6 +257,8 @@ class Started:
     seed: int = 0
     segments: int = 0
     """Continuations run so far (``advance``): each draws its own seeds."""
+    version: int | None = None
+    """The policy version that generated its latest tokens (partial rollouts)."""
 
     def merged(self, other: "Started") -> "Started":
         """Both shares as one (a resumed run with fewer replicas than saved buffers)."""
@@ -287,7 +291,8 @@ def start(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], param
     if version is None:
         return Started(samples, report)
     samples = [dataclasses.replace(x, segments=((0, version),)) for x in samples]
-    return Started(samples, report._replace(metas=[meta_of(x) for x in samples]), tuple(chunk_of), params, seed)
+    return Started(samples, report._replace(metas=[meta_of(x) for x in samples]), tuple(chunk_of), params, seed,
+                   version=version)
 
 
 def advance(engine, started: Started, version: int, *, segment: int | None) -> tuple[Started, tuple[float, float]]:
@@ -317,7 +322,8 @@ def advance(engine, started: Started, version: int, *, segment: int | None) -> t
     ended = time.time()
     report = started.report._replace(metas=[meta_of(x) for x in samples], error=error, lost=lost,
                                      seconds=started.report.seconds + (ended - began))
-    return dataclasses.replace(started, samples=samples, report=report, segments=started.segments + 1), (began, ended)
+    return (dataclasses.replace(started, samples=samples, report=report, segments=started.segments + 1, version=version),
+            (began, ended))
 
 
 def _continued(x: RolloutSample, more: RolloutSample, version: int) -> RolloutSample:

@@ -186,3 +186,26 @@ def test_the_plan_line_and_the_summary_state_partial_rollouts():
                {"async/token_staleness_mean": 1.5, "async/partial_samples": 20.0}]
     got = summarise_async(cfg.async_rl, history)
     assert (got["partial_rollout"], got["token_staleness_mean"], got["partial_samples"]) == (True, 1.0, 30.0)
+
+
+def test_the_engine_ranks_buffer_advances_batches_an_older_version_generated_and_finishes_at_collect(monkeypatch):
+    from hybridflow.runtime import engine_ranks
+
+    engine = ScriptedEngine(0)
+    buffer = engine_ranks._Buffer(_cfg(), engine_ranks._EngineRank(_cfg(), Path("."), 0, engine), Channel())
+    buffer.start(1, PROMPTS, PARAMS, 11, 1, 0)
+    buffer.advance(0, 1)  # started by this very version: nothing to continue yet
+    assert {x.segments for x in buffer.kept[1].samples} == {((0, 0),)}
+    engine.version = 1
+    buffer.start(2, PROMPTS, PARAMS, 12, 1, 1)
+    buffer.advance(1, 1)  # batch 1 goes a token on with version 1; batch 2 was just started by it
+    assert {x.segments for x in buffer.kept[1].samples if x.prompt_ids != (3, 4)} == {((0, 0), (1, 1))}
+    assert {x.segments for x in buffer.kept[2].samples} == {((0, 1),)}
+    delivered = []
+    monkeypatch.setattr(engine_ranks.replicas, "collect", lambda cfg, started, **kw: delivered.append(started))
+    buffer.collect(1, len(PROMPTS))  # step 1 trains on it: to the end with version 1, the engine's
+    assert not delivered[0].unfinished() and 1 not in buffer.kept
+    for x in delivered[0].samples:
+        if x.prompt_ids != (3, 4):
+            assert x.segments == ((0, 0), (1, 1), (2, 1)) and x.logprobs == pytest.approx((0.0,) + (-0.1,) * 5)
+    assert len(buffer.busy) == 4  # each generation's interval, for the overlap metric
