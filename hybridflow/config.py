@@ -174,14 +174,14 @@ class AsyncRLConfig:
     metrics) or drop (a resumed run regenerates them with the resumed weights)."""
     partial_rollout: bool = False
     """Weight updates that do not wait for generation: a batch started ahead samples at most
-    segment_tokens per request with the weights it started under; at each later step the engines
-    continue its unfinished requests a segment further with that step's weights, and collecting
-    it finishes them. Each token keeps the version that sampled it (metrics
-    async/tokens_version_lag_*). Otherwise each batch is generated whole with the version it
-    started under."""
+    segment_tokens per request with the weights it started under; at each later step, while the
+    actor trains, the engines continue its unfinished requests a segment further with that
+    step's weights, to their end at the step before it is trained on. Each token keeps the
+    version that sampled it (metrics async/tokens_version_lag_*). async with max_staleness >= 2
+    only. Otherwise each batch is generated whole with the version it started under."""
     segment_tokens: int = 8
-    """partial_rollout: the response tokens a request may sample per policy version (a batch
-    being collected runs to its end)."""
+    """partial_rollout: the response tokens a request may sample per policy version (the batch
+    trained next runs to its end)."""
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, ASYNC_MODES)

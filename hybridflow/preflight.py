@@ -130,6 +130,10 @@ def check_async(cfg: HybridflowConfig, plan=None) -> None:
                              "request spans a weight update; set async_rl.mode=one_step_off or async (or "
                              "async_rl.partial_rollout=false)")
         return
+    if a.partial_rollout and a.lag < 2:
+        raise ValueError(f"async_rl.partial_rollout=true with async_rl.mode={a.mode} (max_staleness {a.lag}): the "
+                         "next batch is finished during the step that starts it, so no request spans an update; set "
+                         "async_rl.mode=async with async_rl.max_staleness >= 2 (or async_rl.partial_rollout=false)")
     if a.partial_rollout and a.segment_tokens >= cfg.data.max_response_length:
         raise ValueError(f"async_rl.segment_tokens={a.segment_tokens} >= data.max_response_length="
                          f"{cfg.data.max_response_length}: every request would end in its first segment, so none spans "

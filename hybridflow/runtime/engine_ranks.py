@@ -133,10 +133,13 @@ class _Buffer:
                 self.busy.append(started.report.interval)
 
     def advance(self, version: int, segment: int) -> None:
-        """The engine holds policy ``version``: the unfinished requests of the kept batches that
-        an older version generated go ``segment`` tokens further with it."""
+        """The engine holds policy ``version`` while the actor trains it: the batch collected at
+        the next step runs to its end, and the unfinished requests of the later batches that an
+        older version generated go ``segment`` tokens further."""
         for batch in sorted(self.kept) if self.engine is not None else ():
-            if self.kept[batch].version != version:
+            if batch == version + 1:
+                self._continue(batch, version, None)
+            elif self.kept[batch].version != version:
                 self._continue(batch, version, segment)
 
     def _continue(self, batch: int, version: int, segment: int | None) -> None:
@@ -145,8 +148,8 @@ class _Buffer:
             self.busy.append(interval)
 
     def collect(self, batch: int, num_prompts: int) -> None:
-        """Deliver batch ``batch``; a partial rollout's requests first run to their end with the
-        weights held now, the version of the step that trains on it (``batch``)."""
+        """Deliver batch ``batch``; a partial rollout's requests left unfinished (none after the
+        previous step's advance) first run to their end with the weights held now (``batch``)."""
         from megatron_adapters.parallel import device
 
         if batch in self.kept:

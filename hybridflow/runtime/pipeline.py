@@ -7,9 +7,9 @@ step k   rollout(k): [start k, at the start step]  ─────────�
                      collect k  ◄──── samples, to their DP ranks ─  deliver batch k
                      start k+1 .. k+L not yet started ──────►     generate them, one after another,
          old log-probs, advantages, update (version k -> k+1)      with the weights they hold now
-                     [advance k: partial rollouts] ──────►   the batches started before step k:
-                                                                their unfinished requests go on
-                                                                with version k, a segment more
+                     [advance k: partial rollouts] ──────►   with version k: batch k+1 to its
+                                                                end, the batches after it started
+                                                                by older versions a segment more
          sync_weights: push version k+1 ─────────────────────►    (after the batches before it)
          end_step: ("intervals",) ◄── when the engines generated ─  overlap of generation and training
 ```
@@ -20,13 +20,14 @@ log-probs are the behaviour policy: ``algorithm.rollout_correction`` reweights t
 against the trainer's old (proximal) log-probs. At a checkpoint the pending batches are saved
 beside it with their versions (``async_rl.resume=checkpoint``) or left to be regenerated (drop).
 
-Partial rollouts (``async_rl.partial_rollout``): a batch started ahead generates at most
+Partial rollouts (``async_rl.partial_rollout``, K >= 2): a batch started ahead generates at most
 ``segment_tokens`` per request. At each later step, while the actor trains, its unfinished
 requests continue a segment further with that step's weights, the ones the last push brought
-(``replicas.advance``); collecting it runs them to their end with the weights of the step that
-trains on it. Each token keeps the version that sampled it (``RolloutSample.segments``, the
-trainer's ``token_versions``); a sample's staleness is its oldest token's, the batch's start
-version, so still within K.
+(``replicas.advance``); at the step before its collection they run to their end. So generation
+still overlaps training, and the later tokens come from newer weights than the batch started
+with. Each token keeps the version that sampled it (``RolloutSample.segments``, the trainer's
+``token_versions``); a sample's staleness is its oldest token's, the batch's start version, so
+still within K.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Pipeline:
         version = self.pending.pop(step)
         for batch in after:
             self._start(batch, step)
-        if self.cfg.partial_rollout and any(v < step for v in self.pending.values()):
+        if self.cfg.partial_rollout and self.pending:
             self.s.channel.announce(("advance", step, self.cfg.segment_tokens))
         self.window.append(time.time())
         return out, version

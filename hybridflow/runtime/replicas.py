@@ -20,9 +20,9 @@ whole batch as one chunk, as before replicas existed.
 Asynchronous RL (separate placement) splits a call in two: ``start`` (the engine ranks generate
 at once and keep their samples) and, steps later, ``collect`` (the gather and delivery above).
 With partial rollouts a batch started ahead generates ``segment`` tokens per request, and at
-each later step, then at its collection, ``advance`` continues its unfinished requests with the
-weights the engine holds by then: every response token keeps the policy version that sampled it
-(``RolloutSample.segments``).
+each later step ``advance`` continues its unfinished requests with the weights the engine holds
+by then (to their end at the step before its collection): every response token keeps the
+policy version that sampled it (``RolloutSample.segments``).
 
 ```
 start b (version v)       chunk c: generate <= segment tokens per request (seed: chunk c's)
@@ -30,7 +30,7 @@ advance, at step v+1      chunk c's unfinished requests: prompt + tokens so far 
 (engine at version v+1)   <= segment more tokens (seed: chunk c's, segment 1), the prefix re-read
                           with the new weights; routed experts kept from the segment that fed
                           each token
-collect b (version b)     the same, to the end of every request
+advance, at step b-1      the same, to the end of every request
 ```
 
 A driver whose engine is lost mid-call (``EngineLost``: a process of it died, or a call outran

@@ -163,8 +163,10 @@ def test_token_versions_follow_the_segments_and_travel_with_the_samples():
 
 @pytest.mark.parametrize("overrides, key", [
     (["async_rl.partial_rollout=true"], "async_rl.partial_rollout=true with async_rl.mode=sync"),
-    (["async_rl.mode=async", *SEPARATE, "async_rl.partial_rollout=true", "async_rl.segment_tokens=4"],
-     "async_rl.segment_tokens=4 >= data.max_response_length=4"),
+    (["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2", "async_rl.partial_rollout=true",
+      "async_rl.segment_tokens=4"], "async_rl.segment_tokens=4 >= data.max_response_length=4"),
+    (["async_rl.mode=one_step_off", *SEPARATE, "async_rl.partial_rollout=true", "async_rl.segment_tokens=1"],
+     "async_rl.partial_rollout=true with async_rl.mode=one_step_off"),
 ])
 def test_bad_partial_rollout_settings_are_one_line_errors_naming_the_keys(overrides, key):
     cfg = load_config(QUICKSTART, overrides)
@@ -178,8 +180,8 @@ def test_bad_partial_rollout_settings_are_one_line_errors_naming_the_keys(overri
 def test_the_plan_line_and_the_summary_state_partial_rollouts():
     from hybridflow.runtime.report import summarise_async
 
-    cfg = load_config(QUICKSTART, ["async_rl.mode=async", *SEPARATE, "async_rl.partial_rollout=true",
-                                   "async_rl.segment_tokens=1"])
+    cfg = load_config(QUICKSTART, ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2",
+                                   "async_rl.partial_rollout=true", "async_rl.segment_tokens=1"])
     check_async(cfg)
     assert "partial rollouts: 1 token(s) per request per version" in cfg.async_rl.describe()
     history = [{"async/token_staleness_mean": 0.5, "async/partial_samples": 10.0},
@@ -188,24 +190,28 @@ def test_the_plan_line_and_the_summary_state_partial_rollouts():
     assert (got["partial_rollout"], got["token_staleness_mean"], got["partial_samples"]) == (True, 1.0, 30.0)
 
 
-def test_the_engine_ranks_buffer_advances_batches_an_older_version_generated_and_finishes_at_collect(monkeypatch):
+def test_the_engine_ranks_buffer_advances_as_the_actor_trains_and_finishes_the_next_batch(monkeypatch):
     from hybridflow.runtime import engine_ranks
 
     engine = ScriptedEngine(0)
     buffer = engine_ranks._Buffer(_cfg(), engine_ranks._EngineRank(_cfg(), Path("."), 0, engine), Channel())
-    buffer.start(1, PROMPTS, PARAMS, 11, 1, 0)
+    buffer.start(2, PROMPTS, PARAMS, 11, 1, 0)  # step 0 of K=3: batches 2 and 3 started by version 0
+    buffer.start(3, PROMPTS, PARAMS, 12, 1, 0)
     buffer.advance(0, 1)  # started by this very version: nothing to continue yet
-    assert {x.segments for x in buffer.kept[1].samples} == {((0, 0),)}
+    assert {x.segments for b in (2, 3) for x in buffer.kept[b].samples} == {((0, 0),)}
     engine.version = 1
-    buffer.start(2, PROMPTS, PARAMS, 12, 1, 1)
-    buffer.advance(1, 1)  # batch 1 goes a token on with version 1; batch 2 was just started by it
-    assert {x.segments for x in buffer.kept[1].samples if x.prompt_ids != (3, 4)} == {((0, 0), (1, 1))}
-    assert {x.segments for x in buffer.kept[2].samples} == {((0, 1),)}
+    buffer.start(4, PROMPTS, PARAMS, 13, 1, 1)
+    buffer.advance(1, 1)  # batch 2 (trained at step 2) to its end, batch 3 a token on, batch 4 waits
+    two = {x.segments for x in buffer.kept[2].samples if x.prompt_ids != (3, 4)}
+    assert two == {((0, 0), (1, 1))} and not buffer.kept[2].unfinished()
+    assert {x.segments for x in buffer.kept[3].samples if x.prompt_ids != (3, 4)} == {((0, 0), (1, 1))}
+    assert {x.segments for x in buffer.kept[4].samples} == {((0, 1),)}
+    engine.version = 2
     delivered = []
     monkeypatch.setattr(engine_ranks.replicas, "collect", lambda cfg, started, **kw: delivered.append(started))
-    buffer.collect(1, len(PROMPTS))  # step 1 trains on it: to the end with version 1, the engine's
-    assert not delivered[0].unfinished() and 1 not in buffer.kept
+    buffer.collect(2, len(PROMPTS))  # nothing left to generate: delivered as it is
+    assert delivered[0] is not None and 2 not in buffer.kept and delivered[0].version == 1
     for x in delivered[0].samples:
         if x.prompt_ids != (3, 4):
-            assert x.segments == ((0, 0), (1, 1), (2, 1)) and x.logprobs == pytest.approx((0.0,) + (-0.1,) * 5)
-    assert len(buffer.busy) == 4  # each generation's interval, for the overlap metric
+            assert x.logprobs == pytest.approx((0.0,) + (-0.1,) * 5)
+    assert len(buffer.busy) == 5  # each generation's interval, for the overlap metric
