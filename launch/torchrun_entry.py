@@ -4,12 +4,15 @@ torch.distributed.run itself, called without its ``@record`` wrapper, so that it
 print one line each instead of a traceback: a stop signal (``SignalException``, the launcher
 forwarding SIGINT / SIGTERM / SIGHUP) prints nothing, since the launcher says ``stopped by``;
 failed ranks (``ChildFailedError``) print one line per rank with its exit code or signal, and
-the launcher then names the first failure with its error (``launch.failures``). Everything
-else, the ranks' own output included, passes through as before.
+the launcher then names the first failure with its error (``launch.failures``). torchrun's
+"Received N death signal" and "Sending process N closing signal" warnings are dropped too: the
+launcher's line says the same.
+Everything else, the ranks' own output included, passes through as before.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 __all__ = ["TORCHRUN", "main"]
@@ -23,7 +26,14 @@ def _describe(rank: int, failure) -> str:
     return f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
 
 
+def _without_signal_warnings(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return "closing signal" not in message and "death signal" not in message
+
+
 def main(argv: list[str] | None = None) -> int:
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_without_signal_warnings)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

@@ -441,25 +441,48 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run(cfg, channel)
     except stops.Stopped as stop:  # engines are shut down (run); now leave at once
-        if os.environ.get("RANK", "0") == "0":  # one line for the job: every rank got the signal
-            logging.getLogger("hybridflow.train").warning("%s", stop)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # no process-group teardown: a step cut short leaves collectives unmatched, and
-        # destroying their groups then waits for peers that are gone (seen: until torchrun's SIGKILL)
-        os._exit(128 + stop.signum)
+        _leave(stop)
     except DeviceMemoryError as error:  # one line, not a traceback: the message says what to change
         record_failure(error)
         logging.getLogger("hybridflow.train").error("%s", error)
         sys.stderr.write(f"hybridflow train: error: {error}\n")
         return 1
     except BaseException as error:  # before the clean-up below: a peer's later error cannot look first
+        try:
+            _wait_for_a_stop(error)
+        except stops.Stopped as stop:
+            _leave(stop)
         record_failure(error)
         raise
     finally:
         parallel.teardown()
         dist.destroy_process_group()
     return 0
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+STOP_GRACE_S = 2.0
+"""How long a rank whose collective broke because a peer left waits for a stop signal of its own."""
+
+
+def _wait_for_a_stop(error: BaseException) -> None:
+    """A collective broken by a peer that left: torchrun forwards a stop signal to the ranks one
+    after another, so a peer that took it first may be gone before this rank's arrives. Wait for
+    it briefly (it raises ``Stopped`` here): a stop then ends as a stop, not as a gloo traceback.
+    Only for a lost peer, so a rank's own failure is recorded at once and stays the first."""
+    if isinstance(error, Exception) and any(gone in str(error) for gone in _PEER_GONE):
+        time.sleep(STOP_GRACE_S)
+
+
+def _leave(stop: stops.Stopped) -> None:
+    """Exit on a stop signal, after one line from rank 0 (every rank got the signal)."""
+    if os.environ.get("RANK", "0") == "0":
+        logging.getLogger("hybridflow.train").warning("%s", stop)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no process-group teardown: a step cut short leaves collectives unmatched, and
+    # destroying their groups then waits for peers that are gone (seen: until torchrun's SIGKILL)
+    os._exit(128 + stop.signum)
 
 
 if __name__ == "__main__":

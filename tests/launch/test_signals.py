@@ -180,6 +180,10 @@ def test_a_signal_stops_every_process_of_hybridflow_train(tmp_path, sig) -> None
     assert code == 128 + sig, job.text()[-3000:]
     assert gone_s < STOP_BOUND_S, gone_s
     assert job.text().rstrip().splitlines()[-1] == f"hybridflow train: stopped by {name}; exit status {128 + sig}"
+    # one line from the ranks (rank 0's), none of torchrun's signal warnings
+    text = job.text()
+    assert text.count(f"WARNING: stopped by {name}") <= 1, text[-3000:]
+    assert "closing signal" not in text and "death signal" not in text, text[-3000:]
     assert check_checkpoints(out) == []  # every complete checkpoint is whole; a cut one stays .partial
     assert not (out / ERROR_FILE).exists()  # a stop is not a failure
 
