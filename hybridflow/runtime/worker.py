@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-STOP_GRACE_S = 2.0
+PEER_STOP_WAIT_S = 2.0
 """How long a rank whose collective broke because a peer left waits for a stop signal of its own."""
 
 
@@ -471,7 +471,7 @@ def _wait_for_a_stop(error: BaseException) -> None:
     it briefly (it raises ``Stopped`` here): a stop then ends as a stop, not as a gloo traceback.
     Only for a lost peer, so a rank's own failure is recorded at once and stays the first."""
     if isinstance(error, Exception) and any(gone in str(error) for gone in _PEER_GONE):
-        time.sleep(STOP_GRACE_S)
+        time.sleep(PEER_STOP_WAIT_S)
 
 
 def _leave(stop: stops.Stopped) -> None:
