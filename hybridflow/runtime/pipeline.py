@@ -6,10 +6,11 @@ actor ranks (every one calls it; rank 0's announcements)       engine ranks (eng
 step k   rollout(k): [start k, at the start step]  ─────────►   generate batch k, keep it
                      collect k  ◄──── samples, to their DP ranks ─  deliver batch k
                      start k+1 .. k+L not yet started ──────►     generate them, one after another,
-         old log-probs, advantages, update (version k -> k+1)      with the weights they hold now
-                     [advance k: partial rollouts] ──────►   with version k: batch k+1 to its
-                                                                end, the batches after it started
-                                                                by older versions a segment more
+                                                                  with the weights they hold now
+                     [advance k: partial rollouts] ─────────►     with version k: batch k+1 to its
+                                                                  end, the later batches started
+                                                                  by older versions a segment on
+         old log-probs, advantages, update (version k -> k+1)
          sync_weights: push version k+1 ─────────────────────►    (after the batches before it)
          end_step: ("intervals",) ◄── when the engines generated ─  overlap of generation and training
 ```
