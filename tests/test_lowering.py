@@ -214,7 +214,9 @@ def test_lowering_deepseek_v3_with_the_reshard_takes_seconds():
     # CPU time of this process, not wall time: the test machine's cores are shared
     start = time.process_time()
     plan = lower(cfg)
-    assert time.process_time() - start < 10  # about 3 s on one core
+    # about 3 s on an idle core, 13 s on this machine on a slow day: the bound catches a planner
+    # gone quadratic (minutes at this size), not a slow machine
+    assert time.process_time() - start < 40
     assert plan.weight_syncs[0].stats.bytes > 0
     assert plan.placement.num_gpus == 256
 
