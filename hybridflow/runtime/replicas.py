@@ -315,10 +315,8 @@ def advance(engine, started: Started, version: int, *, segment: int | None) -> t
             for more in out.samples:
                 i = rows[more.prompt_index]
                 samples[i] = _continued(samples[i], more, version)
-    except EngineLost as failure:
-        error, lost = str(failure), True
     except Exception as failure:
-        error = f"{type(failure).__name__}: {failure}"
+        error, lost = _described(failure)
     ended = time.time()
     report = started.report._replace(metas=[meta_of(x) for x in samples], error=error, lost=lost,
                                      seconds=started.report.seconds + (ended - began))
@@ -364,10 +362,17 @@ def _attempt(engine, prompts: Sequence, params: SamplingParams, seed: int, chunk
         samples, seconds, chunk_of = _drive(engine, prompts, params, seed, chunks, counter, kill=kill)
         return samples, _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank,
                                 interval=(began, time.time())), chunk_of
-    except EngineLost as error:  # its message is the cause: which process, or the timeout
-        return [], _Report(replica, [], 0.0, str(error), dp_rank, lost=True), []
-    except Exception as error:
-        return [], _Report(replica, [], 0.0, f"{type(error).__name__}: {error}", dp_rank), []
+    except Exception as failure:
+        error, lost = _described(failure)
+        return [], _Report(replica, [], 0.0, error, dp_rank, lost=lost), []
+
+
+def _described(failure: Exception) -> tuple[str, bool]:
+    """(the report's error, whether the engine is lost): a lost engine's message is the cause
+    (which process, or the timeout); any other error is named with its type."""
+    if isinstance(failure, EngineLost):
+        return str(failure), True
+    return f"{type(failure).__name__}: {failure}", False
 
 
 def _inject_fault(replica: int, call: int) -> None:
