@@ -38,3 +38,13 @@ def full_run(tmp_path_factory):
     from tests.test_train import uninterrupted_run
 
     return uninterrupted_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def separate_run(tmp_path_factory):
+    """The uninterrupted separate-placement run (``tests.test_train_separate``, two tp=1 engine
+    ranks) and its stdout: checked there, and reproduced by the killed engines of
+    ``tests/test_engine_restart.py``."""
+    from tests.test_train_separate import uninterrupted_separate_run
+
+    return uninterrupted_separate_run(tmp_path_factory)

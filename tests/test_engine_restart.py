@@ -10,7 +10,7 @@ uninterrupted one (``tests/conftest.py``'s ``full_run``, the same config, determ
 With ``rollout.placement=separate`` (two engine ranks, one tp=1 replica each) replica 1 loses
 its engine while step 2 generates and replica 0 while step 2's weights are pushed to it: the
 engine ranks restart their engines inside the call, with the actor ranks, and again the run
-matches an uninterrupted one.
+matches the uninterrupted one (``separate_run``, the learning run of tests/test_train_separate.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hybridflow.config import load_config
 from hybridflow.runtime import recovery, replicas
 from hybridflow.runtime import sync as sync_module
 from tests.test_train import DETERMINISTIC, _deterministic, _history, _ok, _train
+from tests.test_train_separate import SEPARATE
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
 KILLED = "rollout/engine_restarts"
@@ -58,25 +59,21 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
     assert [{k: v for k, v in h.items() if k != KILLED} for h in _deterministic(history)] == _deterministic(whole)
 
 
-SEPARATE = ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", "run.steps=3",
-            "run.checkpoint_every=3"]
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
-def test_separate_engines_killed_mid_generate_and_mid_push_are_restarted_and_the_run_matches(tmp_path: Path) -> None:
+def test_separate_engines_killed_mid_generate_and_mid_push_are_restarted_and_the_run_matches(
+        tmp_path: Path, separate_run) -> None:
     # generate call 3 is step 2's; push 3 is step 2's (push 1 filled the engines, push 2 was step 1's)
     faults = {replicas.FAULT_KILL_ENV: "1@3", replicas.FAULT_KILL_PUSH_ENV: "0@3"}
-    killed = _train(tmp_path / "killed", *SEPARATE, env=faults)
+    killed = _train(tmp_path / "killed", *SEPARATE, env=faults)  # the config of separate_run
     _ok(killed)
     assert _restarts_of(0, killed.stderr) == _restarts_of(1, killed.stderr) == 1, killed.stderr[-3000:]
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert summary["engine_restarts"] == 2, summary
-    history = _history(tmp_path / "killed", "step_000003")
-    assert [h.get(KILLED, 0.0) for h in history] == [0.0, 2.0, 0.0]
+    history = _history(tmp_path / "killed", "step_000006")
+    assert [h.get(KILLED, 0.0) for h in history] == [0.0, 2.0, 0.0, 0.0, 0.0, 0.0]
 
-    _ok(_train(tmp_path / "whole", *SEPARATE))
-    whole = _history(tmp_path / "whole", "step_000003")
+    whole = _history(separate_run[0], "step_000006")
     assert [{k: v for k, v in h.items() if k != KILLED} for h in _deterministic(history)] == _deterministic(whole)
 
 

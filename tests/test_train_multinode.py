@@ -55,8 +55,10 @@ def test_both_nodes_name_the_rank_that_failed_first_even_on_the_other_node(tmp_p
     """Rank 1 (node 1) raises when RL starts; rank 0 (node 0) then fails too, later, on the
     closed connection. Node 0's launcher sees rank 1's record through the run directory."""
     out, port = tmp_path / "failing", _free_port()
-    overrides = [f"run.output_dir={out}", "rollout.gpus_per_node=1", "sft.steps=1", "run.steps=2",
-                 "run.heldout_prompts=0"]
+    # the transformers engine, in the ranks' own processes: what fails here is a rank, not the
+    # engine, and SGLang's start would be most of the test's time
+    overrides = [f"run.output_dir={out}", "rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full",
+                 "sft.steps=1", "run.steps=2", "run.heldout_prompts=0"]
     logs = _two_agents(port, 1, overrides, env={"HYBRIDFLOW_RAISE_AT_STEP": "0:1"}, succeed=False)
     cause = "hybridflow launch: rank 1 failed: RuntimeError: HYBRIDFLOW_RAISE_AT_STEP=0:1: simulated failure in rank 1"
     assert [log.strip().splitlines()[-1] for log in logs] == [cause, cause], logs[0][-3000:] + logs[1][-3000:]
