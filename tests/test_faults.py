@@ -55,7 +55,6 @@ def _actor_tensors(out: Path, checkpoint: str) -> dict[str, torch.Tensor]:
 
 
 def test_killed_ranks_resume_and_reproduce_the_uninterrupted_run(full_run: Path, tmp_path: Path):
-    reference = full_run
     harness = FaultHarness(CONFIG, SHORT, output_dir=tmp_path / "faulted", nproc=NPROC, steps=STEPS,
                            faults=FAULTS, seed=SEED, timeout_s=1500, launch_args=_endpoint())
     report = harness.run()
@@ -71,8 +70,8 @@ def test_killed_ranks_resume_and_reproduce_the_uninterrupted_run(full_run: Path,
         # resumed from the newest complete checkpoint there was (0: the SFT one), never past the kill
         assert kill.resumed_from is not None, summary
         assert (kill.newest_checkpoint or 0) <= kill.resumed_from <= kill.steps_done, summary
-    assert final_metrics(tmp_path / "faulted") == final_metrics(reference)
-    mine, theirs = _actor_tensors(tmp_path / "faulted", "step_000004"), _actor_tensors(reference, "step_000004")
+    assert final_metrics(tmp_path / "faulted") == final_metrics(full_run)
+    mine, theirs = _actor_tensors(tmp_path / "faulted", "step_000004"), _actor_tensors(full_run, "step_000004")
     assert mine.keys() == theirs.keys()
     weights = [name for name, value in theirs.items() if isinstance(value, torch.Tensor)]
     assert weights

@@ -253,9 +253,6 @@ def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(full_run:
     The ReMax run also pushes by ``rollout.sync_route=full``: whole HF tensors gathered to the
     driver, every engine rank receives all of them; the engine then scores like the trainer, as
     with the sliced route of ``full_run``."""
-    from hybridflow.config import load_config
-    from reshard.hf import hf_layout
-
     out = tmp_path / algorithm
     route = ["rollout.sync_route=full"] if algorithm == "remax" else []
     _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2", *route))
@@ -264,13 +261,21 @@ def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(full_run:
     # a DAPO step that kept no group has no rows to score (and skips its update)
     checked = [h["rollout/logprob_diff_max"] for h in history if "rollout/logprob_diff_max" in h]
     assert checked and max(checked) < LOGPROB_TOL, history
-    if not route:
-        return
+    if route:
+        _check_full_route(out, full_run)
+
+
+def _check_full_route(out: Path, sliced_run: Path) -> None:
+    """Every push of ``out`` (``rollout.sync_route=full``) carried the whole model to each engine
+    rank; ``sliced_run``'s (the default sliced route) carried less."""
+    from hybridflow.config import load_config
+    from reshard.hf import hf_layout
+
     cfg = load_config(ROOT / "configs" / "quickstart_cpu.yaml")
     model_bytes = sum(math.prod(shape) * 4 for shape in hf_layout(cfg.model, dtype="float32").param_shapes(0).values())
-    # a step whose update was skipped syncs nothing; the run pushed at least once, and so did full_run
-    pushed_full = [h["sync/engine_bytes"] for h in history if "sync/engine_bytes" in h]
-    pushed_sliced = [h["sync/engine_bytes"] for h in _history(full_run, "step_000002") if "sync/engine_bytes" in h]
+    # a step whose update was skipped syncs nothing; each run pushed at least once
+    pushed_full = [h["sync/engine_bytes"] for h in _history(out, "step_000002") if "sync/engine_bytes" in h]
+    pushed_sliced = [h["sync/engine_bytes"] for h in _history(sliced_run, "step_000002") if "sync/engine_bytes" in h]
     assert pushed_full and pushed_sliced
     assert set(pushed_full) == {cfg.rollout.tp * model_bytes}
     assert max(pushed_sliced) < cfg.rollout.tp * model_bytes
