@@ -30,6 +30,10 @@ _DEVICE_MODE: "_CudaToCpuMode | None" = None
 # CUDA-only packages that sglang installs and megatron imports inside `except ImportError`.
 # Their import raises OSError (libcuda.so.1 missing), which those guards do not catch.
 CUDA_ONLY_MODULES = ("flash_mla",)
+GPU_KERNEL_PACKAGES = ("flashinfer", "deep_ep")
+"""GPU kernel libraries that sglang installs and megatron-core's import reaches through guarded
+imports (``try: import flashinfer``; inference contexts, the DeepEP token dispatcher). On a CPU
+they import fine but only cost time: about 3.5 s of CPU in each process that imports megatron."""
 
 
 def on_cpu() -> bool:
@@ -52,7 +56,24 @@ def block_cuda_only_imports() -> None:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]
     _quiet_gpu_extra_fallback_warnings()
-    _disable_jit_fuser()
+    with _absent_while_megatron_imports(GPU_KERNEL_PACKAGES):
+        _disable_jit_fuser()  # imports megatron.core
+
+
+@contextlib.contextmanager
+def _absent_while_megatron_imports(names: tuple[str, ...]):
+    """``names`` raise ImportError inside the block (megatron's guards then take their no-kernel
+    branch), and import normally after it: SGLang, in the same rank process, imports some of
+    them without a guard."""
+    blocked = [name for name in names if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in blocked:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
 
 
 GPU_EXTRA_WARNINGS = (r"Apex is not installed", r"Transformer Engine and Apex are not installed")

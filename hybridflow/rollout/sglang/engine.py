@@ -141,7 +141,8 @@ def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: 
     contexts_before = _zmq_context_ids()
     started = time.perf_counter()
     try:
-        engine = sglang.Engine(**args)
+        with cpu.forked_engine_processes() if on_cpu else contextlib.nullcontext():
+            engine = sglang.Engine(**args)
     except BaseException:
         _close_new_zmq_contexts(contexts_before)
         _reap_children(frozenset(children_before))

@@ -87,3 +87,51 @@ def test_a_stand_in_kernel_records_the_call_and_raises(tmp_path):
     assert "raised: sgl_kernel.elementwise.silu_and_mul was called" in done.stdout
     pid, name = calls.split()
     assert name == "sgl_kernel.elementwise.silu_and_mul" and pid.isdigit()
+
+
+@pytest.mark.parametrize("omp,threads,expected", [("1", 1, True), (None, 1, False), ("2", 2, False), ("1", 2, False)])
+def test_engine_processes_fork_only_where_openmp_never_ran_threads(monkeypatch, omp, threads, expected):
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert cpu.can_fork_engine_processes() is expected
+
+
+FORKED_ENGINE = """
+    import os, pathlib, sys, psutil, torch, torch.distributed as dist
+    from hybridflow.rollout.base import SamplingParams, make_engine
+    from tests.rollout.sglang.reference import tiny_model_dir
+    if __name__ == "__main__":
+        dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/pg", rank=0, world_size=1)
+        marker = open(os.path.join(sys.argv[1], "marker"), "w")  # a forked child inherits this open file
+        engine = make_engine("sglang", model_path=str(tiny_model_dir(pathlib.Path(sys.argv[1]), "qwen2", seed=0)), tp=2,
+                             max_total_tokens=1024)
+        children = psutil.Process().children()
+        print("FORKED", sorted(marker.name in [f.path for f in c.open_files()] for c in children))
+        batch = engine.generate([[7, 8, 9, 10]], SamplingParams(max_new_tokens=3))
+        print("TOKENS", len(batch.samples[0].response_ids))
+        engine.shutdown()
+        ones = torch.ones(2)
+        dist.all_reduce(ones)  # the rank's own process group is untouched by the children's
+        print("WORLD", dist.get_world_size(), ones.tolist())
+        dist.destroy_process_group()
+"""
+
+
+def test_a_rank_forks_a_tp2_engines_processes_and_keeps_its_process_group(tmp_path):
+    """The hybridflow rank's case (one OpenMP thread, a gloo process group up): the schedulers and
+    the detokenizer are forked (they hold a file the rank opened; a spawned process starts with
+    none of its files), they build their own TP group of 2 and generate, and the
+    rank's group still works after the engine stops."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(FORKED_ENGINE))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "FORKED [True, True, True]" in done.stdout, done.stdout[-2000:]
+    assert "TOKENS 3" in done.stdout and "WORLD 1 [1.0, 1.0]" in done.stdout, done.stdout[-2000:]
