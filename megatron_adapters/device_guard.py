@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ENV", "DeviceGuardError", "check_on_device", "enabled", "install", "is_host"]
+__all__ = ["ENV", "DeviceGuardError", "check_on_device", "enabled", "install", "is_host", "uninstall"]
 
 ENV = "HYBRIDFLOW_DEVICE_GUARD"
 """Set to 1 to turn the guard on in this process (and the processes it starts)."""
@@ -55,6 +55,8 @@ _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor
                 "reduce", "gather", "scatter", "_all_gather_base", "_reduce_scatter_base")
 _host_groups: set[int] = set()
 _mode: "_TrackPlacement | None" = None
+_replaced: dict[tuple[Any, str], Any] = {}
+"""(module, name) -> the function ``install`` replaced there, for ``uninstall``."""
 
 
 class DeviceGuardError(RuntimeError):
@@ -90,17 +92,41 @@ def install() -> None:
     global _mode
     if _mode is not None:
         return
-    _wrap_new_group()
+    _replace(dist, "new_group", _host_group_recorder(dist.new_group))
     for name in _COLLECTIVES:
         if hasattr(dist, name):
-            setattr(dist, name, _checked(getattr(dist, name), name))
+            _replace(dist, name, _checked(getattr(dist, name), name))
     # P2POp accepts only the functions named isend / irecv in c10d's own namespace: rebind those
     # two there as well (the others stay: object collectives call them with host tensors of
     # their own, which is right for gloo and which they move themselves for NCCL)
-    c10d.isend, c10d.irecv = dist.isend, dist.irecv
-    dist.batch_isend_irecv = _checked_p2p(dist.batch_isend_irecv)
+    _replace(c10d, "isend", dist.isend)
+    _replace(c10d, "irecv", dist.irecv)
+    _replace(dist, "batch_isend_irecv", _checked_p2p(dist.batch_isend_irecv))
     _mode = _TrackPlacement()
     _mode.__enter__()
+
+
+def uninstall() -> None:
+    """Turn the guard off again (idempotent): the wrapped functions restored, the tracking mode left.
+
+    For a process forked from a guarded rank that is not a rank itself (SGLang's forked engine
+    processes, ``hybridflow/rollout/sglang/cpu.py``): a spawned one would never have had it, and
+    under the tracking mode SGLang's tp=2 CPU forward gave uniform logits (every log-prob
+    -log V), which the guard must never do to a result."""
+    global _mode
+    if _mode is None:
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    for (module, name), original in _replaced.items():
+        setattr(module, name, original)
+    _replaced.clear()
+    _host_groups.clear()
+
+
+def _replace(module: Any, name: str, function: Any) -> None:
+    _replaced.setdefault((module, name), getattr(module, name))
+    setattr(module, name, function)
 
 
 def install_from_env() -> None:
@@ -209,9 +235,7 @@ class _TrackPlacement(TorchFunctionMode):
 # ---------------------------------------------------------------------------- collectives
 
 
-def _wrap_new_group() -> None:
-    original = dist.new_group
-
+def _host_group_recorder(original):
     @functools.wraps(original)
     def new_group(*args, **kwargs):
         group = original(*args, **kwargs)
@@ -220,7 +244,7 @@ def _wrap_new_group() -> None:
             _host_groups.add(id(group))
         return group
 
-    dist.new_group = new_group
+    return new_group
 
 
 def _check_tensors(name: str, value: Any, group: Any) -> None:

@@ -49,6 +49,15 @@ SCENARIOS = textwrap.dedent('''
         "p2p_op_builds": type(dist.P2POp(dist.isend, made, 0)).__name__,
         "env": g.ENV,
     }
+    guarded = dist.all_reduce
+    g.uninstall()  # what a forked engine process does first (rollout/sglang/cpu.py)
+    out["after_uninstall"] = {
+        "host_factory": attempt(lambda: dist.all_reduce(torch.zeros(1))),
+        "unmarked": not g.is_host(torch.zeros(1)),
+        "originals_back": dist.all_reduce is not guarded and dist.all_reduce.__module__.endswith("distributed_c10d")
+                          and dist.isend is dist.distributed_c10d.isend,
+        "modes_left": torch._C._len_torch_function_stack(),
+    }
     print(json.dumps(out))
 ''')
 
@@ -75,6 +84,9 @@ def test_guard_marks_host_tensors_and_checks_collectives():
     assert out["check_on_device"].startswith("caught: trainer input: tensor 'input_ids'")
     assert out["p2p_op_builds"] == "P2POp"  # P2POp still accepts the guarded isend
     assert out["env"] == DEVICE_GUARD_ENV  # the variable tests/conftest.py sets for every test process
+    # uninstalled, the process is as it was before install: nothing tracked, c10d's own functions
+    assert out["after_uninstall"] == {"host_factory": "ok", "unmarked": True, "originals_back": True,
+                                      "modes_left": 0}
 
 
 @pytest.mark.distributed

@@ -221,5 +221,8 @@ def test_a_failing_rank_is_the_last_line_and_the_error_file(tmp_path) -> None:
     lines = job.text().rstrip().splitlines()
     assert code == 1, lines[-30:]
     assert lines[-1] == expected
-    assert sum("simulated failure" in line for line in lines[-40:]) == 1  # torchrun's block names no error
+    # the failing rank's own traceback (its lines prefixed "[rank1]:") names the error too, and may
+    # come last when rank 0 is killed before it prints; torchrun's block and ours must name it once
+    ours = [line for line in lines if "simulated failure" in line and not line.startswith("[rank")]
+    assert ours == [expected], ours
     assert (out / ERROR_FILE).read_text() == expected + "\n"

@@ -199,10 +199,16 @@ def _install_fork_hooks() -> None:
 
 
 def _as_if_spawned() -> None:
-    """In a forked engine process: a fresh interpreter's signal handlers and no process group."""
+    """In a forked engine process: a fresh interpreter's signal handlers, no process group and no
+    device guard (the tests' placement tracker, ``megatron_adapters/device_guard.py``)."""
     if not _Forking.active:
         return
     _Forking.active = False
+    # looked up, not imported: this package does not depend on megatron_adapters, and a process
+    # that never imported the guard has none to leave
+    guard = sys.modules.get("megatron_adapters.device_guard")
+    if guard is not None:
+        guard.uninstall()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -104,18 +104,22 @@ def test_engine_processes_fork_only_where_openmp_never_ran_threads(monkeypatch, 
 FORKED_ENGINE = """
     import os, pathlib, sys, psutil, torch, torch.distributed as dist
     from hybridflow.rollout.base import SamplingParams, make_engine
-    from tests.rollout.sglang.reference import tiny_model_dir
+    from megatron_adapters import device_guard
+    from tests.rollout.sglang.reference import hf_logprobs, load_hf, tiny_model_dir
     if __name__ == "__main__":
+        device_guard.install()  # as in every rank the tests start (parallel.initialize)
         dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/pg", rank=0, world_size=1)
         marker = open(os.path.join(sys.argv[1], "marker"), "w")  # a forked child inherits this open file
-        engine = make_engine("sglang", model_path=str(tiny_model_dir(pathlib.Path(sys.argv[1]), "qwen2", seed=0)), tp=2,
-                             max_total_tokens=1024)
+        path = tiny_model_dir(pathlib.Path(sys.argv[1]), "qwen2", seed=0)
+        engine = make_engine("sglang", model_path=str(path), tp=2, max_total_tokens=1024)
         children = psutil.Process().children()
         print("FORKED", sorted(marker.name in [f.path for f in c.open_files()] for c in children))
-        batch = engine.generate([[7, 8, 9, 10]], SamplingParams(max_new_tokens=3))
-        print("TOKENS", len(batch.samples[0].response_ids))
+        sample = engine.generate([[7, 8, 9, 10]], SamplingParams(max_new_tokens=3)).samples[0]
+        print("TOKENS", len(sample.response_ids))
         engine.shutdown()
-        ones = torch.ones(2)
+        reference = hf_logprobs(load_hf(path), list(sample.prompt_ids), list(sample.response_ids))
+        print("LOGPROB_DIFF", (torch.tensor(sample.logprobs) - reference).abs().max().item())
+        ones = torch.ones(2, device="cpu")  # the rank's device here (the guard is on)
         dist.all_reduce(ones)  # the rank's own process group is untouched by the children's
         print("WORLD", dist.get_world_size(), ones.tolist())
         dist.destroy_process_group()
@@ -123,10 +127,11 @@ FORKED_ENGINE = """
 
 
 def test_a_rank_forks_a_tp2_engines_processes_and_keeps_its_process_group(tmp_path):
-    """The hybridflow rank's case (one OpenMP thread, a gloo process group up): the schedulers and
-    the detokenizer are forked (they hold a file the rank opened; a spawned process starts with
-    none of its files), they build their own TP group of 2 and generate, and the
-    rank's group still works after the engine stops."""
+    """The hybridflow rank's case under the tests (one OpenMP thread, a gloo process group up, the
+    device guard on): the schedulers and the detokenizer are forked (they hold a file the rank
+    opened; a spawned process starts with none of its files), they build their own TP group of 2
+    and score as the HF model does (the guard inherited by a fork once made every log-prob
+    -log V), and the rank's group still works after the engine stops."""
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(FORKED_ENGINE))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
@@ -135,3 +140,5 @@ def test_a_rank_forks_a_tp2_engines_processes_and_keeps_its_process_group(tmp_pa
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "FORKED [True, True, True]" in done.stdout, done.stdout[-2000:]
     assert "TOKENS 3" in done.stdout and "WORLD 1 [1.0, 1.0]" in done.stdout, done.stdout[-2000:]
+    diff = float(done.stdout.split("LOGPROB_DIFF ")[1].split()[0])
+    assert diff < 1e-4, done.stdout[-2000:]  # fp32 CPU kernels; observed ~2e-6
