@@ -12,8 +12,10 @@ moves between layouts too, with and without expert parallelism: ``model.mark_exp
 puts routed experts in their own optimizer in every layout, so the dense + expert optimizer
 chain has the same structure everywhere.
 
-``save`` must run in a script with an ``if __name__ == "__main__"`` guard: megatron's writer
-starts a spawn-context helper process that re-imports the main module.
+Saving is synchronous, so megatron's writer gets an in-process results queue
+(``_in_process_results_queue``) instead of the spawn-context ``Manager`` process it would
+start on each rank's first save, which re-imports the rank's main module (torch, megatron-core:
+about 10 s of CPU per rank, per run).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from .lora import is_adapter
 from .policy import MegatronPolicy
@@ -82,6 +86,7 @@ def save(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer
     if with_optimizer:
         # Adam's state exists only after its first step; make it (zeros) so it is saved.
         _ensure_optimizer_state(policy)
+    _in_process_results_queue()
     dist_checkpointing.save(_sharded_state(policy, with_optimizer=with_optimizer, is_loading=False), str(staging))
     dist.barrier()
     if rank == 0:
@@ -92,6 +97,18 @@ def save(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer
     dist.barrier()
     logger.info("saved checkpoint %s (optimizer=%s)", final, with_optimizer)
     return final
+
+
+def _in_process_results_queue() -> None:
+    """Give megatron's file writer a plain queue for its results, once a process.
+
+    megatron-core 0.16.1 makes its results queue with ``mp.get_context("spawn").Manager()``
+    (``filesystem_async._get_write_results_queue``), a server process that outlives the save,
+    because an *asynchronous* save writes from another process. ``dist_checkpointing.save``
+    without ``async_sharded_save`` writes in this process (``AsyncRequest.execute_sync``): the
+    results are put and read here (``put`` then ``get_nowait``), which a ``queue.Queue`` serves."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def read_meta(directory: str | os.PathLike) -> dict:

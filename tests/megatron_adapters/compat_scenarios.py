@@ -8,6 +8,7 @@ them with every patch applied.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -78,6 +79,8 @@ def resume_adam() -> None:
     policy.train_step(_batch(), _loss)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint.save(policy, os.path.join(tmp, "ckpt"), with_optimizer=True)
+        # megatron's writer would leave a spawned Manager process (a re-import of this script)
+        assert multiprocessing.active_children() == [], multiprocessing.active_children()
         fresh = _policy("llama", ParallelLayout())
         checkpoint.load(fresh, os.path.join(tmp, "ckpt"), with_optimizer=True)
 

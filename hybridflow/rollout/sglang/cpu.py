@@ -39,6 +39,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, MutableMapping
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 __all__ = [
@@ -173,6 +174,10 @@ def forked_engine_processes() -> Iterator[None]:
         yield
         return
     _install_fork_hooks()
+    # a spawned child is handed its parent's resource tracker; a forked one uses the parent's only
+    # if it already runs, else the first child to make a semaphore starts its own, a grandchild
+    # that the engine's shutdown orphans (a zombie under the launcher, waited on for 20 s)
+    resource_tracker.ensure_running()
     _Forking.active = True
     try:
         yield

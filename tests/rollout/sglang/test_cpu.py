@@ -113,7 +113,10 @@ FORKED_ENGINE = """
         path = tiny_model_dir(pathlib.Path(sys.argv[1]), "qwen2", seed=0)
         engine = make_engine("sglang", model_path=str(path), tp=2, max_total_tokens=1024)
         children = psutil.Process().children()
-        print("FORKED", sorted(marker.name in [f.path for f in c.open_files()] for c in children))
+        print("FORKED", sorted(marker.name in [f.path for f in c.open_files()] for c in children
+                               if "resource_tracker" not in " ".join(c.cmdline())))
+        trackers = [p for p in psutil.Process().children(recursive=True) if "resource_tracker" in " ".join(p.cmdline())]
+        print("TRACKER_PARENTS", sorted({p.ppid() == os.getpid() for p in trackers}))
         sample = engine.generate([[7, 8, 9, 10]], SamplingParams(max_new_tokens=3)).samples[0]
         print("TOKENS", len(sample.response_ids))
         engine.shutdown()
@@ -139,6 +142,9 @@ def test_a_rank_forks_a_tp2_engines_processes_and_keeps_its_process_group(tmp_pa
                           capture_output=True, text=True, timeout=300, cwd=os.getcwd())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "FORKED [True, True, True]" in done.stdout, done.stdout[-2000:]
+    # the children share the rank's resource tracker, as spawned ones would: one of their own would
+    # be orphaned by the engine's shutdown and linger as a zombie the rank waits on
+    assert "TRACKER_PARENTS [True]" in done.stdout, done.stdout[-2000:]
     assert "TOKENS 3" in done.stdout and "WORLD 1 [1.0, 1.0]" in done.stdout, done.stdout[-2000:]
     diff = float(done.stdout.split("LOGPROB_DIFF ")[1].split()[0])
     assert diff < 1e-4, done.stdout[-2000:]  # fp32 CPU kernels; observed ~2e-6
