@@ -86,7 +86,7 @@ def _adapter_push_bytes(policy) -> int:
     from megatron_adapters.lora import adapted_modules
     from megatron_adapters.peft_io import _row_map
 
-    rows = _row_map(policy)
+    rows = _row_map(policy.model_config)
     total = 0
     for chunk in policy.chunks:
         for _, module in adapted_modules(chunk):

@@ -94,7 +94,8 @@ class MoEConfig:
     freeze_router: bool = False
     """Keep the router weights and expert bias fixed during RL (no gradient, bias update rate 0)."""
     expert_bias_update_rate: float = 1e-3
-    """Aux-loss-free expert-bias step per optimizer step (model.router_expert_bias routers only)."""
+    """Aux-loss-free expert-bias step per optimizer step (model.router_expert_bias routers only;
+    0 under lora.enabled: the bias is part of the frozen base)."""
     aux_loss_coef: float = 0.0
     """Load-balancing auxiliary loss coefficient during RL; 0 = off."""
     z_loss_coef: float = 0.0

@@ -318,13 +318,22 @@ def _add_convert_parser(commands) -> None:
     to_mcore.set_defaults(handler=_convert_hf_to_mcore)
     to_hf = directions.add_parser("mcore-to-hf", help="megatron-core torch_dist -> Hugging Face safetensors")
     to_hf.add_argument("--mcore", required=True, metavar="DIR", help="megatron-core checkpoint directory")
-    to_hf.add_argument("--hf-config", default=None, metavar="DIR",
-                       help="HF directory whose config.json and tokenizer to use (default: the ones "
-                            "hf-to-mcore stored in the checkpoint)")
+    hf_config_help = ("HF directory whose config.json and tokenizer to use (default: the ones hf-to-mcore "
+                      "stored in the checkpoint, or the run's model/ for a checkpoint in its run directory)")
+    to_hf.add_argument("--hf-config", default=None, metavar="DIR", help=hf_config_help)
     to_hf.add_argument("--shard-bytes", type=_byte_size, default=DEFAULT_SHARD_BYTES, metavar="N",
                        help=f"largest safetensors shard (default {DEFAULT_SHARD_BYTES >> 20}M)")
+    to_hf.add_argument("--merge-lora", action="store_true",
+                       help="a LoRA run's checkpoint: write W + (alpha/r) B A for every adapted weight")
     _add_convert_options(to_hf, "write tensors in this dtype (default: as stored)")
     to_hf.set_defaults(handler=_convert_mcore_to_hf)
+    to_peft = directions.add_parser("mcore-to-peft",
+                                    help="a LoRA run's checkpoint -> its adapters as Hugging Face PEFT files")
+    to_peft.add_argument("--mcore", required=True, metavar="DIR", help="the LoRA run's actor checkpoint directory")
+    to_peft.add_argument("--hf-config", default=None, metavar="DIR", help=hf_config_help)
+    to_peft.add_argument("--out", required=True, metavar="DIR", help="output directory (PEFT adapter)")
+    to_peft.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    to_peft.set_defaults(handler=_convert_mcore_to_peft)
 
 
 def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
@@ -345,7 +354,15 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
 
     report = mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, dtype=args.dtype,
                          buffer_bytes=args.buffer_bytes, shard_bytes=args.shard_bytes,
-                         checksums=args.checksums, overwrite=args.overwrite)
+                         checksums=args.checksums, overwrite=args.overwrite, merge_lora=args.merge_lora)
+    print("\n".join(report.lines()))
+    return 0
+
+
+def _convert_mcore_to_peft(args: argparse.Namespace) -> int:
+    from megatron_adapters.convert import mcore_to_peft
+
+    report = mcore_to_peft(args.mcore, args.out, hf_config=args.hf_config, overwrite=args.overwrite)
     print("\n".join(report.lines()))
     return 0
 

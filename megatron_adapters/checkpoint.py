@@ -30,8 +30,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+from hfschema.lora import LoRAConfig
 
 from .lora import is_adapter
 from .policy import MegatronPolicy
@@ -69,7 +72,7 @@ def _meta(policy: MegatronPolicy, *, with_optimizer: bool, step: int) -> dict:
         "expert_parallel": policy.layout.ep > 1,
         "with_optimizer": with_optimizer,
         "step": step,
-        "lora": policy.lora is not None,
+        "lora": dataclasses.asdict(policy.lora) if policy.lora is not None else None,
         "scheduler": policy.scheduler.state_dict() if with_optimizer and policy.scheduler else None,
     }
 
@@ -120,6 +123,22 @@ def read_meta(directory: str | os.PathLike) -> dict:
     if not meta.is_file():
         raise ValueError(f"{path} is not a complete hybridflow checkpoint: {META_FILE} is missing")
     return json.loads(meta.read_text())
+
+
+def stored_lora(directory: str | os.PathLike) -> LoRAConfig | None:
+    """The LoRA settings a checkpoint was trained with, None for one without adapters."""
+    path = Path(directory)
+    stored = read_meta(path).get("lora")
+    if not stored:
+        return None
+    if isinstance(stored, dict):
+        return LoRAConfig(**stored)
+    # written before the settings were stored (``"lora": true``): the run's config beside it has them
+    config = path.parent / "config.yaml"
+    if not config.is_file():
+        raise ValueError(f"{path / META_FILE} does not record the LoRA settings and {config} is missing; "
+                         "copy the run's config.yaml there")
+    return LoRAConfig(**yaml.safe_load(config.read_text())["lora"])
 
 
 def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False,

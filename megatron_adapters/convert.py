@@ -14,7 +14,15 @@ mcore_to_hf   <mcore> ── hybridflow.json, hf_files/ (or hf_config=) ──�
                          layout saved it ──► rows written in place into preallocated shards
               verify: safe_open re-reads names, shapes, dtypes; --checksums: CRC32 against the
                       source's checksums recorded by hf_to_mcore and against the files read back
+              a LoRA run's checkpoint (frozen base + adapters): refused unless merge_lora, which
+                      adds s * B[rows] A to each chunk of an adapted weight as it is read
+mcore_to_peft a LoRA run's checkpoint ──► its adapters alone (the *.lora_a / *.lora_b keys) as
+              Hugging Face PEFT files (peft_io), for the base converted by mcore_to_hf
 ```
+
+A checkpoint written by a training run has no ``hf_files/``; when it sits in its run directory
+(``<run>/checkpoints/<name>/actor``) the run's ``<run>/model`` (the rollout engine's config.json
+and tokenizer) describes it, and is the default.
 
 The written checkpoint is megatron-core's own ``torch_dist`` format with global (unsharded)
 tensors, so ``megatron_adapters.checkpoint.load`` loads it into a policy of any TP / PP / VPP / EP /
@@ -52,18 +60,19 @@ from hfschema.layout import ParallelLayout
 from hfschema.model import ModelConfig
 from reshard.families import canonical_tensors
 
-from .checkpoint import META_FILE, read_meta
+from .checkpoint import META_FILE, read_meta, stored_lora
 from .convert_plan import CheckpointPlan, Chunk, plan_checkpoint
 from .dist_io import DistReader, write_dist_checkpoint
 from .safetensors_stream import SafetensorsReader, SafetensorsWriter, check_written
 
-__all__ = ["ConversionReport", "DTYPES", "hf_to_mcore", "mcore_to_hf"]
+__all__ = ["ConversionReport", "DTYPES", "hf_to_mcore", "mcore_to_hf", "mcore_to_peft"]
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Target dtypes the converters accept by name."""
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+_ADAPTER_KEYS = (".lora_a", ".lora_b")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,7 +80,7 @@ class ConversionReport:
     """What one conversion did and checked."""
 
     direction: str
-    """``hf-to-mcore`` or ``mcore-to-hf``."""
+    """``hf-to-mcore``, ``mcore-to-hf`` or ``mcore-to-peft``."""
     source: str
     """Input directory."""
     destination: str
@@ -363,14 +372,37 @@ def _batches(chunks: tuple[Chunk, ...], dtypes: Mapping[str, torch.dtype],
         yield batch
 
 
+def _adapter_boxes(chunk: Chunk, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> list | None:
+    """Boxes of the adapter of the weight ``chunk`` holds rows of: B's rows of the chunk and the
+    whole A (``lora_a`` / ``lora_b`` sit beside the weight's key with its stacked axes); None if
+    the weight has none. ``stored``: {key: (dtype, global shape)}."""
+    base = chunk.key[: -len("weight")]
+    a_key, b_key = base + "lora_a", base + "lora_b"
+    if not chunk.key.endswith(".weight") or a_key not in stored:
+        return None
+    lead, rank = chunk.offsets[: chunk.lead], stored[a_key][1][chunk.lead]
+    ones = (1,) * chunk.lead
+    b_box = (b_key, lead + (chunk.offsets[chunk.lead], 0), ones + (chunk.rows, rank))
+    a_box = (a_key, lead + (0, 0), ones + (rank, chunk.sizes[chunk.lead + 1]))
+    return [(box, torch.empty(box[2], dtype=stored[box[0]][0])) for box in (b_box, a_box)]
+
+
 def _read_chunks(reader: DistReader, plan: CheckpointPlan, dtypes: Mapping[str, torch.dtype],
-                 budget: int) -> Iterator[tuple[Chunk, torch.Tensor]]:
-    """Every chunk with HF rows, read from the checkpoint in batches of ``budget`` bytes."""
+                 budget: int, *, lora_scale: float | None = None) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """Every chunk with HF rows, read from the checkpoint in batches of ``budget`` bytes;
+    ``lora_scale``: with the adapters merged, W[rows] + s * B[rows] A (in float32)."""
+    stored = {k: (dtypes[k], tuple(v.size)) for k, v in reader.tensors().items()} if lora_scale else {}
     for batch in _batches(plan.chunks, dtypes, budget):
         boxes = [((c.key, c.offsets, c.sizes), torch.empty(c.sizes, dtype=dtypes[c.key])) for c in batch]
-        reader.read(boxes)
-        for chunk, (_, data) in zip(batch, boxes):
-            yield chunk, data.reshape(chunk.param_shape)
+        adapters = [_adapter_boxes(c, stored) if lora_scale else None for c in batch]
+        reader.read(boxes + [box for pair in adapters if pair for box in pair])
+        for chunk, (_, data), pair in zip(batch, boxes, adapters):
+            data = data.reshape(chunk.param_shape)
+            if pair is not None:
+                (_, b), (_, a) = pair
+                b, a = b.reshape(b.shape[-2:]).float(), a.reshape(a.shape[-2:]).float()
+                data = data.float() + lora_scale * (b @ a)
+            yield chunk, data
 
 
 def _read_back_checksums(reader: DistReader, plan: CheckpointPlan, buffer_bytes: int) -> dict[str, int]:
@@ -385,12 +417,22 @@ def _read_back_checksums(reader: DistReader, plan: CheckpointPlan, buffer_bytes:
 # ----------------------------------------------------------------------- megatron -> hf
 
 
+def _run_model_dir(directory: Path) -> Path | None:
+    """``<run>/model`` of a checkpoint at ``<run>/checkpoints/<name>/<actor|critic>``."""
+    if directory.resolve().parent.parent.name != "checkpoints":
+        return None
+    return directory.resolve().parent.parent.parent / "model"
+
+
 def _mcore_model(directory: Path, hf_config: str | os.PathLike | None) -> tuple[ModelConfig, Path]:
     files = Path(hf_config) if hf_config is not None else directory / SIDE_FILE_DIR
+    run_model = _run_model_dir(directory)
+    if hf_config is None and not (files / "config.json").is_file() and run_model is not None:
+        files = run_model
     if not (files / "config.json").is_file():
         raise ValueError(f"{directory} has no {SIDE_FILE_DIR}/config.json (it was not written by "
-                         "hf-to-mcore); pass hf_config= (--hf-config DIR) with the model's "
-                         "config.json and tokenizer")
+                         "hf-to-mcore) and is not in a run directory with model/config.json; pass "
+                         "hf_config= (--hf-config DIR) with the model's config.json and tokenizer")
     return read_model_config(files), files
 
 
@@ -405,7 +447,8 @@ def _preflight_mcore(reader: DistReader, plan: CheckpointPlan) -> tuple[str, ...
         if tuple(stored[key].size) != shape:
             raise ValueError(f"{where}: checkpoint key {key!r} has shape {list(stored[key].size)}, "
                              f"expected {list(shape)} for this config.json")
-    unexpected = [k for k in stored if k not in plan.keys and k.startswith(_MODEL_PREFIXES)]
+    unexpected = [k for k in stored if k not in plan.keys and k.startswith(_MODEL_PREFIXES)
+                  and not k.endswith(_ADAPTER_KEYS)]
     if unexpected:
         raise ValueError(f"{where}: unexpected checkpoint key {unexpected[0]!r}: not part of a "
                          f"{plan.model.family} model with this config.json")
@@ -424,15 +467,18 @@ def mcore_to_hf(
     mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *, hf_config: str | os.PathLike | None = None,
     dtype: str | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES, checksums: bool = False, overwrite: bool = False,
+    merge_lora: bool = False,
 ) -> ConversionReport:
-    """Convert a megatron-core checkpoint (converted or saved by training) into a HF directory."""
+    """Convert a megatron-core checkpoint (converted or saved by training) into a HF directory;
+    a LoRA run's only with ``merge_lora`` (W + alpha/r B A written for every adapted weight)."""
     started = time.perf_counter()
     source, out = Path(mcore_dir), Path(out_dir)
     meta = read_meta(source)
-    if meta.get("lora"):  # its weights are the frozen base: converting them would drop the training
+    lora = stored_lora(source)
+    if lora is not None and not merge_lora:  # its weights alone are the frozen base, without the training
         raise ValueError(f"{source} is a LoRA run's checkpoint: its model weights are the frozen base and the "
-                         "training is in the adapters; export those with megatron_adapters.peft_io.export_peft "
-                         "(PEFT files for the base model converted from the SFT checkpoint)")
+                         "training is in the adapters; pass merge_lora=True (--merge-lora) for merged weights, "
+                         "or write the adapters as PEFT files with mcore_to_peft (convert mcore-to-peft)")
     model, files = _mcore_model(source, hf_config)
     target = _target_dtype(dtype)
     reader = DistReader(source)
@@ -451,7 +497,8 @@ def mcore_to_hf(
         writer = SafetensorsWriter(staging, [(n, out_dtype[n], s) for n, s in plan.tensors.items()],
                                    shard_bytes=shard_bytes)
         try:
-            for chunk, data in _read_chunks(reader, plan, stored, _chunk_bytes(buffer_bytes)):
+            scale = lora.alpha / lora.rank if lora is not None else None
+            for chunk, data in _read_chunks(reader, plan, stored, _chunk_bytes(buffer_bytes), lora_scale=scale):
                 for piece in chunk.pieces:
                     rows = data[piece.at: piece.at + piece.rows[1] - piece.rows[0]].to(out_dtype[piece.tensor])
                     writer.write_rows(piece.tensor, piece.rows, rows)
@@ -461,9 +508,49 @@ def mcore_to_hf(
         finally:
             writer.close()
         _copy_side_files(files, staging, target)
-        checks = _verify_hf(staging, writer, sums, meta, target)
+        checks = _verify_hf(staging, writer, sums, meta if lora is None else {}, target)
+    if lora is not None:
+        checks.append(f"LoRA adapters (r={lora.rank}, alpha={lora.alpha:g}) merged into the weights of "
+                      f"{', '.join(lora.target_modules)}")
     nbytes = sum(e.nbytes for e in writer.entries.values())
     return _report("mcore-to-hf", source, out, model, plan, nbytes, skipped, started, checks)
+
+
+def mcore_to_peft(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                  hf_config: str | os.PathLike | None = None, overwrite: bool = False) -> ConversionReport:
+    """Write a LoRA run's adapters as a PEFT LoRA directory (read from its checkpoint, without the
+    base weights), for the base model that ``mcore_to_hf`` makes of the run's SFT checkpoint."""
+    from .peft_io import checkpoint_adapters, write_peft  # peft_io imports megatron's lora layers
+
+    started = time.perf_counter()
+    source, out = Path(mcore_dir), Path(out_dir)
+    lora = stored_lora(source)
+    if lora is None:
+        raise ValueError(f"{source} has no LoRA adapters (not a LoRA run's checkpoint); convert it with "
+                         "mcore_to_hf (convert mcore-to-hf)")
+    if out.exists() and not overwrite:
+        raise ValueError(f"output directory {out} exists; pass overwrite=True (--overwrite) to replace it")
+    model, _ = _mcore_model(source, hf_config)
+    reader = DistReader(source)
+    state = checkpoint_adapters(reader, model)
+    write_peft(state, model, lora, out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    targets = [*(config["target_modules"] or []), *(config["target_parameters"] or [])]
+    written = SafetensorsReader(out)
+    try:
+        nbytes, tensors = sum(e.nbytes for e in written.tensors.values()), len(written.tensors)
+    finally:
+        written.close()
+    adapter_keys = sum(k.endswith(_ADAPTER_KEYS) for k in reader.tensors())
+    report = ConversionReport(
+        direction="mcore-to-peft", source=str(source), destination=str(out), family=model.family,
+        tensors=tensors, nbytes=nbytes, keys=adapter_keys, chunks=len(state), skipped=(),
+        seconds=time.perf_counter() - started,
+        checks=(f"{tensors} PEFT tensors re-opened; r={lora.rank}, lora_alpha={lora.alpha:g}; "
+                f"targets: {', '.join(targets)}",))
+    for line in report.lines():
+        logger.info("%s", line)
+    return report
 
 
 def _verify_hf(directory: Path, writer: SafetensorsWriter, sums: _Checksums | None, meta: Mapping,

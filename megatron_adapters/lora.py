@@ -22,6 +22,7 @@ gradients or state for them.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import zlib
@@ -48,6 +49,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from hfschema.lora import LoRAConfig
 
 __all__ = ["ADAPTER_SUFFIXES", "adapter_state", "apply_lora", "adapted_modules", "is_adapter", "merged_weights"]
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_SUFFIXES = ("lora_a", "lora_b")
 """Parameter names the adapters add to their base module."""
@@ -194,10 +197,19 @@ def adapted_modules(chunk) -> Iterator[tuple[str, torch.nn.Module]]:
 def apply_lora(chunks: list, lora: LoRAConfig) -> int:
     """Freeze every parameter of ``chunks`` and add adapters to the targets; returns how many
     modules got one. Call before megatron's DDP wraps the chunks. A base bias stays as it is:
-    the adapter adds to the output either way (``skip_bias_add`` or not)."""
+    the adapter adds to the output either way (``skip_bias_add`` or not).
+
+    The routers' expert bias (DeepSeek-V3's aux-loss-free balancing) is base state too, moved by
+    megatron after each step rather than by the optimizer: its update rate is set to 0, so the
+    base stays the one the PEFT files are for (they cannot carry a bias)."""
     targets = set(lora.target_modules)
     count = 0
+    config = chunks[0].config  # the chunks share it; finalize_model_grads reads the rate at each step
+    if config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate:
+        logger.info("LoRA: expert-bias update rate %g -> 0 (the routers' bias is part of the frozen base)",
+                    config.moe_router_bias_update_rate)
     for chunk in chunks:
+        chunk.config.moe_router_bias_update_rate = 0.0
         for param in chunk.parameters():
             param.requires_grad_(False)
         for name, module in list(chunk.named_modules()):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -39,11 +40,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from hfschema.layout import ParallelLayout
+from hfschema.lora import LoRAConfig
+from hfschema.model import ModelConfig
 from reshard.megatron import megatron_layout
 
+from .convert_plan import dist_key
+from .dist_io import DistReader
 from .lora import adapted_modules, adapter_state, local_slice
 
-__all__ = ["export_peft", "import_peft"]
+__all__ = ["checkpoint_adapters", "export_peft", "import_peft", "write_peft"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -54,9 +59,11 @@ _FUSED_ORDER = ("gate_up_proj", "down_proj")
 """The order transformers' experts modules register their fused parameters in (PEFT nests by it)."""
 
 
-def _row_map(policy) -> dict[str, list[tuple[str, tuple[int, int], int, int]]]:
+_MLP = re.compile(r"^model\.layers\.\d+\.(mlp\.(shared_experts\.)?[a-z0-9_]+)$")
+
+
+def _row_map(model: ModelConfig) -> dict[str, list[tuple[str, tuple[int, int], int, int]]]:
     """{megatron module: [(HF module, HF rows, first param row, HF tensor rows)]} of every weight."""
-    model = policy.model_config
     layout = megatron_layout(model, ParallelLayout(), dtype="float32")
     rows: dict[str, list] = {}
     for shards in layout.shards.values():
@@ -116,13 +123,23 @@ def _expert_tensors(state: dict[str, torch.Tensor], num_experts: int) -> tuple[d
     return out, sorted(f"mlp.experts.{name}" for name in targeted)
 
 
-def peft_tensors(policy) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
-    """The PEFT state dict of ``policy``'s adapters, the target module leaf names and the target
-    (fused expert) parameters (collective: gathers every TP / EP / PP rank's adapters)."""
-    state, rows = adapter_state(policy), _row_map(policy)
+def _target_name(model: ModelConfig, hf: str) -> tuple[str, bool]:
+    """(PEFT target, whether it is a parameter) of the HF module ``hf``: its leaf name, or for a
+    MoE family's MLP projection its weight below the layer (see the module docstring)."""
+    match = _MLP.match(hf) if model.is_moe else None
+    if match is not None:
+        return f"{match.group(1)}.weight", True
+    return hf.rsplit(".", 1)[-1], False
+
+
+def peft_tensors(state: dict[str, torch.Tensor],
+                 model: ModelConfig) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """The PEFT state dict of whole adapters ``state`` (``adapter_state``'s keys), the target
+    module names and the target parameters."""
+    rows = _row_map(model)
     _check_exportable(state, rows)
-    out, parameters = _expert_tensors(state, policy.model_config.num_experts)
-    leaves = set()
+    out, parameters = _expert_tensors(state, model.num_experts)
+    leaves, weights = set(), set()
     for key in sorted(state):
         module, suffix = key.rsplit(".", 1)
         if suffix != "lora_b" or _fused_target(module) is not None:
@@ -132,29 +149,62 @@ def peft_tensors(policy) -> tuple[dict[str, torch.Tensor], list[str], list[str]]
             name_b = f"{_PREFIX}{hf}.lora_B.weight"
             out.setdefault(name_b, b.new_zeros(total, b.shape[1]))[lo:hi] = b[at: at + hi - lo]
             out[f"{_PREFIX}{hf}.lora_A.weight"] = a.clone()
-            leaves.add(hf.rsplit(".", 1)[-1])
-    return {k: v.contiguous() for k, v in out.items()}, sorted(leaves), parameters
+            name, is_parameter = _target_name(model, hf)
+            (weights if is_parameter else leaves).add(name)
+    return {k: v.contiguous() for k, v in out.items()}, sorted(leaves), sorted(parameters + sorted(weights))
+
+
+def write_peft(state: dict[str, torch.Tensor], model: ModelConfig, lora: LoRAConfig,
+               directory: str | os.PathLike, *, base_model: str | None = None) -> Path:
+    """Write whole adapters ``state`` as a PEFT LoRA directory (all or nothing: staged, then renamed)."""
+    tensors, targets, parameters = peft_tensors(state, model)
+    path = Path(directory)
+    staging = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        # PEFT's ParamWrapper refuses any dropout; it is training-only, these files are for inference
+        "lora_dropout": 0.0 if parameters else lora.dropout, "target_modules": targets or None,
+        "target_parameters": parameters or None, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+        "base_model_name_or_path": base_model,
+    }
+    (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
+    return path
 
 
 def export_peft(policy, directory: str | os.PathLike) -> Path:
-    """Write ``policy``'s adapters as a PEFT LoRA directory (collective; rank 0 writes)."""
-    tensors, targets, parameters = peft_tensors(policy)
-    path = Path(directory)
+    """Write ``policy``'s adapters as a PEFT LoRA directory (collective: gathers every TP / EP /
+    PP rank's adapters; rank 0 writes)."""
+    state = adapter_state(policy)
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        lora = policy.lora
-        config = {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            # PEFT's ParamWrapper refuses any dropout; it is training-only, these files are for inference
-            "lora_dropout": 0.0 if parameters else lora.dropout, "target_modules": targets,
-            "target_parameters": parameters or None, "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
-            "base_model_name_or_path": None,
-        }
-        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_peft(state, policy.model_config, policy.lora, directory)
     dist.barrier()
-    return path
+    return Path(directory)
+
+
+def checkpoint_adapters(reader: DistReader, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Whole adapters (``adapter_state``'s keys, float32) of a LoRA run's dist checkpoint: each
+    module's ``lora_a`` / ``lora_b`` keys sit beside its weight's, with the same stacked axes."""
+    stored = reader.tensors()
+    boxes, names = [], []
+    for module in _row_map(model):
+        for suffix in ("lora_a", "lora_b"):
+            key, prefix, _ = dist_key(f"{module}.{suffix}", model, {})
+            if key not in stored:
+                continue
+            shape = tuple(stored[key].size)[len(prefix):]
+            box = (key, prefix + (0,) * len(shape), (1,) * len(prefix) + shape)
+            boxes.append((box, torch.empty(box[2], dtype=stored[key].properties.dtype)))
+            names.append(f"{module}.{suffix}")
+    if not boxes:
+        raise ValueError(f"{reader.directory}: no LoRA adapter keys (*.lora_a / *.lora_b) in the checkpoint")
+    reader.read(boxes)
+    return {name: data.reshape(box[2][len(box[2]) - 2:]).float() for name, (box, data) in zip(names, boxes)}
 
 
 def _whole_adapters(tensors: dict[str, torch.Tensor], rows) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -179,7 +229,7 @@ def _whole_adapters(tensors: dict[str, torch.Tensor], rows) -> dict[str, tuple[t
 def _whole_expert_adapters(tensors, rows, target_parameters: list[str], rank: int) -> dict:
     """{megatron expert module: (A_e, B_e)} from the fused parameters' PEFT tensors (inverse of
     ``_expert_tensors``)."""
-    targeted = {param.rsplit(".", 1)[-1] for param in target_parameters}
+    targeted = {param.rsplit(".", 1)[-1] for param in target_parameters if param.startswith("mlp.experts.")}
     whole = {}
     for module in rows:
         target = _fused_target(module)
@@ -199,7 +249,7 @@ def import_peft(policy, directory: str | os.PathLike) -> None:
     if config["r"] != policy.lora.rank or float(config["lora_alpha"]) != policy.lora.alpha:
         raise ValueError(f"{path}: r={config['r']}, lora_alpha={config['lora_alpha']} differ from lora.rank="
                          f"{policy.lora.rank}, lora.alpha={policy.lora.alpha}")
-    tensors, rows = load_file(str(path / WEIGHTS_FILE)), _row_map(policy)
+    tensors, rows = load_file(str(path / WEIGHTS_FILE)), _row_map(policy.model_config)
     whole = _whole_adapters(tensors, rows)
     whole.update(_whole_expert_adapters(tensors, rows, config.get("target_parameters") or [], policy.lora.rank))
     for chunk in policy.chunks:

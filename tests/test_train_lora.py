@@ -3,7 +3,9 @@
 One run, the learning matrix's length (150 SFT + 10 RL steps, about 2 minutes on 2 cores): the
 held-out reward after RL must beat the one after SFT, the engine's log-probs must match the
 trainer's on the merged weights, and the RL checkpoint's base weights must be the SFT
-checkpoint's bit for bit (only the adapters trained).
+checkpoint's bit for bit (only the adapters trained). The run's checkpoints then leave through
+the command line as a user would take them: the SFT base and the adapters as PEFT files, and
+merged weights, which transformers (+ peft) must score alike.
 """
 
 from __future__ import annotations
@@ -61,5 +63,34 @@ def test_only_the_adapters_trained(run: Path) -> None:
     sft, trained = _tensors(checkpoints / "sft" / "actor"), _tensors(rl)
     adapters = [k for k in trained if k.endswith(("lora_a", "lora_b"))]
     assert adapters and all(trained[k].abs().sum() > 0 for k in adapters if k.endswith("lora_b"))
-    base = [k for k in sft if not k.endswith("expert_bias")]
-    assert base and all(torch.equal(sft[k], trained[k]) for k in base)
+    assert sft and all(torch.equal(sft[k], trained[k]) for k in sft)
+
+
+def test_the_adapters_leave_as_peft_files_and_as_merged_weights(run: Path, tmp_path) -> None:
+    """No --hf-config: a checkpoint in its run directory takes the run's model/ config and tokenizer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.cli import main
+
+    checkpoints = run / "checkpoints"
+    rl = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step"))[-1] / "actor"
+    assert main(["convert", "mcore-to-hf", "--mcore", str(checkpoints / "sft" / "actor"), "--out",
+                 str(tmp_path / "base")]) == 0
+    assert main(["convert", "mcore-to-peft", "--mcore", str(rl), "--out", str(tmp_path / "adapter")]) == 0
+    assert main(["convert", "mcore-to-hf", "--mcore", str(rl), "--out", str(tmp_path / "merged"),
+                 "--merge-lora"]) == 0
+    ids = torch.randint(0, 262, (4, 24), generator=torch.Generator().manual_seed(0))
+
+    def scores(net) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(net(input_ids=ids).logits.float(), dim=-1)
+
+    merged = scores(AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval())
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    adapted = scores(with_adapter)
+    with with_adapter.disable_adapter():
+        plain = scores(with_adapter)
+    assert (adapted - merged).abs().max() <= LOGPROB_TOL
+    assert (plain - merged).abs().max() > 1e-2  # the adapters carry the RL training

@@ -40,8 +40,11 @@ def make_policy(family: str, spec: dict, targets: list[str] | None) -> MegatronP
 
 
 def _base(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
-    return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(policy.chunks)
-            for n, p in c.named_parameters() if not is_adapter(n)}
+    """The base's parameters and its routers' expert bias (base state megatron moves itself)."""
+    params = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(policy.chunks)
+              for n, p in c.named_parameters() if not is_adapter(n)}
+    return params | {f"{i}.{n}": b.clone() for i, c in enumerate(policy.chunks)
+                     for n, b in c.named_buffers() if n.endswith("expert_bias")}
 
 
 def _train(policy: MegatronPolicy) -> dict:
@@ -99,9 +102,11 @@ def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str)
     return _train(policy)
 
 
-def peft_roundtrip(hf_dir: str, mcore_dir: str, spec: dict, targets: list[str], peft_dir: str) -> dict:
-    """A converted HF model's base under fresh adapters, two steps, exported as PEFT files; a
-    fresh policy imports them and must score the same."""
+def peft_roundtrip(hf_dir: str, mcore_dir: str, spec: dict, targets: list[str], peft_dir: str,
+                   lora_dir: str) -> dict:
+    """A converted HF model's base under fresh adapters, two steps, exported as PEFT files and
+    saved as a LoRA checkpoint (``lora_dir``, for the offline converters); a fresh policy imports
+    the PEFT files and must score the same."""
     from hfschema.hf_config import read_model_config
     from megatron_adapters.peft_io import export_peft, import_peft
 
@@ -111,15 +116,21 @@ def peft_roundtrip(hf_dir: str, mcore_dir: str, spec: dict, targets: list[str], 
     policy = MegatronPolicy(model, layout_for(spec), LORA_TRAIN, pg_collection=pg, lora=lora)
     checkpoint.load(policy, mcore_dir)  # a checkpoint without adapters: B = 0
     data = batch(model.vocab_size)
+    base = _base(policy)
     for _ in range(2):
         policy.train_step(data, next_token_loss)
+    after = _base(policy)
+    base_identical = all(torch.equal(base[k], after[k]) for k in base)
+    expert_biases = sum(k.endswith("expert_bias") for k in base)
     logp = policy.forward_logprobs(data)[0]
     export_peft(policy, peft_dir)
+    checkpoint.save(policy, lora_dir)
     pg = parallel.initialize(layout_for(spec), seed=SEED + 1)
     fresh = MegatronPolicy(model, layout_for(spec), LORA_TRAIN, pg_collection=pg, lora=lora)
     checkpoint.load(fresh, mcore_dir)
     import_peft(fresh, peft_dir)
-    return {"logp": logp, "imported_logp": fresh.forward_logprobs(data)[0], "input_ids": data["input_ids"]}
+    return {"logp": logp, "imported_logp": fresh.forward_logprobs(data)[0], "input_ids": data["input_ids"],
+            "base_identical": base_identical, "expert_biases": expert_biases}
 
 
 TASKS = {f.__name__: f for f in (lora_reference, lora_equivalence, peft_roundtrip)}

@@ -4,9 +4,13 @@ Two torchrun pools (``lora_worker.py``): one process saves each case's initial s
 adapters) and trains two steps, then checks that a LoRA checkpoint resumes; two processes load
 that state under TP=2 (dense llama and qwen2 with attention + MLP adapters; qwen3_moe with
 attention and expert adapters), PP=2 (llama) and EP=2 (qwen3_moe) and train the same two steps.
-The two-process pool also trains converted HF models (llama under TP=2; qwen3_moe under EP=2 with
-attention and routed-expert adapters) and exports PEFT files, which transformers + peft must score
-as the trainer does; the experts go to PEFT's ``target_parameters`` on transformers' fused tensors.
+The two-process pool also trains converted HF models and exports PEFT files, which transformers +
+peft must score as the trainer does: llama under TP=2; qwen3_moe and mixtral under EP=2 with
+attention and routed-expert adapters (PEFT's ``target_parameters`` on transformers' fused
+tensors); deepseek_v3 under TP=2 with adapters on MLA's output projection, the dense layer's MLP,
+the shared experts and the routed experts. Each run's LoRA checkpoint also goes through the
+offline converters: ``mcore_to_peft`` must write the same files as the live export, and
+``mcore_to_hf(merge_lora=True)`` weights that transformers alone scores as the trainer does.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 import torch
 
 from megatron_adapters.convert import hf_to_mcore, mcore_to_hf
-from tests.megatron_adapters.convert_models import make_hf_dir
+from tests.megatron_adapters.convert_models import MOE_FAMILIES, make_hf_dir
 from tests.megatron_adapters.pools import run_pool
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -29,9 +33,13 @@ PEFT_TOL = 1e-4
 DENSE = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 TARGETS = {"llama": DENSE, "qwen2": DENSE,  # qwen2: biased qkv, tied embeddings
            "qwen3_moe": ["linear_qkv", "linear_proj", "experts"]}
+PEFT_TARGETS = {**TARGETS, "mixtral": ["linear_qkv", "linear_proj", "experts"],
+                # MLA has no linear_qkv; layer 0 is dense (linear_fc1/2), the others shared + routed experts
+                "deepseek_v3": ["linear_proj", "linear_fc1", "linear_fc2", "experts", "shared_experts"]}
 CASES = {"llama_tp2": ("llama", {"tp": 2}), "qwen2_tp2": ("qwen2", {"tp": 2}), "llama_pp2": ("llama", {"pp": 2}),
          "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}), "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2})}
-PEFT_CASES = {"llama": {"tp": 2}, "qwen3_moe": {"ep": 2}}  # EP=2: each rank holds half the experts' adapters
+PEFT_CASES = {"llama": {"tp": 2}, "qwen3_moe": {"ep": 2},  # EP=2: each rank holds half the experts' adapters
+              "mixtral": {"ep": 2}, "deepseek_v3": {"tp": 2, "etp": 1}}
 
 
 def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str) -> None:
@@ -49,7 +57,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         hf = make_hf_dir(work, f)
         hf_to_mcore(hf, work / f"mcore_{f}")
         cases.append({"kind": "peft_roundtrip", "hf_dir": str(hf), "mcore_dir": str(work / f"mcore_{f}"), "spec": spec,
-                      "targets": TARGETS[f], "peft_dir": str(work / f"peft_{f}"), "out": str(work / f"peft_{f}.pt")})
+                      "targets": PEFT_TARGETS[f], "peft_dir": str(work / f"peft_{f}"),
+                      "lora_dir": str(work / f"lora_{f}"), "out": str(work / f"peft_{f}.pt")})
     _torchrun(1, refs, work, "world1")
     _torchrun(2, cases, work, "world2")
     results = {"dir": work}
@@ -102,6 +111,21 @@ def test_layout_equals_one_process(runs, name: str) -> None:
     assert (got["logp_after"] - ref["logp_after"]).abs().max() <= TOL
 
 
+def _scores(net, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs of each token of ``ids`` given those before it (0 at the first), as the trainer's."""
+    with torch.no_grad():
+        logp = torch.log_softmax(net(input_ids=ids).logits.float(), dim=-1)
+    return torch.cat([torch.zeros(ids.shape[0], 1), logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)], 1)
+
+
+ADAPTER_GROUPS = {  # lora_B names of transformers + peft per target whose effect is checked alone
+    "experts": lambda name: ".mlp.experts." in name,
+    "shared_experts": lambda name: ".mlp.shared_experts." in name,
+    "linear_fc1": lambda name: ".mlp.gate_proj." in name or ".mlp.up_proj." in name,  # a MoE family's dense layer
+    "linear_fc2": lambda name: ".mlp.down_proj." in name,
+}
+
+
 @pytest.mark.parametrize("family", list(PEFT_CASES))
 def test_peft_files_load_into_transformers_and_score_as_the_trainer(runs, family: str) -> None:
     """The TP=2 / EP=2 trainer's adapters as PEFT files on transformers' model of the converted weights."""
@@ -112,31 +136,98 @@ def test_peft_files_load_into_transformers_and_score_as_the_trainer(runs, family
     from transformers import AutoModelForCausalLM
 
     work, got, peft_dir = runs["dir"], runs[f"peft_{family}"], runs["dir"] / f"peft_{family}"
+    targets = PEFT_TARGETS[family]
+    # the whole base stayed as the files' base model: DeepSeek's expert bias too (3 MoE layers)
+    assert got["base_identical"] and got["expert_biases"] == (3 if family == "deepseek_v3" else 0)
     config = json.loads((peft_dir / "adapter_config.json").read_text())
-    if "experts" in TARGETS[family]:  # the fused expert tensors are parameters, attention stays modules
-        assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-    assert {"q_proj", "o_proj"} <= set(config["target_modules"])
+    parameters = set(config["target_parameters"] or [])
+    if "experts" in targets:  # the fused expert tensors are parameters, attention stays modules
+        assert {"mlp.experts.down_proj", "mlp.experts.gate_up_proj"} <= parameters
+    if "shared_experts" in targets:  # named as parameters: PEFT would move gate_proj & co onto the experts
+        assert {"mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.down_proj.weight"} <= parameters
+        assert not {"gate_proj", "up_proj", "down_proj"} & set(config["target_modules"])
+    assert "o_proj" in config["target_modules"]
     net = AutoModelForCausalLM.from_pretrained(str(work / f"hf_{family}"), dtype=torch.float32)
     net = PeftModel.from_pretrained(net, str(peft_dir)).eval()
     # every tensor of the file found its PEFT parameter (a missed one would keep its init silently)
     assert get_peft_model_state_dict(net).keys() == load_file(str(peft_dir / "adapter_model.safetensors")).keys()
     ids = got["input_ids"]
-    with torch.no_grad():
-        logp = torch.log_softmax(net(input_ids=ids).logits.float(), dim=-1)
-    expected = torch.cat([torch.zeros(ids.shape[0], 1), logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)], 1)
-    print(f"{family}: max |trainer - transformers+peft| log-prob = {(got['logp'] - expected).abs().max().item():.3g}")
-    assert (got["logp"] - expected).abs().max() <= PEFT_TOL
-    with torch.no_grad():
-        with net.disable_adapter():  # the adapters matter: without them the scores differ
-            base = torch.log_softmax(net(input_ids=ids).logits.float(), dim=-1)
-    assert (base - logp).abs().max() > 1e-3
-    if "experts" in TARGETS[family]:  # and the expert adapters among them: zeroing their B moves the scores
-        with torch.no_grad():
-            for name, param in net.named_parameters():
-                if ".mlp.experts." in name and ".lora_B." in name:
-                    param.zero_()
-            no_experts = torch.log_softmax(net(input_ids=ids).logits.float(), dim=-1)
-        moved = (no_experts - logp).abs().max().item()
-        print(f"{family}: max log-prob change without the expert adapters = {moved:.3g}")
-        assert moved > 1e-3
+    logp = _scores(net, ids)
+    print(f"{family}: max |trainer - transformers+peft| log-prob = {(got['logp'] - logp).abs().max().item():.3g}")
+    assert (got["logp"] - logp).abs().max() <= PEFT_TOL
+    with net.disable_adapter():  # the adapters matter: without them the scores differ
+        assert (_scores(net, ids) - logp).abs().max() > 1e-3
+    if family in MOE_FAMILIES:  # and each MoE target's adapters on their own: zeroing their B moves the scores
+        params = dict(net.named_parameters())
+        for target in set(targets) & set(ADAPTER_GROUPS):
+            chosen = [n for n in params if ".lora_B." in n and ADAPTER_GROUPS[target](n)]
+            saved = {n: params[n].detach().clone() for n in chosen}
+            with torch.no_grad():
+                for n in chosen:
+                    params[n].zero_()
+                moved = (_scores(net, ids) - logp).abs().max().item()
+                for n in chosen:
+                    params[n].copy_(saved[n])
+            print(f"{family}: max log-prob change without the {target} adapters ({len(chosen)}) = {moved:.3g}")
+            assert chosen and moved > 1e-3
     assert (got["imported_logp"] - got["logp"]).abs().max() <= TOL  # and they import back
+
+
+@pytest.mark.parametrize("family", list(PEFT_CASES))
+def test_a_lora_checkpoint_converts_offline_to_peft_files_and_merged_weights(runs, family: str, tmp_path) -> None:
+    """``mcore_to_peft`` reads the adapters from the run's checkpoint alone: the same files as the
+    live export; ``mcore_to_hf(merge_lora=True)``: weights transformers scores as the trainer."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_adapters.convert import mcore_to_peft
+
+    work, got = runs["dir"], runs[f"peft_{family}"]
+    lora_dir, hf, live = work / f"lora_{family}", work / f"hf_{family}", work / f"peft_{family}"
+    if family == "llama":  # and through the command line
+        from hybridflow.cli import main
+
+        assert main(["convert", "mcore-to-peft", "--mcore", str(lora_dir), "--hf-config", str(hf),
+                     "--out", str(tmp_path / "peft")]) == 0
+    else:
+        mcore_to_peft(lora_dir, tmp_path / "peft", hf_config=hf)
+    offline = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    expected = load_file(str(live / "adapter_model.safetensors"))
+    assert offline.keys() == expected.keys() and all(torch.equal(offline[k], expected[k]) for k in expected)
+    assert (json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+            == json.loads((live / "adapter_config.json").read_text()))
+
+    with pytest.raises(ValueError, match="--merge-lora"):  # the base alone would drop the training
+        mcore_to_hf(lora_dir, tmp_path / "base", hf_config=hf)
+    report = mcore_to_hf(lora_dir, tmp_path / "merged", hf_config=hf, merge_lora=True)
+    assert any("merged" in check for check in report.checks)
+    net = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    diff = (_scores(net, got["input_ids"]) - got["logp"]).abs().max().item()
+    print(f"{family}: max |trainer - transformers on merged weights| log-prob = {diff:.3g}")
+    assert diff <= PEFT_TOL
+
+
+def test_offline_peft_refuses_a_checkpoint_without_adapters(runs, tmp_path) -> None:
+    from megatron_adapters.convert import mcore_to_peft
+
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        mcore_to_peft(runs["dir"] / "mcore_llama", tmp_path / "peft")
+
+
+def test_a_checkpoint_that_predates_stored_lora_settings_takes_them_from_the_run_config(tmp_path) -> None:
+    import json
+
+    from megatron_adapters.checkpoint import META_FILE, stored_lora
+
+    actor = tmp_path / "step_000010" / "actor"
+    actor.mkdir(parents=True)
+    (actor / META_FILE).write_text(json.dumps({"lora": True}))
+    with pytest.raises(ValueError, match="config.yaml is missing"):
+        stored_lora(actor)
+    (actor.parent / "config.yaml").write_text("lora:\n  enabled: true\n  rank: 8\n  alpha: 4.0\n"
+                                              "  target_modules: [linear_qkv]\n")
+    assert (stored_lora(actor).rank, stored_lora(actor).alpha) == (8, 4.0)
+    (actor / META_FILE).write_text(json.dumps({"lora": None}))
+    assert stored_lora(actor) is None
