@@ -86,9 +86,13 @@ def check_lora_model(lora: LoRAConfig, model: ModelConfig, layout: ParallelLayou
         raise ValueError(f"lora.dropout={lora.dropout} with actor.parallel.tp={layout.tp}: a TP-replicated A would "
                          "see a different dropout mask on each TP rank and drift apart; set lora.dropout=0 or "
                          "actor.parallel.tp=1")
-    if {"experts"} & set(lora.target_modules) and layout.etp != 1:
-        raise ValueError(f"lora.target_modules=experts needs actor.parallel.etp=1 (got {layout.etp}): "
-                         "expert adapters are not split over expert tensor parallelism")
+    experts = "experts" in lora.target_modules and model.is_moe
+    if experts and lora.dropout and layout.etp > 1:
+        raise ValueError(f"lora.dropout={lora.dropout} with actor.parallel.etp={layout.etp}: each etp rank would "
+                         "drop different inputs of the same tokens; set lora.dropout=0 or actor.parallel.etp=1")
+    if experts and lora.rank % layout.etp:
+        raise ValueError(f"lora.rank={lora.rank} with actor.parallel.etp={layout.etp}: expert adapters split their "
+                         f"rank over the etp ranks; use a lora.rank divisible by {layout.etp}")
 
 
 def _pair(rank: int, dims: tuple[int, int], tp: int, column: bool) -> int:

@@ -132,6 +132,7 @@ def _patches() -> tuple:
         _patch_rng_tracker,
         _patch_torch_norm_sequence_parallel,
         _patch_gloo_all_to_all_splits,
+        _patch_gloo_uneven_all_gather,
         _patch_moe_utils_te_names,
         _patch_mla_without_te,
         _patch_distrib_optimizer_step_state,
@@ -382,6 +383,33 @@ def _patch_gloo_all_to_all_splits() -> None:
         )
 
     dist.all_to_all_single = all_to_all_single
+
+
+def _patch_gloo_uneven_all_gather() -> None:
+    """Let gloo's all_gather take outputs of different row counts.
+
+    Avoids: ``ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (30, 64),
+    got (32, 64))`` when megatron's alltoall token dispatcher gathers tokens over expert tensor
+    parallelism (etp > 1) and the etp ranks hold different numbers of tokens (data-parallel ranks
+    with micro-batches of different lengths). NCCL gathers uneven tensors; gloo needs equal ones,
+    so each is padded to the longest and trimmed after.
+    """
+    original_all_gather = dist.all_gather
+
+    @functools.wraps(original_all_gather)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or len({tuple(t.shape) for t in tensor_list}) <= 1:
+            return original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        staged = [t.new_empty((rows, *t.shape[1:])) for t in tensor_list]
+        original_all_gather(staged, padded, group=group)
+        for out, got in zip(tensor_list, staged):
+            out.copy_(got[: out.shape[0]])
+        return None
+
+    dist.all_gather = all_gather
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,8 +8,17 @@ RowParallelLinear (input columns split over TP)       y = sum_r W_r x_r + s * B 
     A_r [rank, in/tp], B [out, rank] replicated         the rank-sized partial A_r x_r is
                                                         all-reduced (r values per token, not
                                                         out), then split over the sequence (SP)
-routed experts (etp=1)                                each rank's local experts own their A, B
+routed experts, etp=1                                 each rank's local experts own their A, B
+routed experts, etp>1 (fc1 column-, fc2 row-split)    no factor replicated: the rank dim r is
+    fc1  A_i [r/etp, in], B_i [out/etp, r]              split too. The dispatcher hands every
+         h = all-gather_i(A_i x); y_i += s B_i h        etp rank the same tokens and sums their
+    fc2  A_i [r, in/etp], B_i [out, r/etp]              outputs, so an expert's own comm is
+         h_i = reduce-scatter(A_i x_i); y_i += s B_i h_i  only these r-sized h exchanges
 ```
+Replicating fc1's A (or fc2's B) over etp, as over TP, would give each etp rank a partial
+gradient of it that megatron never sums (the expert optimizer's duplicate filter also looks at
+the dense TP rank), hence the split rank. Its backward: fc1's all-gather of h reduce-scatters the
+ranks' partial dh; fc2's reduce-scatter all-gathers dh. Both keep every gradient whole and unique.
 
 ``s = alpha / rank``; B starts at zero, so a fresh adapter leaves the model unchanged. A is
 drawn from a generator seeded by the module's global name, then sliced: every layout starts
@@ -41,6 +50,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
@@ -79,10 +89,15 @@ def _target(name: str) -> str | None:
 
 
 def _tp_size(module) -> int:
-    """Ranks the base weight is split over (1 for experts: etp=1, their comm is the dispatcher's)."""
-    if module.explicit_expert_comm or module.tp_group is None:
-        return 1
-    return module.tp_group.size()
+    """Ranks the base weight is split over: TP, or etp for a routed expert."""
+    return 1 if module.tp_group is None else module.tp_group.size()
+
+
+def _splits(module, column: bool) -> dict[str, int | None]:
+    """The dim each adapter factor is split along over the module's group (None: replicated)."""
+    if module.is_expert and _tp_size(module) > 1:  # the rank dim too (see the module docstring)
+        return {"lora_a": 0, "lora_b": 0} if column else {"lora_a": 1, "lora_b": 1}
+    return {"lora_a": None, "lora_b": 0} if column else {"lora_a": 1, "lora_b": None}
 
 
 def _global_name(name: str, chunk) -> str:
@@ -109,29 +124,32 @@ def _init_a(global_name: str, shape: tuple[int, int], seed: int) -> torch.Tensor
 def _make_adapter(module, global_name: str, lora: LoRAConfig) -> None:
     """Add ``lora_a`` / ``lora_b`` to ``module``, split as its weight is, and its forward hook."""
     weight = module.weight
-    out_local, in_local = weight.shape
     tp = _tp_size(module)
     rank = 0 if tp == 1 else module.tp_group.rank()
     column = isinstance(module, ColumnParallelLinear)
-    in_global = in_local if column else in_local * tp
-    a_full = _init_a(global_name, (lora.rank, in_global), lora.seed)
-    a_local = a_full if column else a_full[:, rank * in_local:(rank + 1) * in_local]
-    a = torch.nn.Parameter(a_local.to(weight.dtype).to(weight.device).contiguous())
-    b = torch.nn.Parameter(torch.zeros(out_local, lora.rank, dtype=weight.dtype, device=weight.device))
+    out_global, in_global = weight.shape[0] * (tp if column else 1), weight.shape[1] * (1 if column else tp)
+    split = _splits(module, column) if tp > 1 else {"lora_a": None, "lora_b": None}
+    whole = {"lora_a": _init_a(global_name, (lora.rank, in_global), lora.seed),
+             "lora_b": torch.zeros(out_global, lora.rank, dtype=torch.float64)}
     expert = module.is_expert
-    # split like the base (megatron counts them once in the grad norm); experts: nothing duplicated
-    set_tensor_model_parallel_attributes(a, expert or (not column and tp > 1), 1, 1)
-    set_tensor_model_parallel_attributes(b, expert or (column and tp > 1), 0, 1)
-    for param in (a, b):
+    for name, full in whole.items():
+        dim = split[name]
+        local = full if dim is None else full.chunk(tp, dim=dim)[rank]
+        param = torch.nn.Parameter(local.to(weight.dtype).to(weight.device).contiguous())
+        # split like the base (megatron counts them once in the grad norm); experts: nothing duplicated
+        set_tensor_model_parallel_attributes(param, expert or dim is not None, dim if dim is not None else
+                                             (1 if name == "lora_a" else 0), 1)
         if expert:
             param.allreduce = False  # reduced over the expert data-parallel group, like the base
-    module.register_parameter("lora_a", a)
-    module.register_parameter("lora_b", b)
+        module.register_parameter(name, param)
     module.lora_name = global_name
-    module.lora_split = {"lora_a": None if column else 1, "lora_b": 0 if column else None}
+    module.lora_split = _splits(module, column)
     module.lora_scale = lora.alpha / lora.rank
     module.lora_dropout = lora.dropout
-    module.register_forward_hook(_column_hook if column else _row_hook)
+    if expert and tp > 1:
+        module.register_forward_hook(_expert_column_hook if column else _expert_row_hook)
+    else:
+        module.register_forward_hook(_column_hook if column else _row_hook)
     _shard_adapters_in_checkpoints(module, column)
 
 
@@ -162,12 +180,35 @@ def _row_hook(module, args, output):
     return (output[0] + delta, *output[1:])
 
 
+def _rank_dim_collective(h: torch.Tensor, group, collective) -> torch.Tensor:
+    """``collective`` (megatron's dim-0 sequence-parallel mappings) applied to h's last dim."""
+    flat = h.reshape(-1, h.shape[-1]).t().contiguous()
+    out = collective(flat, group=group).t()
+    return out.reshape(*h.shape[:-1], out.shape[-1])
+
+
+def _expert_column_hook(module, args, output):
+    h = F.linear(_dropout(module, args[0]), module.lora_a)  # this rank's r/etp of A x
+    # all of A x on every etp rank; backward: the ranks' partial dh summed, each keeping its part
+    h = _rank_dim_collective(h, module.tp_group, lambda t, group: gather_from_sequence_parallel_region(
+        t, tensor_parallel_output_grad=True, group=group))
+    delta = F.linear(h, module.lora_b) * module.lora_scale
+    return (output[0] + delta, *output[1:])
+
+
+def _expert_row_hook(module, args, output):
+    h = F.linear(_dropout(module, args[0]), module.lora_a)  # partial over this rank's input columns
+    h = _rank_dim_collective(h, module.tp_group, reduce_scatter_to_sequence_parallel_region)
+    delta = F.linear(h, module.lora_b) * module.lora_scale  # partial: the dispatcher sums the etp ranks
+    return (output[0] + delta, *output[1:])
+
+
 def _shard_adapters_in_checkpoints(module, column: bool) -> None:
     """Replace the adapters' entries of ``module.sharded_state_dict`` (megatron saves unknown
     parameters as replicated) with ones split over TP as the adapters are; fc1's B is
     [gate; up] per rank like its weight, so it takes megatron's swiglu factory too."""
     original = module.sharded_state_dict
-    axis = {"lora_b": 0} if column else {"lora_a": 1}
+    axis = {name: dim for name, dim in module.lora_split.items() if dim is not None}
     gated = column and module.config.gated_linear_unit and getattr(module, "_lora_fc1", False)
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
@@ -224,12 +265,24 @@ def apply_lora(chunks: list, lora: LoRAConfig) -> int:
 @torch.no_grad()
 def merged_weights(chunk) -> dict[str, torch.Tensor]:
     """``{local weight name: W + s * B A}`` for every adapted module of ``chunk``: the local
-    shard of the merged weight, in the base weight's own layout."""
+    shard of the merged weight, in the base weight's own layout. Collective over an expert's etp
+    group where etp > 1 (its rank-split factor is gathered): every actor rank calls it."""
     merged = {}
     for name, module in adapted_modules(chunk):
-        delta = (module.lora_b @ module.lora_a) * module.lora_scale
+        a, b = module.lora_a, module.lora_b
+        if module.is_expert and _tp_size(module) > 1:  # the factor split along r, whole for the product
+            column = isinstance(module, ColumnParallelLinear)
+            whole = _all_gather(a if column else b, dim=0 if column else 1, group=module.tp_group)
+            a, b = (whole, b) if column else (a, whole)
+        delta = (b @ a) * module.lora_scale
         merged[f"{name}.weight"] = module.weight + delta.to(module.weight.dtype)
     return merged
+
+
+def _all_gather(tensor: torch.Tensor, *, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(group.size())]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def _gated(module, suffix: str) -> bool:

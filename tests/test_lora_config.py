@@ -53,6 +53,15 @@ def test_bad_values_name_their_key():
     assert "lora.dropout=0.1 with actor.parallel.tp=2" in _error(ON, "lora.dropout=0.1", *tp2)
 
 
+def test_expert_adapters_under_etp_split_their_rank():
+    etp2 = ["actor.parallel.ep=1", "actor.parallel.etp=2", "lora.target_modules=[linear_qkv,experts]"]
+    assert load_config(QUICKSTART, [ON, "lora.rank=8", *etp2]).lora.rank == 8
+    assert "lora.rank=15 with actor.parallel.etp=2" in _error(ON, "lora.rank=15", *etp2)
+    assert "lora.dropout=0.1 with actor.parallel.etp=2" in _error(ON, "lora.dropout=0.1", *etp2)
+    attention_only = ["actor.parallel.ep=1", "actor.parallel.etp=2", "lora.rank=15"]  # no expert adapters
+    assert load_config(QUICKSTART, [ON, *attention_only]).lora.rank == 15
+
+
 def test_preflight_refuses_lora_in_sft_mode():
     from hybridflow.preflight import check_runtime_support
 

@@ -97,14 +97,27 @@ def etp2_step() -> None:
     policy.train_step(_batch(4), _loss)
 
 
+def etp2_uneven_step() -> None:
+    """Two processes, ETP=2 over DP=2, each data-parallel rank with rows of its own length (as the
+    runtime's rollouts): the etp ranks hand the dispatcher different token counts."""
+    length = 8 + int(os.environ["RANK"])
+    ids = torch.randint(0, 250, (2, length), generator=torch.Generator().manual_seed(length))
+    local = {"input_ids": ids, "loss_mask": torch.ones(2, length)}
+    expected = _policy("qwen3_moe", ParallelLayout(dp=2)).forward_logprobs(local, local_rows=True)[0]
+    policy = _policy("qwen3_moe", ParallelLayout(etp=2, dp=2))  # the same weights (seeded init), split
+    got = policy.forward_logprobs(local, local_rows=True)[0]
+    assert (got - expected).abs().max() < 1e-5, (got - expected).abs().max()
+    policy.train_step(local, _loss, local_rows=True)
+
+
 def tp2_moe_step() -> None:
     """Two processes, TP=2 with MoE: sequence-parallel gathers of uneven expert inputs."""
     policy = _policy("mixtral", ParallelLayout(tp=2))
     policy.train_step(_batch(2), _loss)
 
 
-SCENARIOS = {f.__name__: f for f in (import_attention, build_moe, build_mla, train_moe, seq_parallel_norm, resume_adam, ep2_step, etp2_step, tp2_moe_step)}
-TWO_PROCESS = {"ep2_step", "etp2_step", "tp2_moe_step"}
+SCENARIOS = {f.__name__: f for f in (import_attention, build_moe, build_mla, train_moe, seq_parallel_norm, resume_adam, ep2_step, etp2_step, etp2_uneven_step, tp2_moe_step)}
+TWO_PROCESS = {"ep2_step", "etp2_step", "etp2_uneven_step", "tp2_moe_step"}
 
 
 if __name__ == "__main__":

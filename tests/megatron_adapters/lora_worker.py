@@ -22,7 +22,9 @@ from worker import TRAIN, batch, layout_for  # noqa: E402
 from hfschema.lora import LoRAConfig  # noqa: E402
 from hybridflow.selftest import next_token_loss  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
-from megatron_adapters.lora import adapter_state, is_adapter  # noqa: E402
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear  # noqa: E402
+
+from megatron_adapters.lora import adapted_modules, adapter_state, is_adapter, local_slice, merged_weights  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy, _torch_optimizers  # noqa: E402
 from task_pool import run_tasks  # noqa: E402
 
@@ -57,6 +59,7 @@ def _train(policy: MegatronPolicy) -> dict:
                              "grads": adapter_state(policy, grads=True)})
     out["logp_after"] = policy.forward_logprobs(data)[0]
     out["adapters"] = adapter_state(policy)
+    out["merge_error"] = _merge_error(policy, out["adapters"])
     after = _base(policy)
     out["base_identical"] = all(torch.equal(base[k], after[k]) for k in base)
     out["base_requires_grad"] = any(p.requires_grad for c in policy.chunks for n, p in c.named_parameters()
@@ -68,6 +71,21 @@ def _train(policy: MegatronPolicy) -> dict:
     out["grad_buffer_numel"] = sum(b.grad_data.numel() for c in policy.chunks
                                    for b in c.buffers + c.expert_parallel_buffers)
     return out
+
+
+def _merge_error(policy: MegatronPolicy, whole: dict[str, torch.Tensor]) -> float:
+    """Largest distance of the merged weights the engine is pushed (local shards, collective under
+    etp) from this rank's part of W + s * B A computed from the whole adapters."""
+    worst = 0.0
+    for chunk in policy.chunks:
+        merged = merged_weights(getattr(chunk, "module", chunk))
+        for name, module in adapted_modules(chunk):
+            delta = module.lora_scale * whole[f"{module.lora_name}.lora_b"] @ whole[f"{module.lora_name}.lora_a"]
+            column = isinstance(module, ColumnParallelLinear)  # rows split like B's, columns like A's
+            expected = local_slice(module, "lora_b" if column else "lora_a", delta)
+            got = merged[f"{name}.weight"] - module.weight
+            worst = max(worst, (got.float() - expected).abs().max().item())
+    return worst
 
 
 def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: str) -> dict:
@@ -95,11 +113,18 @@ def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: s
     return {**out, "base_logp": base_logp, "resumed_adapters": adapter_state(resumed), "refused": refused}
 
 
-def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str) -> dict:
-    """Load the reference's initial state under ``spec`` and train as it did."""
+def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str, save_dir: str) -> dict:
+    """Load the reference's initial state under ``spec`` and train as it did; save, and read the
+    adapters back from the files as the offline PEFT export does (global, layout-free)."""
+    from megatron_adapters.dist_io import DistReader
+    from megatron_adapters.peft_io import checkpoint_adapters
+
     policy = make_policy(family, spec, targets)
     checkpoint.load(policy, init_dir)
-    return _train(policy)
+    out = _train(policy)
+    checkpoint.save(policy, save_dir)
+    out["saved_adapters"] = checkpoint_adapters(DistReader(save_dir), policy.model_config)
+    return out
 
 
 def peft_roundtrip(hf_dir: str, mcore_dir: str, spec: dict, targets: list[str], peft_dir: str,

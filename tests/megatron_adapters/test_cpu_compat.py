@@ -14,6 +14,7 @@ from megatron_adapters import cpu_compat
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 SCRIPT = Path(__file__).with_name("compat_scenarios.py")
+TWO_PROCESS = {"ep2_step", "etp2_uneven_step", "tp2_moe_step"}
 # patch left out -> (scenario that then fails, text of the error it avoids)
 NEEDED = {
     "block_cuda_only_imports": ("import_attention", "flash_mla"),
@@ -22,6 +23,7 @@ NEEDED = {
     "_patch_rng_tracker": ("build_moe", "CUDA"),
     "_patch_torch_norm_sequence_parallel": ("seq_parallel_norm", "sequence parallel not supported by torch LayerNorm"),
     "_patch_gloo_all_to_all_splits": ("ep2_step", "all_to_all_single(): incompatible function arguments"),
+    "_patch_gloo_uneven_all_gather": ("etp2_uneven_step", "ProcessGroupGloo::allgather: invalid tensor size"),
     "_patch_moe_utils_te_names": ("train_moe", "te_general_gemm"),
     "_patch_mla_without_te": ("build_mla", "isinstance() arg 2 must be a type"),
     "_patch_distrib_optimizer_step_state": ("resume_adam", "KeyError: 'step'"),
@@ -30,7 +32,7 @@ NEEDED = {
 
 def _run(scenario: str, skip: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", cpu_compat.SKIP_ENV: skip}
-    if scenario in {"ep2_step", "tp2_moe_step"}:
+    if scenario in TWO_PROCESS:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), scenario]
     else:
         cmd = [sys.executable, str(SCRIPT), scenario]
@@ -49,11 +51,12 @@ def test_scenario_fails_without_its_patch(patch: str) -> None:
     assert error in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("scenario", ["import_attention", "build_mla", "train_moe", "seq_parallel_norm", "resume_adam", "ep2_step", "tp2_moe_step"])
+@pytest.mark.parametrize("scenario", ["import_attention", "build_mla", "train_moe", "seq_parallel_norm", "resume_adam",
+                                      "ep2_step", "etp2_uneven_step", "tp2_moe_step"])
 def test_scenario_runs_with_all_patches(scenario: str) -> None:
     result = _run(scenario)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    ranks = 2 if scenario in {"ep2_step", "tp2_moe_step"} else 1
+    ranks = 2 if scenario in TWO_PROCESS else 1
     for rank in range(ranks):
         assert f"SCENARIO OK {scenario} rank {rank}\n" in result.stdout
 

@@ -1,9 +1,11 @@
-"""LoRA adapters under TP=2, EP=2 and PP=2 train exactly as in one process; the base stays frozen.
+"""LoRA adapters under TP=2, EP=2, ETP=2 and PP=2 train exactly as in one process; the base stays frozen.
 
 Two torchrun pools (``lora_worker.py``): one process saves each case's initial state (base and
 adapters) and trains two steps, then checks that a LoRA checkpoint resumes; two processes load
 that state under TP=2 (dense llama and qwen2 with attention + MLP adapters; qwen3_moe with
-attention and expert adapters), PP=2 (llama) and EP=2 (qwen3_moe) and train the same two steps.
+attention and expert adapters), PP=2 (llama), EP=2 and ETP=2 (qwen3_moe, ETP with and without
+TP) and train the same two steps; every layout's merged weights (what the engine is pushed) must
+equal W + s B A of the whole adapters.
 The two-process pool also trains converted HF models and exports PEFT files, which transformers +
 peft must score as the trainer does: llama under TP=2; qwen3_moe and mixtral under EP=2 with
 attention and routed-expert adapters (PEFT's ``target_parameters`` on transformers' fused
@@ -37,7 +39,9 @@ PEFT_TARGETS = {**TARGETS, "mixtral": ["linear_qkv", "linear_proj", "experts"],
                 # MLA has no linear_qkv; layer 0 is dense (linear_fc1/2), the others shared + routed experts
                 "deepseek_v3": ["linear_proj", "linear_fc1", "linear_fc2", "experts", "shared_experts"]}
 CASES = {"llama_tp2": ("llama", {"tp": 2}), "qwen2_tp2": ("qwen2", {"tp": 2}), "llama_pp2": ("llama", {"pp": 2}),
-         "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}), "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2})}
+         "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}), "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2}),
+         # experts split over etp: their adapters split the rank dim too (megatron_adapters/lora.py)
+         "qwen3_moe_etp2": ("qwen3_moe", {"etp": 2}), "qwen3_moe_tp2_etp2": ("qwen3_moe", {"tp": 2, "etp": 2})}
 PEFT_CASES = {"llama": {"tp": 2}, "qwen3_moe": {"ep": 2},  # EP=2: each rank holds half the experts' adapters
               "mixtral": {"ep": 2}, "deepseek_v3": {"tp": 2, "etp": 1}}
 
@@ -52,7 +56,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     refs = [{"kind": "lora_reference", "family": f, "targets": t, "init_dir": str(work / f"init_{f}"),
              "resume_dir": str(work / f"resume_{f}"), "out": str(work / f"{f}_ref.pt")} for f, t in TARGETS.items()]
     cases = [{"kind": "lora_equivalence", "family": f, "spec": spec, "targets": TARGETS[f],
-              "init_dir": str(work / f"init_{f}"), "out": str(work / f"{name}.pt")} for name, (f, spec) in CASES.items()]
+              "init_dir": str(work / f"init_{f}"), "save_dir": str(work / f"saved_{name}"),
+              "out": str(work / f"{name}.pt")} for name, (f, spec) in CASES.items()]
     for f, spec in PEFT_CASES.items():
         hf = make_hf_dir(work, f)
         hf_to_mcore(hf, work / f"mcore_{f}")
@@ -109,6 +114,8 @@ def test_layout_equals_one_process(runs, name: str) -> None:
         assert _max_diff(mine["grads"], theirs["grads"]) <= TOL
     assert _max_diff(got["adapters"], ref["adapters"]) <= TOL
     assert (got["logp_after"] - ref["logp_after"]).abs().max() <= TOL
+    assert got["merge_error"] <= 1e-6 and ref["merge_error"] <= 1e-6  # the weights the engine is pushed
+    assert _max_diff(got["saved_adapters"], got["adapters"]) == 0  # as saved: whole, whatever the layout
 
 
 def _scores(net, ids: torch.Tensor) -> torch.Tensor:
