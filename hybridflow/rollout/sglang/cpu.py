@@ -144,6 +144,32 @@ class _Forking:
     inherited_world = None
     """In a forked engine process: the rank's process groups, kept referenced so that they are never
     destroyed there (their gloo threads did not survive the fork; a destructor would wait on them)."""
+    lora = False
+    """The engine being started serves LoRA adapters (its forked processes then drop pinned memory)."""
+
+
+def _drop_pinned_host_memory() -> None:
+    """Make ``pin_memory`` (the factories' keyword and ``Tensor.pin_memory()``) a no-op for the
+    rest of this process: a forked CPU engine process that serves LoRA adapters.
+
+    SGLang's LoRA layers stage offsets and adapter weights in pinned host memory for GPU copies;
+    pinning needs a CUDA driver, so without a GPU the engine died at start with ``RuntimeError:
+    Found no NVIDIA driver on your system`` (``sglang/srt/lora/layers.py``). On a CPU engine the
+    host memory is the device memory: an unpinned tensor serves the same.
+    """
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class UnpinnedHostMemory(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.pin_memory:
+                return args[0]
+            kwargs = kwargs or {}
+            if kwargs.get("pin_memory"):
+                kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+            return func(*args, **kwargs)
+
+    UnpinnedHostMemory().__enter__()  # left open: SGLang builds and loads adapters at any time
 
 
 def can_fork_engine_processes() -> bool:
@@ -197,6 +223,7 @@ def _install_fork_hooks() -> None:
         set_envs_and_config(server_args)
         if _Forking.active:
             multiprocessing.set_start_method("fork", force=True)
+            _Forking.lora = bool(server_args.enable_lora)
 
     sglang_engine._set_envs_and_config = set_envs_config_then_fork
     os.register_at_fork(after_in_child=_as_if_spawned)
@@ -217,6 +244,8 @@ def _as_if_spawned() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _Forking.lora:
+        _drop_pinned_host_memory()
     from torch.distributed import distributed_c10d
 
     # ``_world`` is c10d's documented point of override for its process-group registry

@@ -15,9 +15,12 @@ sglang.Engine: tokenizer manager in this process, one scheduler process per TP r
     │     load_format="direct": rank r opens values[r] only
     ├─ push_rank_payloads([payload_r0, payload_r1, ..])   the same, prepared by the processes
     │                                                     that hold each rank's share (runtime)
-    └─ push_weights(hf_named, route="full")                the baseline: HF checkpoint names,
-          every rank opens every tensor, its loader slices  checked against the checkpoint
-    both pushes run inside begin_weight_update() ... end_weight_update()
+    ├─ push_weights(hf_named, route="full")                the baseline: HF checkpoint names,
+    │     every rank opens every tensor, its loader slices  checked against the checkpoint
+    │  both pushes run inside begin_weight_update() ... end_weight_update()
+    └─ load_adapter(name, peft_tensors, peft_config)       an engine started with lora_args():
+          SGLang's load_lora_adapter_from_tensors; every    the adapters alone (PEFT names), the
+          later generate serves that adapter                base weights stay as pushed
 ```
 
 Log-probs are those of the unscaled distribution (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``; SGLang's
@@ -60,7 +63,7 @@ from hybridflow.rollout.base import (
 from hybridflow.rollout.sglang import cpu, handles, param_report, post_load, rank_seed
 from hybridflow.rollout.sglang.watch import ProcessWatch
 
-__all__ = ["ROUTES", "SGLangEngine", "SGLangStartError"]
+__all__ = ["ROUTES", "SGLangEngine", "SGLangStartError", "lora_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +128,10 @@ def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: 
     on_cpu = not cpu.has_cuda_gpu()
     _check_start(tp=tp, ep=ep, on_cpu=on_cpu, deterministic=deterministic, pause_mode=pause_mode,
                  return_routed_experts=return_routed_experts)
+    if on_cpu and engine_kwargs.get("enable_lora") and not cpu.can_fork_engine_processes():
+        raise ValueError("a CPU SGLang engine serves LoRA adapters only from forked processes (they drop its "
+                         "pinned host memory, which needs a GPU driver); start it from a process with "
+                         "OMP_NUM_THREADS=1 and torch.set_num_threads(1), as hybridflow's CPU ranks are")
     if on_cpu:
         cpu.apply_cpu_environment(tp)
     routed = _is_moe(model_path) and not on_cpu if return_routed_experts is None else return_routed_experts
@@ -153,6 +160,18 @@ def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: 
     logger.info("SGLang engine up in %.1f s (tp=%d, ep=%d, %s)", time.perf_counter() - started, tp, ep,
                 "CPU" if on_cpu else "GPU")
     return engine, own, args, on_cpu, routed
+
+
+def lora_args(*, rank: int, target_modules: Sequence[str], on_cpu: bool) -> dict[str, Any]:
+    """``sglang.Engine`` settings of an engine that serves LoRA adapters of ``rank`` on the HF
+    modules ``target_modules`` (leaf names: ``q_proj``, ``gate_proj``...). Two adapter slots: the
+    one being served and the next one loading. On CPU SGLang's torch-native LoRA kernels (its
+    others are triton); routed-expert adapters need its triton_v2 MoE LoRA, so a GPU."""
+    args: dict[str, Any] = dict(enable_lora=True, max_lora_rank=rank, lora_target_modules=list(target_modules),
+                                max_loras_per_batch=2)
+    if on_cpu:
+        args["lora_backend"] = "torch_native"
+    return args
 
 
 class SGLangNode:
@@ -340,6 +359,7 @@ class SGLangEngine:
         self._released: set[str] = set()
         self._weights_lost = not weights_loaded  # load_format="dummy": the first push brings them
         self._seed_warned = False
+        self._adapter: str | None = None  # the LoRA adapter every generate serves (load_adapter)
         # at interpreter exit (or if dropped unclosed) SGLang's processes still go
         self._finalizer = weakref.finalize(self, _shutdown, engine, own_processes)
 
@@ -361,9 +381,10 @@ class SGLangEngine:
             return RolloutBatch(samples=(), seconds=0.0)
         started = time.perf_counter()
         sampling = [self._sampling(params, i) for i in range(len(input_ids))]
+        adapters = [self._adapter] * len(input_ids) if self._adapter is not None else None
         outputs = self._watched(lambda: self._engine.generate(
             input_ids=input_ids, sampling_params=sampling, return_logprob=True,
-            return_routed_experts=self._routed_experts,
+            return_routed_experts=self._routed_experts, lora_path=adapters,
         ), "generate")
         seconds = time.perf_counter() - started
         samples = tuple(self._sample(out, i // params.n, i % params.n, input_ids[i]) for i, out in enumerate(outputs))
@@ -421,6 +442,33 @@ class SGLangEngine:
         if route == "full":
             return self.push_full(weights)
         raise ValueError(f"weight push route={route!r}: choose one of {', '.join(ROUTES)}")
+
+    def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor],
+                     config: Mapping[str, Any]) -> WeightPushReport:
+        """Load LoRA adapter ``name`` (PEFT tensor names and ``adapter_config.json`` values) through
+        SGLang's adapter API and serve it from the next generate on; the adapter served before is
+        unloaded. The engine must be started with ``lora_args``."""
+        self._check_open()
+        started = time.perf_counter()
+        result = self._watched(lambda: self._engine.load_lora_adapter_from_tensors(
+            lora_name=name, tensors=dict(tensors), config_dict=dict(config)), "load_lora_adapter_from_tensors")
+        if not result.success:
+            raise RuntimeError(f"SGLang did not load LoRA adapter {name!r}: {result.error_message}")
+        previous, self._adapter = self._adapter, name
+        if previous is not None and previous != name:
+            self.unload_adapter(previous)
+        nbytes = sum(t.nbytes for t in tensors.values())
+        return WeightPushReport(seconds=time.perf_counter() - started, bytes_per_rank=(nbytes,) * self.tp,
+                                route="adapter")
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload LoRA adapter ``name``; generate then serves the base weights if it was the served one."""
+        self._check_open()
+        result = self._watched(lambda: self._engine.unload_lora_adapter(lora_name=name), "unload_lora_adapter")
+        if not result.success:
+            raise RuntimeError(f"SGLang did not unload LoRA adapter {name!r}: {result.error_message}")
+        if self._adapter == name:
+            self._adapter = None
 
     def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         """Each TP rank's parameter names and shapes, read from the running engine (padding included)."""
