@@ -381,10 +381,10 @@ class SGLangEngine:
             return RolloutBatch(samples=(), seconds=0.0)
         started = time.perf_counter()
         sampling = [self._sampling(params, i) for i in range(len(input_ids))]
-        adapters = [self._adapter] * len(input_ids) if self._adapter is not None else None
+        served = {"lora_path": [self._adapter] * len(input_ids)} if self._adapter is not None else {}
         outputs = self._watched(lambda: self._engine.generate(
             input_ids=input_ids, sampling_params=sampling, return_logprob=True,
-            return_routed_experts=self._routed_experts, lora_path=adapters,
+            return_routed_experts=self._routed_experts, **served,
         ), "generate")
         seconds = time.perf_counter() - started
         samples = tuple(self._sample(out, i // params.n, i % params.n, input_ids[i]) for i, out in enumerate(outputs))

@@ -30,6 +30,14 @@ def test_settings_the_cpu_engine_cannot_run_are_refused_before_start(kwargs, mat
         make_engine("sglang", model_path=str(tmp_path), **kwargs)
 
 
+@pytest.mark.skipif(cpu.has_cuda_gpu(), reason="checks of the CPU engine")
+def test_a_cpu_engine_that_would_spawn_is_refused_lora_before_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu, "can_fork_engine_processes", lambda: False)  # e.g. OMP_NUM_THREADS unset
+    with pytest.raises(ValueError, match="LoRA adapters only from forked processes"):
+        make_engine("sglang", model_path=str(tmp_path), **engine.lora_args(rank=8, target_modules=["q_proj"],
+                                                                           on_cpu=True))
+
+
 def test_routed_experts_keep_every_fed_position_and_drop_dense_layers():
     prompt_len, response_len, layers, top_k = 3, 2, 3, 2
     rows = np.arange((prompt_len + response_len - 1) * layers * top_k, dtype=np.int32).reshape(-1, layers, top_k)
