@@ -94,7 +94,7 @@ def measure(*, hidden: int, layers: int, rank: int, repeats: int = 3) -> dict:
             started = time.perf_counter()
             engine.generate(prompts, greedy)
             generate_adapter = time.perf_counter() - started
-            engine.unload_adapter(f"v{repeats - 1}")
+            engine.unload_adapter(f"v{repeats - 1}")  # the base again for the merged pushes
             full = [engine.push_weights(merged, route="full") for _ in range(repeats)]
         finally:
             engine.shutdown()

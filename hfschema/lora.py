@@ -5,15 +5,21 @@ the model: the targets must exist in the family and the rank must fit every targ
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hfschema.checks import check_non_negative, check_positive
+from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError, ParallelLayout
 from hfschema.model import ModelConfig
 
-__all__ = ["LORA_TARGETS", "LoRAConfig", "adapter_params_per_rank", "check_lora_model", "target_dims"]
+__all__ = ["LORA_PUSHES", "LORA_TARGETS", "LoRAConfig", "adapter_params_per_rank", "check_lora_model",
+           "engine_target_modules", "target_dims"]
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts", "shared_experts")
 """Target names: megatron-core's attention projections, the dense MLP's projections, every
 routed expert's fc1 / fc2, the shared experts' fc1 / fc2."""
+LORA_PUSHES = ("merged", "adapter")
+"""How the engine gets the trained adapters: merged into the weights, or as adapters."""
+_HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+               "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+"""The Hugging Face modules (leaf names, every family here) of the dense targets."""
 
 
 @dataclass(kw_only=True)
@@ -35,8 +41,13 @@ class LoRAConfig:
     """Peak learning rate of the adapters in RL; None = train.lr."""
     seed: int = 0
     """Seed of the A matrices' initialisation (the same under every layout)."""
+    push: str = "merged"
+    """Weight sync: ``merged`` pushes W + (alpha/rank) B A through the reshard plan every step;
+    ``adapter`` pushes the base once (again after an engine restart) and then only the adapters,
+    through SGLang's LoRA adapter API (colocated SGLang engines, dense targets)."""
 
     def __post_init__(self) -> None:
+        check_choice("push", self.push, LORA_PUSHES)
         check_positive(self, ("rank", "alpha", "lr"))
         check_non_negative(self, ("dropout",))
         if self.dropout >= 1:
@@ -48,6 +59,11 @@ class LoRAConfig:
         if not self.target_modules:
             raise ConfigError("{p}target_modules is empty; name at least one of: {valid}",
                               valid=", ".join(LORA_TARGETS))
+
+
+def engine_target_modules(targets: list[str]) -> list[str]:
+    """The Hugging Face module names an inference engine adapts for ``targets`` (dense ones)."""
+    return [name for target in targets for name in _HF_MODULES[target]]
 
 
 def target_dims(model: ModelConfig, target: str) -> tuple[int, int] | None:

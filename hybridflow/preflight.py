@@ -66,6 +66,27 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
     if cfg.lora.enabled and cfg.run.mode == "sft":
         raise ValueError("lora.enabled=true with run.mode=sft: adapters train the RL actor only (the SFT warm-up "
                          "and run.mode=sft train the whole model); set lora.enabled=false or run.mode=rl")
+    if cfg.lora.enabled and cfg.lora.push == "adapter":
+        _check_adapter_push(cfg)
+
+
+def _check_adapter_push(cfg: HybridflowConfig) -> None:
+    """``lora.push=adapter``: what this version's adapter-only weight sync covers."""
+    if cfg.rollout.engine != "sglang":
+        raise ValueError(f"lora.push=adapter with rollout.engine={cfg.rollout.engine}: adapters are pushed through "
+                         "SGLang's LoRA adapter API; set rollout.engine=sglang or lora.push=merged")
+    expert = [t for t in cfg.lora.target_modules if t in ("experts", "shared_experts")]
+    if expert:
+        raise ValueError(f"lora.push=adapter with lora.target_modules {expert}: SGLang serves expert adapters only "
+                         "through its triton MoE LoRA kernels, which hybridflow does not run yet; set lora.push=merged "
+                         "or target the attention and dense MLP projections only")
+    if cfg.rollout.placement != "colocated":
+        raise ValueError(f"lora.push=adapter with rollout.placement={cfg.rollout.placement}: the adapters reach "
+                         "the engines from the actor ranks that drive them, which only colocated engines have in "
+                         "this version; set rollout.placement=colocated or lora.push=merged")
+    if cfg.async_rl.mode != "sync":
+        raise ValueError(f"lora.push=adapter with async_rl.mode={cfg.async_rl.mode}: adapter pushes are not "
+                         "interleaved with generation ahead in this version; set async_rl.mode=sync or lora.push=merged")
 
 
 ROW_WISE_POLICY_LOSSES = ("gspo", "gmpo", "geo_mean", "clip_cov", "kl_cov")

@@ -24,16 +24,17 @@ _WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
 """Buffers that are model weights (name suffixes)."""
 
 
-def global_named_parameters(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
+def global_named_parameters(policy: MegatronPolicy, *, merge_adapters: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter of this rank's chunks and the expert-bias buffers (detached), keyed by
-    global-layer name. Under LoRA an adapted weight is the merged W + s * B A (a new tensor) and
-    the adapters themselves are left out: the engine serves ordinary weights."""
+    global-layer name. Under LoRA the adapters themselves are left out and an adapted weight is
+    the merged W + s * B A (a new tensor), or with ``merge_adapters=False`` the frozen base W (an
+    engine that receives the adapters apart: ``lora.push=adapter``)."""
     named: dict[str, torch.Tensor] = {}
     for chunk in policy.chunks:
         module = getattr(chunk, "module", chunk)
         layers = module.decoder.layers if hasattr(module, "decoder") else []
         buffers = [(n, b) for n, b in module.named_buffers() if n.endswith(_WEIGHT_BUFFERS)]
-        merged = merged_weights(module)
+        merged = merged_weights(module) if merge_adapters else {}
         for name, param in [*module.named_parameters(), *buffers]:
             if is_adapter(name):
                 continue

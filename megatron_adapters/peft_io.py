@@ -48,7 +48,7 @@ from .convert_plan import dist_key
 from .dist_io import DistReader
 from .lora import adapted_modules, adapter_state, local_slice
 
-__all__ = ["checkpoint_adapters", "export_peft", "import_peft", "write_peft"]
+__all__ = ["adapter_push", "checkpoint_adapters", "export_peft", "import_peft", "peft_config", "write_peft"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -162,7 +162,18 @@ def write_peft(state: dict[str, torch.Tensor], model: ModelConfig, lora: LoRACon
     staging = path.with_name(path.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    config = {
+    config = peft_config(lora, targets, parameters, base_model=base_model)
+    (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
+    return path
+
+
+def peft_config(lora: LoRAConfig, targets: list[str], parameters: list[str], *,
+                base_model: str | None = None) -> dict:
+    """The ``adapter_config.json`` values of adapters on ``targets`` / ``parameters``."""
+    return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
         # PEFT's ParamWrapper refuses any dropout; it is training-only, these files are for inference
         "lora_dropout": 0.0 if parameters else lora.dropout, "target_modules": targets or None,
@@ -170,11 +181,13 @@ def write_peft(state: dict[str, torch.Tensor], model: ModelConfig, lora: LoRACon
         "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
         "base_model_name_or_path": base_model,
     }
-    (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(staging, path)
-    return path
+
+
+def adapter_push(policy) -> tuple[dict[str, torch.Tensor], dict]:
+    """``policy``'s adapters as an engine's adapter API takes them: PEFT tensors and config
+    (collective: gathers every rank's adapters; every rank gets them)."""
+    tensors, targets, parameters = peft_tensors(adapter_state(policy), policy.model_config)
+    return tensors, peft_config(policy.lora, targets, parameters)
 
 
 def export_peft(policy, directory: str | os.PathLike) -> Path:

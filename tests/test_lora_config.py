@@ -82,3 +82,18 @@ def test_memory_plan_counts_grads_and_state_of_the_adapters_only():
     assert lora["actor grads"] == 4 * adapters
     assert lora["actor optimizer"] < full["actor optimizer"] / 2
     assert lora["actor params"] == full["actor params"] + 2 * adapters
+
+
+def test_adapter_pushes_are_refused_where_this_version_cannot_make_them():
+    from hybridflow.preflight import check_runtime_support
+
+    push = [ON, "lora.push=adapter"]
+    check_runtime_support(load_config(QUICKSTART, [*push, "lora.target_modules=[linear_qkv,linear_proj]"]))
+    assert "lora.push" in _error("lora.push=adapters")  # not a choice
+    cases = {"rollout.engine=hf rollout.tp=1 rollout.sync_route=full": "rollout.engine=hf", "lora.target_modules=[linear_qkv,experts]": "'experts'",
+             "async_rl.mode=one_step_off": "async_rl.mode=one_step_off"}
+    for override, named in cases.items():
+        cfg = load_config(QUICKSTART, [*push, "lora.target_modules=[linear_qkv]", *override.split()])
+        with pytest.raises(ValueError, match="lora.push=adapter") as info:
+            check_runtime_support(cfg)
+        assert named in str(info.value)

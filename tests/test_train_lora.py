@@ -6,6 +6,10 @@ trainer's on the merged weights, and the RL checkpoint's base weights must be th
 checkpoint's bit for bit (only the adapters trained). The run's checkpoints then leave through
 the command line as a user would take them: the SFT base and the adapters as PEFT files, and
 merged weights, which transformers (+ peft) must score alike.
+
+A second run pushes adapters instead (``lora.push=adapter``, attention adapters: the CPU engine
+serves dense targets): the base is pushed once before RL, then each step moves the adapters
+alone, and the engine's log-probs must match the trainer's at every step.
 """
 
 from __future__ import annotations
@@ -30,15 +34,24 @@ LOGPROB_TOL = 1e-4
 """As tests/test_train.py: fp32 SGLang CPU kernels against fp32 megatron-core."""
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("train_lora") / "run"
+def _train(out: Path, *overrides: str) -> Path:
     cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu_lora.yaml",
-           f"run.output_dir={out}", *SHORT]
+           f"run.output_dir={out}", *SHORT, *overrides]
     result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             capture_output=True, text=True, timeout=1100)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp("train_lora") / "run")
+
+
+@pytest.fixture(scope="module")
+def adapter_run(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp("train_lora_adapter") / "run", "lora.push=adapter",
+                  "lora.target_modules=[linear_qkv,linear_proj]")
 
 
 def test_lora_rl_learns_beyond_the_sft_warm_up(run: Path) -> None:
@@ -94,3 +107,16 @@ def test_the_adapters_leave_as_peft_files_and_as_merged_weights(run: Path, tmp_p
         plain = scores(with_adapter)
     assert (adapted - merged).abs().max() <= LOGPROB_TOL
     assert (plain - merged).abs().max() > 1e-2  # the adapters carry the RL training
+
+
+def test_adapter_pushes_move_the_adapters_alone_and_the_engine_serves_them(adapter_run: Path) -> None:
+    summary = json.loads((adapter_run / "summary.json").read_text())
+    history = json.loads((adapter_run / "checkpoints" / "step_000010" / "state.json").read_text())["history"]
+    assert len(history) == 10
+    # the base went before RL; every step's push is the adapters (PEFT layout, float32), nothing else
+    adapter_bytes = {h["sync/adapter_bytes"] for h in history}
+    assert all(h["sync/engine_bytes"] == 0.0 for h in history) and len(adapter_bytes) == 1
+    assert 0 < adapter_bytes.pop() < 100_000
+    # the engine's own log-probs of what it sampled, with the adapters unmerged, are the trainer's
+    assert all(h["rollout/logprob_diff_max"] < LOGPROB_TOL for h in history), history
+    assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary

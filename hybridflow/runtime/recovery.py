@@ -118,6 +118,7 @@ class EngineRestarts:
         if spanning:  # every rank: the parts on other nodes restart with the driver's
             self.respawn({replica for _, replica, _ in lost})
         h.sync.engine = h.engine
+        h.sync.engines_replaced()
 
     def restart(self, lost: list[tuple[int, int, str]]):
         """``replace`` the engines of ``lost``, then push them the current weights (collective;

@@ -110,9 +110,21 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, 
                            dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
                            seed=cfg.run.seed, load_format="dummy", bucket_bytes=cfg.rollout.push_bucket_mb << 20,
                            deterministic=_engine_deterministic(cfg), generate_timeout_s=cfg.rollout.generate_timeout_s,
-                           **placement)
+                           **placement, **_adapter_slots(cfg))
     finally:
         os.environ.update(saved)
+
+
+def _adapter_slots(cfg: HybridflowConfig) -> dict:
+    """SGLang's LoRA settings when the run pushes adapters (``lora.push=adapter``), else none."""
+    if not (cfg.lora.enabled and cfg.lora.push == "adapter"):
+        return {}
+    from hfschema.lora import engine_target_modules
+    from hybridflow.rollout.sglang.cpu import has_cuda_gpu
+    from hybridflow.rollout.sglang.engine import lora_args
+
+    return lora_args(rank=cfg.lora.rank, target_modules=engine_target_modules(cfg.lora.target_modules),
+                     on_cpu=not has_cuda_gpu())
 
 
 def _engine_deterministic(cfg: HybridflowConfig) -> bool:

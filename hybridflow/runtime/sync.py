@@ -21,6 +21,11 @@ replaces the lost engines together (``recovery``) and the push runs again.
 ``rollout.sync_route=full`` is the baseline: the plan gathers every tensor whole under its
 Hugging Face name on the driver, and every engine rank receives every tensor and slices it.
 
+``lora.push=adapter`` (colocated SGLang engines): the plan moves the frozen base, unmerged, only
+while an engine lacks it (the first push, after an engine restart, and every push where a GPU
+engine released its weights); every push then hands each replica's driver the adapters in PEFT
+layout (gathered from every actor rank), which its engine loads through SGLang's adapter API.
+
 The plans come from ``hybridflow.weight_sync``, the same ones ``hybridflow plan`` prints,
 computed once from shapes. The weights themselves cross processes once, in the reshard; what
 the driver gathers for a sliced push is a few hundred bytes per tensor.
@@ -67,6 +72,8 @@ class _Pushed(NamedTuple):
     """The refit verifier's worst relative difference on this driver, or None."""
     lost: str | None = None
     """Why this driver's engine was lost during the push (``EngineLost``), or None."""
+    adapter_bytes: float = 0.0
+    """Bytes of LoRA adapters its engine loaded (``lora.push=adapter``)."""
 
 
 def _lost(gathered: list[_Pushed]) -> list[tuple[int, int, str]]:
@@ -85,7 +92,7 @@ class EngineSync:
     """
 
     def __init__(self, cfg: HybridflowConfig, *, channel: Channel, device: torch.device, source_params=None,
-                 engine=None) -> None:
+                 engine=None, adapters=None) -> None:
         self.cfg = cfg
         self.channel = channel
         self.device = device
@@ -100,6 +107,11 @@ class EngineSync:
                                     destination=tuple(self.offset + r for r in range(self.sync.destination.num_ranks)))
         self.dtype = WIRE_DTYPES[cfg.rollout.dtype]
         self.source_params = source_params
+        self.adapters = adapters
+        """``lora.push=adapter``: a collective call that returns the actor's adapters as PEFT
+        (tensors, config); None: the engine gets merged weights."""
+        self._base_held = False
+        """Every engine holds the base the plan last pushed (adapter pushes then move nothing else)."""
         self.engine = engine
         self.pushes = 0
         """Counted pushes so far (the refit checks' schedule)."""
@@ -154,8 +166,16 @@ class EngineSync:
         self.pushes += counted
         return self._metrics(gathered, time.perf_counter() - started)
 
+    def engines_replaced(self) -> None:
+        """Some engine was restarted (empty): the next push moves the base again (collective
+        knowledge: every process is told, ``recovery.EngineRestarts.replace``)."""
+        self._base_held = False
+
     def _push_once(self, verify: bool, *, kill: bool) -> list[_Pushed]:
         """One try of the push; every process's ``_Pushed``, gathered on every process."""
+        if self.adapters is not None and self._base_held and not self.engine_drops_weights:
+            return self._push_adapters(_Pushed(replica_of(self.cfg, dist.get_rank()) if self.engine else None,
+                                               0.0, 0, 0, None), kill=kill)
         dest = self._destination()
         sources = self.source_params() if self.source_params is not None else None
         buffers = self._buffers(dest)
@@ -168,8 +188,28 @@ class EngineSync:
         elif self.route == "full":
             pushed = self._push_full(buffers)
         replica = replica_of(self.cfg, dist.get_rank()) if self.engine else None
-        return self.channel.gather(_Pushed(replica, pushed, report.bytes_received + report.bytes_copied_locally,
-                                           report.bytes_relayed, worst, lost))
+        mine = _Pushed(replica, pushed, report.bytes_received + report.bytes_copied_locally, report.bytes_relayed,
+                       worst, lost)
+        if self.adapters is not None:
+            return self._push_adapters(mine, kill=False)
+        return self.channel.gather(mine)
+
+    def _push_adapters(self, mine: _Pushed, *, kill: bool) -> list[_Pushed]:
+        """The actor's adapters into every replica's engine (collective: every process gathers
+        them), after the base push ``mine`` reports, if any; then the gather that ends the push."""
+        tensors, config = self.adapters()
+        loaded, lost = 0.0, mine.lost
+        if self.engine is not None and lost is None:
+            if kill:
+                kill_a_scheduler_soon(self.engine)
+            try:
+                report = self.engine.load_adapter(f"policy_{self.pushes + 1}", tensors, config)
+                loaded = float(report.bytes_per_rank[0])
+            except EngineLost as error:
+                lost = str(error)
+        gathered = self.channel.gather(mine._replace(adapter_bytes=loaded, lost=lost))
+        self._base_held = not _lost(gathered)
+        return gathered
 
     def _metrics(self, gathered: list[_Pushed], seconds: float) -> dict[str, float]:
         per_replica = [0.0] * self.cfg.rollout.num_replicas
@@ -180,6 +220,7 @@ class EngineSync:
         return {"sync/seconds": seconds, "sync/plan_bytes": float(sum(g.plan_bytes for g in gathered)),
                 "sync/relayed_bytes": float(sum(g.relayed_bytes for g in gathered)),  # forwarded by engine ranks
                 "sync/engine_bytes": float(sum(per_replica)),
+                **({"sync/adapter_bytes": float(sum(g.adapter_bytes for g in gathered))} if self.adapters else {}),
                 **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)},
                 **({"checks/refit_max_rel_diff": max(checked)} if checked else {})}
 

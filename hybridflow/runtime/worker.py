@@ -188,6 +188,7 @@ def _copy_weights(source, target) -> list[str]:
 
 def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
+    from megatron_adapters.peft_io import adapter_push
 
     s.restarts = EngineRestarts(s, metrics=lambda: s.step_metrics, respawn=None if s.channel.separate else
                                 lambda replicas: _respawn(s, replicas))
@@ -200,8 +201,10 @@ def _start_rollout(s: Session) -> None:
         return
     s.replica = replica_of(s.cfg, s.rank)
     _start_parts(s, None)
-    s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device, source_params=lambda: global_named_parameters(s.actor),
-                        engine=s.engine)
+    adapters = s.cfg.lora.enabled and s.cfg.lora.push == "adapter"  # colocated only (preflight)
+    s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device, engine=s.engine,
+                        source_params=lambda: global_named_parameters(s.actor, merge_adapters=not adapters),
+                        adapters=(lambda: adapter_push(s.actor)) if adapters else None)
     s.sync.restarts = s.restarts
     s.sync.push()
 

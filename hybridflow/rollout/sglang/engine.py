@@ -164,11 +164,11 @@ def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: 
 
 def lora_args(*, rank: int, target_modules: Sequence[str], on_cpu: bool) -> dict[str, Any]:
     """``sglang.Engine`` settings of an engine that serves LoRA adapters of ``rank`` on the HF
-    modules ``target_modules`` (leaf names: ``q_proj``, ``gate_proj``...). Two adapter slots: the
-    one being served and the next one loading. On CPU SGLang's torch-native LoRA kernels (its
+    modules ``target_modules`` (leaf names: ``q_proj``, ``gate_proj``...). One adapter slot: a
+    push replaces the adapter between generations. On CPU SGLang's torch-native LoRA kernels (its
     others are triton); routed-expert adapters need its triton_v2 MoE LoRA, so a GPU."""
     args: dict[str, Any] = dict(enable_lora=True, max_lora_rank=rank, lora_target_modules=list(target_modules),
-                                max_loras_per_batch=2)
+                                max_loras_per_batch=1)
     if on_cpu:
         args["lora_backend"] = "torch_native"
     return args
@@ -446,17 +446,18 @@ class SGLangEngine:
     def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor],
                      config: Mapping[str, Any]) -> WeightPushReport:
         """Load LoRA adapter ``name`` (PEFT tensor names and ``adapter_config.json`` values) through
-        SGLang's adapter API and serve it from the next generate on; the adapter served before is
-        unloaded. The engine must be started with ``lora_args``."""
+        SGLang's adapter API and serve it from the next generate on, in place of the adapter
+        served before (unloaded first: its slot is the one). The engine must be started with
+        ``lora_args``."""
         self._check_open()
         started = time.perf_counter()
+        if self._adapter is not None:
+            self.unload_adapter(self._adapter)
         result = self._watched(lambda: self._engine.load_lora_adapter_from_tensors(
             lora_name=name, tensors=dict(tensors), config_dict=dict(config)), "load_lora_adapter_from_tensors")
         if not result.success:
             raise RuntimeError(f"SGLang did not load LoRA adapter {name!r}: {result.error_message}")
-        previous, self._adapter = self._adapter, name
-        if previous is not None and previous != name:
-            self.unload_adapter(previous)
+        self._adapter = name
         nbytes = sum(t.nbytes for t in tensors.values())
         return WeightPushReport(seconds=time.perf_counter() - started, bytes_per_rank=(nbytes,) * self.tp,
                                 route="adapter")
