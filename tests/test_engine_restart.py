@@ -120,10 +120,13 @@ class _Engine:
 
 class _Sync:
     def __init__(self, engine) -> None:
-        self.engine, self.pushes = engine, []
+        self.engine, self.pushes, self.replaced = engine, [], 0
 
     def push(self, **how) -> None:
         self.pushes.append(how)
+
+    def engines_replaced(self) -> None:
+        self.replaced += 1
 
 
 def _holder(replica, engine):
@@ -145,8 +148,10 @@ def test_every_process_takes_the_same_restart_and_only_the_lost_replicas_driver_
     assert engines[0] is None and engines[1].name == "old0" and engines[2].name == "new"
     assert started == [Path("model")]  # one new engine, on replica 1's driver
     assert driver1.sync.engine is engines[2] and not driver0.engine.closed
-    # every process pushes the new engine the weights, inside the call: no announcement, not counted
+    # every process pushes the new engine the weights, inside the call: no announcement, not counted;
+    # and every process's sync knows an engine is new (lora.push=adapter then pushes the base again)
     assert all(h.sync.pushes == [{"counted": False, "announce": False}] for h in (actor, driver0, driver1))
+    assert all(h.sync.replaced == 1 for h in (actor, driver0, driver1))
     assert metrics == {recovery.METRIC: 1.0} and [r.used for r in everyone] == [1, 1, 1]
     for r in everyone:  # the same budget everywhere: the third restart is past max_engine_restarts=2
         r.replace([(2, 0, "generate hung: no answer within rollout.generate_timeout_s=60 s")])
@@ -164,6 +169,7 @@ def _sync_pushing(results: list, restarts) -> tuple[sync_module.EngineSync, list
     es.cfg = load_config(QUICKSTART, ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2",
                                       "checks.refit_every=2"])
     es.source_params, es.engine, es.engine_params, es.pushes, es.restarts = None, None, [{}], 0, restarts
+    es.adapters = None  # merged pushes
     tries = []
 
     def push_once(verify, *, kill):

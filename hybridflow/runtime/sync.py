@@ -173,9 +173,19 @@ class EngineSync:
 
     def _push_once(self, verify: bool, *, kill: bool) -> list[_Pushed]:
         """One try of the push; every process's ``_Pushed``, gathered on every process."""
-        if self.adapters is not None and self._base_held and not self.engine_drops_weights:
-            return self._push_adapters(_Pushed(replica_of(self.cfg, dist.get_rank()) if self.engine else None,
-                                               0.0, 0, 0, None), kill=kill)
+        if self.adapters is None:
+            return self.channel.gather(self._push_base(verify, kill=kill))
+        if self._base_held and not self.engine_drops_weights:  # the engines hold the base: adapters only
+            return self._push_adapters(_Pushed(self._replica(), 0.0, 0, 0, None), kill=kill)
+        return self._push_adapters(self._push_base(verify, kill=kill), kill=False)
+
+    def _replica(self) -> int | None:
+        """The replica this process drives, or None."""
+        return replica_of(self.cfg, dist.get_rank()) if self.engine else None
+
+    def _push_base(self, verify: bool, *, kill: bool) -> _Pushed:
+        """The plan's push of the actor's weights (merged, or the base under ``lora.push=adapter``);
+        this process's ``_Pushed`` (collective)."""
         dest = self._destination()
         sources = self.source_params() if self.source_params is not None else None
         buffers = self._buffers(dest)
@@ -187,12 +197,8 @@ class EngineSync:
             pushed, worst, lost = self._push_sliced(dest, buffers, verify, kill=kill)
         elif self.route == "full":
             pushed = self._push_full(buffers)
-        replica = replica_of(self.cfg, dist.get_rank()) if self.engine else None
-        mine = _Pushed(replica, pushed, report.bytes_received + report.bytes_copied_locally, report.bytes_relayed,
-                       worst, lost)
-        if self.adapters is not None:
-            return self._push_adapters(mine, kill=False)
-        return self.channel.gather(mine)
+        return _Pushed(self._replica(), pushed, report.bytes_received + report.bytes_copied_locally,
+                       report.bytes_relayed, worst, lost)
 
     def _push_adapters(self, mine: _Pushed, *, kill: bool) -> list[_Pushed]:
         """The actor's adapters into every replica's engine (collective: every process gathers

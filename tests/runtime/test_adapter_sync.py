@@ -1,0 +1,79 @@
+"""``lora.push=adapter`` in ``EngineSync``: when the plan moves the base, and when only adapters go.
+
+One process, no process groups: the base push (``_push_base``, the reshard plan) is replaced by a
+recorder, the channel gathers this process's report alone, and the engine is a stand-in that
+records what it loads. The GPU case (colocated engines release their weights after every
+generation, so every push must bring the base again) runs here through ``engine_drops_weights``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridflow.config import load_config
+from hybridflow.rollout.base import EngineLost, WeightPushReport
+from hybridflow.runtime import sync as sync_module
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu_lora.yaml")
+
+
+class _Engine:
+    def __init__(self, lose_at: int | None = None) -> None:
+        self.loaded, self.lose_at = [], lose_at
+
+    def load_adapter(self, name, tensors, config) -> WeightPushReport:
+        if len(self.loaded) + 1 == self.lose_at:
+            raise EngineLost("process 7 (sglang::scheduler_TP0) was killed by SIGKILL during load_lora_adapter")
+        self.loaded.append(name)
+        return WeightPushReport(seconds=0.0, bytes_per_rank=(sum(t.nbytes for t in tensors.values()),), route="adapter")
+
+
+def _sync(engine: _Engine, *, drops_weights: bool) -> tuple[sync_module.EngineSync, list]:
+    es = object.__new__(sync_module.EngineSync)
+    es.cfg = load_config(QUICKSTART, ["lora.push=adapter", "lora.target_modules=[linear_qkv]"])
+    es.engine, es.pushes, es._base_held, es.engine_drops_weights = engine, 0, False, drops_weights
+    es.adapters = lambda: ({"lora_A": torch.zeros(4, 8), "lora_B": torch.zeros(8, 4)}, {"r": 4})
+    es.channel = SimpleNamespace(gather=lambda mine: [mine])
+    es._replica = lambda: 0
+    bases = []
+
+    def push_base(verify, *, kill):
+        bases.append(verify)
+        return sync_module._Pushed(0, 1000.0, 1000, 0, None)
+
+    es._push_base = push_base
+    return es, bases
+
+
+def test_the_base_goes_once_then_adapters_alone_and_again_after_an_engine_restart() -> None:
+    engine = _Engine()
+    es, bases = _sync(engine, drops_weights=False)
+    first = es._push_once(True, kill=False)[0]
+    assert bases == [True] and first.engine_bytes == 1000.0 and first.adapter_bytes == 256.0
+    for _ in range(2):
+        es.pushes += 1
+        later = es._push_once(False, kill=False)[0]
+        assert later.engine_bytes == 0.0 and later.adapter_bytes == 256.0
+    assert bases == [True] and engine.loaded == ["policy_1", "policy_2", "policy_3"]
+    es.engines_replaced()  # recovery.EngineRestarts.replace: a new engine is empty
+    assert es._push_once(False, kill=False)[0].engine_bytes == 1000.0 and bases == [True, False]
+
+
+def test_an_engine_that_drops_its_weights_gets_the_base_every_push() -> None:
+    es, bases = _sync(_Engine(), drops_weights=True)
+    for _ in range(3):
+        assert es._push_once(False, kill=False)[0].engine_bytes == 1000.0
+    assert len(bases) == 3
+
+
+@pytest.mark.parametrize("lose_at", [1, 2])
+def test_an_engine_lost_while_loading_adapters_is_reported_and_gets_the_base_next(lose_at: int) -> None:
+    es, bases = _sync(_Engine(lose_at=lose_at), drops_weights=False)
+    results = [es._push_once(False, kill=False)[0] for _ in range(lose_at)]
+    assert results[-1].lost.startswith("process 7") and results[-1].adapter_bytes == 0.0
+    es._push_once(False, kill=False)  # the retry (after the restart) brings the base again
+    assert len(bases) == 2  # the first push's, and the retry's
