@@ -46,6 +46,11 @@ class LoRAConfig:
     ``adapter`` pushes the base once (again after an engine restart) and then only the adapters,
     through SGLang's LoRA adapter API (colocated SGLang engines, dense targets)."""
 
+    @property
+    def pushes_adapters(self) -> bool:
+        """Whether the engine gets the adapters apart from the base (``push=adapter``)."""
+        return self.enabled and self.push == "adapter"
+
     def __post_init__(self) -> None:
         check_choice("push", self.push, LORA_PUSHES)
         check_positive(self, ("rank", "alpha", "lr"))

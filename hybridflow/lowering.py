@@ -370,6 +370,8 @@ class WeightSync:
 
     bandwidth: Bandwidth | None = None
     """The link speeds the simulated time assumes."""
+    adapters_only: bool = False
+    """``lora.push=adapter``: the plan moves the base only while an engine lacks it; steps push adapters."""
 
     def describe(self) -> list[str]:
         """A header and ``PlanStats.describe()``; nothing when the sync was not planned."""
@@ -379,7 +381,12 @@ class WeightSync:
         header = (f"weight sync actor -> rollout, planned from shapes in {self.seconds:.2f} s "
                   f"(node {self.node}; time at {bw.intra_node_gbps:g} GB/s intra-, "
                   f"{bw.inter_node_gbps:g} GB/s inter-node per rank):")
-        return [header, *self.stats.describe().splitlines()]
+        lines = [header, *self.stats.describe().splitlines()]
+        if self.adapters_only:
+            lines.append("  lora.push=adapter: this reshard moves the frozen base before the first step, after an "
+                         "engine restart or a resume, and every step on GPU colocated engines (they release "
+                         "their weights); otherwise each step pushes only the adapters (SGLang's LoRA API)")
+        return lines
 
 
 def _weight_syncs(cfg: HybridflowConfig, graph: Graph,
@@ -394,8 +401,8 @@ def _weight_syncs(cfg: HybridflowConfig, graph: Graph,
     stats = plan_weight_sync(cfg).stats
     seconds = time.perf_counter() - start
     logger.debug("planned the actor -> rollout weight sync in %.3f s", seconds)
-    return tuple(WeightSync(node=name, stats=stats, seconds=seconds, bandwidth=bandwidth)
-                 for name in nodes)
+    return tuple(WeightSync(node=name, stats=stats, seconds=seconds, bandwidth=bandwidth,
+                            adapters_only=cfg.lora.pushes_adapters) for name in nodes)
 
 
 # ----------------------------------------------------------------------- the plan

@@ -66,7 +66,7 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
     if cfg.lora.enabled and cfg.run.mode == "sft":
         raise ValueError("lora.enabled=true with run.mode=sft: adapters train the RL actor only (the SFT warm-up "
                          "and run.mode=sft train the whole model); set lora.enabled=false or run.mode=rl")
-    if cfg.lora.enabled and cfg.lora.push == "adapter":
+    if cfg.lora.pushes_adapters:
         _check_adapter_push(cfg)
 
 

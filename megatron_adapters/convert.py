@@ -34,7 +34,6 @@ when reading a checkpoint written by training, one stored shard (a rank's slice)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -56,6 +55,7 @@ from hfschema.hf_config import (
     read_model_config,
     side_files,
 )
+from hfschema.files import staged_directory
 from hfschema.layout import ParallelLayout
 from hfschema.model import ModelConfig
 from reshard.families import canonical_tensors
@@ -151,24 +151,6 @@ def _target_dtype(name: str | None) -> torch.dtype | None:
 def _pinned(model: ModelConfig) -> set[str]:
     """HF tensors whose dtype the family fixes (DeepSeek's float32 expert bias)."""
     return {t.name for t in canonical_tensors(model) if t.spec.dtype is not None}
-
-
-@contextlib.contextmanager
-def _staging(out: Path, overwrite: bool) -> Iterator[Path]:
-    """``<out>.tmp``, renamed to ``out`` on success and removed on any error."""
-    if out.exists() and not overwrite:
-        raise ValueError(f"output directory {out} exists; pass overwrite=True (--overwrite) to replace it")
-    staging = out.with_name(out.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(staging, out)
 
 
 class _Checksums:
@@ -304,7 +286,7 @@ def hf_to_mcore(
         )
         key_dtypes = _key_dtypes(plan, dtype_of)
         sums = _Checksums() if checksums else None
-        with _staging(out, overwrite) as staging:
+        with staged_directory(out, overwrite=overwrite) as staging:
             write_dist_checkpoint(
                 staging, boxes=[(c.key, c.offsets, c.sizes) for c in plan.chunks], dtypes=key_dtypes,
                 shapes=plan.keys, extra_states=plan.extra_states,
@@ -493,7 +475,7 @@ def mcore_to_hf(
     out_dtype = {n: stored[k] if target is None or n in pinned else target
                  for k, names in plan.key_tensors.items() for n in names}
     sums = _Checksums() if checksums else None
-    with _staging(out, overwrite) as staging:
+    with staged_directory(out, overwrite=overwrite) as staging:
         writer = SafetensorsWriter(staging, [(n, out_dtype[n], s) for n, s in plan.tensors.items()],
                                    shard_bytes=shard_bytes)
         try:
@@ -528,26 +510,23 @@ def mcore_to_peft(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if lora is None:
         raise ValueError(f"{source} has no LoRA adapters (not a LoRA run's checkpoint); convert it with "
                          "mcore_to_hf (convert mcore-to-hf)")
-    if out.exists() and not overwrite:
-        raise ValueError(f"output directory {out} exists; pass overwrite=True (--overwrite) to replace it")
     model, _ = _mcore_model(source, hf_config)
     reader = DistReader(source)
     state = checkpoint_adapters(reader, model)
-    write_peft(state, model, lora, out)
-    config = json.loads((out / "adapter_config.json").read_text())
-    targets = [*(config["target_modules"] or []), *(config["target_parameters"] or [])]
-    written = SafetensorsReader(out)
-    try:
-        nbytes, tensors = sum(e.nbytes for e in written.tensors.values()), len(written.tensors)
-    finally:
-        written.close()
+    with staged_directory(out, overwrite=overwrite) as staging:
+        write_peft(state, model, lora, staging)
+        written = SafetensorsReader(staging)
+        try:
+            nbytes, tensors = sum(e.nbytes for e in written.tensors.values()), len(written.tensors)
+        finally:
+            written.close()
     adapter_keys = sum(k.endswith(_ADAPTER_KEYS) for k in reader.tensors())
     report = ConversionReport(
         direction="mcore-to-peft", source=str(source), destination=str(out), family=model.family,
         tensors=tensors, nbytes=nbytes, keys=adapter_keys, chunks=len(state), skipped=(),
         seconds=time.perf_counter() - started,
         checks=(f"{tensors} PEFT tensors re-opened; r={lora.rank}, lora_alpha={lora.alpha:g}; "
-                f"targets: {', '.join(targets)}",))
+                f"targets: {', '.join(lora.target_modules)}",))
     for line in report.lines():
         logger.info("%s", line)
     return report

@@ -49,6 +49,7 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -128,12 +129,12 @@ def _make_adapter(module, global_name: str, lora: LoRAConfig) -> None:
     rank = 0 if tp == 1 else module.tp_group.rank()
     column = isinstance(module, ColumnParallelLinear)
     out_global, in_global = weight.shape[0] * (tp if column else 1), weight.shape[1] * (1 if column else tp)
-    split = _splits(module, column) if tp > 1 else {"lora_a": None, "lora_b": None}
+    split = _splits(module, column)
     whole = {"lora_a": _init_a(global_name, (lora.rank, in_global), lora.seed),
              "lora_b": torch.zeros(out_global, lora.rank, dtype=torch.float64)}
     expert = module.is_expert
     for name, full in whole.items():
-        dim = split[name]
+        dim = split[name] if tp > 1 else None
         local = full if dim is None else full.chunk(tp, dim=dim)[rank]
         param = torch.nn.Parameter(local.to(weight.dtype).to(weight.device).contiguous())
         # split like the base (megatron counts them once in the grad norm); experts: nothing duplicated
@@ -143,7 +144,7 @@ def _make_adapter(module, global_name: str, lora: LoRAConfig) -> None:
             param.allreduce = False  # reduced over the expert data-parallel group, like the base
         module.register_parameter(name, param)
     module.lora_name = global_name
-    module.lora_split = _splits(module, column)
+    module.lora_split = split
     module.lora_scale = lora.alpha / lora.rank
     module.lora_dropout = lora.dropout
     if expert and tp > 1:
@@ -271,18 +272,13 @@ def merged_weights(chunk) -> dict[str, torch.Tensor]:
     for name, module in adapted_modules(chunk):
         a, b = module.lora_a, module.lora_b
         if module.is_expert and _tp_size(module) > 1:  # the factor split along r, whole for the product
-            column = isinstance(module, ColumnParallelLinear)
-            whole = _all_gather(a if column else b, dim=0 if column else 1, group=module.tp_group)
-            a, b = (whole, b) if column else (a, whole)
+            if isinstance(module, ColumnParallelLinear):  # A [r/etp, in] -> [r, in]
+                a = gather_from_sequence_parallel_region(a, tensor_parallel_output_grad=False, group=module.tp_group)
+            else:  # B [out, r/etp] -> [out, r]
+                b = gather_from_tensor_model_parallel_region(b, group=module.tp_group)
         delta = (b @ a) * module.lora_scale
         merged[f"{name}.weight"] = module.weight + delta.to(module.weight.dtype)
     return merged
-
-
-def _all_gather(tensor: torch.Tensor, *, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(tensor) for _ in range(group.size())]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
 
 
 def _gated(module, suffix: str) -> bool:

@@ -32,13 +32,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from hfschema.files import staged_directory
 from hfschema.layout import ParallelLayout
 from hfschema.lora import LoRAConfig
 from hfschema.model import ModelConfig
@@ -156,17 +156,13 @@ def peft_tensors(state: dict[str, torch.Tensor],
 
 def write_peft(state: dict[str, torch.Tensor], model: ModelConfig, lora: LoRAConfig,
                directory: str | os.PathLike, *, base_model: str | None = None) -> Path:
-    """Write whole adapters ``state`` as a PEFT LoRA directory (all or nothing: staged, then renamed)."""
+    """Write whole adapters ``state`` as PEFT files into ``directory`` (a staging directory:
+    ``hfschema.files.staged_directory`` makes the result all or nothing)."""
     tensors, targets, parameters = peft_tensors(state, model)
     path = Path(directory)
-    staging = path.with_name(path.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     config = peft_config(lora, targets, parameters, base_model=base_model)
-    (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(staging, path)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     return path
 
 
@@ -195,7 +191,8 @@ def export_peft(policy, directory: str | os.PathLike) -> Path:
     PP rank's adapters; rank 0 writes)."""
     state = adapter_state(policy)
     if dist.get_rank() == 0:
-        write_peft(state, policy.model_config, policy.lora, directory)
+        with staged_directory(directory, overwrite=True) as staging:
+            write_peft(state, policy.model_config, policy.lora, staging)
     dist.barrier()
     return Path(directory)
 

@@ -173,6 +173,10 @@ def test_weight_sync_is_planned_only_when_asked():
     assert sync.describe()[0].startswith("weight sync actor -> rollout, planned from shapes in ")
     skipped = lower(_cfg(), with_reshard=False)
     assert skipped.weight_syncs[0].stats is None and skipped.weight_syncs[0].describe() == []
+    assert not any("lora.push" in line for line in sync.describe())
+    # lora.push=adapter: the printed reshard is the base's, which steps no longer repeat; the plan says so
+    (adapter,) = lower(_cfg("lora.enabled=true", "lora.push=adapter")).weight_syncs
+    assert "lora.push=adapter: this reshard moves the frozen base before the first step" in adapter.describe()[-1]
 
 
 def test_the_plan_is_a_frozen_value():

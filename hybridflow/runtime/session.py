@@ -117,7 +117,7 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, 
 
 def _adapter_slots(cfg: HybridflowConfig) -> dict:
     """SGLang's LoRA settings when the run pushes adapters (``lora.push=adapter``), else none."""
-    if not (cfg.lora.enabled and cfg.lora.push == "adapter"):
+    if not cfg.lora.pushes_adapters:
         return {}
     from hfschema.lora import engine_target_modules
     from hybridflow.rollout.sglang.cpu import has_cuda_gpu

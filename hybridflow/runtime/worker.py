@@ -201,7 +201,7 @@ def _start_rollout(s: Session) -> None:
         return
     s.replica = replica_of(s.cfg, s.rank)
     _start_parts(s, None)
-    adapters = s.cfg.lora.enabled and s.cfg.lora.push == "adapter"  # colocated only (preflight)
+    adapters = s.cfg.lora.pushes_adapters  # colocated only (preflight)
     s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device, engine=s.engine,
                         source_params=lambda: global_named_parameters(s.actor, merge_adapters=not adapters),
                         adapters=(lambda: adapter_push(s.actor)) if adapters else None)
