@@ -80,13 +80,6 @@ def _check_adapter_push(cfg: HybridflowConfig) -> None:
         raise ValueError(f"lora.push=adapter with lora.target_modules {expert}: SGLang serves expert adapters only "
                          "through its triton MoE LoRA kernels, which hybridflow does not run yet; set lora.push=merged "
                          "or target the attention and dense MLP projections only")
-    if cfg.rollout.placement != "colocated":
-        raise ValueError(f"lora.push=adapter with rollout.placement={cfg.rollout.placement}: the adapters reach "
-                         "the engines from the actor ranks that drive them, which only colocated engines have in "
-                         "this version; set rollout.placement=colocated or lora.push=merged")
-    if cfg.async_rl.mode != "sync":
-        raise ValueError(f"lora.push=adapter with async_rl.mode={cfg.async_rl.mode}: adapter pushes are not "
-                         "interleaved with generation ahead in this version; set async_rl.mode=sync or lora.push=merged")
 
 
 ROW_WISE_POLICY_LOSSES = ("gspo", "gmpo", "geo_mean", "clip_cov", "kl_cov")

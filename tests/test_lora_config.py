@@ -84,14 +84,18 @@ def test_memory_plan_counts_grads_and_state_of_the_adapters_only():
     assert lora["actor params"] == full["actor params"] + 2 * adapters
 
 
-def test_adapter_pushes_are_refused_where_this_version_cannot_make_them():
+def test_adapter_pushes_run_on_any_placement_and_are_refused_where_they_cannot():
     from hybridflow.preflight import check_runtime_support
 
     push = [ON, "lora.push=adapter"]
-    check_runtime_support(load_config(QUICKSTART, [*push, "lora.target_modules=[linear_qkv,linear_proj]"]))
+    attention = "lora.target_modules=[linear_qkv,linear_proj]"
+    check_runtime_support(load_config(QUICKSTART, [*push, attention]))
+    separate = ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2"]
+    check_runtime_support(load_config(QUICKSTART, [*push, attention, *separate]))
+    check_runtime_support(load_config(QUICKSTART, [*push, attention, *separate, "async_rl.mode=one_step_off"]))
     assert "lora.push" in _error("lora.push=adapters")  # not a choice
-    cases = {"rollout.engine=hf rollout.tp=1 rollout.sync_route=full": "rollout.engine=hf", "lora.target_modules=[linear_qkv,experts]": "'experts'",
-             "async_rl.mode=one_step_off": "async_rl.mode=one_step_off"}
+    cases = {"rollout.engine=hf rollout.tp=1 rollout.sync_route=full": "rollout.engine=hf",
+             "lora.target_modules=[linear_qkv,experts]": "'experts'"}
     for override, named in cases.items():
         cfg = load_config(QUICKSTART, [*push, "lora.target_modules=[linear_qkv]", *override.split()])
         with pytest.raises(ValueError, match="lora.push=adapter") as info:

@@ -9,7 +9,11 @@ merged weights, which transformers (+ peft) must score alike.
 
 A second run pushes adapters instead (``lora.push=adapter``, attention adapters: the CPU engine
 serves dense targets): the base is pushed once before RL, then each step moves the adapters
-alone, and the engine's log-probs must match the trainer's at every step.
+alone, and the engine's log-probs must match the trainer's at every step. Two more runs push
+adapters to separate placement's engine ranks (two tp=1 replicas, each sent its copy by another
+actor rank): synchronous, where both replicas' log-probs must match the trainer's at every step,
+and asynchronous RL with partial rollouts (K=2), where the engines load each new version's
+adapters between the batches they generate ahead and requests continue on them.
 """
 
 from __future__ import annotations
@@ -50,8 +54,28 @@ def run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def adapter_run(tmp_path_factory) -> Path:
-    return _train(tmp_path_factory.mktemp("train_lora_adapter") / "run", "lora.push=adapter",
-                  "lora.target_modules=[linear_qkv,linear_proj]")
+    return _train(tmp_path_factory.mktemp("train_lora_adapter") / "run", *ADAPTER_PUSH)
+
+
+ADAPTER_PUSH = ("lora.push=adapter", "lora.target_modules=[linear_qkv,linear_proj]")
+SEPARATE = ("rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", "run.steps=6",
+            "run.heldout_every=6", "run.checkpoint_every=6")
+ASYNC = ("async_rl.mode=async", "async_rl.max_staleness=2", "async_rl.partial_rollout=true",
+         "async_rl.segment_tokens=1", "algorithm.rollout_correction=tis")
+
+
+@pytest.fixture(scope="module")
+def separate_runs(tmp_path_factory) -> dict[str, Path]:
+    """Adapter pushes to separate engine ranks, synchronous and asynchronous (started when asked)."""
+    root = tmp_path_factory.mktemp("train_lora_separate")
+    overrides = {"sync": SEPARATE, "async": (*SEPARATE, *ASYNC)}
+
+    class Runs(dict):
+        def __missing__(self, mode: str) -> Path:
+            self[mode] = _train(root / mode, *ADAPTER_PUSH, *overrides[mode])
+            return self[mode]
+
+    return Runs()
 
 
 def test_lora_rl_learns_beyond_the_sft_warm_up(run: Path) -> None:
@@ -120,3 +144,32 @@ def test_adapter_pushes_move_the_adapters_alone_and_the_engine_serves_them(adapt
     # the engine's own log-probs of what it sampled, with the adapters unmerged, are the trainer's
     assert all(h["rollout/logprob_diff_max"] < LOGPROB_TOL for h in history), history
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
+
+
+def _adapter_steps(out: Path, replicas: int) -> list[dict]:
+    """The run's step metrics, after checking that every push reached every replica as adapters
+    alone (the same bytes each: the base went before RL)."""
+    history = json.loads((out / "checkpoints" / "step_000006" / "state.json").read_text())["history"]
+    assert len(history) == 6
+    for h in history:
+        per_replica = {h[f"sync/replica{k}/adapter_bytes"] for k in range(replicas)}
+        assert len(per_replica) == 1 and 0 < per_replica.pop() < 100_000, h
+        assert h["sync/engine_bytes"] == 0.0 and h["sync/plan_bytes"] == 0.0, h
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
+    return history
+
+
+def test_separate_engine_ranks_receive_the_adapters_from_the_actor_ranks(separate_runs) -> None:
+    for h in _adapter_steps(separate_runs["sync"], replicas=2):
+        assert min(h["rollout/replica0/samples"], h["rollout/replica1/samples"]) > 0, h
+        assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h  # both replicas serve the step's adapters
+
+
+def test_asynchronous_rl_loads_each_versions_adapters_between_the_batches_it_generates(separate_runs) -> None:
+    history = _adapter_steps(separate_runs["async"], replicas=2)
+    # batch 0: the SFT base and version 0's adapters sampled it, which the trainer scores alike;
+    # later batches span adapter versions (one token per request with the starting version)
+    assert history[0]["async/behaviour/current_version_logprob_diff_max"] < LOGPROB_TOL, history[0]
+    for step, h in enumerate(history[2:], start=2):
+        assert h["async/tokens_version_lag_2"] == 16 * 8 and h["async/tokens_version_lag_1"] > 0, (step, h)

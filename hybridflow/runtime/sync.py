@@ -21,10 +21,18 @@ replaces the lost engines together (``recovery``) and the push runs again.
 ``rollout.sync_route=full`` is the baseline: the plan gathers every tensor whole under its
 Hugging Face name on the driver, and every engine rank receives every tensor and slices it.
 
-``lora.push=adapter`` (colocated SGLang engines): the plan moves the frozen base, unmerged, only
-while an engine lacks it (the first push, after an engine restart, and every push where a GPU
+``lora.push=adapter`` (SGLang engines): the plan moves the frozen base, unmerged, only while an
+engine lacks it (the first push, after an engine restart, and every push where a GPU colocated
 engine released its weights); every push then hands each replica's driver the adapters in PEFT
-layout (gathered from every actor rank), which its engine loads through SGLang's adapter API.
+layout, which its engine loads through SGLang's adapter API:
+
+```
+every actor rank: adapter_push (all-gather over the actor ranks: each holds them whole)
+colocated   the drivers are actor ranks: they load what they gathered
+separate    actor rank 0 announces names, shapes, dtypes and the PEFT config; actor rank
+            k % actors sends replica k's driver one flat buffer per dtype (the link: NCCL on
+            GPUs), so the sends spread over the actor ranks' links
+```
 
 The plans come from ``hybridflow.weight_sync``, the same ones ``hybridflow plan`` prints,
 computed once from shapes. The weights themselves cross processes once, in the reshard; what
@@ -34,6 +42,7 @@ the driver gathers for a sliced push is a few hundred bytes per tensor.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import NamedTuple
@@ -108,8 +117,10 @@ class EngineSync:
         self.dtype = WIRE_DTYPES[cfg.rollout.dtype]
         self.source_params = source_params
         self.adapters = adapters
-        """``lora.push=adapter``: a collective call that returns the actor's adapters as PEFT
-        (tensors, config); None: the engine gets merged weights."""
+        """``lora.push=adapter`` on an actor rank: a collective call over the actor ranks that
+        returns the actor's adapters as PEFT (tensors, config); None elsewhere."""
+        self.pushes_adapters = cfg.lora.pushes_adapters
+        """The engines get the base once and adapters every push (else merged weights)."""
         self._base_held = False
         """Every engine holds the base the plan last pushed (adapter pushes then move nothing else)."""
         self.engine = engine
@@ -173,7 +184,7 @@ class EngineSync:
 
     def _push_once(self, verify: bool, *, kill: bool) -> list[_Pushed]:
         """One try of the push; every process's ``_Pushed``, gathered on every process."""
-        if self.adapters is None:
+        if not self.pushes_adapters:
             return self.channel.gather(self._push_base(verify, kill=kill))
         if self._base_held and not self.engine_drops_weights:  # the engines hold the base: adapters only
             return self._push_adapters(_Pushed(self._replica(), 0.0, 0, 0, None), kill=kill)
@@ -203,9 +214,10 @@ class EngineSync:
     def _push_adapters(self, mine: _Pushed, *, kill: bool) -> list[_Pushed]:
         """The actor's adapters into every replica's engine (collective: every process gathers
         them), after the base push ``mine`` reports, if any; then the gather that ends the push."""
-        tensors, config = self.adapters()
+        delivered = self._adapters_on_drivers()
         loaded, lost = 0.0, mine.lost
         if self.engine is not None and lost is None:
+            tensors, config = delivered
             if kill:
                 kill_a_scheduler_soon(self.engine)
             try:
@@ -217,16 +229,36 @@ class EngineSync:
         self._base_held = not _lost(gathered)
         return gathered
 
+    def _adapters_on_drivers(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """The actor's adapters (PEFT tensors, config) on every replica's driver; None on a
+        process that is neither an actor rank nor a driver (collective over the channel)."""
+        here = self.adapters() if self.adapters is not None else None  # every actor rank
+        if not self.channel.separate:
+            return here
+        layout = self.channel.broadcast(_layout(*here) if self.channel.rank == 0 else None)
+        actors, sends, receives, flat = self.channel.actors, [], [], None
+        for replica in range(self.cfg.rollout.num_replicas):
+            source, driver = replica % actors, self.offset + driver_rank(self.cfg, replica)
+            if self.channel.rank == source:
+                sends += [(buf, driver, tag) for tag, buf in enumerate(_flatten(here[0], layout, self.device))]
+            if self.channel.rank == driver:
+                flat = [torch.empty(n, dtype=d, device=self.device) for d, n in _flat_sizes(layout)]
+                receives += [(buf, source, tag) for tag, buf in enumerate(flat)]
+        self.channel.link.exchange(sends, receives)
+        return (_unflatten(flat, layout), layout[1]) if flat is not None else None
+
     def _metrics(self, gathered: list[_Pushed], seconds: float) -> dict[str, float]:
-        per_replica = [0.0] * self.cfg.rollout.num_replicas
+        per_replica, adapters = [0.0] * self.cfg.rollout.num_replicas, [0.0] * self.cfg.rollout.num_replicas
         for g in gathered:
             if g.replica is not None:
-                per_replica[g.replica] = g.engine_bytes
+                per_replica[g.replica], adapters[g.replica] = g.engine_bytes, g.adapter_bytes
         checked = [g.worst for g in gathered if g.worst is not None]
         return {"sync/seconds": seconds, "sync/plan_bytes": float(sum(g.plan_bytes for g in gathered)),
                 "sync/relayed_bytes": float(sum(g.relayed_bytes for g in gathered)),  # forwarded by engine ranks
                 "sync/engine_bytes": float(sum(per_replica)),
-                **({"sync/adapter_bytes": float(sum(g.adapter_bytes for g in gathered))} if self.adapters else {}),
+                **({"sync/adapter_bytes": float(sum(adapters)),
+                    **{f"sync/replica{k}/adapter_bytes": b for k, b in enumerate(adapters)}}
+                   if self.pushes_adapters else {}),
                 **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)},
                 **({"checks/refit_max_rel_diff": max(checked)} if checked else {})}
 
@@ -308,3 +340,37 @@ def refit_difference(shared: list[dict[str, list[float]]], engine: list[dict[str
                 return float("inf")
             worst = max(worst, *(abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want)))
     return worst
+
+
+_Layout = tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict]
+"""The adapters' (name, shape, dtype) in sending order, and their PEFT config."""
+
+
+def _layout(tensors: dict[str, torch.Tensor], config: dict) -> _Layout:
+    return [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()], config
+
+
+def _flat_sizes(layout: _Layout) -> list[tuple[torch.dtype, int]]:
+    """[(dtype, elements)] of the flat buffers, in order of each dtype's first tensor."""
+    sizes: dict[torch.dtype, int] = {}
+    for _, shape, dtype in layout[0]:
+        sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
+    return list(sizes.items())
+
+
+def _flatten(tensors: dict[str, torch.Tensor], layout: _Layout, device: torch.device) -> list[torch.Tensor]:
+    """One flat buffer per dtype on ``device`` (what the link sends)."""
+    return [torch.cat([tensors[name].reshape(-1) for name, _, d in layout[0] if d == dtype]).to(device)
+            for dtype, _ in _flat_sizes(layout)]
+
+
+def _unflatten(flat: list[torch.Tensor], layout: _Layout) -> dict[str, torch.Tensor]:
+    """The tensors of ``layout`` as views of the received flat buffers."""
+    offsets = {dtype: 0 for dtype, _ in _flat_sizes(layout)}
+    buffers = dict(zip(offsets, flat))
+    out = {}
+    for name, shape, dtype in layout[0]:
+        n = math.prod(shape)
+        out[name] = buffers[dtype][offsets[dtype]: offsets[dtype] + n].view(shape)
+        offsets[dtype] += n
+    return out

@@ -194,14 +194,10 @@ def _start_rollout(s: Session) -> None:
                                 lambda replicas: _respawn(s, replicas))
     if s.channel.separate:  # the engine ranks start the engines, from the directory rank 0 wrote
         s.channel.announce(str(s.model_dir))
-        s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device,
-                            source_params=lambda: global_named_parameters(s.actor))
-        s.sync.restarts = s.restarts
-        s.sync.push()
-        return
-    s.replica = replica_of(s.cfg, s.rank)
-    _start_parts(s, None)
-    adapters = s.cfg.lora.pushes_adapters  # colocated only (preflight)
+    else:
+        s.replica = replica_of(s.cfg, s.rank)
+        _start_parts(s, None)
+    adapters = s.cfg.lora.pushes_adapters
     s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device, engine=s.engine,
                         source_params=lambda: global_named_parameters(s.actor, merge_adapters=not adapters),
                         adapters=(lambda: adapter_push(s.actor)) if adapters else None)

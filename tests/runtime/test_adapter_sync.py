@@ -36,8 +36,9 @@ def _sync(engine: _Engine, *, drops_weights: bool) -> tuple[sync_module.EngineSy
     es = object.__new__(sync_module.EngineSync)
     es.cfg = load_config(QUICKSTART, ["lora.push=adapter", "lora.target_modules=[linear_qkv]"])
     es.engine, es.pushes, es._base_held, es.engine_drops_weights = engine, 0, False, drops_weights
+    es.pushes_adapters = True
     es.adapters = lambda: ({"lora_A": torch.zeros(4, 8), "lora_B": torch.zeros(8, 4)}, {"r": 4})
-    es.channel = SimpleNamespace(gather=lambda mine: [mine])
+    es.channel = SimpleNamespace(gather=lambda mine: [mine], separate=False)
     es._replica = lambda: 0
     bases = []
 
@@ -77,3 +78,18 @@ def test_an_engine_lost_while_loading_adapters_is_reported_and_gets_the_base_nex
     assert results[-1].lost.startswith("process 7") and results[-1].adapter_bytes == 0.0
     es._push_once(False, kill=False)  # the retry (after the restart) brings the base again
     assert len(bases) == 2  # the first push's, and the retry's
+
+
+def test_adapters_travel_to_separate_drivers_as_one_flat_buffer_per_dtype_and_come_back_whole() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.lora_A.weight": torch.randn(4, 8, generator=g), "a.lora_B.weight": torch.randn(8, 4, generator=g),
+               "b.lora_A.weight": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+               "b.lora_B.weight": torch.randn(3, 2, generator=g)}
+    layout = sync_module._layout(tensors, {"r": 4})
+    flat = sync_module._flatten(tensors, layout, torch.device("cpu"))
+    assert [(t.dtype, t.numel()) for t in flat] == [(torch.float32, 32 + 32 + 6), (torch.bfloat16, 6)]
+    received = [torch.empty(n, dtype=d) for d, n in sync_module._flat_sizes(layout)]
+    for buf, sent in zip(received, flat):
+        buf.copy_(sent)
+    back = sync_module._unflatten(received, layout)
+    assert list(back) == list(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
