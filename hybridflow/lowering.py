@@ -37,7 +37,8 @@ Colocation switches (3D-HybridEngine). On a colocated pool each GPU node needs o
 memory states: ``generate`` (engine weights and KV cache resident; the actor's and critic's
 gradients and optimizer state on the host; every model role's parameters stay), ``sync``
 (engine weights resident to receive the actor's, training state still on the host) or
-``train`` (the engine has released its memory; every model role fully resident). A stage
+``train`` (the engine has released its memory, or all but its weights under
+``lora.push=adapter``: ``holds``; every model role fully resident). A stage
 whose node needs another state than the previous GPU node left carries the ``Switch``, a
 value the runtime executes as it stands (``hybridflow/runtime/switches.py``). The step
 repeats, so it starts in the state its last GPU node (``sync_weights``) leaves.
@@ -54,14 +55,14 @@ from typing import TYPE_CHECKING
 
 from hybridflow.config import HybridflowConfig, enabled_roles
 from hybridflow.graph import DRIVER, Graph, Node
-from hybridflow.memory import MemoryEstimate, pool_memory
+from hybridflow.memory import MemoryEstimate, engine_keeps_weights, pool_memory
 
 if TYPE_CHECKING:
     from hybridflow.algorithms.recipes import AlgorithmSpec
     from reshard.stats import Bandwidth, PlanStats
 
 __all__ = ["ExecutionPlan", "Placement", "ResourcePool", "Stage", "Switch", "WeightSync", "lower", "place",
-           "satisfies", "start_mode", "switch", "trained_roles"]
+           "holds", "satisfies", "start_mode", "switch", "trained_roles"]
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +273,14 @@ _HOLDS = {"generate": ENGINE_TAGS, "sync": ("weights",), "train": ()}
 """What of the engine's memory each mode keeps resident."""
 
 
+def holds(cfg: HybridflowConfig, mode: str) -> tuple[str, ...]:
+    """What of the engine's memory ``mode`` keeps resident under ``cfg`` (``lora.push=adapter``:
+    the weights stay while the actor trains, ``memory.engine_keeps_weights``)."""
+    if mode == "train" and engine_keeps_weights(cfg):
+        return ("weights",)
+    return _HOLDS[mode]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Switch:
     """A colocation switch: what moves between the GPUs and the host, in this order."""
@@ -317,12 +326,13 @@ def switch(cfg: HybridflowConfig, source: str | None, target: str) -> Switch:
     """The switch from mode ``source`` (None: everything resident, as at start) to ``target``."""
     trained = trained_roles(cfg)
     leaving_train = source in ("train", None) and target != "train"
-    held = _HOLDS[source] if source is not None else ENGINE_TAGS
+    held = holds(cfg, source) if source is not None else ENGINE_TAGS
+    wanted = holds(cfg, target)
     return Switch(
         source=source or "start", target=target,
         offload=trained if leaving_train else (),
-        engine_release=tuple(t for t in held if t not in _HOLDS[target]),
-        engine_resume=tuple(t for t in _HOLDS[target] if t not in held),
+        engine_release=tuple(t for t in held if t not in wanted),
+        engine_resume=tuple(t for t in wanted if t not in held),
         restore=trained if target == "train" and source not in ("train", None) else (),
     )
 
@@ -383,9 +393,9 @@ class WeightSync:
                   f"{bw.inter_node_gbps:g} GB/s inter-node per rank):")
         lines = [header, *self.stats.describe().splitlines()]
         if self.adapters_only:
-            lines.append("  lora.push=adapter: this reshard moves the frozen base before the first step, after an "
-                         "engine restart or a resume, and every step on GPU colocated engines (they release "
-                         "their weights); otherwise each step pushes only the adapters (SGLang's LoRA API)")
+            lines.append("  lora.push=adapter: this reshard moves the frozen base before the first step and again "
+                         "after an engine restart or a resume (colocated engines keep it resident while the actor "
+                         "trains); each step pushes only the adapters (SGLang's LoRA API)")
         return lines
 
 

@@ -15,7 +15,8 @@ them as the plan's switches move memory (``hybridflow.lowering.switch``): in ``g
 the engine's weights and KV cache are resident next to every model role's parameters (actor,
 reference, critic), while the actor's and critic's grads and optimizer state are on the host;
 in ``training`` the engine has released its weights and KV cache and every role is fully
-resident. The reported peak is the larger phase.
+resident (under ``lora.push=adapter`` the engine keeps its weights, the frozen base:
+``engine_keeps_weights``). The reported peak is the larger phase.
 
 Formulas (bytes per GPU; ``T = micro_batch_size * (max_prompt_length + max_response_length)
 / cp`` tokens per micro-batch; ``Vp`` megatron's padded vocab):
@@ -78,6 +79,7 @@ __all__ = [
     "LayerParams",
     "MemoryEstimate",
     "engine_components",
+    "engine_keeps_weights",
     "engine_params_per_rank",
     "kv_bytes_per_token",
     "param_split",
@@ -322,6 +324,13 @@ def kv_bytes_per_token(cfg: HybridflowConfig) -> int:
     return per_layer * m.num_layers * DTYPE_BYTES[cfg.rollout.dtype]
 
 
+def engine_keeps_weights(cfg: HybridflowConfig) -> bool:
+    """Whether a colocated engine keeps its weights resident while the actor trains: under
+    ``lora.push=adapter`` they are the frozen base, which never changes, so releasing them would
+    only mean pushing the whole base again every step (the training phase counts them instead)."""
+    return cfg.lora.pushes_adapters
+
+
 def engine_components(cfg: HybridflowConfig) -> dict[str, int]:
     """Component -> bytes of one rollout engine rank."""
     return {
@@ -438,7 +447,8 @@ def pool_memory(cfg: HybridflowConfig, roles: Sequence[str], *, pool: str,
         resident = {k: v for k, v in components.items() if k.endswith(" params")}
         phases[GENERATION] = {**engine_components(cfg), **resident}
     if models:
-        phases[TRAINING] = components
+        kept = engine_components(cfg) if "rollout" in roles and engine_keeps_weights(cfg) else {}
+        phases[TRAINING] = {**components, **{k: v for k, v in kept.items() if k == "engine weights"}}
     if not phases:
         raise ValueError(f"pool {pool} holds no role with GPU memory (roles: {list(roles)})")
     return MemoryEstimate(pool=pool, phases=phases, device_bytes=int(device_memory_gib * GIB),

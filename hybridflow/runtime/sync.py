@@ -22,9 +22,9 @@ replaces the lost engines together (``recovery``) and the push runs again.
 Hugging Face name on the driver, and every engine rank receives every tensor and slices it.
 
 ``lora.push=adapter`` (SGLang engines): the plan moves the frozen base, unmerged, only while an
-engine lacks it (the first push, after an engine restart, and every push where a GPU colocated
-engine released its weights); every push then hands each replica's driver the adapters in PEFT
-layout, which its engine loads through SGLang's adapter API:
+engine lacks it (the first push, and again after an engine restart; colocated GPU engines keep
+their weights while the actor trains, ``lowering.holds``); every push then hands each replica's
+driver the adapters in PEFT layout, which its engine loads through SGLang's adapter API:
 
 ```
 every actor rank: adapter_push (all-gather over the actor ranks: each holds them whole)
@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
+from hybridflow.lowering import holds
 from hybridflow.runtime.channel import Channel
 from hybridflow.rollout.base import EngineLost
 from hybridflow.runtime.replicas import (FAULT_KILL_PUSH_ENV, ReplicaFailed, driver_rank, kill_a_scheduler_soon,
@@ -58,7 +59,7 @@ from hybridflow.runtime.replicas import (FAULT_KILL_PUSH_ENV, ReplicaFailed, dri
 from hybridflow.weight_sync import WeightSyncPlan, plan_weight_sync
 from reshard.executor import WIRE_DTYPES, ProcessMap, execute
 
-__all__ = ["EngineSync"]
+__all__ = ["EngineSync", "drops_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class EngineSync:
         """This process's ``recovery.EngineRestarts`` (None: an engine lost in a push stops the run)."""
         holds_destination = not channel.separate or source_params is None
         self.engine_params = self._engine_params() if self.route == "sliced" and holds_destination else None
-        self.engine_drops_weights = cfg.rollout.placement == "colocated" and torch.cuda.is_available()
+        self.engine_drops_weights = drops_weights(cfg, gpu=torch.cuda.is_available())
         """Whether the engine's weights are released (and lose their values) after every
         generation, so every step must push, even one that left the actor unchanged."""
 
@@ -186,7 +187,7 @@ class EngineSync:
         """One try of the push; every process's ``_Pushed``, gathered on every process."""
         if not self.pushes_adapters:
             return self.channel.gather(self._push_base(verify, kill=kill))
-        if self._base_held and not self.engine_drops_weights:  # the engines hold the base: adapters only
+        if self._base_held:  # the engines hold the base (the plan keeps it resident): adapters only
             return self._push_adapters(_Pushed(self._replica(), 0.0, 0, 0, None), kill=kill)
         return self._push_adapters(self._push_base(verify, kill=kill), kill=False)
 
@@ -327,6 +328,13 @@ class EngineSync:
     def destination_ranks(self) -> int:
         """Ranks of the plan's destination (engine ranks for sliced, the driver for full)."""
         return len(self.processes.destination)
+
+
+def drops_weights(cfg: HybridflowConfig, *, gpu: bool) -> bool:
+    """Whether the plan's switches release the engine's weights each step: colocated GPU engines
+    do while the actor trains, unless the plan keeps them (``lowering.holds``; CPU engines
+    release nothing)."""
+    return gpu and cfg.rollout.placement == "colocated" and "weights" not in holds(cfg, "train")
 
 
 def refit_difference(shared: list[dict[str, list[float]]], engine: list[dict[str, list[float]]]) -> float:

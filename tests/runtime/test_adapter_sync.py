@@ -2,8 +2,8 @@
 
 One process, no process groups: the base push (``_push_base``, the reshard plan) is replaced by a
 recorder, the channel gathers this process's report alone, and the engine is a stand-in that
-records what it loads. The GPU case (colocated engines release their weights after every
-generation, so every push must bring the base again) runs here through ``engine_drops_weights``.
+records what it loads. Whether a GPU colocated engine keeps its weights while the actor trains
+(it does under ``lora.push=adapter``, so the base goes once there too) is the plan's answer.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ class _Engine:
         return WeightPushReport(seconds=0.0, bytes_per_rank=(sum(t.nbytes for t in tensors.values()),), route="adapter")
 
 
-def _sync(engine: _Engine, *, drops_weights: bool) -> tuple[sync_module.EngineSync, list]:
+def _sync(engine: _Engine) -> tuple[sync_module.EngineSync, list]:
     es = object.__new__(sync_module.EngineSync)
     es.cfg = load_config(QUICKSTART, ["lora.push=adapter", "lora.target_modules=[linear_qkv]"])
-    es.engine, es.pushes, es._base_held, es.engine_drops_weights = engine, 0, False, drops_weights
+    es.engine, es.pushes, es._base_held = engine, 0, False
     es.pushes_adapters = True
     es.adapters = lambda: ({"lora_A": torch.zeros(4, 8), "lora_B": torch.zeros(8, 4)}, {"r": 4})
     es.channel = SimpleNamespace(gather=lambda mine: [mine], separate=False)
@@ -52,7 +52,7 @@ def _sync(engine: _Engine, *, drops_weights: bool) -> tuple[sync_module.EngineSy
 
 def test_the_base_goes_once_then_adapters_alone_and_again_after_an_engine_restart() -> None:
     engine = _Engine()
-    es, bases = _sync(engine, drops_weights=False)
+    es, bases = _sync(engine)
     first = es._push_once(True, kill=False)[0]
     assert bases == [True] and first.engine_bytes == 1000.0 and first.adapter_bytes == 256.0
     for _ in range(2):
@@ -64,16 +64,31 @@ def test_the_base_goes_once_then_adapters_alone_and_again_after_an_engine_restar
     assert es._push_once(False, kill=False)[0].engine_bytes == 1000.0 and bases == [True, False]
 
 
-def test_an_engine_that_drops_its_weights_gets_the_base_every_push() -> None:
-    es, bases = _sync(_Engine(), drops_weights=True)
-    for _ in range(3):
-        assert es._push_once(False, kill=False)[0].engine_bytes == 1000.0
-    assert len(bases) == 3
+def test_colocated_gpu_engines_keep_the_base_while_the_actor_trains_so_it_goes_once() -> None:
+    from hybridflow.lowering import switch
+    from hybridflow.memory import TRAINING, pool_memory
+
+    merged = load_config(QUICKSTART, ["lora.target_modules=[linear_qkv]"])
+    adapter = load_config(QUICKSTART, ["lora.push=adapter", "lora.target_modules=[linear_qkv]"])
+    separate = load_config(QUICKSTART, ["lora.push=adapter", "lora.target_modules=[linear_qkv]",
+                                        "rollout.placement=separate", "rollout.tp=1"])
+    assert sync_module.drops_weights(merged, gpu=True) and not sync_module.drops_weights(merged, gpu=False)
+    assert not sync_module.drops_weights(adapter, gpu=True) and not sync_module.drops_weights(separate, gpu=True)
+    # the plan's switches say so: generation -> training frees the KV cache alone, and the sync
+    # resumes nothing; merged pushes free and take back the weights as well
+    assert switch(adapter, "generate", "train").engine_release == ("kv_cache", "cuda_graph")
+    assert switch(adapter, "train", "sync").engine_resume == ()
+    assert switch(merged, "generate", "train").engine_release == ("weights", "kv_cache", "cuda_graph")
+    assert switch(merged, "train", "sync").engine_resume == ("weights",)
+    # and the memory estimate counts the resident base in the training phase
+    roles = ("actor", "rollout")
+    assert "engine weights" in pool_memory(adapter, roles, pool="gpus").phases[TRAINING]
+    assert "engine weights" not in pool_memory(merged, roles, pool="gpus").phases[TRAINING]
 
 
 @pytest.mark.parametrize("lose_at", [1, 2])
 def test_an_engine_lost_while_loading_adapters_is_reported_and_gets_the_base_next(lose_at: int) -> None:
-    es, bases = _sync(_Engine(lose_at=lose_at), drops_weights=False)
+    es, bases = _sync(_Engine(lose_at=lose_at))
     results = [es._push_once(False, kill=False)[0] for _ in range(lose_at)]
     assert results[-1].lost.startswith("process 7") and results[-1].adapter_bytes == 0.0
     es._push_once(False, kill=False)  # the retry (after the restart) brings the base again
