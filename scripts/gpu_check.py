@@ -17,6 +17,11 @@ Each check records its figures and ``ok``, or its error, and the next one still 
               GPU, shared memory on a CPU) and checksums them
   train       ``hybridflow train configs/quickstart_gpu.yaml`` for a few RL steps (hf engine, no
               MLflow): it runs and the held-out reward is logged
+  efficiency  sequence packing and LoRA on the device, the CPU tests' one-rank cases: packed and
+              token-budget passes (actor and critic) against the unpacked one, before and after
+              an Adam step (TE's THD path where transformer-engine is installed, else the
+              block-diagonal local path); a LoRA policy's two steps leave the base bit-identical,
+              optimize the adapters alone, and the merged weights it pushes are W + s·B·A
 
 ``--small`` shrinks every size so the whole script runs on a CPU in about a minute (a test does);
 the figures are then only a smoke test. Exit status 1 when any check failed.
@@ -48,7 +53,7 @@ from hybridflow.config import HybridflowConfig, load_config  # noqa: E402
 from hybridflow.model_size import count_parameters  # noqa: E402
 
 CONFIG = ROOT / "configs" / "quickstart_gpu.yaml"
-CHECKS = ("families", "throughput", "checkpoint", "ipc", "train")
+CHECKS = ("families", "throughput", "checkpoint", "ipc", "train", "efficiency")
 TOLERANCE = {"float32": ("max", 2e-3), "bfloat16": ("mean", 0.1)}
 """|log-prob difference| per token allowed between megatron-core and transformers on the same
 weights: fp32 differs by summation order only, so every token; bf16 rounds every activation and
@@ -293,6 +298,33 @@ def check_train(args, work: Path) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     return {"seconds": time.perf_counter() - started, "summary": summary,
             "ok": summary.get("heldout_reward_after_rl") is not None}
+
+
+# ------------------------------------------------------------------------------------ efficiency
+
+PACKING_TOLERANCE = 1e-4
+"""Packed vs unpacked, fp32: the CPU tests hold 1e-5; device kernels sum in other orders."""
+
+
+def check_efficiency(args, work: Path) -> dict:
+    import importlib.util
+
+    from tests.megatron_adapters import lora_worker, packing_worker
+
+    packed = packing_worker.packed("qwen3_moe", {})
+    diffs = {mode: {k: v for k, v in packed[mode].items() if k != "tokens"} for mode in ("packed", "budget")}
+    worst = max(v for mode in diffs.values() for v in mode.values())
+    lora = lora_worker._train(lora_worker.make_policy("qwen3_moe", {}, ["linear_qkv", "linear_proj", "experts"]))
+    moved = float((lora["logp_after"] - lora["logp_before"]).abs().max())
+    lora_ok = (lora["base_identical"] and not lora["base_requires_grad"] and lora["merge_error"] <= 1e-6
+               and lora["optimizer_numel"] == lora["adapter_numel"] and moved > 1e-4)
+    return {"transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
+            "packing": diffs, "packing_worst": worst, "packing_tolerance": PACKING_TOLERANCE,
+            "routes_follow_packing": packed["routes_equal"], "packing_moved": packed["moved"],
+            "lora_base_identical": lora["base_identical"], "lora_merge_error": lora["merge_error"],
+            "lora_optimizer_numel": lora["optimizer_numel"], "lora_adapter_numel": lora["adapter_numel"],
+            "lora_logp_moved": moved,
+            "ok": worst <= PACKING_TOLERANCE and all(packed["routes_equal"].values()) and lora_ok}
 
 
 # ------------------------------------------------------------------------------------ driver

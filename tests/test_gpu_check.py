@@ -24,7 +24,7 @@ def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     failed = {k: v.get("error") for k, v in report["checks"].items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stderr[-3000:])
     checks = report["checks"]
-    assert set(checks) == {"families", "throughput", "checkpoint", "ipc", "train"}
+    assert set(checks) == {"families", "throughput", "checkpoint", "ipc", "train", "efficiency"}
     cases = checks["families"]["cases"]
     assert {c["family"] for c in cases} == {"llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3"}
     assert all(c["max_abs_diff"] < 1e-4 for c in cases if c["dtype"] == "float32")  # exact on the CPU
@@ -33,6 +33,9 @@ def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     assert checks["ipc"]["handle_bytes"] < checks["ipc"]["tensor_bytes"] / 100  # a handle, not the data
     assert checks["throughput"]["policy_step_seconds"] > 0 and checks["throughput"]["plain_step_seconds"] > 0
     assert checks["train"]["summary"]["heldout_reward_after_rl"] is not None
+    efficiency = checks["efficiency"]  # the packing and LoRA tests' one-rank cases, as a GPU runs them
+    assert efficiency["packing_worst"] < 1e-5 and efficiency["packing_moved"] > 1e-3
+    assert efficiency["lora_base_identical"] and efficiency["lora_merge_error"] <= 1e-6
 
 
 def test_gpu_check_sh_refuses_a_machine_without_cuda():
