@@ -103,14 +103,7 @@ def check_lora_model(lora: LoRAConfig, model: ModelConfig, layout: ParallelLayou
         if lora.rank > min(dims):
             raise ValueError(f"lora.rank={lora.rank} is larger than {target}'s smaller dimension {min(dims)} "
                              f"(in={dims[0]}, out={dims[1]}); lower lora.rank to <= {min(dims)}")
-    if lora.dropout and layout.tp > 1:
-        raise ValueError(f"lora.dropout={lora.dropout} with actor.parallel.tp={layout.tp}: a TP-replicated A would "
-                         "see a different dropout mask on each TP rank and drift apart; set lora.dropout=0 or "
-                         "actor.parallel.tp=1")
     experts = "experts" in lora.target_modules and model.is_moe
-    if experts and lora.dropout and layout.etp > 1:
-        raise ValueError(f"lora.dropout={lora.dropout} with actor.parallel.etp={layout.etp}: each etp rank would "
-                         "drop different inputs of the same tokens; set lora.dropout=0 or actor.parallel.etp=1")
     if experts and lora.rank % layout.etp:
         raise ValueError(f"lora.rank={lora.rank} with actor.parallel.etp={layout.etp}: expert adapters split their "
                          f"rank over the etp ranks; use a lora.rank divisible by {layout.etp}")

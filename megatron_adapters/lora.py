@@ -27,6 +27,14 @@ names (checkpoints, converters, the reshard plan) stay as they are; ``lora_a`` /
 are parameters of the base module and enter megatron's sharded state dict with the split above.
 The base weights are frozen before megatron's DDP and optimizer exist, so neither allocates
 gradients or state for them.
+
+Dropout (``lora.dropout``) on an adapter's input draws its mask from a generator seeded by
+(``lora.seed``, the optimizer step, the module's global name, its call in the step, the data
+rank), not from a process's running RNG: every rank that sees the same input (TP ranks on a
+column-parallel layer, etp ranks on an expert's fc1) draws the same mask, a row-parallel rank
+takes its input columns of the whole mask, and the masks are the ones one process draws, so a
+layout trains as one process does, dropout included. The step comes from the scheduler, which
+checkpoints save: a resumed run draws the masks again.
 """
 
 from __future__ import annotations
@@ -59,7 +67,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from hfschema.lora import LoRAConfig
 
-__all__ = ["ADAPTER_SUFFIXES", "adapter_state", "apply_lora", "adapted_modules", "is_adapter", "merged_weights"]
+__all__ = ["ADAPTER_SUFFIXES", "adapter_state", "apply_lora", "adapted_modules", "dropout_step", "is_adapter",
+           "merged_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +156,9 @@ def _make_adapter(module, global_name: str, lora: LoRAConfig) -> None:
     module.lora_split = split
     module.lora_scale = lora.alpha / lora.rank
     module.lora_dropout = lora.dropout
+    module.lora_seed = lora.seed
+    module.lora_key = (0, 0)  # (optimizer step, data rank): dropout_step sets it before a step
+    module.lora_calls = 0
     if expert and tp > 1:
         module.register_forward_hook(_expert_column_hook if column else _expert_row_hook)
     else:
@@ -154,8 +166,39 @@ def _make_adapter(module, global_name: str, lora: LoRAConfig) -> None:
     _shard_adapters_in_checkpoints(module, column)
 
 
-def _dropout(module, x: torch.Tensor) -> torch.Tensor:
-    return F.dropout(x, p=module.lora_dropout, training=module.training) if module.lora_dropout else x
+def dropout_step(chunks: list, step: int) -> None:
+    """Key the adapters' dropout masks by optimizer step ``step`` (call before a training step):
+    each module then counts its forwards in the step. The data rank of an expert's module is its
+    expert data-parallel rank (etp ranks share its tokens), of any other the data-parallel rank
+    with context parallelism (TP ranks share its tokens; CP ranks hold other ones)."""
+    dense = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    expert = parallel_state.get_expert_data_parallel_rank()
+    for chunk in chunks:
+        for _, module in adapted_modules(chunk):
+            module.lora_key, module.lora_calls = (step, expert if module.is_expert else dense), 0
+
+
+def _dropout(module, x: torch.Tensor, shard: tuple[int, int] | None = None) -> torch.Tensor:
+    """``x`` under this call's dropout mask; ``shard`` (rank, ranks): ``x`` is that share of the
+    input's last dim (a row-parallel layer) and takes the same share of the whole input's mask."""
+    p = module.lora_dropout
+    if not p or not module.training:
+        return x
+    step, rank = module.lora_key
+    key = f"{module.lora_name}/{step}/{module.lora_calls}/{rank}".encode()
+    module.lora_calls += 1
+    generator = torch.Generator(device=x.device).manual_seed(zlib.crc32(key) ^ module.lora_seed)
+    width = x.shape[-1] * (shard[1] if shard else 1)
+    keep = torch.rand((*x.shape[:-1], width), generator=generator, device=x.device) >= p
+    if shard:
+        keep = keep.narrow(-1, shard[0] * x.shape[-1], x.shape[-1])
+    return x * keep.to(x.dtype) / (1 - p)
+
+
+def _row_shard(module) -> tuple[int, int] | None:
+    """(rank, ranks) of a row-parallel module's input columns, None when it is whole."""
+    tp = _tp_size(module)
+    return (module.tp_group.rank(), tp) if tp > 1 else None
 
 
 def _column_hook(module, args, output):
@@ -172,7 +215,7 @@ def _column_hook(module, args, output):
 
 def _row_hook(module, args, output):
     x, group, tp = args[0], module.tp_group, _tp_size(module)
-    h = F.linear(_dropout(module, x), module.lora_a)
+    h = F.linear(_dropout(module, x, _row_shard(module)), module.lora_a)
     if tp > 1:
         h = reduce_from_tensor_model_parallel_region(h, group=group)
     delta = F.linear(h, module.lora_b) * module.lora_scale
@@ -198,7 +241,7 @@ def _expert_column_hook(module, args, output):
 
 
 def _expert_row_hook(module, args, output):
-    h = F.linear(_dropout(module, args[0]), module.lora_a)  # partial over this rank's input columns
+    h = F.linear(_dropout(module, args[0], _row_shard(module)), module.lora_a)  # partial over this rank's columns
     h = _rank_dim_collective(h, module.tp_group, reduce_scatter_to_sequence_parallel_region)
     delta = F.linear(h, module.lora_b) * module.lora_scale  # partial: the dispatcher sums the etp ranks
     return (output[0] + delta, *output[1:])

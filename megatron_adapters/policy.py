@@ -51,7 +51,7 @@ from moe.routes import UNROUTED
 
 from . import device_guard, packing
 from .logprobs import token_entropy, token_logprobs
-from .lora import apply_lora
+from .lora import apply_lora, dropout_step
 from .model import build_model_chunks
 from .packing import FIRST_KEY, POSITIONS_KEY, SEGMENTS_KEY, PackPlan, uses_te_attention
 from .parallel import device as rank_device
@@ -487,6 +487,8 @@ class MegatronPolicy:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.lora is not None and self.lora.dropout:
+            dropout_step(self.chunks, self.scheduler.num_steps)
         if self.packing.enabled:
             micros, _, _ = self._packed_micros("train", batch, self.train_config.micro_batch_size, False, local_rows)
         else:

@@ -33,11 +33,11 @@ SEED = 1234
 LORA_TRAIN = dataclasses.replace(TRAIN, use_distributed_optimizer=False)
 
 
-def make_policy(family: str, spec: dict, targets: list[str] | None) -> MegatronPolicy:
+def make_policy(family: str, spec: dict, targets: list[str] | None, dropout: float = 0.0) -> MegatronPolicy:
     model = tiny(family)
     layout = layout_for(spec)
     pg = parallel.initialize(layout, seed=SEED)
-    lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, target_modules=targets) if targets else None
+    lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, target_modules=targets, dropout=dropout) if targets else None
     return MegatronPolicy(model, layout, LORA_TRAIN, pg_collection=pg, lora=lora)
 
 
@@ -88,21 +88,21 @@ def _merge_error(policy: MegatronPolicy, whole: dict[str, torch.Tensor]) -> floa
     return worst
 
 
-def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: str) -> dict:
+def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: str, dropout: float = 0.0) -> dict:
     """One process: save the initial state; base log-probs; LoRA training; save and resume."""
-    policy = make_policy(family, {}, targets)
+    policy = make_policy(family, {}, targets, dropout)
     checkpoint.save(policy, init_dir)
     out = _train(policy)
     base = make_policy(family, {}, None)  # (re-initialising the groups retires ``policy``)
     checkpoint.load(base, init_dir, base_of_lora=True)  # a LoRA checkpoint's base weights
     base_logp = base.forward_logprobs(batch(base.model_config.vocab_size))[0]
     # resume: train one step, save with optimizer state, a fresh policy resumes and steps again
-    again = make_policy(family, {}, targets)
+    again = make_policy(family, {}, targets, dropout)
     checkpoint.load(again, init_dir)
     data = batch(again.model_config.vocab_size)
     again.train_step(data, next_token_loss)
     checkpoint.save(again, resume_dir, with_optimizer=True, step=1)
-    resumed = make_policy(family, {}, targets)
+    resumed = make_policy(family, {}, targets, dropout)
     checkpoint.load(resumed, resume_dir, with_optimizer=True)
     resumed.train_step(data, next_token_loss)
     try:  # without base_of_lora: refused, it would drop the adapters' training
@@ -113,13 +113,14 @@ def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: s
     return {**out, "base_logp": base_logp, "resumed_adapters": adapter_state(resumed), "refused": refused}
 
 
-def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str, save_dir: str) -> dict:
+def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str, save_dir: str,
+                     dropout: float = 0.0) -> dict:
     """Load the reference's initial state under ``spec`` and train as it did; save, and read the
     adapters back from the files as the offline PEFT export does (global, layout-free)."""
     from megatron_adapters.dist_io import DistReader
     from megatron_adapters.peft_io import checkpoint_adapters
 
-    policy = make_policy(family, spec, targets)
+    policy = make_policy(family, spec, targets, dropout)
     checkpoint.load(policy, init_dir)
     out = _train(policy)
     checkpoint.save(policy, save_dir)

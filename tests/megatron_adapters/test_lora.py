@@ -5,7 +5,9 @@ adapters) and trains two steps, then checks that a LoRA checkpoint resumes; two 
 that state under TP=2 (dense llama and qwen2 with attention + MLP adapters; qwen3_moe with
 attention and expert adapters), PP=2 (llama), EP=2 and ETP=2 (qwen3_moe, ETP with and without
 TP) and train the same two steps; every layout's merged weights (what the engine is pushed) must
-equal W + s B A of the whole adapters.
+equal W + s B A of the whole adapters. With adapter dropout, TP=2, PP=2 and TP=2 x ETP=2 train
+as one process with dropout does (the masks are keyed, not drawn per rank), and a resumed step
+draws the masks again.
 The two-process pool also trains converted HF models and exports PEFT files, which transformers +
 peft must score as the trainer does: llama under TP=2; qwen3_moe and mixtral under EP=2 with
 attention and routed-expert adapters (PEFT's ``target_parameters`` on transformers' fused
@@ -42,6 +44,11 @@ CASES = {"llama_tp2": ("llama", {"tp": 2}), "qwen2_tp2": ("qwen2", {"tp": 2}), "
          "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}), "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2}),
          # experts split over etp: their adapters split the rank dim too (megatron_adapters/lora.py)
          "qwen3_moe_etp2": ("qwen3_moe", {"etp": 2}), "qwen3_moe_tp2_etp2": ("qwen3_moe", {"tp": 2, "etp": 2})}
+DROPOUT = 0.1
+DROPOUT_CASES = {  # keyed masks: every layout draws the masks one process draws (megatron_adapters/lora.py)
+    "llama_tp2_dropout": ("llama", {"tp": 2}), "llama_pp2_dropout": ("llama", {"pp": 2}),
+    "qwen3_moe_tp2_etp2_dropout": ("qwen3_moe", {"tp": 2, "etp": 2})}
+DROPOUT_REFS = sorted({f for f, _ in DROPOUT_CASES.values()})
 PEFT_CASES = {"llama": {"tp": 2}, "qwen3_moe": {"ep": 2},  # EP=2: each rank holds half the experts' adapters
               "mixtral": {"ep": 2}, "deepseek_v3": {"tp": 2, "etp": 1}}
 
@@ -55,9 +62,15 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("lora_runs")
     refs = [{"kind": "lora_reference", "family": f, "targets": t, "init_dir": str(work / f"init_{f}"),
              "resume_dir": str(work / f"resume_{f}"), "out": str(work / f"{f}_ref.pt")} for f, t in TARGETS.items()]
+    refs += [{"kind": "lora_reference", "family": f, "targets": TARGETS[f], "init_dir": str(work / f"init_{f}_dropout"),
+              "resume_dir": str(work / f"resume_{f}_dropout"), "out": str(work / f"{f}_dropout_ref.pt"),
+              "dropout": DROPOUT} for f in DROPOUT_REFS]
     cases = [{"kind": "lora_equivalence", "family": f, "spec": spec, "targets": TARGETS[f],
               "init_dir": str(work / f"init_{f}"), "save_dir": str(work / f"saved_{name}"),
               "out": str(work / f"{name}.pt")} for name, (f, spec) in CASES.items()]
+    cases += [{"kind": "lora_equivalence", "family": f, "spec": spec, "targets": TARGETS[f],
+               "init_dir": str(work / f"init_{f}_dropout"), "save_dir": str(work / f"saved_{name}"),
+               "out": str(work / f"{name}.pt"), "dropout": DROPOUT} for name, (f, spec) in DROPOUT_CASES.items()]
     for f, spec in PEFT_CASES.items():
         hf = make_hf_dir(work, f)
         hf_to_mcore(hf, work / f"mcore_{f}")
@@ -67,7 +80,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     _torchrun(1, refs, work, "world1")
     _torchrun(2, cases, work, "world2")
     results = {"dir": work}
-    for name in [*(f"{f}_ref" for f in TARGETS), *CASES, *(f"peft_{f}" for f in PEFT_CASES)]:
+    for name in [*(f"{f}_ref" for f in TARGETS), *(f"{f}_dropout_ref" for f in DROPOUT_REFS), *CASES,
+                 *DROPOUT_CASES, *(f"peft_{f}" for f in PEFT_CASES)]:
         result = torch.load(work / f"{name}.pt")
         if "exception" in result:
             pytest.fail(f"worker task {name} raised:\n{result['exception']}")
@@ -90,6 +104,18 @@ def test_reference_starts_at_the_base_and_freezes_it(runs, family: str) -> None:
     assert (ref["logp_after"] - ref["logp_before"]).abs().max() > 1e-3  # the adapters learned
 
 
+@pytest.mark.parametrize("family", list(DROPOUT_REFS))
+def test_dropout_masks_change_the_training_and_resume_with_the_step(runs, family: str) -> None:
+    plain, dropped = runs[f"{family}_ref"], runs[f"{family}_dropout_ref"]
+    assert torch.equal(plain["logp_before"], dropped["logp_before"])  # the same start, eval mode
+    # B = 0 at the start: the first loss is the base's either way, but B's gradient sees the masks
+    assert _max_diff(plain["steps"][0]["grads"], dropped["steps"][0]["grads"]) > 1e-4
+    assert abs(plain["steps"][1]["loss"] - dropped["steps"][1]["loss"]) > 1e-4
+    assert dropped["base_identical"]
+    # the resumed step draws the masks of the step it repeats (the scheduler's step is saved)
+    assert _max_diff(dropped["resumed_adapters"], dropped["adapters"]) <= TOL
+
+
 @pytest.mark.parametrize("family", list(TARGETS))
 def test_resume_from_a_lora_checkpoint(runs, family: str) -> None:
     ref = runs[f"{family}_ref"]
@@ -102,10 +128,10 @@ def test_converter_refuses_a_lora_checkpoint(runs, tmp_path) -> None:
         mcore_to_hf(runs["dir"] / "resume_llama", tmp_path / "hf")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *DROPOUT_CASES])
 def test_layout_equals_one_process(runs, name: str) -> None:
-    family = CASES[name][0]
-    ref, got = runs[f"{family}_ref"], runs[name]
+    family = {**CASES, **DROPOUT_CASES}[name][0]
+    ref, got = runs[f"{family}_dropout_ref" if name in DROPOUT_CASES else f"{family}_ref"], runs[name]
     assert got["base_identical"] and not got["base_requires_grad"]
     assert (got["logp_before"] - ref["logp_before"]).abs().max() <= TOL
     for mine, theirs in zip(got["steps"], ref["steps"]):
