@@ -373,12 +373,13 @@ def _flatten(tensors: dict[str, torch.Tensor], layout: _Layout, device: torch.de
 
 
 def _unflatten(flat: list[torch.Tensor], layout: _Layout) -> dict[str, torch.Tensor]:
-    """The tensors of ``layout`` as views of the received flat buffers."""
+    """The tensors of ``layout``, each with storage of its own (a view would carry the whole flat
+    buffer wherever the engine pickles it)."""
     offsets = {dtype: 0 for dtype, _ in _flat_sizes(layout)}
     buffers = dict(zip(offsets, flat))
     out = {}
     for name, shape, dtype in layout[0]:
         n = math.prod(shape)
-        out[name] = buffers[dtype][offsets[dtype]: offsets[dtype] + n].view(shape)
+        out[name] = buffers[dtype][offsets[dtype]: offsets[dtype] + n].view(shape).clone()
         offsets[dtype] += n
     return out

@@ -108,3 +108,5 @@ def test_adapters_travel_to_separate_drivers_as_one_flat_buffer_per_dtype_and_co
         buf.copy_(sent)
     back = sync_module._unflatten(received, layout)
     assert list(back) == list(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    # each its own storage: an engine that pickles one must not carry the whole buffer along
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in back.values())
