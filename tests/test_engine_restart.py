@@ -169,7 +169,7 @@ def _sync_pushing(results: list, restarts) -> tuple[sync_module.EngineSync, list
     es.cfg = load_config(QUICKSTART, ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2",
                                       "checks.refit_every=2"])
     es.source_params, es.engine, es.engine_params, es.pushes, es.restarts = None, None, [{}], 0, restarts
-    es.adapters = None  # merged pushes
+    es.adapters, es.pushes_adapters = None, False  # merged pushes
     tries = []
 
     def push_once(verify, *, kill):
