@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from hfschema.files import write_text_atomic  # noqa: E402
 
 from hybridflow.config import load_config  # noqa: E402
 from hybridflow.tasks import make_task_files  # noqa: E402
@@ -121,11 +122,7 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
-        path = Path(args.json)
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=path.name + ".")
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp_name, path)
+        write_text_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from hfschema.files import write_text_atomic  # noqa: E402
 
 logger = logging.getLogger("convert_bench")
 
@@ -229,9 +230,7 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, args.json)
+        write_text_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from hfschema.files import write_text_atomic  # noqa: E402
 
 from hfschema.layout import ParallelLayout  # noqa: E402
 from hfschema.model import ModelConfig  # noqa: E402
@@ -222,14 +222,6 @@ def _run_in_fresh_process(index: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
-                                     delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the selected cases, one fresh process each, and print / write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -254,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     text = json.dumps({"cases": cases, "summary": summary(cases)}, indent=2)
     print(text)
     if args.json:
-        _write_atomically(args.json, text + "\n")
+        write_text_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":

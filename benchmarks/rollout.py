@@ -21,11 +21,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from hfschema.files import write_text_atomic  # noqa: E402
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -109,9 +109,7 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, args.json)
+        write_text_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from hfschema.files import write_text_atomic  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -152,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, args.json)
+        write_text_atomic(args.json, text + "\n")
     return 0
 
 

@@ -12,8 +12,10 @@ __all__ = ["staged_directory", "write_text_atomic"]
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to a temporary file beside ``path`` and rename it over ``path``."""
+    """Write text to a temporary file beside ``path`` and rename it over ``path`` (its folder is
+    made if missing)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
