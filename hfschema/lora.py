@@ -33,18 +33,19 @@ class LoRAConfig:
     alpha: float = 32.0
     """Scale numerator: the adapter adds (alpha / rank) * B A x."""
     dropout: float = 0.0
-    """Dropout on the adapter's input while training (0 keeps log-probs exact)."""
+    """Dropout on the adapter's input while training (0 keeps log-probs exact); its masks are
+    keyed by step and module, so every layout draws the ones one process draws."""
     target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj"])
     """Modules that get adapters: linear_qkv, linear_proj, linear_fc1, linear_fc2 (dense MLP),
     experts (routed experts), shared_experts."""
     lr: Optional[float] = None
     """Peak learning rate of the adapters in RL; None = train.lr."""
     seed: int = 0
-    """Seed of the A matrices' initialisation (the same under every layout)."""
+    """Seed of the A matrices' initialisation and of the dropout masks (the same under every layout)."""
     push: str = "merged"
     """Weight sync: ``merged`` pushes W + (alpha/rank) B A through the reshard plan every step;
     ``adapter`` pushes the base once (again after an engine restart) and then only the adapters,
-    through SGLang's LoRA adapter API (colocated SGLang engines, dense targets)."""
+    through SGLang's LoRA adapter API (SGLang engines, colocated or separate; dense targets)."""
 
     @property
     def pushes_adapters(self) -> bool:

@@ -49,7 +49,7 @@ def _base(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
                      for n, b in c.named_buffers() if n.endswith("expert_bias")}
 
 
-def _train(policy: MegatronPolicy) -> dict:
+def train_two_steps(policy: MegatronPolicy) -> dict:
     data = batch(policy.model_config.vocab_size)
     out = {"logp_before": policy.forward_logprobs(data)[0], "steps": []}
     base = _base(policy)
@@ -92,7 +92,7 @@ def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: s
     """One process: save the initial state; base log-probs; LoRA training; save and resume."""
     policy = make_policy(family, {}, targets, dropout)
     checkpoint.save(policy, init_dir)
-    out = _train(policy)
+    out = train_two_steps(policy)
     base = make_policy(family, {}, None)  # (re-initialising the groups retires ``policy``)
     checkpoint.load(base, init_dir, base_of_lora=True)  # a LoRA checkpoint's base weights
     base_logp = base.forward_logprobs(batch(base.model_config.vocab_size))[0]
@@ -122,7 +122,7 @@ def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str,
 
     policy = make_policy(family, spec, targets, dropout)
     checkpoint.load(policy, init_dir)
-    out = _train(policy)
+    out = train_two_steps(policy)
     checkpoint.save(policy, save_dir)
     out["saved_adapters"] = checkpoint_adapters(DistReader(save_dir), policy.model_config)
     return out
