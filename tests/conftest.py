@@ -41,10 +41,27 @@ def full_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def separate_run(tmp_path_factory):
+def sft_warm_up(tmp_path_factory):
+    """The learning runs' SFT warm-up (``tests.test_train.warm_up_run``), trained once a session."""
+    from tests.test_train import warm_up_run
+
+    return warm_up_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def seeded(sft_warm_up):
+    """``seeded(out)``: ``out`` holds the shared warm-up's SFT checkpoint, so the run started there
+    skips the 150 SFT steps every learning run would repeat (``tests.test_train.seed_from_warm_up``)."""
+    from tests.test_train import seed_from_warm_up
+
+    return lambda out: seed_from_warm_up(sft_warm_up, out)
+
+
+@pytest.fixture(scope="session")
+def separate_run(tmp_path_factory, seeded):
     """The uninterrupted separate-placement run (``tests.test_train_separate``, two tp=1 engine
     ranks) and its stdout: checked there, and reproduced by the killed engines of
     ``tests/test_engine_restart.py``."""
     from tests.test_train_separate import uninterrupted_separate_run
 
-    return uninterrupted_separate_run(tmp_path_factory)
+    return uninterrupted_separate_run(tmp_path_factory, seeded)

@@ -62,10 +62,10 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
 def test_separate_engines_killed_mid_generate_and_mid_push_are_restarted_and_the_run_matches(
-        tmp_path: Path, separate_run) -> None:
+        tmp_path: Path, separate_run, seeded) -> None:
     # generate call 3 is step 2's; push 3 is step 2's (push 1 filled the engines, push 2 was step 1's)
     faults = {replicas.FAULT_KILL_ENV: "1@3", replicas.FAULT_KILL_PUSH_ENV: "0@3"}
-    killed = _train(tmp_path / "killed", *SEPARATE, env=faults)  # the config of separate_run
+    killed = _train(seeded(tmp_path / "killed"), *SEPARATE, env=faults)  # the config of separate_run
     _ok(killed)
     assert _restarts_of(0, killed.stderr) == _restarts_of(1, killed.stderr) == 1, killed.stderr[-3000:]
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())

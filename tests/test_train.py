@@ -80,6 +80,29 @@ def uninterrupted_run(tmp_path_factory) -> Path:
     return out
 
 
+WARM_UP = "sft.steps=150"
+"""The SFT warm-up of the runs that must learn (the learning matrix's length): made once a session
+(``tests/conftest.py``'s ``sft_warm_up``) and copied into each of their run directories."""
+
+
+def warm_up_run(tmp_path_factory) -> Path:
+    """``run.mode=sft`` of the quickstart with the learning runs' warm-up; returns its run directory.
+    No tracking: a run seeded from its checkpoint starts an MLflow run of its own."""
+    out = tmp_path_factory.mktemp("sft_warm_up") / "run"
+    _ok(_train(out, "run.mode=sft", WARM_UP, "run.tracking.backend=none", "run.heldout_prompts=0"))
+    return out
+
+
+def seed_from_warm_up(warm_up: Path, out: Path) -> Path:
+    """Copy the finished warm-up's ``checkpoints/sft`` into the run directory ``out``: a start there
+    resumes after SFT (the path of a run stopped once its SFT was saved) and goes on with RL. The
+    run must be started with the warm-up's settings (``WARM_UP``); its model must be the warm-up's."""
+    import shutil
+
+    shutil.copytree(warm_up / "checkpoints" / "sft", out / "checkpoints" / "sft")
+    return out
+
+
 def test_first_step_invariants(full_run: Path) -> None:
     summary = json.loads((full_run / "summary.json").read_text())
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL

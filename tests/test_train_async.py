@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import LOGPROB_TOL, _deterministic, _history, _ok, _train
+from tests.test_train import LOGPROB_TOL, WARM_UP, _deterministic, _history, _ok, _train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
-ASYNC = ["rollout.placement=separate", "rollout.tp=1", "sft.steps=150", "run.steps=6", "run.checkpoint_every=2",
+ASYNC = ["rollout.placement=separate", "rollout.tp=1", WARM_UP, "run.steps=6", "run.checkpoint_every=2",
          "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8", "algorithm.rollout_correction=tis"]
 MODES = {"async_k1": (["async_rl.mode=async", "async_rl.max_staleness=1"], 1),
          # K=2 runs with partial rollouts: whole batches are K=1's path, and one run fewer keeps CI short
@@ -34,13 +34,13 @@ TIMED = ("async/overlap", "async/generation_tokens_per_s", "async/training_token
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """One run per mode, started when a test first asks for it."""
+def runs(tmp_path_factory, seeded) -> dict[str, Path]:
+    """One run per mode from the shared warm-up, started when a test first asks for it."""
     root, done = tmp_path_factory.mktemp("async"), {}
 
     class Runs(dict):
         def __missing__(self, mode: str) -> Path:
-            out = root / mode
+            out = seeded(root / mode)
             _ok(_train(out, *ASYNC, *MODES[mode][0]))
             self[mode] = out
             return out
@@ -95,8 +95,8 @@ def test_partial_rollouts_finish_requests_with_tokens_of_each_version_tagged_cor
             assert h["async/behaviour/older_versions_logprob_diff_mean"] > LOGPROB_TOL, (step, h)
 
 
-def test_a_killed_async_run_resumed_with_its_buffer_reproduces_the_metrics(runs, tmp_path: Path) -> None:
-    out = tmp_path / "resumed"
+def test_a_killed_async_run_resumed_with_its_buffer_reproduces_the_metrics(runs, tmp_path: Path, seeded) -> None:
+    out = seeded(tmp_path / "resumed")
     args = (*ASYNC, *MODES["async_k2"][0])  # the buffer's samples carry per-token versions
     crashed = _train(out, *args, fault_at=3)
     assert crashed.returncode != 0

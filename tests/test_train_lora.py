@@ -28,12 +28,13 @@ import pytest
 import torch
 
 from megatron_adapters.checkpoint import read_meta
+from tests.test_train import WARM_UP
 from megatron_adapters.dist_io import DistReader
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[1]
-SHORT = ("sft.steps=150", "run.steps=10", "run.heldout_every=10", "run.checkpoint_every=10")
+SHORT = (WARM_UP, "run.steps=10", "run.heldout_every=10", "run.checkpoint_every=10")
 LOGPROB_TOL = 1e-4
 """As tests/test_train.py: fp32 SGLang CPU kernels against fp32 megatron-core."""
 
@@ -48,13 +49,13 @@ def _train(out: Path, *overrides: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return _train(tmp_path_factory.mktemp("train_lora") / "run")
+def run(tmp_path_factory, seeded) -> Path:
+    return _train(seeded(tmp_path_factory.mktemp("train_lora") / "run"))
 
 
 @pytest.fixture(scope="module")
-def adapter_run(tmp_path_factory) -> Path:
-    return _train(tmp_path_factory.mktemp("train_lora_adapter") / "run", *ADAPTER_PUSH)
+def adapter_run(tmp_path_factory, seeded) -> Path:
+    return _train(seeded(tmp_path_factory.mktemp("train_lora_adapter") / "run"), *ADAPTER_PUSH)
 
 
 ADAPTER_PUSH = ("lora.push=adapter", "lora.target_modules=[linear_qkv,linear_proj]")
@@ -65,14 +66,14 @@ ASYNC = ("async_rl.mode=async", "async_rl.max_staleness=2", "async_rl.partial_ro
 
 
 @pytest.fixture(scope="module")
-def separate_runs(tmp_path_factory) -> dict[str, Path]:
+def separate_runs(tmp_path_factory, seeded) -> dict[str, Path]:
     """Adapter pushes to separate engine ranks, synchronous and asynchronous (started when asked)."""
     root = tmp_path_factory.mktemp("train_lora_separate")
     overrides = {"sync": SEPARATE, "async": (*SEPARATE, *ASYNC)}
 
     class Runs(dict):
         def __missing__(self, mode: str) -> Path:
-            self[mode] = _train(root / mode, *ADAPTER_PUSH, *overrides[mode])
+            self[mode] = _train(seeded(root / mode), *ADAPTER_PUSH, *overrides[mode])
             return self[mode]
 
     return Runs()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.runtime import replicas
-from tests.test_train import LOGPROB_TOL, _history
+from tests.test_train import LOGPROB_TOL, WARM_UP, _history
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -66,12 +66,12 @@ def test_both_nodes_name_the_rank_that_failed_first_even_on_the_other_node(tmp_p
 
 
 def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_survives_a_kill_and_learns(
-        tmp_path: Path) -> None:
+        tmp_path: Path, seeded) -> None:
     """One of node 0's schedulers is SIGKILLed while step 2 generates (generate call 3; call 1
     scored the held-out prompts): both nodes' parts of the engine are replaced, meet again at the
     driver's new address, receive the current weights, and the step runs again."""
-    out, port = tmp_path / "two_nodes", _free_port()
-    overrides = [f"run.output_dir={out}", "rollout.gpus_per_node=1", "sft.steps=150", "run.steps=6",
+    out, port = seeded(tmp_path / "two_nodes"), _free_port()
+    overrides = [f"run.output_dir={out}", "rollout.gpus_per_node=1", WARM_UP, "run.steps=6",
                  "run.checkpoint_every=3", "run.heldout_prompts=20"]
     logs = _two_agents(port, 1, overrides, env={replicas.FAULT_KILL_ENV: "0@3"})
     summary = json.loads((out / "summary.json").read_text())
@@ -86,11 +86,12 @@ def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_surviv
         assert h["rollout/replica0/samples"] == 128
 
 
-def test_separate_engine_ranks_on_their_own_node_of_a_launch_receive_every_push_and_learn(tmp_path: Path) -> None:
+def test_separate_engine_ranks_on_their_own_node_of_a_launch_receive_every_push_and_learn(tmp_path: Path,
+                                                                                           seeded) -> None:
     """Separate placement over two agents of two ranks: the actor's ranks 0-1 on "node" 0, the
     tp=2 engine's ranks 2-3 on "node" 1; pushes and samples cross between the nodes."""
-    out, port = tmp_path / "separate_nodes", _free_port()
-    overrides = [f"run.output_dir={out}", "rollout.placement=separate", "sft.steps=150", "run.steps=4",
+    out, port = seeded(tmp_path / "separate_nodes"), _free_port()
+    overrides = [f"run.output_dir={out}", "rollout.placement=separate", WARM_UP, "run.steps=4",
                  "run.checkpoint_every=4", "run.heldout_prompts=20"]
     _two_agents(port, 2, overrides)
     summary = json.loads((out / "summary.json").read_text())

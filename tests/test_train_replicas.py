@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import LOGPROB_TOL, _deterministic, _history, _ok, _train
+from tests.test_train import LOGPROB_TOL, WARM_UP, _deterministic, _history, _ok, _train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1500)]
 
-REPLICAS = ["rollout.tp=1", "rollout.num_replicas=2", "sft.steps=150", "run.steps=8", "run.checkpoint_every=4",
+REPLICAS = ["rollout.tp=1", "rollout.num_replicas=2", WARM_UP, "run.steps=8", "run.checkpoint_every=4",
             "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8"]
 SAMPLES = 16 * 8
 
 
 @pytest.fixture(scope="module")
-def replica_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("replicas") / "full"
+def replica_run(tmp_path_factory, seeded) -> Path:
+    out = seeded(tmp_path_factory.mktemp("replicas") / "full")
     _ok(_train(out, *REPLICAS))
     return out
 
@@ -45,8 +45,8 @@ def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(repl
 
 
 def test_a_replica_failing_mid_generation_stops_the_step_by_name_and_the_run_resumes(replica_run: Path,
-                                                                                     tmp_path: Path) -> None:
-    out = tmp_path / "failed"
+                                                                                     tmp_path: Path, seeded) -> None:
+    out = seeded(tmp_path / "failed")
     # generate call 6 is step 5's (call 1 scored the held-out prompts after SFT)
     failed = _train(out, *REPLICAS, env={"HYBRIDFLOW_FAULT_REPLICA": "1@6"})
     assert failed.returncode != 0

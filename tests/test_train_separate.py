@@ -15,18 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import LOGPROB_TOL, _history, _ok, _train
+from tests.test_train import LOGPROB_TOL, WARM_UP, _history, _ok, _train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
-SEPARATE = ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", "sft.steps=150", "run.steps=6",
+SEPARATE = ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", WARM_UP, "run.steps=6",
             "run.checkpoint_every=6", "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8"]
 REPLICAS = 2
 
 
-def uninterrupted_separate_run(tmp_path_factory) -> tuple[Path, str]:
-    """The run to the end (``tests/conftest.py``'s ``separate_run``); returns it and its stdout."""
-    out = tmp_path_factory.mktemp("separate") / "full"
+def uninterrupted_separate_run(tmp_path_factory, seeded) -> tuple[Path, str]:
+    """The run to the end from the shared warm-up (``tests/conftest.py``'s ``separate_run``);
+    returns it and its stdout."""
+    out = seeded(tmp_path_factory.mktemp("separate") / "full")
     result = _train(out, *SEPARATE)
     _ok(result)
     return out, result.stdout

@@ -32,6 +32,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 TOL = 1e-5
+ADAM_TOL = TOL + 0.02 * 1e-3 * 2
+"""Adapters after the two Adam steps (lr 1e-3, ``worker.TRAIN``) of layouts whose gradients agree
+within TOL. Adam divides each gradient by its running RMS, so a near-zero gradient's rounding
+moves its weight by a share of lr: an expert's 3.08e-8 against 3.33e-8 (both within TOL) moved it
+1.2e-5 apart under TP=2 x ETP=2 on one CPU (1.2% of lr). The log-probs after the steps stay within TOL."""
 PEFT_TOL = 1e-4
 """fp32 megatron-core vs fp32 transformers (as the converter tests)."""
 DENSE = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
@@ -138,7 +143,7 @@ def test_layout_equals_one_process(runs, name: str) -> None:
         assert abs(mine["loss"] - theirs["loss"]) <= TOL
         assert abs(mine["grad_norm"] - theirs["grad_norm"]) <= TOL
         assert _max_diff(mine["grads"], theirs["grads"]) <= TOL
-    assert _max_diff(got["adapters"], ref["adapters"]) <= TOL
+    assert _max_diff(got["adapters"], ref["adapters"]) <= ADAM_TOL
     assert (got["logp_after"] - ref["logp_after"]).abs().max() <= TOL
     assert got["merge_error"] <= 1e-6 and ref["merge_error"] <= 1e-6  # the weights the engine is pushed
     assert _max_diff(got["saved_adapters"], got["adapters"]) == 0  # as saved: whole, whatever the layout

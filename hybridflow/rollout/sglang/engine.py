@@ -133,7 +133,7 @@ def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: 
                          "pinned host memory, which needs a GPU driver); start it from a process with "
                          "OMP_NUM_THREADS=1 and torch.set_num_threads(1), as hybridflow's CPU ranks are")
     if on_cpu:
-        cpu.apply_cpu_environment(tp)
+        cpu.apply_cpu_environment(tp, architectures=_architectures(model_path))
     routed = _is_moe(model_path) and not on_cpu if return_routed_experts is None else return_routed_experts
     os.environ.update(_ENGINE_ENV)
     args = _engine_args(model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens, seed=seed,
@@ -312,6 +312,12 @@ def _check_start(*, tp: int, ep: int, on_cpu: bool, deterministic: bool, pause_m
     if return_routed_experts:
         raise ValueError("sglang return_routed_experts=true needs a GPU: SGLang 0.5.23 allocates the routed-"
                          "experts buffer with cudaHostRegister ('Found no NVIDIA driver' on CPU)")
+
+
+def _architectures(model_path: str) -> list[str]:
+    """``config.json``'s model classes (``Qwen3MoeForCausalLM``); empty if unknown."""
+    config = Path(model_path) / "config.json"
+    return list(json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
 
 
 def _is_moe(model_path: str) -> bool:

@@ -35,6 +35,44 @@ def test_cpu_environment_puts_the_stand_in_first_once():
     assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2
 
 
+@pytest.mark.parametrize("architecture,module", [("Qwen3MoeForCausalLM", "qwen3_moe"), ("Qwen2ForCausalLM", "qwen2"),
+                                                  ("DeepseekV3ForCausalLM", "deepseek_v2"), ("LlamaForCausalLM", "llama"),
+                                                  ("MixtralForCausalLM", "mixtral")])
+def test_every_model_module_but_the_architectures_own_is_skipped(architecture, module):
+    skipped = cpu.skipped_model_modules([architecture])
+    assert module not in skipped
+    assert set(cpu._model_sources()) - set(skipped) == {module}
+    assert cpu.cpu_environment(1, {}, architectures=[architecture])[cpu.DISABLED_MODELS_ENV] == ",".join(skipped)
+
+
+def test_an_unknown_architecture_skips_nothing_and_each_start_sets_its_own_list():
+    assert cpu.skipped_model_modules(["NoSuchModelForCausalLM"]) == []
+    # an engine for another model must not inherit the previous start's list
+    assert cpu.cpu_environment(1, {cpu.DISABLED_MODELS_ENV: "qwen2"})[cpu.DISABLED_MODELS_ENV] == ""
+
+
+def test_a_registry_loaded_for_one_architecture_takes_another_before_the_next_fork(tmp_path):
+    """A process whose model registry was loaded with only qwen2's module (what a forked engine
+    process would inherit) is given qwen3_moe's before a qwen3_moe engine starts."""
+    code = f"""
+        import os, sys
+        from hybridflow.rollout.sglang import cpu
+        os.environ[cpu.DISABLED_MODELS_ENV] = ",".join(cpu.skipped_model_modules(["Qwen2ForCausalLM"]))
+        from sglang.srt.models.registry import ModelRegistry
+        print("BEFORE", sorted(ModelRegistry.models))
+        cpu.register_architectures(["Qwen3MoeForCausalLM"])
+        print("AFTER", sorted(ModelRegistry.models))
+    """
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join([str(cpu.STUB_PATH), os.getcwd()]))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.getcwd())
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = done.stdout.split("BEFORE ")[1].splitlines()[0]
+    after = done.stdout.split("AFTER ")[1].splitlines()[0]
+    assert "Qwen2ForCausalLM" in before and "Qwen3MoeForCausalLM" not in before, before
+    assert "Qwen3MoeForCausalLM" in after and "Qwen2ForCausalLM" in after, after
+
+
 def test_apply_does_nothing_when_a_gpu_is_present(monkeypatch):
     monkeypatch.setattr(cpu, "has_cuda_gpu", lambda: True)
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
@@ -146,5 +184,8 @@ def test_a_rank_forks_a_tp2_engines_processes_and_keeps_its_process_group(tmp_pa
     # be orphaned by the engine's shutdown and linger as a zombie the rank waits on
     assert "TRACKER_PARENTS [True]" in done.stdout, done.stdout[-2000:]
     assert "TOKENS 3" in done.stdout and "WORLD 1 [1.0, 1.0]" in done.stdout, done.stdout[-2000:]
+    # the engine processes loaded qwen2's model module alone (cpu.skipped_model_modules): none of the
+    # others' CUDA-only imports was tried
+    assert "Ignore import error" not in done.stdout + done.stderr, done.stderr[-2000:]
     diff = float(done.stdout.split("LOGPROB_DIFF ")[1].split()[0])
     assert diff < 1e-4, done.stdout[-2000:]  # fp32 CPU kernels; observed ~2e-6
