@@ -34,9 +34,9 @@ SGLang model module but the one defining the model's architecture (``skipped_mod
 SGLang's model registry imports all of its ~255 model modules when an engine process first loads
 it, whatever model it serves: about 1 s of CPU per engine process on this machine, and a logged
 "Ignore import error" for each module that needs CUDA (13 per process). Measured on an idle 2-core
-machine from a rank that has imported megatron-core (the quickstart model, dummy weights): tp=1
-starts in 5.4 s instead of 6.4 s, tp=2 in 5.2 s instead of 6.6 s. GPU engines import them all, as
-SGLang does.
+machine from a rank that has imported megatron-core (the quickstart model, dummy weights; median
+of 3): tp=1 starts in 5.2 s instead of 6.5 s, tp=2 in 5.2 s instead of 6.9 s. GPU engines import
+them all, as SGLang does.
 """
 
 from __future__ import annotations
