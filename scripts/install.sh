@@ -5,13 +5,16 @@
 #   bash scripts/install.sh --gpu    # CUDA machines only: adds transformer-engine (the [gpu] extra)
 #
 # The venv is .venv in the repo root unless HYBRIDFLOW_VENV names another path (a relative path is
-# taken from the repo root). It is created only if missing; pip installs only what is missing or
-# pinned differently, so a second run changes nothing. Pins live in requirements/*.txt, which
+# taken from the repo root). It is created only if missing; only what is missing or pinned
+# differently is installed, so a second run changes nothing. Pins live in requirements/*.txt, which
 # setup.py reads for its extras too. pip is expected to be configured already (index, mirrors).
+# The pinned requirements go in with uv (requirements/install.txt; it reads pip's configured
+# sources, translated by scripts/pip_to_uv.py), or with pip where uv cannot install or
+# HYBRIDFLOW_INSTALLER=pip says so; `pip check` judges the venv either way.
 set -euo pipefail
 
 usage() {
-  sed -n '2,10s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+  sed -n '2,13s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
 }
 
 log() { printf '[install %4ss] %s\n' "$((SECONDS - start))" "$*"; }
@@ -36,6 +39,34 @@ venv="${HYBRIDFLOW_VENV:-.venv}"
 python="$venv/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip_install() { "$python" -m pip install --progress-bar off "$@"; }
+installer="${HYBRIDFLOW_INSTALLER:-uv}"
+[[ "$installer" == uv || "$installer" == pip ]] || die "HYBRIDFLOW_INSTALLER=$installer: use uv or pip"
+uv_options=() uv_env=()
+
+# uv into the venv (pinned), and pip's package sources as its options; on any failure, pip does it all.
+setup_uv() {
+  local translated line
+  if ! pip_install -q -r requirements/install.txt; then
+    log "uv did not install; installing with pip"; installer=pip; return
+  fi
+  if ! translated="$("$python" scripts/pip_to_uv.py)"; then
+    log "pip's configuration has a setting uv cannot follow (above); installing with pip"; installer=pip; return
+  fi
+  while IFS= read -r line; do
+    if [[ "$line" =~ ^[A-Z_]+= ]]; then uv_env+=("$line"); elif [[ -n "$line" ]]; then uv_options+=("$line"); fi
+  done <<<"$translated"
+}
+
+# requirements (pip install arguments) with uv, or with pip if uv is off or fails
+requirements_install() {
+  if [[ "$installer" == uv ]]; then
+    if env "${uv_env[@]}" "$venv/bin/uv" pip install --python "$python" --compile-bytecode "${uv_options[@]}" "$@"; then
+      return
+    fi
+    log "uv failed on $*; installing with pip"
+  fi
+  pip_install "$@"
+}
 
 if ((with_gpu)) && ! has_cuda; then
   die "--gpu needs a working CUDA driver, but 'nvidia-smi -L' fails here; run without --gpu"
@@ -50,10 +81,11 @@ fi
 "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || die "$venv has Python $("$python" -V 2>&1); hybridflow needs Python >= 3.11"
 
-log "runtime dependencies (requirements/runtime.txt)"
-pip_install -r requirements/runtime.txt
-log "test dependencies (requirements/test.txt)"
-pip_install -r requirements/test.txt
+[[ "$installer" == uv ]] && setup_uv
+log "runtime dependencies (requirements/runtime.txt, with $installer)"
+requirements_install -r requirements/runtime.txt
+log "test dependencies (requirements/test.txt, with $installer)"
+requirements_install -r requirements/test.txt
 
 # The editable install builds without isolation (offline, fast), so the venv's setuptools must
 # build PEP 660 wheels on its own: 70.1 vendors bdist_wheel; a fresh 3.11 venv ships 65.x.

@@ -25,7 +25,7 @@ import pytest
 from hybridflow.config import load_config
 from hybridflow.runtime import recovery, replicas
 from hybridflow.runtime import sync as sync_module
-from tests.test_train import DETERMINISTIC, _deterministic, _history, _ok, _train
+from tests.test_train import FULL_RUN, _deterministic, _history, _ok, _train
 from tests.test_train_separate import SEPARATE
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
@@ -47,7 +47,7 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
     # generate call 3 is step 2's (call 1 scored the held-out prompts after SFT); push 4 is step
     # 3's (push 1 filled the engine at start, pushes 2 and 3 were steps 1's and 2's)
     faults = {replicas.FAULT_KILL_ENV: "0@3", replicas.FAULT_KILL_PUSH_ENV: "0@4"}
-    killed = _train(tmp_path / "killed", DETERMINISTIC, env=faults)  # the config of full_run
+    killed = _train(tmp_path / "killed", *FULL_RUN, env=faults)  # the config of full_run
     _ok(killed)
     assert _restarts_of(0, killed.stderr) == 2 and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())

@@ -26,14 +26,14 @@ import pytest
 import torch
 
 from hybridflow.faults import FaultHarness, check_checkpoints, final_metrics
-from tests.test_train import DETERMINISTIC
+from tests.test_train import FULL_RUN
 from tests.test_train import SHORT as TRAIN_SHORT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "quickstart_cpu.yaml")
-SHORT = [*TRAIN_SHORT, DETERMINISTIC]  # the config of full_run
+SHORT = [*TRAIN_SHORT, *FULL_RUN]  # the config of full_run
 STEPS, NPROC = 4, 2
 FAULTS = int(os.environ.get("HYBRIDFLOW_FAULTS", "1"))
 SEED = int(os.environ.get("HYBRIDFLOW_FAULT_SEED", random.SystemRandom().randrange(2**31)))

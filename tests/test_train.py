@@ -30,9 +30,12 @@ LOGPROB_TOL = 1e-4
 """fp32 SGLang CPU kernels against fp32 megatron-core; observed <= 1e-6."""
 TIMING = ("timing/", "rollout/tokens_per_s", "sync/seconds")
 DETERMINISTIC = "run.deterministic=true"
-"""The uninterrupted run and the stopped, killed and damaged ones that must reproduce it, bit for
-bit: run.deterministic's whole switch (on CPU it changes rounding only; the default mode's
+"""run.deterministic's whole switch (on CPU it changes rounding only; the default mode's
 reproduction across a kill is checked by tests/test_engine_restart.py and test_train_async.py)."""
+FULL_RUN = (DETERMINISTIC, "moe.routing_replay=r2")
+"""The uninterrupted run (``full_run``) and the stopped, killed and damaged ones that must reproduce
+it bit for bit: deterministic, with routing replay R2 on, as a MoE user would run RL (so every
+reproduction covers the replayed routes too; tests/moe/test_train_replay.py checks the replay)."""
 
 
 def _train(out: Path, *extra: str, fault_at: int | None = None, env: dict | None = None,
@@ -74,9 +77,10 @@ def uninterrupted_run(tmp_path_factory) -> Path:
     """The short quickstart, deterministic, to the end (``tests/conftest.py``'s ``full_run``:
     one run for this module and the runs elsewhere that must reproduce it)."""
     out = tmp_path_factory.mktemp("train") / "full"
-    result = _train(out, DETERMINISTIC)
+    result = _train(out, *FULL_RUN)
     _ok(result)
     assert "hybridflow train:" in result.stdout and "held-out" in result.stdout  # the summary screen
+    (out.parent / "stdout.txt").write_text(result.stdout)  # beside the run: the summary screen as printed
     return out
 
 
@@ -126,7 +130,7 @@ def test_every_push_is_read_back_and_every_gate_passes(full_run: Path) -> None:
 def test_the_run_executes_the_plan_that_hybridflow_plan_prints(full_run: Path) -> None:
     summary = json.loads((full_run / "summary.json").read_text())
     plan = subprocess.run([sys.executable, "-m", "hybridflow.cli", "plan", "configs/quickstart_cpu.yaml",
-                           f"run.output_dir={full_run}", *SHORT, "--no-reshard"], cwd=ROOT, capture_output=True,
+                           f"run.output_dir={full_run}", *SHORT, *FULL_RUN, "--no-reshard"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr[-2000:]
     lines = plan.stdout.splitlines()
@@ -188,18 +192,18 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
             time.sleep(0.05)
         stops.request_checkpoint(out)
 
-    stopped = _train(out, DETERMINISTIC, during=request_once_started)
+    stopped = _train(out, *FULL_RUN, during=request_once_started)
     _ok(stopped)
     (partial,) = [p.name for p in (out / "checkpoints").iterdir()]
     assert partial in ("sft_000001", "sft_000002", "sft_000003"), partial  # not the whole SFT (4 steps)
     assert f"checkpointed SFT step {int(partial[4:])}" in stopped.stderr, stopped.stderr[-2000:]
     assert not (out / stops.REQUEST_FILE).exists()
-    crashed = _train(out, DETERMINISTIC, fault_at=2)  # dies when step 3 (0-based 2) starts
+    crashed = _train(out, *FULL_RUN, fault_at=2)  # dies when step 3 (0-based 2) starts
     assert crashed.returncode != 0
     assert f"resuming from {out / 'checkpoints' / partial}" in crashed.stdout, crashed.stdout[-2000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved == ["sft", "step_000002"], saved  # sft_000001 removed once the SFT was complete
-    _ok(_train(out, DETERMINISTIC))
+    _ok(_train(out, *FULL_RUN))
     sft_losses = [json.loads((run / "checkpoints" / "sft" / "state.json").read_text())["sft_losses"]
                   for run in (full_run, out)]
     assert sft_losses[0] == sft_losses[1] and len(sft_losses[1]) == 4
@@ -222,9 +226,9 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_o
     damaged[len(damaged) // 2] ^= 0xFF  # one byte changed in place: the size and .metadata still agree
     shard.write_bytes(bytes(damaged))
     assert (newest / "config.yaml").is_file()  # each checkpoint keeps the config it was saved under
-    stop = _train(out, DETERMINISTIC, "run.resume_fallback=stop")
+    stop = _train(out, *FULL_RUN, "run.resume_fallback=stop")
     assert stop.returncode == 2 and f"{shard} has changed since it was written" in stop.stderr, stop.stderr[-2000:]
-    result = _train(out, DETERMINISTIC)
+    result = _train(out, *FULL_RUN)
     _ok(result)
     assert f"checkpoint step_000004 is damaged: {shard} has changed since it was written" in result.stderr
     assert f"resuming from {out / 'checkpoints' / 'step_000002'}" in result.stdout
@@ -309,9 +313,16 @@ def _check_full_route(out: Path, sliced_run: Path) -> None:
 # every registered algorithm the tests above do not run (grpo: full_run; ppo, remax, dapo: above)
 HF_ENGINE = ("rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full")
 OTHER_ALGORITHMS = ("vapo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "gpg", "cispo")
+ESTIMATOR_OR_LOSS_ONLY = ("reinforce_plus_plus_baseline", "gpg", "cispo")
+"""Algorithms that differ from grpo's run only by their estimator or policy-loss function: slow
+tier. Those functions are checked against verl's numerics (tests/algorithms/), and the estimators'
+batch-wide sums under DP against one process (tests/runtime/test_shares.py); the runs below keep
+each distinct runtime path in the default tier (a critic and VAPO's LM loss, the reference model
+and the adaptive KL reward, GSPO's sequence ratio with rollout correction, RLOO's token-sum)."""
 
 
-@pytest.mark.parametrize("algorithm", OTHER_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [pytest.param(a, marks=pytest.mark.slow) if a in ESTIMATOR_OR_LOSS_ONLY else a
+                                       for a in OTHER_ALGORITHMS])
 def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path, algorithm: str) -> None:
     """``hybridflow train``, two RL steps: every step updates the actor with a finite loss, the
     engine scores like the trainer, and the critic-based ones train their critic (built by

@@ -161,6 +161,7 @@ def _adapter_steps(out: Path, replicas: int) -> list[dict]:
     return history
 
 
+@pytest.mark.slow  # the async run below takes the same path (actor rank k % A sends replica k's driver)
 def test_separate_engine_ranks_receive_the_adapters_from_the_actor_ranks(separate_runs) -> None:
     for h in _adapter_steps(separate_runs["sync"], replicas=2):
         assert min(h["rollout/replica0/samples"], h["rollout/replica1/samples"]) > 0, h
