@@ -111,6 +111,8 @@ def parse_doc(path: str, text: str) -> tuple[list[Claim], list[str]]:
         if not line.strip():
             paragraph = []
             continue
+        if in_code:  # a marker in a code block is an example, not a claim
+            continue
         if NO_CLAIMS.search(line):
             marked = True
         position = 0
@@ -165,6 +167,12 @@ def problems(claims: list[Claim], bare_sections: list[str], tests: dict[str, lis
     return found
 
 
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    kept = "".join(ch for ch in heading.lower() if ch.isalnum() or ch in " -_")
+    return kept.replace(" ", "-")
+
+
 def render(claims: list[Claim], tests: dict[str, list[tuple[str, str]]]) -> str:
     """docs/claims.md: every claim, where it is made, and the tests that prove it with their tiers."""
     lines = [
@@ -181,7 +189,7 @@ def render(claims: list[Claim], tests: dict[str, list[tuple[str, str]]]) -> str:
     ]
     for claim in claims:
         proof = Proof(tests.get(claim.name, []))
-        where = f"[{claim.path}:{claim.line}](../{claim.path}#L{claim.line})"
+        where = f"[{claim.path}:{claim.line}](../{claim.path}#{slug(claim.section)})"
         says = claim.says.replace("|", "\\|")
         nodes = "<br>".join(f"`{node}`" + (f" ({tier})" if tier != "default" else "") for node, tier in proof.tests)
         lines.append(f"| `{claim.name}` | {where} | {says} | {', '.join(proof.tiers()) or 'NONE'} | {nodes or 'NONE'} |")

@@ -22,6 +22,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # folders never scanned: tests may compare against megatron directly; the rest is not our source
 SKIPPED_DIRS = {"tests", "build", "dist", "runs", "mlruns", "__pycache__"}
@@ -155,22 +157,26 @@ def layering_violations(edges: Edges) -> list[str]:
     return found
 
 
+@pytest.mark.claim("package-dag")
 def test_only_megatron_adapters_imports_megatron():
     found = violations(ROOT, "megatron", MEGATRON_ALLOWED)
     assert not found, "move these megatron imports into megatron_adapters/:\n" + "\n".join(found)
 
 
+@pytest.mark.claim("package-dag")
 def test_only_the_rollout_adapter_imports_sglang():
     found = violations(ROOT, "sglang", SGLANG_ALLOWED)
     assert not found, "move these sglang imports into the rollout adapter:\n" + "\n".join(found)
 
 
+@pytest.mark.claim("package-dag")
 def test_packages_form_a_dag():
     edges = package_imports(ROOT)
     cycle = find_cycle(edges)
     assert not cycle, "the packages import each other in a cycle; cut one of its edges:\n" + cycle_report(cycle, edges)
 
 
+@pytest.mark.claim("package-dag")
 def test_hfschema_is_a_leaf():
     """hfschema (and moe) import nothing of the project; reshard and launch import only hfschema;
     megatron_adapters imports no hybridflow or launch (``MAY_IMPORT``)."""

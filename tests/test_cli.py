@@ -29,6 +29,7 @@ def _check_reshard_summary(out: str) -> float:
     return float(re.search(r"baseline [\d.]+ [kMGT]?B \(([\d.]+)x the plan\)", out).group(1))
 
 
+@pytest.mark.claim("plan-without-gpu")
 def test_plan_prints_config_layout_and_reshard(capsys, tmp_path):
     assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml")]) == 0
     out = capsys.readouterr().out
@@ -43,6 +44,7 @@ def test_plan_prints_config_layout_and_reshard(capsys, tmp_path):
     assert load_config(str(resolved)) == load_config(str(CONFIGS / "quickstart_cpu.yaml"))
 
 
+@pytest.mark.claim("plan-reshard-from-shapes")
 def test_plan_no_reshard(capsys):
     assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "--no-reshard"]) == 0
     out = capsys.readouterr().out
@@ -66,6 +68,7 @@ def test_colocated_rollout_too_big_exits_2(capsys):
     assert captured.out == ""
 
 
+@pytest.mark.claim("plan-without-gpu")
 def test_plan_applies_overrides(capsys):
     assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "actor.parallel.tp=2",
                  "actor.parallel.ep=1", "actor.parallel.dp=1", "critic.enabled=true",
@@ -83,6 +86,7 @@ def test_bad_override_exits_2(capsys):
     assert captured.out == ""
 
 
+@pytest.mark.claim("plan-names-the-world-mismatch")
 def test_world_size_mismatch_exits_2(capsys):
     assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "--world-size", "4"]) == 2
     assert "world size 4 does not match actor.parallel" in capsys.readouterr().err
@@ -99,6 +103,7 @@ def test_world_size_mismatch_exits_2(capsys):
          "sglang tp=8 ep=8 dp_attention=8 x8 replicas (64 ranks); colocated"),
     ],
 )
+@pytest.mark.claim("big-recipes-plan")
 def test_big_configs_plan(name, total, layout, rollout, capsys):
     # plans the weight sync of a 235B / 671B model from shapes: about a second each
     assert main(["plan", str(CONFIGS / f"{name}.yaml"), "--world-size", "64"]) == 0
@@ -156,6 +161,7 @@ def test_algorithm_without_its_role_exits_2(capsys):
     assert "remove critic.enabled=false" in capsys.readouterr().err
 
 
+@pytest.mark.claim("r3-refused-on-cpu")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would let SGLang return routed experts")
 def test_train_with_r3_on_cpu_exits_2_pointing_to_r2(capsys, tmp_path):
     assert main(["train", str(CONFIGS / "quickstart_cpu.yaml"), "moe.routing_replay=r3",

@@ -65,6 +65,7 @@ def test_big_configs_match_published_sizes(name, total, active):
     assert counts["active"] == pytest.approx(active, rel=0.03)
 
 
+@pytest.mark.claim("config-errors-name-the-key")
 def test_tp_must_divide_heads():
     message = _error("model.num_attention_heads=16", "model.num_kv_heads=16", "actor.parallel.tp=3",
                      "actor.parallel.dp=1", "actor.parallel.ep=1")
@@ -84,6 +85,7 @@ def test_disabled_roles_are_not_checked():
     assert "critic.parallel.tp=3" in _error("critic.enabled=true", "critic.parallel.tp=3")
 
 
+@pytest.mark.claim("config-errors-name-the-key")
 def test_misspelled_key_suggests_the_right_one():
     message = _error("train.lrr=1e-4")
     assert "unknown config key 'train.lrr'" in message
@@ -132,6 +134,7 @@ def test_scalar_where_a_section_is_expected():
                                       "got 'quickstart_cpu'"),
     ("run.name=${oops", "override 'run.name=${oops' does not parse"),
 ])
+@pytest.mark.claim("config-errors-name-the-key")
 def test_a_value_of_the_wrong_kind_is_one_line_naming_the_key(override, expected):
     message = _error(override)
     assert expected in message and "\n" not in message
@@ -152,6 +155,7 @@ def test_unknown_family_lists_valid_ones():
     assert "llama, qwen2, qwen3_moe, mixtral, deepseek_v3" in message
 
 
+@pytest.mark.claim("config-errors-name-the-key")
 def test_nested_section_errors_carry_their_path():
     assert _error("model.rope_scaling.type=ntk").startswith("model.rope_scaling.type='ntk'")
     assert _error("run.tracking.backend=wandb").startswith("run.tracking.backend='wandb'")
@@ -205,6 +209,7 @@ def test_router_rules():
     assert "model.router_num_groups=3 does not divide model.num_experts=4" in message
 
 
+@pytest.mark.claim("plan-names-the-world-mismatch")
 def test_world_size_mismatch():
     cfg = load_config(QUICKSTART, ["actor.parallel.tp=2", "actor.parallel.ep=1", "actor.parallel.dp=1"])
     with pytest.raises(ValueError) as info:

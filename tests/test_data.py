@@ -96,6 +96,7 @@ BAD_ROWS = {
 }
 
 
+@pytest.mark.claim("bad-rows-and-reward-errors")
 @pytest.mark.parametrize("kind", BAD_ROWS)
 def test_bad_jsonl_row_is_skipped_with_file_and_line(tmp_path, caplog, kind):
     bad, reason = BAD_ROWS[kind]

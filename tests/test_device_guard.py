@@ -70,6 +70,7 @@ def _free_port() -> str:
         return str(sock.getsockname()[1])
 
 
+@pytest.mark.claim("device-guard")
 def test_guard_marks_host_tensors_and_checks_collectives():
     proc = subprocess.run([sys.executable, "-c", SCENARIOS, _free_port()], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -89,6 +90,7 @@ def test_guard_marks_host_tensors_and_checks_collectives():
                                       "modes_left": 0}
 
 
+@pytest.mark.claim("device-guard")
 @pytest.mark.distributed
 def test_guard_catches_planted_host_tensors_in_the_policy(tmp_path):
     out = tmp_path / "guard.json"

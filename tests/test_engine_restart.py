@@ -40,6 +40,7 @@ def _restarts_of(replica: int, stderr: str) -> int:
     return len(re.findall(RESTARTED.format(replica=replica), stderr))
 
 
+@pytest.mark.claim("engine-restart-reproduces")
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
 def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterrupted_one(
@@ -59,6 +60,7 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
     assert [{k: v for k, v in h.items() if k != KILLED} for h in _deterministic(history)] == _deterministic(whole)
 
 
+@pytest.mark.claim("engine-restart-reproduces")
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
 def test_separate_engines_killed_mid_generate_and_mid_push_are_restarted_and_the_run_matches(
@@ -77,6 +79,7 @@ def test_separate_engines_killed_mid_generate_and_mid_push_are_restarted_and_the
     assert [{k: v for k, v in h.items() if k != KILLED} for h in _deterministic(history)] == _deterministic(whole)
 
 
+@pytest.mark.claim("engine-restart-limit")
 def test_past_the_limit_the_run_stops_in_one_line_naming_the_replica_cause_and_setting() -> None:
     cfg = load_config(QUICKSTART, ["rollout.max_engine_restarts=2"])
     lost = [(0, 0, "process 123 (sglang::scheduler_TP1) was killed by SIGKILL during generate")]
@@ -95,6 +98,7 @@ def test_past_the_limit_the_run_stops_in_one_line_naming_the_replica_cause_and_s
         recovery.check_restart(none, hung, used=0)
 
 
+@pytest.mark.claim("engine-restart-limit")
 def test_restarts_are_refused_by_name_where_they_are_not_supported() -> None:
     lost = [(2, 0, "process 1 (x) exited with code 1 during generate")]
     recovery.check_restart(load_config(QUICKSTART, ["rollout.placement=separate"]), lost, used=0)  # supported now
@@ -180,6 +184,7 @@ def _sync_pushing(results: list, restarts) -> tuple[sync_module.EngineSync, list
     return es, tries
 
 
+@pytest.mark.claim("engine-restart-reproduces")
 def test_an_engine_lost_in_a_push_is_replaced_and_the_push_runs_again_as_the_lost_one_would_have() -> None:
     cause = "process 9 (sglang::scheduler_TP0) was killed by SIGKILL during update_weights_from_tensor"
     replaced = []

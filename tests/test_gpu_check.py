@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.claim("gpu-check-small-on-cpu")
 @pytest.mark.distributed
 def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
@@ -38,6 +39,7 @@ def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     assert efficiency["lora_base_identical"] and efficiency["lora_merge_error"] <= 1e-6
 
 
+@pytest.mark.claim("gpu-check-small-on-cpu")
 def test_gpu_check_sh_refuses_a_machine_without_cuda():
     proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PATH": "/usr/bin:/bin"})

@@ -25,6 +25,7 @@ def _names(nodes) -> list[str]:
     return [node.name for node in nodes]
 
 
+@pytest.mark.claim("algorithm-is-a-graph")
 def test_edges_are_resolved_from_fields():
     assert _chain().edges() == [
         Edge("gen", "score", "responses"),
@@ -54,6 +55,7 @@ def test_topological_order_breaks_ties_by_declaration_order():
     assert graph.topological_order() == graph.topological_order()
 
 
+@pytest.mark.claim("graph-checked-before-start")
 def test_a_field_written_twice_names_both_writers():
     graph = Graph(name="g", nodes=(_node("a", (), ("x",)), _node("b", (), ("x",))))
     with pytest.raises(GraphError, match="field 'x' is written by both node 'a' and node 'b'"):
@@ -78,6 +80,7 @@ def test_a_field_nobody_writes_names_the_reader_and_the_available_fields():
     assert "available fields: prompts, responses" in message
 
 
+@pytest.mark.claim("graph-checked-before-start")
 def test_a_cycle_names_the_nodes_on_it_in_flow_order():
     graph = Graph(name="g", nodes=(
         _node("a", ("z",), ("x",)),
@@ -123,6 +126,7 @@ def test_an_unknown_role_lists_the_roles():
     ("reference", "reference.enabled=true"),
     ("actor", "actor.enabled=true"),
 ])
+@pytest.mark.claim("graph-checked-before-start")
 def test_an_unplaced_role_says_which_config_key_places_it(role, switch):
     graph = Graph(name="g", nodes=(_node("a", role=role),))
     graph.validate()  # without placement only the structure is checked

@@ -29,6 +29,7 @@ SEEDS = (1, 2, 3)
 SHORT = ("sft.steps=150", "run.steps=10", "run.heldout_every=10", "run.checkpoint_every=10")
 
 
+@pytest.mark.claim("learning-matrix")
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_the_algorithm_learns_the_task_beyond_its_sft_warm_up(tmp_path: Path, algorithm: str, seed: int) -> None:

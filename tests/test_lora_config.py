@@ -24,6 +24,7 @@ def test_off_by_default_and_loads_when_on():
     assert (cfg.lora.rank, cfg.lora.target_modules, cfg.lora.lr) == (8, ["linear_qkv", "experts"], None)
 
 
+@pytest.mark.claim("lora-refusals")
 def test_unknown_target_names_the_valid_ones():
     message = _error(ON, "lora.target_modules=[q_proj]")
     assert "lora.target_modules" in message and "'q_proj'" in message and "linear_qkv" in message
@@ -54,6 +55,7 @@ def test_bad_values_name_their_key():
     assert load_config(QUICKSTART, [ON, "lora.dropout=0.1", *tp2]).lora.dropout == 0.1
 
 
+@pytest.mark.claim("lora-layouts-equal-one-process")
 def test_expert_adapters_under_etp_split_their_rank():
     etp2 = ["actor.parallel.ep=1", "actor.parallel.etp=2", "lora.target_modules=[linear_qkv,experts]"]
     assert load_config(QUICKSTART, [ON, "lora.rank=8", *etp2]).lora.rank == 8
@@ -85,6 +87,7 @@ def test_memory_plan_counts_grads_and_state_of_the_adapters_only():
     assert lora["actor params"] == full["actor params"] + 2 * adapters
 
 
+@pytest.mark.claim("lora-refusals")
 def test_adapter_pushes_run_on_any_placement_and_are_refused_where_they_cannot():
     from hybridflow.preflight import check_runtime_support
 

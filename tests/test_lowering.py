@@ -35,6 +35,7 @@ def test_colocated_quickstart_places_everything_on_one_pool():
     assert list(plan.memory_of("colocated").phases) == ["generation", "training"]
 
 
+@pytest.mark.claim("plan-is-what-runs")
 def test_colocated_switches_follow_the_step():
     switches = _switches(lower(_cfg(), with_reshard=False))
     # the step ends with the sync, which left the engine's weights resident
@@ -213,6 +214,7 @@ def test_gpu_recipes_fit_80_gib_and_carry_the_reference(name):
     assert "ref_logprob" in [s.node.name for s in plan.stages]
 
 
+@pytest.mark.claim("plan-reshard-from-shapes")
 def test_lowering_deepseek_v3_with_the_reshard_takes_seconds():
     cfg = load_config(str(CONFIGS / "grpo_deepseek_v3_671b.yaml"))
     # CPU time of this process, not wall time: the test machine's cores are shared

@@ -31,6 +31,7 @@ def test_the_packed_quickstart_passes_preflight(tmp_path) -> None:
     preflight(cfg)
 
 
+@pytest.mark.claim("packing-refusals")
 def test_a_budget_without_packing_names_both_keys() -> None:
     with pytest.raises(ValueError, match=r"packing.max_tokens_per_micro_batch=64 needs packing.enabled=true"):
         load_config(PACKED, ["packing.enabled=false", "packing.max_tokens_per_micro_batch=64"])
@@ -46,6 +47,7 @@ def test_a_budget_without_packing_names_both_keys() -> None:
     (["algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence"],
      "algorithm.rollout_correction_level=sequence"),
 ])
+@pytest.mark.claim("packing-refusals")
 def test_impossible_packing_settings_are_refused(overrides, key) -> None:
     cfg = load_config(PACKED, overrides)
     with pytest.raises(ValueError, match=key) as error:

@@ -21,6 +21,7 @@ QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart_c
     (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
     (["reference.enabled=true", "reference.parallel.ep=1"], "reference.parallel differs"),
 ])
+@pytest.mark.claim("preflight-one-line")
 def test_what_the_runtime_cannot_run_is_refused_with_the_key_and_the_fix(overrides, key):
     cfg = load_config(QUICKSTART, overrides)
     with pytest.raises(ValueError, match=key) as error:
@@ -32,6 +33,7 @@ def test_the_quickstart_passes_preflight(tmp_path):
     preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path}"]))
 
 
+@pytest.mark.claim("gpu-count-refused")
 def test_a_layout_that_needs_more_gpus_than_the_node_has_is_refused(tmp_path, monkeypatch):
     import torch
 
@@ -46,6 +48,7 @@ def test_a_layout_that_needs_more_gpus_than_the_node_has_is_refused(tmp_path, mo
     assert "lower actor.parallel.dp" in message and "\n" not in message
 
 
+@pytest.mark.claim("separate-refused-shapes")
 def test_separate_placement_passes_for_train_and_counts_the_engine_ranks(tmp_path, monkeypatch):
     import torch
 
@@ -98,6 +101,7 @@ def _write(path: Path, data: bytes) -> str:
 ROW = {"prompt": "1+1=", "reward_model": {"ground_truth": 2}, "data_source": "arithmetic", "sft_response": "2"}
 
 
+@pytest.mark.claim("preflight-one-line")
 def test_a_misspelled_reward_function_stops_train_before_any_rank_starts(tmp_path, capsys):
     line = _refusal(tmp_path, "reward.function=mxa", capsys=capsys)
     assert line.startswith("hybridflow train: error: reward.function='mxa' is not a registered reward")
@@ -131,6 +135,7 @@ def test_plan_resolves_the_reward_function_too(capsys):
     (lambda d: _write(d / "text.parquet", b"not parquet"), (), "data.train_files[0]={}: cannot be read ("),
     (lambda d: _write(d / "binary.jsonl", b"\xff\xfe\x00"), (), "data.train_files[0]={}: cannot be read ("),
 ])
+@pytest.mark.claim("preflight-one-line")
 def test_data_files_are_checked_before_any_rank_starts(tmp_path, capsys, make, overrides, expected):
     path = make(tmp_path)
     line = _refusal(tmp_path, f"data.train_files=[{path}]", *overrides, capsys=capsys)
@@ -144,6 +149,7 @@ def test_a_heldout_file_is_checked_too(tmp_path, capsys):
     assert f"data.heldout_files[1]={tmp_path}/h.jsonl: no such file" in line
 
 
+@pytest.mark.claim("reward-routing-line")
 def test_preflight_states_which_reward_scores_which_data_source_and_warns_when_one_is_bypassed(tmp_path, capsys):
     rows = _jsonl(tmp_path / "train.jsonl", ROW, ROW, {**ROW, "data_source": "openai/gsm8k"})
     preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]",
@@ -166,6 +172,7 @@ def test_the_synthetic_task_routes_by_its_name(tmp_path, capsys):
     assert "reward (max): 'countdown' (" in out.out and "not the registered 'countdown' verifier" in out.err
 
 
+@pytest.mark.claim("preflight-one-line")
 def test_sglang_expert_parallelism_is_refused_on_a_cpu_machine(tmp_path, capsys):
     line = _refusal(tmp_path, "rollout.ep=2", capsys=capsys)
     assert line == ("hybridflow train: error: rollout.ep=2 on a machine without a GPU: SGLang's CPU engine runs "
@@ -185,6 +192,7 @@ def _run_dir(root: Path) -> Path:
     return root
 
 
+@pytest.mark.claim("preflight-one-line")
 def test_a_damaged_newest_checkpoint_is_named_and_passed_over_or_refused(tmp_path, capsys):
     from tests.runtime.run_dirs import shard
 
@@ -204,6 +212,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_passed_over_or_refused(tmp_pat
                     f"or move {run / 'checkpoints' / 'step_000004'} away")
 
 
+@pytest.mark.claim("model-change-refused")
 def test_a_model_the_checkpoint_cannot_load_into_is_named_key_by_key(tmp_path, capsys):
     run = _run_dir(tmp_path / "run")
     line = _refusal(tmp_path, "model.num_layers=3", "model.moe_ffn_hidden_size=16", capsys=capsys)

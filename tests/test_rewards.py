@@ -190,6 +190,7 @@ def test_an_explicit_reward_function_scores_every_row_whatever_its_data_source()
     assert scores == [0.0, 1.0]  # exact_match on both: the arithmetic verifier is not called
 
 
+@pytest.mark.claim("reward-routing-line")
 def test_routing_is_described_in_one_line_and_a_bypassed_verifier_is_warned_about():
     sources = {"arithmetic": 90, "openai/gsm8k": 10, None: 2}
     line, warnings = describe_routing(RewardConfig(), sources)
@@ -221,6 +222,7 @@ def test_check_reward_accepts_auto_names_and_paths():
     check_reward(RewardConfig(function="countdown", kwargs={"format_score": 0.2}))
 
 
+@pytest.mark.claim("bad-rows-and-reward-errors")
 def test_a_raising_function_scores_zero_and_is_logged_once(caplog):
     cfg = RewardConfig(function=f"{THIS_MODULE}.raising_reward", on_error="zero")
     responses = ["ok", "boom", "ok", "boom"]
@@ -233,6 +235,7 @@ def test_a_raising_function_scores_zero_and_is_logged_once(caplog):
     assert "sample 1" in logged and "'boom'" in logged and "KeyError" in logged and "'a'" in logged
 
 
+@pytest.mark.claim("bad-rows-and-reward-errors")
 def test_a_raising_function_fails_under_fail():
     cfg = RewardConfig(function=f"{THIS_MODULE}.raising_reward", on_error="fail")
     with pytest.raises(RewardError, match="sample 1.*KeyError.*reward.on_error=zero") as error:

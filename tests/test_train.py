@@ -107,6 +107,7 @@ def seed_from_warm_up(warm_up: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.claim("quickstart-reports")
 def test_first_step_invariants(full_run: Path) -> None:
     summary = json.loads((full_run / "summary.json").read_text())
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL
@@ -117,6 +118,7 @@ def test_first_step_invariants(full_run: Path) -> None:
     assert summary["steps"] == 4
 
 
+@pytest.mark.claim("quickstart-pushes-every-step", "correctness-gates")
 def test_every_push_is_read_back_and_every_gate_passes(full_run: Path) -> None:
     """checks.refit_every=1: the engine's weights after each push are what the trainer shared,
     bit for bit; the engine samples from the trainer's distribution; no gate failed."""
@@ -127,6 +129,7 @@ def test_every_push_is_read_back_and_every_gate_passes(full_run: Path) -> None:
     assert all(h["checks/failed"] == 0.0 for h in history), history
 
 
+@pytest.mark.claim("plan-is-what-runs")
 def test_the_run_executes_the_plan_that_hybridflow_plan_prints(full_run: Path) -> None:
     summary = json.loads((full_run / "summary.json").read_text())
     plan = subprocess.run([sys.executable, "-m", "hybridflow.cli", "plan", "configs/quickstart_cpu.yaml",
@@ -143,6 +146,7 @@ def test_the_run_executes_the_plan_that_hybridflow_plan_prints(full_run: Path) -
                for line in summary["executed_stages"])
 
 
+@pytest.mark.claim("quickstart-pushes-every-step")
 def test_engine_generates_with_the_updated_weights(full_run: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -160,6 +164,7 @@ def test_engine_generates_with_the_updated_weights(full_run: Path) -> None:
     assert not torch.equal(tensors["step_000002"][key], tensors["step_000004"][key])
 
 
+@pytest.mark.claim("quickstart-reports", "tracking-mlflow-tensorboard")
 def test_mlflow_holds_the_metrics(full_run: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -171,12 +176,14 @@ def test_mlflow_holds_the_metrics(full_run: Path) -> None:
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
 
 
+@pytest.mark.claim("quickstart-reports")
 def test_reports_are_written(full_run: Path) -> None:
     assert (full_run / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (full_run / "config.yaml").is_file()
     assert not list((full_run / "checkpoints").glob("*.partial"))
 
 
+@pytest.mark.claim("quickstart-resumes", "deterministic-resume-bit-for-bit", "restart-reproduces", "checkpoint-on-demand")
 def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: Path, tmp_path: Path) -> None:
     """A checkpoint request during SFT (what the Slurm script writes before the time limit),
     written from outside once the job runs, saves the SFT so far and stops; the next start goes on with SFT, then dies when RL step 3
@@ -213,6 +220,7 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
     assert second["heldout_reward_after_rl"] == first["heldout_reward_after_rl"]
 
 
+@pytest.mark.claim("deterministic-resume-bit-for-bit", "damaged-checkpoint-set-aside")
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
         full_run: Path, tmp_path: Path) -> None:
     import shutil
@@ -249,6 +257,7 @@ def _weights(checkpoint: Path, tmp: Path) -> dict:
     return torch.load(tmp)
 
 
+@pytest.mark.claim("algorithms-registered-and-run", "critic-from-the-sft-policy")
 def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> None:
     """PPO runs end to end: the critic (value head on the actor's model) is trained beside the
     actor and starts from the actor's SFT weights, not from a fresh initialisation."""
@@ -271,6 +280,7 @@ def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> 
         assert moved_critic < 2 * moved_actor, (key, float(moved_critic), float(moved_actor))
 
 
+@pytest.mark.claim("algorithms-registered-and-run")
 @pytest.mark.parametrize("algorithm", ["remax", "dapo"])
 def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(full_run: Path, tmp_path: Path,
                                                                        algorithm: str) -> None:
@@ -323,6 +333,7 @@ and the adaptive KL reward, GSPO's sequence ratio with rollout correction, RLOO'
 
 @pytest.mark.parametrize("algorithm", [pytest.param(a, marks=pytest.mark.slow) if a in ESTIMATOR_OR_LOSS_ONLY else a
                                        for a in OTHER_ALGORITHMS])
+@pytest.mark.claim("algorithms-registered-and-run", "rollout-correction", "adaptive-kl-reward")
 def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path, algorithm: str) -> None:
     """``hybridflow train``, two RL steps: every step updates the actor with a finite loss, the
     engine scores like the trainer, and the critic-based ones train their critic (built by

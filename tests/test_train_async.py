@@ -52,6 +52,7 @@ def _timeless(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in h.items() if not k.startswith(TIMED)} for h in _deterministic(history)]
 
 
+@pytest.mark.claim("async-runs-learn")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_async_runs_learn_and_train_only_on_samples_within_k_versions(runs, mode) -> None:
     out, k = runs[mode], MODES[mode][1]
@@ -72,6 +73,7 @@ def test_async_runs_learn_and_train_only_on_samples_within_k_versions(runs, mode
             assert any(key.startswith("actor/rollout_corr/") for key in h), h
 
 
+@pytest.mark.claim("partial-rollout-versions")
 def test_partial_rollouts_finish_requests_with_tokens_of_each_version_tagged_correctly(runs) -> None:
     out = runs["async_k2"]
     summary = json.loads((out / "summary.json").read_text())
@@ -95,6 +97,7 @@ def test_partial_rollouts_finish_requests_with_tokens_of_each_version_tagged_cor
             assert h["async/behaviour/older_versions_logprob_diff_mean"] > LOGPROB_TOL, (step, h)
 
 
+@pytest.mark.claim("async-resume-reproduces", "partial-rollout-resume")
 def test_a_killed_async_run_resumed_with_its_buffer_reproduces_the_metrics(runs, tmp_path: Path, seeded) -> None:
     out = seeded(tmp_path / "resumed")
     args = (*ASYNC, *MODES["async_k2"][0])  # the buffer's samples carry per-token versions

@@ -79,6 +79,7 @@ def separate_runs(tmp_path_factory, seeded) -> dict[str, Path]:
     return Runs()
 
 
+@pytest.mark.claim("lora-quickstart-learns")
 def test_lora_rl_learns_beyond_the_sft_warm_up(run: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL  # the engine serves W + s B A
@@ -94,6 +95,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.claim("lora-base-frozen")
 def test_only_the_adapters_trained(run: Path) -> None:
     checkpoints = run / "checkpoints"
     rl = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step"))[-1] / "actor"
@@ -104,6 +106,7 @@ def test_only_the_adapters_trained(run: Path) -> None:
     assert sft and all(torch.equal(sft[k], trained[k]) for k in sft)
 
 
+@pytest.mark.claim("lora-peft-files")
 def test_the_adapters_leave_as_peft_files_and_as_merged_weights(run: Path, tmp_path) -> None:
     """No --hf-config: a checkpoint in its run directory takes the run's model/ config and tokenizer."""
     from peft import PeftModel
@@ -134,6 +137,7 @@ def test_the_adapters_leave_as_peft_files_and_as_merged_weights(run: Path, tmp_p
     assert (plain - merged).abs().max() > 1e-2  # the adapters carry the RL training
 
 
+@pytest.mark.claim("lora-adapter-push")
 def test_adapter_pushes_move_the_adapters_alone_and_the_engine_serves_them(adapter_run: Path) -> None:
     summary = json.loads((adapter_run / "summary.json").read_text())
     history = json.loads((adapter_run / "checkpoints" / "step_000010" / "state.json").read_text())["history"]
@@ -161,6 +165,7 @@ def _adapter_steps(out: Path, replicas: int) -> list[dict]:
     return history
 
 
+@pytest.mark.claim("lora-adapters-to-separate-engines")
 @pytest.mark.slow  # the async run below takes the same path (actor rank k % A sends replica k's driver)
 def test_separate_engine_ranks_receive_the_adapters_from_the_actor_ranks(separate_runs) -> None:
     for h in _adapter_steps(separate_runs["sync"], replicas=2):
@@ -168,6 +173,7 @@ def test_separate_engine_ranks_receive_the_adapters_from_the_actor_ranks(separat
         assert h["rollout/logprob_diff_max"] < LOGPROB_TOL, h  # both replicas serve the step's adapters
 
 
+@pytest.mark.claim("lora-adapters-to-separate-engines")
 def test_asynchronous_rl_loads_each_versions_adapters_between_the_batches_it_generates(separate_runs) -> None:
     history = _adapter_steps(separate_runs["async"], replicas=2)
     # batch 0: the SFT base and version 0's adapters sampled it, which the trainer scores alike;

@@ -51,6 +51,7 @@ def _two_agents(port: int, per_node: int, overrides: list[str], *, env: dict | N
     return logs
 
 
+@pytest.mark.claim("first-failure-across-nodes")
 def test_both_nodes_name_the_rank_that_failed_first_even_on_the_other_node(tmp_path: Path) -> None:
     """Rank 1 (node 1) raises when RL starts; rank 0 (node 0) then fails too, later, on the
     closed connection. Node 0's launcher sees rank 1's record through the run directory."""
@@ -65,6 +66,7 @@ def test_both_nodes_name_the_rank_that_failed_first_even_on_the_other_node(tmp_p
     assert (out / "error.txt").read_text() == cause + "\n"
 
 
+@pytest.mark.claim("engine-spanning-nodes")
 def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_survives_a_kill_and_learns(
         tmp_path: Path, seeded) -> None:
     """One of node 0's schedulers is SIGKILLed while step 2 generates (generate call 3; call 1
@@ -86,6 +88,7 @@ def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_surviv
         assert h["rollout/replica0/samples"] == 128
 
 
+@pytest.mark.claim("separate-placement")
 def test_separate_engine_ranks_on_their_own_node_of_a_launch_receive_every_push_and_learn(tmp_path: Path,
                                                                                            seeded) -> None:
     """Separate placement over two agents of two ranks: the actor's ranks 0-1 on "node" 0, the

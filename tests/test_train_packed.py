@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import LOGPROB_TOL, ROOT, SHORT, _history, _ok
+from tests.test_train import LOGPROB_TOL, ROOT, SHORT, WARM_UP, _history, _ok
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 
+@pytest.mark.claim("token-budget-balance")
 def test_packed_quickstart_trains_and_scores_as_the_engine(tmp_path: Path) -> None:
     out = tmp_path / "packed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -41,3 +42,15 @@ def test_packed_quickstart_trains_and_scores_as_the_engine(tmp_path: Path) -> No
     assert all(1.0 <= h["rollout/dp_tokens_max_over_mean"] < 1.25 for h in history), history
     assert any(h["actor/grad_norm"] > 0 for h in history), history  # a step of equal rewards has none
     assert all(h["moe/train/replay_match"] == 1.0 for h in history if "moe/train/replay_match" in h), history
+
+
+@pytest.mark.slow  # a learning run (the learning matrix's length) of a path the run above covers
+@pytest.mark.claim("packed-quickstart-learns")
+def test_the_packed_quickstart_learns(tmp_path: Path, seeded) -> None:
+    out = seeded(tmp_path / "packed_learns")
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu_packed.yaml",
+           f"run.output_dir={out}", WARM_UP, "run.steps=10", "run.heldout_every=10", "run.checkpoint_every=10"]
+    _ok(subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=1100))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary

@@ -29,6 +29,7 @@ def replica_run(tmp_path_factory, seeded) -> Path:
     return out
 
 
+@pytest.mark.claim("replicas-share-the-work")
 def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(replica_run: Path) -> None:
     summary = json.loads((replica_run / "summary.json").read_text())
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
@@ -44,6 +45,7 @@ def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(repl
     assert sum(h["rollout/replica0/samples"] for h in history) > 0
 
 
+@pytest.mark.claim("restart-reproduces", "replica-failure-named")
 def test_a_replica_failing_mid_generation_stops_the_step_by_name_and_the_run_resumes(replica_run: Path,
                                                                                      tmp_path: Path, seeded) -> None:
     out = seeded(tmp_path / "failed")

@@ -85,6 +85,7 @@ def test_bad_settings_name_the_keys():
         rollout_correction(OLD, ROLLOUT, MASK, mode="x")
 
 
+@pytest.mark.claim("rollout-correction")
 @pytest.mark.parametrize("name", ["vanilla", "gspo", "cispo", "gpg", "reinforce"])
 def test_every_policy_loss_takes_the_correction(name):
     """The actor's loss with a correction: on-policy samples (engine = trainer) give the plain

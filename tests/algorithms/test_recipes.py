@@ -48,6 +48,7 @@ def _node_names(graph: Graph) -> set[str]:
     return {node.name for node in graph.nodes}
 
 
+@pytest.mark.claim("algorithms-registered-and-run")
 def test_the_registry_holds_exactly_the_configs_algorithm_names():
     assert set(algorithm_names()) == set(ALGORITHMS)
 
@@ -78,6 +79,7 @@ def test_importing_the_algorithms_package_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.claim("algorithm-is-a-graph", "graph-checked-before-start")
 @pytest.mark.parametrize("name", algorithm_names())
 def test_every_graph_is_a_valid_dag_ending_in_sync_weights(name):
     graph = _graph(name)
@@ -145,6 +147,7 @@ def test_dapo_fills_in_clip_higher_dynamic_sampling_and_overlong_shaping():
     assert _graph("dapo").node("token_rewards").option("overlong_buffer_len") == max(1, budget // 5)
 
 
+@pytest.mark.claim("algorithm-fills-unset-knobs")
 def test_a_configured_value_beats_the_algorithms_own():
     spec = algorithm_spec(_cfg("dapo", "algorithm.clip_ratio_high=0.25",
                                "algorithm.overlong_buffer_len=2"))
@@ -152,6 +155,7 @@ def test_a_configured_value_beats_the_algorithms_own():
     assert [key for key, _ in spec.filled] == ["algorithm.dynamic_sampling"]
 
 
+@pytest.mark.claim("algorithm-fills-unset-knobs")
 def test_a_written_value_wins_even_when_it_equals_the_schema_default():
     """DAPO's paper values are switched off by writing the 'off' value, and VAPO's by 0."""
     spec = algorithm_spec(_cfg("dapo", "algorithm.dynamic_sampling=false", "algorithm.overlong_buffer_len=0"))
@@ -226,6 +230,7 @@ def test_estimator_and_loss_of_each_critic_free_algorithm(name, estimator, loss)
     assert (spec.estimator, spec.policy_loss, spec.needs_critic) == (estimator, loss, False)
 
 
+@pytest.mark.claim("algorithms-registered-and-run")
 def test_pf_ppo_reweights_the_actor_update_by_scores():
     update = _graph("grpo", "algorithm.pf_ppo=pow").node("update_actor")
     assert "scores" in update.inputs and update.option("pf_ppo") == "pow"
@@ -354,6 +359,7 @@ def test_routing_replay_hands_the_routes_from_old_logprob_to_the_update(mode):
     assert "routed_experts" not in {f for n in _graph("dapo").nodes for f in n.inputs + n.outputs}
 
 
+@pytest.mark.claim("algorithm-fills-unset-knobs")
 def test_the_critic_is_built_exactly_when_the_estimator_reads_values():
     """config.needs_values (which resolves critic.enabled=None) agrees with every spec, and the
     critic takes the actor's layout unless one is written."""
@@ -371,6 +377,7 @@ def test_the_critic_is_built_exactly_when_the_estimator_reads_values():
     assert not unset("algorithm.name=ppo", "critic.enabled=false").critic.enabled  # a written value wins
 
 
+@pytest.mark.claim("ops-read-printed-options")
 def test_a_knob_the_algorithm_never_reads_is_named():
     from hybridflow.algorithms.recipes import idle_options
 
@@ -416,6 +423,7 @@ def _options_each_op_reads() -> dict[str, set[str]]:
     return by_op
 
 
+@pytest.mark.claim("ops-read-printed-options")
 def test_ops_take_their_settings_from_the_graph_they_run():
     """What ``hybridflow plan`` prints as a node's options is what its op runs with: every option
     a graph builder writes is read by the node's op, and no op reads one no builder writes."""

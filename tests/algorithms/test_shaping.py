@@ -119,6 +119,7 @@ def test_kl_in_reward_by_hand():
 # ---------------------------------------------------------------- adaptive KL coefficient
 
 
+@pytest.mark.claim("adaptive-kl-reward")
 def test_adaptive_kl_controller_by_hand():
     # target 0.1, horizon 100: KL 0.11 -> error 0.1, over 10 samples x (1 + 0.1 * 10 / 100) = 1.01;
     # KL 1.0 -> error clipped to 0.2: x 1.02; KL 0.05 -> error -0.5 clipped to -0.2: x 0.98
@@ -161,6 +162,7 @@ def test_adaptive_kl_controller_refuses_a_non_finite_kl_and_keeps_its_value():
     assert controller.value == 0.3
 
 
+@pytest.mark.claim("adaptive-kl-reward")
 def test_the_kl_controller_resumes_from_the_coefficient_the_last_step_left():
     history = [{"step": 1, KL_COEF_NEXT: 0.0105}, {"step": 2}, {"step": 3, KL_COEF_NEXT: 0.011}]
     resumed = kl_controller(0.01, 0.1, 100, history)

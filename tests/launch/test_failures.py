@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launch.failures import ERROR_DIR_ENV, ERROR_FILE, first_failure, record_failure, report_failure
 
 
@@ -21,6 +23,7 @@ def test_a_rank_writes_its_error_only_when_a_launcher_asked(tmp_path) -> None:
     assert saved["error"] == "ValueError: train.lr=-1 must be > 0"
 
 
+@pytest.mark.claim("first-failure-named")
 def test_the_earliest_error_of_the_newest_restart_is_the_first_failure(tmp_path) -> None:
     _record(tmp_path, 0, 1, 20.0, "RuntimeError: Connection reset by peer")
     _record(tmp_path, 1, 1, 19.5, "ValueError: the cause")
@@ -46,6 +49,7 @@ def test_a_failure_without_a_record_still_says_so(tmp_path) -> None:
     assert "exit status 17" in line and "no rank reported an error" in line
 
 
+@pytest.mark.claim("first-failure-across-nodes")
 def test_every_node_names_the_first_failure_of_the_whole_job(tmp_path) -> None:
     """Two nodes' launchers: node 1's rank 3 failed first; each node sees its own ranks' records
     and the run directory's, where every rank writes too, so both name rank 3."""

@@ -69,6 +69,7 @@ def test_endpoint_parsing():
     assert parse_endpoint("[fe80::1]:29500") == ("fe80::1", 29500)
 
 
+@pytest.mark.claim("launch-process-count")
 def test_more_processes_than_the_layout_names_numbers_and_keys(cfg):
     spec = LaunchSpec(nnodes=2, nproc_per_node=4, rdzv_endpoint="node001:29500")
     with pytest.raises(ValueError) as info:
@@ -79,6 +80,7 @@ def test_more_processes_than_the_layout_names_numbers_and_keys(cfg):
         assert part in message
 
 
+@pytest.mark.claim("rendezvous-checks")
 def test_unreachable_endpoint_fails_fast_with_the_reason():
     port = _free_port()  # nothing listens there
     spec = LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=1, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_wait_s=2)
@@ -93,12 +95,14 @@ def test_the_default_wait_stays_well_under_half_a_minute():
     assert LaunchSpec(nnodes=1, nproc_per_node=1).rdzv_wait_s + 2 < 30
 
 
+@pytest.mark.claim("rendezvous-checks")
 def test_unresolvable_host_fails_at_once():
     spec = LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=1, rdzv_endpoint="no-such-node.invalid:29500")
     with pytest.raises(ValueError, match="cannot resolve host 'no-such-node.invalid'"):
         check_endpoint(spec)
 
 
+@pytest.mark.claim("rendezvous-checks")
 def test_node_0_refuses_an_endpoint_that_is_not_its_own_address():
     # 10.255.255.1 is not this machine: torchrun's c10d backend would try to join a store nobody
     # hosts and fail after its join timeout with a traceback (82 s, measured); a joiner that
@@ -114,6 +118,7 @@ def test_the_hosting_node_refuses_an_unresolvable_host_by_name():
         check_endpoint(spec)
 
 
+@pytest.mark.claim("rendezvous-checks")
 def test_the_hosting_node_refuses_a_busy_port():
     with socket.socket() as busy:
         busy.bind(("", 0))
@@ -134,6 +139,7 @@ def test_a_reachable_rendezvous_store_passes():
     check_endpoint(LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=1, rdzv_endpoint=f"127.0.0.1:{store.port}"))
 
 
+@pytest.mark.claim("rendezvous-checks")
 def test_a_service_that_is_not_the_rendezvous_is_named_in_one_line():
     # it accepts the connection and answers in its own protocol, as a proxy or a web server would
     with socket.socket() as server:
@@ -170,6 +176,7 @@ def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
      "= 4 processes, but actor.parallel fills 2 ranks"),
     (["--nnodes", "1", "--nproc-per-node", "1"], "= 1 processes, but actor.parallel fills 2 ranks"),
 ])
+@pytest.mark.claim("separate-refused-shapes", "launch-process-count")
 def test_cli_process_count_errors(args, message, tmp_path):
     done, seconds = _cli(CONFIG, f"run.output_dir={tmp_path}", *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -183,6 +190,7 @@ def test_cli_missing_config(tmp_path):
     assert seconds < 30
 
 
+@pytest.mark.claim("launch-errors-within-seconds")
 def test_cli_unreachable_endpoint_exits_2_within_seconds(tmp_path):
     # two nodes of one rank each fill the quickstart's 2 ranks; this is the second node
     done, seconds = _cli(CONFIG, f"run.output_dir={tmp_path}", "--nnodes", "2", "--nproc-per-node", "1",

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +35,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.claim("stop-grace")
 def test_orphans_of_a_crashed_job_are_reaped(tmp_path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     launcher = textwrap.dedent(f"""

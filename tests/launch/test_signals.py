@@ -133,6 +133,7 @@ def _launcher(mode: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+@pytest.mark.claim("stop-grace")
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
 def test_a_signal_stops_a_job_that_exits_on_it(tmp_path, sig) -> None:
     job = Job(_launcher("polite"), tmp_path / "job.log")
@@ -145,6 +146,7 @@ def test_a_signal_stops_a_job_that_exits_on_it(tmp_path, sig) -> None:
     assert f"stopping the job" in job.text()
 
 
+@pytest.mark.claim("stop-grace")
 def test_a_job_that_ignores_the_signal_is_killed_after_the_grace(tmp_path) -> None:
     job = Job(_launcher("stubborn"), tmp_path / "job.log")
     try:
@@ -164,6 +166,7 @@ def _train(out: Path, *overrides: str, env: dict[str, str] | None = None) -> Job
     return Job(cmd, out.with_name(out.name + ".log"), env)
 
 
+@pytest.mark.claim("stop-signals", "stop-mid-checkpoint")
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
@@ -188,6 +191,7 @@ def test_a_signal_stops_every_process_of_hybridflow_train(tmp_path, sig) -> None
     assert not (out / ERROR_FILE).exists()  # a stop is not a failure
 
 
+@pytest.mark.claim("stop-signals")
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
 def test_sigterm_stops_the_sglang_engine_processes_too(tmp_path) -> None:
@@ -208,6 +212,7 @@ def test_sigterm_stops_the_sglang_engine_processes_too(tmp_path) -> None:
     assert code == 128 + signal.SIGTERM and gone_s < STOP_BOUND_S, (code, gone_s)
 
 
+@pytest.mark.claim("first-failure-named")
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_failing_rank_is_the_last_line_and_the_error_file(tmp_path) -> None:

@@ -37,6 +37,7 @@ def _bash_parses(path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.claim("slurm-script")
 def test_one_cpu_node(capsys, tmp_path):
     code, out, err = _render(capsys, tmp_path, "--nodes", "1", "--gpus-per-node", "0")
     assert code == 0, err
@@ -66,6 +67,7 @@ def test_one_cpu_node(capsys, tmp_path):
     _bash_parses(path)
 
 
+@pytest.mark.claim("slurm-script")
 def test_four_gpu_nodes(capsys, tmp_path):
     code, out, err = _render(
         capsys, tmp_path, "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--account", "proj1",
@@ -95,6 +97,7 @@ def test_dry_run_writes_nothing(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.claim("slurm-script")
 def test_printed_output_is_itself_a_valid_script(capsys, tmp_path):
     code, out, _ = _render(capsys, tmp_path, "--nodes", "1", "--gpus-per-node", "0")
     assert code == 0
@@ -119,6 +122,7 @@ def test_user_run_dir_and_resume_overrides_are_pinned_once(tmp_path):
     (["--nodes", "1", "--gpus-per-node", "0", "--sbatch-option=constraint"], "must be one long option"),
     (["--nodes", "1", "--gpus-per-node", "2", "--nproc-per-node", "1"], "one rank per GPU"),
 ])
+@pytest.mark.claim("slurm-script")
 def test_bad_input_exits_2(capsys, tmp_path, args, message):
     code, _, err = _render(capsys, tmp_path, *args)
     assert code == 2 and message in err, err
@@ -130,6 +134,7 @@ def test_resume_never_cannot_survive_a_requeue(capsys, tmp_path):
     assert code == 2 and "run.resume=auto" in err
 
 
+@pytest.mark.claim("launch-errors-within-seconds")
 def test_missing_config(capsys, tmp_path):
     assert main(["slurm", str(tmp_path / "nope.yaml"), "--nodes", "1", "--gpus-per-node", "0"]) == 2
     assert "config file not found" in capsys.readouterr().err

@@ -26,6 +26,7 @@ def _run_cluster_tests_without_slurm(tmp_path: Path, **env: str) -> subprocess.C
                           cwd=ROOT, env=clean, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.claim("slurm-required-in-ci")
 @pytest.mark.parametrize("required", [False, True])
 def test_a_missing_slurm_skips_unless_ci_requires_it(tmp_path: Path, required: bool):
     env = {"HYBRIDFLOW_REQUIRE_SLURM": "1"} if required else {}

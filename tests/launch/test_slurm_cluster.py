@@ -90,6 +90,7 @@ def completed_run(slurm_env, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.claim("slurm-requeue-resumes")
 def test_submitted_quickstart_completes(completed_run: Path):
     script = (completed_run / "hybridflow.sbatch").read_text()
     assert "#SBATCH --requeue" in script and "--gpus" not in script
@@ -100,6 +101,7 @@ def test_submitted_quickstart_completes(completed_run: Path):
     assert "hybridflow train: quickstart_cpu" in text  # the run's summary screen
 
 
+@pytest.mark.claim("slurm-requeue-resumes")
 def test_requeued_job_resumes_from_its_checkpoint(slurm_env, completed_run: Path, tmp_path: Path):
     out = tmp_path / "requeued"
     job = _submit(slurm_env, out)

@@ -63,6 +63,7 @@ def _batch_job(tmp_path: Path) -> tuple[Job, Path, Path]:
     return Job(["bash", str(out / SCRIPT_NAME)], tmp_path / "job.log", env), out, stubs
 
 
+@pytest.mark.claim("slurm-time-limit")
 def test_the_time_limit_signal_checkpoints_then_requeues(tmp_path) -> None:
     job, out, stubs = _batch_job(tmp_path)
     try:
@@ -79,6 +80,7 @@ def test_the_time_limit_signal_checkpoints_then_requeues(tmp_path) -> None:
     assert not (out / "summary.json").exists()  # the run is not over: the requeued job goes on
 
 
+@pytest.mark.claim("slurm-time-limit")
 def test_sigterm_to_the_batch_script_stops_the_whole_job(tmp_path) -> None:
     job, out, stubs = _batch_job(tmp_path)
     try:

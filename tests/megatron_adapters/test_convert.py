@@ -73,6 +73,7 @@ def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 # ------------------------------------------------------------------------------ exactness
 
 
+@pytest.mark.claim("convert-round-trip")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_is_bitwise_identical(family, name, hf_dirs, converted, tmp_path):
@@ -124,6 +125,7 @@ def test_vocab_padding_and_metadata_follow_the_layout(hf_dirs, converted):
     assert sorted(meta["hf_checksums_crc32"]) == sorted(hf_tensors(hf_dirs["qwen3_moe"]))
 
 
+@pytest.mark.claim("convert-streams")
 def test_stored_chunks_respect_the_buffer(converted):
     mcore, _ = converted["llama", "pp2"]
     sizes = [np.prod(c.sizes) * 4 for md in DistReader(mcore).tensors().values() for c in md.chunks]
@@ -131,6 +133,7 @@ def test_stored_chunks_respect_the_buffer(converted):
     assert len(sizes) > 9  # the 9 keys of a dense 4-layer model are split into many chunks
 
 
+@pytest.mark.claim("convert-streams")
 def test_plans_deepseek_v3_671b_without_weights():
     """The plan is pure: 671B parameters, 45k HF tensors, bounded chunks, in seconds."""
     model = ModelConfig(  # deepseek-ai/DeepSeek-V3 config.json
@@ -207,6 +210,7 @@ def _architecture(path):
 
 @pytest.mark.parametrize("breaker", [_missing, _unexpected, _shape, _truncated, _architecture],
                          ids=["missing", "unexpected", "shape", "truncated", "architecture"])
+@pytest.mark.claim("convert-bad-input")
 def test_bad_hf_input_names_file_and_tensor_and_writes_nothing(breaker, hf_dirs, tmp_path):
     source = _copy(hf_dirs["qwen3_moe"], tmp_path)
     file, tensor = breaker(source)
@@ -219,6 +223,7 @@ def test_bad_hf_input_names_file_and_tensor_and_writes_nothing(breaker, hf_dirs,
     assert not out.exists() and not out.with_name("out.tmp").exists()
 
 
+@pytest.mark.claim("convert-bad-input")
 def test_failure_while_writing_leaves_no_directory(hf_dirs, tmp_path, monkeypatch):
     calls = []
 
@@ -246,6 +251,7 @@ def test_existing_output_needs_overwrite(hf_dirs, converted, tmp_path):
     assert (out / "model.safetensors.index.json").is_file()
 
 
+@pytest.mark.claim("convert-bad-input")
 def test_bad_megatron_input(hf_dirs, converted, tmp_path):
     mcore, _ = converted["deepseek_v3", "pp2"]
     with pytest.raises(ValueError, match="hybridflow.json is missing"):

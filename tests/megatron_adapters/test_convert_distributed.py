@@ -77,6 +77,7 @@ def _transformers_logprobs(path: Path) -> torch.Tensor:
     return torch.cat([torch.zeros(4, 1), logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)], 1)
 
 
+@pytest.mark.claim("convert-any-layout")
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logprobs_equal_transformers(runs, family, pool):
@@ -87,6 +88,7 @@ def test_logprobs_equal_transformers(runs, family, pool):
     assert diff < LOGPROB_TOL
 
 
+@pytest.mark.claim("convert-any-layout")
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_saves_what_the_converter_writes(runs, family, pool):
@@ -98,6 +100,7 @@ def test_megatron_saves_what_the_converter_writes(runs, family, pool):
     assert sorted(ours.objects()) == sorted(theirs.objects())
 
 
+@pytest.mark.claim("convert-round-trip")
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_saved_checkpoint_converts_back_bitwise(runs, family, pool, tmp_path):

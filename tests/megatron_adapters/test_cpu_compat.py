@@ -39,10 +39,12 @@ def _run(scenario: str, skip: str = "") -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
 
 
+@pytest.mark.claim("cpu-workarounds-each-needed")
 def test_every_patch_is_listed_here() -> None:
     assert set(NEEDED) == cpu_compat.patch_names()
 
 
+@pytest.mark.claim("cpu-workarounds-each-needed")
 @pytest.mark.parametrize("patch", sorted(NEEDED))
 def test_scenario_fails_without_its_patch(patch: str) -> None:
     scenario, error = NEEDED[patch]
@@ -53,6 +55,7 @@ def test_scenario_fails_without_its_patch(patch: str) -> None:
 
 @pytest.mark.parametrize("scenario", ["import_attention", "build_mla", "train_moe", "seq_parallel_norm", "resume_adam",
                                       "ep2_step", "etp2_uneven_step", "tp2_moe_step"])
+@pytest.mark.claim("cpu-workarounds-each-needed")
 def test_scenario_runs_with_all_patches(scenario: str) -> None:
     result = _run(scenario)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -61,6 +64,7 @@ def test_scenario_runs_with_all_patches(scenario: str) -> None:
         assert f"SCENARIO OK {scenario} rank {rank}\n" in result.stdout
 
 
+@pytest.mark.claim("cpu-workarounds-each-needed")
 def test_nothing_is_patched_on_a_gpu_machine(monkeypatch) -> None:
     monkeypatch.setattr(cpu_compat.torch.cuda, "is_available", lambda: True)
     assert not cpu_compat.on_cpu()
@@ -69,6 +73,7 @@ def test_nothing_is_patched_on_a_gpu_machine(monkeypatch) -> None:
     assert set(cpu_compat.applied()) == before
 
 
+@pytest.mark.claim("gpu-kernel-imports-skipped")
 def test_gpu_kernel_packages_are_skipped_while_megatron_imports_and_import_after() -> None:
     """On CPU, megatron-core's guarded imports of flashinfer and DeepEP take their no-kernel branch
     (about 3.5 s of CPU less per process); the packages still import afterwards, for SGLang."""

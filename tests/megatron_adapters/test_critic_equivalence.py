@@ -58,6 +58,7 @@ def _result(results: dict, name: str) -> dict:
     return got
 
 
+@pytest.mark.claim("critic-from-the-sft-policy")
 @pytest.mark.parametrize("model,name", CASES)
 def test_critic_matches_single_process(results: dict, model: str, name: str) -> None:
     ref, got = _result(results, f"{model}_ref"), _result(results, f"{model}_{name}")
@@ -69,6 +70,7 @@ def test_critic_matches_single_process(results: dict, model: str, name: str) -> 
     assert abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"] < TOL
 
 
+@pytest.mark.claim("critic-from-the-sft-policy")
 @pytest.mark.parametrize("model,name", [(m, "ref") for m in MODELS] + CASES)
 def test_critic_takes_the_actor_weights_but_the_value_head(results: dict, model: str, name: str) -> None:
     ranks = _result(results, f"{model}_{name}")["ranks"]

@@ -107,6 +107,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+@pytest.mark.claim("megatron-families-equal-one-process", "megatron-corrections")
 @pytest.mark.parametrize("family,name,spec", _cases({**TWO_PROC, **FOUR_PROC}), ids=lambda v: v if isinstance(v, str) else None)
 def test_layout_matches_single_process(runs: Runs, family: str, name: str, spec: dict) -> None:
     ref, got = runs[f"{family}_ref"], runs[f"{family}_{name}"]
@@ -120,6 +121,7 @@ def test_layout_matches_single_process(runs: Runs, family: str, name: str, spec:
     assert _max_diff(ref["after"], ref["before"]) > 1e-3
 
 
+@pytest.mark.claim("megatron-families-equal-one-process")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vocab_parallel_scores_equal_full_softmax(runs: Runs, family: str) -> None:
     """Masked-padding log-probs and entropy equal log_softmax over the real vocabulary."""
@@ -130,12 +132,14 @@ def test_vocab_parallel_scores_equal_full_softmax(runs: Runs, family: str) -> No
     assert ref["entropy_before"][:, 1:].max() < torch.log(torch.tensor(250.0)) + 1e-4
 
 
+@pytest.mark.claim("megatron-corrections")
 def test_interleaved_pipeline_matches_single_process(runs: Runs) -> None:
     ref, got = runs["qwen3_moe_ref"], runs["qwen3_moe_pp2vpp2"]
     assert _max_diff(got["before"], ref["before"]) < LOGPROB_TOL
     assert _max_diff(got["after"], ref["after"]) < LOGPROB_TOL
 
 
+@pytest.mark.claim("checkpoints-any-layout")
 def test_resume_same_layout_is_bit_exact(runs: Runs) -> None:
     saved, resumed = runs["save_q_tp2ep2"], runs["resume_q_tp2ep2"]
     assert resumed["meta_step"] == 2
@@ -143,6 +147,7 @@ def test_resume_same_layout_is_bit_exact(runs: Runs) -> None:
     assert torch.equal(resumed["final"], saved["final"])
 
 
+@pytest.mark.claim("megatron-resume-layouts")
 @pytest.mark.parametrize("saved,resumed", [("save_q_ep2", "resume_q_ep2_dp4"), ("save_l_tp2", "resume_l_tp2_dp2")])
 def test_resume_at_twice_the_data_parallel_size(runs: Runs, saved: str, resumed: str) -> None:
     before, after = runs[saved], runs[resumed]
@@ -152,6 +157,7 @@ def test_resume_at_twice_the_data_parallel_size(runs: Runs, saved: str, resumed:
     assert _max_diff(after["final"], before["final"]) < LOGPROB_TOL
 
 
+@pytest.mark.claim("megatron-resume-layouts")
 def test_resume_without_expert_parallelism(runs: Runs) -> None:
     saved, resumed = runs["save_q_tp2ep2"], runs["resume_q_tp1"]
     for a, b in zip(resumed["continued"], saved["continued"]):
@@ -159,6 +165,7 @@ def test_resume_without_expert_parallelism(runs: Runs) -> None:
     assert _max_diff(resumed["final"], saved["final"]) < LOGPROB_TOL
 
 
+@pytest.mark.claim("checkpoints-any-layout")
 @pytest.mark.parametrize("name", ["load_q_tp1", "load_q_pp2"])
 def test_tp2ep2_checkpoint_loads_under_other_layouts(runs: Runs, name: str) -> None:
     assert _max_diff(runs[name]["logp"], runs["save_q_tp2ep2"]["at_save"]) < LOGPROB_TOL

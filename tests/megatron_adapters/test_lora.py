@@ -99,6 +99,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+@pytest.mark.claim("lora-base-frozen")
 @pytest.mark.parametrize("family", list(TARGETS))
 def test_reference_starts_at_the_base_and_freezes_it(runs, family: str) -> None:
     ref = runs[f"{family}_ref"]
@@ -109,6 +110,7 @@ def test_reference_starts_at_the_base_and_freezes_it(runs, family: str) -> None:
     assert (ref["logp_after"] - ref["logp_before"]).abs().max() > 1e-3  # the adapters learned
 
 
+@pytest.mark.claim("lora-dropout-keyed")
 @pytest.mark.parametrize("family", list(DROPOUT_REFS))
 def test_dropout_masks_change_the_training_and_resume_with_the_step(runs, family: str) -> None:
     plain, dropped = runs[f"{family}_ref"], runs[f"{family}_dropout_ref"]
@@ -128,11 +130,13 @@ def test_resume_from_a_lora_checkpoint(runs, family: str) -> None:
     assert "holds LoRA adapters" in ref["refused"]  # not silently into a policy without adapters
 
 
+@pytest.mark.claim("convert-lora-outputs")
 def test_converter_refuses_a_lora_checkpoint(runs, tmp_path) -> None:
     with pytest.raises(ValueError, match="LoRA run's checkpoint"):
         mcore_to_hf(runs["dir"] / "resume_llama", tmp_path / "hf")
 
 
+@pytest.mark.claim("lora-layouts-equal-one-process", "lora-dropout-keyed", "lora-base-frozen")
 @pytest.mark.parametrize("name", [*CASES, *DROPOUT_CASES])
 def test_layout_equals_one_process(runs, name: str) -> None:
     family = {**CASES, **DROPOUT_CASES}[name][0]
@@ -164,6 +168,7 @@ ADAPTER_GROUPS = {  # lora_B names of transformers + peft per target whose effec
 }
 
 
+@pytest.mark.claim("lora-peft-files")
 @pytest.mark.parametrize("family", list(PEFT_CASES))
 def test_peft_files_load_into_transformers_and_score_as_the_trainer(runs, family: str) -> None:
     """The TP=2 / EP=2 trainer's adapters as PEFT files on transformers' model of the converted weights."""
@@ -211,6 +216,7 @@ def test_peft_files_load_into_transformers_and_score_as_the_trainer(runs, family
     assert (got["imported_logp"] - got["logp"]).abs().max() <= TOL  # and they import back
 
 
+@pytest.mark.claim("lora-peft-files", "convert-lora-outputs")
 @pytest.mark.parametrize("family", list(PEFT_CASES))
 def test_a_lora_checkpoint_converts_offline_to_peft_files_and_merged_weights(runs, family: str, tmp_path) -> None:
     """``mcore_to_peft`` reads the adapters from the run's checkpoint alone: the same files as the

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("full_ft_trainer_bytes", "lora_trainer_bytes", "merged_push_bytes", "adapter_push_bytes")
 
 
+@pytest.mark.claim("lora-cost-benchmark")
 def test_lora_cost_reports_less_memory_and_fewer_push_bytes(tmp_path: Path) -> None:
     out = tmp_path / "lora_cost.json"
     cmd = [sys.executable, "benchmarks/lora_cost.py", "--models", "quickstart", "--json", str(out)]

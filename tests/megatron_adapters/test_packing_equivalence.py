@@ -42,6 +42,7 @@ def _result(results: dict, family: str, name: str) -> dict:
     return got
 
 
+@pytest.mark.claim("packing-equals-unpacked")
 @pytest.mark.parametrize("family,name", CASES)
 @pytest.mark.parametrize("mode", ["packed", "budget"])
 def test_packed_matches_unpacked(results: dict, family: str, name: str, mode: str) -> None:
@@ -54,6 +55,7 @@ def test_packed_matches_unpacked(results: dict, family: str, name: str, mode: st
     assert got["moved"] > 1e-3  # the step moved the weights: "after" is not trivially equal
 
 
+@pytest.mark.claim("packing-equals-unpacked")
 @pytest.mark.parametrize("family,name", [c for c in CASES if c[0] in MOE_FAMILIES])
 def test_routes_follow_the_packing(results: dict, family: str, name: str) -> None:
     got = _result(results, family, name)

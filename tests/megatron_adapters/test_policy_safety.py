@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 WORKER = Path(__file__).with_name("policy_worker.py")
 
 
+@pytest.mark.claim("skipped-step-rolled-back")
 def test_nan_steps_are_not_applied_and_offloading_is_exact() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
            "nan", "offload", "rollback"]

@@ -154,6 +154,7 @@ def _write(tmp_path: Path, config) -> Path:
     return tmp_path
 
 
+@pytest.mark.claim("router-rules")
 @pytest.mark.parametrize("name", list(CASES))
 def test_router_is_equal_mapped_or_refused(name, tmp_path):
     family, settings, verdict = CASES[name]
@@ -216,6 +217,7 @@ def test_mixtral_router_jitter_is_refused(tmp_path):
         read_model_config(_write(tmp_path, config))
 
 
+@pytest.mark.claim("router-rules")
 def test_yaml_model_section_is_refused_by_the_same_rules():
     from hybridflow.config import load_config
 

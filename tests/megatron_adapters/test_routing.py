@@ -33,6 +33,7 @@ def results(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.claim("routing-tests")
 def test_recorded_routes_are_the_routers_choices_in_trainer_order(results: dict) -> None:
     # transformers' own fp32 router on the same weights and tokens: an independent implementation
     assert results["replay"]["recorded_vs_transformers_fp32"] == 1.0  # EP=2 x DP=2
@@ -43,6 +44,7 @@ def test_recorded_routes_are_the_routers_choices_in_trainer_order(results: dict)
     assert results["tp2"]["length"] % 2 == 1  # the policy padded the sequence for TP
 
 
+@pytest.mark.claim("routing-replay")
 def test_replay_dispatches_every_token_to_the_recorded_experts(results: dict) -> None:
     r = results["replay"]
     assert r["replay_match_engine_routes"] == 1.0
@@ -59,10 +61,12 @@ def test_replaying_the_engines_routes_lowers_the_logprob_mismatch(results: dict)
     assert r["mismatch_with_replay"]["max"] <= r["mismatch_without_replay"]["max"]
 
 
+@pytest.mark.claim("router-statistics")
 def test_distributed_statistics_equal_the_pure_functions(results: dict) -> None:
     assert results["replay"]["stats_match_pure_functions"]
 
 
+@pytest.mark.claim("routing-tests")
 def test_frozen_router_is_bit_identical_after_an_rl_step(results: dict) -> None:
     f = results["frozen"]
     for family in ("qwen3_moe", "deepseek_v3"):
@@ -73,6 +77,7 @@ def test_frozen_router_is_bit_identical_after_an_rl_step(results: dict) -> None:
     assert any(name.endswith("expert_bias") for name in f["deepseek_v3_frozen"]["router"])
 
 
+@pytest.mark.claim("routing-tests")
 def test_expert_bias_travels_through_the_reshard_plan(results: dict) -> None:
     assert results["frozen"]["expert_bias_through_reshard"]
 

@@ -60,6 +60,7 @@ def _map(experts_Nk: torch.Tensor, num_experts: int = 4) -> torch.Tensor:
     return torch.zeros(len(experts_Nk), num_experts, dtype=torch.bool).scatter(1, experts_Nk.clamp(min=0), True)
 
 
+@pytest.mark.claim("router-statistics")
 def test_router_stats_sums_per_layer():
     stats = RouterStats(num_layers=2, num_experts=4, top_k=2)
     probs = router_probs(torch.zeros(4, 4), "softmax")

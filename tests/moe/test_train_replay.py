@@ -15,6 +15,7 @@ import pytest
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
+@pytest.mark.claim("routing-replay", "router-statistics")
 def test_quickstart_with_r2_replays_every_route(full_run: Path) -> None:
     assert "routing replay r2" in (full_run.parent / "stdout.txt").read_text()  # the summary screen
     summary = json.loads((full_run / "summary.json").read_text())

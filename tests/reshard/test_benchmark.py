@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from hfschema.files import write_text_atomic
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "reshard_plan.py"
@@ -43,6 +45,7 @@ def test_nemo_rl_shape_and_replica_sweeps_are_cases():
         assert {(model, 8), (model, 32)} <= separate
 
 
+@pytest.mark.claim("reshard-node-aware-bounds")
 def test_small_case_record_and_atomic_write(tmp_path):
     bench = _module()
     case = next(c for c in bench.CASES if c.model == "Mixtral-8x22B")

@@ -16,6 +16,7 @@ REQUIRED = {"name", "bytes", "executor_seconds", "baseline_seconds", "megatron_r
             "speedup_vs_baseline", "fraction_of_memcpy"}
 
 
+@pytest.mark.claim("reshard-exec-benchmark")
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_small_run_writes_exact_cases(tmp_path) -> None:

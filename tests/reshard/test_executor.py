@@ -27,6 +27,7 @@ WORKER = Path(__file__).with_name("executor_worker.py")
 CASES = ("tp2_colocated", "tp2_other_ranks", "tp2ep2_colocated", "tp2ep2_other_ranks")
 
 
+@pytest.mark.claim("reshard-executor-exact")
 @pytest.mark.parametrize("case", random_cases(seed=21, count=12), ids=str)
 def test_schedule_respects_the_bucket_and_covers_the_plan(case) -> None:
     plan = plan_reshard(*case.build(), case.topology)
@@ -106,6 +107,7 @@ def test_megatron_layout_is_what_megatron_core_computes(executed) -> None:
     assert (executed[0]["megatron_logp"] - executed[0]["hf_logp"]).abs().max() < 1e-5
 
 
+@pytest.mark.claim("reshard-executor-exact")
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", CASES)
@@ -135,6 +137,7 @@ def relayed(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+@pytest.mark.claim("reshard-executor-exact")
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["two_nodes", "chain", "colocated_pp"])

@@ -117,6 +117,7 @@ def _brute_lower_bound(source, destination, topology):
     return total
 
 
+@pytest.mark.claim("reshard-only-missing-slices")
 @pytest.mark.parametrize("case", CASES, ids=[f"{i}-{c.name}" for i, c in enumerate(CASES)])
 def test_plan_properties(case):
     source, destination = case.build()
@@ -160,6 +161,7 @@ def _brute_node_bound(source, destination, topology) -> int:
     return total
 
 
+@pytest.mark.claim("reshard-node-aware-bounds")
 def test_each_node_gets_the_model_once_from_balanced_holders_and_fans_it_out():
     """8 separate SGLang ranks on 2 nodes, each needing all of a TP1 model held by 4 DP replicas:
     the model crosses into each node once (from two different holders' NICs), then NVLink."""
@@ -182,6 +184,7 @@ def test_each_node_gets_the_model_once_from_balanced_holders_and_fans_it_out():
     assert stats.time_ratio < 1.2
 
 
+@pytest.mark.claim("reshard-node-aware-bounds")
 def test_relays_carry_the_model_across_engine_nodes():
     """One trainer GPU, 8 engine nodes: direct sends would push 8 models through one NIC;
     relays forward it node to node, pipelined, so every NIC carries about one model."""
@@ -218,6 +221,7 @@ def test_same_node_source_preferred_over_idle_remote_one():
     assert {t.kind for t in plan.transfers()} == {"intra"}
 
 
+@pytest.mark.claim("reshard-only-missing-slices")
 def test_colocated_identical_layouts_move_nothing():
     model = dataclasses.replace(TINY_MODELS["qwen3_moe"], vocab_size=256)
     source = megatron_layout(model, ParallelLayout(tp=2, ep=2))

@@ -14,6 +14,7 @@ def _rows(layout, tensor):
     return {s.ranks: (s.region[0], s.param_region[0]) for s in layout.shards[tensor]}
 
 
+@pytest.mark.claim("reshard-every-tensor-or-refused")
 def test_kv_heads_replicated_when_tp_exceeds_them():
     # 8 query heads, 2 kv heads, head_dim 4, tp 8: 4 replicas per kv head; rank r loads kv head
     # r // 4 (QKVParallelLinear.weight_loader: shard_id = tp_rank // num_kv_head_replicas)
@@ -68,6 +69,7 @@ def test_dp_attention_and_engine_major_replicas():
     assert gate == {(2, 6): ((1, 2), (0, 4), (0, 16)), (3, 7): ((1, 2), (0, 4), (0, 16))}
 
 
+@pytest.mark.claim("reshard-every-tensor-or-refused")
 def test_eplb_redundant_expert_lands_on_several_ranks():
     model = TINY_MODELS["qwen3_moe_small"]  # 4 experts, moe_ffn 8
     row = (0, 1, 2, 3, 3, 0)  # 6 physical slots, 3 per ep rank: rank 1 holds experts 3, 3, 0
@@ -90,6 +92,7 @@ def test_mixtral_has_no_redundant_expert_slots():
                       SGLangSettings(tp=2, ep=2, physical_to_logical=((0, 1, 2, 3, 3, 0),)))
 
 
+@pytest.mark.claim("reshard-every-tensor-or-refused")
 def test_moe_dp_is_refused():
     # SGLang 0.5.23 asserts "attn_cp_size != moe_dp_size is only supported when moe_dp_size == 1"
     # (arg_groups/parallel_hook.py) and hybridflow neither passes nor plans --attn-cp-size
@@ -97,6 +100,7 @@ def test_moe_dp_is_refused():
         SGLangSettings(tp=4, ep=2, moe_dp=2)
 
 
+@pytest.mark.claim("reshard-every-tensor-or-refused")
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_tied_embeddings_are_refused_where_sglang_keeps_its_own_head(name):
     # Qwen3MoeForCausalLM / MixtralForCausalLM build a ParallelLMHead whatever
@@ -107,6 +111,7 @@ def test_tied_embeddings_are_refused_where_sglang_keeps_its_own_head(name):
         sglang_layout(model, SGLangSettings())
 
 
+@pytest.mark.claim("reshard-every-tensor-or-refused")
 def test_deepseek_gate_bias_is_required():
     # DeepSeek-V3's MoEGate (topk_method noaux_tc) always holds e_score_correction_bias
     model = dataclasses.replace(TINY_MODELS["deepseek_v3"], router_expert_bias=False)

@@ -37,6 +37,7 @@ def test_sampling_params_accept_edges():
         SamplingParams(4)  # keyword-only
 
 
+@pytest.mark.claim("engine-registry")
 def test_unknown_engine_lists_the_valid_names():
     with pytest.raises(ValueError, match=r"unknown rollout engine 'vllm'; registered engines: hf, sglang"):
         make_engine("vllm")

@@ -111,6 +111,7 @@ def test_unknown_family(tmp_path):
 # --------------------------------------------------------------------------- generation
 
 
+@pytest.mark.claim("engine-registry")
 def test_engine_satisfies_the_protocol(engine):
     assert isinstance(engine, HFEngine) and isinstance(engine, RolloutEngine)
 

@@ -50,6 +50,7 @@ def _sync(engine: _Engine) -> tuple[sync_module.EngineSync, list]:
     return es, bases
 
 
+@pytest.mark.claim("lora-adapter-push")
 def test_the_base_goes_once_then_adapters_alone_and_again_after_an_engine_restart() -> None:
     engine = _Engine()
     es, bases = _sync(engine)
@@ -64,6 +65,7 @@ def test_the_base_goes_once_then_adapters_alone_and_again_after_an_engine_restar
     assert es._push_once(False, kill=False)[0].engine_bytes == 1000.0 and bases == [True, False]
 
 
+@pytest.mark.claim("lora-adapter-push")
 def test_colocated_gpu_engines_keep_the_base_while_the_actor_trains_so_it_goes_once() -> None:
     from hybridflow.lowering import switch
     from hybridflow.memory import TRAINING, pool_memory
@@ -95,6 +97,7 @@ def test_an_engine_lost_while_loading_adapters_is_reported_and_gets_the_base_nex
     assert len(bases) == 2  # the first push's, and the retry's
 
 
+@pytest.mark.claim("lora-adapters-to-separate-engines")
 def test_adapters_travel_to_separate_drivers_as_one_flat_buffer_per_dtype_and_come_back_whole() -> None:
     g = torch.Generator().manual_seed(0)
     tensors = {"a.lora_A.weight": torch.randn(4, 8, generator=g), "a.lora_B.weight": torch.randn(8, 4, generator=g),

@@ -44,6 +44,7 @@ def test_the_manifest_lists_every_file_but_state_json_once(run_dir: Path) -> Non
     assert state.checkpoint_problem(newest) is None
 
 
+@pytest.mark.claim("checkpoint-checksums")
 def test_a_byte_changed_in_place_is_named_and_the_run_falls_back(run_dir: Path) -> None:
     newest = run_dir / "checkpoints" / "step_000004"
     _flip_a_byte(shard(newest))
@@ -93,6 +94,7 @@ def test_preflight_marks_the_checkpoint_it_compared(run_dir: Path, monkeypatch) 
     assert os.environ[checksums.VERIFIED_ENV] == str(run_dir / "checkpoints" / "step_000004")
 
 
+@pytest.mark.claim("checkpoint-checksums")
 def test_shares_spread_the_bytes_and_cover_every_file_once(tmp_path: Path) -> None:
     sizes = {"a": 900, "b": 500, "c": 400, "d": 100, "e": 100}
     for name, size in sizes.items():

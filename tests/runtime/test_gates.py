@@ -13,6 +13,7 @@ def test_a_healthy_first_step_passes():
     assert gates.apply(ChecksConfig(on_fail="stop"), GOOD, 0) == {"checks/failed": 0.0}
 
 
+@pytest.mark.claim("correctness-gates")
 def test_each_gate_names_its_metric_and_key():
     bad = {"actor/ppo_kl_first_mini": 0.027, "actor/clipfrac_first_mini": 0.1, "rollout/token_mult_prob_error": 1.3}
     lines = gates.failures(ChecksConfig(), bad, 0)
@@ -43,6 +44,7 @@ def test_bad_thresholds_name_the_key():
         ChecksConfig(on_fail="ignore")
 
 
+@pytest.mark.claim("correctness-gates")
 def test_the_refit_verifier_compares_digests():
     from hybridflow.rollout.sglang.param_report import digest
     from hybridflow.runtime.sync import refit_difference

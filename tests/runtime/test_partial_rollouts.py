@@ -85,6 +85,7 @@ def _started(engine, cfg=None, segment=2, version=5):
                           segment=segment, version=version)
 
 
+@pytest.mark.claim("partial-rollout-versions")
 def test_a_request_spanning_two_updates_keeps_each_tokens_version_log_prob_and_routes():
     engine = ScriptedEngine(5)
     started = _started(engine)
@@ -146,6 +147,7 @@ def test_a_batch_generated_whole_is_tagged_with_one_version_and_an_untagged_star
     assert plain.params is None and all(x.segments == () for x in plain.samples)
 
 
+@pytest.mark.claim("partial-rollout-versions")
 def test_token_versions_follow_the_segments_and_travel_with_the_samples():
     x = RolloutSample(prompt_index=0, sample_index=0, prompt_ids=(7, 8), response_ids=(101, 102, 103, EOS),
                       logprobs=(-1.0,) * 4, finish_reason=FINISH_STOP, segments=((0, 3), (1, 4), (3, 5)))
@@ -168,6 +170,7 @@ def test_token_versions_follow_the_segments_and_travel_with_the_samples():
     (["async_rl.mode=one_step_off", *SEPARATE, "async_rl.partial_rollout=true", "async_rl.segment_tokens=1"],
      "async_rl.partial_rollout=true with async_rl.mode=one_step_off"),
 ])
+@pytest.mark.claim("partial-rollout-refusals")
 def test_bad_partial_rollout_settings_are_one_line_errors_naming_the_keys(overrides, key):
     cfg = load_config(QUICKSTART, overrides)
     with pytest.raises(ValueError, match=key) as error:

@@ -87,6 +87,7 @@ def test_summary_and_plot(tmp_path: Path) -> None:
     assert "left out     0 bad data rows, 0 reward errors\n" in screen  # a clean run says it is clean
 
 
+@pytest.mark.claim("bad-rows-and-reward-errors")
 def test_skipped_rows_and_reward_errors_reach_the_screen_and_summary_json(tmp_path: Path) -> None:
     cfg = load_config("configs/quickstart_cpu.yaml")
     summary = report.summarise(cfg, state.RunState(), heldout_after_rl=None, wall_seconds=1.0,
@@ -106,6 +107,7 @@ def test_the_rollout_model_directory_matches_the_config() -> None:
     assert _mismatches(cfg.model, other) == ["model.num_experts: config 4, directory 8"]
 
 
+@pytest.mark.claim("engine-starts-without-weights")
 @pytest.mark.parametrize("config", ["quickstart_cpu.yaml", "grpo_qwen3_235b.yaml"])
 def test_the_rollout_model_directory_holds_configs_and_tokenizer_but_no_weights(config, tmp_path) -> None:
     """The engine starts without weights (load_format="dummy"), so even a 235B model's directory
@@ -157,6 +159,7 @@ def _graph_raising_at(bad_step: int):
     return SimpleNamespace(stages=(stage,), start_mode=None), update, calls
 
 
+@pytest.mark.claim("non-finite-never-applied")
 def test_a_nan_step_stops_the_run_before_any_checkpoint(monkeypatch) -> None:
     graph, update, calls = _graph_raising_at(1)
     monkeypatch.setitem(loop.OPS, "fake_update", update)
@@ -168,6 +171,7 @@ def test_a_nan_step_stops_the_run_before_any_checkpoint(monkeypatch) -> None:
     assert calls == [0, 1] and s.state.step == 1 and saved == []
 
 
+@pytest.mark.claim("non-finite-never-applied")
 def test_a_nan_step_is_skipped_when_configured(monkeypatch) -> None:
     graph, update, calls = _graph_raising_at(1)
     monkeypatch.setitem(loop.OPS, "fake_update", update)
@@ -192,6 +196,7 @@ class _Role:
         self.updates = updates
 
 
+@pytest.mark.claim("skipped-step-rolled-back")
 def test_a_skipped_step_rolls_back_every_update_it_made(monkeypatch) -> None:
     """The critic's update and the actor's first mini-batch went through when the actor's second
     one is not finite: with run.on_nan=skip both are undone, and later steps train normally."""
@@ -242,6 +247,7 @@ class _Recorder:
         self.calls.append(f"engine resume {'+'.join(tags)}")
 
 
+@pytest.mark.claim("plan-is-what-runs")
 def test_switches_execute_the_plans_values_in_order():
     from hybridflow.lowering import lower
     from hybridflow.runtime import switches

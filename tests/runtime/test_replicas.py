@@ -16,6 +16,7 @@ def test_replica_drivers_are_the_first_rank_of_each_engine():
     assert [replicas.replica_of(cfg, r) for r in range(5)] == [0, None, 1, None, None]
 
 
+@pytest.mark.claim("replicas-share-the-work")
 def test_one_replica_takes_the_batch_whole_and_many_take_chunks():
     one = load_config(QUICKSTART)
     assert replicas._chunks(16, one) == [range(0, 16)]
@@ -26,6 +27,7 @@ def test_one_replica_takes_the_batch_whole_and_many_take_chunks():
     assert replicas.chunk_seed(11, 0) == 11 and len({replicas.chunk_seed(11, c) for c in range(6)}) == 6
 
 
+@pytest.mark.claim("replica-failure-named")
 def test_a_failed_replica_is_named_on_every_rank():
     report = replicas._Report
     gathered = [report(0, [], 1.0, None, 0), report(None, [], 0.0, None, 1),
@@ -51,6 +53,7 @@ def test_the_engine_gets_the_parallel_settings_the_plan_assumed(monkeypatch, tmp
     assert seen["bucket_bytes"] == cfg.rollout.push_bucket_mb << 20 and seen["load_format"] == "dummy"
 
 
+@pytest.mark.claim("engine-spanning-nodes")
 def test_engines_spanning_nodes_start_one_part_per_node():
     cfg = load_config(QUICKSTART, ["rollout.tp=4", "rollout.num_replicas=2", "rollout.gpus_per_node=2",
                                    "actor.parallel.dp=8", "actor.parallel.ep=2"])

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.distributed]
 WORKER = Path(__file__).with_name("shares_worker.py")
 
 
+@pytest.mark.claim("dp-ranks-receive-their-rows")
 def test_owners_are_contiguous_whole_groups_and_balanced():
     for prompts, dp in ((7, 2), (7, 4), (16, 4), (3, 4)):
         owners = [owner(p, prompts, dp) for p in range(prompts)]
@@ -26,6 +27,7 @@ def test_owners_are_contiguous_whole_groups_and_balanced():
         assert max(counts) - min(counts) <= 1
 
 
+@pytest.mark.claim("token-budget-balance")
 def test_token_balanced_owners_keep_the_prompt_counts_and_even_out_the_tokens():
     # one long-tail prompt per block of 4: the blocks put all the long ones on rank 0
     tokens = [800 if p % 4 == 0 and p < 8 else 100 for p in range(16)]
@@ -38,6 +40,7 @@ def test_token_balanced_owners_keep_the_prompt_counts_and_even_out_the_tokens():
     assert balanced_owners([5, 5, 5], 1) == [0, 0, 0]
 
 
+@pytest.mark.claim("dp-ranks-receive-their-rows")
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp4", "tp2xdp2"])
 def test_every_rank_receives_exactly_its_dp_ranks_samples(tmp_path, tp):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER),
@@ -64,6 +67,7 @@ def test_every_rank_receives_exactly_its_dp_ranks_samples(tmp_path, tp):
             assert (ranks[a]["positions"] == ranks[b]["positions"]) if same_dp else not overlap
 
 
+@pytest.mark.claim("rollout-data-benchmark")
 def test_the_rollout_data_benchmark_measures_shares_against_the_broadcast(tmp_path):
     out = tmp_path / "rollout_data.json"
     cmd = [sys.executable, "benchmarks/rollout_data.py", "--samples", "64", "--tokens", "32", "--ranks", "4",

@@ -29,6 +29,7 @@ def _simulate(lag: int, steps: int, first: int = 0, pending: dict[int, int] | No
     return trained
 
 
+@pytest.mark.claim("async-interleaving-fixed")
 @pytest.mark.parametrize("lag", [0, 1, 2, 3])
 def test_batch_b_is_generated_by_version_max_start_b_minus_lag_and_stays_within_k(lag):
     trained = _simulate(lag, steps=9)
@@ -36,6 +37,7 @@ def test_batch_b_is_generated_by_version_max_start_b_minus_lag_and_stays_within_
     assert all(0 <= step - version <= lag for step, version in trained.items())
 
 
+@pytest.mark.claim("async-resume-reproduces")
 def test_a_resume_with_its_buffer_continues_the_same_interleaving_and_one_without_refills():
     uninterrupted = _simulate(2, steps=8)
     restored = {b: uninterrupted[b] for b in pending_after(3, lag=2, steps=8)}  # saved after step 3 (4 done)
@@ -75,6 +77,7 @@ SEPARATE = ["rollout.placement=separate", "rollout.tp=1"]
     (["async_rl.mode=one_step_off", *SEPARATE, "async_rl.max_staleness=2"], "K=1 by definition"),
     (["async_rl.mode=async", *SEPARATE, "algorithm.name=remax"], "algorithm.name=remax"),
 ])
+@pytest.mark.claim("async-refusals")
 def test_bad_async_settings_are_one_line_errors_naming_the_keys(overrides, key):
     cfg = load_config(QUICKSTART, overrides)
     from hybridflow.lowering import lower
@@ -107,6 +110,7 @@ def test_plan_states_the_interleaving_it_runs():
     assert load_config(QUICKSTART, []).async_rl.describe().startswith("sync")
 
 
+@pytest.mark.claim("async-interleaving-fixed")
 def test_one_step_off_runs_as_async_with_k1_the_runtime_reads_only_the_lag():
     """one_step_off is K=1 by definition: its run is the async K=1 run (tests/test_train_async.py
     runs that one). The runtime reads the lag, and the mode only to tell sync from the rest (the

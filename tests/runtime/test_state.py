@@ -41,6 +41,7 @@ def test_a_missing_shard_is_named_and_the_run_falls_back_to_the_previous_checkpo
     assert [p.name for p in state.checkpoint_dirs(run_dir)] == ["step_000002"]  # pruning no longer sees it
 
 
+@pytest.mark.claim("damaged-checkpoint-set-aside")
 def test_under_stop_a_damaged_newest_checkpoint_refuses_the_start_naming_the_file(run_dir: Path) -> None:
     missing = shard(run_dir / "checkpoints" / "step_000004")
     missing.unlink()
@@ -59,6 +60,7 @@ def test_under_stop_a_damaged_newest_checkpoint_refuses_the_start_naming_the_fil
     (lambda c: (c / "actor" / "hybridflow.json").write_text("{"), r"actor/hybridflow.json is unreadable"),
     (lambda c: (c / "state.json").unlink(), r"step_000004/state.json is missing or unreadable"),
 ])
+@pytest.mark.claim("checkpoint-checksums")
 def test_each_kind_of_damage_names_its_file(run_dir: Path, damage, expected) -> None:
     newest = run_dir / "checkpoints" / "step_000004"
     damage(newest)
@@ -80,6 +82,7 @@ def _resolved(*overrides: str) -> dict:
     return yaml.safe_load(to_yaml(load_config(QUICKSTART, list(overrides))))
 
 
+@pytest.mark.claim("model-change-refused")
 def test_a_model_change_is_named_key_by_key_and_other_changes_are_reported() -> None:
     before = _resolved()
     blocking, other = state.config_changes(before, _resolved("model.num_layers=4", "model.vocab_size=512",

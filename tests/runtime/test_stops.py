@@ -30,6 +30,7 @@ def test_a_stop_signal_raises_stopped(handlers, sig) -> None:
     assert stopped.value.signum == sig and signal.Signals(sig).name in str(stopped.value)
 
 
+@pytest.mark.claim("stop-mid-checkpoint")
 def test_a_signal_during_a_checkpoint_waits_for_its_end(handlers) -> None:
     written = []
     with pytest.raises(stops.Stopped):
@@ -60,6 +61,7 @@ def _loop_without_ranks(monkeypatch, tmp_path, steps: int):
     return graph, s, calls
 
 
+@pytest.mark.claim("checkpoint-on-demand")
 def test_a_checkpoint_request_saves_the_step_and_leaves_the_loop(monkeypatch, tmp_path) -> None:
     graph, s, calls = _loop_without_ranks(monkeypatch, tmp_path, steps=5)
     saved = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hybridflow.config import load_config
@@ -29,6 +30,7 @@ def test_tensorboard_is_off_by_default(tmp_path: Path) -> None:
     assert not (tmp_path / "tensorboard").exists()
 
 
+@pytest.mark.claim("tracking-mlflow-tensorboard")
 def test_tensorboard_alone_writes_event_files_a_reader_reads_back(tmp_path: Path) -> None:
     tracker = _tracker(tmp_path, "run.tracking.backend=none", "run.tracking.tensorboard=true")
     assert tracker.tensorboard_dir == str(tmp_path.resolve() / "tensorboard") and tracker.run_id is None
@@ -41,6 +43,7 @@ def test_tensorboard_alone_writes_event_files_a_reader_reads_back(tmp_path: Path
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.claim("tracking-mlflow-tensorboard")
 def test_tensorboard_beside_mlflow_gets_the_same_metrics(tmp_path: Path) -> None:
     import mlflow
 

@@ -13,6 +13,7 @@ from hybridflow.runtime.worker import DeviceMemoryError, out_of_memory_hint
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu.yaml")
 
 
+@pytest.mark.claim("oom-one-line")
 def test_out_of_memory_becomes_one_line_naming_the_settings():
     cfg = load_config(QUICKSTART)
     with pytest.raises(DeviceMemoryError) as error:

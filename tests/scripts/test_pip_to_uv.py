@@ -22,6 +22,7 @@ global.find-links='/opt/elsewhere'
 """
 
 
+@pytest.mark.claim("install-uv-or-pip")
 def test_every_source_pip_reads_is_an_option_and_the_environment_wins_over_files():
     assert uv_options(parse_config(LISTED)) == [
         "--index-strategy", "unsafe-best-match",  # pip's choice: the best version over all indexes
@@ -41,6 +42,7 @@ def test_index_no_index_and_trusted_hosts():
                                         "--allow-insecure-host", "other.example"]
 
 
+@pytest.mark.claim("install-uv-or-pip")
 def test_a_setting_uv_cannot_follow_is_named_and_pip_installs_instead():
     with pytest.raises(ValueError, match="use-feature='truststore' has no uv equivalent"):
         uv_options(parse_config("global.use-feature='truststore'\n"))

@@ -66,6 +66,7 @@ def test_generations_follow_the_pushed_weights(pushed) -> None:
     assert _responses(pushed["before"]) != expected  # the push changed something
 
 
+@pytest.mark.claim("push-by-handles")
 def test_each_rank_received_its_plan_share_only(pushed) -> None:
     full_model = sum(p.numel() * 4 for p in load_hf(pushed["actor_dir"]).parameters())
     for rank, exported in enumerate(pushed["exported"]):
@@ -77,6 +78,7 @@ def test_each_rank_received_its_plan_share_only(pushed) -> None:
         assert pushed["report"].bytes_per_rank[rank] < full_model
 
 
+@pytest.mark.claim("push-by-handles")
 def test_sglang_logprobs_match_the_actor_recomputation(pushed) -> None:
     samples = pushed["sampled"].samples
     batch = pack_batch(samples, pad_id=0, padding_side="right")

@@ -38,6 +38,7 @@ def test_cpu_environment_puts_the_stand_in_first_once():
 @pytest.mark.parametrize("architecture,module", [("Qwen3MoeForCausalLM", "qwen3_moe"), ("Qwen2ForCausalLM", "qwen2"),
                                                   ("DeepseekV3ForCausalLM", "deepseek_v2"), ("LlamaForCausalLM", "llama"),
                                                   ("MixtralForCausalLM", "mixtral")])
+@pytest.mark.claim("engine-model-modules-skipped")
 def test_every_model_module_but_the_architectures_own_is_skipped(architecture, module):
     skipped = cpu.skipped_model_modules([architecture])
     assert module not in skipped
@@ -51,6 +52,7 @@ def test_an_unknown_architecture_skips_nothing_and_each_start_sets_its_own_list(
     assert cpu.cpu_environment(1, {cpu.DISABLED_MODELS_ENV: "qwen2"})[cpu.DISABLED_MODELS_ENV] == ""
 
 
+@pytest.mark.claim("engine-model-modules-skipped")
 def test_a_registry_loaded_for_one_architecture_takes_another_before_the_next_fork(tmp_path):
     """A process whose model registry was loaded with only qwen2's module (what a forked engine
     process would inherit) is given qwen3_moe's before a qwen3_moe engine starts."""
@@ -113,6 +115,7 @@ def test_stand_in_shadows_the_cuda_package_and_imports_what_sglang_names(tmp_pat
     assert calls == ""  # naming a kernel is not calling it
 
 
+@pytest.mark.claim("stub-never-called")
 def test_a_stand_in_kernel_records_the_call_and_raises(tmp_path):
     done, calls = _run_with_stub("""
         import os, sgl_kernel
@@ -127,6 +130,7 @@ def test_a_stand_in_kernel_records_the_call_and_raises(tmp_path):
     assert name == "sgl_kernel.elementwise.silu_and_mul" and pid.isdigit()
 
 
+@pytest.mark.claim("engine-processes-forked")
 @pytest.mark.parametrize("omp,threads,expected", [("1", 1, True), (None, 1, False), ("2", 2, False), ("1", 2, False)])
 def test_engine_processes_fork_only_where_openmp_never_ran_threads(monkeypatch, omp, threads, expected):
     import torch
@@ -167,6 +171,7 @@ FORKED_ENGINE = """
 """
 
 
+@pytest.mark.claim("engine-processes-forked", "engine-model-modules-skipped")
 def test_a_rank_forks_a_tp2_engines_processes_and_keeps_its_process_group(tmp_path):
     """The hybridflow rank's case under the tests (one OpenMP thread, a gloo process group up, the
     device guard on): the schedulers and the detokenizer are forked (they hold a file the rank

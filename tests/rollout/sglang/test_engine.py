@@ -166,6 +166,7 @@ def test_param_shapes_are_read_from_the_engine(case):
         assert shapes[0]["model.layers.0.mlp.experts.w2_weight"] == (4, 64, 32)
 
 
+@pytest.mark.claim("sliced-push")
 def test_bad_pushes_raise_and_keep_the_old_weights(case):
     engine = case.engine
     before = _response_ids(engine.generate(PROMPTS, GREEDY))
@@ -194,6 +195,7 @@ def test_bad_pushes_raise_and_keep_the_old_weights(case):
     assert _response_ids(engine.generate(PROMPTS, GREEDY)) == before
 
 
+@pytest.mark.claim("sliced-push")
 def test_sliced_push_matches_transformers_with_those_weights(case):
     engine = case.engine
     other = tiny_model_dir(case.root, case.family, seed=1)
@@ -205,6 +207,7 @@ def test_sliced_push_matches_transformers_with_those_weights(case):
     print(f"\n[{case.family} tp={case.tp}] sliced push {report.seconds:.2f} s, bytes/rank {report.bytes_per_rank}")
 
 
+@pytest.mark.claim("sliced-push")
 def test_full_push_matches_transformers_and_moves_more_bytes_per_rank(case):
     engine = case.engine
     other = tiny_model_dir(case.root, case.family, seed=2)
@@ -227,6 +230,7 @@ def test_memory_calls_are_no_ops_on_cpu(case):
     case.engine.resume_memory()
 
 
+@pytest.mark.claim("stub-never-called", "engine-shutdown-own-processes")
 def test_shutdown_leaves_no_process_and_no_stub_kernel_was_called(case):
     engine_children = child_processes()
     assert engine_children, "the engine should have started scheduler processes"

@@ -59,6 +59,7 @@ def test_routed_experts_equal_the_router_top_k(moe_dir):
         assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values)
 
 
+@pytest.mark.claim("engine-memory-release")
 def test_release_frees_memory_and_resume_then_push_serves_the_same_tokens(moe_dir):
     engine = make_engine("sglang", model_path=str(moe_dir), tp=1, max_total_tokens=65536)
     try:

@@ -13,6 +13,7 @@ from tests.rollout.sglang.reference import child_processes, tiny_model_dir
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
+@pytest.mark.claim("engine-shutdown-own-processes")
 def test_a_broken_checkpoint_raises_and_leaves_no_process(tmp_path):
     model_dir = tiny_model_dir(tmp_path, "qwen2", seed=0)
     (model_dir / "model.safetensors").write_bytes(b"not a safetensors file" * 10)

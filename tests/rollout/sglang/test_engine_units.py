@@ -13,6 +13,7 @@ from hybridflow.rollout import SamplingParams, engine_names, make_engine
 from hybridflow.rollout.sglang import cpu, engine, handles
 
 
+@pytest.mark.claim("engine-registry")
 def test_sglang_is_a_registered_engine():
     assert "sglang" in engine_names()
 
@@ -105,6 +106,7 @@ class _FakeSGLang:
         return [{"output_ids": [9], "meta_info": meta} for _ in input_ids]
 
 
+@pytest.mark.claim("engine-memory-release")
 def test_gpu_memory_release_resume_and_push_order_is_enforced(tmp_path, monkeypatch):
     fake = _FakeSGLang()
     monkeypatch.setattr(engine, "_shutdown", lambda *_args: None)  # nothing to shut down
@@ -137,6 +139,7 @@ def test_gpu_memory_release_resume_and_push_order_is_enforced(tmp_path, monkeypa
         gpu.release_memory(["kv"])
 
 
+@pytest.mark.claim("engine-starts-without-weights")
 def test_an_engine_started_without_weights_generates_only_after_a_push(tmp_path, monkeypatch):
     fake = _FakeSGLang()
     monkeypatch.setattr(engine, "_shutdown", lambda *_args: None)
@@ -151,6 +154,7 @@ def test_an_engine_started_without_weights_generates_only_after_a_push(tmp_path,
     assert empty.generate([[7, 8]], greedy).samples[0].response_ids == (9,)
 
 
+@pytest.mark.claim("gpu-layout-pins")
 def test_gpu_engines_start_with_the_layout_the_reshard_plan_writes(tmp_path):
     args = engine._engine_args(str(tmp_path), tp=2, ep=1, dtype="bfloat16", max_total_tokens=64, seed=0,
                                on_cpu=False, routed=False, deterministic=False)
@@ -168,12 +172,14 @@ def test_gpu_engines_start_with_the_layout_the_reshard_plan_writes(tmp_path):
     (dict(moe_a2a_backend="deepep"), "moe_a2a_backend='deepep'"),
     (dict(ep_num_redundant_experts=8), "ep_num_redundant_experts=8"),
 ])
+@pytest.mark.claim("gpu-layout-pins")
 def test_layout_changing_overrides_are_refused_before_start(override, key, tmp_path):
     with pytest.raises(ValueError, match=f"sglang {key} changes the engine's parameter layout"):
         engine._check_layout_overrides(override, on_cpu=False)
     engine._check_layout_overrides({"moe_runner_backend": "triton"}, on_cpu=False)  # the pinned value is fine
 
 
+@pytest.mark.claim("gpu-layout-pins")
 def test_layout_changing_environment_is_refused_on_gpus(monkeypatch):
     monkeypatch.setenv("SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED", "1")
     with pytest.raises(ValueError, match="SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED=1 re-lays"):
@@ -181,6 +187,7 @@ def test_layout_changing_environment_is_refused_on_gpus(monkeypatch):
     engine._check_layout_overrides({}, on_cpu=True)  # the CPU engine has no such path
 
 
+@pytest.mark.claim("gpu-layout-pins")
 def test_the_sliced_push_ends_by_rederiving_what_the_model_builds_from_weights():
     from hybridflow.rollout.sglang import post_load
 

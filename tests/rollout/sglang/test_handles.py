@@ -29,6 +29,7 @@ RECEIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.claim("push-by-handles")
 def test_a_shared_cpu_tensor_is_opened_in_place_by_an_unrelated_process():
     before = torch.multiprocessing.get_sharing_strategy()
     owner = torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256)

@@ -66,6 +66,7 @@ def _max_diff(net, samples: list[dict]) -> float:
     return worst
 
 
+@pytest.mark.claim("lora-engine-serves-adapters")
 def test_the_engine_serves_the_adapter_it_was_last_given(served) -> None:
     from peft import PeftModel
 
@@ -82,6 +83,7 @@ def test_the_engine_serves_the_adapter_it_was_last_given(served) -> None:
     assert _max_diff(base, phases["unloaded"]) <= LOGPROB_ATOL  # unloaded: the base again
 
 
+@pytest.mark.claim("lora-engine-serves-adapters")
 def test_a_push_is_the_adapters_bytes(served) -> None:
     from safetensors.torch import load_file
 

@@ -1,0 +1,75 @@
+"""The benchmarks behind the README's measured tables, run small: each still measures what its
+table reports (slow tier: the figures are measurements on this machine, the tests prove the
+scripts compute them). ``benchmarks/reshard_*``, ``lora_cost`` and ``rollout_data`` have tests of
+their own in the default tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1500)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, tmp_path: Path, *args: str, timeout: int = 1400) -> dict:
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, script, *args, "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.claim("adapter-push-benchmark")
+def test_adapter_push_benchmark_moves_fewer_bytes(tmp_path) -> None:
+    result = _run("benchmarks/adapter_push.py", tmp_path, "--hidden", "64", "--layers", "2", "--rank", "4")
+    assert 0 < result["adapter_push_bytes"] < result["merged_push_bytes"]
+    assert result["adapter_push_seconds"] > 0 and result["merged_push_seconds"] > 0
+    assert result["generate_seconds_base"] > 0 and result["generate_seconds_adapter"] > 0
+
+
+@pytest.mark.claim("async-benchmark")
+def test_async_rl_benchmark_runs_each_mode(tmp_path) -> None:
+    result = _run("benchmarks/async_rl.py", tmp_path, "--steps", "3", "--sft-steps", "20", "--modes", "sync,async_partial")
+    modes = {m["label"]: m for m in result["modes"]}
+    assert set(modes) == {"sync", "async_partial"}
+    assert all(m["steps_per_second"] > 0 and m["heldout_reward"] is not None for m in modes.values())
+    assert modes["sync"]["overlap_fraction"] == 0 and modes["async_partial"]["overlap_fraction"] > 0
+    assert modes["async_partial"]["partial_rollout"] is True
+
+
+@pytest.mark.claim("convert-benchmark")
+def test_convert_benchmark_round_trips_in_bounded_memory(tmp_path) -> None:
+    result = _run("benchmarks/convert.py", tmp_path, "--target-bytes", "64M", "--buffer-bytes", "8M", "--workdir",
+                  str(tmp_path / "work"))
+    assert result["round_trip_bitwise"] is True
+    assert result["checkpoint_bytes"] >= 64 * 2**20 * 0.9
+    for way in ("hf_to_mcore", "mcore_to_hf"):
+        assert result[f"{way}_gbps"] > 0 and result[f"{way}_rss_above_idle_bytes"] < result["checkpoint_bytes"]
+
+
+@pytest.mark.claim("efficiency-benchmark")
+def test_efficiency_benchmark_packs_fewer_tokens(tmp_path) -> None:
+    result = _run("benchmarks/efficiency.py", tmp_path, "--rows", "8", "--steps", "1")
+    assert result["packed_tokens"] == result["packed_budget_tokens"] == result["real_tokens"]
+    assert result["padded_tokens"] >= result["padded_trimmed_tokens"] > result["real_tokens"]
+    assert result["tokens_ratio_vs_padded"] > 1 and result["loss_spread"] < 1e-3  # the same loss in every mode
+
+
+@pytest.mark.claim("user-mistakes-table")
+def test_user_mistakes_table_prints_every_row(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "scripts/user_mistakes.py", "--work", str(tmp_path / "work"), "--json",
+                           str(tmp_path / "table.json")], cwd=ROOT, capture_output=True, text=True, timeout=1400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "table.json").read_text())
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| #")]
+    assert len(rows) == len(table) >= 44
+    for row in rows:
+        assert row["last_lines"] and isinstance(row["exit"], int), row  # what the user saw, and how it ended
+        assert row["left"] == [], row  # no process of the job outlives it
