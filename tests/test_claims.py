@@ -52,7 +52,7 @@ Everything here is fast.
 """
 
 
-@pytest.mark.claim("every-claim-has-a-test")
+@pytest.mark.claim("every-claim-has-a-test", "claims-check-names-each-problem")
 def test_a_planted_claim_without_a_test_fails_the_check(collected) -> None:
     claims, bare = parse_doc("docs/planted.md", PLANTED)
     assert [c.name for c in claims] == ["quickstart-resumes", "planted-moon-streaming"]
@@ -69,6 +69,7 @@ def test_a_planted_claim_without_a_test_fails_the_check(collected) -> None:
     assert any("claims 'learning-matrix', which no doc makes" in line for line in found), found
 
 
+@pytest.mark.claim("claims-check-names-each-problem")
 def test_a_claim_made_twice_and_a_test_of_no_claim_are_named() -> None:
     text = "# P\n\nA. <!-- claim: same -->\n\n## Q\n\nB. <!-- claim: same -->\n"
     claims, bare = parse_doc("p.md", text)
@@ -79,6 +80,7 @@ def test_a_claim_made_twice_and_a_test_of_no_claim_are_named() -> None:
                      "<!-- claim: gone --> or drop the marker"]
 
 
+@pytest.mark.claim("claims-check-names-each-problem")
 def test_markers_in_code_blocks_are_text_and_tiers_are_listed() -> None:
     assert slug("Training on megatron-core (what exists today)") == "training-on-megatron-core-what-exists-today"
     text = "# P\n\n```\n<!-- claim: in-code -->\n## not a heading\n```\n\nReal. <!-- claim: real -->\n"

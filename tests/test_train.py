@@ -89,11 +89,12 @@ WARM_UP = "sft.steps=150"
 (``tests/conftest.py``'s ``sft_warm_up``) and copied into each of their run directories."""
 
 
-def warm_up_run(tmp_path_factory) -> Path:
-    """``run.mode=sft`` of the quickstart with the learning runs' warm-up; returns its run directory.
-    No tracking: a run seeded from its checkpoint starts an MLflow run of its own."""
+def warm_up_run(tmp_path_factory, *overrides: str) -> Path:
+    """``run.mode=sft`` of the quickstart with the learning runs' warm-up (and ``overrides``, a seed
+    say); returns its run directory. No tracking: a run seeded from its checkpoint starts an MLflow
+    run of its own."""
     out = tmp_path_factory.mktemp("sft_warm_up") / "run"
-    _ok(_train(out, "run.mode=sft", WARM_UP, "run.tracking.backend=none", "run.heldout_prompts=0"))
+    _ok(_train(out, "run.mode=sft", WARM_UP, "run.tracking.backend=none", "run.heldout_prompts=0", *overrides))
     return out
 
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from scripts.test_budget import module_of, module_times, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +26,7 @@ def test_test_classes_count_against_their_module_file():
     assert module_of("not.a.module", ROOT) == "not.a.module"
 
 
+@pytest.mark.claim("ci-prints-its-budget")
 def test_modules_are_summed_and_ordered_with_their_outcomes(tmp_path):
     junit = tmp_path / "junit.xml"
     junit.write_text(JUNIT)
@@ -37,6 +40,7 @@ def test_modules_are_summed_and_ordered_with_their_outcomes(tmp_path):
     assert text.splitlines()[-1].strip().startswith("43.8s 100.0%     5 tests  all modules")
 
 
+@pytest.mark.claim("ci-prints-its-budget")
 def test_the_command_prints_the_table_writes_json_and_names_a_missing_file(tmp_path):
     junit = tmp_path / "junit.xml"
     junit.write_text(JUNIT)

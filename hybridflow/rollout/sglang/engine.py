@@ -184,7 +184,9 @@ class SGLangNode:
 
     def shutdown(self) -> None:
         """Reap this node's scheduler processes (the driver's shutdown has stopped them)."""
-        _kill_and_reap(_descendants(self._own))
+        tree = _descendants(self._own)
+        _kill_and_reap(tree)
+        _unlink_shared_memory(None, [p.pid for p in tree])
 
 
 def start_node(model_path: str, *, node_rank: int, nnodes: int, dist_init_addr: str, tp: int, ep: int = 1,
@@ -726,6 +728,30 @@ def _shutdown(engine: Any, own: frozenset[int]) -> None:
         sglang_engine_module.kill_process_tree = original
         _kill_and_reap(tree)
         _release_loop_and_sockets(engine)
+        _unlink_shared_memory(engine, [p.pid for p in tree])
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _unlink_shared_memory(engine: Any, pids: list[int]) -> None:
+    """Remove the shared-memory files the engine's (killed) processes made, once they are gone.
+
+    Why: SGLang makes them under /dev/shm (a 24 MB message queue per scheduler, named with its
+    pid: ``sgl_shm_<kind>_<pid>_<random>``; a load-snapshot file named after the engine's instance
+    id) and removes them only when its processes exit cleanly. Ours are killed, so each engine
+    start left two or three behind: about 200 after one run of the test suite, and on a GPU node
+    with engine restarts a /dev/shm that fills up. Only these names go: another engine's files
+    stay, as does everything a live process holds."""
+    names = [path for pid in pids for path in SHM_DIR.glob(f"sgl_shm_*_{pid}_*")]
+    instance = getattr(getattr(engine, "port_args", None), "instance_id", None)
+    if instance is not None:
+        from sglang.srt.managers.load_snapshot import shm_path_for
+
+        names.append(Path(shm_path_for(instance)))
+    for path in names:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _release_loop_and_sockets(engine: Any) -> None:

@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,6 +235,14 @@ def test_memory_calls_are_no_ops_on_cpu(case):
 def test_shutdown_leaves_no_process_and_no_stub_kernel_was_called(case):
     engine_children = child_processes()
     assert engine_children, "the engine should have started scheduler processes"
+    # the /dev/shm files SGLang's processes made (message queues named with their pid, the load
+    # snapshot named after the instance): SGLang removes them at a clean exit only
+    shm = [path for c in engine_children for path in Path("/dev/shm").glob(f"sgl_shm_*_{c.pid}_*")]
+    assert shm or case.tp == 1, "the tp>1 engine's schedulers should have made their shared-memory queues"
+    from sglang.srt.managers.load_snapshot import shm_path_for
+
+    snapshot = Path(shm_path_for(case.engine.sglang_engine.port_args.instance_id))
+    assert snapshot.exists()
     # SGLang's own shutdown kills every child of the caller; the adapter's kills only the engine's
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
@@ -244,6 +253,8 @@ def test_shutdown_leaves_no_process_and_no_stub_kernel_was_called(case):
         bystander.wait()
     left = [p for p in child_processes() if p.pid in {c.pid for c in engine_children}]
     assert not left, f"processes left after shutdown: {left}"
+    assert not [path for path in shm if path.exists()], "the engine's shared-memory files outlived it"
+    assert not snapshot.exists(), f"the engine's load snapshot {snapshot} outlived it"
     assert not case.stub_log.exists(), f"sgl_kernel stand-in functions were called:\n{case.stub_log.read_text()}"
     with pytest.raises(RuntimeError, match="shut down"):
         case.engine.generate(PROMPTS[:1], GREEDY)
