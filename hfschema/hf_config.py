@@ -70,8 +70,8 @@ def read_model_config(directory: str | Path) -> ModelConfig:
     model_type = config.get("model_type")
     if model_type not in HF_CONFIG_READERS:
         raise ValueError(
-            f"{where}: model_type={model_type!r} has no converter; "
-            f"known: {', '.join(HF_CONFIG_READERS)}"
+            f"{where}: model_type={model_type!r} is not supported; supported model types: "
+            f"{', '.join(HF_CONFIG_READERS)}"
         )
     keys = _Keys(config, where)
     for key, value, why in HF_FIXED[model_type]:

@@ -175,12 +175,24 @@ def _add_slurm_parser(commands) -> None:
     slurm.set_defaults(handler=_slurm)
 
 
+def _weights_line(model) -> str:
+    """Where the run's weights come from, as planned."""
+    if not model.path:
+        return "weights: random initialisation (model.init=random)" if model.init == "random" else \
+            "weights: random initialisation: no model.path is set (refused on GPUs and Slurm)"
+    if not os.path.exists(os.path.expanduser(model.path)):
+        return f"weights: model.path={model.path} does not exist here: the shape above is the config's model.* keys"
+    return f"weights: {model.path} ({'random init, its architecture' if model.init == 'random' else 'pretrained'}); " \
+           "shape from its config.json"
+
+
 def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
     counts = count_parameters(cfg.model)
     lines = [
         f"model {cfg.model.family}: {format_count(counts['total'])} parameters "
         f"({format_count(counts['active'])} active per token, "
-        f"{format_count(counts['embedding'])} embedding)"
+        f"{format_count(counts['embedding'])} embedding)",
+        _weights_line(cfg.model),
     ]
     for name, layout in enabled_roles(cfg).items():
         vocab = layout.padded_vocab_size(cfg.model)
@@ -270,7 +282,7 @@ def _slurm(args: argparse.Namespace) -> int:
         job_name=args.job_name or f"hybridflow-{cfg.run.name}", partition=args.partition, account=args.account,
         time=args.time, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem, env=_env_pairs(args.env),
         extra_directives=tuple(args.sbatch_option), **_given(args, SLURM_DEFAULTS))
-    check_slurm_run(cfg, job)
+    check_slurm_run(cfg, job, dry_run=args.dry_run)
     run_dir, text = slurm.sbatch_for_run(job, config=args.config, overrides=args.overrides,
                                          output_dir=cfg.run.output_dir)
     print(text, end="")

@@ -45,6 +45,7 @@ __all__ = [
     "ConfigError",
     "HybridflowConfig",
     "ModelConfig",
+    "ModelSection",
     "MODEL_FAMILIES",
     "MoEConfig",
     "ParallelLayout",
@@ -77,6 +78,44 @@ ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 # --------------------------------------------------------------------------- schema
+
+
+MODEL_INITS = ("pretrained", "random")
+
+
+@dataclass(kw_only=True)
+class ModelSection(ModelConfig):
+    """The model: its architecture (``ModelConfig``'s keys) and where its weights come from.
+
+    With ``path`` set, the architecture is read from the directory's config.json when the
+    config loads; a ``model.*`` key set beside it must agree (``model_source.architecture``).
+    """
+
+    path: Optional[str] = None
+    """Starting model: a Hugging Face model directory (config.json, *.safetensors, tokenizer,
+    chat template, generation_config.json) or a checkpoint written by ``hybridflow convert
+    hf-to-mcore`` (or a run). Its tokenizer, chat template and stop tokens are the run's."""
+    init: Optional[str] = None
+    """pretrained (the weights at ``path``) or random (seeded initialisation: the synthetic
+    quickstart's SFT warm-up and tests); None: pretrained when ``path`` is set, else random."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.init is not None:
+            check_choice("init", self.init, MODEL_INITS)
+        if self.init == "pretrained" and not self.path:
+            raise ConfigError("{p}init=pretrained needs {p}path (a Hugging Face model directory or a "
+                              "converted checkpoint)")
+
+    @property
+    def architecture(self) -> ModelConfig:
+        """The architecture alone (what a model directory's config.json describes)."""
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)})
+
+    @property
+    def pretrained(self) -> bool:
+        """Whether the run starts from the weights at ``path``."""
+        return bool(self.path) and self.init != "random"
 
 
 @dataclass(kw_only=True)
@@ -693,8 +732,8 @@ class SFTConfig:
 class HybridflowConfig:
     """The whole run: model, per-role layouts, rollout engines, training and run settings."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Model architecture shared by all roles."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """Model architecture shared by all roles, and the weights they start from."""
     actor: RoleConfig = field(default_factory=RoleConfig)
     """The policy being trained; the rollout engines generate with its weights."""
     reference: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False, parallel=None))
@@ -786,12 +825,17 @@ def enabled_roles(cfg: HybridflowConfig) -> dict[str, ParallelLayout]:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | None, overrides: Sequence[str] = ()) -> HybridflowConfig:
-    """Schema defaults <- YAML file at ``path`` (if any) <- ``key=value`` overrides, validated.
+def load_config(path: str | None, overrides: Sequence[str] = (), *,
+                model_path_must_exist: bool = False) -> HybridflowConfig:
+    """Schema defaults <- YAML file at ``path`` (if any) <- ``key=value`` overrides
+    (<- ``model.path``'s config.json), validated.
 
     Raises ``ValueError`` naming the offending key for every user error: missing file,
-    malformed override, unknown key, wrong type, bad value, or a layout that does not fit
-    the model.
+    malformed override, unknown key, wrong type, bad value, a model directory that is
+    incomplete or contradicts a ``model.*`` key, or a layout that does not fit the model.
+    A ``model.path`` that does not exist (a recipe's placeholder, planned before the model is
+    downloaded) leaves the config's own ``model.*`` keys, with a warning; preflight refuses to
+    train from it, and ``model_path_must_exist=True`` refuses it here.
     """
     sources = []
     if path is not None:
@@ -805,6 +849,7 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> HybridflowCo
         merged.model[key] = None
     for origin, source in sources:
         merged = _merge(merged, source, origin)
+    _read_model_path(merged, sources, must_exist=model_path_must_exist)
     try:
         cfg = _to_object(merged, "")
     except OmegaConfBaseException as e:  # e.g. a ${...} that does not resolve
@@ -812,6 +857,24 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> HybridflowCo
         raise ValueError(_omegaconf_message(e)) from None
     logger.debug("loaded config %s with overrides %s", path, list(overrides))
     return cfg
+
+
+def _read_model_path(merged: DictConfig, sources: list[tuple[str, DictConfig]], *, must_exist: bool) -> None:
+    """With ``model.path`` set, the model section's architecture is its config.json's."""
+    from hfschema.model_source import architecture, model_source
+
+    path = merged.model.path
+    if not path:
+        return
+    if not must_exist and not os.path.exists(os.path.expanduser(path)):
+        logger.warning("model.path=%s does not exist (yet): using the model.* keys of the config", path)
+        return
+    explicit = {key: OmegaConf.to_container(merged.model, resolve=True)[key]
+                for _, source in sources for key in (source.get("model") or {})
+                if key not in ("path", "init")}
+    values = architecture(model_source(path), {k: v for k, v in explicit.items() if v is not None})
+    for key, value in values.items():
+        merged.model[key] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def _check_resolved(merged: DictConfig) -> None:

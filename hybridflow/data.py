@@ -319,7 +319,7 @@ def _columns(records: Sequence[Any]) -> str:
 
 
 def _preview_file(path_text: str, key: str, cfg: DataConfig, sft_key: str | None,
-                  sources: Counter) -> None:
+                  sources: Counter, no_chat_template: str | None) -> None:
     path = Path(path_text)
     where = f"{key}={path_text}"
     reader = _READERS.get(path.suffix.lower())
@@ -346,6 +346,10 @@ def _preview_file(path_text: str, key: str, cfg: DataConfig, sft_key: str | None
                                  "data.on_bad_row=skip to skip such rows") from None
             first_bad = first_bad or f"{reader.unit.format(n=number)}: {reason}"
             continue
+        if no_chat_template is not None and not isinstance(row.prompt, str):
+            raise ValueError(f"{where}: {reader.unit.format(n=number)}: the prompt is a list of chat messages but "
+                             f"the model in {no_chat_template} has no chat template; use a chat (instruct) model, "
+                             "add its chat_template to tokenizer_config.json, or give plain-text prompts")
         good += 1
         sources[row.data_source] += 1
     if not good:
@@ -359,16 +363,18 @@ def sft_key(cfg: HybridflowConfig) -> str | None:
     return cfg.sft.response_key if cfg.sft.steps > 0 or cfg.run.mode == "sft" else None
 
 
-def preview_files(cfg: DataConfig, *, sft_key: str | None, with_heldout: bool = True) -> Counter:
+def preview_files(cfg: DataConfig, *, sft_key: str | None, with_heldout: bool = True,
+                  no_chat_template: str | None = None) -> Counter:
     """What preflight checks of ``data.train_files`` and ``data.heldout_files`` without reading them
     whole: each exists, is readable, holds rows, and its first ``PREVIEW_ROWS`` rows carry the
-    configured columns (at least one good row; none bad under ``data.on_bad_row=fail``). Returns
+    configured columns (at least one good row; none bad under ``data.on_bad_row=fail``), and no
+    chat prompt when the model (``no_chat_template``: its directory) has no chat template. Returns
     the training rows previewed per ``data_source``; ValueError naming the key and the fix."""
     sources: Counter = Counter()
     for index, path in enumerate(cfg.train_files):
-        _preview_file(os.fspath(path), f"data.train_files[{index}]", cfg, sft_key, sources)
+        _preview_file(os.fspath(path), f"data.train_files[{index}]", cfg, sft_key, sources, no_chat_template)
     for index, path in enumerate(cfg.heldout_files if with_heldout else ()):
-        _preview_file(os.fspath(path), f"data.heldout_files[{index}]", cfg, None, Counter())
+        _preview_file(os.fspath(path), f"data.heldout_files[{index}]", cfg, None, Counter(), no_chat_template)
     return sources
 
 

@@ -30,17 +30,20 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from hfschema.model_source import has_chat_template, model_source
 from hybridflow.config import HybridflowConfig, to_yaml
 from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
 from hybridflow.runtime import checksums
+from hybridflow.runtime.model_dir import GENERATED_FAMILIES
 from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpoint_problem, find_resume, sft_checkpoint
 
 if TYPE_CHECKING:
     from launch.slurm import SlurmJob
 
-__all__ = ["check_async", "check_data", "check_engine_device", "check_node_gpus", "check_packing", "check_resume",
+__all__ = ["check_async", "check_data", "check_engine_device", "check_model_weights", "check_node_gpus",
+           "check_packing", "check_resume",
            "check_runtime_support",
            "check_separate_nodes", "check_slurm_run", "engine_ranks", "preflight", "process_count"]
 
@@ -221,13 +224,39 @@ def _say(command: str, line: str, *, warning: bool = False) -> None:
 def check_data(cfg: HybridflowConfig, *, command: str = "train") -> None:
     """The data files as far as a look at their first rows tells (``data.preview_files``), and
     one line saying which reward function scores the rows of each data_source."""
-    sources = preview_files(cfg.data, sft_key=sft_key(cfg), with_heldout=cfg.run.heldout_prompts > 0)
+    files = model_source(cfg.model.path).files if cfg.model.path and os.path.isdir(cfg.model.path) else None
+    sources = preview_files(cfg.data, sft_key=sft_key(cfg), with_heldout=cfg.run.heldout_prompts > 0,
+                            no_chat_template=str(files) if files and not has_chat_template(files) else None)
     if not cfg.data.train_files:  # the synthetic task's rows name it as their data_source
         sources[cfg.task.name] += cfg.task.train_size
     line, warnings = describe_routing(cfg.reward, sources)
     _say(command, line + (" (the first rows of each file)" if cfg.data.train_files else ""))
     for warning in warnings:
         _say(command, warning, warning=True)
+
+
+def check_model_weights(cfg: HybridflowConfig, *, on_cluster: bool, must_exist: bool = True,
+                        command: str = "train") -> None:
+    """A run that would post-train a random network by accident is refused: on GPUs (or Slurm) a
+    model without ``model.path`` must say ``model.init=random``; ``model.path`` must hold a model
+    (``must_exist=False``: a warning when it does not exist). A random model needs a starting
+    directory the run can write (``model_dir.GENERATED_FAMILIES``)."""
+    model = cfg.model
+    if model.path:
+        if must_exist or os.path.exists(os.path.expanduser(model.path)):
+            model_source(model.path)  # load_config let a missing one plan
+        else:
+            _say(command, f"model.path={model.path} does not exist here; the job will fail unless it does on "
+                          "the cluster's nodes", warning=True)
+        return
+    if model.init is None and on_cluster:
+        raise ValueError("model.path is not set: this run would post-train a randomly initialised network; set "
+                         "model.path=DIR (a Hugging Face model directory or a `hybridflow convert hf-to-mcore` "
+                         "checkpoint), or model.init=random to train from random weights on purpose")
+    if model.family not in GENERATED_FAMILIES:
+        raise ValueError(f"model.family={model.family} without model.path: a random {model.family} model has no "
+                         f"starting directory (the run writes one for {', '.join(GENERATED_FAMILIES)}); set "
+                         f"model.path to a {model.family} model directory")
 
 
 def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
@@ -267,7 +296,8 @@ def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_referenc
         _say(command, f"changed since {found.path.name} was saved: {'; '.join(changes[:_SHOWN_CHANGES])}{more}")
 
 
-def preflight(cfg: HybridflowConfig, *, command: str = "train", content: bool = True) -> None:
+def preflight(cfg: HybridflowConfig, *, command: str = "train", content: bool = True,
+              model_must_exist: bool = True) -> None:
     """What can be checked in this process before any rank starts: the algorithm's graph
     against the enabled roles and placement, the reward function, the data files, the engine
     on this machine, and ``run.resume`` against the run directory (``content``: with the
@@ -277,6 +307,7 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train", content: bool = 
     check_async(cfg, plan)
     check_packing(cfg, policy_loss=plan.spec.policy_loss, loss_agg_mode=plan.spec.loss_agg_mode)
     check_reward(cfg.reward)
+    check_model_weights(cfg, on_cluster=command == "slurm" or _has_gpu(), must_exist=model_must_exist, command=command)
     check_data(cfg, command=command)
     if command != "slurm":  # this machine runs the ranks (a Slurm login node may have no GPU)
         import torch
@@ -290,12 +321,20 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train", content: bool = 
     check_resume(cfg, command=command, uses_reference=plan.spec.uses_reference, content=content)
 
 
-def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob) -> None:
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob, *, dry_run: bool = False) -> None:
     """Check the run as ``hybridflow launch`` would, before ``launch.slurm`` renders its script:
-    a requeued job must resume, and the allocation must start exactly the actor's ranks."""
+    a requeued job must resume, and the allocation must start exactly the actor's ranks
+    (``dry_run``: a script printed for a model not downloaded yet is only warned about)."""
     if cfg.run.resume != "auto":
         raise ValueError(f"run.resume={cfg.run.resume}: a Slurm job must be able to resume after a requeue; "
                          "use run.resume=auto (the default) and a new run.output_dir for a fresh run")
     job.check_layout(cfg.actor.parallel, engine_ranks(cfg))
     check_separate_nodes(cfg, job.nproc_per_node)
-    preflight(cfg, command="slurm", content=False)  # the job's node 0 compares them when it starts
+    # the job's node 0 compares the checksums when it starts
+    preflight(cfg, command="slurm", content=False, model_must_exist=not dry_run)

@@ -35,13 +35,14 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from hfschema.lora import LoRAConfig
+from hfschema.model_source import CHECKPOINT_META
 
 from .lora import is_adapter
 from .policy import MegatronPolicy
 
 logger = logging.getLogger(__name__)
 
-META_FILE = "hybridflow.json"
+META_FILE = CHECKPOINT_META
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 

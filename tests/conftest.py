@@ -58,6 +58,18 @@ def seeded(sft_warm_up):
 
 
 @pytest.fixture(scope="session")
+def pretrained_dir(sft_warm_up, tmp_path_factory):
+    """The shared warm-up exported as a Hugging Face model directory (``convert mcore-to-hf``: its
+    safetensors in several shards with their index, the tokenizer and chat template, configs): what
+    a user's own SFT model looks like, for runs that start from it with ``model.path``."""
+    from megatron_adapters.convert import mcore_to_hf
+
+    out = tmp_path_factory.mktemp("pretrained") / "warm_up_hf"
+    mcore_to_hf(sft_warm_up / "checkpoints" / "sft" / "actor", out, shard_bytes=256 << 10)
+    return out
+
+
+@pytest.fixture(scope="session")
 def separate_run(tmp_path_factory, seeded):
     """The uninterrupted separate-placement run (``tests.test_train_separate``, two tp=1 engine
     ranks) and its stdout: checked there, and reproduced by the killed engines of

@@ -1,4 +1,6 @@
-"""``hybridflow train`` with two colocated SGLang replicas (tp=1 each) on the quickstart's EP=2 actor.
+"""``hybridflow train`` with two colocated SGLang replicas (tp=1 each) on the quickstart's EP=2 actor,
+starting from a Hugging Face model directory (``model.path``: the shared SFT warm-up exported as a
+user's SFT model would be).
 
 Each actor rank drives one replica; the step's prompts are pulled in chunks by whichever replica
 is free, every push reaches both replicas, and the run learns. A run killed mid-way and resumed
@@ -13,20 +15,55 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import LOGPROB_TOL, WARM_UP, _deterministic, _history, _ok, _train
+from tests.test_train import LOGPROB_TOL, _deterministic, _history, _ok, _train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1500)]
 
-REPLICAS = ["rollout.tp=1", "rollout.num_replicas=2", WARM_UP, "run.steps=8", "run.checkpoint_every=4",
-            "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8"]
+REPLICAS = ["rollout.tp=1", "rollout.num_replicas=2", "sft.steps=0", "model.init=pretrained", "run.steps=8",
+            "run.checkpoint_every=4", "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8"]
 SAMPLES = 16 * 8
 
 
 @pytest.fixture(scope="module")
-def replica_run(tmp_path_factory, seeded) -> Path:
-    out = seeded(tmp_path_factory.mktemp("replicas") / "full")
-    _ok(_train(out, *REPLICAS))
+def replicas(pretrained_dir) -> list[str]:
+    """The replica runs' overrides: RL from the exported warm-up (no SFT)."""
+    return [*REPLICAS, f"model.path={pretrained_dir}"]
+
+
+@pytest.fixture(scope="module")
+def replica_run(tmp_path_factory, replicas) -> Path:
+    out = tmp_path_factory.mktemp("replicas") / "full"
+    _ok(_train(out, *replicas))
     return out
+
+
+@pytest.mark.claim("model-path-e2e")
+def test_the_run_starts_from_the_model_directory(replica_run: Path, pretrained_dir: Path) -> None:
+    """No SFT ran, yet the held-out reward before RL is the warm-up's (a random model scores 0): the
+    actor started from the directory's weights, the engines from its files, and the engines'
+    log-probs equal the trainer's at the first step."""
+    summary = json.loads((replica_run / "summary.json").read_text())
+    assert summary["heldout_reward_after_sft"] >= 0.1, summary
+    assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL
+    assert not (replica_run / "checkpoints" / "sft").exists()
+    config = (replica_run / "model" / "config.json").read_bytes()
+    assert config == (pretrained_dir / "config.json").read_bytes()
+    assert not list((replica_run / "model").glob("*.safetensors"))
+
+
+@pytest.mark.claim("model-path-e2e")
+def test_the_exported_model_carries_the_starting_models_tokenizer(replica_run: Path, pretrained_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_adapters.convert import mcore_to_hf
+
+    out = tmp_path / "rl_hf"
+    mcore_to_hf(replica_run / "checkpoints" / "step_000008" / "actor", out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (pretrained_dir / name).read_bytes(), name
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template
+    AutoModelForCausalLM.from_pretrained(str(out))
 
 
 @pytest.mark.claim("replicas-share-the-work")
@@ -47,13 +84,13 @@ def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(repl
 
 @pytest.mark.claim("restart-reproduces", "replica-failure-named")
 def test_a_replica_failing_mid_generation_stops_the_step_by_name_and_the_run_resumes(replica_run: Path,
-                                                                                     tmp_path: Path, seeded) -> None:
-    out = seeded(tmp_path / "failed")
+                                                                                     tmp_path: Path, replicas) -> None:
+    out = tmp_path / "failed"
     # generate call 6 is step 5's (call 1 scored the held-out prompts after SFT)
-    failed = _train(out, *REPLICAS, env={"HYBRIDFLOW_FAULT_REPLICA": "1@6"})
+    failed = _train(out, *replicas, env={"HYBRIDFLOW_FAULT_REPLICA": "1@6"})
     assert failed.returncode != 0
     assert "ReplicaFailed: rollout replica 1 (driven by rank 1) failed mid-generation" in failed.stderr
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "step_000004" in saved and "step_000008" not in saved, saved
-    _ok(_train(out, *REPLICAS))
+    _ok(_train(out, *replicas))
     assert _deterministic(_history(out, "step_000008")) == _deterministic(_history(replica_run, "step_000008"))

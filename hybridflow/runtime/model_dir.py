@@ -10,7 +10,10 @@ exactly the model megatron-core builds) and the tokenizer. The engine starts wit
     dir --to_hybridflow_model_config--> ModelConfig  ==  cfg.model ?   (else ValueError per field)
 
 The directory is written under a temporary name and renamed, and reused when it already holds
-the same model (a resumed run).
+the same model (a resumed run). A run that starts from ``model.path`` gets that model's own
+files instead (config.json, tokenizer, chat template, generation_config.json; no weights):
+``run_model_dir`` copies them, so the engines, the tokenizer and ``convert mcore-to-hf`` of the
+run's checkpoints all read the model the run started from.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hfschema.hf_config import side_files
 from hfschema.model import ModelConfig
+from hfschema.model_source import model_source
 
-__all__ = ["hf_overrides", "rollout_model_dir"]
+__all__ = ["GENERATED_FAMILIES", "copy_model_files", "hf_overrides", "rollout_model_dir", "run_model_dir"]
 
 logger = logging.getLogger(__name__)
+
+GENERATED_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral")
+"""Families a random model's starting directory can be written for (``_family_overrides``)."""
 
 
 def _family_overrides(model: ModelConfig) -> dict[str, Any]:
@@ -42,7 +50,7 @@ def _family_overrides(model: ModelConfig) -> dict[str, Any]:
     if model.family == "qwen2":
         return {}
     raise ValueError(f"model.family={model.family!r}: the run can write a starting model directory for "
-                     "llama, qwen2, qwen3_moe and mixtral only; convert a checkpoint for other families")
+                     f"{', '.join(GENERATED_FAMILIES)} only; set model.path to a model directory of that family")
 
 
 def hf_overrides(model: ModelConfig) -> dict[str, Any]:
@@ -91,4 +99,30 @@ def rollout_model_dir(model: ModelConfig, path: str | os.PathLike, *, seed: int)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     logger.info("wrote the rollout engine's starting model directory %s", final)
+    return final
+
+
+def run_model_dir(model: ModelConfig, path: str | os.PathLike, *, seed: int) -> Path:
+    """The run's model directory: the files of ``model.path``'s model, or a generated one."""
+    if getattr(model, "path", None):
+        return copy_model_files(model_source(model.path).files, path)
+    return rollout_model_dir(model, path, seed=seed)
+
+
+def copy_model_files(source: Path, path: str | os.PathLike) -> Path:
+    """``source``'s non-weight files copied to ``path`` (kept when its config.json is the same)."""
+    final = Path(path)
+    if final.resolve() == source.resolve():
+        return final
+    config = final / "config.json"
+    if config.is_file() and config.read_bytes() == (source / "config.json").read_bytes():
+        return final
+    staging = final.with_name(final.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for file in side_files(source):
+        shutil.copy2(file, staging / file.name)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    logger.info("copied the starting model's config and tokenizer files from %s to %s", source, final)
     return final

@@ -19,6 +19,7 @@ engine and the tracker is typed by small Protocols (``ModelRole``, ``RolloutEngi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
 from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows
 from hybridflow.runtime.channel import Channel
-from hybridflow.runtime.model_dir import rollout_model_dir
+from hybridflow.runtime.model_dir import run_model_dir
 from hybridflow.runtime.shares import Shard, single_process
 from hybridflow.runtime.state import RunState
 
@@ -293,7 +294,7 @@ def prepare_files(cfg: HybridflowConfig, out_dir: Path) -> tuple[list[str], list
             t, h = make_task_files(cfg.task, cfg.data, out_dir / "data", seed=cfg.run.seed,
                                   sft_key=cfg.sft.response_key)
             train, heldout = [str(t)], heldout or [str(h)]
-        model_dir = rollout_model_dir(cfg.model, out_dir / "model", seed=cfg.run.seed)
+        model_dir = run_model_dir(cfg.model, out_dir / "model", seed=cfg.run.seed)
         paths = (train, heldout, model_dir)
     return broadcast(paths)
 
@@ -314,11 +315,23 @@ def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: li
     return prompts, held, skipped
 
 
-def stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """End-of-text and end-of-turn ids the responses stop at."""
-    ids = {tokenizer.eos_token_id}
+def stop_token_ids(tokenizer, model_dir: Path | None = None) -> tuple[int, ...]:
+    """End-of-text and end-of-turn ids the responses stop at: the tokenizer's, and those the
+    model's generation_config.json names (Qwen's lists both <|im_end|> and <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id, *_generation_eos(model_dir)}
     for token in ("<|im_end|>", "<|endoftext|>"):
         found = tokenizer.convert_tokens_to_ids(token)
         if isinstance(found, int) and found != tokenizer.unk_token_id:
             ids.add(found)
     return tuple(sorted(i for i in ids if i is not None))
+
+
+def _generation_eos(model_dir: Path | None) -> list[int]:
+    path = None if model_dir is None else Path(model_dir) / "generation_config.json"
+    if path is None or not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or remove it") from None
+    return [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]

@@ -338,11 +338,11 @@ def _tensor_shapes(model: dict) -> dict[str, tuple[int, ...]] | None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from hfschema.model import ModelConfig
+    from hybridflow.config import ModelSection
     from reshard.families import canonical_tensors
 
     try:
-        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
+        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelSection), model))
         return {t.name: t.shape for t in canonical_tensors(config)}
     except (OmegaConfBaseException, ValueError, TypeError):
         return None

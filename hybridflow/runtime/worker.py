@@ -113,6 +113,8 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
     policy = build_policy(cfg, sft_train_config(cfg), s.pg)
     if s.state.sft_step:  # resume_from is the unfinished SFT's checkpoint
         checkpoint.load(policy, resume_from / "actor", with_optimizer=True)
+    else:
+        _load_starting_weights(s, policy)
     end_id = s.stop_ids[-1] if s.stop_ids else s.tokenizer.eos_token_id
     end_id = s.tokenizer.convert_tokens_to_ids("<|im_end|>") if s.tokenizer.chat_template else end_id
     requested = False
@@ -151,6 +153,8 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         checkpoint.load(s.actor, resume_from / "actor", with_optimizer=True)
     elif (sft / "actor").is_dir():
         checkpoint.load(s.actor, sft / "actor")
+    else:
+        _load_starting_weights(s, s.actor)
     if s.spec.needs_critic:
         from megatron_adapters.critic import MegatronCritic
 
@@ -166,8 +170,20 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         s.reference = build_policy(s.cfg, s.cfg.train, s.pg, trainable=False)
         if (sft / "actor").is_dir():
             checkpoint.load(s.reference, sft / "actor")
+        elif s.cfg.model.pretrained:  # read again: a resumed actor has moved away from it
+            _load_starting_weights(s, s.reference)
         else:  # no SFT: the reference is the initial actor, which this run's seed rebuilt
             _copy_weights(s.actor, s.reference)
+
+
+def _load_starting_weights(s: Session, policy) -> None:
+    """``model.path``'s weights into a fresh policy; a random model keeps its seeded init."""
+    if not s.cfg.model.pretrained:
+        return
+    from hfschema.model_source import model_source
+    from megatron_adapters.pretrained import load_pretrained
+
+    load_pretrained(policy, model_source(s.cfg.model.path))
 
 
 def _copy_weights(source, target) -> list[str]:
@@ -283,7 +299,7 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
     s = Session(cfg=cfg, out_dir=out_dir, rank=rank, tokenizer=tokenizer, model_dir=model_dir,
                 train_prompts=prompts, heldout_prompts=held, sft_rows=prompts,
                 sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
-                state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer), pg=pg,
+                state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer, model_dir), pg=pg,
                 shard=_shard(), device=parallel.device(), channel=channel,
                 data_rows_skipped=skipped, reward_errors=state.reward_errors)
     s.spec = algorithm_spec(cfg)

@@ -1,8 +1,9 @@
 """Tiny Hugging Face model directories of the five families, made with transformers' own classes.
 
 Weights are random (transformers' init, then norms, biases and DeepSeek's expert-score bias moved
-off their constant init so that a swapped or dropped tensor changes the output). ``llama`` is
-written as two safetensors shards with an index, the others as one file. Layers: 4, so PP=2
+off their constant init so that a swapped or dropped tensor changes the output), written as a
+hub model is: two safetensors shards with their index, the tokenizer with its chat template,
+generation_config.json. Layers: 4, so PP=2
 splits them; vocabulary 320 (megatron pads it to 384 at TP=1 and 512 at TP=2).
 """
 
@@ -94,7 +95,7 @@ def make_hf_dir(root: Path, family: str, seed: int = 0) -> Path:
     else:
         make_tiny_model_dir(path, family, seed=seed, num_hidden_layers=4,
                             initializer_range=INIT_RANGE, **_OVERRIDES[family])
-    _rewrite_weights(path, seed, shards=2 if family == "llama" else 1)
+    _rewrite_weights(path, seed, shards=2)
     return path
 
 

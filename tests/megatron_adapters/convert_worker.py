@@ -21,7 +21,10 @@ from hfschema.hf_config import read_model_config  # noqa: E402
 from hfschema.layout import ParallelLayout  # noqa: E402
 from hfschema.train import TrainConfig  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
+from megatron_adapters.export import global_named_parameters  # noqa: E402
 from megatron_adapters.policy import MegatronPolicy  # noqa: E402
+from megatron_adapters.pretrained import load_hf_weights  # noqa: E402
+from reshard.megatron import megatron_layout  # noqa: E402
 from task_pool import run_tasks  # noqa: E402
 
 SEED = 1234
@@ -48,7 +51,28 @@ def load_and_score(hf_dir: str, spec: dict, mcore_dir: str, resave_dir: str) -> 
     checkpoint.load(policy, mcore_dir)
     logp, _ = policy.forward_logprobs(batch(model.vocab_size))
     checkpoint.save(policy, resave_dir)
-    return {"logp": logp}
+    direct = MegatronPolicy(model, layout, TrainConfig(micro_batch_size=1, global_batch_size=4),
+                            pg_collection=pg, trainable=False)
+    report = load_hf_weights(direct, hf_dir, buffer_bytes=4096)  # small blocks: many reads per tensor
+    direct_logp, _ = direct.forward_logprobs(batch(model.vocab_size))
+    differs, shares = [None] * dist.get_world_size(), [None] * dist.get_world_size()
+    dist.all_gather_object(differs, _differing(policy, direct, model))
+    dist.all_gather_object(shares, report.share_bytes)
+    return {"logp": logp, "direct_logp": direct_logp, "direct_differs": sorted({n for d in differs for n in d}),
+            "direct_share_bytes": shares}
+
+
+def _differing(converted: MegatronPolicy, direct: MegatronPolicy, model) -> list[str]:
+    """Parameter boxes of this rank (those HF tensors map to: vocabulary padding aside) that
+    differ between the two loads."""
+    ours, theirs = global_named_parameters(converted), global_named_parameters(direct)
+    held = megatron_layout(model, converted.layout, dtype="float32").holdings(dist.get_rank()).holdings
+    differing = set()
+    for h in held:
+        box = tuple(slice(a, b) for a, b in h.param_region)
+        if not torch.equal(ours[h.param][box], theirs[h.param][box]):
+            differing.add(h.param)
+    return sorted(differing)
 
 
 def main() -> None:

@@ -88,6 +88,20 @@ def test_logprobs_equal_transformers(runs, family, pool):
     assert diff < LOGPROB_TOL
 
 
+@pytest.mark.claim("model-path-any-layout")
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hugging_face_directory_loads_slice_by_slice_onto_each_rank(runs, family, pool):
+    """``model.path``'s loader: each rank reads its own boxes of the safetensors shards (4 KB read
+    blocks); the result equals the converted checkpoint's load and transformers' log-probs."""
+    result = _result(runs, pool, family)
+    assert result["direct_differs"] == []
+    diff = (result["direct_logp"] - _transformers_logprobs(runs / f"hf_{family}")).abs().max().item()
+    assert diff < LOGPROB_TOL
+    total = sum(t.nbytes for t in hf_tensors(runs / f"hf_{family}").values())
+    assert max(result["direct_share_bytes"]) < total  # no rank read the whole model
+
+
 @pytest.mark.claim("convert-any-layout")
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("family", FAMILIES)

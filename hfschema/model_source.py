@@ -1,0 +1,136 @@
+"""Where a run's starting model comes from (``model.path``), checked without torch.
+
+```
+model.path = DIR
+  DIR/config.json + *.safetensors (+ index)  ─► kind "hf":    a Hugging Face model directory
+  DIR/hybridflow.json + DIR/hf_files/         ─► kind "mcore": ``hybridflow convert hf-to-mcore``
+  DIR/hybridflow.json in <run>/checkpoints/   ─► kind "mcore": a run's checkpoint (<run>/model)
+        │
+        └─► ModelSource(kind, weights=DIR, files=the folder with config.json + tokenizer)
+```
+
+Everything a user can get wrong about the directory is found here, on the launching process,
+before any rank starts: a path that does not exist, a directory with no weights, a shard the
+index lists but the directory lacks, no tokenizer files. ``read_model_config`` (``hf_config``)
+then refuses a ``model_type`` the project does not map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hfschema.hf_config import SIDE_FILE_DIR, WEIGHT_INDEX, read_model_config
+from hfschema.model import ModelConfig
+
+__all__ = ["CHECKPOINT_META", "ModelSource", "architecture", "has_chat_template", "model_source"]
+
+CHECKPOINT_META = "hybridflow.json"
+"""The metadata file of every megatron checkpoint the project writes (``checkpoint.META_FILE``)."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""Any one of these makes a loadable tokenizer (fast JSON, SentencePiece, or BPE vocab + merges)."""
+_FIX = ("set model.path to a Hugging Face model directory (config.json, *.safetensors, tokenizer "
+        "files) or to a checkpoint written by `hybridflow convert hf-to-mcore`")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """The starting weights of a run and the files that describe them."""
+
+    kind: str
+    """``hf`` (safetensors read slice by slice onto each rank) or ``mcore`` (a dist checkpoint)."""
+    weights: Path
+    """The directory holding the weights."""
+    files: Path
+    """The directory holding config.json, the tokenizer and the chat template."""
+
+
+def model_source(path: str | Path) -> ModelSource:
+    """The source at ``path``; ValueError naming the file and the fix for anything missing."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ValueError(f"model.path={path}: no such directory; {_FIX}")
+    if (directory / CHECKPOINT_META).is_file():
+        source = ModelSource(kind="mcore", weights=directory, files=_checkpoint_files(directory))
+    elif (directory / "config.json").is_file():
+        _check_weights(directory)
+        source = ModelSource(kind="hf", weights=directory, files=directory)
+    else:
+        raise ValueError(f"model.path={path}: neither config.json nor {CHECKPOINT_META} is there; {_FIX}")
+    _check_tokenizer(source.files)
+    return source
+
+
+def _checkpoint_files(directory: Path) -> Path:
+    """hf-to-mcore keeps the HF side files in ``hf_files``; a run's checkpoint has ``<run>/model``."""
+    beside = directory / SIDE_FILE_DIR
+    if (beside / "config.json").is_file():
+        return beside
+    run_model = directory.resolve().parent.parent.parent / "model"
+    if directory.resolve().parent.parent.name == "checkpoints" and (run_model / "config.json").is_file():
+        return run_model
+    raise ValueError(f"model.path={directory}: a megatron checkpoint without {SIDE_FILE_DIR}/config.json "
+                     "and not inside a run directory; convert the model with `hybridflow convert "
+                     "hf-to-mcore`, which keeps its config and tokenizer beside the weights")
+
+
+def _check_weights(directory: Path) -> None:
+    index = directory / WEIGHT_INDEX
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, AttributeError) as error:
+            raise ValueError(f"{index}: not a safetensors index ({error!r}); download the model again") from None
+        missing = sorted(f for f in files if not (directory / f).is_file())
+        if missing:
+            raise ValueError(f"{index} lists {', '.join(missing)}, missing from {directory}; download "
+                             "the whole model again (an interrupted download leaves shards out)")
+    elif not any(directory.glob("*.safetensors")):
+        other = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = (f" ({', '.join(other[:3])} are not read: save the model with safe_serialization=True)"
+                if other else "")
+        raise ValueError(f"model.path={directory}: config.json but no *.safetensors weights{hint}; {_FIX}")
+
+
+def _check_tokenizer(files: Path) -> None:
+    if not any((files / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"{files}: no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); copy the "
+                         "model's tokenizer files into it (the run tokenises prompts with them)")
+
+
+def has_chat_template(files: str | Path) -> bool:
+    """Whether the tokenizer in ``files`` has a chat template (transformers 5 writes it to
+    ``chat_template.jinja``; older tokenizers keep it in ``tokenizer_config.json``)."""
+    files = Path(files)
+    if (files / "chat_template.jinja").is_file() or (files / "chat_template.json").is_file():
+        return True
+    config = files / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template"))
+    except json.JSONDecodeError:
+        return False
+
+
+def architecture(source: ModelSource, explicit: Mapping[str, Any]) -> dict[str, Any]:
+    """Every ``ModelConfig`` field of the model at ``source`` (its config.json), after checking
+    that the ``model.*`` keys a user set (``explicit``) agree with it: a recipe may restate the
+    shape it expects, never a different one."""
+    model = read_model_config(source.files)
+    values = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)}
+    where = source.files / "config.json"
+    for key, value in explicit.items():
+        if key not in values:
+            continue
+        theirs = values[key]
+        if key == "rope_scaling" and theirs is not None:
+            theirs = dataclasses.asdict(theirs)
+        if value != theirs:
+            raise ValueError(f"model.{key}={value!r} contradicts {where} ({theirs!r}); remove model.{key}: "
+                             "model.path sets the architecture")
+    return values
