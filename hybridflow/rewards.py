@@ -12,7 +12,13 @@ fn(response, answer, **reward.kwargs) -> float   ── raises / NaN / not a num
 score_responses -> (scores, errors)
 ```
 
-Built-ins register by name: ``exact_match``, ``math``, ``arithmetic`` and ``countdown``.
+Built-ins register by name: ``exact_match``, ``math``, ``arithmetic``, ``countdown``, and the math
+scorers of ``math_scorers`` (``gsm8k``, ``math_boxed``, ``math_verify``), which also register under
+the data_source names verl gives them (``openai/gsm8k``, ``lighteval/MATH``, ...) so that ``auto``
+scores such rows as verl does (``reward.math_equivalence=math_verify``: by math-verify instead).
+A function may also take the row's ``data_source`` and ``extra_info`` (by those parameter names),
+and verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` is called as
+verl calls it (a dict result gives its ``score``).
 An explicitly written ``reward.function`` wins because a user who names a function expects it
 to score their data; ``auto`` keeps the synthetic tasks (whose rows carry their verifier's name
 as ``data_source``) and mixed data sets scored by their own verifiers. ``check_reward`` and
@@ -38,6 +44,8 @@ from fractions import Fraction
 from typing import Any
 
 from hybridflow.config import RewardConfig
+from hybridflow.math_scorers import (GSM8K_SOURCES, MATH_SOURCES, VERL_MATH_SOURCES, gsm8k_strict, math_boxed,
+                                     math_verify_score)
 
 __all__ = [
     "AUTO",
@@ -117,18 +125,45 @@ def get_reward(name: str) -> RewardFn:
                      f"{AUTO!r} nor a dotted path package.module.function; {hint}set reward.function to one of them")
 
 
+_VERL_PARAMETERS = frozenset({"solution_str", "ground_truth"})
+_ROW_PARAMETERS = ("data_source", "extra_info")
+
+
+def _parameters(fn: RewardFn) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return frozenset()
+
+
+def _arguments(fn: RewardFn, response: str, answer: Any, data_source: str | None, extra_info: Any,
+               kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+    """How ``fn`` is called: verl's ``compute_score`` by its parameter names, any other function as
+    fn(response, answer, **kwargs), with ``data_source`` / ``extra_info`` when it names them."""
+    names = _parameters(fn)
+    if _VERL_PARAMETERS <= names:
+        row = {"data_source": data_source, "extra_info": extra_info} if "extra_info" in names else \
+            {"data_source": data_source}
+        return (), {**row, "solution_str": response, "ground_truth": answer, **kwargs}
+    row = {k: v for k, v in (("data_source", data_source), ("extra_info", extra_info)) if k in names}
+    return (response, answer), {**row, **kwargs}
+
+
 def check_reward(cfg: RewardConfig) -> None:
-    """``reward.function`` resolves (``auto``: always) and takes ``(response, answer, **reward.kwargs)``;
-    ValueError naming the key and the fix otherwise. Imports a dotted path's module."""
+    """``reward.function`` resolves (``auto``: always) and takes ``(response, answer, **reward.kwargs)``
+    (or verl's ``compute_score`` arguments); ValueError naming the key and the fix otherwise.
+    Imports a dotted path's module."""
     names = [AUTO_FALLBACK] if cfg.function == AUTO else [cfg.function]
     for name in names:
         fn = get_reward(name)
+        args, kwargs = _arguments(fn, "response", "answer", "data_source", {}, cfg.kwargs)
         try:
-            inspect.signature(fn).bind("response", "answer", **cfg.kwargs)
+            inspect.signature(fn).bind(*args, **kwargs)
         except TypeError as error:
             raise ValueError(f"reward.function={name!r} cannot be called as fn(response, answer, "
                              f"**reward.kwargs) with reward.kwargs={dict(cfg.kwargs)} ({error}); fix "
-                             "reward.kwargs or the function's parameters") from None
+                             "reward.kwargs or the function's parameters (verl's compute_score(data_source, "
+                             "solution_str, ground_truth, extra_info) is called as verl calls it)") from None
         except ValueError:  # no signature to read (a builtin): it is checked when called
             pass
 
@@ -138,6 +173,8 @@ def function_name(data_source: str | None, cfg: RewardConfig) -> str:
     when that names a registered reward, else ``AUTO_FALLBACK``."""
     if cfg.function != AUTO:
         return cfg.function
+    if data_source in VERL_MATH_SOURCES and cfg.math_equivalence == "math_verify":
+        return "math_verify"
     return data_source if data_source in _REWARDS else AUTO_FALLBACK
 
 
@@ -246,6 +283,15 @@ def arithmetic(response: str, answer: Any, **kwargs: Any) -> float:
     return float(found is not None and int(found.group()) == expected)
 
 
+register_reward("gsm8k")(gsm8k_strict)
+register_reward("math_boxed")(math_boxed)
+register_reward("math_verify")(math_verify_score)
+for _source in GSM8K_SOURCES:
+    register_reward(_source)(gsm8k_strict)
+for _source in MATH_SOURCES:
+    register_reward(_source)(math_boxed)
+
+
 # --------------------------------------------------------------------------- countdown
 
 _EQUATION_CHARS = re.compile(r"[0-9 +\-*/()]+")
@@ -343,6 +389,8 @@ def _log_new_routes(data_sources: Sequence[str | None], names: Sequence[str]) ->
 
 
 def _check_score(value: Any) -> float:
+    if isinstance(value, Mapping) and "score" in value:  # verl's scorers may return {"score": ..., ...}
+        value = value["score"]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"returned a {type(value).__name__} ({value!r:.40}), not a number")
     score = float(value)
@@ -376,7 +424,7 @@ class _ErrorLog:
 
 def score_responses(
     responses: Sequence[str], answers: Sequence[Any], data_sources: Sequence[str | None],
-    cfg: RewardConfig,
+    cfg: RewardConfig, extra_infos: Sequence[Any] | None = None,
 ) -> tuple[list[float], list[str]]:
     """Score each response against its answer; return the scores and one message per failure.
 
@@ -393,10 +441,13 @@ def score_responses(
     names = [function_name(source, cfg) for source in data_sources]
     functions = {name: get_reward(name) for name in names}
     _log_new_routes(data_sources, names)
+    extra_infos = [None] * len(responses) if extra_infos is None else extra_infos
     errors, scores = _ErrorLog(cfg), []
     for index, (response, answer, name) in enumerate(zip(responses, answers, names)):
+        fn = functions[name]
         try:
-            scores.append(_check_score(functions[name](response, answer, **cfg.kwargs)))
+            args, kwargs = _arguments(fn, response, answer, data_sources[index], extra_infos[index], cfg.kwargs)
+            scores.append(_check_score(fn(*args, **kwargs)))
         except Exception as error:  # any failure of user code is reported per sample
             errors.add(index, name, response, answer, error)
             scores.append(0.0)

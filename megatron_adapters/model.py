@@ -122,10 +122,11 @@ def _moe_fields(model: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
 
 def transformer_config(
     model: ModelConfig, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32,
-    moe: MoEConfig | None = None,
+    moe: MoEConfig | None = None, initialize: bool = True,
 ) -> TransformerConfig:
     """megatron-core config for ``model`` under ``layout`` (dropout off: RL needs exact log-probs);
-    ``moe`` adds routing replay, the expert-bias update rate and router losses (RL actor)."""
+    ``moe`` adds routing replay, the expert-bias update rate and router losses (RL actor);
+    ``initialize=False``: no random initialisation (weights about to be loaded)."""
     traits = FAMILIES[model.family]
     on_gpu = torch.cuda.is_available()
     fields: dict[str, Any] = dict(
@@ -145,6 +146,8 @@ def transformer_config(
         attention_dropout=0.0,
         hidden_dropout=0.0,
         init_method_std=0.02,
+        # CPU initialisation draws each full weight before slicing it: a pretrained load skips it
+        perform_initialization=initialize,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -280,12 +283,14 @@ def build_model_chunks(
     params_dtype: torch.dtype = torch.float32,
     pg_collection: ProcessGroupCollection | None = None,
     moe: MoEConfig | None = None,
+    initialize: bool = True,
 ) -> list[GPTModel]:
     """The GPTModel chunks this rank holds: one, or ``layout.vpp`` under interleaved pipelining.
+    ``initialize=False``: parameters are zeros, for weights about to be loaded.
 
     Needs ``megatron_adapters.parallel.initialize`` to have run for ``layout``.
     """
-    config = transformer_config(model, layout, params_dtype=params_dtype, moe=moe)
+    config = transformer_config(model, layout, params_dtype=params_dtype, moe=moe, initialize=initialize)
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     vpp = layout.vpp if layout.vpp > 1 else None
     chunks = []
@@ -312,4 +317,8 @@ def build_model_chunks(
     for chunk in chunks:
         chunk.to(device)  # a no-op on GPUs (built there); CPU initialisation builds on the host
         mark_expert_params(chunk)
+        if not initialize:  # uninitialised memory; rows no weight file fills (vocab padding) stay 0
+            with torch.no_grad():
+                for param in chunk.parameters():
+                    param.zero_()
     return chunks

@@ -155,7 +155,10 @@ class MegatronPolicy:
         moe: MoEConfig | None = None,
         lora: LoRAConfig | None = None,
         packing_config: PackingConfig | None = None,
+        initialize: bool = True,
     ) -> None:
+        self.initialize = initialize
+        """False: built without random initialisation (zeros), for weights about to be loaded."""
         self.lora = lora if lora is not None and lora.enabled else None
         """The adapters' settings when this policy trains LoRA adapters on a frozen base."""
         if self.lora is not None and self.lora.lr is not None:
@@ -203,7 +206,7 @@ class MegatronPolicy:
                       pg_collection: ProcessGroupCollection) -> list:
         """The GPTModel chunks of this rank (the critic swaps the LM head for a value head)."""
         return build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection,
-                                  moe=self.moe_config)
+                                  moe=self.moe_config, initialize=self.initialize)
 
     def _wrap_ddp(self, chunks, train: TrainConfig) -> list[DistributedDataParallel]:
         ddp_config = DistributedDataParallelConfig(

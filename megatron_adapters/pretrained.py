@@ -69,6 +69,9 @@ def load_hf_weights(policy, directory, *, buffer_bytes: int = DEFAULT_BUFFER_BYT
     held = layout.holdings(rank).holdings
     params = global_named_parameters(policy, merge_adapters=False)
     reader = SafetensorsReader(directory)
+    # one block reused for every read: freed and re-allocated blocks would stay in the allocator
+    largest_row = max((reader.tensors[h.tensor].row_bytes for h in held if h.tensor in reader.tensors), default=1)
+    block = torch.empty(max(min(buffer_bytes, _largest_box(held, reader)), largest_row), dtype=torch.uint8)
     read = share = 0
     try:
         missing = sorted({h.tensor for h in held} - set(reader.tensors))
@@ -80,7 +83,7 @@ def load_hf_weights(policy, directory, *, buffer_bytes: int = DEFAULT_BUFFER_BYT
                 entry = reader.tensors[h.tensor]
                 _check_shape(entry, layout.tensors[h.tensor].shape)
                 target = params[h.param][_slices(h.param_region)]
-                read += _copy_box(reader, entry, h.region, target, buffer_bytes)
+                read += _copy_box(reader, entry, h.region, target, block)
                 share += math.prod(b - a for a, b in h.region) * entry.dtype.itemsize
     finally:
         reader.close()
@@ -103,17 +106,24 @@ def _slices(region: Region) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in region)
 
 
+def _largest_box(held, reader: SafetensorsReader) -> int:
+    """Bytes of the largest read a box needs (its rows, whole): the block need not be larger."""
+    sizes = [(h.region[0][1] - h.region[0][0]) * reader.tensors[h.tensor].row_bytes
+             for h in held if h.tensor in reader.tensors]
+    return max(sizes, default=1)
+
+
 def _copy_box(reader: SafetensorsReader, entry: HFTensor, region: Region, target: torch.Tensor,
-              buffer_bytes: int) -> int:
-    """Rows of ``region`` in blocks of at most ``buffer_bytes`` (at least one row); returns bytes read."""
+              block: torch.Tensor) -> int:
+    """Rows of ``region`` in reads that fill at most ``block`` (at least one row); returns bytes read."""
     (first, stop), *columns = region
-    rows_per_block = max(1, buffer_bytes // max(entry.row_bytes, 1))
+    rows_per_block = max(1, block.numel() // max(entry.row_bytes, 1))
     flat = target.view((stop - first,) + tuple(b - a for a, b in columns))  # param box without its unit dims
     whole_rows = all((a, b) == (0, n) for (a, b), n in zip(columns, entry.shape[1:]))
     for start in range(first, stop, rows_per_block):
         end = min(stop, start + rows_per_block)
-        block = torch.empty((end - start,) + tuple(entry.shape[1:]), dtype=entry.dtype)
-        reader.read_rows(entry.name, (start, end), block)
-        part = block if whole_rows else block[(slice(None),) + _slices(tuple(columns))]
+        rows = block[:(end - start) * entry.row_bytes].view(entry.dtype).view((end - start,) + tuple(entry.shape[1:]))
+        reader.read_rows(entry.name, (start, end), rows)
+        part = rows if whole_rows else rows[(slice(None),) + _slices(tuple(columns))]
         flat[start - first:end - first].copy_(part)
     return (stop - first) * entry.row_bytes

@@ -151,16 +151,16 @@ def test_a_heldout_file_is_checked_too(tmp_path, capsys):
 
 @pytest.mark.claim("reward-routing-line")
 def test_preflight_states_which_reward_scores_which_data_source_and_warns_when_one_is_bypassed(tmp_path, capsys):
-    rows = _jsonl(tmp_path / "train.jsonl", ROW, ROW, {**ROW, "data_source": "openai/gsm8k"})
+    rows = _jsonl(tmp_path / "train.jsonl", ROW, ROW, {**ROW, "data_source": "my/math_set"})
     preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]",
                                        "reward.function=auto"]))
     out = capsys.readouterr()
-    assert ("hybridflow train: reward (auto): 'arithmetic' (2 rows) -> arithmetic; 'openai/gsm8k' (1 rows) -> math "
+    assert ("hybridflow train: reward (auto): 'arithmetic' (2 rows) -> arithmetic; 'my/math_set' (1 rows) -> math "
             "(the first rows of each file)") in out.out.splitlines()
     assert out.err == ""
     preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]"]))
     out = capsys.readouterr()  # the quickstart's explicit reward.function=max scores every row
-    assert "hybridflow train: reward (max): 'arithmetic' (2 rows), 'openai/gsm8k' (1 rows) -> max" in out.out
+    assert "hybridflow train: reward (max): 'arithmetic' (2 rows), 'my/math_set' (1 rows) -> max" in out.out
     assert out.err == ("hybridflow train: warning: reward.function='max' scores the rows whose data_source is "
                        "'arithmetic', not the registered 'arithmetic' verifier; set reward.function=auto to score "
                        "each row by its data_source\n")

@@ -180,22 +180,22 @@ def test_score_responses_uses_the_function_and_its_kwargs():
 
 def test_under_auto_a_registered_data_source_picks_the_reward():
     cfg = RewardConfig()  # function=auto
-    scores, _ = score_responses(["19 then 3", "19 then 3"], [19, 19], ["arithmetic", "openai/gsm8k"], cfg)
+    scores, _ = score_responses(["19 then 3", "19 then 3"], [19, 19], ["arithmetic", "my/math_set"], cfg)
     assert scores == [1.0, 0.0]  # arithmetic reads the first integer; the unknown source gets math (the last)
 
 
 def test_an_explicit_reward_function_scores_every_row_whatever_its_data_source():
     cfg = RewardConfig(function="exact_match")
-    scores, _ = score_responses(["19 ok", "19"], [19, 19], ["arithmetic", "openai/gsm8k"], cfg)
+    scores, _ = score_responses(["19 ok", "19"], [19, 19], ["arithmetic", "my/math_set"], cfg)
     assert scores == [0.0, 1.0]  # exact_match on both: the arithmetic verifier is not called
 
 
 @pytest.mark.claim("reward-routing-line")
 def test_routing_is_described_in_one_line_and_a_bypassed_verifier_is_warned_about():
-    sources = {"arithmetic": 90, "openai/gsm8k": 10, None: 2}
+    sources = {"arithmetic": 90, "my/math_set": 10, None: 2}
     line, warnings = describe_routing(RewardConfig(), sources)
     assert line == ("reward (auto): 'arithmetic' (90 rows) -> arithmetic; "
-                    "'openai/gsm8k' (10 rows), no data_source (2 rows) -> math")
+                    "'my/math_set' (10 rows), no data_source (2 rows) -> math")
     assert warnings == []
     line, warnings = describe_routing(RewardConfig(function=f"{THIS_MODULE}.half_reward"), sources)
     assert line.endswith(f"no data_source (2 rows) -> {THIS_MODULE}.half_reward") and "\n" not in line

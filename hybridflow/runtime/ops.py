@@ -74,6 +74,9 @@ class Rollout:
     """Reference answer of each of this rank's rows' prompts."""
     sources: list[Any]
     """``data_source`` of each of this rank's rows' prompts."""
+    extra_infos: list[Any]
+    """The ``extra_info`` column of each of this rank's rows' prompts (None where absent), for
+    reward functions that take it."""
     rows: torch.Tensor
     """[b] position of each of this rank's rows among all N samples."""
     groups: torch.Tensor
@@ -115,7 +118,8 @@ class Rollout:
         picked = pick.tolist()
         return replace(self, batch={k: v[pick] for k, v in self.batch.items()},
                        texts=[self.texts[i] for i in picked], answers=[self.answers[i] for i in picked],
-                       sources=[self.sources[i] for i in picked], rows=mine, groups=self.groups[source],
+                       sources=[self.sources[i] for i in picked], extra_infos=[self.extra_infos[i] for i in picked],
+                       rows=mine, groups=self.groups[source],
                        lengths=self.lengths[source], truncated=self.truncated[source])
 
     def select(self, keep: torch.Tensor) -> "Rollout":
@@ -165,7 +169,7 @@ def as_rollout(s: Session, prompts, out: replicas.ReplicaOutput, group_offset: i
     rows = [prompts[x.prompt_index].row for x in samples]
     metas = out.metas
     return Rollout(batch=batch, texts=texts, answers=[r.answer for r in rows], sources=[r.data_source for r in rows],
-                   rows=torch.tensor(out.positions, dtype=torch.long),
+                   extra_infos=[r.extra.get("extra_info") for r in rows], rows=torch.tensor(out.positions, dtype=torch.long),
                    groups=torch.tensor([group_offset + m.prompt_index for m in metas], dtype=torch.long),
                    lengths=torch.tensor([m.response_len for m in metas], dtype=torch.long),
                    truncated=torch.tensor([m.finish_reason == FINISH_LENGTH for m in metas], dtype=torch.bool),
@@ -187,7 +191,7 @@ def score(s: Session, ro: Rollout) -> torch.Tensor:
     local = torch.zeros(len(ro.texts), dtype=torch.float32)
     errors = 0
     if s.shard.leader and ro.texts:
-        scores, failures = score_responses(ro.texts, ro.answers, ro.sources, s.cfg.reward)
+        scores, failures = score_responses(ro.texts, ro.answers, ro.sources, s.cfg.reward, ro.extra_infos)
         local, errors = torch.tensor(scores, dtype=torch.float32), len(failures)
     s.reward_errors += int(s.shard.sum(torch.tensor([errors]))[0])
     return s.shard.gather(ro.rows, local, ro.total)
@@ -289,6 +293,7 @@ def _concat(parts: list[Rollout]) -> Rollout:
         offsets.append(offsets[-1] + p.total)
     return Rollout(batch={k: torch.cat(v) for k, v in batch.items()}, texts=sum((p.texts for p in parts), []),
                    answers=sum((p.answers for p in parts), []), sources=sum((p.sources for p in parts), []),
+                   extra_infos=sum((p.extra_infos for p in parts), []),
                    rows=torch.cat([p.rows + o for p, o in zip(parts, offsets)]),
                    groups=torch.cat([p.groups for p in parts]), lengths=torch.cat([p.lengths for p in parts]),
                    truncated=torch.cat([p.truncated for p in parts]), seconds=sum(p.seconds for p in parts))

@@ -137,11 +137,11 @@ def _engine_deterministic(cfg: HybridflowConfig) -> bool:
 def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bool = True, moe=None, lora=None):
     """A megatron-core policy of the actor's model under the actor's layout (``moe``: the RL
     actor's routing replay, router statistics and router settings; ``lora``: the RL actor's
-    adapters)."""
+    adapters). A pretrained model's policy is not randomly initialised: weights are loaded next."""
     from megatron_adapters.policy import MegatronPolicy
 
     return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe,
-                          lora=lora, packing_config=cfg.packing)
+                          lora=lora, packing_config=cfg.packing, initialize=not cfg.model.pretrained)
 
 
 class ModelRole(Protocol):

@@ -54,6 +54,19 @@ def test_convert_benchmark_round_trips_in_bounded_memory(tmp_path) -> None:
         assert result[f"{way}_gbps"] > 0 and result[f"{way}_rss_above_idle_bytes"] < result["checkpoint_bytes"]
 
 
+@pytest.mark.claim("load-pretrained-benchmark")
+def test_load_pretrained_benchmark_reads_each_ranks_share_in_bounded_memory(tmp_path) -> None:
+    result = _run("benchmarks/load_pretrained.py", tmp_path, "--target-bytes", "200M", "--buffer-bytes", "8M",
+                  "--workdir", str(tmp_path))
+    cases = {case["layout"].split()[0]: case for case in result["cases"]}
+    assert set(cases) == {"ep2", "tp2"}
+    for case in cases.values():
+        assert case["checkpoint_bytes"] >= 200 * 2**20 * 0.9
+        assert all(0 < share < case["checkpoint_bytes"] for share in case["rank_share_bytes"])
+        assert case["rss_within_share_plus_two_buffers"] is True
+        assert case["load_seconds"] > 0 and case["plain_read_seconds"] > 0
+
+
 @pytest.mark.claim("efficiency-benchmark")
 def test_efficiency_benchmark_packs_fewer_tokens(tmp_path) -> None:
     result = _run("benchmarks/efficiency.py", tmp_path, "--rows", "8", "--steps", "1")

@@ -52,7 +52,7 @@ def load_and_score(hf_dir: str, spec: dict, mcore_dir: str, resave_dir: str) -> 
     logp, _ = policy.forward_logprobs(batch(model.vocab_size))
     checkpoint.save(policy, resave_dir)
     direct = MegatronPolicy(model, layout, TrainConfig(micro_batch_size=1, global_batch_size=4),
-                            pg_collection=pg, trainable=False)
+                            pg_collection=pg, trainable=False, initialize=False)  # as a run builds it
     report = load_hf_weights(direct, hf_dir, buffer_bytes=4096)  # small blocks: many reads per tensor
     direct_logp, _ = direct.forward_logprobs(batch(model.vocab_size))
     differs, shares = [None] * dist.get_world_size(), [None] * dist.get_world_size()
