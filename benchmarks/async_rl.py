@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hfschema.files import write_text_atomic  # noqa: E402
+from benchmarks.output import emit  # noqa: E402
 
 from hybridflow.config import load_config  # noqa: E402
 from hybridflow.tasks import make_task_files  # noqa: E402
@@ -119,10 +119,7 @@ def main() -> None:
                       "a long batch by more than one step. Partial rollouts generate a batch started ahead 6 tokens "
                       "per request per version: the rest runs after the pushes, between steps, so less of it "
                       "overlaps training than with whole batches."}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        write_text_atomic(args.json, text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

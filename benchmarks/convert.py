@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from hfschema.files import write_text_atomic  # noqa: E402
+from benchmarks.output import emit, parse_bytes  # noqa: E402
 
 logger = logging.getLogger("convert_bench")
 
@@ -41,11 +41,6 @@ DIMS = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, hea
             intermediate_size=2816, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=8,
             vocab_size=32000)
 """A Qwen3-MoE shape (Qwen3-30B-A3B's proportions, narrower); layers are added to reach the size."""
-
-
-def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
 
 
 # --------------------------------------------------------------------------- synthetic model
@@ -218,19 +213,16 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the result here")
-    parser.add_argument("--target-bytes", type=_bytes, default=_bytes("4200M"),
+    parser.add_argument("--target-bytes", type=parse_bytes, default=parse_bytes("4200M"),
                         help="synthetic checkpoint size (default 4200M, i.e. > 4 GB)")
-    parser.add_argument("--buffer-bytes", type=_bytes, default=_bytes("256M"),
+    parser.add_argument("--buffer-bytes", type=parse_bytes, default=parse_bytes("256M"),
                         help="converter buffer (default 256M)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/hybridflow_convert_bench"),
                         help="scratch directory (deleted at the end)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = run(args.workdir, args.target_bytes, args.buffer_bytes)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        write_text_atomic(args.json, text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -30,15 +30,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from benchmarks.output import emit, parse_bytes  # noqa: E402
 from hfschema.files import write_text_atomic  # noqa: E402
 
 LAYOUTS = {"ep2": dict(ep=2, dp=2), "tp2": dict(tp=2)}
 """Two ranks each: experts split (attention replicated), or every tensor split."""
-
-
-def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
 
 
 # ------------------------------------------------------------------------------- rank side
@@ -207,13 +203,10 @@ def main() -> None:
         parser.error(f"--layouts: unknown {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
     work = Path(tempfile.mkdtemp(prefix="load_pretrained_", dir=args.workdir))
     try:
-        result = run(_bytes(args.target_bytes), _bytes(args.buffer_bytes), layouts, work)
+        result = run(parse_bytes(args.target_bytes), parse_bytes(args.buffer_bytes), layouts, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        write_text_atomic(args.json, text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

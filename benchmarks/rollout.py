@@ -15,7 +15,6 @@ pushes after a warm-up push. Prints one JSON object; ``--json`` also writes it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hfschema.files import write_text_atomic  # noqa: E402
+from benchmarks.output import emit  # noqa: E402
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -106,10 +105,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed pushes per route (median reported)")
     args = parser.parse_args()
     result = run(args.prompts, args.new_tokens, args.repeats)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        write_text_atomic(args.json, text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":
