@@ -167,3 +167,18 @@ def test_a_converted_checkpoint_is_a_model_path_too(hub_dir, tmp_path):
     assert (source.kind, source.files) == ("mcore", tmp_path / "mcore" / "hf_files")
     cfg = load_config(None, [f"model.path={tmp_path / 'mcore'}"])
     assert cfg.model.architecture == read_model_config(hub_dir)
+
+
+def test_plan_reads_config_json_when_the_path_exists_and_says_so(hub_dir, tmp_path, capsys):
+    from hybridflow.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model:\n  path: {hub_dir}\n")
+    assert main(["plan", str(recipe), "--no-reshard"]) == 0
+    out = capsys.readouterr().out
+    assert f"# weights: {hub_dir} (pretrained); shape from its config.json" in out
+    assert "  num_layers: 4\n" in out and "  family: qwen3_moe\n" in out
+    recipe.write_text(f"model:\n  path: {tmp_path / 'not_downloaded'}\n  num_layers: 6\n")
+    assert main(["plan", str(recipe), "--no-reshard"]) == 0
+    out = capsys.readouterr().out
+    assert "does not exist here: the shape above is the config's model.* keys" in out and "  num_layers: 6\n" in out
