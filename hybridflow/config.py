@@ -650,6 +650,8 @@ class DataConfig:
     """Column holding the reference answer given to the reward function."""
     apply_chat_template: bool = True
     """Wrap string prompts as one user turn and apply the tokenizer's chat template."""
+    system_prompt: Optional[str] = None
+    """A system turn put before every chat prompt that has none (with the chat template only)."""
     max_prompt_length: int = 64
     """Prompts longer than this (in tokens) are bad rows."""
     max_response_length: int = 16

@@ -381,21 +381,25 @@ def preview_files(cfg: DataConfig, *, sft_key: str | None, with_heldout: bool = 
 # --------------------------------------------------------------------------- tokenising
 
 
-def _as_encodable(prompt: str | list[dict[str, str]], use_chat: bool) -> Any:
-    """What ``encode_prompts`` takes: a chat when templating, else raw text."""
+def _as_encodable(prompt: str | list[dict[str, str]], use_chat: bool, system_prompt: str | None = None) -> Any:
+    """What ``encode_prompts`` takes: a chat when templating (``system_prompt`` first unless the
+    chat has a system turn), else raw text."""
     if not use_chat:
         if not isinstance(prompt, str):
             raise _BadRow("a chat prompt needs a chat template, but data.apply_chat_template is "
                           "off or the tokenizer has none")
         return prompt
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt is not None and not any(m["role"] == "system" for m in chat):
+        chat.insert(0, {"role": "system", "content": system_prompt})
+    return chat
 
 
 def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool) -> TokenizedPrompt:
     from hybridflow.rollout.tokens import encode_prompts  # here: it imports torch; preflight reads rows without
 
     try:
-        (ids,) = encode_prompts(tokenizer, [_as_encodable(row.prompt, use_chat)])
+        (ids,) = encode_prompts(tokenizer, [_as_encodable(row.prompt, use_chat, cfg.system_prompt)])
     except ValueError as error:  # e.g. a prompt that encodes to no tokens
         raise _BadRow(str(error)) from error
     if len(ids) > cfg.max_prompt_length:

@@ -188,6 +188,16 @@ def test_tokenize_applies_the_chat_template(tmp_path, tokenizer):
     assert tokenizer.decode(chat.prompt_ids).startswith("<|im_start|>system\nBe brief.")
 
 
+@pytest.mark.claim("verl-math-rewards")
+def test_a_system_prompt_goes_before_every_chat_without_one(tmp_path, tokenizer):
+    cfg = DataConfig(system_prompt="Put the answer after ####.")
+    rows = read_rows([lines_file(tmp_path, GOOD, CHAT)], cfg)
+    (text, chat), _ = tokenize_rows(rows, tokenizer, cfg)
+    assert tokenizer.decode(text.prompt_ids).startswith("<|im_start|>system\nPut the answer after ####.<|im_end|>\n"
+                                                        "<|im_start|>user\n1+2=")
+    assert tokenizer.decode(chat.prompt_ids).startswith("<|im_start|>system\nBe brief.")  # its own system turn
+
+
 def test_tokenize_raw_text_without_the_template(tmp_path, tokenizer):
     cfg = DataConfig(apply_chat_template=False)
     rows = read_rows([lines_file(tmp_path, GOOD, CHAT)], cfg)
