@@ -695,8 +695,8 @@ class RewardConfig:
     """How a response is scored."""
 
     function: str = "auto"
-    """Reward function of every row: a registered name (math, gsm8k, math_boxed, math_verify,
-    countdown, exact_match, arithmetic, max) or a dotted path ``package.module.function`` called as
+    """Reward function of every row: a registered name (math, gsm8k, math_boxed, dapo_math,
+    math_verify, countdown, exact_match, arithmetic, max) or a dotted path ``package.module.function`` called as
     fn(response, answer, **kwargs) -> float (or verl's compute_score(data_source, solution_str,
     ground_truth, extra_info)); auto: a row's data_source when it names a registered reward (the
     synthetic tasks' rows and verl's openai/gsm8k, lighteval/MATH do), else math."""
@@ -705,7 +705,8 @@ class RewardConfig:
     on_error: str = "zero"
     """A reward function that raises: zero (reward 0, logged with the sample) or fail."""
     math_equivalence: str = "verl"
-    """How ``auto`` scores rows of verl's math data sources (openai/gsm8k, lighteval/MATH, ...): verl
+    """How ``auto`` scores rows of verl's math data sources (openai/gsm8k, lighteval/MATH, math_dapo,
+    aime*): verl
     (their own checks, as verl scores them: comparable reward curves) or math_verify (the
     math-verify package's symbolic equivalence: more answers count as right)."""
 

@@ -5,6 +5,8 @@ data_source (verl's names)            reward.math_equivalence=verl (default)   =
 openai/gsm8k                          gsm8k: the last "#### <number>"            math_verify
 lighteval/MATH, DigitalLearningGmbH/  math_boxed: the last \\boxed{} under the     math_verify
   MATH-lighteval                      MATH answer normalisation
+math_dapo, aime*                      dapo_math: the last "Answer:" under        math_verify
+                                      Minerva's normalisation (1 or -1)
 ```
 
 A user reproducing a verl recipe must see the reward curve verl would draw, so the default
@@ -15,7 +17,7 @@ ground truth after the string canonicalisation of Hendrycks et al.'s MATH evalua
 -> ``\\frac``, units and ``\\left`` dropped, ``0.5`` -> ``\\frac{1}{2}``, ...), which verl's MATH
 check uses. ``math_verify`` (the ``math-verify`` package's symbolic equivalence) is the more
 lenient choice: ``1/2`` = ``0.5`` = ``\\frac12``, ``x=3`` = ``3``, sets and intervals in any order.
-Each returns 1.0 or 0.0.
+Each returns 1.0 or 0.0, but for DAPO's check: 1.0 or -1.0, as the DAPO recipe rewards.
 """
 
 from __future__ import annotations
@@ -25,14 +27,20 @@ import threading
 from typing import Any
 
 __all__ = [
-    "GSM8K_SOURCES", "MATH_SOURCES", "VERL_MATH_SOURCES", "gsm8k_strict", "last_boxed", "math_boxed",
-    "math_verify_score", "normalise_math_answer",
+    "DAPO_SOURCES", "GSM8K_SOURCES", "MATH_SOURCES", "dapo_math", "gsm8k_strict", "is_verl_math_source",
+    "last_boxed", "math_boxed", "math_verify_score", "minerva_normalise", "normalise_math_answer",
 ]
 
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval")
-VERL_MATH_SOURCES = GSM8K_SOURCES + MATH_SOURCES
-"""The data_source names whose verl scorer is reproduced here."""
+DAPO_SOURCES = ("math_dapo",)
+"""With every data_source starting with ``aime`` (``is_verl_math_source``)."""
+
+
+def is_verl_math_source(data_source: str | None) -> bool:
+    """Whether verl scores ``data_source`` with one of the checks reproduced here."""
+    return data_source is not None and (data_source in GSM8K_SOURCES + MATH_SOURCES + DAPO_SOURCES
+                                        or data_source.startswith("aime"))
 
 _GSM8K_TAIL_CHARS = 300  # verl reads the end of the response only (its regex is slow on long text)
 _GSM8K_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
@@ -161,6 +169,50 @@ def math_boxed(response: str, answer: Any, **kwargs: Any) -> float:
         return float(normalise_math_answer(boxed) == normalise_math_answer(truth))
     except _Unparsable:
         return float(boxed == truth)
+
+
+# -------------------------------------------------------------------------------- DAPO-Math
+
+# Minerva's answer normalisation (Lewkowycz et al. 2022, appendix D.1), which DAPO's math check
+# applies to the text after the last "Answer:" and to the ground truth.
+_MINERVA_REPLACED = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
+                     ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_MINERVA_REMOVED = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
+    ",\\!", "{,}", '"', "\\dots",
+)
+_DAPO_TAIL_CHARS = 300
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def minerva_normalise(answer: str) -> str:
+    """Minerva's canonical form of a final answer (compare two with ``==``)."""
+    answer = answer.split("=")[-1]
+    for old, new in _MINERVA_REPLACED:
+        answer = answer.replace(old, new)
+    for removed in _MINERVA_REMOVED:
+        answer = answer.replace(removed, "")
+    answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)  # the first $...$ only
+    for command in ("text", "textbf", "overline"):
+        answer = re.sub(r"(\\" + command + r"\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", answer)
+    answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)  # \fracab -> \frac{a}{b}
+    answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def dapo_math(response: str, answer: Any, **kwargs: Any) -> float:
+    """DAPO-Math's check: 1.0 when the text after the last "Answer:" in the response's last 300
+    characters equals the ground truth under ``minerva_normalise``, else -1.0."""
+    found = _DAPO_ANSWER.findall(response[-_DAPO_TAIL_CHARS:])
+    guess = minerva_normalise(found[-1] if found else "[INVALID]")
+    return 1.0 if guess == minerva_normalise(str(answer)) else -1.0
 
 
 def math_verify_score(response: str, answer: Any, **kwargs: Any) -> float:

@@ -13,8 +13,9 @@ score_responses -> (scores, errors)
 ```
 
 Built-ins register by name: ``exact_match``, ``math``, ``arithmetic``, ``countdown``, and the math
-scorers of ``math_scorers`` (``gsm8k``, ``math_boxed``, ``math_verify``), which also register under
-the data_source names verl gives them (``openai/gsm8k``, ``lighteval/MATH``, ...) so that ``auto``
+scorers of ``math_scorers`` (``gsm8k``, ``math_boxed``, ``dapo_math``, ``math_verify``), which also
+register under the data_source names verl gives them (``openai/gsm8k``, ``lighteval/MATH``,
+``math_dapo``; ``aime*`` routes to ``dapo_math``) so that ``auto``
 scores such rows as verl does (``reward.math_equivalence=math_verify``: by math-verify instead).
 A function may also take the row's ``data_source`` and ``extra_info`` (by those parameter names),
 and verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` is called as
@@ -44,8 +45,8 @@ from fractions import Fraction
 from typing import Any
 
 from hybridflow.config import RewardConfig
-from hybridflow.math_scorers import (GSM8K_SOURCES, MATH_SOURCES, VERL_MATH_SOURCES, gsm8k_strict, math_boxed,
-                                     math_verify_score)
+from hybridflow.math_scorers import (DAPO_SOURCES, GSM8K_SOURCES, MATH_SOURCES, dapo_math, gsm8k_strict,
+                                     is_verl_math_source, math_boxed, math_verify_score)
 
 __all__ = [
     "AUTO",
@@ -173,8 +174,11 @@ def function_name(data_source: str | None, cfg: RewardConfig) -> str:
     when that names a registered reward, else ``AUTO_FALLBACK``."""
     if cfg.function != AUTO:
         return cfg.function
-    if data_source in VERL_MATH_SOURCES and cfg.math_equivalence == "math_verify":
-        return "math_verify"
+    if is_verl_math_source(data_source):
+        if cfg.math_equivalence == "math_verify":
+            return "math_verify"
+        if data_source.startswith("aime"):  # verl scores every aime* data set with DAPO's check
+            return "dapo_math"
     return data_source if data_source in _REWARDS else AUTO_FALLBACK
 
 
@@ -286,6 +290,9 @@ def arithmetic(response: str, answer: Any, **kwargs: Any) -> float:
 register_reward("gsm8k")(gsm8k_strict)
 register_reward("math_boxed")(math_boxed)
 register_reward("math_verify")(math_verify_score)
+register_reward("dapo_math")(dapo_math)
+for _source in DAPO_SOURCES:
+    register_reward(_source)(dapo_math)
 for _source in GSM8K_SOURCES:
     register_reward(_source)(gsm8k_strict)
 for _source in MATH_SOURCES:

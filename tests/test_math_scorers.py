@@ -12,7 +12,7 @@ import pytest
 
 from hybridflow.config import RewardConfig
 from hybridflow.data import DataConfig, read_rows, write_parquet
-from hybridflow.math_scorers import gsm8k_strict, math_boxed, math_verify_score, normalise_math_answer
+from hybridflow.math_scorers import dapo_math, gsm8k_strict, math_boxed, math_verify_score, normalise_math_answer
 from hybridflow.rewards import check_reward, describe_routing, get_reward, score_responses
 
 pytestmark = pytest.mark.claim("verl-math-rewards")
@@ -64,6 +64,27 @@ def test_the_normalisation_falls_back_to_the_raw_strings_where_it_cannot_read_th
     assert normalise_math_answer("\\left( 1, 2 \\right)") == "(1,2)"
     assert math_boxed("\\boxed{a \\text{ b} \\text{ c}}", "a \\text{ b} \\text{ c}") == 1.0  # two units: raw
     assert math_boxed("\\boxed{\\sqrt}", "\\sqrt") == 1.0
+
+
+@pytest.mark.parametrize("response, truth, score", [
+    ("So the total is 72.\nAnswer: 72", "72", 1.0),
+    ("answer: $72$", "72", 1.0),
+    ("Answer: 1,000", "1000", 1.0),
+    ("Answer: x = 5", "5", 1.0),
+    ("Answer: 5 dollars", "5", 1.0),
+    ("Answer: \\frac12", "\\frac{1}{2}", 1.0),
+    ("Answer: 4\nthen Answer: 5", "5", 1.0),  # the last one
+    ("The result is 72.", "72", -1.0),  # no "Answer:": DAPO rewards -1
+    ("Answer: 72" + " and more" * 40, "72", -1.0),  # beyond the last 300 characters
+])
+def test_dapo_math_is_dapos_answer_check(response, truth, score):
+    assert dapo_math(response, truth) == score
+
+
+def test_aime_and_math_dapo_rows_get_dapos_check():
+    scores, _ = score_responses(["Answer: 7", "Answer: 7", "Answer: 7"], ["7", "8", "7"],
+                                ["math_dapo", "aime2024", "aime_2025"], RewardConfig())
+    assert scores == [1.0, -1.0, 1.0]
 
 
 @pytest.mark.parametrize("response, truth, score", [
