@@ -706,9 +706,8 @@ class RewardConfig:
     """A reward function that raises: zero (reward 0, logged with the sample) or fail."""
     math_equivalence: str = "verl"
     """How ``auto`` scores rows of verl's math data sources (openai/gsm8k, lighteval/MATH, math_dapo,
-    aime*): verl
-    (their own checks, as verl scores them: comparable reward curves) or math_verify (the
-    math-verify package's symbolic equivalence: more answers count as right)."""
+    aime*): verl (their own checks, as verl scores them: comparable reward curves) or math_verify
+    (the math-verify package's symbolic equivalence: more answers count as right)."""
 
     def __post_init__(self) -> None:
         check_choice("on_error", self.on_error, ("zero", "fail"))
