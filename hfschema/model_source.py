@@ -27,7 +27,7 @@ from typing import Any
 from hfschema.hf_config import SIDE_FILE_DIR, WEIGHT_INDEX, read_model_config
 from hfschema.model import ModelConfig
 
-__all__ = ["CHECKPOINT_META", "ModelSource", "architecture", "has_chat_template", "model_source"]
+__all__ = ["CHECKPOINT_META", "ModelSource", "architecture", "check_padded_vocab", "has_chat_template", "model_source"]
 
 CHECKPOINT_META = "hybridflow.json"
 """The metadata file of every megatron checkpoint the project writes (``checkpoint.META_FILE``)."""
@@ -100,6 +100,19 @@ def _check_tokenizer(files: Path) -> None:
     if not any((files / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"{files}: no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); copy the "
                          "model's tokenizer files into it (the run tokenises prompts with them)")
+
+
+def check_padded_vocab(source: ModelSource, padded_vocab: int, tp: int) -> None:
+    """A converted checkpoint's vocabulary rows were padded for one TP size and load only under a
+    layout that pads the same (megatron-core refuses the shape): say so before any rank starts."""
+    if source.kind != "mcore":
+        return
+    meta = json.loads((source.weights / CHECKPOINT_META).read_text())
+    stored = meta.get("padded_vocab_size")
+    if stored is not None and stored != padded_vocab:
+        raise ValueError(f"model.path={source.weights} holds vocabulary rows padded to {stored}, but "
+                         f"actor.parallel.tp={tp} pads to {padded_vocab}; convert it again with "
+                         f"`hybridflow convert hf-to-mcore --tp {tp}` or start from the Hugging Face directory")
 
 
 def has_chat_template(files: str | Path) -> bool:

@@ -877,8 +877,8 @@ def _read_model_path(merged: DictConfig, sources: list[tuple[str, DictConfig]], 
     if not must_exist and not os.path.exists(os.path.expanduser(path)):
         logger.warning("model.path=%s does not exist (yet): using the model.* keys of the config", path)
         return
-    explicit = {key: OmegaConf.to_container(merged.model, resolve=True)[key]
-                for _, source in sources for key in (source.get("model") or {})
+    model = OmegaConf.to_container(merged.model, resolve=True)
+    explicit = {key: model[key] for _, source in sources for key in (source.get("model") or {})
                 if key not in ("path", "init")}
     values = architecture(model_source(path), {k: v for k, v in explicit.items() if v is not None})
     for key, value in values.items():

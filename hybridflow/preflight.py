@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from hfschema.model_source import has_chat_template, model_source
+from hfschema.model_source import check_padded_vocab, has_chat_template, model_source
 from hybridflow.config import HybridflowConfig, to_yaml
 from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
@@ -244,7 +244,9 @@ def check_model_weights(cfg: HybridflowConfig, *, on_cluster: bool, must_exist: 
     model = cfg.model
     if model.path:
         if must_exist or os.path.exists(os.path.expanduser(model.path)):
-            model_source(model.path)  # load_config let a missing one plan
+            source = model_source(model.path)  # load_config let a missing one plan
+            layout = cfg.actor.parallel
+            check_padded_vocab(source, layout.padded_vocab_size(model), layout.tp)
         else:
             _say(command, f"model.path={model.path} does not exist here; the job will fail unless it does on "
                           "the cluster's nodes", warning=True)

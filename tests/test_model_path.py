@@ -167,6 +167,11 @@ def test_a_converted_checkpoint_is_a_model_path_too(hub_dir, tmp_path):
     assert (source.kind, source.files) == ("mcore", tmp_path / "mcore" / "hf_files")
     cfg = load_config(None, [f"model.path={tmp_path / 'mcore'}"])
     assert cfg.model.architecture == read_model_config(hub_dir)
+    check_model_weights(cfg, on_cluster=True)  # converted at tp=1, the default layout's
+    cfg = load_config(None, [f"model.path={tmp_path / 'mcore'}", "actor.parallel.tp=2"])
+    with pytest.raises(ValueError, match=r"holds vocabulary rows padded to 384, but actor\.parallel\.tp=2 pads to "
+                                         r"512; convert it again with `hybridflow convert hf-to-mcore --tp 2`"):
+        check_model_weights(cfg, on_cluster=True)
 
 
 def test_plan_reads_config_json_when_the_path_exists_and_says_so(hub_dir, tmp_path, capsys):
