@@ -645,7 +645,8 @@ class DataConfig:
     heldout_files: list[str] = field(default_factory=list)
     """Held-out prompts scored after SFT and after RL. Empty = the synthetic task's split."""
     prompt_key: str = "prompt"
-    """Column holding the prompt."""
+    """Column holding the prompt; a row without ``prompt`` but with chat ``messages`` reads those
+    (the turns before a final assistant turn; that turn is the SFT target)."""
     answer_key: str = "reward_model.ground_truth"
     """Column holding the reference answer given to the reward function."""
     apply_chat_template: bool = True

@@ -54,6 +54,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DATA_SOURCE_KEY = "data_source"
+DEFAULT_PROMPT_KEY = "prompt"
+"""``data.prompt_key``'s default."""
+MESSAGES_KEY = "messages"
+"""The chat-format column read as the prompt when a row has no ``prompt`` (``_from_messages``)."""
 """Column naming the row's origin; under ``reward.function=auto`` a registered reward name there
 picks the reward function."""
 _MAX_WARNINGS_PER_FILE = 10  # past this, bad rows of a file are counted, not logged one by one
@@ -222,16 +226,34 @@ def _sft_response(record: Mapping[str, Any], key: str | None) -> str | None:
     return value
 
 
+def _from_messages(record: Mapping[str, Any], cfg: DataConfig, sft_key: str | None) -> Mapping[str, Any]:
+    """A chat-format row (``messages``, the layout of OpenAI-style and most SFT sets) under the
+    default ``data.prompt_key``: its turns before a final assistant turn are the prompt, and that
+    turn the SFT target when the row has none of its own."""
+    if cfg.prompt_key != DEFAULT_PROMPT_KEY or DEFAULT_PROMPT_KEY in record or MESSAGES_KEY not in record:
+        return record
+    messages = record[MESSAGES_KEY]
+    if not (isinstance(messages, list) and messages and all(_is_message(m) for m in messages)):
+        return record  # _check_prompt names what is wrong with it
+    last = messages[-1]
+    turns = messages[:-1] if last["role"] == "assistant" and len(messages) > 1 else messages
+    row = {**record, DEFAULT_PROMPT_KEY: turns}
+    if sft_key is not None and row.get(sft_key) is None and turns is not messages:
+        row[sft_key] = last["content"]
+    return row
+
+
 def _make_row(uid: str, record: Any, cfg: DataConfig, sft_key: str | None) -> PromptRow:
     if isinstance(record, _BadRow):
         raise record
     if not isinstance(record, Mapping):
         raise _BadRow(f"a row must be an object of columns, not of type {type(record).__name__}")
+    record = _from_messages(record, cfg, sft_key)
     if record.get(cfg.prompt_key) is None:
         raise _BadRow(f"no prompt column {cfg.prompt_key!r} (data.prompt_key)")
     prompt = _check_prompt(record[cfg.prompt_key], cfg.prompt_key)
     answer = _lookup(record, cfg.answer_key)
-    used = {cfg.prompt_key, cfg.answer_key.split(".")[0], DATA_SOURCE_KEY, sft_key}
+    used = {cfg.prompt_key, MESSAGES_KEY, cfg.answer_key.split(".")[0], DATA_SOURCE_KEY, sft_key}
     return PromptRow(
         uid=uid, prompt=prompt, answer=answer, data_source=_optional_str(record, DATA_SOURCE_KEY),
         sft_response=_sft_response(record, sft_key),

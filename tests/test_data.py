@@ -189,6 +189,19 @@ def test_tokenize_applies_the_chat_template(tmp_path, tokenizer):
 
 
 @pytest.mark.claim("verl-math-rewards")
+def test_chat_format_rows_read_their_messages_as_the_prompt_and_the_last_assistant_turn_as_the_target(tmp_path):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="},
+            {"role": "assistant", "content": "4"}]
+    path = lines_file(tmp_path, {"messages": chat, "answer": "4"}, {"messages": chat[:2], "answer": "4"})
+    cfg = DataConfig(answer_key="answer")
+    first, second = read_rows([path], cfg, sft_key="sft_response")[:1] + read_rows([path], cfg)[1:]
+    assert first.prompt == chat[:2] and first.sft_response == "4" and first.answer == "4"
+    assert second.prompt == chat[:2] and "messages" not in second.extra
+    (rl,) = read_rows([lines_file(tmp_path, {"messages": chat, "answer": "4"}, name="rl.jsonl")], cfg)
+    assert rl.prompt == chat[:2] and rl.sft_response is None  # RL never sees the reference answer turn
+
+
+@pytest.mark.claim("verl-math-rewards")
 def test_a_system_prompt_goes_before_every_chat_without_one(tmp_path, tokenizer):
     cfg = DataConfig(system_prompt="Put the answer after ####.")
     rows = read_rows([lines_file(tmp_path, GOOD, CHAT)], cfg)
