@@ -173,8 +173,16 @@ def _copy(source: Path, tmp_path: Path) -> Path:
     return target
 
 
-def _edit_weights(path: Path, edit) -> Path:
-    file = path / "model.safetensors"
+def _shard(path: Path, holding: str | None = None) -> Path:
+    """The safetensors file of ``path`` holding tensor ``holding`` (None: the first file)."""
+    files = sorted(path.glob("*.safetensors"))
+    if holding is None:
+        return files[0]
+    return next(f for f in files if holding in load_file(str(f)))
+
+
+def _edit_weights(path: Path, edit, holding: str | None = None) -> Path:
+    file = _shard(path, holding)
     tensors = load_file(str(file))
     edit(tensors)
     save_file(tensors, str(file), metadata={"format": "pt"})
@@ -182,7 +190,8 @@ def _edit_weights(path: Path, edit) -> Path:
 
 
 def _missing(path):
-    return _edit_weights(path, lambda t: t.pop("model.layers.2.self_attn.k_proj.weight")), "model.layers.2.self_attn.k_proj.weight"
+    name = "model.layers.2.self_attn.k_proj.weight"
+    return _edit_weights(path, lambda t: t.pop(name), holding=name), name
 
 
 def _unexpected(path):
@@ -190,11 +199,12 @@ def _unexpected(path):
 
 
 def _shape(path):
-    return _edit_weights(path, lambda t: t.update({"model.norm.weight": torch.zeros(65)})), "model.norm.weight"
+    name = "model.norm.weight"
+    return _edit_weights(path, lambda t: t.update({name: torch.zeros(65)}), holding=name), name
 
 
 def _truncated(path):
-    file = path / "model.safetensors"
+    file = _shard(path)
     with file.open("r+b") as f:
         f.truncate(file.stat().st_size - 100)
     return file, "truncated: tensor 'model."  # the first tensor past the new end is named
