@@ -74,12 +74,13 @@ def _base_config(model: ModelConfig, dtype: str, out: Path) -> HybridflowConfig:
     return dataclasses.replace(cfg, model=model)
 
 
-def _policy(cfg: HybridflowConfig, dtype: torch.dtype, *, seed: int = 1):
+def _policy(cfg: HybridflowConfig, dtype: torch.dtype, *, seed: int = 1, initialize: bool = True):
     from megatron_adapters import parallel
     from megatron_adapters.policy import MegatronPolicy
 
     pg = parallel.initialize(cfg.actor.parallel, seed=seed)
-    return MegatronPolicy(cfg.model, cfg.actor.parallel, cfg.train, pg_collection=pg, params_dtype=dtype)
+    return MegatronPolicy(cfg.model, cfg.actor.parallel, cfg.train, pg_collection=pg, params_dtype=dtype,
+                          initialize=initialize)
 
 
 def _random_ids(vocab: int, rows: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -99,7 +100,8 @@ def _engine_logprobs(engine, ids: torch.Tensor) -> torch.Tensor:
 def _family_case(family: str, dtype: str, work: Path) -> dict:
     """A tiny HF model of ``family`` converted into megatron-core and scored by both on the device;
     then the run's weight sync (reshard plan, full route) pushes the trainer's weights back into
-    the engine and they are scored again."""
+    the engine and they are scored again. ``model.path``'s loader reads the same directory into a
+    second policy on the device, scored against transformers within the same tolerance."""
     from hfschema.hf_config import read_model_config
     from hybridflow.rollout import make_engine
     from hybridflow.runtime.channel import colocated
@@ -118,18 +120,34 @@ def _family_case(family: str, dtype: str, work: Path) -> dict:
     engine = make_engine("hf", model_path=str(hf_dir), dtype=dtype, device=str(_device()))
     ids = _random_ids(cfg.model.vocab_size, 4, 32)
     trainer = policy.forward_logprobs({"input_ids": ids}, micro_batch_size=4)[0][:, 1:].float()
-    loaded = (trainer - _engine_logprobs(engine, ids)).abs()
+    reference = _engine_logprobs(engine, ids)  # transformers on the HF directory itself
+    loaded = (trainer - reference).abs()
     pushed = EngineSync(cfg, channel=colocated(), device=_device(), source_params=lambda: global_named_parameters(policy),
                         engine=engine).push()
     synced = (trainer - _engine_logprobs(engine, ids)).abs()
     engine.shutdown()
+    direct = _direct_load_diff(cfg, dtype, hf_dir, ids, reference)  # last: it sets the parallel state up again
     stat, bound = TOLERANCE[dtype]
-    worst = max(float(getattr(loaded, stat)()), float(getattr(synced, stat)()))
+    worst = max(float(getattr(loaded, stat)()), float(getattr(synced, stat)()), float(getattr(direct, stat)()))
     return {"family": family, "dtype": dtype, "max_abs_diff": float(loaded.max()),
             "mean_abs_diff": float(loaded.mean()), "max_abs_diff_after_push": float(synced.max()),
             "mean_abs_diff_after_push": float(synced.mean()), "tolerance": f"{stat} <= {bound}",
-            "ok": worst <= bound,
+            "ok": worst <= bound, "direct_load_max_abs_diff": float(direct.max()),
+            "direct_load_mean_abs_diff": float(direct.mean()),
             "push_plan_bytes": pushed["sync/plan_bytes"], "push_seconds": pushed["sync/seconds"]}
+
+
+def _direct_load_diff(cfg: HybridflowConfig, dtype: str, hf_dir: Path, ids: torch.Tensor,
+                      reference: torch.Tensor) -> torch.Tensor:
+    """|log-prob difference| between transformers and a policy that ``megatron_adapters.pretrained``
+    loaded from the HF directory onto the device (``model.path``'s loader: no converted checkpoint,
+    so bf16 runs keep fp32 norms exactly as the directory has them)."""
+    from megatron_adapters.pretrained import load_hf_weights
+
+    direct = _policy(cfg, getattr(torch, dtype), initialize=False)
+    load_hf_weights(direct, hf_dir)
+    scored = direct.forward_logprobs({"input_ids": ids}, micro_batch_size=4)[0][:, 1:].float()
+    return (scored - reference).abs()
 
 
 def check_families(args, work: Path) -> dict:

@@ -29,6 +29,7 @@ def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     cases = checks["families"]["cases"]
     assert {c["family"] for c in cases} == {"llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3"}
     assert all(c["max_abs_diff"] < 1e-4 for c in cases if c["dtype"] == "float32")  # exact on the CPU
+    assert all(c["direct_load_max_abs_diff"] < 1e-4 for c in cases if c["dtype"] == "float32")  # model.path's loader
     assert checks["checkpoint"]["max_abs_diff_after_load"] == 0.0
     assert checks["ipc"]["child_checksum"] == checks["ipc"]["checksum"]
     assert checks["ipc"]["handle_bytes"] < checks["ipc"]["tensor_bytes"] / 100  # a handle, not the data
