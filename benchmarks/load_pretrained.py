@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from benchmarks.output import emit, parse_bytes  # noqa: E402
 from hfschema.files import write_text_atomic  # noqa: E402
 
-LAYOUTS = {"ep2": dict(ep=2, dp=2), "tp2": dict(tp=2)}
-"""Two ranks each: experts split (attention replicated), or every tensor split."""
+LAYOUTS = {"ep2": dict(ep=2, dp=2), "tp2": dict(tp=2, etp=2)}
+"""Two ranks each: experts split (attention replicated), or every tensor split (experts too, etp=2)."""
 
 
 # ------------------------------------------------------------------------------- rank side
