@@ -56,7 +56,7 @@ def test_convert_benchmark_round_trips_in_bounded_memory(tmp_path) -> None:
 
 @pytest.mark.claim("load-pretrained-benchmark")
 def test_load_pretrained_benchmark_reads_each_ranks_share_in_bounded_memory(tmp_path) -> None:
-    result = _run("benchmarks/load_pretrained.py", tmp_path, "--target-bytes", "200M", "--buffer-bytes", "8M",
+    result = _run("benchmarks/load_pretrained.py", tmp_path, "--target-bytes", "200M", "--buffer-bytes", "32M",
                   "--workdir", str(tmp_path))
     cases = {case["layout"].split()[0]: case for case in result["cases"]}
     assert set(cases) == {"ep2", "tp2"}
