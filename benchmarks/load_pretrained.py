@@ -96,10 +96,12 @@ def _timed_on_all_ranks(step) -> tuple[float, object]:
     import torch
     import torch.distributed as dist
 
+    from megatron_adapters.parallel import device
+
     dist.barrier()
     started = time.perf_counter()
     result = step()
-    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device())
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item(), result
 
