@@ -25,6 +25,7 @@ from tests.test_train import LOGPROB_TOL, WARM_UP, _deterministic, _history, _ok
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ASYNC = ["rollout.placement=separate", "rollout.tp=1", WARM_UP, "run.steps=6", "run.checkpoint_every=2",
+         "run.keep_checkpoints=3",  # step 2 stays: the resume test starts from it
          "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8", "algorithm.rollout_correction=tis"]
 MODES = {"async_k1": (["async_rl.mode=async", "async_rl.max_staleness=1"], 1),
          # K=2 runs with partial rollouts: whole batches are K=1's path, and one run fewer keeps CI short
@@ -99,13 +100,21 @@ def test_partial_rollouts_finish_requests_with_tokens_of_each_version_tagged_cor
 
 @pytest.mark.claim("async-resume-reproduces", "partial-rollout-resume")
 def test_a_killed_async_run_resumed_with_its_buffer_reproduces_the_metrics(runs, tmp_path: Path, seeded) -> None:
+    """The uninterrupted K=2 run's step-2 checkpoint in a fresh directory, as a run killed once it
+    had saved step 2 leaves it (a kill changes nothing on disk that a finished save wrote; killed
+    runs are tests/test_faults.py's): resumed, the batches it had started ahead come back from the
+    saved buffer and the run reproduces the uninterrupted one."""
+    import shutil
+
     out = seeded(tmp_path / "resumed")
+    saved = runs["async_k2"] / "checkpoints" / "step_000002"
+    shutil.copytree(saved, out / "checkpoints" / "step_000002")
     args = (*ASYNC, *MODES["async_k2"][0])  # the buffer's samples carry per-token versions
-    crashed = _train(out, *args, fault_at=3)
-    assert crashed.returncode != 0
     state = json.loads((out / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["async_buffer"] == [[2, 0], [3, 1]]  # batches started ahead, with their versions
     assert sorted(p.name for p in (out / "checkpoints" / "step_000002").glob("async_buffer_replica*.pt")) == [
         "async_buffer_replica0.pt"]
-    _ok(_train(out, *args))
+    resumed = _train(out, *args)
+    _ok(resumed)
+    assert f"resuming from {out / 'checkpoints' / 'step_000002'}" in resumed.stdout, resumed.stdout[-2000:]
     assert _timeless(_history(out, "step_000006")) == _timeless(_history(runs["async_k2"], "step_000006"))

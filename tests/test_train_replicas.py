@@ -85,12 +85,19 @@ def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(repl
 @pytest.mark.claim("restart-reproduces", "replica-failure-named")
 def test_a_replica_failing_mid_generation_stops_the_step_by_name_and_the_run_resumes(replica_run: Path,
                                                                                      tmp_path: Path, replicas) -> None:
+    """The uninterrupted run's step-4 checkpoint in a fresh directory (the run as it stood when it
+    saved step 4): its restart fails in step 5's generation, saves nothing more, and the next
+    restart reproduces the uninterrupted run's steps 5-8."""
+    import shutil
+
     out = tmp_path / "failed"
-    # generate call 6 is step 5's (call 1 scored the held-out prompts after SFT)
-    failed = _train(out, *replicas, env={"HYBRIDFLOW_FAULT_REPLICA": "1@6"})
+    shutil.copytree(replica_run / "checkpoints" / "step_000004", out / "checkpoints" / "step_000004")
+    # generate call 1 of the restarted process is step 5's
+    failed = _train(out, *replicas, env={"HYBRIDFLOW_FAULT_REPLICA": "1@1"})
     assert failed.returncode != 0
     assert "ReplicaFailed: rollout replica 1 (driven by rank 1) failed mid-generation" in failed.stderr
+    assert f"resuming from {out / 'checkpoints' / 'step_000004'}" in failed.stdout, failed.stdout[-2000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert "step_000004" in saved and "step_000008" not in saved, saved
+    assert saved == ["step_000004"], saved
     _ok(_train(out, *replicas))
     assert _deterministic(_history(out, "step_000008")) == _deterministic(_history(replica_run, "step_000008"))

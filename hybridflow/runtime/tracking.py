@@ -4,7 +4,9 @@
 The default store is local: a SQLite database under the run directory
 (``<output_dir>/mlflow.db``, artifacts beside it), so a laptop run needs no server and
 ``mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`` shows it. A resumed run
-reopens the same MLflow run (its id is kept in the run state) and keeps logging at the next step.
+reopens the same MLflow run (its id is kept in the run state) and keeps logging at the next step;
+where the store does not hold that run (a checkpoint copied into another run directory, or the
+store removed), it says so and starts a new MLflow run holding the checkpoint's history so far.
 TensorBoard's files go to ``<output_dir>/tensorboard`` (``tensorboard --logdir`` it); a resumed
 run adds a new event file there, which TensorBoard reads as the same run.
 """
@@ -32,7 +34,8 @@ def default_tracking_uri(output_dir: str | os.PathLike) -> str:
 class Tracker:
     """Logs params, metrics and artifacts of one run; inert on ranks other than 0."""
 
-    def __init__(self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None) -> None:
+    def __init__(self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None,
+                 history: list[dict[str, float]] = ()) -> None:
         self.run_id: str | None = None
         self.uri: str | None = None
         self.tensorboard_dir: str | None = None
@@ -41,11 +44,11 @@ class Tracker:
         if not active:
             return
         if cfg.run.tracking.backend == "mlflow":
-            self._start_mlflow(cfg, run_id)
+            self._start_mlflow(cfg, run_id, history)
         if cfg.run.tracking.tensorboard:
             self._start_tensorboard(Path(cfg.run.output_dir).resolve() / "tensorboard")
 
-    def _start_mlflow(self, cfg: HybridflowConfig, run_id: str | None) -> None:
+    def _start_mlflow(self, cfg: HybridflowConfig, run_id: str | None, history: list[dict[str, float]]) -> None:
         import mlflow
 
         uri = cfg.run.tracking.uri or default_tracking_uri(cfg.run.output_dir)
@@ -57,11 +60,20 @@ class Tracker:
             location = artifacts.as_uri() if cfg.run.tracking.uri is None else None
             mlflow.create_experiment(name, artifact_location=location)
         mlflow.set_experiment(name)
+        if run_id and not _store_holds(mlflow, run_id):
+            logger.warning("the checkpoint's MLflow run %s is not in %s (a checkpoint from another run directory, or "
+                           "the store removed): starting a new MLflow run with the checkpoint's %d steps so far",
+                           run_id, uri, len(history))
+            run_id = None
+        else:
+            history = ()
         run = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(run_name=cfg.run.name)
         self._mlflow = mlflow
         self.run_id = run.info.run_id
         self.uri = uri
         logger.info("MLflow run %s at %s (artifacts under %s)", self.run_id, uri, artifacts)
+        for entry in history:
+            self.log_metrics(entry, step=int(entry["step"]))
 
     def _start_tensorboard(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -99,3 +111,13 @@ class Tracker:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def _store_holds(mlflow, run_id: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.tracking.MlflowClient().get_run(run_id)
+    except MlflowException:
+        return False
+    return True

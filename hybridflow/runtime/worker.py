@@ -295,7 +295,7 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
     prompts, held, skipped = load_prompts(cfg, tokenizer, train, heldout)
     state = run_state.read_state(resume_from) if resume_from else run_state.RunState()
     rank = dist.get_rank()
-    tracker = Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id)
+    tracker = Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id, history=state.history)
     s = Session(cfg=cfg, out_dir=out_dir, rank=rank, tokenizer=tokenizer, model_dir=model_dir,
                 train_prompts=prompts, heldout_prompts=held, sft_rows=prompts,
                 sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),

@@ -30,13 +30,29 @@ NEEDED = {
 }
 
 
-def _run(scenario: str, skip: str = "") -> subprocess.CompletedProcess:
+ONE_PROCESS_ALL_PATCHES = ["import_attention", "build_mla", "train_moe", "seq_parallel_norm", "resume_adam"]
+TWO_PROCESS_ALL_PATCHES = ["ep2_step", "etp2_uneven_step", "tp2_moe_step"]
+
+
+def _run(*scenarios: str, skip: str = "") -> subprocess.CompletedProcess:
+    """The scenarios one after another in one fresh process (one torchrun launch of two)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", cpu_compat.SKIP_ENV: skip}
-    if scenario in TWO_PROCESS:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), scenario]
+    if scenarios[0] in TWO_PROCESS:
+        assert set(scenarios) <= TWO_PROCESS, scenarios
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
+               *scenarios]
     else:
-        cmd = [sys.executable, str(SCRIPT), scenario]
+        assert not set(scenarios) & TWO_PROCESS, scenarios
+        cmd = [sys.executable, str(SCRIPT), *scenarios]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def all_patches_runs() -> dict[str, subprocess.CompletedProcess]:
+    """Every scenario with every patch applied: the one-process ones in one process, the
+    two-process ones in one launch (a scenario that fails stops those after it, which fail too)."""
+    one, two = _run(*ONE_PROCESS_ALL_PATCHES), _run(*TWO_PROCESS_ALL_PATCHES)
+    return {**dict.fromkeys(ONE_PROCESS_ALL_PATCHES, one), **dict.fromkeys(TWO_PROCESS_ALL_PATCHES, two)}
 
 
 @pytest.mark.claim("cpu-workarounds-each-needed")
@@ -53,15 +69,14 @@ def test_scenario_fails_without_its_patch(patch: str) -> None:
     assert error in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("scenario", ["import_attention", "build_mla", "train_moe", "seq_parallel_norm", "resume_adam",
-                                      "ep2_step", "etp2_uneven_step", "tp2_moe_step"])
+@pytest.mark.parametrize("scenario", ONE_PROCESS_ALL_PATCHES + TWO_PROCESS_ALL_PATCHES)
 @pytest.mark.claim("cpu-workarounds-each-needed")
-def test_scenario_runs_with_all_patches(scenario: str) -> None:
-    result = _run(scenario)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+def test_scenario_runs_with_all_patches(scenario: str, all_patches_runs) -> None:
+    result = all_patches_runs[scenario]
     ranks = 2 if scenario in TWO_PROCESS else 1
     for rank in range(ranks):
-        assert f"SCENARIO OK {scenario} rank {rank}\n" in result.stdout
+        assert f"SCENARIO OK {scenario} rank {rank}\n" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
 @pytest.mark.claim("cpu-workarounds-each-needed")

@@ -61,3 +61,30 @@ def test_an_inactive_rank_writes_no_event_files(tmp_path: Path) -> None:
     tracker.log_metrics({"reward/mean": 0.5}, step=1)
     tracker.close()
     assert tracker.tensorboard_dir is None and not (tmp_path / "tensorboard").exists()
+
+
+def test_a_checkpoint_whose_mlflow_run_the_store_lacks_starts_a_new_run_with_its_history(tmp_path: Path,
+                                                                                           caplog) -> None:
+    """A checkpoint copied into another run directory names an MLflow run that directory's store
+    never held: the run goes on in a new MLflow run that holds the steps so far; a store that
+    holds the run reopens it and adds nothing."""
+    import mlflow
+
+    first = Tracker(load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path / 'a'}"]), active=True)
+    first.log_metrics({"reward/mean": 0.25, "step": 1}, step=1)
+    old_id = first.run_id
+    first.close()
+    history = [{"reward/mean": 0.25, "step": 1}, {"reward/mean": 0.5, "step": 2}]
+    cfg = load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path / 'b'}"])
+    moved = Tracker(cfg, active=True, run_id=old_id, history=history)
+    assert moved.run_id != old_id
+    assert f"the checkpoint's MLflow run {old_id} is not in {moved.uri}" in caplog.text
+    moved.close()
+    points = mlflow.MlflowClient(tracking_uri=moved.uri).get_metric_history(moved.run_id, "reward/mean")
+    assert [(m.step, m.value) for m in points] == [(1, 0.25), (2, 0.5)]
+    same = Tracker(load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path / 'a'}"]), active=True,
+                   run_id=old_id, history=history)
+    assert same.run_id == old_id
+    same.close()
+    points = mlflow.MlflowClient(tracking_uri=same.uri).get_metric_history(old_id, "reward/mean")
+    assert [(m.step, m.value) for m in points] == [(1, 0.25)]

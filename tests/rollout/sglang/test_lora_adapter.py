@@ -42,7 +42,9 @@ def _adapter(model_dir: Path, out: Path, seed: int) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+# tp=1 is the slow tier's: the same loading with the TP split left out (the default tier's
+# separate and asynchronous LoRA runs serve adapters from tp=1 engines, scored against the trainer)
+@pytest.fixture(scope="module", params=[pytest.param(1, marks=pytest.mark.slow), 2], ids=["tp1", "tp2"])
 def served(request, tmp_path_factory):
     tp = request.param
     root = tmp_path_factory.mktemp(f"lora_tp{tp}")
