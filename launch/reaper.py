@@ -72,8 +72,13 @@ def become_subreaper() -> bool:
     return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies (even by SIGKILL)."""
+def _prepare_child() -> None:
+    """In the child before exec: SIGTERM when the launcher dies (even by SIGKILL), and the stop
+    signals back to their default action. A launcher started with one of them ignored (``nohup``
+    ignores SIGHUP; a shell's background job, ``cmd &``, SIGINT) would pass the ignoring on to
+    every rank, which exec keeps: the signal the launcher forwards would then stop nothing."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
@@ -162,7 +167,7 @@ def run_reaped(cmd: Sequence[str], env: Mapping[str, str]) -> JobResult:
     """Run ``cmd`` (torchrun) to its end or until a stop signal, then reap what the job left
     behind; see the module docstring."""
     become_subreaper()
-    child = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True, preexec_fn=_die_with_parent)
+    child = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True, preexec_fn=_prepare_child)
     stop = _Stop(child)
     previous = {sig: signal.signal(sig, stop.on_signal) for sig in STOP_SIGNALS}
     try:

@@ -67,12 +67,20 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 class Job:
     """A command started in its own session with a marker, its output in a log file."""
 
-    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None,
+                 ignoring: tuple[int, ...] = ()) -> None:
+        """``ignoring``: signals the command starts with ignored (as ``cmd &`` in a script
+        starts it with SIGINT ignored, ``nohup`` with SIGHUP)."""
         self.marker, self.log, self.left = uuid.uuid4().hex, log, []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), MARKER: self.marker, **(env or {})}
+
+        def ignore() -> None:
+            for sig in ignoring:
+                signal.signal(sig, signal.SIG_IGN)
+
         with log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=ignore)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -148,6 +156,22 @@ def test_a_signal_stops_a_job_that_exits_on_it(tmp_path, sig) -> None:
         job.kill()
     assert code == 128 + sig and gone_s < 10, (code, gone_s, job.text())
     assert f"stopping the job" in job.text()
+
+
+@pytest.mark.claim("stop-grace")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=lambda s: signal.Signals(s).name)
+def test_a_launcher_started_with_the_signal_ignored_still_stops_the_job(tmp_path, sig) -> None:
+    """A script's ``hybridflow train ... &`` starts with SIGINT ignored, ``nohup`` with SIGHUP;
+    the ranks start with the stop signals at their default action, so the one the launcher
+    forwards stops them (it would otherwise reach ranks that ignore it, and only the grace's
+    SIGKILL would end the job)."""
+    job = Job(_launcher("polite"), tmp_path / "job.log", ignoring=(sig,))
+    try:
+        job.wait_for("ranks up", timeout_s=30)
+        code, gone_s = job.stop(sig)
+    finally:
+        job.kill()
+    assert code == 128 + sig and gone_s < 10, (code, gone_s, job.text())
 
 
 @pytest.mark.claim("stop-grace")
