@@ -2,6 +2,8 @@
 
     layout.py     ParallelLayout (tp, pp, vpp, ep, etp, cp, dp), ConfigError, divisors
     checks.py     the small field checks the config sections run in ``__post_init__``
+    families.py   each model family's one registration (config.json reader and writer, fixed
+                  settings, router rules, attention and MoE block, SGLang traits)
     model.py      ModelConfig (+ RopeScalingConfig): the architecture, HF-style
     train.py      TrainConfig (optimizer, schedule, batches), MoEConfig (MoE RL stability)
     sglang.py     SGLangSettings (the engines' parallel settings), pad_vocab

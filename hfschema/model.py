@@ -7,11 +7,11 @@ tensor shapes from it, ``megatron_adapters`` builds megatron-core models from it
 and raises ``ConfigError`` with keys relative to itself.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from hfschema.checks import check_choice, check_non_negative, check_positive
+from hfschema.families import FAMILIES, RouterRule
 from hfschema.layout import ConfigError
 
 __all__ = [
@@ -19,125 +19,15 @@ __all__ = [
     "RopeScalingConfig", "RouterRule",
 ]
 
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
-
-_O_PROJ_BIAS = ("its attention_bias also puts a bias on o_proj (HF and SGLang alike), which "
-                "megatron-core builds only with add_bias_linear, MLP biases included")
-_NO_QK_NORM = "the family has no per-head q/k norms (SGLang's attention builds none)"
-_PLAIN_ROUTER = ("SGLang routes this family by softmax top-k, without expert bias, groups or "
-                 "scaling")
-_NO_DENSE = "SGLang builds every layer of this family as an MoE layer"
-_MOE_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "first_k_dense_layers": ((0,), _NO_DENSE),
-    "num_shared_experts": ((0,), "the family has no shared experts (nor has SGLang's MoE block)"),
-    "router_expert_bias": ((False,), _PLAIN_ROUTER),
-    "router_score_function": (("softmax",), _PLAIN_ROUTER),
-    "router_num_groups": ((None,), _PLAIN_ROUTER),
-    "router_topk_scaling_factor": ((None, 1.0), _PLAIN_ROUTER),
-}
-FAMILY_FIXED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
-    "llama": {"attention_bias": ((False,), _O_PROJ_BIAS), "qk_layernorm": ((False,), _NO_QK_NORM)},
-    "qwen2": {
-        "attention_bias": ((True,), "Qwen2 always has q/k/v biases (SGLang's Qwen2Attention "
-                                    "builds qkv_proj.bias whatever the config says)"),
-        "qk_layernorm": ((False,), _NO_QK_NORM),
-    },
-    "qwen3_moe": {
-        "attention_bias": ((False,), _O_PROJ_BIAS),
-        "qk_layernorm": ((True,), "Qwen3-MoE always normalises q and k per head (SGLang's "
-                                  "Qwen3MoeAttention builds q_norm / k_norm)"),
-        # SGLang's Qwen3MoeDecoderLayer.stage_facts makes every layer sparse: mlp_only_layers
-        # and decoder_sparse_step are not honoured
-        **_MOE_FIXED,
-    },
-    "mixtral": {
-        "attention_bias": ((False,), "Mixtral has no attention biases"),
-        "qk_layernorm": ((False,), _NO_QK_NORM),
-        **_MOE_FIXED,
-        "norm_topk_prob": ((True,), "SGLang's MixtralMoE always renormalises the top-k weights"),
-    },
-    "deepseek_v3": {
-        "attention_bias": ((False,), "MLA's projections have no biases (SGLang builds none)"),
-        "qk_layernorm": ((False,), "MLA's q_a / kv_a layernorms are always built; qk_layernorm "
-                                   "is Qwen3's per-head norm"),
-    },
-}
+MODEL_FAMILIES = tuple(FAMILIES)
+MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.is_moe)
+FAMILY_FIXED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {name: f.fixed for name, f in FAMILIES.items()}
 """Per family: the values a field may take because the family's architecture (as Hugging Face,
-SGLang's model class and megatron_adapters build it) fixes them, and why. The first value is
-the one to set; the ``FAMILY_DERIVED`` fields left at None take it."""
+SGLang's model class and megatron_adapters build it) fixes them, and why (``Family.fixed``). The
+first value is the one to set; the ``FAMILY_DERIVED`` fields left at None take it."""
 FAMILY_DERIVED = ("qk_layernorm", "attention_bias")
 """Fields whose None default means the family's value (every family fixes both)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RouterRule:
-    """A combination of router settings that megatron-core routes differently from the family's
-    Hugging Face router (transformers 5.19), so the converted model's logits would differ."""
-
-    keys: tuple[str, ...]
-    """The ``ModelConfig`` fields involved, named in the error."""
-    hf_keys: tuple[str, ...]
-    """The ``config.json`` keys they are read from (``hfschema.hf_config``)."""
-    megatron_keys: tuple[str, ...]
-    """The megatron-core ``TransformerConfig`` fields they become (``megatron_adapters.model``)."""
-    differs: Callable[["ModelConfig"], bool]
-    """Whether the two implementations compute different routes or weights for this model."""
-    why: str
-    """What each side computes."""
-    fix: str
-    """The settings that compute alike."""
-
-
-def _group_scores_differ(m: "ModelConfig") -> bool:
-    # choosing every group drops no expert: the group scores are then never compared
-    return (m.router_num_groups is not None and m.router_group_topk < m.router_num_groups
-            and m.moe_top_k // m.router_group_topk != 2)
-
-
-def _sigmoid_norm_differs(m: "ModelConfig") -> bool:
-    return m.router_score_function == "sigmoid" and m.norm_topk_prob != (m.moe_top_k > 1)
-
-
-def _softmax_top1_differs(m: "ModelConfig") -> bool:
-    return m.router_score_function == "softmax" and m.moe_top_k == 1 and m.norm_topk_prob
-
-
-_GROUP_SCORES = RouterRule(
-    keys=("moe_top_k", "router_group_topk", "router_num_groups"),
-    hf_keys=("num_experts_per_tok", "topk_group", "n_group"),
-    megatron_keys=("moe_router_topk", "moe_router_group_topk", "moe_router_num_groups"),
-    differs=_group_scores_differ,
-    why=("transformers' DeepseekV3TopkRouter ranks expert groups by the sum of each group's top 2 "
-         "biased scores, megatron-core's group_limited_topk by the sum of its top "
-         "moe_router_topk // moe_router_group_topk"),
-    fix=("only moe_top_k // router_group_topk = 2 (DeepSeek-V3: 8 // 4), or router_group_topk = "
-         "router_num_groups, routes alike"),
-)
-_SIGMOID_NORM = RouterRule(
-    keys=("norm_topk_prob", "moe_top_k"),
-    hf_keys=("norm_topk_prob", "num_experts_per_tok"),
-    megatron_keys=("moe_router_topk",),
-    differs=_sigmoid_norm_differs,
-    why=("megatron-core renormalises sigmoid top-k weights exactly when moe_router_topk > 1 (it has "
-         "no switch for it), transformers exactly when norm_topk_prob is true"),
-    fix="only norm_topk_prob = (moe_top_k > 1) weighs alike",
-)
-_SOFTMAX_TOP1 = RouterRule(
-    keys=("moe_top_k", "norm_topk_prob"),
-    hf_keys=("num_experts_per_tok", "norm_topk_prob (Mixtral: always true)"),
-    megatron_keys=("moe_router_topk", "moe_router_pre_softmax"),
-    differs=_softmax_top1_differs,
-    why=("transformers renormalises the one softmax weight to 1.0; megatron-core refuses top-1 "
-         "softmax routing without moe_router_pre_softmax (the router would get no gradient) and "
-         "with it weighs by the softmax probability"),
-    fix="only norm_topk_prob = false routes a top-1 model alike",
-)
-ROUTER_RULES: dict[str, tuple[RouterRule, ...]] = {
-    "qwen3_moe": (_SOFTMAX_TOP1,),
-    "mixtral": (_SOFTMAX_TOP1,),
-    "deepseek_v3": (_GROUP_SCORES, _SIGMOID_NORM),
-}
+ROUTER_RULES: dict[str, tuple[RouterRule, ...]] = {name: f.router_rules for name, f in FAMILIES.items()}
 """Per family: router setting combinations megatron-core computes differently from the family's
 Hugging Face router; ``ModelConfig`` refuses them, at config load and at conversion alike. Every
 other combination ``FAMILY_FIXED`` leaves open routes alike once ``megatron_adapters.model`` maps
@@ -180,7 +70,7 @@ class RopeScalingConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Transformer architecture; dense (llama, qwen2) or MoE (qwen3_moe, mixtral, deepseek_v3)."""
+    """Transformer architecture; dense (llama, qwen2, qwen3) or MoE (qwen3_moe, mixtral, deepseek_v3)."""
 
     family: str = "qwen3_moe"
     """Model family, one of MODEL_FAMILIES; picks the weight mapping and layer spec."""
@@ -209,8 +99,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     """Share the input embedding with the output (LM head) projection."""
     qk_layernorm: Optional[bool] = None
-    """RMSNorm on per-head queries and keys (Qwen3); None = the family's (true for qwen3_moe
-    only: ``FAMILY_FIXED``)."""
+    """RMSNorm on per-head queries and keys (Qwen3); None = the family's (true for qwen3 and
+    qwen3_moe only: ``FAMILY_FIXED``)."""
     attention_bias: Optional[bool] = None
     """Bias on the q/k/v projections (Qwen2); None = the family's (true for qwen2 only)."""
     num_experts: int = 4
@@ -248,6 +138,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choice("family", self.family, MODEL_FAMILIES)
+        if isinstance(self.rope_scaling, dict):  # as a config.json reader gives it
+            self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
         for key in FAMILY_DERIVED:
             if getattr(self, key) is None:
                 setattr(self, key, FAMILY_FIXED[self.family][key][0][0])
@@ -283,11 +175,11 @@ class ModelConfig:
             )
 
     def _check_family(self) -> None:
-        if self.family == "deepseek_v3" and not self.is_mla:
+        if FAMILIES[self.family].attention == "mla" and not self.is_mla:
             raise ConfigError(
-                "{p}family='deepseek_v3' uses MLA: set {p}kv_lora_rank, {p}qk_nope_head_dim, "
+                "{p}family={fam!r} uses MLA: set {p}kv_lora_rank, {p}qk_nope_head_dim, "
                 "{p}qk_rope_head_dim and {p}v_head_dim > 0 (got kv_lora_rank={r})",
-                r=self.kv_lora_rank,
+                fam=self.family, r=self.kv_lora_rank,
             )
         if self.family in MOE_FAMILIES and not self.is_moe:
             raise ConfigError(

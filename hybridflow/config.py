@@ -731,6 +731,11 @@ class SFTConfig:
     """Also save the SFT actor with its optimizer state every this many SFT steps, as
     ``checkpoints/sft_<step>`` (0 = only when SFT ends, or a checkpoint is requested); a start
     continues an unfinished SFT from the newest one, which are removed once SFT is complete."""
+    export_hf: bool = True
+    """Write the finished SFT model as a Hugging Face directory too (``checkpoints/sft/hf``), which
+    RL then loads through ``model.path``'s loader. Rank 0 converts it alone, reading the whole
+    checkpoint once: for a model of hundreds of GB, false skips that (RL then loads the megatron
+    checkpoint, and ``hybridflow convert mcore-to-hf`` exports it when wanted)."""
 
     def __post_init__(self) -> None:
         check_non_negative(self, ("steps", "checkpoint_every"))

@@ -6,7 +6,8 @@ One ``ModelConfig`` (hfschema/model.py) describes an architecture the way its Hu
 builds one ``GPTModel`` per virtual pipeline stage held by this rank, with the layer spec that
 fits the machine: megatron-core's local modules everywhere (see ``layer_spec`` for why not TE's).
 
-Family differences live in the ``FAMILIES`` registry, not in branches on the family name.
+Family differences live in the ``FAMILIES`` traits, derived from each family's registration
+(``hfschema.families``), not in branches on the family name.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from hfschema.families import FAMILIES as REGISTERED
 from hfschema.layout import ParallelLayout
 from hfschema.model import ModelConfig
 from hfschema.train import MoEConfig
@@ -53,40 +55,11 @@ class FamilyTraits:
     """Extra TransformerConfig fields for this family."""
 
 
-def _deepseek_extra(model: ModelConfig) -> dict[str, Any]:
-    scaling = model.rope_scaling
-    extra: dict[str, Any] = {
-        "q_lora_rank": model.q_lora_rank,
-        "kv_lora_rank": model.kv_lora_rank,
-        "qk_head_dim": model.qk_nope_head_dim,
-        "qk_pos_emb_head_dim": model.qk_rope_head_dim,
-        "v_head_dim": model.v_head_dim,
-        # megatron's unfused attention sizes its output by kv_channels: MLA's is v_head_dim.
-        "kv_channels": model.v_head_dim,
-        "rotary_base": model.rope_theta,
-        "rope_type": "rope" if scaling is None else "yarn",
-        # DeepSeek's q_a_layernorm / kv_a_layernorm on the latent projections.
-        "qk_layernorm": True,
-    }
-    if scaling is not None:
-        extra.update(
-            rotary_scaling_factor=scaling.factor,
-            original_max_position_embeddings=scaling.original_max_position_embeddings,
-            beta_fast=scaling.beta_fast,
-            beta_slow=scaling.beta_slow,
-            mscale=scaling.mscale,
-            mscale_all_dim=scaling.mscale_all_dim,
-        )
-    return extra
-
-
 FAMILIES: dict[str, FamilyTraits] = {
-    "llama": FamilyTraits(moe=False),
-    "qwen2": FamilyTraits(moe=False),
-    "qwen3_moe": FamilyTraits(moe=True),
-    "mixtral": FamilyTraits(moe=True),
-    "deepseek_v3": FamilyTraits(moe=True, mla=True, extra=_deepseek_extra),
+    name: FamilyTraits(moe=family.is_moe, mla=family.attention == "mla", extra=family.megatron_extra)
+    for name, family in REGISTERED.items()
 }
+"""Each registered family's build traits (``hfschema.families``)."""
 
 
 def _moe_fields(model: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from hfschema.families import FAMILIES as REGISTERED
+from hfschema.families import Family
 from hfschema.model import ModelConfig
 
 __all__ = [
@@ -441,48 +443,24 @@ def _shared_experts() -> tuple[TensorSpec, ...]:
     )
 
 
-_HF_EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+def _spec(family: Family) -> FamilySpec:
+    """A family's canonical tensors from its registration (``hfschema.families``): the shared
+    tensors, its attention kind, the dense MLP, then its MoE block's router, shared and routed
+    experts, in checkpoint order."""
+    attention = _mla_attention() if family.attention == "mla" else _gqa_attention()
+    tensors = (*_global_tensors(), *_layer_norms(), *attention, *_dense_mlp())
+    moe = family.moe
+    if moe is not None:
+        tensors += _router(moe.module, moe.module, expert_bias=moe.expert_bias)
+        tensors += _shared_experts() if moe.shared_experts else ()
+        tensors += _experts(moe.module, moe.module, dict(moe.expert_names))
+    traits = family.sglang
+    return FamilySpec(tensors=tensors, dp_attention=traits.dp_attention, tied_head=traits.tied_head,
+                      redundant_experts=traits.redundant_experts, gate_bias=traits.gate_bias)
 
-FAMILIES: dict[str, FamilySpec] = {
-    "llama": FamilySpec(
-        tensors=(*_global_tensors(), *_layer_norms(), *_gqa_attention(), *_dense_mlp()),
-        dp_attention=False,
-    ),
-    "qwen2": FamilySpec(
-        tensors=(*_global_tensors(), *_layer_norms(), *_gqa_attention(), *_dense_mlp()),
-        dp_attention=False,
-    ),
-    "qwen3_moe": FamilySpec(
-        tensors=(
-            *_global_tensors(), *_layer_norms(), *_gqa_attention(), *_dense_mlp(),
-            *_router("mlp", "mlp", expert_bias=False),
-            *_experts("mlp", "mlp", _HF_EXPERT_NAMES),
-        ),
-        # Qwen3MoeForCausalLM: ParallelLMHead whatever tie_word_embeddings says;
-        # Qwen3MoeSparseMoeBlock: num_experts + ep_num_redundant_experts slots
-        dp_attention=True, tied_head=False, redundant_experts=True,
-    ),
-    "mixtral": FamilySpec(
-        tensors=(
-            *_global_tensors(), *_layer_norms(), *_gqa_attention(), *_dense_mlp(),
-            *_router("block_sparse_moe", "block_sparse_moe", expert_bias=False),
-            *_experts("block_sparse_moe", "block_sparse_moe",
-                      {"gate": "w1", "up": "w3", "down": "w2"}),
-        ),
-        # MixtralForCausalLM: its own ParallelLMHead; MixtralMoE: FusedMoE(num_local_experts)
-        dp_attention=False, tied_head=False,
-    ),
-    "deepseek_v3": FamilySpec(
-        tensors=(
-            *_global_tensors(), *_layer_norms(), *_mla_attention(), *_dense_mlp(),
-            *_router("mlp", "mlp", expert_bias=True), *_shared_experts(),
-            *_experts("mlp", "mlp", _HF_EXPERT_NAMES),
-        ),
-        # DeepseekV2MoE: n_routed_experts + ep_num_redundant_experts slots; MoEGate builds
-        # e_score_correction_bias for topk_method noaux_tc (hfschema.hf_config refuses others)
-        dp_attention=True, redundant_experts=True, gate_bias=True,
-    ),
-}
+
+FAMILIES: dict[str, FamilySpec] = {name: _spec(family) for name, family in REGISTERED.items()}
+"""Each registered family's canonical tensors and SGLang traits."""
 
 
 def family_spec(model: ModelConfig) -> FamilySpec:

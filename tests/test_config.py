@@ -152,7 +152,7 @@ def test_a_wrong_kind_in_the_yaml_file_names_the_key_and_the_file(tmp_path):
 def test_unknown_family_lists_valid_ones():
     message = _error("model.family=gpt2")
     assert "model.family='gpt2'" in message
-    assert "llama, qwen2, qwen3_moe, mixtral, deepseek_v3" in message
+    assert "llama, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3" in message
 
 
 @pytest.mark.claim("config-errors-name-the-key")

@@ -73,7 +73,7 @@ def test_an_unsupported_model_type_lists_the_supported_ones(copy_of):
     with pytest.raises(ValueError) as error:
         load_config(None, [f"model.path={model}"])
     assert str(error.value) == (f"{model}/config.json: model_type='gpt_neox' is not supported; supported model "
-                                "types: llama, qwen2, qwen3_moe, mixtral, deepseek_v3")
+                                "types: llama, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3")
 
 
 def test_no_tokenizer_files_are_refused(copy_of):

@@ -81,6 +81,7 @@ def uninterrupted_run(tmp_path_factory) -> Path:
     _ok(result)
     assert "hybridflow train:" in result.stdout and "held-out" in result.stdout  # the summary screen
     (out.parent / "stdout.txt").write_text(result.stdout)  # beside the run: the summary screen as printed
+    (out.parent / "stderr.txt").write_text(result.stderr)  # and rank 0's log
     return out
 
 
@@ -175,6 +176,20 @@ def test_mlflow_holds_the_metrics(full_run: Path) -> None:
     assert [m.step for m in rewards] == [1, 2, 3, 4]
     assert client.get_metric_history(summary["mlflow_run_id"], "actor/clipfrac")
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
+
+
+@pytest.mark.claim("quickstart-through-model-path")
+def test_rl_starts_from_the_warm_ups_hugging_face_export(full_run: Path) -> None:
+    """The SFT warm-up is exported as a Hugging Face directory that transformers loads, and RL's
+    actor is loaded from it slice by slice (the loader ``model.path`` uses; rank 0 says so)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = full_run / "checkpoints" / "sft" / "hf"
+    assert (export / "config.json").is_file() and list(export.glob("*.safetensors"))
+    assert AutoTokenizer.from_pretrained(str(export)).chat_template
+    AutoModelForCausalLM.from_pretrained(str(export))
+    log = (full_run.parent / "stderr.txt").read_text()
+    assert "rank 0 loaded" in log and f"from {export} in" in log, log[-3000:]
 
 
 @pytest.mark.claim("quickstart-reports")

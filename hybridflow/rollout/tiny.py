@@ -8,30 +8,31 @@ make_tiny_model_dir(path, family)
    └─ tokenizer.json, tokenizer_config.json (chat_template inside), special_tokens_map.json
 
 to_hybridflow_model_config(path)
-   config.json  ──  AutoConfig  ──  hybridflow ModelConfig   (megatron builds the same model)
+   config.json  ──  hfschema.hf_config  ──  hybridflow ModelConfig   (megatron builds the same model)
 ```
 
 transformers (``AutoModelForCausalLM`` / ``AutoTokenizer``) and SGLang load such a directory as
-they would a downloaded model. Families register in ``TINY_FAMILIES``; each names its tiny
-transformers settings and how its config maps onto ``ModelConfig``.
+they would a downloaded model. Each family's tiny transformers settings are part of its
+registration (``hfschema.families``, ``Family.tiny``); its config.json reads back through the
+same reader as any model directory's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hfschema.families import FAMILIES
+from hfschema.hf_config import read_model_config
 from hfschema.model import ModelConfig
 
 __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "TINY_FAMILIES",
-    "TinyFamily",
     "make_tiny_model_dir",
     "make_tiny_tokenizer",
     "to_hybridflow_model_config",
@@ -90,66 +91,12 @@ _TINY_DIMS = dict(
 )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TinyFamily:
-    """One model family: its tiny transformers settings and its mapping onto ``ModelConfig``."""
-
-    hf_settings: Mapping[str, Any]
-    """transformers config values on top of the shared tiny dims."""
-    model_fields: Callable[[Any], dict[str, Any]]
-    """Family-specific ``ModelConfig`` fields read from a transformers config."""
+TINY_FAMILIES: dict[str, Mapping[str, Any]] = {name: f.tiny for name, f in FAMILIES.items() if f.tiny}
+"""Families ``make_tiny_model_dir`` builds, with their transformers settings on top of the shared
+tiny dims (``Family.tiny``); the key is transformers' ``model_type``."""
 
 
-def _llama_fields(config: Any) -> dict[str, Any]:
-    return dict(attention_bias=config.attention_bias, num_experts=0)
-
-
-def _qwen2_fields(config: Any) -> dict[str, Any]:
-    # Qwen2 always has q/k/v biases; its config has no switch for them.
-    return dict(attention_bias=True, num_experts=0)
-
-
-def _qwen3_moe_fields(config: Any) -> dict[str, Any]:
-    if config.mlp_only_layers or config.decoder_sparse_step != 1:
-        raise ValueError(
-            f"qwen3_moe config with mlp_only_layers={config.mlp_only_layers} and "
-            f"decoder_sparse_step={config.decoder_sparse_step}: only all-MoE models "
-            f"(mlp_only_layers=[], decoder_sparse_step=1) map onto ModelConfig"
-        )
-    return dict(
-        attention_bias=config.attention_bias, qk_layernorm=True, num_experts=config.num_experts,
-        moe_top_k=config.num_experts_per_tok, moe_ffn_hidden_size=config.moe_intermediate_size,
-        norm_topk_prob=config.norm_topk_prob,
-    )
-
-
-def _mixtral_fields(config: Any) -> dict[str, Any]:
-    # Mixtral's intermediate_size is each expert's; it always renormalises the top-k weights.
-    return dict(
-        num_experts=config.num_local_experts, moe_top_k=config.num_experts_per_tok,
-        moe_ffn_hidden_size=config.intermediate_size, norm_topk_prob=True,
-    )
-
-
-_MOE_TINY = dict(num_experts_per_tok=2, norm_topk_prob=True)
-
-TINY_FAMILIES: dict[str, TinyFamily] = {
-    "llama": TinyFamily(hf_settings=dict(attention_bias=False), model_fields=_llama_fields),
-    "qwen2": TinyFamily(hf_settings=dict(use_sliding_window=False), model_fields=_qwen2_fields),
-    "qwen3_moe": TinyFamily(
-        hf_settings=dict(_MOE_TINY, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1,
-                         mlp_only_layers=[]),
-        model_fields=_qwen3_moe_fields,
-    ),
-    "mixtral": TinyFamily(
-        hf_settings=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
-        model_fields=_mixtral_fields,
-    ),
-}
-"""Families ``make_tiny_model_dir`` builds; the key is transformers' ``model_type``."""
-
-
-def _family(name: str) -> TinyFamily:
+def _family(name: str) -> Mapping[str, Any]:
     if name not in TINY_FAMILIES:
         raise ValueError(f"model family {name!r} is not one of: {', '.join(TINY_FAMILIES)}")
     return TINY_FAMILIES[name]
@@ -215,7 +162,7 @@ def _token_ids(tokenizer) -> dict[str, Any]:
 def _build_config(family: str, token_ids: Mapping[str, Any], vocab_size: int, overrides: Mapping[str, Any]):
     from transformers import AutoConfig
 
-    settings = {**_TINY_DIMS, **_family(family).hf_settings, **overrides}
+    settings = {**_TINY_DIMS, **_family(family), **overrides}
     return AutoConfig.for_model(
         family, vocab_size=vocab_size, dtype="float32", **settings,
         pad_token_id=token_ids["pad_token_id"], bos_token_id=token_ids["bos_token_id"],
@@ -272,32 +219,7 @@ def make_tiny_model_dir(
 # --------------------------------------------------------------------------- ModelConfig
 
 
-def _rope_theta(config: Any) -> float:
-    rope = config.rope_parameters
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"rope_parameters.rope_type={rope['rope_type']!r}: only plain RoPE ('default') "
-            f"maps onto ModelConfig here"
-        )
-    return float(rope["rope_theta"])
-
-
-def _common_fields(config: Any) -> dict[str, Any]:
-    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    return dict(
-        hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim, ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
-        max_position_embeddings=config.max_position_embeddings, rope_theta=_rope_theta(config),
-        norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings,
-    )
-
-
 def to_hybridflow_model_config(path: str | Path) -> ModelConfig:
-    """hybridflow's ``ModelConfig`` of the transformers model whose config.json is in ``path``."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(path))
-    family = _family(config.model_type)
-    fields = {**_common_fields(config), **family.model_fields(config)}
-    return ModelConfig(family=config.model_type, **fields)
+    """hybridflow's ``ModelConfig`` of the transformers model whose config.json is in ``path``
+    (the one reader, ``hfschema.hf_config``)."""
+    return read_model_config(path)

@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hfschema.families import FAMILIES
 from hfschema.hf_config import side_files
 from hfschema.model import ModelConfig
 from hfschema.model_source import model_source
@@ -33,24 +34,15 @@ __all__ = ["GENERATED_FAMILIES", "copy_model_files", "hf_overrides", "rollout_mo
 
 logger = logging.getLogger(__name__)
 
-GENERATED_FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral")
-"""Families a random model's starting directory can be written for (``_family_overrides``)."""
+GENERATED_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.write is not None and f.tiny)
+"""Families a random model's starting directory can be written for (``Family.write``)."""
 
 
 def _family_overrides(model: ModelConfig) -> dict[str, Any]:
-    if model.family == "qwen3_moe":
-        return dict(num_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
-                    moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.norm_topk_prob,
-                    attention_bias=model.attention_bias)
-    if model.family == "mixtral":  # its intermediate_size is each expert's
-        return dict(num_local_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
-                    intermediate_size=model.moe_ffn_hidden_size)
-    if model.family in ("llama",):
-        return dict(attention_bias=model.attention_bias)
-    if model.family == "qwen2":
-        return {}
-    raise ValueError(f"model.family={model.family!r}: the run can write a starting model directory for "
-                     f"{', '.join(GENERATED_FAMILIES)} only; set model.path to a model directory of that family")
+    if model.family not in GENERATED_FAMILIES:
+        raise ValueError(f"model.family={model.family!r}: the run can write a starting model directory for "
+                         f"{', '.join(GENERATED_FAMILIES)} only; set model.path to a model directory of that family")
+    return FAMILIES[model.family].write(model)
 
 
 def hf_overrides(model: ModelConfig) -> dict[str, Any]:

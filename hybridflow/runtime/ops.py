@@ -17,9 +17,11 @@ every sample's group, length and truncation ``[N]``); ``scores`` ``[N]``;
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -366,7 +368,22 @@ def old_logprob(s: Session, node, f: dict, step: int) -> dict:
                                f"{prefix}/token_mult_prob_error": float(mult / count)})
     if s.cfg.async_rl.partial_rollout:  # the tags checked against the trainer's own weights
         s.step_metrics.update(_diff_by_version(s, diff, token_versions(ro)[mask].to(diff.device) == step))
+    _dump_first_logprobs(s, ro, logp, step)
     return {"old_logprobs": logp, "entropy": ent, **({} if routes is None else {"routed_experts": routes})}
+
+
+DUMP_ENV = "HYBRIDFLOW_DUMP_FIRST_LOGPROBS"
+"""Testing hook, a directory: at the first RL step each rank writes ``rank<r>.pt`` there, its rows'
+token ids, masks and the trainer's log-probs, for a comparison with another implementation."""
+
+
+def _dump_first_logprobs(s: Session, ro: Rollout, logp: torch.Tensor, step: int) -> None:
+    where = os.environ.get(DUMP_ENV)
+    if not where or step != 0:
+        return
+    rows = {key: ro.batch[key].cpu() for key in ("input_ids", "attention_mask", "response_mask", "logprobs")}
+    Path(where).mkdir(parents=True, exist_ok=True)
+    torch.save({**rows, "trainer_logprobs": logp.detach().cpu()}, Path(where) / f"rank{s.rank}.pt")
 
 
 def _diff_by_version(s: Session, diff: torch.Tensor, current: torch.Tensor) -> dict[str, float]:

@@ -8,7 +8,8 @@
   checkpoints/
     sft_000040/               actor with optimizer state mid-SFT (a checkpoint request, or
                               sft.checkpoint_every); removed once sft/ is complete
-    sft/                      actor after the SFT warm-up (+ state.json)
+    sft/                      actor after the SFT warm-up (+ state.json), and hf/: the same as a
+                              Hugging Face directory, which RL loads through model.path's loader
     step_000010/              actor with optimizer state (+ state.json: step, history, MLflow run;
                               config.yaml: the resolved config it was saved under)
     step_000020.partial/      being written: never read, removed by the next save
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
+HF_EXPORT = "hf"
+"""The SFT checkpoint's Hugging Face export (``checkpoints/sft/hf``)."""
 DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SFT_DIR = re.compile(r"^sft_(\d+)$")

@@ -59,8 +59,9 @@ __all__ = ["main", "run"]
 logger = logging.getLogger("hybridflow.train")
 
 
-def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
-    """Write ``checkpoints/<name>`` completely or not at all (see ``runtime.state``)."""
+def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf: bool = False) -> None:
+    """Write ``checkpoints/<name>`` completely or not at all (see ``runtime.state``); ``export_hf``:
+    with the actor as a Hugging Face model directory beside it (``run_state.HF_EXPORT``)."""
     from megatron_adapters import checkpoint
 
     final = s.out_dir / "checkpoints" / name
@@ -71,6 +72,8 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
             staging.mkdir(parents=True)
         dist.barrier()
         checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
+        if export_hf and s.is_driver:
+            _export_hf(staging)
         if policy is None and s.critic is not None:
             checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
         # asynchronous RL: the engine drivers save the batches started ahead beside the checkpoint
@@ -88,6 +91,17 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None) -> None:
             run_state.publish(staging, final)
             run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
         dist.barrier()
+
+
+def _export_hf(staging: Path) -> None:
+    """The checkpoint's actor as a Hugging Face directory (safetensors, the run's config.json,
+    tokenizer and chat template): what the user takes away, and what RL after the warm-up loads
+    through ``model.path``'s loader, the path a user's own model takes."""
+    from megatron_adapters.convert import mcore_to_hf
+
+    report = mcore_to_hf(staging / "actor", staging / run_state.HF_EXPORT)
+    logger.info("exported the SFT model as a Hugging Face directory %s (%.1f MB)",
+                staging.with_suffix("") / run_state.HF_EXPORT, report.nbytes / 1e6)
 
 
 def _record_checksums(s: Session, staging: Path) -> None:
@@ -140,7 +154,7 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
             logger.warning("checkpointed SFT step %d as %s asked; stopping", s.state.sft_step, stops.REQUEST_FILE)
         return False
     s.state.sft_done = True
-    _save(s, "sft", with_optimizer=False, policy=policy)
+    _save(s, "sft", with_optimizer=False, policy=policy, export_hf=cfg.sft.export_hf)
     return True
 
 
@@ -152,7 +166,7 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     if resume_from is not None and run_state.is_rl_checkpoint(resume_from):
         checkpoint.load(s.actor, resume_from / "actor", with_optimizer=True)
     elif (sft / "actor").is_dir():
-        checkpoint.load(s.actor, sft / "actor")
+        _load_sft(s.actor, sft)
     else:
         _load_starting_weights(s, s.actor)
     if s.spec.needs_critic:
@@ -169,11 +183,24 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     if s.spec.uses_reference:
         s.reference = build_policy(s.cfg, s.cfg.train, s.pg, trainable=False)
         if (sft / "actor").is_dir():
-            checkpoint.load(s.reference, sft / "actor")
+            _load_sft(s.reference, sft)
         elif s.cfg.model.pretrained:  # read again: a resumed actor has moved away from it
             _load_starting_weights(s, s.reference)
         else:  # no SFT: the reference is the initial actor, which this run's seed rebuilt
             _copy_weights(s.actor, s.reference)
+
+
+def _load_sft(policy, sft: Path) -> None:
+    """The warm-up's weights: from its Hugging Face export through ``model.path``'s loader, or
+    from its megatron checkpoint where the export is absent (a checkpoint saved before exports)."""
+    from hfschema.model_source import model_source
+    from megatron_adapters import checkpoint
+    from megatron_adapters.pretrained import load_pretrained
+
+    if (sft / run_state.HF_EXPORT).is_dir():
+        load_pretrained(policy, model_source(sft / run_state.HF_EXPORT))
+    else:
+        checkpoint.load(policy, sft / "actor")
 
 
 def _load_starting_weights(s: Session, policy) -> None:

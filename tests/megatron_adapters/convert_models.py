@@ -1,4 +1,4 @@
-"""Tiny Hugging Face model directories of the five families, made with transformers' own classes.
+"""Tiny Hugging Face model directories of every registered family, made with transformers' own classes.
 
 Weights are random (transformers' init, then norms, biases and DeepSeek's expert-score bias moved
 off their constant init so that a swapped or dropped tensor changes the output), written as a
@@ -15,15 +15,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from hfschema.families import FAMILIES as REGISTERED
 from hybridflow.rollout.tiny import make_tiny_model_dir, make_tiny_tokenizer
 
-FAMILIES = ("llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+FAMILIES = tuple(REGISTERED)
+"""Every registered family (``hfschema.families``): a new one is converted and loaded here too."""
+MOE_FAMILIES = tuple(name for name, f in REGISTERED.items() if f.is_moe)
 INIT_RANGE = 0.2
 """10x transformers' default std: clear greedy margins, as tests/rollout/sglang/reference.py."""
 _OVERRIDES = {
     "llama": {},
     "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"tie_word_embeddings": True},  # as Qwen3-0.6B to 4B ship
     "qwen3_moe": {},
     "mixtral": {},
 }

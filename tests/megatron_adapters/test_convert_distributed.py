@@ -88,7 +88,7 @@ def test_logprobs_equal_transformers(runs, family, pool):
     assert diff < LOGPROB_TOL
 
 
-@pytest.mark.claim("model-path-any-layout")
+@pytest.mark.claim("model-path-any-layout", "family-one-registration")
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_hugging_face_directory_loads_slice_by_slice_onto_each_rank(runs, family, pool):

@@ -1,7 +1,8 @@
 """A converted checkpoint in the SGLang engine: greedy tokens equal transformers' on the original.
 
-A tiny Qwen3-MoE goes Hugging Face -> megatron-core (TP2 x EP2 vocabulary padding) -> Hugging
-Face (two safetensors shards and an index), and SGLang (CPU engine, tp=1) serves the result.
+A tiny Qwen3-MoE (and a tiny Qwen3, the dense family added last) goes Hugging Face ->
+megatron-core (TP2 x EP2, or TP2, vocabulary padding) -> Hugging Face (several safetensors
+shards and an index), and SGLang (CPU engine, tp=1) serves the result.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 MAX_NEW = 12
 
 
-def test_sglang_serves_the_converted_checkpoint(tmp_path):
-    original = make_hf_dir(tmp_path, "qwen3_moe")
-    hf_to_mcore(original, tmp_path / "mcore", tp=2, ep=2)
+@pytest.mark.claim("family-one-registration")
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3"])
+def test_sglang_serves_the_converted_checkpoint(tmp_path, family):
+    original = make_hf_dir(tmp_path, family)
+    hf_to_mcore(original, tmp_path / "mcore", tp=2, ep=2 if family == "qwen3_moe" else 1)
     # small shards: the engine reads the index and several files, as for a real checkpoint
     mcore_to_hf(tmp_path / "mcore", tmp_path / "converted", shard_bytes=256 << 10, checksums=True)
     assert len(list((tmp_path / "converted").glob("*.safetensors"))) > 1

@@ -103,7 +103,7 @@ def test_other_families(family, tmp_path):
 
 
 def test_unknown_family(tmp_path):
-    with pytest.raises(ValueError, match="model family 'gpt2' is not one of: llama, qwen2, qwen3_moe, mixtral"):
+    with pytest.raises(ValueError, match="model family 'gpt2' is not one of: llama, qwen2, qwen3, qwen3_moe, mixtral"):
         make_tiny_model_dir(tmp_path / "gpt2", "gpt2")
     assert not (tmp_path / "gpt2").exists()
 

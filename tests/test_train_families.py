@@ -1,0 +1,108 @@
+"""``hybridflow train`` with ``model.path`` and no other ``model.*`` key, for each registered family.
+
+Each family's directory is made as the hub ships a model (``tests/megatron_adapters/convert_models``:
+transformers' ``save_pretrained`` weights in two safetensors shards with their index, a BPE
+tokenizer with a Qwen-style chat template and special tokens, generation_config.json). The run
+reads its architecture from config.json, its prompts are chat messages under the model's chat
+template, and it trains one RL step under a split layout (PP=2 for a dense family, EP=2 for an
+MoE one). At that step the trainer's log-probs of the sampled responses equal transformers' on
+the same directory, and the engine's equal the trainer's (the run's own gate).
+
+The default tier runs qwen3, the family added last (dense, tied embeddings split over two
+pipeline stages); the other families' runs are the slow tier's: their loading under TP=2 x EP=2
+and PP=2 is proven against transformers in the default tier by
+``tests/megatron_adapters/test_convert_distributed.py``, and qwen3_moe's whole run from a
+directory by ``tests/test_train_replicas.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hfschema.families import FAMILIES
+from hybridflow.runtime.ops import DUMP_ENV
+from tests.megatron_adapters.convert_models import make_hf_dir
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGPROB_TOL = 1e-4
+DEFAULT_TIER = ("qwen3",)
+PROMPTS = ["What is max(3, 8)?", "Which is larger, 12 or 7?", "Say hello.", "Count to three."]
+
+
+def _config(path: Path, data: Path, family: str) -> dict:
+    moe = FAMILIES[family].is_moe
+    return {
+        "model": {"path": str(path)},
+        "actor": {"parallel": {"ep": 2, "dp": 2} if moe else {"pp": 2, "dp": 1}},
+        "rollout": {"engine": "sglang", "tp": 2, "dtype": "float32", "n": 2, "temperature": 1.0,
+                    "max_total_tokens": 2048},
+        "data": {"train_files": [str(data)], "max_prompt_length": 64, "max_response_length": 8},
+        "sft": {"steps": 0},
+        "algorithm": {"name": "grpo", "mini_batches": 1},
+        "train": {"lr": 1.0e-4, "micro_batch_size": 4, "global_batch_size": 8},
+        "reward": {"function": "math"},
+        "run": {"name": f"family_{family}", "steps": 1, "prompts_per_step": 4, "checkpoint_every": 0,
+                "heldout_prompts": 0, "tracking": {"backend": "none"}},
+    }
+
+
+def _chat_rows(path: Path) -> Path:
+    rows = [{"messages": [{"role": "user", "content": text}], "reward_model": {"ground_truth": "8"}} for text in PROMPTS]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _transformers_logprobs(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(ids.unsqueeze(0)).logits[0].double()
+    # position t scores token t given the tokens before it, as the trainer's tensors do
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:].unsqueeze(1)).squeeze(1)
+
+
+@pytest.mark.claim("model-path-every-family")
+@pytest.mark.parametrize("family", [f if f in DEFAULT_TIER else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
+def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path, family: str) -> None:
+    model_dir = make_hf_dir(tmp_path, family)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(_config(model_dir, _chat_rows(tmp_path / "chat.jsonl"), family)))
+    out, dump = tmp_path / "run", tmp_path / "dump"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", DUMP_ENV: str(dump)}
+    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL, summary  # engine vs trainer
+    worst, scored = 0.0, 0
+    for part in sorted(dump.glob("rank*.pt")):
+        rows = torch.load(part)
+        for b in range(rows["input_ids"].shape[0]):
+            real = rows["attention_mask"][b].bool()
+            ids = rows["input_ids"][b][real]
+            expected = _transformers_logprobs(model_dir, ids)
+            at = rows["response_mask"][b][real].bool().nonzero().flatten()
+            got = rows["trainer_logprobs"][b][real][at].double()
+            worst = max(worst, (got - expected[at - 1]).abs().max().item())
+            scored += len(at)
+    assert scored > 0
+    print(f"\n[{family}] trainer vs transformers, {scored} response tokens: max |diff| {worst:.2e}")
+    assert worst < LOGPROB_TOL
+    # the prompts went through the model's chat template: each row opens a user turn
+    from transformers import AutoTokenizer
+
+    start = AutoTokenizer.from_pretrained(str(model_dir)).convert_tokens_to_ids("<|im_start|>")
+    firsts = {int(torch.load(part)["input_ids"][b][0]) for part in dump.glob("rank*.pt") for b in range(2)}
+    assert firsts == {start}, firsts
