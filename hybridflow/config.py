@@ -888,7 +888,7 @@ def _read_model_path(merged: DictConfig, sources: list[tuple[str, DictConfig]], 
                 if key not in ("path", "init")}
     values = architecture(model_source(path), {k: v for k, v in explicit.items() if v is not None})
     for key, value in values.items():
-        merged.model[key] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        merged.model[key] = OmegaConf.structured(value) if dataclasses.is_dataclass(value) else value
 
 
 def _check_resolved(merged: DictConfig) -> None:

@@ -11,8 +11,8 @@ mcore:  checkpoint.load (torch.distributed.checkpoint reads each rank's shards)
 No rank reads or holds the whole model: a rank's memory above its own parameters is one read
 block (plus its dtype conversion, when the file's dtype differs). Every data-parallel copy reads
 the same slices (from the page cache after the first); a rank of a 235B model under TP x EP
-reads its share, not the 470 GB. Parameters no HF tensor maps to (megatron's vocabulary padding
-rows) keep their initial values: the log-prob kernels mask them.
+reads its share, not the 470 GB. Rows no HF tensor maps to (megatron's vocabulary padding) are
+zeroed, whatever the policy was initialised with: the log-prob kernels mask them.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def load_hf_weights(policy, directory, *, buffer_bytes: int = DEFAULT_BUFFER_BYT
                 share += math.prod(b - a for a, b in h.region) * entry.dtype.itemsize
     finally:
         reader.close()
+    _zero_unmapped_rows(params, held)
     if policy.optimizer is not None:  # mixed precision keeps fp32 main params: they follow the copy
         policy.optimizer.reload_model_params()
     report = LoadReport(tensors=len(held), bytes_read=read, share_bytes=share,
@@ -94,6 +95,23 @@ def load_hf_weights(policy, directory, *, buffer_bytes: int = DEFAULT_BUFFER_BYT
     logger.info("rank %d loaded %d tensor slices (%.1f MB) from %s in %.1f s", rank, report.tensors,
                 share / 1e6, directory, report.seconds)
     return report
+
+
+def _zero_unmapped_rows(params: dict[str, torch.Tensor], held) -> None:
+    """Zero the rows of each loaded parameter that no HF tensor maps to (megatron's vocabulary
+    padding). They would otherwise keep the policy's initial values, which depend on the RNG's
+    state when it was built: a run that builds its RL actor after SFT and one resumed from the SFT
+    export would then differ there (the log-prob kernels mask these rows; checkpoints compare them)."""
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for h in held:
+        covered.setdefault(h.param, []).append(tuple(h.param_region[0]))
+    with torch.no_grad():
+        for name, spans in covered.items():
+            start = 0
+            for a, b in sorted(spans) + [(params[name].shape[0], params[name].shape[0])]:
+                if a > start:
+                    params[name][start:a].zero_()
+                start = max(start, b)
 
 
 def _check_shape(entry: HFTensor, expected: tuple[int, ...]) -> None:

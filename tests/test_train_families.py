@@ -44,8 +44,7 @@ def _config(path: Path, data: Path, family: str) -> dict:
     return {
         "model": {"path": str(path)},
         "actor": {"parallel": {"ep": 2, "dp": 2} if moe else {"pp": 2, "dp": 1}},
-        "rollout": {"engine": "sglang", "tp": 2, "dtype": "float32", "n": 2, "temperature": 1.0,
-                    "max_total_tokens": 2048},
+        "rollout": _engine(family),
         "data": {"train_files": [str(data)], "max_prompt_length": 64, "max_response_length": 8},
         "sft": {"steps": 0},
         "algorithm": {"name": "grpo", "mini_batches": 1},
@@ -54,6 +53,14 @@ def _config(path: Path, data: Path, family: str) -> dict:
         "run": {"name": f"family_{family}", "steps": 1, "prompts_per_step": 4, "checkpoint_every": 0,
                 "heldout_prompts": 0, "tracking": {"backend": "none"}},
     }
+
+
+def _engine(family: str) -> dict:
+    """SGLang (tp=2); DeepSeek-V3's MLA does not start on SGLang's CPU engine, so its run here
+    takes the transformers engine (its SGLang path is the GPU check's)."""
+    if FAMILIES[family].attention == "mla":
+        return {"engine": "hf", "tp": 1, "sync_route": "full", "dtype": "float32", "n": 2, "temperature": 1.0}
+    return {"engine": "sglang", "tp": 2, "dtype": "float32", "n": 2, "temperature": 1.0, "max_total_tokens": 2048}
 
 
 def _chat_rows(path: Path) -> Path:
