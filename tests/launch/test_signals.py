@@ -145,16 +145,22 @@ def _launcher(mode: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-@pytest.mark.claim("stop-grace")
-@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
-def test_a_signal_stops_a_job_that_exits_on_it(tmp_path, sig) -> None:
-    job = Job(_launcher("polite"), tmp_path / "job.log")
+def _stop_polite(tmp_path: Path, sig: int, ignoring: tuple[int, ...] = ()) -> Job:
+    """The stand-in job whose ranks exit on the signal, stopped by ``sig``: gone within 10 s."""
+    job = Job(_launcher("polite"), tmp_path / "job.log", ignoring=ignoring)
     try:
         job.wait_for("ranks up", timeout_s=30)
         code, gone_s = job.stop(sig)
     finally:
         job.kill()
     assert code == 128 + sig and gone_s < 10, (code, gone_s, job.text())
+    return job
+
+
+@pytest.mark.claim("stop-grace")
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_a_signal_stops_a_job_that_exits_on_it(tmp_path, sig) -> None:
+    job = _stop_polite(tmp_path, sig)
     assert f"stopping the job" in job.text()
 
 
@@ -165,13 +171,7 @@ def test_a_launcher_started_with_the_signal_ignored_still_stops_the_job(tmp_path
     the ranks start with the stop signals at their default action, so the one the launcher
     forwards stops them (it would otherwise reach ranks that ignore it, and only the grace's
     SIGKILL would end the job)."""
-    job = Job(_launcher("polite"), tmp_path / "job.log", ignoring=(sig,))
-    try:
-        job.wait_for("ranks up", timeout_s=30)
-        code, gone_s = job.stop(sig)
-    finally:
-        job.kill()
-    assert code == 128 + sig and gone_s < 10, (code, gone_s, job.text())
+    _stop_polite(tmp_path, sig, ignoring=(sig,))
 
 
 @pytest.mark.claim("stop-grace")
