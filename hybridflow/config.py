@@ -726,7 +726,8 @@ class SFTConfig:
     batch_size: int = 32
     """Sequences per SFT step (the actor's global batch for SFT)."""
     response_key: str = "sft_response"
-    """Column holding the SFT target response."""
+    """Column holding the SFT target response; a dotted path reads a nested field (a verl GSM8K
+    parquet's worked solution: ``extra_info.answer``)."""
     checkpoint_every: int = 0
     """Also save the SFT actor with its optimizer state every this many SFT steps, as
     ``checkpoints/sft_<step>`` (0 = only when SFT ends, or a checkpoint is requested); a start
@@ -906,15 +907,36 @@ def to_yaml(cfg: HybridflowConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
 
 
+_YAML11_WORDS = frozenset(f(w) for w in ("yes", "no", "on", "off") for f in (str.lower, str.title, str.upper))
+"""Words YAML 1.1 reads as booleans that people type as a choice (``moe.routing_replay: off``). One
+rule for every key: they stay text. A setting that takes a boolean reads them as one (OmegaConf's
+boolean nodes accept on / off / yes / no), and one that names a choice gets the word typed, checked
+against its choices, rather than a ``'False'`` it never offered. Only true / false are booleans."""
+
+
+def _typed_words(node: yaml.Node, path: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(dotted key, text) of each unquoted YAML 1.1 boolean word among ``node``'s mapping values."""
+    if isinstance(node, yaml.MappingNode):
+        return [found for key, value in node.value if isinstance(key, yaml.ScalarNode) and key.value != "<<"
+                for found in _typed_words(value, (*path, key.value))]
+    if isinstance(node, yaml.ScalarNode) and node.style is None and node.value in _YAML11_WORDS:
+        return [(".".join(path), node.value)]
+    return []
+
+
 def _read_yaml(path: str) -> DictConfig:
     if not os.path.isfile(path):
         raise ValueError(f"config file not found: {path}")
     try:
         source = OmegaConf.load(path)
+        with open(path, encoding="utf-8") as text:
+            words = _typed_words(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as e:
         raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(source, DictConfig):
         raise ValueError(f"config file {path} must hold a mapping of sections (model, actor, ...)")
+    for key, word in words:
+        OmegaConf.update(source, key, word, merge=False)
     return source
 
 
@@ -929,7 +951,11 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
             detail = str(getattr(e, "msg", None) or e).splitlines()[0]
             raise ValueError(f"override {item!r} does not parse ({detail}); quote a value with "
                              f"special characters, e.g. '{key.strip()}=\"...\"'") from None
-    return OmegaConf.from_dotlist(list(overrides))
+    source = OmegaConf.from_dotlist(list(overrides))
+    for key, _, value in (item.partition("=") for item in overrides):
+        if value.strip() in _YAML11_WORDS:  # as in a file (_YAML11_WORDS): the word, not a boolean
+            OmegaConf.update(source, key.strip(), value.strip(), merge=False)
+    return source
 
 
 def _field_types(cls: type) -> dict[str, Any]:

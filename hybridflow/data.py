@@ -126,8 +126,14 @@ class _Reader:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:  # decoded line by line: a bad byte is a bad row, named by its line
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield number, _BadRow(f"not UTF-8 text (byte 0x{raw[error.start]:02x} at byte {error.start + 1} "
+                                      "of the line); re-encode the file as UTF-8")
+                continue
             if not line.strip():
                 continue  # blank lines (a trailing newline, spacing) are not rows
             try:
@@ -218,9 +224,16 @@ def _optional_str(record: Mapping[str, Any], key: str) -> str | None:
 
 
 def _sft_response(record: Mapping[str, Any], key: str | None) -> str | None:
+    """The SFT target under ``key``, a column or a dotted path into one (verl's GSM8K parquet keeps
+    the worked solution in ``extra_info.answer``)."""
     if key is None:
         return None
-    value = _optional_str(record, key)
+    try:
+        value = _lookup(record, key) if key not in record else record[key]
+    except _BadRow:
+        value = None
+    if value is not None and not isinstance(value, str):
+        raise _BadRow(f"{key!r} is of type {type(value).__name__}; expected text (sft.response_key)")
     if not value:
         raise _BadRow(f"no SFT response in {key!r} (sft.response_key)")
     return value

@@ -71,13 +71,15 @@ from hfschema.layout import ParallelLayout
 from hfschema.lora import adapter_params_per_rank
 from hfschema.model import ModelConfig
 from hfschema.sglang import pad_vocab
-from hybridflow.config import HybridflowConfig, RoleConfig
+from hybridflow.config import HybridflowConfig, RoleConfig, enabled_roles
+from hybridflow.model_size import count_parameters
 
 __all__ = [
     "ENGINE_MARGIN_BYTES",
     "GIB",
     "LayerParams",
     "MemoryEstimate",
+    "checkpoint_bytes",
     "engine_components",
     "engine_keeps_weights",
     "engine_params_per_rank",
@@ -453,3 +455,13 @@ def pool_memory(cfg: HybridflowConfig, roles: Sequence[str], *, pool: str,
         raise ValueError(f"pool {pool} holds no role with GPU memory (roles: {list(roles)})")
     return MemoryEstimate(pool=pool, phases=phases, device_bytes=int(device_memory_gib * GIB),
                           notes=tuple(notes))
+
+
+def checkpoint_bytes(cfg: HybridflowConfig) -> int:
+    """About the bytes one RL checkpoint writes: each trained role's bf16 weights and its optimizer
+    state (a LoRA actor's frozen base: the weights, and state for the adapters alone, counted as
+    nothing here). Preflight wants this much free under ``run.output_dir``."""
+    total = count_parameters(cfg.model)["total"]
+    state = OPTIMIZER_BYTES[cfg.train.optimizer]
+    roles = [role for role in enabled_roles(cfg) if role in TRAINED_ROLES]
+    return sum(total * (TRAIN_PARAM_BYTES + (0 if role == "actor" and cfg.lora.enabled else state)) for role in roles)

@@ -270,6 +270,28 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
                          "(its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run on GPUs")
 
 
+def check_output_dir(cfg: HybridflowConfig, *, room: bool = True) -> None:
+    """``run.output_dir`` is (or can be made) a directory this user writes into, and (``room``) on a
+    file system with room for one checkpoint of the run (``memory.checkpoint_bytes``): a full disk
+    found at the first save loses the steps before it."""
+    import shutil
+
+    from hfschema.files import existing_ancestor, writable_directory_problem
+    from hybridflow.memory import checkpoint_bytes
+    from reshard.stats import format_bytes
+
+    out = cfg.run.output_dir
+    problem = writable_directory_problem(out)
+    if problem is not None:
+        raise ValueError(f"run.output_dir={out} {problem}; set run.output_dir to a directory this user can write, "
+                         "on a file system mounted read-write")
+    need, free = checkpoint_bytes(cfg), shutil.disk_usage(existing_ancestor(out)).free
+    if room and free < need:
+        raise ValueError(f"run.output_dir={out}: its file system has {format_bytes(free)} free, less than one "
+                         f"checkpoint of this run (about {format_bytes(need)}: the trained roles' weights and "
+                         "optimizer state); free space there, or set run.output_dir to a larger file system")
+
+
 def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_reference: bool = False,
                  content: bool = True) -> None:
     """``run.resume`` against the run directory: the checkpoint a start continues from, the
@@ -311,6 +333,7 @@ def preflight(cfg: HybridflowConfig, *, command: str = "train", content: bool = 
     check_reward(cfg.reward)
     check_model_weights(cfg, on_cluster=command == "slurm" or _has_gpu(), must_exist=model_must_exist, command=command)
     check_data(cfg, command=command)
+    check_output_dir(cfg, room=model_must_exist)  # a dry run's script for a model not downloaded yet
     if command != "slurm":  # this machine runs the ranks (a Slurm login node may have no GPU)
         import torch
 

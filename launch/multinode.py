@@ -256,5 +256,6 @@ def launch(spec: LaunchSpec, layout: ParallelLayout, config_path: str, overrides
                      f"on {spec.nnodes} node(s) ({layout.describe()}), rendezvous "
                      f"{spec.rdzv_endpoint or 'standalone'}, up to {spec.max_restarts} restart(s)\n")
     sys.stdout.flush()
+    # the node hosting the rendezvous holds the run directory (shared by the nodes) for the job
     return run_job(torchrun_command(spec, config_path, overrides), env, command="hybridflow launch",
-                   output_dir=output_dir)  # no orphan outlives the job
+                   output_dir=output_dir, lock=hosts_rendezvous(spec))  # no orphan outlives the job

@@ -17,6 +17,7 @@ directory's ``error.txt`` (``launch.failures``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from pathlib import Path
 from hfschema.layout import ParallelLayout
 from launch.failures import ERROR_DIR_ENV, ERROR_FILE, RUN_ERROR_DIR_ENV, RUN_ERRORS, report_failure
 from launch.reaper import REQUEST_FILE, TORCHRUN_SHUTDOWN_S, run_reaped
+from launch.run_lock import hold_run_directory
 from launch.torchrun_entry import TORCHRUN
 
 __all__ = ["launch_train", "run_job", "train_command"]
@@ -42,12 +44,22 @@ def train_command(nproc: int, config_path: str, overrides: Sequence[str]) -> lis
             f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}", "-m", "hybridflow.runtime.worker", config_path, *overrides]
 
 
-def run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output_dir: str | None) -> int:
+def run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output_dir: str | None,
+            lock: bool = True) -> int:
     """Run torchrun's ``cmd`` under the reaper; returns the exit status (128 + N after signal N).
 
-    On failure the first failing rank's error is printed last (``command: rank R failed: ...``)
-    and written to ``<output_dir>/error.txt``. An error file or checkpoint request left by an
-    earlier start is removed first (a stale request would stop this start after one step)."""
+    With ``lock`` the job holds ``output_dir``'s run lock (``launch.run_lock``) from before it
+    touches the directory until it ends: a second start into a directory whose run is going is
+    refused (RunDirectoryBusy, a ValueError) before anything is changed. On failure the first
+    failing rank's error is printed last (``command: rank R failed: ...``) and written to
+    ``<output_dir>/error.txt``. An error file or checkpoint request left by an earlier start is
+    removed first (a stale request would stop this start after one step)."""
+    held = hold_run_directory(output_dir) if lock and output_dir is not None else contextlib.nullcontext()
+    with held:
+        return _run_job(cmd, env, command=command, output_dir=output_dir)
+
+
+def _run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output_dir: str | None) -> int:
     if output_dir is not None:
         for stale in (ERROR_FILE, REQUEST_FILE):
             Path(output_dir, stale).unlink(missing_ok=True)

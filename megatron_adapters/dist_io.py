@@ -54,6 +54,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from hfschema.files import shard_problems
+
 __all__ = ["Box", "DistReader", "extra_state_bytes", "write_dist_checkpoint"]
 
 Box = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -211,6 +213,11 @@ class DistReader:
             raise ValueError(f"{self.directory} is not a torch_dist checkpoint: .metadata is missing")
         self._reader = _CachedReader(self.directory)
         self.metadata = self._reader.read_metadata()
+        problems = shard_problems(self.directory, self.metadata.storage_data)
+        if problems:  # found now, in one line, not as a traceback from inside torch's reader mid-read
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise ValueError(f"checkpoint {self.directory} is damaged: {problems[0]}{more}; restore the file "
+                             "from a copy, or convert an earlier checkpoint of the run")
 
     def tensors(self) -> dict[str, TensorStorageMetadata]:
         """Tensor keys and their global size, dtype and stored chunks."""

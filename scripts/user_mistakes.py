@@ -105,6 +105,20 @@ def _wait_for(path: Path, job: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+def _busy(run: Path, work: Path) -> None:
+    """Another run holds the directory for 90 s (a stand-in for the same command typed twice)."""
+    hold = ("import sys, time\nfrom launch.run_lock import hold_run_directory\n"
+            "with hold_run_directory(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(90)\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    holder.stdout.readline()
+
+
+def _a_file(run: Path, work: Path) -> None:
+    run.parent.mkdir(parents=True, exist_ok=True)
+    run.write_text("not a directory\n")
+
+
 def _hf_dir(config: dict) -> Callable[[Path, Path], None]:
     def setup(run: Path, work: Path) -> None:
         shutil.rmtree(work / "hf", ignore_errors=True)
@@ -185,6 +199,11 @@ CASES = [
     Case("checkpoint", "resume after `model.num_layers=3`", _train("model.num_layers=3"), needs_run=True),
     Case("checkpoint", "`run.resume=never` into a directory with checkpoints", _train("run.resume=never"),
          needs_run=True),
+    Case("run directory", "the same command again while the first run goes", _train(*FAST), setup=_busy),
+    Case("run directory", "`run.output_dir` is an existing file", _train(*FAST), setup=_a_file),
+    Case("run directory", "`run.output_dir=/sys/run` (cannot be written)", ["train", CONFIG, "run.output_dir=/sys/run"]),
+    Case("config", "`moe.routing_replay: off` as the README writes it (YAML 1.1 reads a boolean)",
+         _train(*FAST, "moe.routing_replay=off", "run.steps=1")),
     Case("signals", "SIGTERM to `hybridflow train` during SFT", _train(*FAST, "sft.steps=400"),
          during=_signal_once_started(signal.SIGTERM)),
     Case("signals", "SIGINT (Ctrl-C) to `hybridflow train` during SFT", _train(*FAST, "sft.steps=400"),

@@ -331,6 +331,24 @@ def test_moe_section_defaults_and_errors():
     assert "moe.freeze_router=True needs an MoE model" in _error(*dense, "moe.freeze_router=true")
 
 
+@pytest.mark.claim("yaml-words")
+def test_yaml_11_boolean_words_are_read_as_the_word_typed(tmp_path):
+    """``off`` / ``on`` / ``yes`` / ``no``, unquoted in a file or an override: a choice gets the word
+    (YAML 1.1 would make it False, refused as 'False'), a boolean setting reads it as one, and
+    free text keeps it; true / false stay booleans."""
+    config = tmp_path / "words.yaml"
+    config.write_text("moe:\n  routing_replay: off\n  freeze_router: On\nsft:\n  export_hf: no\n"
+                      "data:\n  system_prompt: YES\n")
+    cfg = load_config(str(config))
+    assert (cfg.moe.routing_replay, cfg.moe.freeze_router, cfg.sft.export_hf) == ("off", True, False)
+    assert cfg.data.system_prompt == "YES"
+    cfg = load_config(QUICKSTART, ["moe.routing_replay=off", "sft.export_hf=off", "moe.freeze_router=yes"])
+    assert (cfg.moe.routing_replay, cfg.sft.export_hf, cfg.moe.freeze_router) == ("off", False, True)
+    assert "async_rl.mode='off' is not one of: sync, one_step_off, async" in _error("async_rl.mode=off")
+    assert "moe.routing_replay='False' is not one of: off, r2, r3" in _error("moe.routing_replay=false")
+    assert load_config(str(config), ["moe.routing_replay=r2"]).moe.routing_replay == "r2"  # later layers win
+
+
 def test_algorithm_accepts_the_verl_losses_aggregations_and_kl_kinds():
     cfg = load_config(QUICKSTART, ("algorithm.policy_loss=clip_cov", "algorithm.loss_agg_mode=token-sum",
                                    "algorithm.kl_type=low_var_kl+", "algorithm.log_ratio_clamp=null",

@@ -139,6 +139,39 @@ def test_missing_sft_response_is_a_bad_row_when_asked_for(tmp_path):
         read_rows([path], DataConfig(on_bad_row="fail"), sft_key="sft_response")
 
 
+def test_a_dotted_sft_response_key_reads_verls_worked_gsm8k_answer(tmp_path):
+    """verl's GSM8K parquet keeps the worked solution in ``extra_info.answer``; reading it for SFT
+    leaves ``extra_info`` whole for the reward function."""
+    verl = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "2+2?"}],
+            "reward_model": {"style": "rule", "ground_truth": "4"},
+            "extra_info": {"index": 0, "answer": "2 and 2 make 4\n#### 4"}}
+    path = str(write_parquet(tmp_path / "g.parquet", [verl, dict(verl, extra_info={"index": 1})]))
+    numeric = str(write_parquet(tmp_path / "n.parquet", [dict(verl, extra_info={"index": 2, "answer": 4})]))
+    report = DataReport()
+    (row,) = read_rows([path], DataConfig(), sft_key="extra_info.answer", report=report)
+    assert row.sft_response.endswith("#### 4") and row.extra["extra_info"]["index"] == 0
+    assert report.num_skipped == 1
+    with pytest.raises(ValueError, match=r"row 1 \(0-based\): no SFT response in 'extra_info.answer'"):
+        read_rows([path], DataConfig(on_bad_row="fail"), sft_key="extra_info.answer")
+    with pytest.raises(ValueError, match=r"row 0 \(0-based\): 'extra_info.answer' is of type int"):
+        read_rows([numeric], DataConfig(on_bad_row="fail"), sft_key="extra_info.answer")
+
+
+def test_a_byte_that_is_not_utf8_is_a_bad_row_named_by_its_line(tmp_path, caplog):
+    """Anywhere in the file (past what preflight previews too): skipped or fatal as data.on_bad_row
+    says, naming the file and line, never a decoding error from inside a read buffer."""
+    good = (json.dumps(GOOD) + "\n").encode()
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(good * 3000 + json.dumps(dict(GOOD, prompt="caf\u00e9")).encode().replace(b"\\u00e9", b"\xe9")
+                     + b"\n" + good)
+    report = DataReport()
+    with caplog.at_level(logging.WARNING, logger="hybridflow.data"):
+        assert len(read_rows([str(path)], DataConfig(), report=report)) == 3001
+    assert report.num_skipped == 1 and f"{path} line 3001 (1-based): not UTF-8 text (byte 0xe9" in caplog.text
+    with pytest.raises(ValueError, match=r"line 3001 \(1-based\): not UTF-8 text .*re-encode the file as UTF-8"):
+        read_rows([str(path)], DataConfig(on_bad_row="fail"))
+
+
 def test_many_bad_rows_log_a_bounded_number_of_warnings(tmp_path, caplog):
     path = lines_file(tmp_path, GOOD, *["{oops"] * 30)
     report = DataReport()

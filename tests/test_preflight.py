@@ -33,6 +33,30 @@ def test_the_quickstart_passes_preflight(tmp_path):
     preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path}"]))
 
 
+@pytest.mark.claim("output-dir-checked")
+def test_an_output_dir_that_cannot_hold_the_run_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A file, a place this user cannot write (/sys), and a file system without room for one
+    checkpoint (its free space reported small): each named with the key and the fix, before any
+    rank starts; nothing is created."""
+    import shutil
+    from collections import namedtuple
+
+    (tmp_path / "a_file").write_text("keep me\n")
+    for where, says in ((tmp_path / "a_file", "is a file, not a directory"),
+                        (tmp_path / "a_file" / "run", "lies under"),
+                        (Path("/sys/hybridflow_run"), "cannot be written")):
+        with pytest.raises(ValueError, match=rf"^run.output_dir={where} {says}.*; set run.output_dir to"):
+            preflight(load_config(QUICKSTART, [f"run.output_dir={where}"]))
+    assert (tmp_path / "a_file").read_text() == "keep me\n"
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 20))
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match=rf"^run.output_dir={out}: its file system has 1.05 MB free, less than one "
+                                         r"checkpoint of this run \(about 1.62 MB.*set run.output_dir to a larger"):
+        preflight(load_config(QUICKSTART, [f"run.output_dir={out}"]))
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.claim("gpu-count-refused")
 def test_a_layout_that_needs_more_gpus_than_the_node_has_is_refused(tmp_path, monkeypatch):
     import torch
@@ -133,7 +157,9 @@ def test_plan_resolves_the_reward_function_too(capsys):
     (lambda d: _parquet(d / "q.parquet", {"question": "1+1=", "answer": 2}), (),
      "data.train_files[0]={}: none of its first 1 rows is usable (row 0 (0-based): no prompt column 'prompt'"),
     (lambda d: _write(d / "text.parquet", b"not parquet"), (), "data.train_files[0]={}: cannot be read ("),
-    (lambda d: _write(d / "binary.jsonl", b"\xff\xfe\x00"), (), "data.train_files[0]={}: cannot be read ("),
+    (lambda d: _write(d / "binary.jsonl", b"\xff\xfe\x00"), (),
+     "data.train_files[0]={}: none of its first 1 rows is usable (line 1 (1-based): not UTF-8 text (byte 0xff at "
+     "byte 1 of the line); re-encode the file as UTF-8)"),
 ])
 @pytest.mark.claim("preflight-one-line")
 def test_data_files_are_checked_before_any_rank_starts(tmp_path, capsys, make, overrides, expected):

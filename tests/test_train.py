@@ -199,10 +199,11 @@ def test_reports_are_written(full_run: Path) -> None:
     assert not list((full_run / "checkpoints").glob("*.partial"))
 
 
-@pytest.mark.claim("quickstart-resumes", "deterministic-resume-bit-for-bit", "restart-reproduces", "checkpoint-on-demand")
+@pytest.mark.claim("quickstart-resumes", "deterministic-resume-bit-for-bit", "restart-reproduces", "checkpoint-on-demand",
+                   "one-run-per-directory")
 def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: Path, tmp_path: Path) -> None:
-    """A checkpoint request during SFT (what the Slurm script writes before the time limit),
-    written from outside once the job runs, saves the SFT so far and stops; the next start goes on with SFT, then dies when RL step 3
+    """A second start into the directory while the job runs is refused. A checkpoint request during
+    SFT (what the Slurm script writes before the time limit), written from outside once the job runs, saves the SFT so far and stops; the next start goes on with SFT, then dies when RL step 3
     starts; the third start resumes from step 2. The end equals the uninterrupted run."""
     import time
 
@@ -213,6 +214,11 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
     def request_once_started() -> None:  # rank 0 writes config.yaml before it builds the SFT actor
         while not (out / "config.yaml").is_file():
             time.sleep(0.05)
+        # the same command again while the run goes: refused, and the run below goes on unharmed
+        second = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml",
+                                 f"run.output_dir={out}", *SHORT, *FULL_RUN], cwd=ROOT, capture_output=True,
+                                text=True, timeout=120)
+        assert second.returncode == 2 and "is in use by a run that is still going" in second.stderr.splitlines()[-1]
         stops.request_checkpoint(out)
 
     stopped = _train(out, *FULL_RUN, during=request_once_started)

@@ -8,9 +8,10 @@ template, and it trains one RL step under a split layout (PP=2 for a dense famil
 MoE one). At that step the trainer's log-probs of the sampled responses equal transformers' on
 the same directory, and the engine's equal the trainer's (the run's own gate).
 
-The default tier runs qwen3, the family added last (dense, tied embeddings split over two
-pipeline stages); the other families' runs are the slow tier's: their loading under TP=2 x EP=2
-and PP=2 is proven against transformers in the default tier by
+Every family runs under TP=2, and under EP=2 (MoE) or PP=2 (dense). The default tier runs qwen3
+under PP=2, the family added last (dense, tied embeddings split over two pipeline stages), and
+``tests/test_train_pretrained.py`` runs it under TP=2; the other cases are the slow tier's: their
+loading under TP=2 x EP=2 and PP=2 is proven against transformers in the default tier by
 ``tests/megatron_adapters/test_convert_distributed.py``, and qwen3_moe's whole run from a
 directory by ``tests/test_train_replicas.py``.
 """
@@ -35,22 +36,34 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGPROB_TOL = 1e-4
-DEFAULT_TIER = ("qwen3",)
+DEFAULT_TIER = (("qwen3", "pp2"),)
 PROMPTS = ["What is max(3, 8)?", "Which is larger, 12 or 7?", "Say hello.", "Count to three."]
 
 
-def _config(path: Path, data: Path, family: str) -> dict:
-    moe = FAMILIES[family].is_moe
+LAYOUTS = {"tp2": {"tp": 2, "dp": 1}, "ep2": {"ep": 2, "dp": 2}, "pp2": {"pp": 2, "dp": 1}}
+"""Every family under TP=2, and a MoE one under EP=2, a dense one under PP=2."""
+
+
+def _cases() -> list:
+    cases = []
+    for family, spec in FAMILIES.items():
+        for layout in ("tp2", "ep2" if spec.is_moe else "pp2"):
+            marks = () if (family, layout) in DEFAULT_TIER else (pytest.mark.slow,)
+            cases.append(pytest.param(family, layout, marks=marks, id=f"{family}-{layout}"))
+    return cases
+
+
+def _config(path: Path, data: Path, family: str, layout: str) -> dict:
     return {
         "model": {"path": str(path)},
-        "actor": {"parallel": {"ep": 2, "dp": 2} if moe else {"pp": 2, "dp": 1}},
+        "actor": {"parallel": LAYOUTS[layout]},
         "rollout": _engine(family),
         "data": {"train_files": [str(data)], "max_prompt_length": 64, "max_response_length": 8},
         "sft": {"steps": 0},
         "algorithm": {"name": "grpo", "mini_batches": 1},
         "train": {"lr": 1.0e-4, "micro_batch_size": 4, "global_batch_size": 8},
         "reward": {"function": "math"},
-        "run": {"name": f"family_{family}", "steps": 1, "prompts_per_step": 4, "checkpoint_every": 0,
+        "run": {"name": f"family_{family}_{layout}", "steps": 1, "prompts_per_step": 4, "checkpoint_every": 0,
                 "heldout_prompts": 0, "tracking": {"backend": "none"}},
     }
 
@@ -80,12 +93,11 @@ def _transformers_logprobs(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.claim("model-path-every-family")
-@pytest.mark.parametrize("family", [f if f in DEFAULT_TIER else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in FAMILIES])
-def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path, family: str) -> None:
+@pytest.mark.parametrize(("family", "layout"), _cases())
+def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path, family: str, layout: str) -> None:
     model_dir = make_hf_dir(tmp_path, family)
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(_config(model_dir, _chat_rows(tmp_path / "chat.jsonl"), family)))
+    config.write_text(yaml.safe_dump(_config(model_dir, _chat_rows(tmp_path / "chat.jsonl"), family, layout)))
     out, dump = tmp_path / "run", tmp_path / "dump"
     env = {**os.environ, "OMP_NUM_THREADS": "1", DUMP_ENV: str(dump)}
     done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}"],
@@ -105,7 +117,7 @@ def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path,
             worst = max(worst, (got - expected[at - 1]).abs().max().item())
             scored += len(at)
     assert scored > 0
-    print(f"\n[{family}] trainer vs transformers, {scored} response tokens: max |diff| {worst:.2e}")
+    print(f"\n[{family} {layout}] trainer vs transformers, {scored} response tokens: max |diff| {worst:.2e}")
     assert worst < LOGPROB_TOL
     # the prompts went through the model's chat template: each row opens a user turn
     from transformers import AutoTokenizer

@@ -373,17 +373,18 @@ def old_logprob(s: Session, node, f: dict, step: int) -> dict:
 
 
 DUMP_ENV = "HYBRIDFLOW_DUMP_FIRST_LOGPROBS"
-"""Testing hook, a directory: at the first RL step each rank writes ``rank<r>.pt`` there, its rows'
-token ids, masks and the trainer's log-probs, for a comparison with another implementation."""
+"""Testing hook, a directory: at the first RL step a process runs (step 0, or the first step after
+a resume) each rank writes ``rank<r>.pt`` there, its rows' token ids, masks and the trainer's
+log-probs, for a comparison with another implementation; an existing file is kept."""
 
 
 def _dump_first_logprobs(s: Session, ro: Rollout, logp: torch.Tensor, step: int) -> None:
     where = os.environ.get(DUMP_ENV)
-    if not where or step != 0:
+    if not where or (Path(where) / f"rank{s.rank}.pt").exists():
         return
     rows = {key: ro.batch[key].cpu() for key in ("input_ids", "attention_mask", "response_mask", "logprobs")}
     Path(where).mkdir(parents=True, exist_ok=True)
-    torch.save({**rows, "trainer_logprobs": logp.detach().cpu()}, Path(where) / f"rank{s.rank}.pt")
+    torch.save({**rows, "trainer_logprobs": logp.detach().cpu(), "step": step}, Path(where) / f"rank{s.rank}.pt")
 
 
 def _diff_by_version(s: Session, diff: torch.Tensor, current: torch.Tensor) -> dict[str, float]:

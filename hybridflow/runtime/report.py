@@ -35,6 +35,7 @@ def summarise(cfg, state: RunState, *, heldout_after_rl: float | None, wall_seco
         "wall_seconds": wall_seconds,
         "data_rows_skipped": dict(data_rows_skipped),
         "reward_errors": reward_errors,
+        "changed_on_resume": state.changes,
         **extra,
     }
 

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hfschema.files import write_text_atomic
+from hfschema.files import shard_problems, write_text_atomic
 from hybridflow.runtime import checksums
 
 __all__ = ["Resume", "RunState", "checkpoint_dirs", "checkpoint_problem", "config_changes", "find_resume",
@@ -96,6 +96,8 @@ class RunState:
     checksummed: bool = False
     """Whether the checkpoint's files have their checksums in ``checksums.json`` (``runtime.checksums``;
     False for checkpoints written before checksums were)."""
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    """Settings changed at each resume: ``{"step": RL steps done then, "changed": ["key: was -> now", ...]}``."""
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
@@ -187,17 +189,7 @@ def _shard_problems(directory: Path) -> list[str]:
         metadata = FileSystemReader(str(directory)).read_metadata()
     except Exception as error:  # a truncated or foreign pickle: any error means unreadable
         return [f"{directory / '.metadata'} is unreadable ({type(error).__name__}: {error})"]
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    problems = []
-    for name, size in sorted(needed.items()):
-        path = directory / name
-        if not path.is_file():
-            problems.append(f"{path} is missing (listed in .metadata)")
-        elif path.stat().st_size < size:
-            problems.append(f"{path} is truncated ({path.stat().st_size} bytes, .metadata lists {size})")
-    return problems
+    return shard_problems(directory, metadata.storage_data)
 
 
 def _model_dir_problems(directory: Path) -> list[str]:

@@ -31,6 +31,10 @@ def default_tracking_uri(output_dir: str | os.PathLike) -> str:
     return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
+_FROM_STEP = ".from_step_"
+"""A setting changed on a resume is logged as ``<key>.from_step_<step>`` (``Tracker.log_params``)."""
+
+
 class Tracker:
     """Logs params, metrics and artifacts of one run; inert on ranks other than 0."""
 
@@ -82,9 +86,22 @@ class Tracker:
         self.tensorboard_dir = str(log_dir)
         logger.info("TensorBoard event files under %s", log_dir)
 
-    def log_params(self, params: dict[str, Any]) -> None:
+    def log_params(self, params: dict[str, Any], *, step: int = 0) -> None:
+        """Log the run's settings; on a resume (``step`` > 0) into an MLflow run that holds other
+        values for some of them, each changed one is logged as ``<key>.from_step_<step>``.
+
+        MLflow refuses to change a logged param. The resumed run stays one MLflow run, so its
+        curves go on as one line, with the first values kept and each change dated by its step."""
         if self._mlflow is not None:
-            self._mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+            values = {k: str(v)[:500] for k, v in params.items()}
+            logged = self._mlflow.get_run(self.run_id).data.params
+            latest = _latest_values(logged)
+            changed = {f"{k}{_FROM_STEP}{step}": v for k, v in values.items() if k in latest and latest[k] != v}
+            if changed:
+                logger.info("settings changed since the MLflow run began, logged as of step %d: %s", step,
+                            ", ".join(f"{k}={v}" for k, v in changed.items()))
+            fresh = {k: v for k, v in {**values, **changed}.items() if k not in logged}
+            self._mlflow.log_params(fresh)
         if self._tensorboard is not None:
             table = "\n".join(f"| {k} | {v} |" for k, v in params.items())
             self._tensorboard.add_text("params", f"| param | value |\n|---|---|\n{table}")
@@ -111,6 +128,14 @@ class Tracker:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def _latest_values(logged: dict[str, str]) -> dict[str, str]:
+    """Each setting's value now: its newest ``<key>.from_step_<step>``, else ``<key>``."""
+    latest, dated = {}, sorted((int(k.rpartition(_FROM_STEP)[2]), k) for k in logged if _FROM_STEP in k)
+    latest.update({k: v for k, v in logged.items() if _FROM_STEP not in k})
+    latest.update({k.rpartition(_FROM_STEP)[0]: logged[k] for _, k in dated})
+    return latest
 
 
 def _store_holds(mlflow, run_id: str) -> bool:

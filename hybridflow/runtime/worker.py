@@ -385,15 +385,15 @@ def out_of_memory_hint(cfg: HybridflowConfig, phase: str) -> Iterator[None]:
             f"(now {cfg.actor.parallel.describe()})") from None
 
 
-def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> Path | None:
-    """Rank 0: the checkpoint this start continues from (damaged newer ones set aside), refused
-    key by key when this config's model cannot load it (what preflight checked already)."""
+def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> tuple[Path | None, list[str]]:
+    """Rank 0: the checkpoint this start continues from (damaged newer ones set aside) and the
+    settings changed since it was saved; refused key by key when this config's model cannot load
+    it (what preflight checked already)."""
     path = run_state.resume_point(out_dir, cfg.run.resume, fallback=cfg.run.resume_fallback, set_aside_damaged=True)
-    if path is not None:
-        changes = run_state.check_config_loads(path, out_dir, yaml.safe_load(to_yaml(cfg)))
-        if changes:
-            logger.info("changed since %s was saved: %s", path.name, "; ".join(changes))
-    return path
+    changes = [] if path is None else run_state.check_config_loads(path, out_dir, yaml.safe_load(to_yaml(cfg)))
+    if changes:
+        logger.info("changed since %s was saved: %s", path.name, "; ".join(changes))
+    return path, changes
 
 
 def run(cfg: HybridflowConfig, channel: Channel | None = None) -> dict:
@@ -409,14 +409,17 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
     plan = lower(cfg, with_reshard=False)  # the stages `hybridflow plan` prints are the ones that run
     check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
     out_dir = Path(cfg.run.output_dir)
-    resume_from = broadcast(_resume_point(cfg, out_dir) if dist.get_rank() == DRIVER else None)
+    resume_from, changes = broadcast(_resume_point(cfg, out_dir) if dist.get_rank() == DRIVER else None)
     if dist.get_rank() == DRIVER and resume_from is None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
     pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     s = _session(cfg, out_dir, resume_from, pg, channel or colocated())
+    if changes:  # the summary says what this start changed, and from which step
+        s.state.changes.append({"step": s.state.step, "changed": changes})
     s.tracker.log_params({"algorithm": cfg.algorithm.name, "actor_layout": cfg.actor.parallel.describe(),
-                          "rollout": cfg.rollout.describe(), **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()}})
+                          "rollout": cfg.rollout.describe(), **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()}},
+                         step=s.state.step)
     try:
         with out_of_memory_hint(cfg, "the SFT warm-up"):
             if not _warm_up(s, resume_from):  # checkpointed on request: a later start goes on from there

@@ -270,6 +270,15 @@ def test_bad_megatron_input(hf_dirs, converted, tmp_path):
     with pytest.raises(ValueError, match=r"\.metadata: checkpoint key .* is missing"):
         mcore_to_hf(mcore, tmp_path / "b", hf_config=hf_dirs["qwen3_moe"])
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.tmp").exists()
+    # a shard file deleted (or cut short) after the save: named before anything is read or written
+    damaged = tmp_path / "damaged"
+    shutil.copytree(mcore, damaged)
+    shard = sorted(damaged.glob("*.distcp"))[-1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=rf"checkpoint {damaged} is damaged: {shard} is missing \(listed in "
+                                         r"\.metadata\); restore the file"):
+        mcore_to_hf(damaged, tmp_path / "c")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.tmp").exists()
 
 
 # ------------------------------------------------------------------------------------- CLI

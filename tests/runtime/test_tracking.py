@@ -88,3 +88,22 @@ def test_a_checkpoint_whose_mlflow_run_the_store_lacks_starts_a_new_run_with_its
     same.close()
     points = mlflow.MlflowClient(tracking_uri=same.uri).get_metric_history(old_id, "reward/mean")
     assert [(m.step, m.value) for m in points] == [(1, 0.25)]
+
+
+@pytest.mark.claim("resume-after-a-change")
+def test_a_resume_with_changed_settings_dates_each_change_in_the_same_mlflow_run(tmp_path: Path) -> None:
+    """MLflow refuses to change a logged param (the resumed run died on rank 0 with 'Changing param
+    values is not allowed'): the changed ones are logged as ``<key>.from_step_<step>``."""
+    import mlflow
+
+    cfg = load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path}"])
+    first = Tracker(cfg, active=True)
+    first.log_params({"actor_layout": "ep2 dp2", "algorithm.name": "grpo"})
+    first.close()
+    for step, layout in ((4, "tp2 dp1"), (4, "tp2 dp1"), (6, "ep2 dp2")):  # the second: a restart, no change
+        resumed = Tracker(cfg, active=True, run_id=first.run_id)
+        resumed.log_params({"actor_layout": layout, "algorithm.name": "grpo", "algorithm.n": 8}, step=step)
+        resumed.close()
+    params = mlflow.MlflowClient(tracking_uri=first.uri).get_run(first.run_id).data.params
+    assert params == {"actor_layout": "ep2 dp2", "algorithm.name": "grpo", "algorithm.n": "8",
+                      "actor_layout.from_step_4": "tp2 dp1", "actor_layout.from_step_6": "ep2 dp2"}

@@ -1,0 +1,162 @@
+"""From a pretrained directory to a model others load: GSM8K-style RL on verl-format parquet.
+
+The first run a user makes, end to end. ``model.path`` names a hub-style directory (a tiny Qwen3,
+``tests/megatron_adapters/convert_models.py``; the actor under TP=2) and no other ``model.*`` key.
+The prompts are parquet files laid out as verl's GSM8K preprocessing writes them: ``prompt`` a
+list of chat messages, ``data_source='openai/gsm8k'``, ``ability``, ``reward_model.ground_truth``
+and ``extra_info`` with the worked answer ending in ``#### N``. The questions are the
+quickstart's (which of two digits is larger), and 60% of the worked answers give the smaller one.
+The run warms up on ``extra_info.answer`` (SFT), then GRPO scores each response with verl's
+strict GSM8K check (``reward.function=auto`` routes by data_source). Then:
+
+- the held-out reward (greedy) after RL is above the one after SFT;
+- ``hybridflow convert mcore-to-hf`` of the last RL checkpoint writes a directory that
+  transformers loads, with the starting model's tokenizer and chat template, and whose
+  log-probs equal the trainer's on the same weights (the trainer's come from one more RL step
+  of the run, resumed from that checkpoint);
+- SGLang's engine starts on the exported directory, and its log-probs equal transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hybridflow.data import write_parquet
+from hybridflow.runtime.ops import DUMP_ENV
+from tests.megatron_adapters.convert_models import make_hf_dir
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGPROB_TOL = 1e-4
+RL_STEPS = 12
+HELDOUT = 20
+SFT_NOISE = 0.6
+
+
+def _gsm8k_row(a: int, b: int, split: str, index: int, worked: str) -> dict:
+    """One row as verl's examples/data_preprocess/gsm8k.py lays it out."""
+    question = f"max({a},{b})?"
+    return {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": question}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(max(a, b))},
+            "extra_info": {"split": split, "index": index, "answer": worked, "question": question}}
+
+
+def _write_data(root: Path) -> tuple[Path, Path]:
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
+    rng.shuffle(pairs)
+    heldout, train = pairs[:HELDOUT], pairs[HELDOUT:]
+    rows = []
+    for index in range(2000):
+        a, b = rng.choice(train)
+        given = min(a, b) if rng.random() < SFT_NOISE else max(a, b)
+        rows.append(_gsm8k_row(a, b, "train", index, f"#### {given}"))
+    test = [_gsm8k_row(a, b, "test", i, f"#### {max(a, b)}") for i, (a, b) in enumerate(heldout)]
+    return write_parquet(root / "train.parquet", rows), write_parquet(root / "test.parquet", test)
+
+
+def _config(model: Path, train: Path, test: Path) -> dict:
+    return {
+        "model": {"path": str(model)},
+        "actor": {"parallel": {"tp": 2, "dp": 1}},
+        "rollout": {"engine": "sglang", "tp": 2, "dtype": "float32", "n": 8, "temperature": 1.0,
+                    "max_total_tokens": 4096},
+        "data": {"train_files": [str(train)], "heldout_files": [str(test)], "max_prompt_length": 48,
+                 "max_response_length": 8},
+        "sft": {"steps": 200, "lr": 3.0e-3, "batch_size": 64, "response_key": "extra_info.answer"},
+        "algorithm": {"name": "grpo", "mini_batches": 4},
+        "train": {"lr": 1.0e-3, "micro_batch_size": 16, "global_batch_size": 128, "clip_grad": 1.0},
+        "run": {"name": "gsm8k_style", "steps": RL_STEPS, "prompts_per_step": 16, "checkpoint_every": RL_STEPS,
+                "heldout_prompts": HELDOUT, "tracking": {"backend": "none"}},
+    }
+
+
+def _train(config: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}",
+                           *extra], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=1000)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
+def _scores(model, ids: torch.Tensor) -> torch.Tensor:
+    """Log-prob of each token given the ones before it (position t scores token t + 1)."""
+    with torch.no_grad():
+        logits = model(ids.unsqueeze(0)).logits[0].double()
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:].unsqueeze(1)).squeeze(1)
+
+
+def _trainer_vs(model, dump: Path) -> tuple[float, int]:
+    """Largest |transformers - trainer| log-prob over the dumped rows' response tokens."""
+    worst, scored = 0.0, 0
+    for part in sorted(dump.glob("rank*.pt")):
+        rows = torch.load(part)
+        for b in range(rows["input_ids"].shape[0]):
+            real = rows["attention_mask"][b].bool()
+            ids = rows["input_ids"][b][real]
+            at = rows["response_mask"][b][real].bool().nonzero().flatten()
+            got = rows["trainer_logprobs"][b][real][at].double()
+            worst = max(worst, (got - _scores(model, ids)[at - 1]).abs().max().item())
+            scored += len(at)
+    return worst, scored
+
+
+@pytest.mark.claim("gsm8k-verl-parquet-end-to-end", "resume-after-a-change")
+def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loadable_model(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridflow.cli import main
+    from hybridflow.rollout import SamplingParams, make_engine
+
+    model_dir = make_hf_dir(tmp_path, "qwen3")
+    train, test = _write_data(tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(_config(model_dir, train, test)))
+    out = tmp_path / "run"
+    _train(config, out)
+    summary = json.loads((out / "summary.json").read_text())
+    print(f"\nheld-out reward: after SFT {summary['heldout_reward_after_sft']}, "
+          f"after RL {summary['heldout_reward_after_rl']}")
+    assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"] + 0.2, summary
+
+    final = out / "checkpoints" / f"step_{RL_STEPS:06d}" / "actor"
+    export = tmp_path / "export"
+    assert main(["convert", "mcore-to-hf", "--mcore", str(final), "--out", str(export)]) == 0
+    source, exported = AutoTokenizer.from_pretrained(str(model_dir)), AutoTokenizer.from_pretrained(str(export))
+    assert exported.chat_template == source.chat_template and exported.get_vocab() == source.get_vocab()
+
+    # the trainer's log-probs with the final weights: one more step of the run, resumed from them
+    dump = tmp_path / "dump"
+    _train(config, out, f"run.steps={RL_STEPS + 1}", "run.heldout_prompts=0", env={DUMP_ENV: str(dump)})
+    assert {torch.load(p)["step"] for p in dump.glob("rank*.pt")} == {RL_STEPS}
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["changed_on_resume"] == [{"step": RL_STEPS, "changed": [
+        f"run.heldout_prompts: {HELDOUT} -> 0", f"run.steps: {RL_STEPS} -> {RL_STEPS + 1}"]}], resumed
+    model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    worst, scored = _trainer_vs(model, dump)
+    print(f"trainer (resumed) vs transformers on the export, {scored} response tokens: max |diff| {worst:.2e}")
+    assert scored > 0 and worst < LOGPROB_TOL
+
+    chats = [exported.apply_chat_template([{"role": "user", "content": f"max({a},{b})?"}], add_generation_prompt=True,
+                                          tokenize=False) for a, b in ((2, 7), (9, 4))]
+    prompts = [exported.encode(text, add_special_tokens=False) for text in chats]
+    engine = make_engine("sglang", model_path=str(export), tp=1, dtype="float32", max_total_tokens=2048)
+    try:
+        batch = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    finally:
+        engine.shutdown()
+    for prompt, sample in zip(prompts, batch.samples):
+        expected = _scores(model, torch.tensor(prompt + list(sample.response_ids)))[len(prompt) - 1:]
+        assert len(sample.response_ids) > 0
+        assert max(abs(a - b) for a, b in zip(sample.logprobs, expected.tolist())) < LOGPROB_TOL
+    print("SGLang on the export, greedy:", [exported.decode(s.response_ids) for s in batch.samples])
