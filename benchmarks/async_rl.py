@@ -1,4 +1,5 @@
-"""Asynchronous RL benchmark: sync vs one_step_off vs async K=2 (whole batches, and partial rollouts) on a long-tail task.
+"""Asynchronous RL benchmark: sync vs one_step_off vs async K=2 (whole batches, and partial
+rollouts) on a long-tail task.
 
     PYTHONPATH=. .venv/bin/python benchmarks/async_rl.py [--json PATH] [--steps 8] [--sft-steps 150] [--modes a,b]
 

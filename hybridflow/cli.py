@@ -136,8 +136,13 @@ def _add_launch_parser(commands) -> None:
     launch.add_argument("--rdzv-wait-s", type=float, default=SUPPRESS, metavar="S",
                         help="seconds a node waits for the rendezvous endpoint to answer "
                              f"(default {LAUNCH_DEFAULTS['rdzv_wait_s']:g})")
-    launch.add_argument("--join-timeout-s", type=float, default=SUPPRESS, metavar="S",
-                        help=f"seconds torchrun waits for all nodes to join (default {LAUNCH_DEFAULTS['join_timeout_s']:g})")
+    launch.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=SUPPRESS,
+        metavar="S",
+        help=f"seconds torchrun waits for all nodes to join (default {LAUNCH_DEFAULTS['join_timeout_s']:g})",
+    )
     launch.set_defaults(handler=_launch)
 
 
@@ -308,7 +313,9 @@ def _byte_size(text: str) -> int:
 
 
 def _add_convert_options(parser: argparse.ArgumentParser, dtype_help: str) -> None:
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (written as DIR.tmp, then renamed)")
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", help="output directory (written as DIR.tmp, then renamed)"
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help=dtype_help)
     parser.add_argument("--buffer-bytes", type=_byte_size, default=DEFAULT_BUFFER_BYTES, metavar="N",
                         help=f"tensor data held in memory at a time (default {DEFAULT_BUFFER_BYTES >> 20}M)")

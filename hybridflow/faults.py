@@ -240,7 +240,7 @@ class FaultHarness:
         launcher = psutil.Process(child.pid)
         previous: set[int] = set()
         for start_index in range(self.faults + 1):  # the first start, then one after each kill
-            workers = self._wait_for(lambda: self._new_workers(launcher, previous), child)
+            workers = self._wait_for(lambda seen=previous: self._new_workers(launcher, seen), child)
             if workers is None:
                 return  # the run ended (or failed) before this start
             previous = {p.pid for p in workers.values()}

@@ -193,9 +193,11 @@ def check_separate_nodes(cfg: HybridflowConfig, nproc_per_node: int) -> None:
     for replica in range(cfg.rollout.num_replicas):
         first = actors + replica * tp
         if first // nproc_per_node != (first + tp - 1) // nproc_per_node:
-            raise ValueError(f"rollout.placement=separate: engine replica {replica} (ranks {first}..{first + tp - 1}) "
-                             f"would span two nodes of {nproc_per_node} processes; make actor.parallel's "
-                             f"{actors} ranks and rollout.tp={tp} fill whole nodes (or set rollout.placement=colocated)")
+            raise ValueError(
+                f"rollout.placement=separate: engine replica {replica} (ranks {first}..{first + tp - 1}) "
+                f"would span two nodes of {nproc_per_node} processes; make actor.parallel's "
+                f"{actors} ranks and rollout.tp={tp} fill whole nodes (or set rollout.placement=colocated)"
+            )
 
 
 def check_node_gpus(cfg: HybridflowConfig, available: int) -> None:

@@ -45,8 +45,16 @@ from fractions import Fraction
 from typing import Any
 
 from hybridflow.config import RewardConfig
-from hybridflow.math_scorers import (DAPO_SOURCES, GSM8K_SOURCES, MATH_SOURCES, dapo_math, gsm8k_strict,
-                                     is_verl_math_source, math_boxed, math_verify_score)
+from hybridflow.math_scorers import (
+    DAPO_SOURCES,
+    GSM8K_SOURCES,
+    MATH_SOURCES,
+    dapo_math,
+    gsm8k_strict,
+    is_verl_math_source,
+    math_boxed,
+    math_verify_score,
+)
 
 __all__ = [
     "AUTO",

@@ -38,7 +38,15 @@ from launch.reaper import TORCHRUN_SHUTDOWN_S
 from launch.torchrun import run_job
 from launch.torchrun_entry import TORCHRUN
 
-__all__ = ["LaunchSpec", "check_endpoint", "check_process_count", "hosts_rendezvous", "launch", "parse_endpoint", "torchrun_command"]
+__all__ = [
+    "LaunchSpec",
+    "check_endpoint",
+    "check_process_count",
+    "hosts_rendezvous",
+    "launch",
+    "parse_endpoint",
+    "torchrun_command",
+]
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -177,7 +185,8 @@ _STORE_PROBE = """
 import datetime, sys
 import torch.distributed as dist
 try:
-    dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=float(sys.argv[3])))
+    timeout = datetime.timedelta(seconds=float(sys.argv[3]))
+    dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=timeout)
 except Exception as error:
     sys.stdout.write(str(error).splitlines()[0])
     sys.exit(1)

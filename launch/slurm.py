@@ -14,7 +14,8 @@ newest complete checkpoint. Slurm signals the batch shell (``--signal=B:USR1@sig
 before the time limit; the script writes ``<run dir>/checkpoint.request``, the ranks save at the
 end of their step (RL or SFT) and stop, and the script requeues the job, so a long run spans several
 allocations instead of ending as TIMEOUT, and loses no step. SIGINT, SIGTERM and SIGHUP to the
-script stop the launch on every node (``launch.reaper``); it exits with 128 + the signal. Logs go to ``<run dir>/logs/slurm-<job id>.out``, appended across requeues.
+script stop the launch on every node (``launch.reaper``); it exits with 128 + the signal. Logs go
+to ``<run dir>/logs/slurm-<job id>.out``, appended across requeues.
 """
 
 from __future__ import annotations

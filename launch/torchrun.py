@@ -7,8 +7,9 @@
 
 One process per rank of the actor's layout (colocated: the replica drivers among them drive the
 engines, whose own scheduler processes SGLang starts), and with rollout.placement=separate one
-more per engine rank (rollout.tp x num_replicas), numbered after the actor's. On a machine without a GPU every rank runs one OpenMP thread
-(several ranks share few cores; more threads only oversubscribe them) and uses gloo.
+more per engine rank (rollout.tp x num_replicas), numbered after the actor's. On a machine
+without a GPU every rank runs one OpenMP thread (several ranks share few cores; more threads only
+oversubscribe them) and uses gloo.
 
 ``run_job`` is how both launchers run torchrun: a signal stops every process of the job within
 a bound (``launch.reaper``), and a failed rank's error is the launcher's last line and the run

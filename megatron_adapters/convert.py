@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from hfschema.files import staged_directory
 from hfschema.hf_config import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_SHARD_BYTES,
@@ -55,7 +56,6 @@ from hfschema.hf_config import (
     read_model_config,
     side_files,
 )
-from hfschema.files import staged_directory
 from hfschema.layout import ParallelLayout
 from hfschema.model import ModelConfig
 from reshard.families import canonical_tensors

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -23,8 +23,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -38,7 +38,6 @@ from hfschema.train import MoEConfig
 
 from .parallel import device as rank_device
 from .routing import moe_config_fields
-
 
 _EXPERT_MODULES = (SequentialMLP, GroupedMLP, TEGroupedMLP)
 

@@ -72,7 +72,9 @@ def _row_map(model: ModelConfig) -> dict[str, list[tuple[str, tuple[int, int], i
                 continue
             (a, b), (p, _) = shard.region[0], shard.param_region[0]
             total = layout.tensors[shard.tensor].shape[0]
-            rows.setdefault(shard.param[: -len(".weight")], []).append((shard.tensor[: -len(".weight")], (a, b), p, total))
+            rows.setdefault(shard.param[: -len(".weight")], []).append(
+                (shard.tensor[: -len(".weight")], (a, b), p, total)
+            )
     return rows
 
 

@@ -77,7 +77,9 @@ class PlainTrainer:
         started = time.perf_counter()
         on_device = {k: v.to(self.device) for k, v in batch.items()}
         size = self.train.micro_batch_size
-        micros = [{k: v[i : i + size] for k, v in on_device.items()} for i in range(0, len(on_device["input_ids"]), size)]
+        micros = [
+            {k: v[i : i + size] for k, v in on_device.items()} for i in range(0, len(on_device["input_ids"]), size)
+        ]
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         get_forward_backward_func()(

@@ -8,7 +8,6 @@ tensor is its own parameter here, so the executor's buffers are the HF tensors t
 from __future__ import annotations
 
 from hfschema.model import ModelConfig
-
 from reshard.families import canonical_tensors
 from reshard.layouts import LayoutBuilder, TensorLayout
 from reshard.regions import full_region

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hfschema.model import ModelConfig
-
 from reshard.families import DTYPE_BYTES, CanonicalTensor
 from reshard.regions import Region, num_elements
 

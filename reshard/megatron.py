@@ -43,7 +43,6 @@ from typing import Callable, Optional
 
 from hfschema.layout import ParallelLayout
 from hfschema.model import ModelConfig
-
 from reshard.families import CanonicalTensor, Placement, canonical_tensors
 from reshard.layouts import LayoutBuilder, TensorLayout
 from reshard.regions import Region, full_region, gc_paused, split_even

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+
 import numpy as np
 
 from reshard.families import DTYPE_BYTES

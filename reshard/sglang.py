@@ -47,7 +47,6 @@ from typing import Callable
 from hfschema.layout import divisors
 from hfschema.model import ModelConfig
 from hfschema.sglang import SGLangSettings, pad_vocab
-
 from reshard.families import CanonicalTensor, Placement, canonical_tensors, family_spec
 from reshard.layouts import LayoutBuilder, TensorLayout
 from reshard.regions import Region, full_region, gc_paused, split_even

@@ -192,7 +192,9 @@ def render(claims: list[Claim], tests: dict[str, list[tuple[str, str]]]) -> str:
         where = f"[{claim.path}:{claim.line}](../{claim.path}#{slug(claim.section)})"
         says = claim.says.replace("|", "\\|")
         nodes = "<br>".join(f"`{node}`" + (f" ({tier})" if tier != "default" else "") for node, tier in proof.tests)
-        lines.append(f"| `{claim.name}` | {where} | {says} | {', '.join(proof.tiers()) or 'NONE'} | {nodes or 'NONE'} |")
+        lines.append(
+            f"| `{claim.name}` | {where} | {says} | {', '.join(proof.tiers()) or 'NONE'} | {nodes or 'NONE'} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -122,8 +122,8 @@ def _family_case(family: str, dtype: str, work: Path) -> dict:
     trainer = policy.forward_logprobs({"input_ids": ids}, micro_batch_size=4)[0][:, 1:].float()
     reference = _engine_logprobs(engine, ids)  # transformers on the HF directory itself
     loaded = (trainer - reference).abs()
-    pushed = EngineSync(cfg, channel=colocated(), device=_device(), source_params=lambda: global_named_parameters(policy),
-                        engine=engine).push()
+    pushed = EngineSync(cfg, channel=colocated(), device=_device(),
+                        source_params=lambda: global_named_parameters(policy), engine=engine).push()
     synced = (trainer - _engine_logprobs(engine, ids)).abs()
     engine.shutdown()
     direct = _direct_load_diff(cfg, dtype, hf_dir, ids, reference)  # last: it sets the parallel state up again
@@ -229,13 +229,14 @@ def check_throughput(args, work: Path) -> dict:
     del plain
     _free()
     policy = _policy(cfg, dtype)
-    policy_times = _timed(lambda b: policy.train_step(b, next_token_loss), batches, warmup)
+    policy_times = _timed(lambda b, trained=policy: trained.train_step(b, next_token_loss), batches, warmup)
     memory_policy = _peak_memory()
     tokens = rows * seq
     flops = _flops_per_token(model, seq) * tokens
     peak = _peak_flops()
     result = {"parameters": count_parameters(model), "tokens_per_step": tokens, "steps": steps,
-              "plain_step_seconds": statistics.median(plain_times), "policy_step_seconds": statistics.median(policy_times)}
+              "plain_step_seconds": statistics.median(plain_times),
+              "policy_step_seconds": statistics.median(policy_times)}
     result["policy_tokens_per_second"] = tokens / result["policy_step_seconds"]
     result["plain_tokens_per_second"] = tokens / result["plain_step_seconds"]
     result["policy_over_plain"] = result["policy_step_seconds"] / result["plain_step_seconds"]

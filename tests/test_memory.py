@@ -6,8 +6,8 @@ import pytest
 
 from hybridflow.config import load_config
 from hybridflow.memory import (
-    GIB,
     ENGINE_MARGIN_BYTES,
+    GIB,
     _activation_bytes,
     engine_components,
     engine_params_per_rank,

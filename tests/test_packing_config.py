@@ -39,14 +39,22 @@ def test_a_budget_without_packing_names_both_keys() -> None:
         load_config(PACKED, ["packing.max_tokens_per_micro_batch=0"])
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["packing.max_tokens_per_micro_batch=35"], "packing.max_tokens_per_micro_batch=35 is below the longest "
-                                                "possible sample, data.max_prompt_length \\+ data.max_response_length = 36"),
-    (["algorithm.loss_agg_mode=seq-mean-token-mean"], "algorithm.loss_agg_mode=seq-mean-token-mean"),
-    (["algorithm.policy_loss=gspo"], "algorithm.policy_loss=gspo"),
-    (["algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence"],
-     "algorithm.rollout_correction_level=sequence"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (
+            ["packing.max_tokens_per_micro_batch=35"],
+            "packing.max_tokens_per_micro_batch=35 is below the longest "
+            "possible sample, data.max_prompt_length \\+ data.max_response_length = 36",
+        ),
+        (["algorithm.loss_agg_mode=seq-mean-token-mean"], "algorithm.loss_agg_mode=seq-mean-token-mean"),
+        (["algorithm.policy_loss=gspo"], "algorithm.policy_loss=gspo"),
+        (
+            ["algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence"],
+            "algorithm.rollout_correction_level=sequence",
+        ),
+    ],
+)
 @pytest.mark.claim("packing-refusals")
 def test_impossible_packing_settings_are_refused(overrides, key) -> None:
     cfg = load_config(PACKED, overrides)

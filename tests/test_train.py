@@ -134,9 +134,23 @@ def test_every_push_is_read_back_and_every_gate_passes(full_run: Path) -> None:
 @pytest.mark.claim("plan-is-what-runs")
 def test_the_run_executes_the_plan_that_hybridflow_plan_prints(full_run: Path) -> None:
     summary = json.loads((full_run / "summary.json").read_text())
-    plan = subprocess.run([sys.executable, "-m", "hybridflow.cli", "plan", "configs/quickstart_cpu.yaml",
-                           f"run.output_dir={full_run}", *SHORT, *FULL_RUN, "--no-reshard"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridflow.cli",
+            "plan",
+            "configs/quickstart_cpu.yaml",
+            f"run.output_dir={full_run}",
+            *SHORT,
+            *FULL_RUN,
+            "--no-reshard",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plan.returncode == 0, plan.stderr[-2000:]
     lines = plan.stdout.splitlines()
     start = lines.index("# stages:") + 1
@@ -199,11 +213,17 @@ def test_reports_are_written(full_run: Path) -> None:
     assert not list((full_run / "checkpoints").glob("*.partial"))
 
 
-@pytest.mark.claim("quickstart-resumes", "deterministic-resume-bit-for-bit", "restart-reproduces", "checkpoint-on-demand",
-                   "one-run-per-directory")
+@pytest.mark.claim(
+    "quickstart-resumes",
+    "deterministic-resume-bit-for-bit",
+    "restart-reproduces",
+    "checkpoint-on-demand",
+    "one-run-per-directory",
+)
 def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: Path, tmp_path: Path) -> None:
     """A second start into the directory while the job runs is refused. A checkpoint request during
-    SFT (what the Slurm script writes before the time limit), written from outside once the job runs, saves the SFT so far and stops; the next start goes on with SFT, then dies when RL step 3
+    SFT (what the Slurm script writes before the time limit), written from outside once the job
+    runs, saves the SFT so far and stops; the next start goes on with SFT, then dies when RL step 3
     starts; the third start resumes from step 2. The end equals the uninterrupted run."""
     import time
 
@@ -296,7 +316,10 @@ def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> 
     critic = _weights(checkpoints / "step_000002" / "critic", tmp_path / "critic.pt")
     # two RL steps move the actor and the critic about as far from the SFT weights; a critic
     # that started from the initialisation stays as far from them as SFT moved (10x more, measured)
-    for key in ("decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.self_attention.linear_proj.weight"):
+    for key in (
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.layers.0.self_attention.linear_proj.weight",
+    ):
         moved_actor = (actor[key] - sft[key]).abs().mean()
         moved_critic = (critic[key] - sft[key]).abs().mean()
         assert moved_critic < 2 * moved_actor, (key, float(moved_critic), float(moved_actor))

@@ -77,7 +77,9 @@ def _engine(family: str) -> dict:
 
 
 def _chat_rows(path: Path) -> Path:
-    rows = [{"messages": [{"role": "user", "content": text}], "reward_model": {"ground_truth": "8"}} for text in PROMPTS]
+    rows = [
+        {"messages": [{"role": "user", "content": text}], "reward_model": {"ground_truth": "8"}} for text in PROMPTS
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from megatron_adapters.checkpoint import read_meta
-from tests.test_train import WARM_UP
 from megatron_adapters.dist_io import DistReader
+from tests.test_train import WARM_UP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 

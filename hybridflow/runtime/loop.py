@@ -18,7 +18,6 @@ import logging
 import os
 import time
 
-import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -49,11 +48,16 @@ def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, flo
     ro, scores = f["responses"], f["scores"]  # every sample's numbers, on every rank
     lengths = ro.lengths.float()
     metrics = {
-        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "reward/mean": float(scores.mean()),
+        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         "response_length/mean": float(lengths.mean()),
         "response_length/clip_ratio": float(ro.truncated.float().mean()),
         "rollout/tokens_per_s": float(lengths.sum()) / max(ro.seconds, 1e-9),
-        **f.get("actor_metrics", {}), **f.get("critic_metrics", {}), **f.get("rollout_weights", {}), **s.step_metrics, **times,
+        **f.get("actor_metrics", {}),
+        **f.get("critic_metrics", {}),
+        **f.get("rollout_weights", {}),
+        **s.step_metrics,
+        **times,
     }
     metrics["timing/step"] = sum(times.values())
     return metrics

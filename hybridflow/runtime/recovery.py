@@ -75,8 +75,10 @@ def check_restart(cfg, lost: list[tuple[int, int, str]], used: int, *, spanning:
     where = f"rollout replica {replica} (driven by rank {rank}) lost its engine: {cause}"
     limit = cfg.rollout.max_engine_restarts
     if engine_nodes(cfg) > 1 and not spanning:  # separate placement: the engine ranks start whole engines only
-        raise ReplicaFailed(f"{where}; engine restarts are not supported for engines spanning nodes with "
-                            "rollout.placement=separate yet: rerun the same command to resume from the newest checkpoint")
+        raise ReplicaFailed(
+            f"{where}; engine restarts are not supported for engines spanning nodes with "
+            "rollout.placement=separate yet: rerun the same command to resume from the newest checkpoint"
+        )
     if used + len(lost) > limit:
         raise ReplicaFailed(f"{where}; {used} of rollout.max_engine_restarts={limit} restarts used: "
                             "raise rollout.max_engine_restarts to survive more engine failures")

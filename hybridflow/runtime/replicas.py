@@ -51,9 +51,9 @@ import threading
 import time
 from typing import NamedTuple, Sequence
 
-from hybridflow.config import HybridflowConfig
 import torch
 
+from hybridflow.config import HybridflowConfig
 from hybridflow.rollout.base import FINISH_LENGTH, EngineLost, RolloutSample, SamplingParams
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
@@ -285,7 +285,9 @@ def start(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], param
 
     Partial rollouts: ``version`` (the engine's policy version) tags every token; ``segment``
     caps this first part at that many tokens per request, the rest left to ``advance``."""
-    first = params if segment is None else dataclasses.replace(params, max_new_tokens=min(segment, params.max_new_tokens))
+    first = (
+        params if segment is None else dataclasses.replace(params, max_new_tokens=min(segment, params.max_new_tokens))
+    )
     samples, report, chunk_of = _attempt(engine, prompts, first, seed, _chunks(len(prompts), cfg), channel,
                                          replica=replica, call=call, attempt=0, dp_rank=None)
     if version is None:
@@ -320,8 +322,10 @@ def advance(engine, started: Started, version: int, *, segment: int | None) -> t
     ended = time.time()
     report = started.report._replace(metas=[meta_of(x) for x in samples], error=error, lost=lost,
                                      seconds=started.report.seconds + (ended - began))
-    return (dataclasses.replace(started, samples=samples, report=report, segments=started.segments + 1, version=version),
-            (began, ended))
+    return (
+        dataclasses.replace(started, samples=samples, report=report, segments=started.segments + 1, version=version),
+        (began, ended),
+    )
 
 
 def _continued(x: RolloutSample, more: RolloutSample, version: int) -> RolloutSample:
@@ -349,8 +353,19 @@ def collect(cfg: HybridflowConfig, started: Started | None, *, num_prompts: int,
     return _deliver(cfg, samples, gathered, num_prompts, channel=channel, device=device)
 
 
-def _attempt(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range], channel: Channel, *,
-             replica: int, call: int, attempt: int, dp_rank: int | None) -> tuple[list[RolloutSample], _Report, list[int]]:
+def _attempt(
+    engine,
+    prompts: Sequence,
+    params: SamplingParams,
+    seed: int,
+    chunks: list[range],
+    channel: Channel,
+    *,
+    replica: int,
+    call: int,
+    attempt: int,
+    dp_rank: int | None,
+) -> tuple[list[RolloutSample], _Report, list[int]]:
     """This driver's share of one try of the call, its report (a failure too: the others must
     learn of it, or they would wait in the gather) and each sample's chunk."""
     counter = _Counter(channel.store, call if attempt == 0 else f"{call}/retry{attempt}")
@@ -401,5 +416,7 @@ def _raise_failures(gathered: list, *, restartable: bool = False, why_not: str |
         replica, error = report.replica, report.error
         if error is not None and not (report.lost and restartable):
             why = f"; {why_not}" if report.lost and why_not else ""
-            raise ReplicaFailed(f"rollout replica {replica} (driven by rank {rank}) failed mid-generation: {error}{why}; "
-                                "the step is abandoned; rerun the same command to resume from the newest checkpoint")
+            raise ReplicaFailed(
+                f"rollout replica {replica} (driven by rank {rank}) failed mid-generation: {error}{why}; "
+                "the step is abandoned; rerun the same command to resume from the newest checkpoint"
+            )

@@ -150,8 +150,15 @@ class ModelRole(Protocol):
     routing: Any
     """Router control (routing replay, statistics), or None for dense models."""
 
-    def forward_logprobs(self, batch, *, micro_batch_size: int | None = None, with_entropy: bool = False,
-                         record_routes: bool = False, local_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward_logprobs(
+        self,
+        batch,
+        *,
+        micro_batch_size: int | None = None,
+        with_entropy: bool = False,
+        record_routes: bool = False,
+        local_rows: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def train_step(self, batch, loss_fn, *, local_rows: bool = False) -> Any: ...
 

@@ -52,10 +52,15 @@ import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
 from hybridflow.lowering import holds
-from hybridflow.runtime.channel import Channel
 from hybridflow.rollout.base import EngineLost
-from hybridflow.runtime.replicas import (FAULT_KILL_PUSH_ENV, ReplicaFailed, driver_rank, kill_a_scheduler_soon,
-                                         replica_of)
+from hybridflow.runtime.channel import Channel
+from hybridflow.runtime.replicas import (
+    FAULT_KILL_PUSH_ENV,
+    ReplicaFailed,
+    driver_rank,
+    kill_a_scheduler_soon,
+    replica_of,
+)
 from hybridflow.weight_sync import WeightSyncPlan, plan_weight_sync
 from reshard.executor import WIRE_DTYPES, ProcessMap, execute
 
@@ -171,8 +176,10 @@ class EngineSync:
         while lost := _lost(gathered):
             if self.restarts is None:
                 rank, replica, cause = lost[0]
-                raise ReplicaFailed(f"rollout replica {replica} (driven by rank {rank}) lost its engine during a "
-                                    f"weight push: {cause}; rerun the same command to resume from the newest checkpoint")
+                raise ReplicaFailed(
+                    f"rollout replica {replica} (driven by rank {rank}) lost its engine during a "
+                    f"weight push: {cause}; rerun the same command to resume from the newest checkpoint"
+                )
             self.restarts.replace(lost)  # every process together; ReplicaFailed past the budget
             gathered = self._push_once(verify, kill=False)
         self.pushes += counted

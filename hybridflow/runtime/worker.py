@@ -33,21 +33,29 @@ from hfschema.files import write_text_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
 from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
-from hybridflow.lowering import lower
 from hybridflow.data import PromptSampler
-from hybridflow.runtime import checksums, determinism, report, state as run_state, stops
-from hybridflow.runtime.loop import train_rl
-from hybridflow.runtime.pipeline import Pipeline
-from hybridflow.runtime.ops import heldout_reward
-from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
-from hybridflow.runtime.recovery import EngineRestarts
+from hybridflow.lowering import lower
+from hybridflow.runtime import checksums, determinism, report, stops
+from hybridflow.runtime import state as run_state
 from hybridflow.runtime.channel import Channel, colocated, join
 from hybridflow.runtime.engine_ranks import serve
-from hybridflow.runtime.shares import Shard
+from hybridflow.runtime.loop import train_rl
+from hybridflow.runtime.ops import heldout_reward
+from hybridflow.runtime.pipeline import Pipeline
+from hybridflow.runtime.recovery import EngineRestarts
+from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
 from hybridflow.runtime.session import (
-    DRIVER, Session, broadcast, build_policy, load_prompts, prepare_files, start_engine, stop_token_ids,
+    DRIVER,
+    Session,
+    broadcast,
+    build_policy,
+    load_prompts,
+    prepare_files,
+    start_engine,
+    stop_token_ids,
 )
 from hybridflow.runtime.sft import run_sft, sft_train_config
+from hybridflow.runtime.shares import Shard
 from hybridflow.runtime.sync import EngineSync
 from hybridflow.runtime.tracking import Tracker
 from launch.failures import record_failure
@@ -417,9 +425,15 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
     s = _session(cfg, out_dir, resume_from, pg, channel or colocated())
     if changes:  # the summary says what this start changed, and from which step
         s.state.changes.append({"step": s.state.step, "changed": changes})
-    s.tracker.log_params({"algorithm": cfg.algorithm.name, "actor_layout": cfg.actor.parallel.describe(),
-                          "rollout": cfg.rollout.describe(), **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()}},
-                         step=s.state.step)
+    s.tracker.log_params(
+        {
+            "algorithm": cfg.algorithm.name,
+            "actor_layout": cfg.actor.parallel.describe(),
+            "rollout": cfg.rollout.describe(),
+            **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()},
+        },
+        step=s.state.step,
+    )
     try:
         with out_of_memory_hint(cfg, "the SFT warm-up"):
             if not _warm_up(s, resume_from):  # checkpointed on request: a later start goes on from there

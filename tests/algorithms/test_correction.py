@@ -99,7 +99,11 @@ def test_every_policy_loss_takes_the_correction(name):
 
     torch.manual_seed(0)
     logp = (OLD.nan_to_num() + 0.1 * torch.randn(2, 3)).requires_grad_()
-    micro = {"response_mask": MASK, "old_logprobs": OLD.nan_to_num(), "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3])}
+    micro = {
+        "response_mask": MASK,
+        "old_logprobs": OLD.nan_to_num(),
+        "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3]),
+    }
     plain = AlgorithmConfig()
     node = Node(name="update_actor", role="actor", op="update_actor", options={
         "policy_loss": name, "loss_agg_mode": "token-mean", "clip_ratio_high": 0.2, "kl_loss": False,

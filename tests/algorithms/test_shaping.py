@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from hybridflow.algorithms.shaping import (
-    PF_PPO_MODES,
     KL_COEF_NEXT,
+    PF_PPO_MODES,
     AdaptiveKLController,
     FixedKLController,
-    kl_controller,
     filter_groups,
+    kl_controller,
     kl_in_reward,
     overlong_penalty,
     pf_ppo_resample,

@@ -36,7 +36,9 @@ def test_adapter_push_benchmark_moves_fewer_bytes(tmp_path) -> None:
 
 @pytest.mark.claim("async-benchmark")
 def test_async_rl_benchmark_runs_each_mode(tmp_path) -> None:
-    result = _run("benchmarks/async_rl.py", tmp_path, "--steps", "3", "--sft-steps", "20", "--modes", "sync,async_partial")
+    result = _run(
+        "benchmarks/async_rl.py", tmp_path, "--steps", "3", "--sft-steps", "20", "--modes", "sync,async_partial"
+    )
     modes = {m["label"]: m for m in result["modes"]}
     assert set(modes) == {"sync", "async_partial"}
     assert all(m["steps_per_second"] > 0 and m["heldout_reward"] is not None for m in modes.values())

@@ -68,7 +68,10 @@ def test_train_into_a_busy_directory_is_refused_before_any_rank_starts(tmp_path:
         first.wait()
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[-1].startswith(f"hybridflow train: error: run.output_dir={run_dir} is in use") and f"pid {first.pid}" in err[-1]
+    assert (
+        err[-1].startswith(f"hybridflow train: error: run.output_dir={run_dir} is in use")
+        and f"pid {first.pid}" in err[-1]
+    )
     assert all((run_dir / name).read_text() == "the first run's\n" for name in (ERROR_FILE, REQUEST_FILE))
 
 

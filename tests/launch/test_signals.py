@@ -161,7 +161,7 @@ def _stop_polite(tmp_path: Path, sig: int, ignoring: tuple[int, ...] = ()) -> Jo
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
 def test_a_signal_stops_a_job_that_exits_on_it(tmp_path, sig) -> None:
     job = _stop_polite(tmp_path, sig)
-    assert f"stopping the job" in job.text()
+    assert "stopping the job" in job.text()
 
 
 @pytest.mark.claim("stop-grace")
@@ -256,7 +256,9 @@ def test_a_failing_rank_is_the_last_line_and_the_error_file(tmp_path) -> None:
         code = job.proc.wait(timeout=240)
     finally:
         job.kill()
-    expected = "hybridflow train: rank 1 failed: RuntimeError: HYBRIDFLOW_RAISE_AT_STEP=1:1: simulated failure in rank 1"
+    expected = (
+        "hybridflow train: rank 1 failed: RuntimeError: HYBRIDFLOW_RAISE_AT_STEP=1:1: simulated failure in rank 1"
+    )
     lines = job.text().rstrip().splitlines()
     assert code == 1, lines[-30:]
     assert lines[-1] == expected

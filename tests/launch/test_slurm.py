@@ -56,7 +56,7 @@ def test_one_cpu_node(capsys, tmp_path):
     assert "trap checkpoint_before_time_limit USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     assert f"> {tmp_path / 'run' / 'checkpoint.request'}" in script  # the ranks save, then stop
     for name in ("INT", "TERM", "HUP"):
-        assert f"trap 'stop_job" in script and f" {name}' {name}" in script
+        assert "trap 'stop_job" in script and f" {name}' {name}" in script
     assert "srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1" in script
     assert "-m hybridflow.cli launch " + CONFIG in script
     assert "--nnodes 1 --nproc-per-node 2 --max-restarts 0" in script
@@ -114,14 +114,20 @@ def test_user_run_dir_and_resume_overrides_are_pinned_once(tmp_path):
     assert cfg.actor.parallel.world_size == 2
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nodes", "2", "--gpus-per-node", "4"], "--nodes=2 x --gpus-per-node=4 = 8 processes, but actor.parallel fills 2"),
-    (["--nodes", "3", "--gpus-per-node", "0"], "--nodes=3 does not divide the 2 ranks"),
-    (["--nodes", "1", "--gpus-per-node", "0", "--partition", "a b"], "--partition='a b'"),
-    (["--nodes", "1", "--gpus-per-node", "0", "--env", "1X=2"], "not an environment variable name"),
-    (["--nodes", "1", "--gpus-per-node", "0", "--sbatch-option=constraint"], "must be one long option"),
-    (["--nodes", "1", "--gpus-per-node", "2", "--nproc-per-node", "1"], "one rank per GPU"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--nodes", "2", "--gpus-per-node", "4"],
+            "--nodes=2 x --gpus-per-node=4 = 8 processes, but actor.parallel fills 2",
+        ),
+        (["--nodes", "3", "--gpus-per-node", "0"], "--nodes=3 does not divide the 2 ranks"),
+        (["--nodes", "1", "--gpus-per-node", "0", "--partition", "a b"], "--partition='a b'"),
+        (["--nodes", "1", "--gpus-per-node", "0", "--env", "1X=2"], "not an environment variable name"),
+        (["--nodes", "1", "--gpus-per-node", "0", "--sbatch-option=constraint"], "must be one long option"),
+        (["--nodes", "1", "--gpus-per-node", "2", "--nproc-per-node", "1"], "one rank per GPU"),
+    ],
+)
 @pytest.mark.claim("slurm-script")
 def test_bad_input_exits_2(capsys, tmp_path, args, message):
     code, _, err = _render(capsys, tmp_path, *args)

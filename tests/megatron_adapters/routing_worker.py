@@ -284,8 +284,8 @@ def _bias_reshard(pg) -> bool:
         return True
     biases = {n: t for n, t in buffers.items() if n.endswith("e_score_correction_bias")}
     layers = range(model.first_k_dense_layers, model.num_layers)
-    expected = {f"model.layers.{i}.mlp.gate.e_score_correction_bias": named[f"decoder.layers.{i}.mlp.router.expert_bias"]
-                for i in layers}
+    expected = {f"model.layers.{i}.mlp.gate.e_score_correction_bias":
+                named[f"decoder.layers.{i}.mlp.router.expert_bias"] for i in layers}
     return set(biases) == set(expected) and all(torch.equal(biases[n], expected[n]) for n in expected)
 
 

@@ -18,7 +18,9 @@ def test_half_written_checkpoint_is_rejected(tmp_path) -> None:
     staged = tmp_path / "step_4"
     staged.mkdir()
     (staged / "__0_0.distcp").write_bytes(b"partial")  # shards without the final metadata file
-    with pytest.raises(ValueError, match=f"{staged} is not a complete hybridflow checkpoint: hybridflow.json is missing"):
+    with pytest.raises(
+        ValueError, match=f"{staged} is not a complete hybridflow checkpoint: hybridflow.json is missing"
+    ):
         checkpoint.read_meta(staged)
 
 

@@ -19,16 +19,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybridflow.cli import main
 from hfschema.hf_config import SIDE_FILE_DIR, read_model_config
 from hfschema.layout import ParallelLayout
 from hfschema.model import ModelConfig
+from hybridflow.cli import main
 from megatron_adapters import convert as convert_module
 from megatron_adapters.checkpoint import read_meta
 from megatron_adapters.convert import hf_to_mcore, mcore_to_hf
 from megatron_adapters.convert_plan import plan_checkpoint, plan_slabs
-from reshard.families import canonical_tensors
 from megatron_adapters.dist_io import DistReader
+from reshard.families import canonical_tensors
 from tests.megatron_adapters.convert_models import FAMILIES, MOE_FAMILIES, hf_tensors, make_hf_dir
 from tests.reshard.oracle import megatron_params
 
@@ -195,7 +195,9 @@ def _missing(path):
 
 
 def _unexpected(path):
-    return _edit_weights(path, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)})), "model.layers.0.mlp.extra.weight"
+    return _edit_weights(
+        path, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)})
+    ), "model.layers.0.mlp.extra.weight"
 
 
 def _shape(path):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.megatron_adapters.pools import run_pool
+
 from .families import FAMILIES, MOE_FAMILIES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1800)]

@@ -30,9 +30,12 @@ from hfschema.hf_config import read_model_config
 from hfschema.layout import ParallelLayout
 from hfschema.model import ModelConfig
 
+# the CPU patches go in before megatron-core is imported
+# isort: off
 import megatron_adapters.cpu_compat  # noqa: F401  (megatron-core on the CPU)
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron_adapters.model import transformer_config
+# isort: on
 
 N, D = 512, 32
 

@@ -156,7 +156,8 @@ def global_layers(family: str, spec: dict) -> dict:
             "names": sorted(names)}
 
 
-TASKS = {f.__name__: f for f in (reference, equivalence, train_and_save, resume, load_weights, load_optimizer_error, global_layers)}
+TASKS = {f.__name__: f for f in (reference, equivalence, train_and_save, resume, load_weights, load_optimizer_error,
+                                  global_layers)}
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ Each process writes ``<out>/rank<r>.pt``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile

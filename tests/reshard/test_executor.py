@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from hfschema.layout import ParallelLayout
+from hfschema.sglang import SGLangSettings
 from reshard.executor import ProcessMap, schedule
 from reshard.megatron import megatron_layout
 from reshard.planner import plan_reshard
 from reshard.regions import num_elements
-from hfschema.sglang import SGLangSettings
 from reshard.sglang import sglang_layout
 from reshard.topology import Topology
 
@@ -89,7 +89,9 @@ def _tiny():
 def _torchrun(worker: Path, out: Path) -> None:
     """``worker OUT`` on 4 gloo processes; fails the test with its output when it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(worker), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 

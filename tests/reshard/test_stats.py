@@ -3,8 +3,8 @@
 import pytest
 
 from hfschema.layout import ParallelLayout
-from reshard import Bandwidth, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout
 from hfschema.sglang import SGLangSettings
+from reshard import Bandwidth, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout
 from reshard.topology import Device
 from tests.reshard.cases import TINY_MODELS
 

@@ -34,8 +34,17 @@ def batch(routes: bool) -> list[RolloutSample]:
             response = tuple(torch.randint(0, 1000, (length,), generator=g).tolist())
             logprobs = tuple(torch.rand(length, generator=g).neg().tolist())
             experts = torch.randint(0, 8, (len(prompt) + length - 1, 2, 2), generator=g) if routes else None
-            out.append(RolloutSample(prompt_index=p, sample_index=k, prompt_ids=prompt, response_ids=response,
-                                     logprobs=logprobs, finish_reason="stop" if k else "length", routed_experts=experts))
+            out.append(
+                RolloutSample(
+                    prompt_index=p,
+                    sample_index=k,
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    logprobs=logprobs,
+                    finish_reason="stop" if k else "length",
+                    routed_experts=experts,
+                )
+            )
     return out
 
 

@@ -46,10 +46,10 @@ def test_bad_thresholds_name_the_key():
 
 @pytest.mark.claim("correctness-gates")
 def test_the_refit_verifier_compares_digests():
+    import torch
+
     from hybridflow.rollout.sglang.param_report import digest
     from hybridflow.runtime.sync import refit_difference
-
-    import torch
 
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     given = [{"a": digest(w)}]

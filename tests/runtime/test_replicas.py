@@ -64,5 +64,9 @@ def test_engines_spanning_nodes_start_one_part_per_node():
     assert [replicas.replica_of(cfg, r) for r in (0, 2, 4)] == [0, None, 1]  # node 0 parts drive
     from hybridflow.runtime import session
 
-    assert session._node_args(cfg, 1, "10.0.0.1:1234") == {"nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:1234"}
+    assert session._node_args(cfg, 1, "10.0.0.1:1234") == {
+        "nnodes": 2,
+        "node_rank": 1,
+        "dist_init_addr": "10.0.0.1:1234",
+    }
     assert session._node_args(load_config(QUICKSTART), 0, None) == {}

@@ -33,7 +33,10 @@ def test_token_balanced_owners_keep_the_prompt_counts_and_even_out_the_tokens():
     tokens = [800 if p % 4 == 0 and p < 8 else 100 for p in range(16)]
     blocks = [owner(p, 16, 2) for p in range(16)]
     balanced = balanced_owners(tokens, 2)
-    load = lambda owners: [sum(t for t, o in zip(tokens, owners) if o == r) for r in range(2)]
+
+    def load(owners: list[int]) -> list[int]:
+        return [sum(t for t, o in zip(tokens, owners) if o == r) for r in range(2)]
+
     assert load(blocks) == [2200, 800] and load(balanced) == [1500, 1500]
     assert sorted(balanced) == sorted(blocks)  # every rank keeps its number of prompts (groups)
     assert balanced_owners(tokens, 2) == balanced  # the same on every rank: ties by index

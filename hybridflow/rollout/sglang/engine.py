@@ -112,9 +112,18 @@ def _start(
     dies; ``watch``); None: no bound.
     """
     engine, own, args, on_cpu, routed = _launch(
-        model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
-        seed=seed, return_routed_experts=return_routed_experts, deterministic=deterministic, pause_mode=pause_mode,
-        engine_kwargs=engine_kwargs)
+        model_path,
+        tp=tp,
+        ep=ep,
+        dtype=dtype,
+        max_total_tokens=max_total_tokens,
+        mem_fraction_static=mem_fraction_static,
+        seed=seed,
+        return_routed_experts=return_routed_experts,
+        deterministic=deterministic,
+        pause_mode=pause_mode,
+        engine_kwargs=engine_kwargs,
+    )
     return SGLangEngine(engine, tp=tp, on_cpu=on_cpu, model_path=model_path, routed_experts=routed,
                         deterministic=deterministic, pause_mode=pause_mode, own_processes=own,
                         weights_loaded=args.get("load_format") != "dummy", bucket_bytes=bucket_bytes,

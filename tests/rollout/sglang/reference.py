@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hybridflow.rollout.tiny import make_tiny_model_dir, to_hybridflow_model_config
 from hfschema.sglang import SGLangSettings
+from hybridflow.rollout.tiny import make_tiny_model_dir, to_hybridflow_model_config
 from tests.reshard.oracle import sglang_params
 
 INIT_RANGE = 0.2

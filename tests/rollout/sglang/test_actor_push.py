@@ -72,7 +72,10 @@ def test_each_rank_received_its_plan_share_only(pushed) -> None:
     for rank, exported in enumerate(pushed["exported"]):
         logical = sum(t.numel() * 4 for t in exported["tensors"].values())
         # the executor filled exactly the plan's share (vocab padding rows stay zero) ...
-        assert exported["report"]["bytes_received"] + exported["report"]["bytes_copied_locally"] == exported["plan_share_bytes"]
+        assert (
+            exported["report"]["bytes_received"] + exported["report"]["bytes_copied_locally"]
+            == exported["plan_share_bytes"]
+        )
         assert exported["plan_share_bytes"] <= logical
         # ... and the engine received that rank's tensors (plus its CPU padding), not the model
         assert pushed["report"].bytes_per_rank[rank] < full_model

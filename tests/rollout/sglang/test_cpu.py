@@ -35,9 +35,16 @@ def test_cpu_environment_puts_the_stand_in_first_once():
     assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2
 
 
-@pytest.mark.parametrize("architecture,module", [("Qwen3MoeForCausalLM", "qwen3_moe"), ("Qwen2ForCausalLM", "qwen2"),
-                                                  ("DeepseekV3ForCausalLM", "deepseek_v2"), ("LlamaForCausalLM", "llama"),
-                                                  ("MixtralForCausalLM", "mixtral")])
+@pytest.mark.parametrize(
+    "architecture,module",
+    [
+        ("Qwen3MoeForCausalLM", "qwen3_moe"),
+        ("Qwen2ForCausalLM", "qwen2"),
+        ("DeepseekV3ForCausalLM", "deepseek_v2"),
+        ("LlamaForCausalLM", "llama"),
+        ("MixtralForCausalLM", "mixtral"),
+    ],
+)
 @pytest.mark.claim("engine-model-modules-skipped")
 def test_every_model_module_but_the_architectures_own_is_skipped(architecture, module):
     skipped = cpu.skipped_model_modules([architecture])
@@ -56,7 +63,7 @@ def test_an_unknown_architecture_skips_nothing_and_each_start_sets_its_own_list(
 def test_a_registry_loaded_for_one_architecture_takes_another_before_the_next_fork(tmp_path):
     """A process whose model registry was loaded with only qwen2's module (what a forked engine
     process would inherit) is given qwen3_moe's before a qwen3_moe engine starts."""
-    code = f"""
+    code = """
         import os, sys
         from hybridflow.rollout.sglang import cpu
         os.environ[cpu.DISABLED_MODELS_ENV] = ",".join(cpu.skipped_model_modules(["Qwen2ForCausalLM"]))

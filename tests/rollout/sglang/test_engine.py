@@ -67,8 +67,11 @@ class Case:
     start_seconds: float
 
 
-@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.slow) if c[1] == SLOW_TP else c for c in CASES],
-                ids=[f"{f}-tp{tp}" for f, tp in CASES])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(c, marks=pytest.mark.slow) if c[1] == SLOW_TP else c for c in CASES],
+    ids=[f"{f}-tp{tp}" for f, tp in CASES],
+)
 def case(request, tmp_path_factory, monkeypatch_module):
     family, tp = request.param
     root = tmp_path_factory.mktemp(f"{family}-tp{tp}")
