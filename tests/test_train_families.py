@@ -30,6 +30,7 @@ import yaml
 
 from hfschema.families import FAMILIES
 from hybridflow.runtime.ops import DUMP_ENV
+from tests.dumped_logprobs import worst_difference
 from tests.megatron_adapters.convert_models import make_hf_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -84,16 +85,6 @@ def _chat_rows(path: Path) -> Path:
     return path
 
 
-def _transformers_logprobs(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(ids.unsqueeze(0)).logits[0].double()
-    # position t scores token t given the tokens before it, as the trainer's tensors do
-    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:].unsqueeze(1)).squeeze(1)
-
-
 @pytest.mark.claim("model-path-every-family")
 @pytest.mark.parametrize(("family", "layout"), _cases())
 def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path, family: str, layout: str) -> None:
@@ -107,17 +98,10 @@ def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path,
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL, summary  # engine vs trainer
-    worst, scored = 0.0, 0
-    for part in sorted(dump.glob("rank*.pt")):
-        rows = torch.load(part)
-        for b in range(rows["input_ids"].shape[0]):
-            real = rows["attention_mask"][b].bool()
-            ids = rows["input_ids"][b][real]
-            expected = _transformers_logprobs(model_dir, ids)
-            at = rows["response_mask"][b][real].bool().nonzero().flatten()
-            got = rows["trainer_logprobs"][b][real][at].double()
-            worst = max(worst, (got - expected[at - 1]).abs().max().item())
-            scored += len(at)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    worst, scored = worst_difference(model, dump)
     assert scored > 0
     print(f"\n[{family} {layout}] trainer vs transformers, {scored} response tokens: max |diff| {worst:.2e}")
     assert worst < LOGPROB_TOL

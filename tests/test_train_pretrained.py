@@ -32,6 +32,7 @@ import yaml
 
 from hybridflow.data import write_parquet
 from hybridflow.runtime.ops import DUMP_ENV
+from tests.dumped_logprobs import transformers_logprobs, worst_difference
 from tests.megatron_adapters.convert_models import make_hf_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
@@ -89,28 +90,6 @@ def _train(config: Path, out: Path, *extra: str, env: dict | None = None) -> sub
     return done
 
 
-def _scores(model, ids: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each token given the ones before it (position t scores token t + 1)."""
-    with torch.no_grad():
-        logits = model(ids.unsqueeze(0)).logits[0].double()
-    return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:].unsqueeze(1)).squeeze(1)
-
-
-def _trainer_vs(model, dump: Path) -> tuple[float, int]:
-    """Largest |transformers - trainer| log-prob over the dumped rows' response tokens."""
-    worst, scored = 0.0, 0
-    for part in sorted(dump.glob("rank*.pt")):
-        rows = torch.load(part)
-        for b in range(rows["input_ids"].shape[0]):
-            real = rows["attention_mask"][b].bool()
-            ids = rows["input_ids"][b][real]
-            at = rows["response_mask"][b][real].bool().nonzero().flatten()
-            got = rows["trainer_logprobs"][b][real][at].double()
-            worst = max(worst, (got - _scores(model, ids)[at - 1]).abs().max().item())
-            scored += len(at)
-    return worst, scored
-
-
 @pytest.mark.claim("gsm8k-verl-parquet-end-to-end", "resume-after-a-change")
 def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loadable_model(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,7 +122,7 @@ def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loada
     assert resumed["changed_on_resume"] == [{"step": RL_STEPS, "changed": [
         f"run.heldout_prompts: {HELDOUT} -> 0", f"run.steps: {RL_STEPS} -> {RL_STEPS + 1}"]}], resumed
     model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
-    worst, scored = _trainer_vs(model, dump)
+    worst, scored = worst_difference(model, dump)
     print(f"trainer (resumed) vs transformers on the export, {scored} response tokens: max |diff| {worst:.2e}")
     assert scored > 0 and worst < LOGPROB_TOL
 
@@ -156,7 +135,7 @@ def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loada
     finally:
         engine.shutdown()
     for prompt, sample in zip(prompts, batch.samples):
-        expected = _scores(model, torch.tensor(prompt + list(sample.response_ids)))[len(prompt) - 1:]
+        expected = transformers_logprobs(model, torch.tensor(prompt + list(sample.response_ids)))[len(prompt) - 1:]
         assert len(sample.response_ids) > 0
         assert max(abs(a - b) for a, b in zip(sample.logprobs, expected.tolist())) < LOGPROB_TOL
     print("SGLang on the export, greedy:", [exported.decode(s.response_ids) for s in batch.samples])
