@@ -109,5 +109,5 @@ def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path,
     from transformers import AutoTokenizer
 
     start = AutoTokenizer.from_pretrained(str(model_dir)).convert_tokens_to_ids("<|im_start|>")
-    firsts = {int(torch.load(part)["input_ids"][b][0]) for part in dump.glob("rank*.pt") for b in range(2)}
+    firsts = {int(torch.load(part)["input_ids"][b][0]) for part in dump.glob("step_*/rank*.pt") for b in range(2)}
     assert firsts == {start}, firsts
