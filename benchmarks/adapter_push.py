@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from hfschema.files import write_text_atomic  # noqa: E402
+from hfschema.files import write_atomic  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
-        write_text_atomic(args.json, text + "\n")
+        write_atomic(args.json, text + "\n")
     return 0
 
 

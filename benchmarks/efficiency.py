@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from hfschema.files import write_text_atomic  # noqa: E402
+from hfschema.files import write_atomic  # noqa: E402
 
 MODES = ("padded", "padded_trimmed", "packed", "packed_budget")
 MICRO_BATCH_SIZE = 2
@@ -198,14 +198,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode:
         lengths = long_tail_lengths(args.rows, args.seed)
-        write_text_atomic(Path(args.out), json.dumps(run_mode(args.mode, lengths, args.budget, args.steps)))
+        write_atomic(Path(args.out), json.dumps(run_mode(args.mode, lengths, args.budget, args.steps)))
         return
     if args.budget < max(long_tail_lengths(args.rows, args.seed)):
         parser.error(f"--budget {args.budget} is below the longest sample")
     text = json.dumps(measure(args), indent=2)
     print(text)
     if args.json:
-        write_text_atomic(Path(args.json), text + "\n")
+        write_atomic(Path(args.json), text + "\n")
 
 
 if __name__ == "__main__":

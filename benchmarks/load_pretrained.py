@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from benchmarks.output import emit, parse_bytes  # noqa: E402
-from hfschema.files import write_text_atomic  # noqa: E402
+from hfschema.files import write_atomic  # noqa: E402
 
 LAYOUTS = {"ep2": dict(ep=2, dp=2), "tp2": dict(tp=2, etp=2)}
 """Two ranks each: experts split (attention replicated), or every tensor split (experts too, etp=2)."""
@@ -141,7 +141,7 @@ def rank_main(directory: Path, layout_name: str, buffer_bytes: int, out: Path) -
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        write_text_atomic(out, json.dumps({
+        write_atomic(out, json.dumps({
             "layout": f"{layout_name} ({layout.describe()})", "buffer_bytes": buffer_bytes,
             "load_seconds": round(load_seconds, 3), "plain_read_seconds": round(plain_seconds, 3),
             "rank_share_bytes": [m["share"] for m in everyone],

@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from hfschema.files import write_text_atomic  # noqa: E402
+from hfschema.files import write_atomic  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
-        write_text_atomic(args.json, text + "\n")
+        write_atomic(args.json, text + "\n")
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hfschema.files import write_text_atomic
+from hfschema.files import write_atomic
 
 __all__ = ["emit", "parse_bytes"]
 
@@ -16,7 +16,7 @@ def emit(result: dict, json_path: str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if json_path:
-        write_text_atomic(json_path, text + "\n")
+        write_atomic(json_path, text + "\n")
 
 
 def parse_bytes(text: str) -> int:

@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hfschema.files import write_text_atomic  # noqa: E402
+from hfschema.files import write_atomic  # noqa: E402
 from hfschema.layout import ParallelLayout  # noqa: E402
 from hfschema.model import ModelConfig  # noqa: E402
 from hfschema.sglang import SGLangSettings  # noqa: E402
@@ -636,7 +636,7 @@ def worker(args: argparse.Namespace) -> None:
         if args.only in case.name:
             records.append(run_case(case, model, source, sources, baseline, args))
     if dist.get_rank() == 0:
-        write_text_atomic(Path(args.worker), json.dumps({"cases": records}, indent=2) + "\n")
+        write_atomic(Path(args.worker), json.dumps({"cases": records}, indent=2) + "\n")
     dist.destroy_process_group()
 
 
@@ -674,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(args.json, text + "\n")
+        write_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":

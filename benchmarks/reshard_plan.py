@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from hfschema.files import write_text_atomic  # noqa: E402
+from hfschema.files import write_atomic  # noqa: E402
 
 from hfschema.layout import ParallelLayout  # noqa: E402
 from hfschema.model import ModelConfig  # noqa: E402
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     text = json.dumps({"cases": cases, "summary": summary(cases)}, indent=2)
     print(text)
     if args.json:
-        write_text_atomic(args.json, text + "\n")
+        write_atomic(args.json, text + "\n")
 
 
 if __name__ == "__main__":

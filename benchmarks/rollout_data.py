@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from hfschema.files import write_text_atomic  # noqa: E402
+from hfschema.files import write_atomic  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
-        write_text_atomic(args.json, text + "\n")
+        write_atomic(args.json, text + "\n")
     return 0
 
 

@@ -1,33 +1,130 @@
-"""Atomic file writes (a reader sees the old file or the new one, never a half-written one), and
-the check that a checkpoint's shard files are all there."""
+"""The one atomic write (a reader sees the old file or the new one, never a half-written one,
+and a crash or power loss leaves one of the two), directory publishing that never removes the
+last good copy first, and the check that a checkpoint's shard files are all there."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-__all__ = ["existing_ancestor", "shard_problems", "staged_directory", "writable_directory_problem",
-           "write_text_atomic"]
+__all__ = ["PREVIOUS_SUFFIX", "existing_ancestor", "fsync_directory", "publish_directory", "restore_previous",
+           "shard_problems", "staged_directory", "writable_directory_problem", "write_atomic"]
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to a temporary file beside ``path`` and rename it over ``path`` (its folder is
-    made if missing)."""
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make the names in ``path`` (a rename, a new file) durable, where the OS allows it."""
+    try:
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a platform that cannot open a folder: the rename stands, only later on disk
+        return
+    try:
+        os.fsync(handle)
+    except OSError:  # some file systems (and every Windows one) refuse fsync on a folder
+        pass
+    finally:
+        os.close(handle)
+
+
+def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str], None]) -> Path:
+    """Write ``path`` so that a reader, or the next start after a crash, sees the old file or the
+    new one and never half of one: a temporary file in the same folder (made if missing), flushed
+    to disk, renamed over ``path``, then the folder flushed so the rename survives a power loss.
+    ``content``: text (UTF-8), bytes, or a function that writes the temporary path it is given
+    (a parquet or torch writer). The temporary file is removed if writing fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        if callable(content):
+            content(temporary)
+        else:
+            Path(temporary).write_bytes(content.encode() if isinstance(content, str) else content)
+        _fsync_file(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    fsync_directory(path.parent)
+    return path
+
+
+def _fsync_file(path: str) -> None:
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h: swap two existing names in one step
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (Linux ``renameat2``); False where the OS or the
+    file system cannot (then nothing changed)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd = -100  # AT_FDCWD: paths relative to the working directory, as os.replace takes them
+    return renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+PREVIOUS_SUFFIX = ".previous"
+"""Where ``publish_directory`` keeps the copy it replaces, where no atomic swap exists, until the
+new one is in place; ``restore_previous`` brings it back after a crash in between."""
+
+
+def publish_directory(staging: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Give the fully written ``staging`` directory the name ``final``, never removing the copy
+    already under ``final`` before the new one is in place: a new name is one rename; over an
+    existing copy the two are swapped in one step (Linux) and the old one, now under the staging
+    name, removed; elsewhere the old copy moves to ``<final>.previous`` first, which
+    ``restore_previous`` puts back if the process dies before the new one is in."""
+    staging, final = Path(staging), Path(final)
+    if not final.exists():
+        os.replace(staging, final)
+    elif _exchange(staging, final):
+        fsync_directory(final.parent)
+        shutil.rmtree(staging)
+    else:
+        previous = final.with_name(final.name + PREVIOUS_SUFFIX)
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(final, previous)
+        os.replace(staging, final)
+        fsync_directory(final.parent)
+        shutil.rmtree(previous)
+    fsync_directory(final.parent)
+
+
+def restore_previous(folder: str | os.PathLike) -> list[Path]:
+    """Put back each ``<name>.previous`` in ``folder`` whose ``<name>`` is missing (a publish cut
+    short between its two renames); a ``.previous`` beside its new copy is removed. Returns the
+    directories restored."""
+    restored = []
+    for previous in sorted(Path(folder).glob(f"*{PREVIOUS_SUFFIX}")):
+        final = previous.with_name(previous.name[: -len(PREVIOUS_SUFFIX)])
+        if final.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            os.replace(previous, final)
+            restored.append(final)
+    return restored
 
 
 @contextlib.contextmanager
 def staged_directory(out: str | os.PathLike, *, overwrite: bool) -> Iterator[Path]:
-    """``<out>.tmp`` to write into, renamed to ``out`` on success and removed on any error;
-    ValueError before anything is written if ``out`` exists and ``overwrite`` is False."""
+    """``<out>.tmp`` to write into, published as ``out`` on success (``publish_directory``) and
+    removed on any error; ValueError before anything is written if ``out`` exists and
+    ``overwrite`` is False."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise ValueError(f"output directory {out} exists; pass overwrite=True (--overwrite) to replace it")
@@ -39,9 +136,7 @@ def staged_directory(out: str | os.PathLike, *, overwrite: bool) -> Iterator[Pat
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(staging, out)
+    publish_directory(staging, out)
 
 
 def shard_problems(directory: str | os.PathLike, storage_data: Mapping) -> list[str]:

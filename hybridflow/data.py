@@ -17,7 +17,8 @@ shows), parquet by **row** (0-based, the index pyarrow and pandas use). A row's 
 ``"<path>:<that number>"``.
 
 ``write_jsonl`` / ``write_parquet`` write generated data atomically (a temporary file in the
-same folder, then ``os.replace``), so a reader never sees half a file.
+same folder, flushed, then renamed: ``hfschema.files.write_atomic``), so a reader never sees
+half a file.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import json
 import logging
 import os
 import random
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hfschema.files import write_atomic
 from hybridflow.config import DataConfig, HybridflowConfig
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
     "read_rows",
     "sft_key",
     "tokenize_rows",
-    "write_atomically",
     "write_jsonl",
     "write_parquet",
 ]
@@ -511,25 +511,6 @@ class PromptSampler:
 # --------------------------------------------------------------------------- writers
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call ``write(temporary path)``, then move that file onto ``path`` in one step; return it.
-
-    The temporary file sits in ``path``'s folder (created if needed), so ``os.replace`` is
-    atomic there; it is removed if ``write`` fails.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    return path
-
-
 def _plain(row: Any) -> Mapping[str, Any]:
     return dataclasses.asdict(row) if dataclasses.is_dataclass(row) else row
 
@@ -541,7 +522,7 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> P
             for row in rows:
                 out.write(json.dumps(_plain(row), ensure_ascii=False) + "\n")
 
-    return write_atomically(path, write)
+    return write_atomic(path, write)
 
 
 def write_parquet(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> Path:
@@ -550,4 +531,4 @@ def write_parquet(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) ->
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pylist([_plain(row) for row in rows])
-    return write_atomically(path, lambda temporary: pq.write_table(table, temporary))
+    return write_atomic(path, lambda temporary: pq.write_table(table, temporary))

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from hfschema.files import write_atomic
 from hybridflow.config import HybridflowConfig, load_config
 from megatron_adapters import checkpoint, parallel
 from megatron_adapters.policy import MegatronPolicy
@@ -92,10 +93,7 @@ def run(cfg: HybridflowConfig, *, steps: int, length: int = 32) -> dict:
 
 def _report(summary: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "selftest.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, path)
+    path = write_atomic(out_dir / "selftest.json", json.dumps(summary, indent=2))
     lines = [
         "hybridflow selftest",
         f"  layout        {summary['layout']}",

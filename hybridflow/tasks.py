@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hfschema.files import write_atomic
 from hybridflow.config import DataConfig, SFTConfig, TaskConfig
-from hybridflow.data import DATA_SOURCE_KEY, write_atomically, write_jsonl
+from hybridflow.data import DATA_SOURCE_KEY, write_jsonl
 from hybridflow.rewards import countdown
 
 __all__ = [
@@ -284,7 +285,7 @@ def make_task_files(cfg: TaskConfig, data_cfg: DataConfig, out_dir: str | os.Pat
     heldout, train, responses = _generate(cfg, seed)
     write_jsonl(paths[0], [layout.row(cfg.name, i, r) for i, r in zip(train, responses)])
     write_jsonl(paths[1], [layout.row(cfg.name, i, i.solution) for i in heldout])
-    write_atomically(meta, lambda tmp: Path(tmp).write_text(json.dumps(signature, indent=2) + "\n"))
+    write_atomic(meta, json.dumps(signature, indent=2) + "\n")
     logger.info("wrote the %s task: %d train rows (sft_noise=%g), %d held-out rows, in %s",
                 cfg.name, len(train), cfg.sft_noise, len(heldout), out)
     return paths

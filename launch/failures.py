@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hfschema.files import write_text_atomic
+from hfschema.files import write_atomic
 
 __all__ = ["ERROR_DIR_ENV", "ERROR_FILE", "RUN_ERRORS", "RUN_ERROR_DIR_ENV", "Failure", "first_failure",
            "record_failure", "report_failure"]
@@ -71,10 +71,10 @@ def record_failure(error: BaseException, *, env: dict[str, str] | None = None) -
     failure = Failure(rank=int(env.get("RANK", "0")), restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                       time=time.time(), error=f"{type(error).__name__}: {message}")
     path = Path(directory) / f"rank{failure.rank}.json"
-    write_text_atomic(path, json.dumps(asdict(failure)))
+    write_atomic(path, json.dumps(asdict(failure)))
     if shared := env.get(RUN_ERROR_DIR_ENV):
         try:
-            write_text_atomic(Path(shared) / path.name, json.dumps(asdict(failure)))
+            write_atomic(Path(shared) / path.name, json.dumps(asdict(failure)))
         except OSError:  # a run directory this node cannot write: its own launcher still knows
             pass
     return path
@@ -109,5 +109,5 @@ def report_failure(directory: str | os.PathLike, output_dir: str | os.PathLike |
     else:
         line = f"{command}: {failure.line()}"
     if output_dir is not None and Path(output_dir).is_dir():
-        write_text_atomic(Path(output_dir) / ERROR_FILE, line + "\n")
+        write_atomic(Path(output_dir) / ERROR_FILE, line + "\n")
     return line

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hfschema.files import write_text_atomic
+from hfschema.files import write_atomic
 from hfschema.layout import ParallelLayout
 from launch.multinode import check_process_count
 from launch.reaper import REQUEST_FILE, STOP_GRACE_S
@@ -221,7 +221,7 @@ def write_script(text: str, run_dir: Path) -> Path:
     """Write the script into the run directory (atomically) and create its log directory."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create --output's folder
     path = run_dir / SCRIPT_NAME
-    write_text_atomic(path, text)
+    write_atomic(path, text)
     path.chmod(0o755)
     return path
 

@@ -34,6 +34,7 @@ import yaml
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from hfschema.files import publish_directory, write_atomic
 from hfschema.lora import LoRAConfig
 from hfschema.model_source import CHECKPOINT_META
 
@@ -94,10 +95,8 @@ def save(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer
     dist_checkpointing.save(_sharded_state(policy, with_optimizer=with_optimizer, is_loading=False), str(staging))
     dist.barrier()
     if rank == 0:
-        (staging / META_FILE).write_text(json.dumps(_meta(policy, with_optimizer=with_optimizer, step=step), indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        write_atomic(staging / META_FILE, json.dumps(_meta(policy, with_optimizer=with_optimizer, step=step), indent=2))
+        publish_directory(staging, final)
     dist.barrier()
     logger.info("saved checkpoint %s (optimizer=%s)", final, with_optimizer)
     return final

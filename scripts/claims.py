@@ -216,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     table = render(claims, tests)
     found = problems(claims, bare, tests)
     if args.write:
-        from hfschema.files import write_text_atomic
+        from hfschema.files import write_atomic
 
-        write_text_atomic(ROOT / TABLE, table)
+        write_atomic(ROOT / TABLE, table)
         print(f"wrote {TABLE}: {len(claims)} claims")
     elif not (ROOT / TABLE).is_file() or (ROOT / TABLE).read_text() != table:
         found.append(f"{TABLE} is stale; regenerate it with: python scripts/claims.py --write")

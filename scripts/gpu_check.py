@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from hfschema.files import write_atomic  # noqa: E402
 from hfschema.model import ModelConfig  # noqa: E402
 from hybridflow.config import HybridflowConfig, load_config  # noqa: E402
 from hybridflow.model_size import count_parameters  # noqa: E402
@@ -394,11 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in chosen:
             report["checks"][name] = _run(name, globals()[f"check_{name}"], args, Path(tmp))
     report["ok"] = all(c["ok"] for c in report["checks"].values())
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(json.dumps(report, indent=2, default=str))
-    os.replace(staging, path)
+    write_atomic(args.json, json.dumps(report, indent=2, default=str))
     sys.stdout.write(json.dumps({k: v for k, v in report.items() if k != "checks"} | {
         "checks": {k: {kk: vv for kk, vv in v.items() if kk != "traceback"} for k, v in report["checks"].items()}},
         indent=2, default=str) + "\n")

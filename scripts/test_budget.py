@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     modules = module_times(args.junit)
     print(render(modules, args.top))
     if args.json:
-        from hfschema.files import write_text_atomic
+        from hfschema.files import write_atomic
 
         rows = [{"path": m.path, "seconds": round(m.seconds, 2), "tests": m.tests, "outcomes": dict(m.outcomes)}
                 for m in modules]
-        write_text_atomic(args.json, json.dumps({"modules": rows}, indent=2) + "\n")
+        write_atomic(args.json, json.dumps({"modules": rows}, indent=2) + "\n")
     return 0
 
 

@@ -52,5 +52,6 @@ def layout_difference(before: Path, after: Path) -> tuple[float, int]:
     """(largest |after - before| log-prob, rows compared) over one step's rows dumped by two runs;
     AssertionError when the two runs did not score the same rows."""
     a, b = by_tokens(before), by_tokens(after)
-    assert a.keys() == b.keys() and a, f"the runs scored different rows ({len(a)} and {len(b)}, {len(a.keys() & b.keys())} shared)"
+    shared = len(a.keys() & b.keys())
+    assert a.keys() == b.keys() and a, f"the runs scored different rows ({len(a)} and {len(b)}, {shared} shared)"
     return max(float((a[key] - b[key]).abs().max()) for key in a), len(a)

@@ -25,7 +25,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hfschema.files import write_text_atomic
+from hfschema.files import write_atomic
 
 __all__ = ["MANIFEST", "VERIFIED_ENV", "digest", "problems", "shares_of", "write_manifest"]
 
@@ -75,7 +75,7 @@ def hash_files(directory: Path, files: list[str]) -> dict[str, tuple[int, int]]:
 def write_manifest(directory: Path, parts: list[dict[str, tuple[int, int]]]) -> None:
     """Rank 0: the gathered ``hash_files`` results as the checkpoint's manifest, atomically."""
     files = {name: list(value) for part in parts for name, value in sorted(part.items())}
-    write_text_atomic(directory / MANIFEST, json.dumps({"algorithm": "crc32", "files": files}, indent=1))
+    write_atomic(directory / MANIFEST, json.dumps({"algorithm": "crc32", "files": files}, indent=1))
 
 
 def problems(directory: Path) -> list[str]:

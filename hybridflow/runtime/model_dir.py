@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hfschema.families import FAMILIES
+from hfschema.files import publish_directory
 from hfschema.hf_config import side_files
 from hfschema.model import ModelConfig
 from hfschema.model_source import model_source
@@ -88,8 +89,7 @@ def rollout_model_dir(model: ModelConfig, path: str | os.PathLike, *, seed: int)
     if problems:
         shutil.rmtree(staging, ignore_errors=True)
         raise ValueError("the rollout model directory cannot describe this model: " + "; ".join(problems))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(staging, final)
+    publish_directory(staging, final)
     logger.info("wrote the rollout engine's starting model directory %s", final)
     return final
 
@@ -114,7 +114,6 @@ def copy_model_files(source: Path, path: str | os.PathLike) -> Path:
     staging.mkdir(parents=True)
     for file in side_files(source):
         shutil.copy2(file, staging / file.name)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(staging, final)
+    publish_directory(staging, final)
     logger.info("copied the starting model's config and tokenizer files from %s to %s", source, final)
     return final

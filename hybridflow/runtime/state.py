@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hfschema.files import shard_problems, write_text_atomic
+from hfschema.files import publish_directory, restore_previous, shard_problems, write_atomic
 from hybridflow.runtime import checksums
 
 __all__ = ["Resume", "RunState", "checkpoint_dirs", "checkpoint_problem", "config_changes", "find_resume",
@@ -102,7 +102,7 @@ class RunState:
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
     """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
-    write_text_atomic(path, json.dumps(payload, indent=2))
+    write_atomic(path, json.dumps(payload, indent=2))
 
 
 def read_state(directory: str | os.PathLike) -> RunState:
@@ -162,10 +162,9 @@ def staging_dir(final: Path) -> Path:
 
 
 def publish(staging: Path, final: Path) -> None:
-    """Make a fully written checkpoint visible under its final name (rank 0 only)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
+    """Make a fully written checkpoint visible under its final name (rank 0 only), without
+    removing an older copy under that name before the new one is in (``publish_directory``)."""
+    publish_directory(staging, final)
 
 
 def prune(output_dir: str | os.PathLike, keep: int) -> None:
@@ -250,6 +249,9 @@ def find_resume(output_dir: str | os.PathLike, resume: str, *, fallback: str = "
     checkpoints, when ``stop`` meets a damaged newest one, or when none is complete.
     ``content``: compare checksums too (``checkpoint_problem``)."""
     output_dir = Path(output_dir)
+    if (output_dir / "checkpoints").is_dir():  # a publish cut short between its renames (publish_directory)
+        for path in restore_previous(output_dir / "checkpoints"):
+            logger.warning("restored checkpoint %s, whose replacement was cut short", path)
     candidates = _candidates(output_dir)
     if candidates and resume == "never":
         raise ValueError(f"run.output_dir={output_dir} already holds checkpoints ({candidates[0].name}); set "

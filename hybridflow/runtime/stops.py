@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hfschema.files import write_text_atomic
+from hfschema.files import write_atomic
 from launch.reaper import REQUEST_FILE
 
 __all__ = ["REQUEST_FILE", "Stopped", "checkpoint_requested", "deferred", "done_request", "install",
@@ -97,7 +97,7 @@ def _take_pending() -> int:
 def request_checkpoint(output_dir: str | Path) -> Path:
     """Ask the running job in ``output_dir`` to checkpoint at its next step and stop."""
     path = Path(output_dir) / REQUEST_FILE
-    write_text_atomic(path, "checkpoint at the next step boundary and stop\n")
+    write_atomic(path, "checkpoint at the next step boundary and stop\n")
     return path
 
 

@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from hfschema.files import write_text_atomic
+from hfschema.files import write_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
 from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.data import PromptSampler
 from hybridflow.lowering import lower
-from hybridflow.runtime import checksums, determinism, report, stops
+from hybridflow.runtime import checksums, determinism, disk_full, report, stops
 from hybridflow.runtime import state as run_state
 from hybridflow.runtime.channel import Channel, colocated, join
 from hybridflow.runtime.engine_ranks import serve
@@ -74,7 +74,8 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf
 
     final = s.out_dir / "checkpoints" / name
     staging = run_state.staging_dir(final)
-    with stops.deferred():  # a stop signal now waits for the checkpoint (within the launcher's grace)
+    # a stop signal now waits for the checkpoint (within the launcher's grace)
+    with stops.deferred(), _disk_full_named(s.out_dir, staging):
         if s.is_driver:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
@@ -87,7 +88,7 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf
         # asynchronous RL: the engine drivers save the batches started ahead beside the checkpoint
         buffer = s.pipeline.save(staging) if s.pipeline is not None else []
         if s.is_driver:
-            write_text_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
+            write_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
         _record_checksums(s, staging)
         if s.is_driver:
             s.state.mlflow_run_id = s.tracker.run_id
@@ -99,6 +100,31 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf
             run_state.publish(staging, final)
             run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _disk_full_named(out_dir: Path, staging: Path) -> Iterator[None]:
+    """A full disk while writing ``staging``: ``DiskFull`` naming the directory and what is kept."""
+    try:
+        yield
+    except BaseException as error:  # torch's CheckpointException is a BaseException
+        full = disk_full.is_disk_full(error)
+        if type(error).__name__ == "CheckpointException":  # raised on every rank together, after its
+            full = _on_any_rank(full)  # gather; only the coordinator's copy holds the ranks' errors
+        if not full:
+            raise
+        newest = run_state.latest_checkpoint(out_dir)
+        kept = f"the newest complete checkpoint, {newest.name}, is kept" if newest else "no checkpoint is complete yet"
+        kept = f"it stays {staging.name}, which resume never reads, and {kept}"
+        doing = f"writing checkpoint {staging.name}"
+        raise disk_full.DiskFull(disk_full.message(staging.parent, doing, kept)) from error
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on some rank (collective over the default group)."""
+    flags: list = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return any(flags)
 
 
 def _export_hf(staging: Path) -> None:
@@ -420,7 +446,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
     resume_from, changes = broadcast(_resume_point(cfg, out_dir) if dist.get_rank() == DRIVER else None)
     if dist.get_rank() == DRIVER and resume_from is None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out_dir / "config.yaml", to_yaml(cfg))
+        write_atomic(out_dir / "config.yaml", to_yaml(cfg))
     pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     s = _session(cfg, out_dir, resume_from, pg, channel or colocated())
     if changes:  # the summary says what this start changed, and from which step
@@ -514,12 +540,13 @@ def main(argv: list[str] | None = None) -> int:
             run(cfg, channel)
     except stops.Stopped as stop:  # engines are shut down (run); now leave at once
         _leave(stop)
-    except DeviceMemoryError as error:  # one line, not a traceback: the message says what to change
-        record_failure(error)
-        logging.getLogger("hybridflow.train").error("%s", error)
-        sys.stderr.write(f"hybridflow train: error: {error}\n")
-        return 1
     except BaseException as error:  # before the clean-up below: a peer's later error cannot look first
+        named = _one_line_error(error, cfg)
+        if named is not None:  # one line, not a traceback: the message says what to change
+            record_failure(named)
+            logging.getLogger("hybridflow.train").error("%s", named)
+            sys.stderr.write(f"hybridflow train: error: {named}\n")
+            return 1
         try:
             _wait_for_a_stop(error)
         except stops.Stopped as stop:
@@ -530,6 +557,16 @@ def main(argv: list[str] | None = None) -> int:
         parallel.teardown()
         dist.destroy_process_group()
     return 0
+
+
+def _one_line_error(error: BaseException, cfg: HybridflowConfig) -> BaseException | None:
+    """The error to report in one line when its message says what to change, else None."""
+    if isinstance(error, (DeviceMemoryError, disk_full.DiskFull)):
+        return error
+    if disk_full.is_disk_full(error):  # outside a checkpoint: the tracking store, a report
+        return disk_full.DiskFull(disk_full.message(Path(cfg.run.output_dir), "writing the run's files",
+                                                    "the complete checkpoints are kept"))
+    return None
 
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")

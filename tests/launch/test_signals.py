@@ -26,10 +26,13 @@ import psutil
 import pytest
 
 from hybridflow.faults import check_checkpoints
+from hybridflow.runtime import state
 from launch.failures import ERROR_FILE
 from launch.reaper import STOP_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[2]
+FAULTS = ROOT / "tests" / "faults"
+"""Its ``sitecustomize`` injects the faults a test's environment selects into every process."""
 STOP_BOUND_S = 30.0
 """The promise: every process of the job gone this long after the signal."""
 MARKER = "HYBRIDFLOW_TEST_JOB"
@@ -267,3 +270,37 @@ def test_a_failing_rank_is_the_last_line_and_the_error_file(tmp_path) -> None:
     ours = [line for line in lines if "simulated failure" in line and not line.startswith("[rank")]
     assert ours == [expected], ours
     assert (out / ERROR_FILE).read_text() == expected + "\n"
+
+
+def _files(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.claim("disk-full-named")
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_disk_that_fills_during_a_save_is_named_in_one_line_and_loses_nothing(tmp_path) -> None:
+    """Every write into ``step_000002.partial`` fails with ENOSPC (``tests/faults/sitecustomize.py``)."""
+    out = tmp_path / "run"
+    first = _train(out, "run.steps=1", "run.checkpoint_every=1", "run.tracking.backend=none")
+    assert first.proc.wait(timeout=240) == 0, first.text()[-3000:]
+    kept = {p: data for p, data in _files(out).items()
+            if p.name != "run.lock" and "logs" not in p.relative_to(out).parts}
+    job = _train(out, "run.steps=3", "run.checkpoint_every=1", "run.tracking.backend=none",
+                 env={"PYTHONPATH": f"{FAULTS}:{ROOT}", "HYBRIDFLOW_TEST_DISK_FULL": "step_000002.partial"})
+    try:
+        code = job.proc.wait(timeout=240)
+    finally:
+        job.kill()
+    lines = job.text().rstrip().splitlines()
+    assert code == 1, lines[-30:]
+    checkpoints = out / "checkpoints"
+    assert lines[-1].startswith("hybridflow train: rank ") and (
+        f"failed: DiskFull: no space left on the file system of {checkpoints}" in lines[-1]), lines[-5:]
+    assert ("while writing checkpoint step_000002.partial; it stays step_000002.partial, which resume never reads, "
+            "and the newest complete checkpoint, step_000001, is kept; free space there") in lines[-1], lines[-1]
+    assert (out / ERROR_FILE).read_text() == lines[-1] + "\n"
+    assert (checkpoints / "step_000002.partial").is_dir() and not (checkpoints / "step_000002").exists()
+    assert {p: p.read_bytes() for p in kept} == kept  # every file of the first start as it was
+    assert state.find_resume(out, "auto").path == checkpoints / "step_000001"
+    assert _marked(job.marker) == []

@@ -4,13 +4,15 @@
 Debian's slurm-wlm and munge). The short CPU quickstart is submitted and must end COMPLETED in
 ``sacct``; a second submission is requeued (``scontrol requeue``) once its first RL checkpoint
 exists, and must resume from that checkpoint in the same run directory and end with the first
-job's metrics. Skipped only where Slurm is not installed (``sbatch`` not on PATH), and there not
-under ``HYBRIDFLOW_REQUIRE_SLURM=1`` (``.ci/run`` sets it): then the skip is an error
+job's metrics, its launcher having taken the run lock over from the killed one. Skipped only
+where Slurm is not installed (``sbatch`` not on PATH), and there not under
+``HYBRIDFLOW_REQUIRE_SLURM=1`` (``.ci/run`` sets it): then the skip is an error
 (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.faults import final_metrics
+from launch.run_lock import LOCK_FILE, hold_run_directory
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "quickstart_cpu.yaml")
@@ -101,7 +104,7 @@ def test_submitted_quickstart_completes(completed_run: Path):
     assert "hybridflow train: quickstart_cpu" in text  # the run's summary screen
 
 
-@pytest.mark.claim("slurm-requeue-resumes")
+@pytest.mark.claim("slurm-requeue-resumes", "one-run-per-directory")
 def test_requeued_job_resumes_from_its_checkpoint(slurm_env, completed_run: Path, tmp_path: Path):
     out = tmp_path / "requeued"
     job = _submit(slurm_env, out)
@@ -111,6 +114,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_env, completed_run: Path
     while not checkpoint.is_dir():
         assert time.monotonic() < deadline and _slurm(slurm_env, "squeue", "-h", "-j", job).strip(), _tail(log)
         time.sleep(0.2)
+    holder = json.loads((out / LOCK_FILE).read_text())  # the first start's launcher holds the run lock
     _slurm(slurm_env, "scontrol", "requeue", job)  # as a preemption or node failure would
     # Slurm holds a requeued job back (BeginTime) for a while; let it start again at once
     deadline = time.monotonic() + 120
@@ -124,3 +128,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_env, completed_run: Path
     assert "requeued 1 times" in text
     assert f"hybridflow launch: resuming from {checkpoint}" in text, text[-4000:]
     assert final_metrics(out) == final_metrics(completed_run)
+    # the requeued job's launcher took the lock over from the killed one, and let it go at the end
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] != holder["pid"]
+    with hold_run_directory(out):
+        pass

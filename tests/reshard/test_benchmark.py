@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hfschema.files import write_text_atomic
+from hfschema.files import write_atomic
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "reshard_plan.py"
 REQUIRED = {"model", "source", "destination", "num_gpus", "plan_seconds", "peak_rss_bytes",
@@ -57,6 +57,6 @@ def test_small_case_record_and_atomic_write(tmp_path):
     assert bench.summary([record])["max_node_ratio"] == 1.0
     assert record["baseline_bytes"] >= 7 * record["bytes"]  # SGLang tp=8
     out = tmp_path / "sub" / "bench.json"
-    write_text_atomic(out, json.dumps({"cases": [record]}))  # what main() writes --json with
+    write_atomic(out, json.dumps({"cases": [record]}))  # what main() writes --json with
     assert json.loads(out.read_text())["cases"][0]["model"] == "Mixtral-8x22B"
     assert [p.name for p in out.parent.iterdir()] == ["bench.json"]

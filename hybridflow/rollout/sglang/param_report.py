@@ -15,6 +15,8 @@ import json
 import os
 import traceback
 
+from hfschema.files import write_atomic
+
 __all__ = ["DIGEST_LOADER", "LOADER", "digest", "report_digests", "report_params"]
 
 LOADER = f"{__name__}.report_params"
@@ -50,9 +52,9 @@ def report_params(model, named_tensors) -> None:
                 name: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
                 for name, p in model.named_parameters()
             }
-            _write_atomic(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(params))
+            write_atomic(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(params))
         except Exception:
-            _write_atomic(os.path.join(out_dir, f"rank{rank}.error"), traceback.format_exc())
+            write_atomic(os.path.join(out_dir, f"rank{rank}.error"), traceback.format_exc())
     except Exception:  # nowhere to report to; the caller times out waiting for the file
         pass
 
@@ -63,15 +65,8 @@ def report_digests(model, named_tensors) -> None:
         out_dir, rank = named_tensors[0][0], _tp_rank()
         try:
             digests = {name: digest(p) for name, p in model.named_parameters()}
-            _write_atomic(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(digests))
+            write_atomic(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(digests))
         except Exception:
-            _write_atomic(os.path.join(out_dir, f"rank{rank}.error"), traceback.format_exc())
+            write_atomic(os.path.join(out_dir, f"rank{rank}.error"), traceback.format_exc())
     except Exception:
         pass
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
