@@ -4,7 +4,7 @@
       ├─ starts  hybridflow launch CONFIG --max-restarts N ...   (own session; output to a log file)
       ├─ N times:
       │    wait for the workers of this start (torchrun's children, each with its RANK) and for
-      │    the driver's progress bar ("rl: ... k/STEPS") to show where they resumed
+      │    the run's progress.json, written by this start's rank 0, to show where they resumed
       │    pick a rank and a step at random (a step this start will still run), wait for that step,
       │    then a random fraction of a step more, and SIGKILL that rank's process
       │    torchrun stops the other ranks and starts all again; they resume (run.resume=auto)
@@ -12,9 +12,10 @@
       └─ wait for the end; check every complete checkpoint (state readable, step matches, the
          actor's checkpoint metadata present) -> FaultReport
 
-Nothing inside the run cooperates: progress is read from its log and the run directory, the
-processes are found with psutil, and the kill is a plain SIGKILL from outside, as a node or the
-OOM killer would deliver it.
+Nothing inside the run cooperates: progress is read from the run directory (``progress.json``,
+which the run writes for any watcher, and the checkpoints), the processes are found with
+psutil, and the kill is a plain SIGKILL from outside, as a node or the OOM killer would deliver
+it.
 
     python -m hybridflow.faults CONFIG [k=v ...] --out DIR [--faults N] [--seed S] [--reference DIR]
 
@@ -29,7 +30,6 @@ import json
 import logging
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -42,6 +42,7 @@ from pathlib import Path
 import psutil
 
 from hybridflow.config import load_config
+from hybridflow.runtime.progress import read_progress
 from hybridflow.runtime.state import checkpoint_dirs, checkpoint_problem, read_state, sft_checkpoint
 from launch.torchrun_entry import TORCHRUN
 
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 
 TIMING_KEYS = ("timing/", "rollout/tokens_per_s", "sync/seconds")
 """Metrics that measure wall time: they differ between any two runs."""
-_BAR = re.compile(r"rl:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 _POLL_S = 0.2
 MARKER_ENV = "HYBRIDFLOW_FAULT_HARNESS_RUN"
 
@@ -72,7 +72,7 @@ class Kill:
     partial_dirs: int
     """Checkpoints being written (``.partial``) at the kill; never resumed from."""
     resumed_from: int | None = None
-    """The step the next start of the workers continued from (read from its progress bar)."""
+    """The step the next start of the workers continued from (its first ``progress.json``)."""
 
     @property
     def steps_lost(self) -> int | None:
@@ -133,32 +133,23 @@ def _newest_step(output_dir: Path) -> int | None:
     return int(steps[-1].name.removeprefix("step_")) if steps else None
 
 
-class _Log:
-    """Reads the run's log as it grows and keeps the driver's progress bar after a mark."""
+class _Progress:
+    """The run's ``progress.json`` (``runtime.progress``) as the driver of one start of the
+    workers writes it: an earlier start's record, under another pid, does not count."""
 
-    def __init__(self, path: Path) -> None:
-        self.path, self._offset, self._tail = path, 0, ""
-        self.steps_done: int | None = None
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir, self.driver_pid = output_dir, None
 
-    def mark(self) -> None:
-        """Forget the progress seen so far (a new start of the workers prints a new bar)."""
-        self.poll()
-        self.steps_done = None
+    def follow(self, driver_pid: int) -> None:
+        """From now on, the start whose rank 0 is ``driver_pid``."""
+        self.driver_pid = driver_pid
 
     def current(self) -> int | None:
-        """RL steps completed by the workers of this start, once their bar is out."""
-        self.poll()
-        return self.steps_done
-
-    def poll(self) -> None:
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            raw = f.read()
-        self._offset += len(raw)
-        text = self._tail + raw.decode("utf-8", "replace")  # a split bar character only blurs the bar
-        for match in _BAR.finditer(text):
-            self.steps_done = int(match.group(1))
-        self._tail = text[-200:]  # a bar split across two reads is matched on the next one
+        """RL steps completed by the workers of this start, once its RL loop has begun."""
+        progress = read_progress(self.output_dir)
+        if progress is None or progress.get("pid") != self.driver_pid or progress.get("phase") != "rl":
+            return None
+        return int(progress["done"])
 
 
 def _kill_marked(marker: str) -> list[str]:
@@ -225,7 +216,7 @@ class FaultHarness:
             child = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=env)
         try:
-            self._inject(child, _Log(log_path))
+            self._inject(child, _Progress(self.out))
             self.report.returncode = child.wait(timeout=max(self._deadline - time.monotonic(), 1))
         finally:
             if child.poll() is None:
@@ -236,7 +227,7 @@ class FaultHarness:
         self.report.wall_s = time.monotonic() - started
         return self.report
 
-    def _inject(self, child: subprocess.Popen, log: _Log) -> None:
+    def _inject(self, child: subprocess.Popen, progress: _Progress) -> None:
         launcher = psutil.Process(child.pid)
         previous: set[int] = set()
         for start_index in range(self.faults + 1):  # the first start, then one after each kill
@@ -244,8 +235,8 @@ class FaultHarness:
             if workers is None:
                 return  # the run ended (or failed) before this start
             previous = {p.pid for p in workers.values()}
-            log.mark()  # the old workers are gone: bar lines from here on are this start's
-            start = self._wait_for(log.current, child)
+            progress.follow(workers[0].pid)  # the old workers are gone: this start's records from here on
+            start = self._wait_for(progress.current, child)
             if start is None:
                 return
             if self.report.kills:
@@ -256,21 +247,20 @@ class FaultHarness:
             # would leave nothing to resume into, and the remaining faults could not happen.
             last = start_index == self.faults - 1
             stop = self.steps if last else max(start + 1, self.steps - 1)
-            self._kill_during(self.rng.randrange(start, stop), workers, log, child)
+            self._kill_during(self.rng.randrange(start, stop), workers, progress, child)
 
     def _new_workers(self, launcher: psutil.Process, previous: set[int]) -> dict[int, psutil.Process] | None:
         workers = _workers(launcher)
         fresh = len(workers) == self.nproc and not previous & {p.pid for p in workers.values()}
         return workers if fresh else None
 
-    def _kill_during(self, step: int, workers: dict[int, psutil.Process], log: _Log, child) -> None:
+    def _kill_during(self, step: int, workers: dict[int, psutil.Process], progress: _Progress, child) -> None:
         rank = self.rng.randrange(self.nproc)
         delay = self.rng.uniform(0.0, self.max_delay_s)
-        if self._wait_for(lambda: True if (log.current() or 0) >= step else None, child) is None:
+        if self._wait_for(lambda: True if (progress.current() or 0) >= step else None, child) is None:
             return
         time.sleep(delay)
-        log.poll()
-        kill = Kill(rank=rank, target_step=step, delay_s=round(delay, 3), steps_done=log.steps_done,
+        kill = Kill(rank=rank, target_step=step, delay_s=round(delay, 3), steps_done=progress.current() or step,
                     newest_checkpoint=_newest_step(self.out),
                     partial_dirs=len(list((self.out / "checkpoints").glob("*.partial"))))
         try:

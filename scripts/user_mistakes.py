@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the tests' fault hooks are imported from the checkout
+from tests.injection import environment  # noqa: E402
+
 CONFIG = "configs/quickstart_cpu.yaml"
 SHORT = ["sft.steps=4", "run.steps=2", "run.checkpoint_every=1", "run.heldout_prompts=8", "run.prompts_per_step=8",
          "rollout.n=4"]
@@ -202,7 +205,7 @@ CASES = [
     Case("checkpoint", "resume under another layout (`actor.parallel.tp=2 actor.parallel.ep=1`)",
          _train(*FAST, "actor.parallel.tp=2", "actor.parallel.ep=1", "run.steps=3"), needs_run=True),
     Case("checkpoint", "the disk fills up while a checkpoint is saved", _train(*FAST, "run.steps=3"),
-         env={"PYTHONPATH": f"{ROOT / 'tests' / 'faults'}:{ROOT}", "HYBRIDFLOW_TEST_DISK_FULL": "step_000003.partial"},
+         env=environment(DISK_FULL="step_000003.partial"),
          needs_run=True),
     Case("run directory", "the same command again while the first run goes", _train(*FAST), setup=_busy),
     Case("run directory", "`run.output_dir` is an existing file", _train(*FAST), setup=_a_file),
@@ -215,7 +218,7 @@ CASES = [
          during=_signal_once_started(signal.SIGINT)),
     Case("signals", "a checkpoint request during SFT (the Slurm time limit)", _train(*FAST, "sft.steps=400"),
          during=_request_once_started),
-    Case("ranks", "a rank raises mid-run", _train(*FAST), env={"HYBRIDFLOW_RAISE_AT_STEP": "0:1"}),
+    Case("ranks", "a rank raises mid-run", _train(*FAST), env=environment(RAISE_AT_STEP="0:1")),
 ]
 
 

@@ -1,8 +1,8 @@
 """An SGLang engine killed mid-generation or mid-push is restarted, re-synced and the step goes on.
 
 The quickstart run (EP=2 actor, one colocated SGLang tp=2 engine) with one of the engine's
-scheduler processes SIGKILLed while step 2 generates (``HYBRIDFLOW_FAULT_KILL_ENGINE``) and
-again while step 3's weights are pushed (``HYBRIDFLOW_FAULT_KILL_ENGINE_PUSH``): the driver's
+scheduler processes SIGKILLed while step 2 generates (``tests.injection``: ``KILL_ENGINE``) and
+again while step 3's weights are pushed (``KILL_ENGINE_PUSH``): the driver's
 watch sees the process gone, the engine is replaced, given the current weights, and the call
 (or the push) runs again with the same seeds, so the run's metrics are those of the
 uninterrupted one (``tests/conftest.py``'s ``full_run``, the same config, deterministic).
@@ -25,6 +25,7 @@ import pytest
 from hybridflow.config import load_config
 from hybridflow.runtime import recovery, replicas
 from hybridflow.runtime import sync as sync_module
+from tests.injection import environment
 from tests.test_train import FULL_RUN, _deterministic, _history, _ok, _train
 from tests.test_train_separate import SEPARATE
 
@@ -47,7 +48,7 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
         tmp_path: Path, full_run: Path) -> None:
     # generate call 3 is step 2's (call 1 scored the held-out prompts after SFT); push 4 is step
     # 3's (push 1 filled the engine at start, pushes 2 and 3 were steps 1's and 2's)
-    faults = {replicas.FAULT_KILL_ENV: "0@3", replicas.FAULT_KILL_PUSH_ENV: "0@4"}
+    faults = environment(KILL_ENGINE="0@3", KILL_ENGINE_PUSH="0@4")
     killed = _train(tmp_path / "killed", *FULL_RUN, env=faults)  # the config of full_run
     _ok(killed)
     assert _restarts_of(0, killed.stderr) == 2 and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
@@ -66,7 +67,7 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
 def test_separate_engines_killed_mid_generate_and_mid_push_are_restarted_and_the_run_matches(
         tmp_path: Path, separate_run, seeded) -> None:
     # generate call 3 is step 2's; push 3 is step 2's (push 1 filled the engines, push 2 was step 1's)
-    faults = {replicas.FAULT_KILL_ENV: "1@3", replicas.FAULT_KILL_PUSH_ENV: "0@3"}
+    faults = environment(KILL_ENGINE="1@3", KILL_ENGINE_PUSH="0@3")
     killed = _train(seeded(tmp_path / "killed"), *SEPARATE, env=faults)  # the config of separate_run
     _ok(killed)
     assert _restarts_of(0, killed.stderr) == _restarts_of(1, killed.stderr) == 1, killed.stderr[-3000:]

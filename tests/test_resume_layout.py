@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.runtime.ops import DUMP_ENV
 from tests.dumped_logprobs import layout_difference
+from tests.injection import environment
 from tests.megatron_adapters.convert_models import make_hf_dir
 from tests.test_train_families import LAYOUTS, _chat_rows, _config
 
@@ -39,7 +39,7 @@ SAME_LAYOUT_KEYS = {"tp": 1, "pp": 1, "ep": 1}
 
 
 def _train(config: Path, out: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", DUMP_ENV: str(dump)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **environment(DUMP_LOGPROBS=str(dump))}
     done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}",
                            *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

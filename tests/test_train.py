@@ -3,7 +3,7 @@
 Two processes (EP=2 actor) and an SGLang tp=2 engine, as the quickstart runs. One uninterrupted
 run (``run.deterministic=true``) checks the step invariants, the weight sync, MLflow and the
 reports; a second run is stopped during SFT by a checkpoint request, then killed at the start of
-step 3 (``HYBRIDFLOW_FAULT_AT_STEP``: the process exits on the spot, as under a node failure),
+step 3 (``tests.injection`` ``CRASH_AT_STEP``: the process exits on the spot, as under a node failure),
 restarted with ``run.resume=auto`` and must reproduce the first run bit for bit.
 """
 
@@ -20,6 +20,9 @@ import pytest
 import torch
 
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
+from hybridflow.runtime.progress import read_progress
+from hybridflow.runtime.state import checkpoint_dirs, read_state
+from tests.injection import environment
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
@@ -44,7 +47,7 @@ def _train(out: Path, *extra: str, fault_at: int | None = None, env: dict | None
     job has started (while it runs)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if fault_at is not None:
-        env["HYBRIDFLOW_FAULT_AT_STEP"] = str(fault_at)
+        env.update(environment(CRASH_AT_STEP=str(fault_at)))
     cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml",
            f"run.output_dir={out}", *SHORT, *extra]
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -206,11 +209,14 @@ def test_rl_starts_from_the_warm_ups_hugging_face_export(full_run: Path) -> None
     assert "rank 0 loaded" in log and f"from {export} in" in log, log[-3000:]
 
 
-@pytest.mark.claim("quickstart-reports")
+@pytest.mark.claim("quickstart-reports", "progress-file")
 def test_reports_are_written(full_run: Path) -> None:
     assert (full_run / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (full_run / "config.yaml").is_file()
     assert not list((full_run / "checkpoints").glob("*.partial"))
+    progress = read_progress(full_run)  # for programs that watch the run (hybridflow.faults does)
+    steps = read_state(checkpoint_dirs(full_run)[-1]).step
+    assert {k: progress[k] for k in ("phase", "done", "total")} == {"phase": "rl", "done": steps, "total": steps}
 
 
 @pytest.mark.claim(

@@ -29,8 +29,8 @@ import torch
 import yaml
 
 from hfschema.families import FAMILIES
-from hybridflow.runtime.ops import DUMP_ENV
 from tests.dumped_logprobs import worst_difference
+from tests.injection import environment
 from tests.megatron_adapters.convert_models import make_hf_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -92,7 +92,7 @@ def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path,
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(_config(model_dir, _chat_rows(tmp_path / "chat.jsonl"), family, layout)))
     out, dump = tmp_path / "run", tmp_path / "dump"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", DUMP_ENV: str(dump)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **environment(DUMP_LOGPROBS=str(dump))}
     done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

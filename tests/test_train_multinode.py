@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.runtime import replicas
+from tests.injection import environment
 from tests.test_train import LOGPROB_TOL, WARM_UP, _history
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -60,8 +60,9 @@ def test_both_nodes_name_the_rank_that_failed_first_even_on_the_other_node(tmp_p
     # engine, and SGLang's start would be most of the test's time
     overrides = [f"run.output_dir={out}", "rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full",
                  "sft.steps=1", "run.steps=2", "run.heldout_prompts=0"]
-    logs = _two_agents(port, 1, overrides, env={"HYBRIDFLOW_RAISE_AT_STEP": "0:1"}, succeed=False)
-    cause = "hybridflow launch: rank 1 failed: RuntimeError: HYBRIDFLOW_RAISE_AT_STEP=0:1: simulated failure in rank 1"
+    logs = _two_agents(port, 1, overrides, env=environment(RAISE_AT_STEP="0:1"), succeed=False)
+    cause = ("hybridflow launch: rank 1 failed: RuntimeError: "
+             "HYBRIDFLOW_INJECT_RAISE_AT_STEP=0:1: simulated failure in rank 1")
     assert [log.strip().splitlines()[-1] for log in logs] == [cause, cause], logs[0][-3000:] + logs[1][-3000:]
     assert (out / "error.txt").read_text() == cause + "\n"
 
@@ -75,7 +76,7 @@ def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_surviv
     out, port = seeded(tmp_path / "two_nodes"), _free_port()
     overrides = [f"run.output_dir={out}", "rollout.gpus_per_node=1", WARM_UP, "run.steps=6",
                  "run.checkpoint_every=3", "run.heldout_prompts=20"]
-    logs = _two_agents(port, 1, overrides, env={replicas.FAULT_KILL_ENV: "0@3"})
+    logs = _two_agents(port, 1, overrides, env=environment(KILL_ENGINE="0@3"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["engine_restarts"] == 1, logs[0][-3000:]
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary

@@ -31,8 +31,8 @@ import torch
 import yaml
 
 from hybridflow.data import write_parquet
-from hybridflow.runtime.ops import DUMP_ENV
 from tests.dumped_logprobs import transformers_logprobs, worst_difference
+from tests.injection import environment
 from tests.megatron_adapters.convert_models import make_hf_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
@@ -116,7 +116,7 @@ def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loada
 
     # the trainer's log-probs with the final weights: one more step of the run, resumed from them
     dump = tmp_path / "dump"
-    _train(config, out, f"run.steps={RL_STEPS + 1}", "run.heldout_prompts=0", env={DUMP_ENV: str(dump)})
+    _train(config, out, f"run.steps={RL_STEPS + 1}", "run.heldout_prompts=0", env=environment(DUMP_LOGPROBS=str(dump)))
     assert sorted(p.name for p in dump.iterdir()) == [f"step_{RL_STEPS:06d}"]
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["changed_on_resume"] == [{"step": RL_STEPS, "changed": [

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.injection import environment
 from tests.test_train import LOGPROB_TOL, _deterministic, _history, _ok, _train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1500)]
@@ -93,7 +94,7 @@ def test_a_replica_failing_mid_generation_stops_the_step_by_name_and_the_run_res
     out = tmp_path / "failed"
     shutil.copytree(replica_run / "checkpoints" / "step_000004", out / "checkpoints" / "step_000004")
     # generate call 1 of the restarted process is step 5's
-    failed = _train(out, *replicas, env={"HYBRIDFLOW_FAULT_REPLICA": "1@1"})
+    failed = _train(out, *replicas, env=environment(REPLICA_FAILURE="1@1"))
     assert failed.returncode != 0
     assert "ReplicaFailed: rollout replica 1 (driven by rank 1) failed mid-generation" in failed.stderr
     assert f"resuming from {out / 'checkpoints' / 'step_000004'}" in failed.stdout, failed.stdout[-2000:]

@@ -15,7 +15,6 @@ for step in steps:
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch.distributed as dist
@@ -24,25 +23,12 @@ from tqdm import tqdm
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
 from hybridflow.runtime import gates, stops, switches
 from hybridflow.runtime.ops import OPS, NonFiniteStep, current, heldout_reward
+from hybridflow.runtime.progress import write_progress
 from hybridflow.runtime.session import Session, StepUndo
 
-__all__ = ["FAULT_ENV", "RAISE_ENV", "train_rl"]
+__all__ = ["train_rl"]
 
 logger = logging.getLogger(__name__)
-
-FAULT_ENV = "HYBRIDFLOW_FAULT_AT_STEP"
-"""Testing hook: the process exits abruptly when this RL step starts (a crash mid-training)."""
-RAISE_ENV = "HYBRIDFLOW_RAISE_AT_STEP"
-"""Testing hook, ``STEP:RANK``: that rank raises when that RL step starts (a bug in one rank)."""
-
-
-def _inject_fault(step: int, rank: int) -> None:
-    if os.environ.get(FAULT_ENV) == str(step):
-        logger.error("%s=%d: simulating a crash", FAULT_ENV, step)
-        os._exit(17)
-    if os.environ.get(RAISE_ENV) == f"{step}:{rank}":
-        raise RuntimeError(f"{RAISE_ENV}={step}:{rank}: simulated failure in rank {rank}")
-
 
 def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, float]:
     ro, scores = f["responses"], f["scores"]  # every sample's numbers, on every rank
@@ -128,8 +114,9 @@ def train_rl(s: Session, plan, *, save) -> bool:
         switches.enter(s, plan.start_mode)
     bar = tqdm(range(state.step, cfg.run.steps), initial=state.step, total=cfg.run.steps, desc="rl",
                unit="step", disable=not s.is_driver)
+    if s.is_driver:
+        write_progress(s.out_dir, phase="rl", done=state.step, total=cfg.run.steps)
     for step in bar:
-        _inject_fault(step, s.rank)
         s.undo = StepUndo(cfg.run.on_nan == "skip" and _updates_per_step(s) > 1)
         try:
             metrics = run_step(s, plan.stages, step)
@@ -148,6 +135,8 @@ def train_rl(s: Session, plan, *, save) -> bool:
         state.history.append({"step": done, **metrics})
         s.tracker.log_metrics(metrics, step=done)
         bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+        if s.is_driver:
+            write_progress(s.out_dir, phase="rl", done=done, total=cfg.run.steps)
         saved = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps
         requested = done < cfg.run.steps and stops.checkpoint_requested(s.out_dir, is_driver=s.is_driver,
                                                                         group=s.shard.group)

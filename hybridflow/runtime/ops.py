@@ -17,10 +17,8 @@ every sample's group, length and truncation ``[N]``); ``scores`` ``[N]``;
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -378,24 +376,7 @@ def old_logprob(s: Session, node, f: dict, step: int) -> dict:
         )
     if s.cfg.async_rl.partial_rollout:  # the tags checked against the trainer's own weights
         s.step_metrics.update(_diff_by_version(s, diff, token_versions(ro)[mask].to(diff.device) == step))
-    _dump_logprobs(s, ro, logp, step)
     return {"old_logprobs": logp, "entropy": ent, **({} if routes is None else {"routed_experts": routes})}
-
-
-DUMP_ENV = "HYBRIDFLOW_DUMP_LOGPROBS"
-"""Testing hook, a directory: at every RL step each rank writes ``step_<k>/rank<r>.pt`` there,
-its rows' token ids, masks and the trainer's log-probs, for a comparison with another
-implementation or another layout; an existing file is kept."""
-
-
-def _dump_logprobs(s: Session, ro: Rollout, logp: torch.Tensor, step: int) -> None:
-    where = os.environ.get(DUMP_ENV)
-    target = Path(where or ".") / f"step_{step:06d}" / f"rank{s.rank}.pt"
-    if not where or target.exists():
-        return
-    rows = {key: ro.batch[key].cpu() for key in ("input_ids", "attention_mask", "response_mask", "logprobs")}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({**rows, "trainer_logprobs": logp.detach().cpu(), "step": step}, target)
 
 
 def _diff_by_version(s: Session, diff: torch.Tensor, current: torch.Tensor) -> dict[str, float]:

@@ -45,9 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import signal
-import threading
 import time
 from typing import NamedTuple, Sequence
 
@@ -59,21 +56,13 @@ from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
 from hybridflow.runtime.shares import Shard, balanced_owners, owner
 
-__all__ = ["FAULT_ENV", "FAULT_KILL_ENV", "FAULT_KILL_PUSH_ENV", "ReplicaFailed", "ReplicaOutput", "Started",
-           "advance", "chunk_seed", "collect", "driver_rank", "generate", "kill_a_scheduler_soon", "replica_of",
+__all__ = ["ReplicaFailed", "ReplicaOutput", "Started",
+           "advance", "chunk_seed", "collect", "driver_rank", "generate", "replica_of",
            "start"]
 
 _SEED_MOD = 2**31 - 1
 _SEGMENT_SEED = 104729
 """Offsets a continuation's seeds from the segments before it (a prime, like the chunks' 7919)."""
-FAULT_ENV = "HYBRIDFLOW_FAULT_REPLICA"
-"""Testing hook, ``K@N``: replica K's engine call fails at the N-th generate call of the run."""
-FAULT_KILL_ENV = "HYBRIDFLOW_FAULT_KILL_ENGINE"
-"""Testing hook, ``K@N``: replica K's driver SIGKILLs one of its SGLang engine's scheduler
-processes from a thread while the N-th generate call of the run generates (its first try)."""
-FAULT_KILL_PUSH_ENV = "HYBRIDFLOW_FAULT_KILL_ENGINE_PUSH"
-"""Testing hook, ``K@N``: the same, while replica K's driver hands its engine the N-th counted
-weight push of the run (``sync.EngineSync.push``; the first push fills the engines at start)."""
 ASYNC_LOST = ("a batch started ahead (asynchronous RL) cannot be regenerated on a new engine: the actor ranks "
               "train meanwhile and hold newer weights than it was started under")
 """Why ``collect`` refuses to restart a lost engine."""
@@ -155,16 +144,13 @@ class _Counter:
 
 
 def _drive(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range],
-           counter: _Counter, *, kill: bool = False) -> tuple[list[RolloutSample], float, list[int]]:
-    """Generate chunks on this replica until none is left (``kill``: the FAULT_KILL_ENV hook):
-    the samples, the seconds, and each sample's chunk."""
+           counter: _Counter) -> tuple[list[RolloutSample], float, list[int]]:
+    """Generate chunks on this replica until none is left: the samples, the seconds, and each
+    sample's chunk."""
     samples, chunk_of, started = [], [], time.perf_counter()
     while (chunk := counter.take()) < len(chunks):
         span = chunks[chunk]
         engine.reseed(chunk_seed(seed, chunk))
-        if kill:
-            kill_a_scheduler_soon(engine)
-            kill = False
         out = engine.generate([prompts[i] for i in span], params)
         samples += [dataclasses.replace(x, prompt_index=span.start + x.prompt_index) for x in out.samples]
         chunk_of += [chunk] * len(out.samples)
@@ -370,11 +356,8 @@ def _attempt(
     learn of it, or they would wait in the gather) and each sample's chunk."""
     counter = _Counter(channel.store, call if attempt == 0 else f"{call}/retry{attempt}")
     try:
-        if attempt == 0:
-            _inject_fault(replica, call)
-        kill = attempt == 0 and os.environ.get(FAULT_KILL_ENV) == f"{replica}@{call}"
         began = time.time()
-        samples, seconds, chunk_of = _drive(engine, prompts, params, seed, chunks, counter, kill=kill)
+        samples, seconds, chunk_of = _drive(engine, prompts, params, seed, chunks, counter)
         return samples, _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank,
                                 interval=(began, time.time())), chunk_of
     except Exception as failure:
@@ -388,24 +371,6 @@ def _described(failure: Exception) -> tuple[str, bool]:
     if isinstance(failure, EngineLost):
         return str(failure), True
     return f"{type(failure).__name__}: {failure}", False
-
-
-def _inject_fault(replica: int, call: int) -> None:
-    if os.environ.get(FAULT_ENV) == f"{replica}@{call}":
-        raise RuntimeError(f"{FAULT_ENV}={replica}@{call}: simulated engine failure")
-
-
-def kill_a_scheduler_soon(engine) -> None:
-    """SIGKILL the engine's first scheduler process from a thread once the driver waits in the
-    engine's next call, the one about to start (FAULT_KILL_ENV, FAULT_KILL_PUSH_ENV)."""
-    pid, watch = engine.watch.schedulers()[0], engine.watch
-
-    def kill() -> None:
-        while not watch.active:
-            time.sleep(0.001)
-        os.kill(pid, signal.SIGKILL)
-
-    threading.Thread(target=kill, daemon=True, name="hybridflow-fault-kill").start()
 
 
 def _raise_failures(gathered: list, *, restartable: bool = False, why_not: str | None = None) -> None:

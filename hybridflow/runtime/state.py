@@ -14,6 +14,7 @@
                               config.yaml: the resolved config it was saved under)
     step_000020.partial/      being written: never read, removed by the next save
     step_000030.damaged/      found incomplete at a start and set aside (run.resume_fallback=previous)
+  progress.json               phase, steps done / total, the driver's pid (runtime.progress)
   summary.json, reward_curve.png, mlflow.db, mlartifacts/
 ```
 

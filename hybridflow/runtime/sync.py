@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import NamedTuple
 
@@ -55,10 +54,8 @@ from hybridflow.lowering import holds
 from hybridflow.rollout.base import EngineLost
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.replicas import (
-    FAULT_KILL_PUSH_ENV,
     ReplicaFailed,
     driver_rank,
-    kill_a_scheduler_soon,
     replica_of,
 )
 from hybridflow.weight_sync import WeightSyncPlan, plan_weight_sync
@@ -172,7 +169,7 @@ class EngineSync:
         if announce and self.source_params is not None:  # an actor rank; separate: the engine ranks receive with us
             self.channel.announce(("push",))
         verify = self._verifying()  # the retries check what the lost push would have checked
-        gathered = self._push_once(verify, kill=counted and self._fault_kill())
+        gathered = self._push_once(verify)
         while lost := _lost(gathered):
             if self.restarts is None:
                 rank, replica, cause = lost[0]
@@ -181,7 +178,7 @@ class EngineSync:
                     f"weight push: {cause}; rerun the same command to resume from the newest checkpoint"
                 )
             self.restarts.replace(lost)  # every process together; ReplicaFailed past the budget
-            gathered = self._push_once(verify, kill=False)
+            gathered = self._push_once(verify)
         self.pushes += counted
         return self._metrics(gathered, time.perf_counter() - started)
 
@@ -190,19 +187,19 @@ class EngineSync:
         knowledge: every process is told, ``recovery.EngineRestarts.replace``)."""
         self._base_held = False
 
-    def _push_once(self, verify: bool, *, kill: bool) -> list[_Pushed]:
+    def _push_once(self, verify: bool) -> list[_Pushed]:
         """One try of the push; every process's ``_Pushed``, gathered on every process."""
         if not self.pushes_adapters:
-            return self.channel.gather(self._push_base(verify, kill=kill))
+            return self.channel.gather(self._push_base(verify))
         if self._base_held:  # the engines hold the base (the plan keeps it resident): adapters only
-            return self._push_adapters(_Pushed(self._replica(), 0.0, 0, 0, None), kill=kill)
-        return self._push_adapters(self._push_base(verify, kill=kill), kill=False)
+            return self._push_adapters(_Pushed(self._replica(), 0.0, 0, 0, None))
+        return self._push_adapters(self._push_base(verify))
 
     def _replica(self) -> int | None:
         """The replica this process drives, or None."""
         return replica_of(self.cfg, dist.get_rank()) if self.engine else None
 
-    def _push_base(self, verify: bool, *, kill: bool) -> _Pushed:
+    def _push_base(self, verify: bool) -> _Pushed:
         """The plan's push of the actor's weights (merged, or the base under ``lora.push=adapter``);
         this process's ``_Pushed`` (collective)."""
         dest = self._destination()
@@ -213,21 +210,19 @@ class EngineSync:
         pushed, worst, lost = 0.0, None, None
         # the engine's weights are resident: the plan's switch before sync_weights resumed them
         if self.engine_params is not None:
-            pushed, worst, lost = self._push_sliced(dest, buffers, verify, kill=kill)
+            pushed, worst, lost = self._push_sliced(dest, buffers, verify)
         elif self.route == "full":
             pushed = self._push_full(buffers)
         return _Pushed(self._replica(), pushed, report.bytes_received + report.bytes_copied_locally,
                        report.bytes_relayed, worst, lost)
 
-    def _push_adapters(self, mine: _Pushed, *, kill: bool) -> list[_Pushed]:
+    def _push_adapters(self, mine: _Pushed) -> list[_Pushed]:
         """The actor's adapters into every replica's engine (collective: every process gathers
         them), after the base push ``mine`` reports, if any; then the gather that ends the push."""
         delivered = self._adapters_on_drivers()
         loaded, lost = 0.0, mine.lost
         if self.engine is not None and lost is None:
             tensors, config = delivered
-            if kill:
-                kill_a_scheduler_soon(self.engine)
             try:
                 report = self.engine.load_adapter(f"policy_{self.pushes + 1}", tensors, config)
                 loaded = float(report.bytes_per_rank[0])
@@ -270,20 +265,14 @@ class EngineSync:
                 **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)},
                 **({"checks/refit_max_rel_diff": max(checked)} if checked else {})}
 
-    def _fault_kill(self) -> bool:
-        """Whether this driver's engine is to lose a scheduler in this push (FAULT_KILL_PUSH_ENV)."""
-        if self.engine is None:
-            return False
-        return os.environ.get(FAULT_KILL_PUSH_ENV) == f"{replica_of(self.cfg, dist.get_rank())}@{self.pushes + 1}"
-
     def _verifying(self) -> bool:
         """Whether this push reads the engines' weights back (the first, then every
         ``checks.refit_every``-th; the same answer on every process)."""
         every = self.cfg.checks.refit_every
         return self.engine_params is not None and every > 0 and self.pushes % every == 0
 
-    def _push_sliced(self, dest: int | None, buffers: dict[str, torch.Tensor], verify: bool, *,
-                     kill: bool) -> tuple[float, float | None, str | None]:
+    def _push_sliced(self, dest: int | None, buffers: dict[str, torch.Tensor],
+                     verify: bool) -> tuple[float, float | None, str | None]:
         """Each destination process shares its buffers; each replica's driver pushes its ranks'
         shares (collective over the default group, whose rank r plays destination rank r).
         Returns the bytes pushed; on a driver when ``verify``ing, the refit verifier's worst
@@ -302,7 +291,7 @@ class EngineSync:
         try:
             if self.engine is not None:
                 first = driver_rank(self.cfg, replica_of(self.cfg, dist.get_rank()))  # the replica's first engine rank
-                pushed, lost = self._hand_over(gathered[first : first + tp], kill=kill)
+                pushed, lost = self._hand_over(gathered[first : first + tp])
             if verify:  # digests of exactly the engine-layout tensors each rank shared
                 shared: list = [None] * dist.get_world_size()
                 dist.all_gather_object(shared, {n: digest(t) for n, t in zip(buffers, kept)} if buffers else None)
@@ -314,11 +303,9 @@ class EngineSync:
         del kept
         return pushed, worst, lost
 
-    def _hand_over(self, payloads: list, *, kill: bool) -> tuple[float, str | None]:
+    def _hand_over(self, payloads: list) -> tuple[float, str | None]:
         """The driver's push of its ranks' payloads: (bytes pushed, None), or (0, the cause) when
-        the engine is lost meanwhile (``kill``: the FAULT_KILL_PUSH_ENV hook)."""
-        if kill:
-            kill_a_scheduler_soon(self.engine)
+        the engine is lost meanwhile."""
         try:
             return float(sum(self.engine.push_rank_payloads(payloads).bytes_per_rank)), None
         except EngineLost as error:  # its message is the cause: which process, or the timeout

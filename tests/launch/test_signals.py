@@ -29,10 +29,9 @@ from hybridflow.faults import check_checkpoints
 from hybridflow.runtime import state
 from launch.failures import ERROR_FILE
 from launch.reaper import STOP_GRACE_S
+from tests.injection import environment
 
 ROOT = Path(__file__).resolve().parents[2]
-FAULTS = ROOT / "tests" / "faults"
-"""Its ``sitecustomize`` injects the faults a test's environment selects into every process."""
 STOP_BOUND_S = 30.0
 """The promise: every process of the job gone this long after the signal."""
 MARKER = "HYBRIDFLOW_TEST_JOB"
@@ -254,13 +253,14 @@ def test_sigterm_stops_the_sglang_engine_processes_too(tmp_path) -> None:
 @pytest.mark.timeout(300)
 def test_a_failing_rank_is_the_last_line_and_the_error_file(tmp_path) -> None:
     out = tmp_path / "run"
-    job = _train(out, "run.steps=3", "run.checkpoint_every=0", env={"HYBRIDFLOW_RAISE_AT_STEP": "1:1"})
+    job = _train(out, "run.steps=3", "run.checkpoint_every=0", env=environment(RAISE_AT_STEP="1:1"))
     try:
         code = job.proc.wait(timeout=240)
     finally:
         job.kill()
     expected = (
-        "hybridflow train: rank 1 failed: RuntimeError: HYBRIDFLOW_RAISE_AT_STEP=1:1: simulated failure in rank 1"
+        "hybridflow train: rank 1 failed: RuntimeError: "
+        "HYBRIDFLOW_INJECT_RAISE_AT_STEP=1:1: simulated failure in rank 1"
     )
     lines = job.text().rstrip().splitlines()
     assert code == 1, lines[-30:]
@@ -280,14 +280,14 @@ def _files(root: Path) -> dict[Path, bytes]:
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_a_disk_that_fills_during_a_save_is_named_in_one_line_and_loses_nothing(tmp_path) -> None:
-    """Every write into ``step_000002.partial`` fails with ENOSPC (``tests/faults/sitecustomize.py``)."""
+    """Every write into ``step_000002.partial`` fails with ENOSPC (``tests.injection``: ``DISK_FULL``)."""
     out = tmp_path / "run"
     first = _train(out, "run.steps=1", "run.checkpoint_every=1", "run.tracking.backend=none")
     assert first.proc.wait(timeout=240) == 0, first.text()[-3000:]
     kept = {p: data for p, data in _files(out).items()
-            if p.name != "run.lock" and "logs" not in p.relative_to(out).parts}
+            if p.name not in ("run.lock", "progress.json") and "logs" not in p.relative_to(out).parts}
     job = _train(out, "run.steps=3", "run.checkpoint_every=1", "run.tracking.backend=none",
-                 env={"PYTHONPATH": f"{FAULTS}:{ROOT}", "HYBRIDFLOW_TEST_DISK_FULL": "step_000002.partial"})
+                 env=environment(DISK_FULL="step_000002.partial"))
     try:
         code = job.proc.wait(timeout=240)
     finally:
