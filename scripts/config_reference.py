@@ -83,8 +83,8 @@ def _rows(obj, prefix: str) -> list[str]:
         rows.append(f"| `{key}` | `{_cell(annotation)}` | {_cell(_value(value))} | {_cell(doc)} |")
     out = rows
     for key, value, doc in nested:
-        out += ["", f"#### `{key}`", "", NO_CLAIMS, "", doc, "", "| key | type | default | meaning |", "| --- | --- | --- | --- |",
-                *_rows(value, key)]
+        out += ["", f"#### `{key}`", "", NO_CLAIMS, "", doc, "", "| key | type | default | meaning |",
+                "| --- | --- | --- | --- |", *_rows(value, key)]
     return out
 
 

@@ -21,6 +21,10 @@ job) and the ``HYBRIDFLOW_INJECT_*`` variables that select what to inject:
     and the trainer's log-probs (``tests/dumped_logprobs.py`` reads them).
 ``DISK_FULL=TEXT``
     every write to a file whose path holds the text fails with ENOSPC, as on a full file system.
+``PROTOCOL_ONLY=1``
+    every engine ``make_engine`` starts is handed to the runtime behind a ``ProtocolOnly`` proxy
+    that has the methods of the engine protocols the engine implements (``rollout.base``) and
+    nothing else: the run then shows it asks nothing more of an engine.
 
 Each hook wraps one product function when its module is first imported (``_AFTER_IMPORT``): a
 faulty engine around the real one, a step that crashes before the real one runs. The product
@@ -52,6 +56,7 @@ KILL_ENGINE = PREFIX + "KILL_ENGINE"
 KILL_ENGINE_PUSH = PREFIX + "KILL_ENGINE_PUSH"
 DUMP_LOGPROBS = PREFIX + "DUMP_LOGPROBS"
 DISK_FULL = PREFIX + "DISK_FULL"
+PROTOCOL_ONLY = PREFIX + "PROTOCOL_ONLY"
 CRASH_STATUS = 17
 
 logger = logging.getLogger("tests.injection")
@@ -165,6 +170,32 @@ def _sync(sync) -> None:
     sync.EngineSync.push = faulty_push
 
 
+class ProtocolOnly:
+    """An engine reduced to the protocols it implements: ``rollout.base.ENGINE_PROTOCOLS``'
+    methods it has, bound to it; any other attribute is missing, as on an engine built to the
+    protocols alone."""
+
+    def __init__(self, engine) -> None:
+        from hybridflow.rollout.base import ENGINE_PROTOCOLS, protocol_methods
+
+        self.implements = [p.__name__ for p in ENGINE_PROTOCOLS if isinstance(engine, p)]
+        for protocol in ENGINE_PROTOCOLS:
+            if isinstance(engine, protocol):
+                for name in protocol_methods(protocol):
+                    setattr(self, name, getattr(engine, name))
+
+
+def _protocol_only(rollout) -> None:
+    make_engine = rollout.make_engine
+
+    def reduced(name: str, **kwargs):
+        engine = ProtocolOnly(make_engine(name, **kwargs))
+        logger.warning("%s: the %s engine reduced to %s", PROTOCOL_ONLY, name, ", ".join(engine.implements))
+        return engine
+
+    rollout.make_engine = reduced
+
+
 # --------------------------------------------------------------------------- files
 
 
@@ -211,6 +242,7 @@ _AFTER_IMPORT: dict[str, tuple[tuple[str, ...], Callable]] = {
     "hybridflow.runtime.ops": ((DUMP_LOGPROBS,), _dump),
     "hybridflow.runtime.replicas": ((REPLICA_FAILURE, KILL_ENGINE), _replicas),
     "hybridflow.runtime.sync": ((KILL_ENGINE_PUSH,), _sync),
+    "hybridflow.rollout": ((PROTOCOL_ONLY,), _protocol_only),
 }
 """module -> (the variables that select its hook, the hook run on the module once it is loaded)."""
 

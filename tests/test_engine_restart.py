@@ -177,7 +177,7 @@ def _sync_pushing(results: list, restarts) -> tuple[sync_module.EngineSync, list
     es.adapters, es.pushes_adapters = None, False  # merged pushes
     tries = []
 
-    def push_once(verify, *, kill):
+    def push_once(verify):
         tries.append(verify)
         return results[len(tries) - 1]
 

@@ -3,14 +3,15 @@
 A Qwen3-MoE run from a hub-style directory trains three RL steps under EP=2 (so DP=2), with a
 checkpoint after each. Its step-1 checkpoint is then resumed twice, each in a copy of the run
 directory: under TP=2 (EP=2 -> TP=2) and under PP=2 (DP=2 -> DP=1 x PP=2). The checkpoint
-reshards on load (megatron's dist checkpointing), the MLflow-free tracking records the change, and:
+reshards on load (megatron's dist checkpointing), and:
 
 - at step 1, the first after the resume, the resumed run scores the very rows the EP=2 run scored
   (the engine got the same weights, the sampling seed is the step's) with log-probs equal to the
   EP=2 run's within 1e-5: the same weights, read into another layout;
 - at step 2 it again scores the EP=2 run's rows within 1e-5: the step-1 update, which used the
   Adam moments read from the checkpoint, moved the weights the same way;
-- the run finishes, saves its final checkpoint, and its summary names the changed keys.
+- the run finishes, saves its final checkpoint, its summary names the changed keys, and its
+  MLflow run (the same one) keeps the first layout as logged and dates the new one by the resume.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow
 import pytest
 import yaml
 
+from hybridflow.runtime.state import read_state
+from hybridflow.runtime.tracking import default_tracking_uri
 from tests.dumped_logprobs import layout_difference
 from tests.injection import environment
 from tests.megatron_adapters.convert_models import make_hf_dir
@@ -36,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 STEPS = 3
 SAME_LAYOUT_KEYS = {"tp": 1, "pp": 1, "ep": 1}
+NEW_LAYOUT = {"tp2": "tp=2 pp=1 vpp=1 ep=1 ", "pp2": "tp=1 pp=2 vpp=1 ep=1 "}
+"""How the tracking params describe each resumed layout (``ParallelLayout.describe``)."""
 
 
 def _train(config: Path, out: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -56,7 +62,8 @@ def ep2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     """(config, run directory, dump) of the EP=2 run: three steps, a checkpoint after each."""
     root = tmp_path_factory.mktemp("resume_layout")
     config = _config(make_hf_dir(root, "qwen3_moe"), _chat_rows(root / "chat.jsonl"), "qwen3_moe", "ep2")
-    config["run"].update(steps=STEPS, checkpoint_every=1, keep_checkpoints=STEPS, name="resume_layout")
+    config["run"].update(steps=STEPS, checkpoint_every=1, keep_checkpoints=STEPS, name="resume_layout",
+                         tracking={"backend": "mlflow"})
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     out, dump = root / "ep2", root / "dump_ep2"
@@ -86,6 +93,10 @@ def test_a_checkpoint_resumed_under_another_layout_continues_from_the_same_weigh
     assert summary["steps"] == STEPS, summary
     (change,) = summary["changed_on_resume"]
     assert change["step"] == 1 and any(line.startswith("actor.parallel.") for line in change["changed"]), change
-    assert (out / "checkpoints" / f"step_{STEPS:06d}" / "state.json").is_file()
+    # one MLflow run, the first layout kept as logged and the new one dated by the resume
+    run_id = read_state(out / "checkpoints" / f"step_{STEPS:06d}").mlflow_run_id
+    params = mlflow.MlflowClient(tracking_uri=default_tracking_uri(out)).get_run(run_id).data.params
+    assert params["actor_layout"].startswith("tp=1 pp=1 vpp=1 ep=2 "), params["actor_layout"]
+    assert params["actor_layout.from_step_1"].startswith(NEW_LAYOUT[layout]), params
     # the checkpoint it resumed from is left as it was
     assert all(p.read_bytes() == data for p, data in before.items())

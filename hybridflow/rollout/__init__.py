@@ -5,14 +5,18 @@ itself when imported, so the SGLang adapter loads only when asked for.
 """
 
 from .base import (  # noqa: F401
+    ENGINE_PROTOCOLS,
     FINISH_LENGTH,
     FINISH_STOP,
+    AdapterReceiver,
     RolloutBatch,
     RolloutEngine,
     RolloutSample,
     SamplingParams,
+    SlicedWeightReceiver,
     WeightPushReport,
     engine_names,
     make_engine,
     register_engine,
+    require,
 )

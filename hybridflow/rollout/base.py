@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
@@ -189,6 +189,51 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """Stop the engine and every process it started."""
         ...
+
+
+@runtime_checkable
+class SlicedWeightReceiver(Protocol):
+    """An engine that takes each of its ranks' own weight shares in place
+    (``rollout.sync_route=sliced``: ``runtime.sync`` writes the engine's per-rank tensors)."""
+
+    def rank_params(self) -> list[dict[str, dict[str, Any]]]:
+        """Each engine rank's parameters: name -> {shape, dtype}, in the engine's own layout."""
+        ...
+
+    def push_rank_payloads(self, payloads: Sequence[Any]) -> WeightPushReport:
+        """Copy each rank's shared tensors (one payload per engine rank, in rank order) into place."""
+        ...
+
+    def weight_digests(self) -> list[dict[str, list[float]]]:
+        """Each rank's parameter digests, which the refit verifier compares with what was sent."""
+        ...
+
+
+@runtime_checkable
+class AdapterReceiver(Protocol):
+    """An engine that serves LoRA adapters over a resident base (``lora.push=adapter``)."""
+
+    def load_adapter(self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> WeightPushReport:
+        """Load the adapters (PEFT names and config) as ``name``; later generate calls use them."""
+        ...
+
+
+ENGINE_PROTOCOLS = (RolloutEngine, SlicedWeightReceiver, AdapterReceiver)
+"""Everything the runtime asks of an engine (``tests/rollout/test_engine_protocol.py`` holds it to
+that): every engine implements ``RolloutEngine``; the two others are what a route needs."""
+
+
+def require(engine: Any, protocol: type, setting: str) -> None:
+    """TypeError naming ``setting`` when ``engine`` lacks ``protocol``'s methods."""
+    if not isinstance(engine, protocol):
+        missing = [name for name in protocol_methods(protocol) if not callable(getattr(engine, name, None))]
+        raise TypeError(f"{setting} needs a rollout engine with {', '.join(missing)} ({protocol.__name__}); "
+                        f"{type(engine).__name__} has not: choose another engine or setting")
+
+
+def protocol_methods(protocol: type) -> list[str]:
+    """The methods a protocol asks for."""
+    return [name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")]
 
 
 _ENGINES: dict[str, Callable[..., RolloutEngine]] = {}

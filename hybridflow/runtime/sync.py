@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from hybridflow.config import HybridflowConfig
 from hybridflow.lowering import holds
-from hybridflow.rollout.base import EngineLost
+from hybridflow.rollout.base import AdapterReceiver, EngineLost, SlicedWeightReceiver, require
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.replicas import (
     ReplicaFailed,
@@ -132,6 +132,11 @@ class EngineSync:
         self.restarts = None
         """This process's ``recovery.EngineRestarts`` (None: an engine lost in a push stops the run)."""
         holds_destination = not channel.separate or source_params is None
+        # what the routes need of the engine (rollout.base's protocols), named before any push
+        if engine is not None and self.route == "sliced":
+            require(engine, SlicedWeightReceiver, "rollout.sync_route=sliced")
+        if engine is not None and self.pushes_adapters:
+            require(engine, AdapterReceiver, "lora.push=adapter")
         self.engine_params = self._engine_params() if self.route == "sliced" and holds_destination else None
         self.engine_drops_weights = drops_weights(cfg, gpu=torch.cuda.is_available())
         """Whether the engine's weights are released (and lose their values) after every
