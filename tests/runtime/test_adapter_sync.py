@@ -42,7 +42,7 @@ def _sync(engine: _Engine) -> tuple[sync_module.EngineSync, list]:
     es._replica = lambda: 0
     bases = []
 
-    def push_base(verify, *, kill):
+    def push_base(verify):
         bases.append(verify)
         return sync_module._Pushed(0, 1000.0, 1000, 0, None)
 
@@ -54,15 +54,15 @@ def _sync(engine: _Engine) -> tuple[sync_module.EngineSync, list]:
 def test_the_base_goes_once_then_adapters_alone_and_again_after_an_engine_restart() -> None:
     engine = _Engine()
     es, bases = _sync(engine)
-    first = es._push_once(True, kill=False)[0]
+    first = es._push_once(True)[0]
     assert bases == [True] and first.engine_bytes == 1000.0 and first.adapter_bytes == 256.0
     for _ in range(2):
         es.pushes += 1
-        later = es._push_once(False, kill=False)[0]
+        later = es._push_once(False)[0]
         assert later.engine_bytes == 0.0 and later.adapter_bytes == 256.0
     assert bases == [True] and engine.loaded == ["policy_1", "policy_2", "policy_3"]
     es.engines_replaced()  # recovery.EngineRestarts.replace: a new engine is empty
-    assert es._push_once(False, kill=False)[0].engine_bytes == 1000.0 and bases == [True, False]
+    assert es._push_once(False)[0].engine_bytes == 1000.0 and bases == [True, False]
 
 
 @pytest.mark.claim("lora-adapter-push")
@@ -91,9 +91,9 @@ def test_colocated_gpu_engines_keep_the_base_while_the_actor_trains_so_it_goes_o
 @pytest.mark.parametrize("lose_at", [1, 2])
 def test_an_engine_lost_while_loading_adapters_is_reported_and_gets_the_base_next(lose_at: int) -> None:
     es, bases = _sync(_Engine(lose_at=lose_at))
-    results = [es._push_once(False, kill=False)[0] for _ in range(lose_at)]
+    results = [es._push_once(False)[0] for _ in range(lose_at)]
     assert results[-1].lost.startswith("process 7") and results[-1].adapter_bytes == 0.0
-    es._push_once(False, kill=False)  # the retry (after the restart) brings the base again
+    es._push_once(False)  # the retry (after the restart) brings the base again
     assert len(bases) == 2  # the first push's, and the retry's
 
 
