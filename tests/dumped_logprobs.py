@@ -1,4 +1,4 @@
-"""The trainer's dumped log-probs (``hybridflow.runtime.ops.DUMP_ENV``) against transformers'.
+"""The trainer's dumped log-probs (``tests.injection``: ``DUMP_LOGPROBS``) against transformers'.
 
 Each rank of a run started with the dump hook writes ``step_<k>/rank<r>.pt`` at each RL step: the
 rows' token ids and masks and the trainer's log-probs. ``worst_difference`` scores every response
