@@ -108,6 +108,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", metavar="CONFIG", help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
+    _add_verbose(train)
     train.set_defaults(handler=_train)
     _add_launch_parser(commands)
     _add_slurm_parser(commands)
@@ -143,7 +144,14 @@ def _add_launch_parser(commands) -> None:
         metavar="S",
         help=f"seconds torchrun waits for all nodes to join (default {LAUNCH_DEFAULTS['join_timeout_s']:g})",
     )
+    _add_verbose(launch)
     launch.set_defaults(handler=_launch)
+
+
+def _add_verbose(command) -> None:
+    command.add_argument("-v", "--verbose", action="store_true",
+                         help="show megatron-core's and SGLang's own logs and warnings too (run.verbose=true); "
+                              "they are always in <run.output_dir>/logs/")
 
 
 def _add_slurm_parser(commands) -> None:
@@ -389,6 +397,8 @@ def _convert_mcore_to_peft(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
     args = _build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):  # the flag is the setting's short form: the ranks read the config
+        args.overrides = [*args.overrides, "run.verbose=true"]
     try:
         return args.handler(args)
     except ValueError as e:

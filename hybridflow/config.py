@@ -286,6 +286,9 @@ class RunConfig:
     deterministic: bool = False
     """Same config and seed, same metrics bit for bit: deterministic torch, megatron-core, NCCL and
     (on GPUs) SGLang kernels (``hybridflow/runtime/determinism.py``); slower on GPUs."""
+    verbose: bool = False
+    """Show megatron-core's, SGLang's and Python's own log lines and warnings on the terminal too
+    (``hybridflow train -v``); by default they go only to ``<output_dir>/logs/`` (``runtime.console``)."""
     on_nan: str = "stop"
     """A non-finite loss or grad norm: stop (the step is not applied, no checkpoint is written,
     the run exits with an error) or skip (the step is dropped whole and the run goes on: when a

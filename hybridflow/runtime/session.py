@@ -38,6 +38,7 @@ import torch.distributed as dist
 from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
 from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows
+from hybridflow.runtime import console
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.model_dir import run_model_dir
 from hybridflow.runtime.shares import Shard, single_process
@@ -89,6 +90,11 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, 
     torchrun's variables, or the transformers engine (small runs, GPU machines without SGLang).
     ``node_rank`` > 0 starts the part of a multi-node SGLang engine on another node instead
     (``SGLangNode``: schedulers only, commanded by the driver at ``dist_init_addr``)."""
+    with console.engine_output(cfg.run.output_dir, int(os.environ.get("RANK", "0")), verbose=cfg.run.verbose):
+        return _start_engine(cfg, model_dir, node_rank=node_rank, dist_init_addr=dist_init_addr)
+
+
+def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dist_init_addr: str | None):
     from hybridflow.rollout import make_engine
 
     # the directory has no weights (model_dir.py): both engines start empty, the first push fills them

@@ -175,7 +175,7 @@ def prune(output_dir: str | os.PathLike, keep: int) -> None:
     progress = sft_progress_dirs(output_dir)
     for old in checkpoint_dirs(output_dir)[:-keep] + (progress if sft_done else progress[:-keep]):
         shutil.rmtree(old, ignore_errors=True)
-        logger.info("removed old checkpoint %s", old)
+        logger.debug("removed old checkpoint %s", old)  # housekeeping: not worth breaking a progress bar
 
 
 # --------------------------------------------------------------------------- resume

@@ -35,7 +35,7 @@ from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.data import PromptSampler
 from hybridflow.lowering import lower
-from hybridflow.runtime import checksums, determinism, disk_full, report, stops
+from hybridflow.runtime import checksums, console, determinism, disk_full, report, stops
 from hybridflow.runtime import state as run_state
 from hybridflow.runtime.channel import Channel, colocated, join
 from hybridflow.runtime.engine_ranks import serve
@@ -529,10 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                                     world_size=own_size)
     else:
         parallel.init_default_group(timeout_minutes=minutes)
-    level = logging.INFO if (channel.rank if channel else dist.get_rank()) == DRIVER else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    for noisy in ("httpx", "urllib3", "alembic", "mlflow.store.db.utils"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    console.configure(cfg.run.output_dir, rank=int(os.environ.get("RANK", "0")),
+                      driver=(channel.rank if channel else dist.get_rank()) == DRIVER, verbose=cfg.run.verbose)
     try:
         if channel is not None and channel.rank >= channel.actors:
             serve(cfg, channel)
