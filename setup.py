@@ -41,9 +41,7 @@ setup(
     long_description=(ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(
-        include=[pattern for name in TOP_LEVEL_PACKAGES for pattern in (name, f"{name}.*")]
-    ),
+    packages=find_packages(include=[pattern for name in TOP_LEVEL_PACKAGES for pattern in (name, f"{name}.*")]),
     install_requires=read_requirements("runtime"),
     extras_require={
         "test": read_requirements("test"),

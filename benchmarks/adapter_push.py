@@ -48,16 +48,33 @@ def _model_and_adapter(root: Path, hidden: int, layers: int, rank: int) -> tuple
     from hybridflow.rollout.tiny import make_tiny_model_dir
 
     heads = hidden // 64
-    path = make_tiny_model_dir(root / "model", "qwen2", vocab_size=4096, hidden_size=hidden, num_hidden_layers=layers,
-                               num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64,
-                               intermediate_size=hidden * 8 // 3 // 64 * 64, max_position_embeddings=512)
+    path = make_tiny_model_dir(
+        root / "model",
+        "qwen2",
+        vocab_size=4096,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=64,
+        intermediate_size=hidden * 8 // 3 // 64 * 64,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     net = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False))
-    tensors = {f"base_model.model.{k}" if not k.startswith("base_model.") else k: v.contiguous()
-               for k, v in get_peft_model_state_dict(net).items()}
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none",
-              "task_type": "CAUSAL_LM"}
+    tensors = {
+        f"base_model.model.{k}" if not k.startswith("base_model.") else k: v.contiguous()
+        for k, v in get_peft_model_state_dict(net).items()
+    }
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": TARGETS,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
     return path, tensors, config
 
 
@@ -82,8 +99,13 @@ def measure(*, hidden: int, layers: int, rank: int, repeats: int = 3) -> dict:
     with tempfile.TemporaryDirectory(prefix="hybridflow-adapter-push-") as tmp:
         path, tensors, config = _model_and_adapter(Path(tmp), hidden, layers, rank)
         merged = _merged_weights(path, tensors, config)
-        engine = make_engine("sglang", model_path=str(path), tp=1, max_total_tokens=8192,
-                             **lora_args(rank=rank, target_modules=TARGETS, on_cpu=True))
+        engine = make_engine(
+            "sglang",
+            model_path=str(path),
+            tp=1,
+            max_total_tokens=8192,
+            **lora_args(rank=rank, target_modules=TARGETS, on_cpu=True),
+        )
         prompts = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(8)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=32)
         try:
@@ -102,11 +124,16 @@ def measure(*, hidden: int, layers: int, rank: int, repeats: int = 3) -> dict:
     params = sum(t.numel() for t in merged.values())
     result = {
         "model": {"family": "qwen2", "hidden_size": hidden, "num_layers": layers, "params": params},
-        "lora_rank": rank, "lora_targets": TARGETS, "engine": "sglang CPU tp=1", "repeats": repeats,
-        "merged_push_bytes": full[0].bytes_per_rank[0], "adapter_push_bytes": adapter[0].bytes_per_rank[0],
+        "lora_rank": rank,
+        "lora_targets": TARGETS,
+        "engine": "sglang CPU tp=1",
+        "repeats": repeats,
+        "merged_push_bytes": full[0].bytes_per_rank[0],
+        "adapter_push_bytes": adapter[0].bytes_per_rank[0],
         "merged_push_seconds": min(r.seconds for r in full),
         "adapter_push_seconds": min(r.seconds for r in adapter),
-        "generate_seconds_base": generate_base, "generate_seconds_adapter": generate_adapter,
+        "generate_seconds_base": generate_base,
+        "generate_seconds_adapter": generate_adapter,
     }
     result["push_bytes_ratio"] = result["adapter_push_bytes"] / result["merged_push_bytes"]
     result["push_seconds_ratio"] = result["adapter_push_seconds"] / result["merged_push_seconds"]

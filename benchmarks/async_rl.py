@@ -36,21 +36,34 @@ from hybridflow.config import load_config  # noqa: E402
 from hybridflow.tasks import make_task_files  # noqa: E402
 
 CONFIG = ROOT / "configs" / "quickstart_cpu.yaml"
-MODES = {"sync": ["async_rl.mode=sync"], "one_step_off": ["async_rl.mode=one_step_off"],
-         "async": ["async_rl.mode=async", "async_rl.max_staleness=2"],
-         "async_partial": ["async_rl.mode=async", "async_rl.max_staleness=2", "async_rl.partial_rollout=true",
-                           "async_rl.segment_tokens=6"]}
+MODES = {
+    "sync": ["async_rl.mode=sync"],
+    "one_step_off": ["async_rl.mode=one_step_off"],
+    "async": ["async_rl.mode=async", "async_rl.max_staleness=2"],
+    "async_partial": [
+        "async_rl.mode=async",
+        "async_rl.max_staleness=2",
+        "async_rl.partial_rollout=true",
+        "async_rl.segment_tokens=6",
+    ],
+}
 LONG_EVERY, LONG_FACTOR = 8, 8
-COMMON = ["rollout.placement=separate", "rollout.tp=1", "run.prompts_per_step=16", "rollout.n=8",
-          "run.heldout_prompts=20", "run.checkpoint_every=0", "data.max_response_length=24",
-          "algorithm.rollout_correction=tis"]
+COMMON = [
+    "rollout.placement=separate",
+    "rollout.tp=1",
+    "run.prompts_per_step=16",
+    "rollout.n=8",
+    "run.heldout_prompts=20",
+    "run.checkpoint_every=0",
+    "data.max_response_length=24",
+    "algorithm.rollout_correction=tis",
+]
 
 
 def _long_tail_files(out: Path) -> tuple[Path, Path]:
     """The task's files, every LONG_EVERY-th training prompt marked and its demonstration padded."""
     cfg = load_config(str(CONFIG), [])
-    train, heldout = make_task_files(cfg.task, cfg.data, out / "task", seed=cfg.run.seed,
-                                     sft_key=cfg.sft.response_key)
+    train, heldout = make_task_files(cfg.task, cfg.data, out / "task", seed=cfg.run.seed, sft_key=cfg.sft.response_key)
     rows = [json.loads(line) for line in train.read_text().splitlines()]
     key = cfg.sft.response_key
     for i, row in enumerate(rows):
@@ -64,9 +77,20 @@ def _long_tail_files(out: Path) -> tuple[Path, Path]:
 
 def _run(mode: str, out: Path, train: Path, heldout: Path, steps: int, sft_steps: int) -> dict:
     run_dir = out / mode
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(CONFIG), f"run.output_dir={run_dir}",
-           f"run.steps={steps}", f"sft.steps={sft_steps}", f"data.train_files=[{train}]",
-           f"data.heldout_files=[{heldout}]", *COMMON, *MODES[mode]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        str(CONFIG),
+        f"run.output_dir={run_dir}",
+        f"run.steps={steps}",
+        f"sft.steps={sft_steps}",
+        f"data.train_files=[{train}]",
+        f"data.heldout_files=[{heldout}]",
+        *COMMON,
+        *MODES[mode],
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     started = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -78,15 +102,19 @@ def _run(mode: str, out: Path, train: Path, heldout: Path, steps: int, sft_steps
     wall = sum(h["timing/step_wall"] for h in steady)
     lengths = [h["response_length/mean"] for h in history]
     cfg = load_config(str(CONFIG), MODES[mode])
-    return {"mode": cfg.async_rl.mode, "label": mode, "partial_rollout": cfg.async_rl.partial_rollout,
-            "steps_per_second": len(steady) / wall,
-            "overlap_fraction": sum(h.get("async/overlap_fraction", 0.0) for h in steady) / len(steady),
-            "heldout_reward": summary["heldout_reward_after_rl"],
-            "heldout_reward_after_sft": summary["heldout_reward_after_sft"],
-            "staleness_mean": sum(h.get("async/staleness_mean", 0.0) for h in history) / len(history),
-            "response_length_mean": sum(lengths) / len(lengths),
-            "generation_seconds_per_step": sum(h["timing/generate"] for h in steady) / len(steady),
-            "run_seconds": time.perf_counter() - started}
+    return {
+        "mode": cfg.async_rl.mode,
+        "label": mode,
+        "partial_rollout": cfg.async_rl.partial_rollout,
+        "steps_per_second": len(steady) / wall,
+        "overlap_fraction": sum(h.get("async/overlap_fraction", 0.0) for h in steady) / len(steady),
+        "heldout_reward": summary["heldout_reward_after_rl"],
+        "heldout_reward_after_sft": summary["heldout_reward_after_sft"],
+        "staleness_mean": sum(h.get("async/staleness_mean", 0.0) for h in history) / len(history),
+        "response_length_mean": sum(lengths) / len(lengths),
+        "generation_seconds_per_step": sum(h["timing/generate"] for h in steady) / len(steady),
+        "run_seconds": time.perf_counter() - started,
+    }
 
 
 def main() -> None:
@@ -106,20 +134,23 @@ def main() -> None:
     sync = modes[0]["steps_per_second"]
     for m in modes:
         m["speedup_vs_sync"] = m["steps_per_second"] / sync
-    result = {"modes": modes, "cpu_count": os.cpu_count(), "setup": "quickstart max task, 2 actor ranks (EP=2) + 1 "
-              f"engine rank (tp=1), every {LONG_EVERY}th training prompt {LONG_FACTOR}x longer, "
-              f"{args.steps} RL steps x 16 prompts x 8 samples, steps/s over steps 2..{args.steps}",
-              "goal_async_1_5x_sync_met": next((m["speedup_vs_sync"] >= 1.5 for m in modes if m["label"] == "async"),
-                                               None),
-              "note": "one run per mode: after the first step the modes' policies differ, and so do their "
-                      "response lengths (response_length_mean) and generation work; on a CPU shared with other "
-                      "jobs the load also varies between the runs, and overlapped processes take a larger share "
-                      "of contended cores. Read the speed-up as indicative, not as a controlled measurement. The "
-                      "engine runs its requests in the order they were announced, so a step's weight push waits "
-                      "for the batch in flight: async K=2 runs further ahead than one_step_off but cannot absorb "
-                      "a long batch by more than one step. Partial rollouts generate a batch started ahead 6 tokens "
-                      "per request per version: the rest runs after the pushes, between steps, so less of it "
-                      "overlaps training than with whole batches."}
+    result = {
+        "modes": modes,
+        "cpu_count": os.cpu_count(),
+        "setup": "quickstart max task, 2 actor ranks (EP=2) + 1 "
+        f"engine rank (tp=1), every {LONG_EVERY}th training prompt {LONG_FACTOR}x longer, "
+        f"{args.steps} RL steps x 16 prompts x 8 samples, steps/s over steps 2..{args.steps}",
+        "goal_async_1_5x_sync_met": next((m["speedup_vs_sync"] >= 1.5 for m in modes if m["label"] == "async"), None),
+        "note": "one run per mode: after the first step the modes' policies differ, and so do their "
+        "response lengths (response_length_mean) and generation work; on a CPU shared with other "
+        "jobs the load also varies between the runs, and overlapped processes take a larger share "
+        "of contended cores. Read the speed-up as indicative, not as a controlled measurement. The "
+        "engine runs its requests in the order they were announced, so a step's weight push waits "
+        "for the batch in flight: async K=2 runs further ahead than one_step_off but cannot absorb "
+        "a long batch by more than one step. Partial rollouts generate a batch started ahead 6 tokens "
+        "per request per version: the rest runs after the pushes, between steps, so less of it "
+        "overlaps training than with whole batches.",
+    }
     emit(result, args.json)
 
 

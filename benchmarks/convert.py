@@ -37,9 +37,17 @@ from benchmarks.output import emit, parse_bytes  # noqa: E402
 
 logger = logging.getLogger("convert_bench")
 
-DIMS = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-            intermediate_size=2816, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=8,
-            vocab_size=32000)
+DIMS = dict(
+    hidden_size=1024,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=2816,
+    moe_intermediate_size=768,
+    num_experts=64,
+    num_experts_per_tok=8,
+    vocab_size=32000,
+)
 """A Qwen3-MoE shape (Qwen3-30B-A3B's proportions, narrower); layers are added to reach the size."""
 
 
@@ -63,10 +71,21 @@ def write_synthetic(path: Path, target_bytes: int) -> tuple[int, int]:
 
     head = 2 * 2 * DIMS["vocab_size"] * DIMS["hidden_size"]
     layers = max(1, math.ceil((target_bytes - head) / _layer_bytes()))
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": layers,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "decoder_sparse_step": 1,
-              "mlp_only_layers": [], "norm_topk_prob": True, "hidden_act": "silu", "dtype": "bfloat16", **DIMS}
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": layers,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "dtype": "bfloat16",
+        **DIMS,
+    }
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     make_tiny_tokenizer(320).save_pretrained(str(path))
@@ -87,8 +106,9 @@ def write_synthetic(path: Path, target_bytes: int) -> tuple[int, int]:
             weight_map.update(dict.fromkeys(shard, name))
             total += shard_bytes
             shard, shard_bytes = {}, 0
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total, len(tensors)
 
 
@@ -101,8 +121,9 @@ def _child(args: list[str]) -> dict:
     Dirty pages of the previous step are flushed first, so each step pays for its own writes."""
     os.sync()
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", *args], stdout=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--child", *args], stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
@@ -185,7 +206,9 @@ def run(workdir: Path, target_bytes: int, buffer_bytes: int) -> dict:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {
-        "checkpoint_bytes": nbytes, "num_tensors": count, "buffer_bytes": buffer_bytes,
+        "checkpoint_bytes": nbytes,
+        "num_tensors": count,
+        "buffer_bytes": buffer_bytes,
         "hf_to_mcore_peak_rss_bytes": to_mcore["peak_rss_bytes"],
         "mcore_to_hf_peak_rss_bytes": to_hf["peak_rss_bytes"],
         "hf_to_mcore_peak_rss_ratio": round(to_mcore["peak_rss_bytes"] / nbytes, 4),
@@ -213,12 +236,21 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the result here")
-    parser.add_argument("--target-bytes", type=parse_bytes, default=parse_bytes("4200M"),
-                        help="synthetic checkpoint size (default 4200M, i.e. > 4 GB)")
-    parser.add_argument("--buffer-bytes", type=parse_bytes, default=parse_bytes("256M"),
-                        help="converter buffer (default 256M)")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/hybridflow_convert_bench"),
-                        help="scratch directory (deleted at the end)")
+    parser.add_argument(
+        "--target-bytes",
+        type=parse_bytes,
+        default=parse_bytes("4200M"),
+        help="synthetic checkpoint size (default 4200M, i.e. > 4 GB)",
+    )
+    parser.add_argument(
+        "--buffer-bytes", type=parse_bytes, default=parse_bytes("256M"), help="converter buffer (default 256M)"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/tmp/hybridflow_convert_bench"),
+        help="scratch directory (deleted at the end)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = run(args.workdir, args.target_bytes, args.buffer_bytes)

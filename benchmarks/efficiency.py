@@ -49,8 +49,18 @@ from hfschema.files import write_atomic  # noqa: E402
 
 MODES = ("padded", "padded_trimmed", "packed", "packed_budget")
 MICRO_BATCH_SIZE = 2
-MODEL = dict(family="llama", hidden_size=128, num_layers=2, num_attention_heads=2, num_kv_heads=2, head_dim=64,
-             ffn_hidden_size=256, vocab_size=512, max_position_embeddings=8192, num_experts=0)
+MODEL = dict(
+    family="llama",
+    hidden_size=128,
+    num_layers=2,
+    num_attention_heads=2,
+    num_kv_heads=2,
+    head_dim=64,
+    ffn_hidden_size=256,
+    vocab_size=512,
+    max_position_embeddings=8192,
+    num_experts=0,
+)
 
 
 def long_tail_lengths(rows: int, seed: int) -> list[int]:
@@ -114,8 +124,10 @@ def run_mode(mode: str, lengths: list[int], budget: int, steps: int) -> dict:
     from megatron_adapters import parallel
     from megatron_adapters.policy import MegatronPolicy
 
-    packing = {"packed": PackingConfig(enabled=True),
-               "packed_budget": PackingConfig(enabled=True, max_tokens_per_micro_batch=budget)}.get(mode)
+    packing = {
+        "packed": PackingConfig(enabled=True),
+        "packed_budget": PackingConfig(enabled=True, max_tokens_per_micro_batch=budget),
+    }.get(mode)
     layout = ParallelLayout()
     pg = parallel.initialize(layout, seed=1)
     train = TrainConfig(lr=1e-4, micro_batch_size=MICRO_BATCH_SIZE, global_batch_size=len(lengths))
@@ -133,8 +145,12 @@ def run_mode(mode: str, lengths: list[int], budget: int, steps: int) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     parallel.teardown()
     torch.distributed.destroy_process_group()
-    return {"step_seconds": statistics.median(seconds[1:]), "first_loss": losses[0], "peak_rss_bytes": peak,
-            "peak_rss_growth_bytes": peak - rss_before}
+    return {
+        "step_seconds": statistics.median(seconds[1:]),
+        "first_loss": losses[0],
+        "peak_rss_bytes": peak,
+        "peak_rss_growth_bytes": peak - rss_before,
+    }
 
 
 # ------------------------------------------------------------------------------ launcher
@@ -143,8 +159,22 @@ def run_mode(mode: str, lengths: list[int], budget: int, steps: int) -> dict:
 def _child(mode: str, lengths: list[int], args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "mode.json"
-        cmd = [sys.executable, __file__, "--mode", mode, "--out", str(out), "--rows", str(args.rows),
-               "--seed", str(args.seed), "--budget", str(args.budget), "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--mode",
+            mode,
+            "--out",
+            str(out),
+            "--rows",
+            str(args.rows),
+            "--seed",
+            str(args.seed),
+            "--budget",
+            str(args.budget),
+            "--steps",
+            str(args.steps),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
@@ -160,18 +190,39 @@ def _lora_keys(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "lora.json"
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lora_cost.py"), "--models", "medium", "--rank", "16",
-                        "--json", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "lora_cost.py"),
+                "--models",
+                "medium",
+                "--rank",
+                "16",
+                "--json",
+                str(out),
+            ],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
         medium = json.loads(out.read_text())["medium"]
     return {**{key: medium[key] for key in LORA_KEYS}, "lora": medium}
 
 
 def measure(args) -> dict:
     lengths = long_tail_lengths(args.rows, args.seed)
-    modes = {mode: {"tokens": processed_tokens(mode, lengths, args.budget), **_child(mode, lengths, args)}
-             for mode in MODES}
-    result = {"rows": args.rows, "real_tokens": sum(lengths), "longest": max(lengths), "budget": args.budget,
-              "micro_batch_size": MICRO_BATCH_SIZE, "model": MODEL, "modes": modes}
+    modes = {
+        mode: {"tokens": processed_tokens(mode, lengths, args.budget), **_child(mode, lengths, args)} for mode in MODES
+    }
+    result = {
+        "rows": args.rows,
+        "real_tokens": sum(lengths),
+        "longest": max(lengths),
+        "budget": args.budget,
+        "micro_batch_size": MICRO_BATCH_SIZE,
+        "model": MODEL,
+        "modes": modes,
+    }
     for mode, stats in modes.items():
         result[f"{mode}_tokens"] = stats["tokens"]
         result[f"{mode}_step_seconds"] = stats["step_seconds"]

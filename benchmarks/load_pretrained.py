@@ -83,7 +83,7 @@ def _plain_read(ranges: list[tuple[Path, int, int]], buffer_bytes: int) -> int:
             fd = fds.setdefault(path, os.open(path, os.O_RDONLY))
             end = offset + length
             while offset < end:
-                got = os.preadv(fd, [buffer[:min(buffer_bytes, end - offset)]], offset)
+                got = os.preadv(fd, [buffer[: min(buffer_bytes, end - offset)]], offset)
                 offset, done = offset + got, done + got
     finally:
         for fd in fds.values():
@@ -123,8 +123,15 @@ def rank_main(directory: Path, layout_name: str, buffer_bytes: int, out: Path) -
     rank = dist.get_rank()
     idle = _rss("VmRSS")
     model = read_model_config(directory)
-    policy = MegatronPolicy(model, layout, TrainConfig(micro_batch_size=1, global_batch_size=2), pg_collection=pg,
-                            trainable=False, params_dtype=torch.bfloat16, initialize=False)
+    policy = MegatronPolicy(
+        model,
+        layout,
+        TrainConfig(micro_batch_size=1, global_batch_size=2),
+        pg_collection=pg,
+        trainable=False,
+        params_dtype=torch.bfloat16,
+        initialize=False,
+    )
     share = sum(p.numel() * p.element_size() for p in global_named_parameters(policy).values())
     built = _rss("VmRSS")  # the policy's parameters (zeros, not initialised: as a pretrained run builds it)
     ranges = _byte_ranges(policy, directory, rank)
@@ -136,19 +143,25 @@ def rank_main(directory: Path, layout_name: str, buffer_bytes: int, out: Path) -
     load_seconds, report = _timed_on_all_ranks(lambda: load_hf_weights(policy, directory, buffer_bytes=buffer_bytes))
     if report.bytes_read != plain_bytes:
         raise AssertionError(f"the baseline read {plain_bytes} bytes, the loader {report.bytes_read}")
-    mine = {"share": share, "above_idle": _rss("VmHWM") - idle, "bytes_read": report.bytes_read,
-            "built": built - idle}
+    mine = {"share": share, "above_idle": _rss("VmHWM") - idle, "bytes_read": report.bytes_read, "built": built - idle}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        write_atomic(out, json.dumps({
-            "layout": f"{layout_name} ({layout.describe()})", "buffer_bytes": buffer_bytes,
-            "load_seconds": round(load_seconds, 3), "plain_read_seconds": round(plain_seconds, 3),
-            "rank_share_bytes": [m["share"] for m in everyone],
-            "rank_peak_rss_above_idle_bytes": [m["above_idle"] for m in everyone],
-            "rank_bytes_read": [m["bytes_read"] for m in everyone],
-            "rank_rss_after_build_above_idle_bytes": [m["built"] for m in everyone],
-        }))
+        write_atomic(
+            out,
+            json.dumps(
+                {
+                    "layout": f"{layout_name} ({layout.describe()})",
+                    "buffer_bytes": buffer_bytes,
+                    "load_seconds": round(load_seconds, 3),
+                    "plain_read_seconds": round(plain_seconds, 3),
+                    "rank_share_bytes": [m["share"] for m in everyone],
+                    "rank_peak_rss_above_idle_bytes": [m["above_idle"] for m in everyone],
+                    "rank_bytes_read": [m["bytes_read"] for m in everyone],
+                    "rank_rss_after_build_above_idle_bytes": [m["built"] for m in everyone],
+                }
+            ),
+        )
     dist.barrier()
 
 
@@ -157,18 +170,35 @@ def rank_main(directory: Path, layout_name: str, buffer_bytes: int, out: Path) -
 
 def _checkpoint(directory: Path, target_bytes: int) -> int:
     """The synthetic checkpoint, made in a child (its memory is not the driver's)."""
-    code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[3]); "
-            "from benchmarks.convert import write_synthetic; "
-            "print(write_synthetic(Path(sys.argv[1]), int(sys.argv[2]))[0])")
-    done = subprocess.run([sys.executable, "-c", code, str(directory), str(target_bytes), str(ROOT)],
-                          check=True, capture_output=True, text=True)
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[3]); "
+        "from benchmarks.convert import write_synthetic; "
+        "print(write_synthetic(Path(sys.argv[1]), int(sys.argv[2]))[0])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(directory), str(target_bytes), str(ROOT)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return int(done.stdout.split()[-1])
 
 
 def _case(directory: Path, layout: str, buffer_bytes: int, work: Path) -> dict:
     out = work / f"{layout}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--rank", str(directory), layout, str(buffer_bytes), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        __file__,
+        "--rank",
+        str(directory),
+        layout,
+        str(buffer_bytes),
+        str(out),
+    ]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     return json.loads(out.read_text())
 
@@ -182,7 +212,8 @@ def run(target_bytes: int, buffer_bytes: int, layouts: list[str], work: Path) ->
         case["load_over_plain_read"] = round(case["load_seconds"] / case["plain_read_seconds"], 3)
         case["rss_within_share_plus_two_buffers"] = all(
             above <= share + 2 * buffer_bytes
-            for above, share in zip(case["rank_peak_rss_above_idle_bytes"], case["rank_share_bytes"]))
+            for above, share in zip(case["rank_peak_rss_above_idle_bytes"], case["rank_share_bytes"])
+        )
         cases.append(case)
     return {"cases": cases}
 

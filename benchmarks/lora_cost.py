@@ -37,11 +37,32 @@ from hfschema.train import TrainConfig  # noqa: E402
 
 logger = logging.getLogger("lora_cost")
 
-QUICKSTART = ModelConfig(family="qwen3_moe", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                         head_dim=16, ffn_hidden_size=128, vocab_size=320, num_experts=4, moe_top_k=2,
-                         moe_ffn_hidden_size=32, qk_layernorm=True, max_position_embeddings=128)
-MEDIUM = dataclasses.replace(QUICKSTART, hidden_size=1024, num_layers=4, num_attention_heads=16, num_kv_heads=4,
-                             head_dim=64, num_experts=8, moe_ffn_hidden_size=512, vocab_size=4096)
+QUICKSTART = ModelConfig(
+    family="qwen3_moe",
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    ffn_hidden_size=128,
+    vocab_size=320,
+    num_experts=4,
+    moe_top_k=2,
+    moe_ffn_hidden_size=32,
+    qk_layernorm=True,
+    max_position_embeddings=128,
+)
+MEDIUM = dataclasses.replace(
+    QUICKSTART,
+    hidden_size=1024,
+    num_layers=4,
+    num_attention_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    num_experts=8,
+    moe_ffn_hidden_size=512,
+    vocab_size=4096,
+)
 MODELS = {"quickstart": QUICKSTART, "medium": MEDIUM}
 TARGETS = ["linear_qkv", "linear_proj", "experts"]
 
@@ -78,8 +99,14 @@ def _build(model: ModelConfig, lora: LoRAConfig | None, dtype: torch.dtype):
 
     layout = ParallelLayout()
     pg = parallel.initialize(layout, seed=0)
-    return MegatronPolicy(model, layout, TrainConfig(micro_batch_size=1, global_batch_size=1), pg_collection=pg,
-                          params_dtype=dtype, lora=lora)
+    return MegatronPolicy(
+        model,
+        layout,
+        TrainConfig(micro_batch_size=1, global_batch_size=1),
+        pg_collection=pg,
+        params_dtype=dtype,
+        lora=lora,
+    )
 
 
 def _adapter_push_bytes(policy) -> int:
@@ -99,8 +126,14 @@ def _adapter_push_bytes(policy) -> int:
     return total
 
 
-def measure(model: ModelConfig = QUICKSTART, *, rank: int = 16, alpha: float = 32.0,
-            targets: list[str] | None = None, dtype: str = "float32") -> dict:
+def measure(
+    model: ModelConfig = QUICKSTART,
+    *,
+    rank: int = 16,
+    alpha: float = 32.0,
+    targets: list[str] | None = None,
+    dtype: str = "float32",
+) -> dict:
     """Trainer bytes of full fine-tuning and of LoRA ``rank`` on ``model``, and push bytes:
     ``merged_push_bytes`` (every weight, the reshard plan's push), ``merged_changed_push_bytes``
     (only the weights the adapters change), ``adapter_push_bytes`` (the adapters alone)."""
@@ -116,11 +149,20 @@ def measure(model: ModelConfig = QUICKSTART, *, rank: int = 16, alpha: float = 3
     pushed = global_named_parameters(policy)
     changed = {f"{m.lora_name}.weight" for c in policy.chunks for _, m in adapted_modules(c)}
     result = {
-        "model": {"family": model.family, "hidden_size": model.hidden_size, "num_layers": model.num_layers,
-                  "num_experts": model.num_experts, "vocab_size": model.vocab_size},
-        "dtype": dtype, "lora_rank": rank, "lora_targets": lora.target_modules,
-        "full_ft_trainer_bytes": full["total"], "lora_trainer_bytes": lora_bytes["total"],
-        "full_ft_breakdown": full, "lora_breakdown": lora_bytes,
+        "model": {
+            "family": model.family,
+            "hidden_size": model.hidden_size,
+            "num_layers": model.num_layers,
+            "num_experts": model.num_experts,
+            "vocab_size": model.vocab_size,
+        },
+        "dtype": dtype,
+        "lora_rank": rank,
+        "lora_targets": lora.target_modules,
+        "full_ft_trainer_bytes": full["total"],
+        "lora_trainer_bytes": lora_bytes["total"],
+        "full_ft_breakdown": full,
+        "lora_breakdown": lora_bytes,
         "merged_push_bytes": _nbytes(pushed.values()),
         "merged_changed_push_bytes": _nbytes(t for n, t in pushed.items() if n in changed),
         "adapter_push_bytes": _adapter_push_bytes(policy),

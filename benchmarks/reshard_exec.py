@@ -91,13 +91,33 @@ SEED = 7
 _QWEN3_MOE = dict(family="qwen3_moe", qk_layernorm=True, max_position_embeddings=4096)
 MODELS: dict[str, ModelConfig] = {
     # ~0.80 GB in bf16: Qwen3-MoE shaped, 16 experts per layer
-    "default": ModelConfig(**_QWEN3_MOE, hidden_size=1024, num_layers=12, num_attention_heads=16,
-                           num_kv_heads=4, head_dim=64, ffn_hidden_size=2816, vocab_size=32768,
-                           num_experts=16, moe_top_k=4, moe_ffn_hidden_size=512),
+    "default": ModelConfig(
+        **_QWEN3_MOE,
+        hidden_size=1024,
+        num_layers=12,
+        num_attention_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        ffn_hidden_size=2816,
+        vocab_size=32768,
+        num_experts=16,
+        moe_top_k=4,
+        moe_ffn_hidden_size=512,
+    ),
     # ~1.5 MB: the smoke test's
-    "small": ModelConfig(**_QWEN3_MOE, hidden_size=128, num_layers=2, num_attention_heads=4,
-                         num_kv_heads=2, head_dim=32, ffn_hidden_size=256, vocab_size=1024,
-                         num_experts=8, moe_top_k=2, moe_ffn_hidden_size=64),
+    "small": ModelConfig(
+        **_QWEN3_MOE,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        ffn_hidden_size=256,
+        vocab_size=1024,
+        num_experts=8,
+        moe_top_k=2,
+        moe_ffn_hidden_size=64,
+    ),
 }
 """Vocab sizes are multiples of 128 * tp, so TP2 and TP1 pad the vocab alike (megatron-core's
 resharding checks local shapes against each other and does not know about padding)."""
@@ -120,8 +140,7 @@ CASES: tuple[Case, ...] = (
     Case(name="sglang_tp2_on_2_3", destination=SGLangSettings(tp=2), processes=(2, 3)),
     Case(name="sglang_tp2_ep2_on_0_1", destination=SGLangSettings(tp=2, ep=2), processes=(0, 1)),
     Case(name="sglang_tp2_ep2_on_2_3", destination=SGLangSettings(tp=2, ep=2), processes=(2, 3)),
-    Case(name="megatron_tp1_ep4", destination=ParallelLayout(tp=1, ep=4, dp=4),
-         processes=(0, 1, 2, 3)),
+    Case(name="megatron_tp1_ep4", destination=ParallelLayout(tp=1, ep=4, dp=4), processes=(0, 1, 2, 3)),
 )
 
 DESTINATION_LAYOUTS: dict[type, Callable[..., TensorLayout]] = {
@@ -133,7 +152,8 @@ DESTINATION_LAYOUTS: dict[type, Callable[..., TensorLayout]] = {
 NO_MEGATRON_NOTE = (
     "megatron.core.resharding refits one megatron-core model into another (both sides "
     "nn.Modules with a pg_collection, matched by Megatron parameter name); SGLang's fused "
-    "parameters (qkv_proj, gate_up_proj, w13_weight) are not a megatron-core model")
+    "parameters (qkv_proj, gate_up_proj, w13_weight) are not a megatron-core model"
+)
 
 
 # ------------------------------------------------------------------ weights and buffers
@@ -165,27 +185,23 @@ def filled_params(layout: TensorLayout, rank: int) -> dict[str, torch.Tensor]:
 
 def needed_bytes(layout: TensorLayout) -> int:
     """Bytes of every destination rank's boxes."""
-    return sum(layout.shard_nbytes(s) * len(s.ranks) for shards in layout.shards.values()
-               for s in shards)
+    return sum(layout.shard_nbytes(s) * len(s.ranks) for shards in layout.shards.values() for s in shards)
 
 
 def _model_bytes(layout: TensorLayout) -> int:
-    return sum(num_elements(tuple((0, n) for n in t.shape)) * t.itemsize
-               for t in layout.tensors.values())
+    return sum(num_elements(tuple((0, n) for n in t.shape)) * t.itemsize for t in layout.tensors.values())
 
 
 def checksum(buffers: Mapping[str, torch.Tensor]) -> float:
     """Sum of every destination element on every process (float64)."""
-    total = torch.tensor([sum(float(b.double().sum()) for b in buffers.values())],
-                         dtype=torch.float64)
+    total = torch.tensor([sum(float(b.double().sum()) for b in buffers.values())], dtype=torch.float64)
     dist.all_reduce(total)
     return float(total)
 
 
 def all_equal(buffers: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> bool:
     """Every buffer equals its expectation bit for bit, on every process."""
-    ok = buffers.keys() == expected.keys() and all(
-        torch.equal(buffers[n], expected[n]) for n in expected)
+    ok = buffers.keys() == expected.keys() and all(torch.equal(buffers[n], expected[n]) for n in expected)
     flag = torch.tensor([int(ok)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag)
@@ -265,20 +281,24 @@ def wire_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float | None:
 
 def _topology(case: Case) -> Topology:
     # one Device per process: a destination rank sharing a process with a source rank copies
-    return Topology(source=tuple(Device(node=0, gpu=p) for p in range(NUM_PROCESSES)),
-                    destination=tuple(Device(node=0, gpu=p) for p in case.processes))
+    return Topology(
+        source=tuple(Device(node=0, gpu=p) for p in range(NUM_PROCESSES)),
+        destination=tuple(Device(node=0, gpu=p) for p in case.processes),
+    )
 
 
-def executor_run(plan, processes: ProcessMap, sources, buffers, bucket_bytes: int,
-                 totals: dict) -> Callable[[], None]:
+def executor_run(plan, processes: ProcessMap, sources, buffers, bucket_bytes: int, totals: dict) -> Callable[[], None]:
     """One pass of the project's executor; ``totals`` keeps the last report's counts."""
+
     def run() -> None:
-        report = execute(plan, processes, sources=sources, destinations=buffers,
-                         bucket_bytes=bucket_bytes)
-        counts = torch.tensor([report.bytes_sent, report.bytes_copied_locally,
-                               report.peak_buffer_bytes, report.bytes_sent], dtype=torch.int64)
+        report = execute(plan, processes, sources=sources, destinations=buffers, bucket_bytes=bucket_bytes)
+        counts = torch.tensor(
+            [report.bytes_sent, report.bytes_copied_locally, report.peak_buffer_bytes, report.bytes_sent],
+            dtype=torch.int64,
+        )
         totals["rounds"] = report.rounds
         totals["counts"] = counts
+
     return run
 
 
@@ -287,9 +307,13 @@ def _executor_totals(totals: dict) -> dict:
     peak = counts[2:].clone()
     dist.all_reduce(counts)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"executor_bytes_sent": int(counts[0]), "executor_bytes_copied_locally": int(counts[1]),
-            "executor_peak_buffer_bytes": int(peak[0]), "executor_max_sent_bytes": int(peak[1]),
-            "executor_rounds": totals["rounds"]}
+    return {
+        "executor_bytes_sent": int(counts[0]),
+        "executor_bytes_copied_locally": int(counts[1]),
+        "executor_peak_buffer_bytes": int(peak[0]),
+        "executor_max_sent_bytes": int(peak[1]),
+        "executor_rounds": totals["rounds"],
+    }
 
 
 # ------------------------------------------------------------------------- baseline
@@ -297,8 +321,9 @@ def _executor_totals(totals: dict) -> dict:
 
 def _strided_group(inner: int, size: int):
     """This rank's group of ``size`` ranks ``inner`` apart (rank order, fastest axis first)."""
-    groups = sorted({tuple(r - r % (inner * size) + r % inner + inner * k for k in range(size))
-                     for r in range(NUM_PROCESSES)})
+    groups = sorted(
+        {tuple(r - r % (inner * size) + r % inner + inner * k for k in range(size)) for r in range(NUM_PROCESSES)}
+    )
     mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
     return mine
 
@@ -328,7 +353,8 @@ class GatherBroadcast:
         self.held = [self._by_param(source, r) for r in range(NUM_PROCESSES)]
         expert_size = layout.etp * layout.ep
         self.groups = {  # size -> this process's group of that many consecutive ranks
-            size: _strided_group(1, size) for size in sorted({layout.tp, expert_size}) if size > 1}
+            size: _strided_group(1, size) for size in sorted({layout.tp, expert_size}) if size > 1
+        }
         self.sizes = {"dense": layout.tp, "expert": expert_size}
         self.steps = self._steps()
 
@@ -344,8 +370,7 @@ class GatherBroadcast:
         holdings = self.held[0][param]
         if any(self.source.tensors[h.tensor].expert is not None for h in holdings):
             return self.sizes["expert"]
-        whole = all(h.region == tuple((0, n) for n in self.source.tensors[h.tensor].shape)
-                    for h in holdings)
+        whole = all(h.region == tuple((0, n) for n in self.source.tensors[h.tensor].shape) for h in holdings)
         return 1 if whole else self.sizes["dense"]
 
     def _steps(self) -> list[GatherStep]:
@@ -357,12 +382,16 @@ class GatherBroadcast:
         for param in params:
             size = self._group_size(param)
             # the tensors process 0 (the sender) completes: every process posts their broadcasts
-            tensors = tuple(dict.fromkeys(h.tensor for m in range(size)
-                                          for h in self.held[m][param] if h.tensor not in sent))
+            tensors = tuple(
+                dict.fromkeys(h.tensor for m in range(size) for h in self.held[m][param] if h.tensor not in sent)
+            )
             sent.update(tensors)
             base = me - me % size
-            steps.append(GatherStep(param=param, group=self.groups.get(size),
-                                    members=tuple(range(base, base + size)), tensors=tensors))
+            steps.append(
+                GatherStep(
+                    param=param, group=self.groups.get(size), members=tuple(range(base, base + size)), tensors=tensors
+                )
+            )
         return steps
 
     def run(self, sources, engine, counts: dict) -> None:
@@ -400,8 +429,7 @@ class GatherBroadcast:
 class Engines:
     """The engine side of the baseline: process 0 broadcasts, each engine rank slices."""
 
-    def __init__(self, destination: TensorLayout, processes: tuple[int, ...],
-                 buffers: dict[str, torch.Tensor]) -> None:
+    def __init__(self, destination: TensorLayout, processes: tuple[int, ...], buffers: dict[str, torch.Tensor]) -> None:
         me = dist.get_rank()
         self.destination, self.buffers = destination, buffers
         self.receivers = sorted({0, *processes})
@@ -435,9 +463,13 @@ def _baseline_totals(counts: dict) -> dict:
 # ------------------------------------------------------------- megatron.core.resharding
 
 TP_ATTRIBUTES = {  # Placement.rule -> (partition_dim, partition_stride) set by megatron-core
-    "qkv": (0, 1), "column": (0, 1), "vocab": (0, 1), "row": (1, 1),
+    "qkv": (0, 1),
+    "column": (0, 1),
+    "vocab": (0, 1),
+    "row": (1, 1),
     "gated_column": (0, 2),  # MLP builds fc1 with stride 2 when gated_linear_unit
-    "expert_gated_column": (0, 2), "expert_row": (1, 1),
+    "expert_gated_column": (0, 2),
+    "expert_row": (1, 1),
 }
 _SEQUENTIAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
@@ -527,19 +559,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 3)
 
 
-def run_case(case: Case, model: ModelConfig, source: TensorLayout, sources, baseline,
-             args) -> dict | None:
+def run_case(case: Case, model: ModelConfig, source: TensorLayout, sources, baseline, args) -> dict | None:
     """Every method on one case (collective); the record on rank 0, None elsewhere."""
     me = dist.get_rank()
-    destination = DESTINATION_LAYOUTS[type(case.destination)](model, case.destination,
-                                                              dtype="bfloat16")
+    destination = DESTINATION_LAYOUTS[type(case.destination)](model, case.destination, dtype="bfloat16")
     dst_rank = case.processes.index(me) if me in case.processes else None
     expected = filled_params(destination, dst_rank) if dst_rank is not None else {}
     buffers = {n: torch.zeros_like(t) for n, t in expected.items()}
-    record = {"name": case.name, "source": source.description,
-              "destination": destination.description, "destination_processes": case.processes,
-              "bytes": needed_bytes(destination), "model_bytes": _model_bytes(source),
-              "bucket_bytes": args.bucket_mb << 20, "repeats": args.repeats}
+    record = {
+        "name": case.name,
+        "source": source.description,
+        "destination": destination.description,
+        "destination_processes": case.processes,
+        "bytes": needed_bytes(destination),
+        "model_bytes": _model_bytes(source),
+        "bucket_bytes": args.bucket_mb << 20,
+        "repeats": args.repeats,
+    }
     ours = _executor_case(case, source, sources, destination, buffers, expected, args, record)
     theirs = _baseline_case(case, baseline, sources, destination, buffers, expected, args, record)
     mcore = _megatron_case(case, source, sources, destination, buffers, expected, args, record)
@@ -564,8 +600,7 @@ def _executor_case(case, source, sources, destination, buffers, expected, args, 
 def _baseline_case(case, baseline, sources, destination, buffers, expected, args, record):
     engines = Engines(destination, case.processes, buffers)
     counts = {"gather": 0, "broadcast": 0}
-    result = checked_then_timed(lambda: baseline.run(sources, engines, counts), buffers,
-                                expected, args.repeats)
+    result = checked_then_timed(lambda: baseline.run(sources, engines, counts), buffers, expected, args.repeats)
     passes = args.repeats + 1  # the warm-up and the timed ones
     record.update(_baseline_totals({k: v // passes for k, v in counts.items()}))
     _log(case, "baseline", result)
@@ -576,12 +611,12 @@ def _megatron_case(case, source, sources, destination, buffers, expected, args, 
     if not isinstance(case.destination, ParallelLayout):
         record["megatron_resharding_note"] = NO_MEGATRON_NOTE
         return None
-    plan_seconds, run = megatron_resharding(source, sources, destination, buffers,
-                                            case.destination)
+    plan_seconds, run = megatron_resharding(source, sources, destination, buffers, case.destination)
     record["megatron_resharding_plan_seconds"] = round(plan_seconds, 3)
     record["megatron_resharding_note"] = (
         "megatron-core 0.16.1 build_centralized_reshard_plan + execute_reshard_plan over its "
-        "GlooCopyService, on nn.Modules holding the same tensors (see the module docstring)")
+        "GlooCopyService, on nn.Modules holding the same tensors (see the module docstring)"
+    )
     result = checked_then_timed(run, buffers, expected, args.repeats)
     _log(case, "megatron.core.resharding", result)
     return result
@@ -589,25 +624,29 @@ def _megatron_case(case, source, sources, destination, buffers, expected, args, 
 
 def _finish(record: dict, ours: dict, theirs: dict, mcore: dict | None) -> dict:
     nbytes, ran = record["bytes"], [ours, theirs] + ([mcore] if mcore else [])
-    record.update({
-        "executor_seconds": round(ours["seconds"], 6),
-        "baseline_seconds": round(theirs["seconds"], 6),
-        "megatron_resharding_seconds": round(mcore["seconds"], 6) if mcore else None,
-        "memcpy_seconds": round(record["memcpy_seconds"], 6),
-        "executor_gbps": _gbps(nbytes, ours["seconds"]),
-        "baseline_gbps": _gbps(nbytes, theirs["seconds"]),
-        "megatron_resharding_gbps": _gbps(nbytes, mcore["seconds"]) if mcore else None,
-        "memcpy_gbps": _gbps(nbytes, record["memcpy_seconds"]),
-        "speedup_vs_baseline": _ratio(theirs["seconds"], ours["seconds"]),
-        "speedup_vs_megatron_resharding":
-            _ratio(mcore["seconds"], ours["seconds"]) if mcore else None,
-        "fraction_of_memcpy": _ratio(record["memcpy_seconds"], ours["seconds"]),
-        "wire_seconds": round(record["wire_seconds"], 6) if record["wire_seconds"] else None,
-        "fraction_of_wire": _ratio(record["wire_seconds"], ours["seconds"]),
-        "checksums_ok": all(r["ok"] and r["checksum"] == ours["checksum"] for r in ran),
-        "checksums": {"executor": ours["checksum"], "baseline": theirs["checksum"],
-                      "megatron_resharding": mcore["checksum"] if mcore else None},
-    })
+    record.update(
+        {
+            "executor_seconds": round(ours["seconds"], 6),
+            "baseline_seconds": round(theirs["seconds"], 6),
+            "megatron_resharding_seconds": round(mcore["seconds"], 6) if mcore else None,
+            "memcpy_seconds": round(record["memcpy_seconds"], 6),
+            "executor_gbps": _gbps(nbytes, ours["seconds"]),
+            "baseline_gbps": _gbps(nbytes, theirs["seconds"]),
+            "megatron_resharding_gbps": _gbps(nbytes, mcore["seconds"]) if mcore else None,
+            "memcpy_gbps": _gbps(nbytes, record["memcpy_seconds"]),
+            "speedup_vs_baseline": _ratio(theirs["seconds"], ours["seconds"]),
+            "speedup_vs_megatron_resharding": _ratio(mcore["seconds"], ours["seconds"]) if mcore else None,
+            "fraction_of_memcpy": _ratio(record["memcpy_seconds"], ours["seconds"]),
+            "wire_seconds": round(record["wire_seconds"], 6) if record["wire_seconds"] else None,
+            "fraction_of_wire": _ratio(record["wire_seconds"], ours["seconds"]),
+            "checksums_ok": all(r["ok"] and r["checksum"] == ours["checksum"] for r in ran),
+            "checksums": {
+                "executor": ours["checksum"],
+                "baseline": theirs["checksum"],
+                "megatron_resharding": mcore["checksum"] if mcore else None,
+            },
+        }
+    )
     return record
 
 
@@ -644,13 +683,24 @@ def launch(args: argparse.Namespace) -> dict:
     """Run the workers under torchrun and return their JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cases.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={NUM_PROCESSES}", __file__, "--worker", str(out),
-               "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
-               "--only", args.only] + (["--small"] if args.small else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={NUM_PROCESSES}",
+            __file__,
+            "--worker",
+            str(out),
+            "--repeats",
+            str(args.repeats),
+            "--bucket-mb",
+            str(args.bucket_mb),
+            "--only",
+            args.only,
+        ] + (["--small"] if args.small else [])
         # workers' output goes to stderr: stdout carries only the JSON
-        subprocess.run(cmd, check=True, stdout=sys.stderr,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        subprocess.run(cmd, check=True, stdout=sys.stderr, env={**os.environ, "OMP_NUM_THREADS": "1"})
         return json.loads(out.read_text())
 
 
@@ -660,8 +710,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write the JSON here (atomically)")
     parser.add_argument("--small", action="store_true", help="a ~1.5 MB model (smoke test)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes after the warm-up")
-    parser.add_argument("--bucket-mb", type=int, default=RolloutConfig().reshard_bucket_mb,
-                        help="executor bucket_bytes in MiB (default: rollout.reshard_bucket_mb)")
+    parser.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=RolloutConfig().reshard_bucket_mb,
+        help="executor bucket_bytes in MiB (default: rollout.reshard_bucket_mb)",
+    )
     parser.add_argument("--only", default="", help="run cases whose name contains this text")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

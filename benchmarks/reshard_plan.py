@@ -34,7 +34,13 @@ from hfschema.layout import ParallelLayout  # noqa: E402
 from hfschema.model import ModelConfig  # noqa: E402
 from hfschema.sglang import SGLangSettings  # noqa: E402
 from reshard import (  # noqa: E402
-    Bandwidth, PipelineSplit, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout,
+    Bandwidth,
+    PipelineSplit,
+    Topology,
+    megatron_layout,
+    plan_reshard,
+    plan_stats,
+    sglang_layout,
 )
 
 logger = logging.getLogger("reshard_plan")
@@ -42,27 +48,73 @@ logger = logging.getLogger("reshard_plan")
 MODELS: dict[str, ModelConfig] = {
     # deepseek-ai/DeepSeek-V3 config.json (MTP layer not counted)
     "DeepSeek-V3-671B": ModelConfig(
-        family="deepseek_v3", hidden_size=7168, num_layers=61, num_attention_heads=128,
-        num_kv_heads=128, ffn_hidden_size=18432, vocab_size=129280, max_position_embeddings=4096,
-        num_experts=256, moe_top_k=8, moe_ffn_hidden_size=2048, num_shared_experts=1,
-        router_score_function="sigmoid", router_expert_bias=True, router_topk_scaling_factor=2.5,
-        router_num_groups=8, router_group_topk=4, first_k_dense_layers=3, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        family="deepseek_v3",
+        hidden_size=7168,
+        num_layers=61,
+        num_attention_heads=128,
+        num_kv_heads=128,
+        ffn_hidden_size=18432,
+        vocab_size=129280,
+        max_position_embeddings=4096,
+        num_experts=256,
+        moe_top_k=8,
+        moe_ffn_hidden_size=2048,
+        num_shared_experts=1,
+        router_score_function="sigmoid",
+        router_expert_bias=True,
+        router_topk_scaling_factor=2.5,
+        router_num_groups=8,
+        router_group_topk=4,
+        first_k_dense_layers=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
     # Qwen/Qwen3-235B-A22B config.json
     "Qwen3-235B-A22B": ModelConfig(
-        family="qwen3_moe", hidden_size=4096, num_layers=94, num_attention_heads=64,
-        num_kv_heads=4, head_dim=128, ffn_hidden_size=12288, vocab_size=151936,
-        num_experts=128, moe_top_k=8, moe_ffn_hidden_size=1536, qk_layernorm=True),
+        family="qwen3_moe",
+        hidden_size=4096,
+        num_layers=94,
+        num_attention_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        ffn_hidden_size=12288,
+        vocab_size=151936,
+        num_experts=128,
+        moe_top_k=8,
+        moe_ffn_hidden_size=1536,
+        qk_layernorm=True,
+    ),
     # mistralai/Mixtral-8x22B-v0.1 config.json
     "Mixtral-8x22B": ModelConfig(
-        family="mixtral", hidden_size=6144, num_layers=56, num_attention_heads=48,
-        num_kv_heads=8, ffn_hidden_size=16384, vocab_size=32768, num_experts=8, moe_top_k=2,
-        moe_ffn_hidden_size=16384),
+        family="mixtral",
+        hidden_size=6144,
+        num_layers=56,
+        num_attention_heads=48,
+        num_kv_heads=8,
+        ffn_hidden_size=16384,
+        vocab_size=32768,
+        num_experts=8,
+        moe_top_k=2,
+        moe_ffn_hidden_size=16384,
+    ),
     # Qwen/Qwen3-30B-A3B config.json
     "Qwen3-30B-A3B": ModelConfig(
-        family="qwen3_moe", hidden_size=2048, num_layers=48, num_attention_heads=32,
-        num_kv_heads=4, head_dim=128, ffn_hidden_size=6144, vocab_size=151936,
-        num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768, qk_layernorm=True),
+        family="qwen3_moe",
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        vocab_size=151936,
+        num_experts=128,
+        moe_top_k=8,
+        moe_ffn_hidden_size=768,
+        qk_layernorm=True,
+    ),
 }
 
 
@@ -92,8 +144,7 @@ class Case:
 
 
 def _uneven(first: int, last: int) -> PipelineSplit:
-    return PipelineSplit(num_layers_in_first_pipeline_stage=first,
-                         num_layers_in_last_pipeline_stage=last)
+    return PipelineSplit(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
 
 
 LINKS: dict[str, Bandwidth] = {
@@ -106,52 +157,135 @@ LINKS: dict[str, Bandwidth] = {
 CASES: tuple[Case, ...] = (
     # NeMo-RL's refit shape (docs/design-docs/nccl-reshard-refit.md: 2.4-2.8 s on 256 H100):
     # DeepSeek-V3 Megatron PP16 x EP16 -> 8 inference engines of 32 ranks, colocated
-    Case(model="DeepSeek-V3-671B", source=ParallelLayout(pp=16, ep=16, dp=16), split=_uneven(4, 1),
-         destination=SGLangSettings(tp=32, ep=32, num_replicas=8), colocated=True, bandwidth="H100"),
-    Case(model="DeepSeek-V3-671B", source=ParallelLayout(pp=16, ep=64, dp=64), split=_uneven(4, 1),
-         destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8,
-                                    num_replicas=128), colocated=True),
-    Case(model="DeepSeek-V3-671B", source=ParallelLayout(pp=16, ep=64, dp=64), split=_uneven(4, 1),
-         destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8,
-                                    num_replicas=128), colocated=False),
-    Case(model="DeepSeek-V3-671B", source=ParallelLayout(tp=2, pp=8, ep=32, dp=32),
-         split=_uneven(7, 6), colocated=True,
-         destination=SGLangSettings(tp=16, ep=16, enable_dp_attention=True, dp_size=16,
-                                    num_replicas=32)),
-    Case(model="DeepSeek-V3-671B", source=ParallelLayout(pp=8, ep=32, dp=32), split=_uneven(7, 6),
-         destination=SGLangSettings(tp=8, ep=8, num_replicas=32), colocated=True),
-    Case(model="Qwen3-235B-A22B", source=ParallelLayout(tp=4, pp=4, ep=8, dp=8),
-         split=_uneven(23, 23), destination=SGLangSettings(tp=8, ep=8, num_replicas=16),
-         colocated=True),
-    Case(model="Qwen3-235B-A22B", source=ParallelLayout(tp=4, pp=4, ep=8, dp=8),
-         split=_uneven(23, 23), destination=SGLangSettings(tp=8, num_replicas=16),
-         colocated=False),
-    Case(model="Qwen3-235B-A22B", source=ParallelLayout(tp=2, pp=8, ep=16, dp=32),
-         split=_uneven(10, 12), colocated=True,
-         destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8,
-                                    num_replicas=64)),
-    Case(model="Mixtral-8x22B", source=ParallelLayout(tp=8, pp=4, ep=8, dp=2),
-         destination=SGLangSettings(tp=8, num_replicas=8), colocated=True),
-    Case(model="Mixtral-8x22B", source=ParallelLayout(tp=4, pp=2, ep=8, dp=16),
-         destination=SGLangSettings(tp=8, ep=8, num_replicas=16), colocated=True),
-    Case(model="Mixtral-8x22B", source=ParallelLayout(tp=8, pp=4, ep=8, dp=2),
-         destination=SGLangSettings(tp=8, num_replicas=8), colocated=False),
-    Case(model="Qwen3-30B-A3B", source=ParallelLayout(ep=8, dp=64),
-         destination=SGLangSettings(tp=4, num_replicas=16), colocated=True),
-    Case(model="Qwen3-30B-A3B", source=ParallelLayout(tp=2, pp=2, ep=8, dp=32),
-         destination=SGLangSettings(tp=8, ep=8, num_replicas=16), colocated=True),
-    Case(model="Qwen3-30B-A3B", source=ParallelLayout(tp=2, ep=8, dp=32),
-         destination=SGLangSettings(tp=2, num_replicas=32), colocated=False),
+    Case(
+        model="DeepSeek-V3-671B",
+        source=ParallelLayout(pp=16, ep=16, dp=16),
+        split=_uneven(4, 1),
+        destination=SGLangSettings(tp=32, ep=32, num_replicas=8),
+        colocated=True,
+        bandwidth="H100",
+    ),
+    Case(
+        model="DeepSeek-V3-671B",
+        source=ParallelLayout(pp=16, ep=64, dp=64),
+        split=_uneven(4, 1),
+        destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8, num_replicas=128),
+        colocated=True,
+    ),
+    Case(
+        model="DeepSeek-V3-671B",
+        source=ParallelLayout(pp=16, ep=64, dp=64),
+        split=_uneven(4, 1),
+        destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8, num_replicas=128),
+        colocated=False,
+    ),
+    Case(
+        model="DeepSeek-V3-671B",
+        source=ParallelLayout(tp=2, pp=8, ep=32, dp=32),
+        split=_uneven(7, 6),
+        colocated=True,
+        destination=SGLangSettings(tp=16, ep=16, enable_dp_attention=True, dp_size=16, num_replicas=32),
+    ),
+    Case(
+        model="DeepSeek-V3-671B",
+        source=ParallelLayout(pp=8, ep=32, dp=32),
+        split=_uneven(7, 6),
+        destination=SGLangSettings(tp=8, ep=8, num_replicas=32),
+        colocated=True,
+    ),
+    Case(
+        model="Qwen3-235B-A22B",
+        source=ParallelLayout(tp=4, pp=4, ep=8, dp=8),
+        split=_uneven(23, 23),
+        destination=SGLangSettings(tp=8, ep=8, num_replicas=16),
+        colocated=True,
+    ),
+    Case(
+        model="Qwen3-235B-A22B",
+        source=ParallelLayout(tp=4, pp=4, ep=8, dp=8),
+        split=_uneven(23, 23),
+        destination=SGLangSettings(tp=8, num_replicas=16),
+        colocated=False,
+    ),
+    Case(
+        model="Qwen3-235B-A22B",
+        source=ParallelLayout(tp=2, pp=8, ep=16, dp=32),
+        split=_uneven(10, 12),
+        colocated=True,
+        destination=SGLangSettings(tp=8, ep=8, enable_dp_attention=True, dp_size=8, num_replicas=64),
+    ),
+    Case(
+        model="Mixtral-8x22B",
+        source=ParallelLayout(tp=8, pp=4, ep=8, dp=2),
+        destination=SGLangSettings(tp=8, num_replicas=8),
+        colocated=True,
+    ),
+    Case(
+        model="Mixtral-8x22B",
+        source=ParallelLayout(tp=4, pp=2, ep=8, dp=16),
+        destination=SGLangSettings(tp=8, ep=8, num_replicas=16),
+        colocated=True,
+    ),
+    Case(
+        model="Mixtral-8x22B",
+        source=ParallelLayout(tp=8, pp=4, ep=8, dp=2),
+        destination=SGLangSettings(tp=8, num_replicas=8),
+        colocated=False,
+    ),
+    Case(
+        model="Qwen3-30B-A3B",
+        source=ParallelLayout(ep=8, dp=64),
+        destination=SGLangSettings(tp=4, num_replicas=16),
+        colocated=True,
+    ),
+    Case(
+        model="Qwen3-30B-A3B",
+        source=ParallelLayout(tp=2, pp=2, ep=8, dp=32),
+        destination=SGLangSettings(tp=8, ep=8, num_replicas=16),
+        colocated=True,
+    ),
+    Case(
+        model="Qwen3-30B-A3B",
+        source=ParallelLayout(tp=2, ep=8, dp=32),
+        destination=SGLangSettings(tp=2, num_replicas=32),
+        colocated=False,
+    ),
     # separate placement with 8 and 32 engines per trainer set: how sync time grows with replicas
-    Case(model="Qwen3-30B-A3B", source=ParallelLayout(tp=2, ep=8, dp=32),
-         destination=SGLangSettings(tp=2, num_replicas=8), colocated=False),
-    *(Case(model="Mixtral-8x22B", source=ParallelLayout(tp=8, pp=4, ep=8, dp=2),
-           destination=SGLangSettings(tp=8, num_replicas=n), colocated=False) for n in (32,)),
-    *(Case(model="Qwen3-235B-A22B", source=ParallelLayout(tp=4, pp=4, ep=8, dp=8),
-           split=_uneven(23, 23), destination=SGLangSettings(tp=8, num_replicas=n),
-           colocated=False) for n in (8, 32)),
-    *(Case(model="DeepSeek-V3-671B", source=ParallelLayout(pp=8, ep=32, dp=32), split=_uneven(7, 6),
-           destination=SGLangSettings(tp=8, ep=8, num_replicas=n), colocated=False) for n in (8, 32)),
+    Case(
+        model="Qwen3-30B-A3B",
+        source=ParallelLayout(tp=2, ep=8, dp=32),
+        destination=SGLangSettings(tp=2, num_replicas=8),
+        colocated=False,
+    ),
+    *(
+        Case(
+            model="Mixtral-8x22B",
+            source=ParallelLayout(tp=8, pp=4, ep=8, dp=2),
+            destination=SGLangSettings(tp=8, num_replicas=n),
+            colocated=False,
+        )
+        for n in (32,)
+    ),
+    *(
+        Case(
+            model="Qwen3-235B-A22B",
+            source=ParallelLayout(tp=4, pp=4, ep=8, dp=8),
+            split=_uneven(23, 23),
+            destination=SGLangSettings(tp=8, num_replicas=n),
+            colocated=False,
+        )
+        for n in (8, 32)
+    ),
+    *(
+        Case(
+            model="DeepSeek-V3-671B",
+            source=ParallelLayout(pp=8, ep=32, dp=32),
+            split=_uneven(7, 6),
+            destination=SGLangSettings(tp=8, ep=8, num_replicas=n),
+            colocated=False,
+        )
+        for n in (8, 32)
+    ),
 )
 
 
@@ -174,10 +308,12 @@ def run_case(case: Case) -> dict:
     bandwidth = LINKS[case.bandwidth]
     stats = plan_stats(plan, bandwidth=bandwidth)
     record = {
-        "model": case.model, "source": source.description,
+        "model": case.model,
+        "source": source.description,
         "destination": destination.description,
         "topology": "colocated" if case.colocated else "separate",
-        "num_gpus": case.num_gpus, "plan_seconds": round(plan_seconds, 3),
+        "num_gpus": case.num_gpus,
+        "plan_seconds": round(plan_seconds, 3),
         "plan_cpu_seconds": round(plan_cpu, 3),
         "stats_seconds": round(time.perf_counter() - wall, 3),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -185,8 +321,10 @@ def run_case(case: Case) -> dict:
         "links": case.bandwidth,
         "intra_node_gbps": bandwidth.intra_node_gbps,
         "inter_node_gbps": bandwidth.inter_node_gbps,
-        "goals": {"node_ratio_is_1": stats.inter_node_bytes == stats.node_lower_bound_bytes,
-                  "time_ratio_at_most_1_10": stats.time_ratio <= 1.10},
+        "goals": {
+            "node_ratio_is_1": stats.inter_node_bytes == stats.node_lower_bound_bytes,
+            "time_ratio_at_most_1_10": stats.time_ratio <= 1.10,
+        },
     }
     if not case.colocated:  # what relays buy: the same plan with every node fed by the trainer
         direct = plan_stats(plan_reshard(source, destination, _topology(case), max_relays=0), bandwidth=bandwidth)
@@ -217,8 +355,7 @@ def _worker(index: int) -> None:
 
 
 def _run_in_fresh_process(index: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", str(index)], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, __file__, "--worker", str(index)], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -238,11 +375,20 @@ def main(argv: list[str] | None = None) -> None:
         if args.only.lower() in case.model.lower():
             cases.append(_run_in_fresh_process(i))
             c = cases[-1]
-            logger.info("%s %s -> %s (%s): planned in %.2f s, %.0f MB; network %.2fx the node bound, "
-                        "simulated %.3g s = %.3fx the time bound; baseline %.2fx",
-                        c["model"], c["source"], c["destination"], c["topology"], c["plan_seconds"],
-                        c["peak_rss_bytes"] / 2**20, c["node_ratio"], c["simulated_seconds"],
-                        c["time_ratio"], c["baseline_ratio"])
+            logger.info(
+                "%s %s -> %s (%s): planned in %.2f s, %.0f MB; network %.2fx the node bound, "
+                "simulated %.3g s = %.3fx the time bound; baseline %.2fx",
+                c["model"],
+                c["source"],
+                c["destination"],
+                c["topology"],
+                c["plan_seconds"],
+                c["peak_rss_bytes"] / 2**20,
+                c["node_ratio"],
+                c["simulated_seconds"],
+                c["time_ratio"],
+                c["baseline_ratio"],
+            )
     text = json.dumps({"cases": cases, "summary": summary(cases)}, indent=2)
     print(text)
     if args.json:

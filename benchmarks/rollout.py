@@ -56,8 +56,17 @@ def _push(engine, weights, route: str, repeats: int):
 
 
 def _export(actor_dir: Path, out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(WORKER), "export", str(actor_dir), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(WORKER),
+        "export",
+        str(actor_dir),
+        str(out),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return [torch.load(out / f"rank{r}.pt")["tensors"] for r in range(2)]
 

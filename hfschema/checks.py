@@ -13,7 +13,9 @@ def check_choice(key: str, value: str, choices: Sequence[str]) -> None:
     """``key``'s ``value`` must be one of ``choices``."""
     if value not in choices:
         raise ConfigError(
-            "{p}{key}={value!r} is not one of: {choices}", key=key, value=value,
+            "{p}{key}={value!r} is not one of: {choices}",
+            key=key,
+            value=value,
             choices=", ".join(choices),
         )
 

@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "FAMILIES", "ConfigKeys", "Family", "MoEBlock", "RouterRule", "SGLangTraits", "family",
+    "FAMILIES",
+    "ConfigKeys",
+    "Family",
+    "MoEBlock",
+    "RouterRule",
+    "SGLangTraits",
+    "family",
 ]
 
 
@@ -62,19 +68,24 @@ def _rope(c: ConfigKeys) -> dict[str, Any]:
 def _plain_rope(c: ConfigKeys) -> float:
     rope = _rope(c)
     if rope["type"] != "default":
-        c.refuse("rope_parameters", f"rope_type {rope['type']!r}: only plain RoPE maps onto "
-                 "megatron-core for this family")
+        c.refuse(
+            "rope_parameters", f"rope_type {rope['type']!r}: only plain RoPE maps onto megatron-core for this family"
+        )
     return rope["theta"]
 
 
 def _common(c: ConfigKeys) -> dict[str, Any]:
     heads = c["num_attention_heads"]
     return dict(
-        hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
-        num_attention_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
+        hidden_size=c["hidden_size"],
+        num_layers=c["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads", heads),
         head_dim=c.get("head_dim", c["hidden_size"] // heads),
-        ffn_hidden_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-        max_position_embeddings=c["max_position_embeddings"], norm_eps=c.get("rms_norm_eps", 1e-6),
+        ffn_hidden_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        max_position_embeddings=c["max_position_embeddings"],
+        norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
 
@@ -103,8 +114,11 @@ class RouterRule:
 
 def _group_scores_differ(m) -> bool:
     # choosing every group drops no expert: the group scores are then never compared
-    return (m.router_num_groups is not None and m.router_group_topk < m.router_num_groups
-            and m.moe_top_k // m.router_group_topk != 2)
+    return (
+        m.router_num_groups is not None
+        and m.router_group_topk < m.router_num_groups
+        and m.moe_top_k // m.router_group_topk != 2
+    )
 
 
 def _sigmoid_norm_differs(m) -> bool:
@@ -120,19 +134,25 @@ _GROUP_SCORES = RouterRule(
     hf_keys=("num_experts_per_tok", "topk_group", "n_group"),
     megatron_keys=("moe_router_topk", "moe_router_group_topk", "moe_router_num_groups"),
     differs=_group_scores_differ,
-    why=("transformers' DeepseekV3TopkRouter ranks expert groups by the sum of each group's top 2 "
-         "biased scores, megatron-core's group_limited_topk by the sum of its top "
-         "moe_router_topk // moe_router_group_topk"),
-    fix=("only moe_top_k // router_group_topk = 2 (DeepSeek-V3: 8 // 4), or router_group_topk = "
-         "router_num_groups, routes alike"),
+    why=(
+        "transformers' DeepseekV3TopkRouter ranks expert groups by the sum of each group's top 2 "
+        "biased scores, megatron-core's group_limited_topk by the sum of its top "
+        "moe_router_topk // moe_router_group_topk"
+    ),
+    fix=(
+        "only moe_top_k // router_group_topk = 2 (DeepSeek-V3: 8 // 4), or router_group_topk = "
+        "router_num_groups, routes alike"
+    ),
 )
 _SIGMOID_NORM = RouterRule(
     keys=("norm_topk_prob", "moe_top_k"),
     hf_keys=("norm_topk_prob", "num_experts_per_tok"),
     megatron_keys=("moe_router_topk",),
     differs=_sigmoid_norm_differs,
-    why=("megatron-core renormalises sigmoid top-k weights exactly when moe_router_topk > 1 (it has "
-         "no switch for it), transformers exactly when norm_topk_prob is true"),
+    why=(
+        "megatron-core renormalises sigmoid top-k weights exactly when moe_router_topk > 1 (it has "
+        "no switch for it), transformers exactly when norm_topk_prob is true"
+    ),
     fix="only norm_topk_prob = (moe_top_k > 1) weighs alike",
 )
 _SOFTMAX_TOP1 = RouterRule(
@@ -140,9 +160,11 @@ _SOFTMAX_TOP1 = RouterRule(
     hf_keys=("num_experts_per_tok", "norm_topk_prob (Mixtral: always true)"),
     megatron_keys=("moe_router_topk", "moe_router_pre_softmax"),
     differs=_softmax_top1_differs,
-    why=("transformers renormalises the one softmax weight to 1.0; megatron-core refuses top-1 "
-         "softmax routing without moe_router_pre_softmax (the router would get no gradient) and "
-         "with it weighs by the softmax probability"),
+    why=(
+        "transformers renormalises the one softmax weight to 1.0; megatron-core refuses top-1 "
+        "softmax routing without moe_router_pre_softmax (the router would get no gradient) and "
+        "with it weighs by the softmax probability"
+    ),
     fix="only norm_topk_prob = false routes a top-1 model alike",
 )
 
@@ -157,7 +179,8 @@ class MoEBlock:
     module: str = "mlp"
     """The layer's MoE module in HF and SGLang names (``model.layers.{layer}.<module>.experts``)."""
     expert_names: Mapping[str, str] = field(
-        default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+        default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    )
     """Checkpoint names of each expert's gate / up / down projections (Mixtral: w1 / w3 / w2)."""
     expert_bias: bool = False
     """The router may hold DeepSeek's aux-loss-free ``gate.e_score_correction_bias``."""
@@ -224,8 +247,10 @@ class Family:
 # ------------------------------------------------------------------------- the families
 
 _SILU = ("hidden_act", "silu", "megatron_adapters builds SwiGLU (silu) MLPs only")
-_O_PROJ_BIAS = ("its attention_bias also puts a bias on o_proj (HF and SGLang alike), which "
-                "megatron-core builds only with add_bias_linear, MLP biases included")
+_O_PROJ_BIAS = (
+    "its attention_bias also puts a bias on o_proj (HF and SGLang alike), which "
+    "megatron-core builds only with add_bias_linear, MLP biases included"
+)
 _NO_QK_NORM = "the family has no per-head q/k norms (SGLang's attention builds none)"
 _PLAIN_ROUTER = "SGLang routes this family by softmax top-k, without expert bias, groups or scaling"
 _NO_DENSE = "SGLang builds every layer of this family as an MoE layer"
@@ -238,14 +263,17 @@ _MOE_FIXED: Fixed = {
     "router_num_groups": ((None,), _PLAIN_ROUTER),
     "router_topk_scaling_factor": ((None, 1.0), _PLAIN_ROUTER),
 }
-_ALL_MOE = (("mlp_only_layers", [], "only all-MoE models map onto ModelConfig"),
-            ("decoder_sparse_step", 1, "only all-MoE models map onto ModelConfig"))
+_ALL_MOE = (
+    ("mlp_only_layers", [], "only all-MoE models map onto ModelConfig"),
+    ("decoder_sparse_step", 1, "only all-MoE models map onto ModelConfig"),
+)
 _MOE_TINY = dict(num_experts_per_tok=2, norm_topk_prob=True)
 
 
 def _llama(c: ConfigKeys) -> dict[str, Any]:
-    return dict(_common(c), rope_theta=_plain_rope(c), num_experts=0,
-                attention_bias=bool(c.get("attention_bias", False)))
+    return dict(
+        _common(c), rope_theta=_plain_rope(c), num_experts=0, attention_bias=bool(c.get("attention_bias", False))
+    )
 
 
 def _qwen2(c: ConfigKeys) -> dict[str, Any]:
@@ -254,8 +282,13 @@ def _qwen2(c: ConfigKeys) -> dict[str, Any]:
 
 
 def _qwen3(c: ConfigKeys) -> dict[str, Any]:
-    return dict(_common(c), rope_theta=_plain_rope(c), num_experts=0, qk_layernorm=True,
-                attention_bias=bool(c.get("attention_bias", False)))
+    return dict(
+        _common(c),
+        rope_theta=_plain_rope(c),
+        num_experts=0,
+        qk_layernorm=True,
+        attention_bias=bool(c.get("attention_bias", False)),
+    )
 
 
 def _qwen3_moe(c: ConfigKeys) -> dict[str, Any]:
@@ -263,7 +296,8 @@ def _qwen3_moe(c: ConfigKeys) -> dict[str, Any]:
         _qwen3(c),
         # the hub's configs say num_experts; transformers 5 writes its alias num_local_experts
         num_experts=c.get("num_experts") or c["num_local_experts"],
-        moe_top_k=c["num_experts_per_tok"], moe_ffn_hidden_size=c["moe_intermediate_size"],
+        moe_top_k=c["num_experts_per_tok"],
+        moe_ffn_hidden_size=c["moe_intermediate_size"],
         norm_topk_prob=bool(c.get("norm_topk_prob", False)),
     )
 
@@ -271,8 +305,11 @@ def _qwen3_moe(c: ConfigKeys) -> dict[str, Any]:
 def _mixtral(c: ConfigKeys) -> dict[str, Any]:
     # Mixtral's intermediate_size is each expert's; it always renormalises the top-k weights.
     return dict(
-        _common(c), rope_theta=_plain_rope(c), num_experts=c["num_local_experts"],
-        moe_top_k=c["num_experts_per_tok"], moe_ffn_hidden_size=c["intermediate_size"],
+        _common(c),
+        rope_theta=_plain_rope(c),
+        num_experts=c["num_local_experts"],
+        moe_top_k=c["num_experts_per_tok"],
+        moe_ffn_hidden_size=c["intermediate_size"],
         norm_topk_prob=True,
     )
 
@@ -285,10 +322,13 @@ def _yarn(c: ConfigKeys) -> tuple[float, dict[str, Any] | None]:
         c.refuse("rope_parameters", f"rope_type {rope['type']!r}: DeepSeek-V3 maps with yarn only")
     p = rope["params"]
     scaling = dict(
-        type="yarn", factor=float(p["factor"]),
+        type="yarn",
+        factor=float(p["factor"]),
         original_max_position_embeddings=int(p["original_max_position_embeddings"]),
-        beta_fast=float(p.get("beta_fast", 32.0)), beta_slow=float(p.get("beta_slow", 1.0)),
-        mscale=float(p.get("mscale", 1.0)), mscale_all_dim=float(p.get("mscale_all_dim", 0.0)),
+        beta_fast=float(p.get("beta_fast", 32.0)),
+        beta_slow=float(p.get("beta_slow", 1.0)),
+        mscale=float(p.get("mscale", 1.0)),
+        mscale_all_dim=float(p.get("mscale_all_dim", 0.0)),
     )
     return rope["theta"], scaling
 
@@ -305,17 +345,28 @@ def _deepseek_v3(c: ConfigKeys) -> dict[str, Any]:
     groups, chosen = _deepseek_groups(c)
     common = _common(c)
     return dict(
-        common, head_dim=c["v_head_dim"], num_kv_heads=common["num_attention_heads"],
-        rope_theta=theta, rope_scaling=scaling, num_experts=c["n_routed_experts"],
-        moe_top_k=c["num_experts_per_tok"], moe_ffn_hidden_size=c["moe_intermediate_size"],
+        common,
+        head_dim=c["v_head_dim"],
+        num_kv_heads=common["num_attention_heads"],
+        rope_theta=theta,
+        rope_scaling=scaling,
+        num_experts=c["n_routed_experts"],
+        moe_top_k=c["num_experts_per_tok"],
+        moe_ffn_hidden_size=c["moe_intermediate_size"],
         # transformers always multiplies by routed_scaling_factor and renormalises by norm_topk_prob
-        num_shared_experts=c.get("n_shared_experts", 1), router_score_function="sigmoid",
-        router_expert_bias=True, router_topk_scaling_factor=float(c.get("routed_scaling_factor", 2.5)),
-        norm_topk_prob=bool(c.get("norm_topk_prob", True)), router_num_groups=groups,
-        router_group_topk=chosen, first_k_dense_layers=c.get("first_k_dense_replace", 3),
+        num_shared_experts=c.get("n_shared_experts", 1),
+        router_score_function="sigmoid",
+        router_expert_bias=True,
+        router_topk_scaling_factor=float(c.get("routed_scaling_factor", 2.5)),
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        router_num_groups=groups,
+        router_group_topk=chosen,
+        first_k_dense_layers=c.get("first_k_dense_replace", 3),
         q_lora_rank=c.get("q_lora_rank"),
-        kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
-        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+        kv_lora_rank=c["kv_lora_rank"],
+        qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"],
+        v_head_dim=c["v_head_dim"],
     )
 
 
@@ -350,8 +401,9 @@ def _deepseek_mtp(name: str, model) -> bool:
     """DeepSeek-V3's multi-token-prediction layers follow the last decoder layer
     (``model.layers.61.*`` in the released checkpoint); transformers skips them too."""
     parts = name.split(".")
-    return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-            and int(parts[2]) >= model.num_layers)
+    return (
+        len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= model.num_layers
+    )
 
 
 def _write_attention_bias(model) -> dict[str, Any]:
@@ -359,54 +411,75 @@ def _write_attention_bias(model) -> dict[str, Any]:
 
 
 def _write_qwen3_moe(model) -> dict[str, Any]:
-    return dict(num_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
-                moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.norm_topk_prob,
-                attention_bias=model.attention_bias)
+    return dict(
+        num_experts=model.num_experts,
+        num_experts_per_tok=model.moe_top_k,
+        moe_intermediate_size=model.moe_ffn_hidden_size,
+        norm_topk_prob=model.norm_topk_prob,
+        attention_bias=model.attention_bias,
+    )
 
 
 def _write_mixtral(model) -> dict[str, Any]:  # its intermediate_size is each expert's
-    return dict(num_local_experts=model.num_experts, num_experts_per_tok=model.moe_top_k,
-                intermediate_size=model.moe_ffn_hidden_size)
+    return dict(
+        num_local_experts=model.num_experts,
+        num_experts_per_tok=model.moe_top_k,
+        intermediate_size=model.moe_ffn_hidden_size,
+    )
 
 
 _FAMILY_LIST = (
     Family(
-        model_type="llama", read=_llama, write=_write_attention_bias,
+        model_type="llama",
+        read=_llama,
+        write=_write_attention_bias,
         fixed={"attention_bias": ((False,), _O_PROJ_BIAS), "qk_layernorm": ((False,), _NO_QK_NORM)},
-        hf_fixed=(_SILU, ("mlp_bias", False, "MLP biases are not supported (megatron_adapters sets "
-                          "add_bias_linear=False)")),
+        hf_fixed=(
+            _SILU,
+            ("mlp_bias", False, "MLP biases are not supported (megatron_adapters sets add_bias_linear=False)"),
+        ),
         tiny=dict(attention_bias=False),
     ),
     Family(
-        model_type="qwen2", read=_qwen2, write=lambda model: {},
+        model_type="qwen2",
+        read=_qwen2,
+        write=lambda model: {},
         fixed={
-            "attention_bias": ((True,), "Qwen2 always has q/k/v biases (SGLang's Qwen2Attention "
-                                        "builds qkv_proj.bias whatever the config says)"),
+            "attention_bias": (
+                (True,),
+                "Qwen2 always has q/k/v biases (SGLang's Qwen2Attention builds qkv_proj.bias whatever the config says)",
+            ),
             "qk_layernorm": ((False,), _NO_QK_NORM),
         },
-        hf_fixed=(_SILU, ("use_sliding_window", False, "sliding-window attention is not built by "
-                          "megatron_adapters")),
+        hf_fixed=(_SILU, ("use_sliding_window", False, "sliding-window attention is not built by megatron_adapters")),
         tiny=dict(use_sliding_window=False),
     ),
     Family(
-        model_type="qwen3", read=_qwen3, write=_write_attention_bias,
+        model_type="qwen3",
+        read=_qwen3,
+        write=_write_attention_bias,
         fixed={
             "attention_bias": ((False,), _O_PROJ_BIAS),
-            "qk_layernorm": ((True,), "Qwen3 always normalises q and k per head (SGLang's "
-                                      "Qwen3Attention builds q_norm / k_norm)"),
+            "qk_layernorm": (
+                (True,),
+                "Qwen3 always normalises q and k per head (SGLang's Qwen3Attention builds q_norm / k_norm)",
+            ),
         },
-        hf_fixed=(_SILU, ("use_sliding_window", False, "sliding-window attention is not built by "
-                          "megatron_adapters")),
+        hf_fixed=(_SILU, ("use_sliding_window", False, "sliding-window attention is not built by megatron_adapters")),
         # Qwen3ForCausalLM ties lm_head to embed_tokens as Qwen2's does; its attention is built
         # over attn_tp, its MLP (Qwen2's) over tp: DP attention is left refused until a run shows it
         tiny=dict(attention_bias=False, use_sliding_window=False),
     ),
     Family(
-        model_type="qwen3_moe", read=_qwen3_moe, write=_write_qwen3_moe,
+        model_type="qwen3_moe",
+        read=_qwen3_moe,
+        write=_write_qwen3_moe,
         fixed={
             "attention_bias": ((False,), _O_PROJ_BIAS),
-            "qk_layernorm": ((True,), "Qwen3-MoE always normalises q and k per head (SGLang's "
-                                      "Qwen3MoeAttention builds q_norm / k_norm)"),
+            "qk_layernorm": (
+                (True,),
+                "Qwen3-MoE always normalises q and k per head (SGLang's Qwen3MoeAttention builds q_norm / k_norm)",
+            ),
             # SGLang's Qwen3MoeDecoderLayer.stage_facts makes every layer sparse: mlp_only_layers
             # and decoder_sparse_step are not honoured
             **_MOE_FIXED,
@@ -420,17 +493,26 @@ _FAMILY_LIST = (
         tiny=dict(_MOE_TINY, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]),
     ),
     Family(
-        model_type="mixtral", read=_mixtral, write=_write_mixtral,
+        model_type="mixtral",
+        read=_mixtral,
+        write=_write_mixtral,
         fixed={
             "attention_bias": ((False,), "Mixtral has no attention biases"),
             "qk_layernorm": ((False,), _NO_QK_NORM),
             **_MOE_FIXED,
             "norm_topk_prob": ((True,), "SGLang's MixtralMoE always renormalises the top-k weights"),
         },
-        hf_fixed=(_SILU, ("router_jitter_noise", 0.0, "transformers multiplies the MoE block's input "
-                          "(the experts' too) by uniform noise when training; megatron_adapters adds "
-                          "none, and megatron-core's moe_input_jitter_eps would jitter the router's "
-                          "input only")),
+        hf_fixed=(
+            _SILU,
+            (
+                "router_jitter_noise",
+                0.0,
+                "transformers multiplies the MoE block's input "
+                "(the experts' too) by uniform noise when training; megatron_adapters adds "
+                "none, and megatron-core's moe_input_jitter_eps would jitter the router's "
+                "input only",
+            ),
+        ),
         router_rules=(_SOFTMAX_TOP1,),
         moe=MoEBlock(module="block_sparse_moe", expert_names={"gate": "w1", "up": "w3", "down": "w2"}),
         # MixtralForCausalLM: its own ParallelLMHead; MixtralMoE: FusedMoE(num_local_experts)
@@ -438,21 +520,36 @@ _FAMILY_LIST = (
         tiny=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
     ),
     Family(
-        model_type="deepseek_v3", read=_deepseek_v3, attention="mla",
+        model_type="deepseek_v3",
+        read=_deepseek_v3,
+        attention="mla",
         fixed={
             "attention_bias": ((False,), "MLA's projections have no biases (SGLang builds none)"),
-            "qk_layernorm": ((False,), "MLA's q_a / kv_a layernorms are always built; qk_layernorm "
-                                       "is Qwen3's per-head norm"),
+            "qk_layernorm": (
+                (False,),
+                "MLA's q_a / kv_a layernorms are always built; qk_layernorm is Qwen3's per-head norm",
+            ),
         },
         hf_fixed=(
             _SILU,
             ("rope_interleave", True, "megatron-core's MLA applies RoPE to interleaved channels"),
-            ("topk_method", "noaux_tc", "only the aux-loss-free router maps (its gate.e_score_correction_bias "
-             "is router.expert_bias; SGLang builds that tensor for noaux_tc alone)"),
-            ("scoring_func", "sigmoid", "megatron_adapters routes DeepSeek-V3 by sigmoid scores, as "
-             "transformers does whatever the key says"),
-            ("moe_layer_freq", 1, "only MoE in every layer after first_k_dense_replace maps (SGLang makes "
-             "layers with layer % moe_layer_freq != 0 dense)"),
+            (
+                "topk_method",
+                "noaux_tc",
+                "only the aux-loss-free router maps (its gate.e_score_correction_bias "
+                "is router.expert_bias; SGLang builds that tensor for noaux_tc alone)",
+            ),
+            (
+                "scoring_func",
+                "sigmoid",
+                "megatron_adapters routes DeepSeek-V3 by sigmoid scores, as transformers does whatever the key says",
+            ),
+            (
+                "moe_layer_freq",
+                1,
+                "only MoE in every layer after first_k_dense_replace maps (SGLang makes "
+                "layers with layer % moe_layer_freq != 0 dense)",
+            ),
             ("attention_bias", False, "MLA's projections map without biases (SGLang builds none)"),
         ),
         router_rules=(_GROUP_SCORES, _SIGMOID_NORM),

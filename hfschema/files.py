@@ -12,8 +12,17 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-__all__ = ["PREVIOUS_SUFFIX", "existing_ancestor", "fsync_directory", "publish_directory", "restore_previous",
-           "shard_problems", "staged_directory", "writable_directory_problem", "write_atomic"]
+__all__ = [
+    "PREVIOUS_SUFFIX",
+    "existing_ancestor",
+    "fsync_directory",
+    "publish_directory",
+    "restore_previous",
+    "shard_problems",
+    "staged_directory",
+    "writable_directory_problem",
+    "write_atomic",
+]
 
 
 def fsync_directory(path: str | os.PathLike) -> None:

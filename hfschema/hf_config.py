@@ -51,6 +51,7 @@ WEIGHT_INDEX = "model.safetensors.index.json"
 """The sharded-checkpoint index file Hugging Face uses."""
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
+
 def read_hf_config(directory: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` of a Hugging Face model directory."""
     path = Path(directory) / "config.json"
@@ -88,7 +89,8 @@ def read_model_config(directory: str | Path) -> ModelConfig:
 def side_files(directory: str | Path) -> list[Path]:
     """The directory's non-weight files (config, tokenizer, generation config, chat template)."""
     return sorted(
-        p for p in Path(directory).iterdir()
+        p
+        for p in Path(directory).iterdir()
         if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name != WEIGHT_INDEX
     )
 
@@ -103,7 +105,8 @@ HF_CONFIG_READERS: dict[str, Callable[[ConfigKeys], dict[str, Any]]] = {name: f.
 """``config.json`` ``model_type`` -> ``ModelConfig`` fields (the family is the model_type)."""
 
 IGNORED_TENSORS: dict[str, Callable[[str, ModelConfig], bool]] = {
-    name: f.ignored_tensor for name, f in FAMILIES.items() if f.ignored_tensor is not None}
+    name: f.ignored_tensor for name, f in FAMILIES.items() if f.ignored_tensor is not None
+}
 """Per family: checkpoint tensors that are not part of the model megatron builds (skipped, counted)."""
 
 

@@ -82,9 +82,7 @@ class ParallelLayout:
             if value < 1:
                 raise ConfigError("{p}{axis}={value} must be >= 1", axis=f.name, value=value)
         if self.vpp > 1 and self.pp == 1:
-            raise ConfigError(
-                "{p}vpp={vpp} needs pipeline parallelism; set {p}pp > 1 or {p}vpp=1", vpp=self.vpp
-            )
+            raise ConfigError("{p}vpp={vpp} needs pipeline parallelism; set {p}pp > 1 or {p}vpp=1", vpp=self.vpp)
         self._check_expert_grid()
 
     def _check_expert_grid(self) -> None:
@@ -96,8 +94,14 @@ class ParallelLayout:
                 "{p}etp*ep*pp = {etp}*{ep}*{pp} = {em} does not divide the world size "
                 "tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {world}; megatron-core lays experts out "
                 "as etp x ep x expert_dp x pp over the same ranks",
-                etp=self.etp, ep=self.ep, pp=self.pp, em=expert_model,
-                tp=self.tp, cp=self.cp, dp=self.dp, world=self.world_size,
+                etp=self.etp,
+                ep=self.ep,
+                pp=self.pp,
+                em=expert_model,
+                tp=self.tp,
+                cp=self.cp,
+                dp=self.dp,
+                world=self.world_size,
             )
 
     @property
@@ -152,11 +156,9 @@ class ParallelLayout:
         sizes = self._tp_sharded_sizes(model)
         for key, size in sizes.items():
             if size % self.tp:
-                valid = [d for d in divisors(model.num_attention_heads)
-                         if all(n % d == 0 for n in sizes.values())]
+                valid = [d for d in divisors(model.num_attention_heads) if all(n % d == 0 for n in sizes.values())]
                 raise ValueError(
-                    f"{prefix}.tp={self.tp} does not divide {key}={size}; "
-                    f"valid tp values: {_format_choices(valid)}"
+                    f"{prefix}.tp={self.tp} does not divide {key}={size}; valid tp values: {_format_choices(valid)}"
                 )
 
     def _check_pp(self, model: ModelConfig, prefix: str) -> None:

@@ -9,16 +9,27 @@ from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError, ParallelLayout
 from hfschema.model import ModelConfig
 
-__all__ = ["LORA_PUSHES", "LORA_TARGETS", "LoRAConfig", "adapter_params_per_rank", "check_lora_model",
-           "engine_target_modules", "target_dims"]
+__all__ = [
+    "LORA_PUSHES",
+    "LORA_TARGETS",
+    "LoRAConfig",
+    "adapter_params_per_rank",
+    "check_lora_model",
+    "engine_target_modules",
+    "target_dims",
+]
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts", "shared_experts")
 """Target names: megatron-core's attention projections, the dense MLP's projections, every
 routed expert's fc1 / fc2, the shared experts' fc1 / fc2."""
 LORA_PUSHES = ("merged", "adapter")
 """How the engine gets the trained adapters: merged into the weights, or as adapters."""
-_HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-               "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+_HF_MODULES = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
 """The Hugging Face modules (leaf names, every family here) of the dense targets."""
 
 
@@ -60,11 +71,13 @@ class LoRAConfig:
             raise ConfigError("{p}dropout={value} must be < 1", value=self.dropout)
         for name in self.target_modules:
             if name not in LORA_TARGETS:
-                raise ConfigError("{p}target_modules has {name!r}; valid targets: {valid}", name=name,
-                                  valid=", ".join(LORA_TARGETS))
+                raise ConfigError(
+                    "{p}target_modules has {name!r}; valid targets: {valid}", name=name, valid=", ".join(LORA_TARGETS)
+                )
         if not self.target_modules:
-            raise ConfigError("{p}target_modules is empty; name at least one of: {valid}",
-                              valid=", ".join(LORA_TARGETS))
+            raise ConfigError(
+                "{p}target_modules is empty; name at least one of: {valid}", valid=", ".join(LORA_TARGETS)
+            )
 
 
 def engine_target_modules(targets: list[str]) -> list[str]:
@@ -83,8 +96,11 @@ def target_dims(model: ModelConfig, target: str) -> tuple[int, int] | None:
         "linear_fc1": (hidden, 2 * model.ffn_hidden_size) if dense_layers else None,
         "linear_fc2": (model.ffn_hidden_size, hidden) if dense_layers else None,
         "experts": (hidden, model.moe_ffn_hidden_size) if model.is_moe else None,
-        "shared_experts": ((hidden, model.moe_ffn_hidden_size * model.num_shared_experts)
-                           if model.is_moe and model.num_shared_experts else None),
+        "shared_experts": (
+            (hidden, model.moe_ffn_hidden_size * model.num_shared_experts)
+            if model.is_moe and model.num_shared_experts
+            else None
+        ),
     }
     if model.kv_lora_rank:  # MLA has no linear_qkv
         dims["linear_qkv"] = None
@@ -98,16 +114,22 @@ def check_lora_model(lora: LoRAConfig, model: ModelConfig, layout: ParallelLayou
     for target in lora.target_modules:
         dims = target_dims(model, target)
         if dims is None:
-            raise ValueError(f"lora.target_modules has {target!r}, which model.family={model.family!r} "
-                             f"(num_experts={model.num_experts}, first_k_dense_layers={model.first_k_dense_layers}, "
-                             f"num_shared_experts={model.num_shared_experts}) does not have; remove it")
+            raise ValueError(
+                f"lora.target_modules has {target!r}, which model.family={model.family!r} "
+                f"(num_experts={model.num_experts}, first_k_dense_layers={model.first_k_dense_layers}, "
+                f"num_shared_experts={model.num_shared_experts}) does not have; remove it"
+            )
         if lora.rank > min(dims):
-            raise ValueError(f"lora.rank={lora.rank} is larger than {target}'s smaller dimension {min(dims)} "
-                             f"(in={dims[0]}, out={dims[1]}); lower lora.rank to <= {min(dims)}")
+            raise ValueError(
+                f"lora.rank={lora.rank} is larger than {target}'s smaller dimension {min(dims)} "
+                f"(in={dims[0]}, out={dims[1]}); lower lora.rank to <= {min(dims)}"
+            )
     experts = "experts" in lora.target_modules and model.is_moe
     if experts and lora.rank % layout.etp:
-        raise ValueError(f"lora.rank={lora.rank} with actor.parallel.etp={layout.etp}: expert adapters split their "
-                         f"rank over the etp ranks; use a lora.rank divisible by {layout.etp}")
+        raise ValueError(
+            f"lora.rank={lora.rank} with actor.parallel.etp={layout.etp}: expert adapters split their "
+            f"rank over the etp ranks; use a lora.rank divisible by {layout.etp}"
+        )
 
 
 def _pair(rank: int, dims: tuple[int, int], tp: int, column: bool) -> int:
@@ -116,8 +138,9 @@ def _pair(rank: int, dims: tuple[int, int], tp: int, column: bool) -> int:
     return rank * (fan_in + fan_out // tp) if column else rank * (fan_in // tp + fan_out)
 
 
-def adapter_params_per_rank(lora: LoRAConfig, model: ModelConfig, layout: ParallelLayout,
-                            *, moe_layer: bool) -> tuple[int, int]:
+def adapter_params_per_rank(
+    lora: LoRAConfig, model: ModelConfig, layout: ParallelLayout, *, moe_layer: bool
+) -> tuple[int, int]:
     """(dense, routed-expert) adapter parameters one rank holds for one layer (MoE or dense)."""
     if not lora.enabled:
         return 0, 0

@@ -15,8 +15,14 @@ from hfschema.families import FAMILIES, RouterRule
 from hfschema.layout import ConfigError
 
 __all__ = [
-    "FAMILY_DERIVED", "FAMILY_FIXED", "MODEL_FAMILIES", "MOE_FAMILIES", "ROUTER_RULES", "ModelConfig",
-    "RopeScalingConfig", "RouterRule",
+    "FAMILY_DERIVED",
+    "FAMILY_FIXED",
+    "MODEL_FAMILIES",
+    "MOE_FAMILIES",
+    "ROUTER_RULES",
+    "ModelConfig",
+    "RopeScalingConfig",
+    "RouterRule",
 ]
 
 MODEL_FAMILIES = tuple(FAMILIES)
@@ -143,15 +149,37 @@ class ModelConfig:
         for key in FAMILY_DERIVED:
             if getattr(self, key) is None:
                 setattr(self, key, FAMILY_FIXED[self.family][key][0][0])
-        check_positive(self, (
-            "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
-            "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rope_theta", "norm_eps",
-            "moe_top_k", "moe_ffn_hidden_size", "router_topk_scaling_factor", "q_lora_rank",
-        ))
-        check_non_negative(self, (
-            "num_experts", "num_shared_experts", "first_k_dense_layers", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        ))
+        check_positive(
+            self,
+            (
+                "hidden_size",
+                "num_layers",
+                "num_attention_heads",
+                "num_kv_heads",
+                "head_dim",
+                "ffn_hidden_size",
+                "vocab_size",
+                "max_position_embeddings",
+                "rope_theta",
+                "norm_eps",
+                "moe_top_k",
+                "moe_ffn_hidden_size",
+                "router_topk_scaling_factor",
+                "q_lora_rank",
+            ),
+        )
+        check_non_negative(
+            self,
+            (
+                "num_experts",
+                "num_shared_experts",
+                "first_k_dense_layers",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+            ),
+        )
         self._check_attention()
         self._check_family()
         self._check_moe()
@@ -165,13 +193,15 @@ class ModelConfig:
             return
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
-                "{p}hidden_size={h} is not divisible by {p}num_attention_heads={n}; "
-                "set {p}head_dim explicitly", h=self.hidden_size, n=self.num_attention_heads,
+                "{p}hidden_size={h} is not divisible by {p}num_attention_heads={n}; set {p}head_dim explicitly",
+                h=self.hidden_size,
+                n=self.num_attention_heads,
             )
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
                 "{p}num_kv_heads={kv} does not divide {p}num_attention_heads={n}",
-                kv=self.num_kv_heads, n=self.num_attention_heads,
+                kv=self.num_kv_heads,
+                n=self.num_attention_heads,
             )
 
     def _check_family(self) -> None:
@@ -179,16 +209,17 @@ class ModelConfig:
             raise ConfigError(
                 "{p}family={fam!r} uses MLA: set {p}kv_lora_rank, {p}qk_nope_head_dim, "
                 "{p}qk_rope_head_dim and {p}v_head_dim > 0 (got kv_lora_rank={r})",
-                fam=self.family, r=self.kv_lora_rank,
+                fam=self.family,
+                r=self.kv_lora_rank,
             )
         if self.family in MOE_FAMILIES and not self.is_moe:
-            raise ConfigError(
-                "{p}family={fam!r} is an MoE family: set {p}num_experts > 0", fam=self.family
-            )
+            raise ConfigError("{p}family={fam!r} is an MoE family: set {p}num_experts > 0", fam=self.family)
         if self.family not in MOE_FAMILIES and self.is_moe:
             raise ConfigError(
                 "{p}family={fam!r} is dense: set {p}num_experts=0 (got {e}), or use one of {moe}",
-                fam=self.family, e=self.num_experts, moe=", ".join(MOE_FAMILIES),
+                fam=self.family,
+                e=self.num_experts,
+                moe=", ".join(MOE_FAMILIES),
             )
 
     def _check_family_fixed(self) -> None:
@@ -198,7 +229,10 @@ class ModelConfig:
             if value not in allowed:
                 raise ConfigError(
                     "{p}{key}={value} with {p}family={fam!r}: {why}; set {p}{key}={fix}",
-                    key=key, value=_text(value), fam=self.family, why=why,
+                    key=key,
+                    value=_text(value),
+                    fam=self.family,
+                    why=why,
                     fix=_text(allowed[0]),
                 )
 
@@ -207,21 +241,26 @@ class ModelConfig:
             if rule.differs(self):
                 settings = ", ".join(f"{{p}}{key}={_text(getattr(self, key))}" for key in rule.keys)
                 raise ConfigError(
-                    settings + " (config.json {hf}; megatron-core {mc}) with {p}family={fam!r}: "
-                    "{why}; {fix}", hf=", ".join(rule.hf_keys), mc=", ".join(rule.megatron_keys),
-                    fam=self.family, why=rule.why, fix=rule.fix,
+                    settings + " (config.json {hf}; megatron-core {mc}) with {p}family={fam!r}: {why}; {fix}",
+                    hf=", ".join(rule.hf_keys),
+                    mc=", ".join(rule.megatron_keys),
+                    fam=self.family,
+                    why=rule.why,
+                    fix=rule.fix,
                 )
 
     def _check_moe(self) -> None:
         if self.first_k_dense_layers >= self.num_layers:
             raise ConfigError(
                 "{p}first_k_dense_layers={k} must be < {p}num_layers={n}",
-                k=self.first_k_dense_layers, n=self.num_layers,
+                k=self.first_k_dense_layers,
+                n=self.num_layers,
             )
         if self.is_moe and self.moe_top_k > self.num_experts:
             raise ConfigError(
                 "{p}moe_top_k={k} must be <= {p}num_experts={e}",
-                k=self.moe_top_k, e=self.num_experts,
+                k=self.moe_top_k,
+                e=self.num_experts,
             )
 
     def _check_router(self) -> None:
@@ -236,7 +275,8 @@ class ModelConfig:
         if (groups is None) != (group_topk is None):
             raise ConfigError(
                 "{p}router_num_groups={g} and {p}router_group_topk={k}: set both or neither",
-                g=groups, k=group_topk,
+                g=groups,
+                k=group_topk,
             )
         if groups is not None:
             self._check_router_groups(groups, group_topk)
@@ -245,12 +285,14 @@ class ModelConfig:
         if groups <= 0 or not 0 < group_topk <= groups:
             raise ConfigError(
                 "{p}router_group_topk={k} must be in 1..{p}router_num_groups={g}",
-                k=group_topk, g=groups,
+                k=group_topk,
+                g=groups,
             )
         if self.num_experts % groups:
             raise ConfigError(
                 "{p}router_num_groups={g} does not divide {p}num_experts={e}",
-                g=groups, e=self.num_experts,
+                g=groups,
+                e=self.num_experts,
             )
 
     @property

@@ -33,8 +33,10 @@ CHECKPOINT_META = "hybridflow.json"
 """The metadata file of every megatron checkpoint the project writes (``checkpoint.META_FILE``)."""
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """Any one of these makes a loadable tokenizer (fast JSON, SentencePiece, or BPE vocab + merges)."""
-_FIX = ("set model.path to a Hugging Face model directory (config.json, *.safetensors, tokenizer "
-        "files) or to a checkpoint written by `hybridflow convert hf-to-mcore`")
+_FIX = (
+    "set model.path to a Hugging Face model directory (config.json, *.safetensors, tokenizer "
+    "files) or to a checkpoint written by `hybridflow convert hf-to-mcore`"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,9 +75,11 @@ def _checkpoint_files(directory: Path) -> Path:
     run_model = directory.resolve().parent.parent.parent / "model"
     if directory.resolve().parent.parent.name == "checkpoints" and (run_model / "config.json").is_file():
         return run_model
-    raise ValueError(f"model.path={directory}: a megatron checkpoint without {SIDE_FILE_DIR}/config.json "
-                     "and not inside a run directory; convert the model with `hybridflow convert "
-                     "hf-to-mcore`, which keeps its config and tokenizer beside the weights")
+    raise ValueError(
+        f"model.path={directory}: a megatron checkpoint without {SIDE_FILE_DIR}/config.json "
+        "and not inside a run directory; convert the model with `hybridflow convert "
+        "hf-to-mcore`, which keeps its config and tokenizer beside the weights"
+    )
 
 
 def _check_weights(directory: Path) -> None:
@@ -87,19 +91,22 @@ def _check_weights(directory: Path) -> None:
             raise ValueError(f"{index}: not a safetensors index ({error!r}); download the model again") from None
         missing = sorted(f for f in files if not (directory / f).is_file())
         if missing:
-            raise ValueError(f"{index} lists {', '.join(missing)}, missing from {directory}; download "
-                             "the whole model again (an interrupted download leaves shards out)")
+            raise ValueError(
+                f"{index} lists {', '.join(missing)}, missing from {directory}; download "
+                "the whole model again (an interrupted download leaves shards out)"
+            )
     elif not any(directory.glob("*.safetensors")):
         other = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = (f" ({', '.join(other[:3])} are not read: save the model with safe_serialization=True)"
-                if other else "")
+        hint = f" ({', '.join(other[:3])} are not read: save the model with safe_serialization=True)" if other else ""
         raise ValueError(f"model.path={directory}: config.json but no *.safetensors weights{hint}; {_FIX}")
 
 
 def _check_tokenizer(files: Path) -> None:
     if not any((files / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"{files}: no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); copy the "
-                         "model's tokenizer files into it (the run tokenises prompts with them)")
+        raise ValueError(
+            f"{files}: no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); copy the "
+            "model's tokenizer files into it (the run tokenises prompts with them)"
+        )
 
 
 def check_padded_vocab(source: ModelSource, padded_vocab: int, tp: int) -> None:
@@ -110,9 +117,11 @@ def check_padded_vocab(source: ModelSource, padded_vocab: int, tp: int) -> None:
     meta = json.loads((source.weights / CHECKPOINT_META).read_text())
     stored = meta.get("padded_vocab_size")
     if stored is not None and stored != padded_vocab:
-        raise ValueError(f"model.path={source.weights} holds vocabulary rows padded to {stored}, but "
-                         f"actor.parallel.tp={tp} pads to {padded_vocab}; convert it again with "
-                         f"`hybridflow convert hf-to-mcore --tp {tp}` or start from the Hugging Face directory")
+        raise ValueError(
+            f"model.path={source.weights} holds vocabulary rows padded to {stored}, but "
+            f"actor.parallel.tp={tp} pads to {padded_vocab}; convert it again with "
+            f"`hybridflow convert hf-to-mcore --tp {tp}` or start from the Hugging Face directory"
+        )
 
 
 def has_chat_template(files: str | Path) -> bool:
@@ -144,6 +153,8 @@ def architecture(source: ModelSource, explicit: Mapping[str, Any]) -> dict[str, 
         if key == "rope_scaling" and theirs is not None:
             theirs = dataclasses.asdict(theirs)
         if value != theirs:
-            raise ValueError(f"model.{key}={value!r} contradicts {where} ({theirs!r}); remove model.{key}: "
-                             "model.path sets the architecture")
+            raise ValueError(
+                f"model.{key}={value!r} contradicts {where} ({theirs!r}); remove model.{key}: "
+                "model.path sets the architecture"
+            )
     return values

@@ -53,15 +53,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         check_choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
-        check_positive(
-            self, ("lr", "adam_eps", "micro_batch_size", "global_batch_size", "lr_decay_steps")
-        )
+        check_positive(self, ("lr", "adam_eps", "micro_batch_size", "global_batch_size", "lr_decay_steps"))
         check_non_negative(self, ("min_lr", "weight_decay", "lr_warmup_steps", "clip_grad"))
         if self.min_lr > self.lr:
             raise ConfigError("{p}min_lr={m} must be <= {p}lr={lr}", m=self.min_lr, lr=self.lr)
         if self.critic_lr is not None and (self.critic_lr <= 0 or self.critic_lr < self.min_lr):
-            raise ConfigError("{p}critic_lr={c} must be > 0 and >= {p}min_lr={m} (null: {p}lr)",
-                              c=self.critic_lr, m=self.min_lr)
+            raise ConfigError(
+                "{p}critic_lr={c} must be > 0 and >= {p}min_lr={m} (null: {p}lr)", c=self.critic_lr, m=self.min_lr
+            )
         for key in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError("{p}{key}={v} must be in [0, 1)", key=key, v=getattr(self, key))
@@ -73,7 +72,8 @@ class TrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 "{p}global_batch_size={g} is not a multiple of {p}micro_batch_size={m}",
-                g=self.global_batch_size, m=self.micro_batch_size,
+                g=self.global_batch_size,
+                m=self.micro_batch_size,
             )
 
     def for_critic(self) -> "TrainConfig":

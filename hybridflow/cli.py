@@ -65,34 +65,34 @@ SLURM_DEFAULTS = _field_defaults(SlurmJob, ("rdzv_port", "max_restarts", "signal
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hybridflow", description="RL post-training for MoE LLMs on megatron-core."
-    )
+    parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training for MoE LLMs on megatron-core.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    plan = commands.add_parser(
-        "plan", help="validate a config and print its resolved form, model size and layouts"
-    )
+    plan = commands.add_parser("plan", help="validate a config and print its resolved form, model size and layouts")
+    plan.add_argument("config", metavar="CONFIG", help="YAML config file, e.g. configs/quickstart_cpu.yaml")
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides, e.g. train.lr=3e-4")
     plan.add_argument(
-        "config", metavar="CONFIG", help="YAML config file, e.g. configs/quickstart_cpu.yaml"
-    )
-    plan.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="overrides, e.g. train.lr=3e-4"
-    )
-    plan.add_argument(
-        "--world-size", type=int, default=None, metavar="N",
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
         help="check that the actor layout fills exactly N ranks",
     )
     plan.add_argument(
-        "--no-reshard", action="store_true",
+        "--no-reshard",
+        action="store_true",
         help="skip planning the actor -> rollout weight sync (about 1 s for a 671B model)",
     )
     plan.add_argument(
-        "--mermaid", action="store_true",
+        "--mermaid",
+        action="store_true",
         help="print only the dataflow graph, as a mermaid flowchart",
     )
     plan.add_argument(
-        "--device-memory-gib", type=float, default=80.0, metavar="G",
+        "--device-memory-gib",
+        type=float,
+        default=80.0,
+        metavar="G",
         help="memory of one GPU that the per-GPU estimate is checked against (default 80)",
     )
     plan.set_defaults(handler=_plan)
@@ -103,9 +103,7 @@ def _build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
     selftest.add_argument("--steps", type=int, default=8, metavar="N", help="training steps")
     selftest.set_defaults(handler=_selftest)
-    train = commands.add_parser(
-        "train", help="run the config's job (SFT and/or RL) on every rank under torchrun"
-    )
+    train = commands.add_parser("train", help="run the config's job (SFT and/or RL) on every rank under torchrun")
     train.add_argument("config", metavar="CONFIG", help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
     _add_verbose(train)
@@ -117,26 +115,51 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_launch_parser(commands) -> None:
-    launch = commands.add_parser(
-        "launch", help="run the job on one node of several: torchrun with a c10d rendezvous"
-    )
+    launch = commands.add_parser("launch", help="run the job on one node of several: torchrun with a c10d rendezvous")
     launch.add_argument("config", metavar="CONFIG", help="YAML config file")
     launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
     launch.add_argument("--nnodes", type=int, required=True, metavar="N", help="nodes in the job")
-    launch.add_argument("--nproc-per-node", type=int, required=True, metavar="G",
-                        help="ranks on each node (one per GPU); N*G must fill the actor's layout")
-    launch.add_argument("--node-rank", type=int, default=None, metavar="R",
-                        help="this node's index; 0 hosts the rendezvous (default: whether HOST is this machine)")
-    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                        help="rendezvous on the first node; required with --nnodes > 1")
-    launch.add_argument("--rdzv-id", default=SUPPRESS, metavar="ID",
-                        help=f"job id shared by all nodes of the job (default {LAUNCH_DEFAULTS['rdzv_id']})")
-    launch.add_argument("--max-restarts", type=int, default=SUPPRESS, metavar="K",
-                        help="restart all workers up to K times after a failure; they resume "
-                             f"(default {LAUNCH_DEFAULTS['max_restarts']})")
-    launch.add_argument("--rdzv-wait-s", type=float, default=SUPPRESS, metavar="S",
-                        help="seconds a node waits for the rendezvous endpoint to answer "
-                             f"(default {LAUNCH_DEFAULTS['rdzv_wait_s']:g})")
+    launch.add_argument(
+        "--nproc-per-node",
+        type=int,
+        required=True,
+        metavar="G",
+        help="ranks on each node (one per GPU); N*G must fill the actor's layout",
+    )
+    launch.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="this node's index; 0 hosts the rendezvous (default: whether HOST is this machine)",
+    )
+    launch.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="rendezvous on the first node; required with --nnodes > 1",
+    )
+    launch.add_argument(
+        "--rdzv-id",
+        default=SUPPRESS,
+        metavar="ID",
+        help=f"job id shared by all nodes of the job (default {LAUNCH_DEFAULTS['rdzv_id']})",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=SUPPRESS,
+        metavar="K",
+        help="restart all workers up to K times after a failure; they resume "
+        f"(default {LAUNCH_DEFAULTS['max_restarts']})",
+    )
+    launch.add_argument(
+        "--rdzv-wait-s",
+        type=float,
+        default=SUPPRESS,
+        metavar="S",
+        help=f"seconds a node waits for the rendezvous endpoint to answer (default {LAUNCH_DEFAULTS['rdzv_wait_s']:g})",
+    )
     launch.add_argument(
         "--join-timeout-s",
         type=float,
@@ -149,9 +172,13 @@ def _add_launch_parser(commands) -> None:
 
 
 def _add_verbose(command) -> None:
-    command.add_argument("-v", "--verbose", action="store_true",
-                         help="show megatron-core's and SGLang's own logs and warnings too (run.verbose=true); "
-                              "they are always in <run.output_dir>/logs/")
+    command.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show megatron-core's and SGLang's own logs and warnings too (run.verbose=true); "
+        "they are always in <run.output_dir>/logs/",
+    )
 
 
 def _add_slurm_parser(commands) -> None:
@@ -161,27 +188,63 @@ def _add_slurm_parser(commands) -> None:
     slurm.add_argument("config", metavar="CONFIG", help="YAML config file")
     slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides")
     slurm.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes to allocate")
-    slurm.add_argument("--gpus-per-node", type=int, required=True, metavar="G",
-                       help="GPUs per node, one rank each; 0 for a CPU job (no GPU requested)")
-    slurm.add_argument("--nproc-per-node", type=int, default=None, metavar="P",
-                       help="ranks per node (default: G, or on CPU the actor's ranks / N)")
-    for name, example in (("partition", "gpu"), ("account", "proj123"), ("time", "04:00:00"),
-                          ("qos", "high"), ("mem", "0")):
+    slurm.add_argument(
+        "--gpus-per-node",
+        type=int,
+        required=True,
+        metavar="G",
+        help="GPUs per node, one rank each; 0 for a CPU job (no GPU requested)",
+    )
+    slurm.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="P",
+        help="ranks per node (default: G, or on CPU the actor's ranks / N)",
+    )
+    for name, example in (
+        ("partition", "gpu"),
+        ("account", "proj123"),
+        ("time", "04:00:00"),
+        ("qos", "high"),
+        ("mem", "0"),
+    ):
         slurm.add_argument(f"--{name}", default=None, metavar=name.upper(), help=f"#SBATCH --{name}, e.g. {example}")
-    slurm.add_argument("--cpus-per-task", type=int, default=None, metavar="C",
-                       help="CPUs per node for its torchrun and ranks")
+    slurm.add_argument(
+        "--cpus-per-task", type=int, default=None, metavar="C", help="CPUs per node for its torchrun and ranks"
+    )
     slurm.add_argument("--job-name", default=None, metavar="NAME", help="default: hybridflow-<run.name>")
-    slurm.add_argument("--rdzv-port", type=int, default=SUPPRESS, metavar="PORT",
-                       help=f"rendezvous port on the first node (default {SLURM_DEFAULTS['rdzv_port']})")
-    slurm.add_argument("--max-restarts", type=int, default=SUPPRESS, metavar="K",
-                       help=f"torchrun restarts within one allocation (default {SLURM_DEFAULTS['max_restarts']})")
-    slurm.add_argument("--signal-lead-s", type=int, default=SUPPRESS, metavar="S",
-                       help="requeue the job this many seconds before its time limit "
-                            f"(default {SLURM_DEFAULTS['signal_lead_s']})")
-    slurm.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                       help="export NAME=VALUE in the script (repeatable)")
-    slurm.add_argument("--sbatch-option", action="append", default=[], metavar="--OPT=VAL",
-                       help="one more #SBATCH option, given as --sbatch-option=--constraint=h100 (repeatable)")
+    slurm.add_argument(
+        "--rdzv-port",
+        type=int,
+        default=SUPPRESS,
+        metavar="PORT",
+        help=f"rendezvous port on the first node (default {SLURM_DEFAULTS['rdzv_port']})",
+    )
+    slurm.add_argument(
+        "--max-restarts",
+        type=int,
+        default=SUPPRESS,
+        metavar="K",
+        help=f"torchrun restarts within one allocation (default {SLURM_DEFAULTS['max_restarts']})",
+    )
+    slurm.add_argument(
+        "--signal-lead-s",
+        type=int,
+        default=SUPPRESS,
+        metavar="S",
+        help=f"requeue the job this many seconds before its time limit (default {SLURM_DEFAULTS['signal_lead_s']})",
+    )
+    slurm.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="export NAME=VALUE in the script (repeatable)"
+    )
+    slurm.add_argument(
+        "--sbatch-option",
+        action="append",
+        default=[],
+        metavar="--OPT=VAL",
+        help="one more #SBATCH option, given as --sbatch-option=--constraint=h100 (repeatable)",
+    )
     mode = slurm.add_mutually_exclusive_group()
     mode.add_argument("--submit", action="store_true", help="also sbatch the script and print the job id")
     mode.add_argument("--dry-run", action="store_true", help="only print the script; write nothing")
@@ -191,12 +254,17 @@ def _add_slurm_parser(commands) -> None:
 def _weights_line(model) -> str:
     """Where the run's weights come from, as planned."""
     if not model.path:
-        return "weights: random initialisation (model.init=random)" if model.init == "random" else \
-            "weights: random initialisation: no model.path is set (refused on GPUs and Slurm)"
+        return (
+            "weights: random initialisation (model.init=random)"
+            if model.init == "random"
+            else "weights: random initialisation: no model.path is set (refused on GPUs and Slurm)"
+        )
     if not os.path.exists(os.path.expanduser(model.path)):
         return f"weights: model.path={model.path} does not exist here: the shape above is the config's model.* keys"
-    return f"weights: {model.path} ({'random init, its architecture' if model.init == 'random' else 'pretrained'}); " \
-           "shape from its config.json"
+    return (
+        f"weights: {model.path} ({'random init, its architecture' if model.init == 'random' else 'pretrained'}); "
+        "shape from its config.json"
+    )
 
 
 def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
@@ -239,9 +307,15 @@ def _selftest(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps={args.steps} must be >= 2 to see the loss move")
     nproc = cfg.actor.parallel.world_size
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", "hybridflow.selftest",
-        args.config, *args.overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "hybridflow.selftest",
+        args.config,
+        *args.overrides,
     ]
     env = {**os.environ, "HYBRIDFLOW_SELFTEST_STEPS": str(args.steps)}
     # Several ranks on few cores: one thread each avoids oversubscription.
@@ -255,15 +329,26 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     preflight(cfg)
-    return launch_train(cfg.actor.parallel, args.config, args.overrides, rollout=cfg.rollout.describe(),
-                        engine_ranks=engine_ranks(cfg), output_dir=cfg.run.output_dir)
+    return launch_train(
+        cfg.actor.parallel,
+        args.config,
+        args.overrides,
+        rollout=cfg.rollout.describe(),
+        engine_ranks=engine_ranks(cfg),
+        output_dir=cfg.run.output_dir,
+    )
 
 
 def _launch(args: argparse.Namespace) -> int:
     from launch.multinode import hosts_rendezvous, launch
 
-    spec = LaunchSpec(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, **_given(args, LAUNCH_DEFAULTS))
+    spec = LaunchSpec(
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        **_given(args, LAUNCH_DEFAULTS),
+    )
     cfg = load_config(args.config, args.overrides)
     spec.check_layout(cfg.actor.parallel, engine_ranks(cfg))
     check_separate_nodes(cfg, spec.nproc_per_node)
@@ -289,15 +374,30 @@ def _slurm(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     job = slurm.SlurmJob(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-        nproc_per_node=slurm.nproc_per_node(cfg.actor.parallel, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                                            requested=args.nproc_per_node, engine_ranks=engine_ranks(cfg)),
-        job_name=args.job_name or f"hybridflow-{cfg.run.name}", partition=args.partition, account=args.account,
-        time=args.time, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem, env=_env_pairs(args.env),
-        extra_directives=tuple(args.sbatch_option), **_given(args, SLURM_DEFAULTS))
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        nproc_per_node=slurm.nproc_per_node(
+            cfg.actor.parallel,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            requested=args.nproc_per_node,
+            engine_ranks=engine_ranks(cfg),
+        ),
+        job_name=args.job_name or f"hybridflow-{cfg.run.name}",
+        partition=args.partition,
+        account=args.account,
+        time=args.time,
+        qos=args.qos,
+        cpus_per_task=args.cpus_per_task,
+        mem=args.mem,
+        env=_env_pairs(args.env),
+        extra_directives=tuple(args.sbatch_option),
+        **_given(args, SLURM_DEFAULTS),
+    )
     check_slurm_run(cfg, job, dry_run=args.dry_run)
-    run_dir, text = slurm.sbatch_for_run(job, config=args.config, overrides=args.overrides,
-                                         output_dir=cfg.run.output_dir)
+    run_dir, text = slurm.sbatch_for_run(
+        job, config=args.config, overrides=args.overrides, output_dir=cfg.run.output_dir
+    )
     print(text, end="")
     if args.dry_run:
         return 0
@@ -325,10 +425,16 @@ def _add_convert_options(parser: argparse.ArgumentParser, dtype_help: str) -> No
         "--out", required=True, metavar="DIR", help="output directory (written as DIR.tmp, then renamed)"
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help=dtype_help)
-    parser.add_argument("--buffer-bytes", type=_byte_size, default=DEFAULT_BUFFER_BYTES, metavar="N",
-                        help=f"tensor data held in memory at a time (default {DEFAULT_BUFFER_BYTES >> 20}M)")
-    parser.add_argument("--checksums", action="store_true",
-                        help="also verify the CRC32 of every tensor by reading the output back")
+    parser.add_argument(
+        "--buffer-bytes",
+        type=_byte_size,
+        default=DEFAULT_BUFFER_BYTES,
+        metavar="N",
+        help=f"tensor data held in memory at a time (default {DEFAULT_BUFFER_BYTES >> 20}M)",
+    )
+    parser.add_argument(
+        "--checksums", action="store_true", help="also verify the CRC32 of every tensor by reading the output back"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 
 
@@ -337,25 +443,46 @@ def _add_convert_parser(commands) -> None:
     directions = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     to_mcore = directions.add_parser("hf-to-mcore", help="Hugging Face safetensors -> megatron-core torch_dist")
     to_mcore.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face model directory")
-    for axis, text in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"),
-                       ("ep", "expert"), ("etp", "expert tensor")):
-        to_mcore.add_argument(f"--{axis}", type=int, default=1, metavar="N",
-                              help=f"{text}-parallel size the checkpoint is for (checked against the model)")
+    for axis, text in (
+        ("tp", "tensor"),
+        ("pp", "pipeline"),
+        ("vpp", "virtual pipeline"),
+        ("ep", "expert"),
+        ("etp", "expert tensor"),
+    ):
+        to_mcore.add_argument(
+            f"--{axis}",
+            type=int,
+            default=1,
+            metavar="N",
+            help=f"{text}-parallel size the checkpoint is for (checked against the model)",
+        )
     _add_convert_options(to_mcore, "store tensors in this dtype (default: as in the HF files)")
     to_mcore.set_defaults(handler=_convert_hf_to_mcore)
     to_hf = directions.add_parser("mcore-to-hf", help="megatron-core torch_dist -> Hugging Face safetensors")
     to_hf.add_argument("--mcore", required=True, metavar="DIR", help="megatron-core checkpoint directory")
-    hf_config_help = ("HF directory whose config.json and tokenizer to use (default: the ones hf-to-mcore "
-                      "stored in the checkpoint, or the run's model/ for a checkpoint in its run directory)")
+    hf_config_help = (
+        "HF directory whose config.json and tokenizer to use (default: the ones hf-to-mcore "
+        "stored in the checkpoint, or the run's model/ for a checkpoint in its run directory)"
+    )
     to_hf.add_argument("--hf-config", default=None, metavar="DIR", help=hf_config_help)
-    to_hf.add_argument("--shard-bytes", type=_byte_size, default=DEFAULT_SHARD_BYTES, metavar="N",
-                       help=f"largest safetensors shard (default {DEFAULT_SHARD_BYTES >> 20}M)")
-    to_hf.add_argument("--merge-lora", action="store_true",
-                       help="a LoRA run's checkpoint: write W + (alpha/r) B A for every adapted weight")
+    to_hf.add_argument(
+        "--shard-bytes",
+        type=_byte_size,
+        default=DEFAULT_SHARD_BYTES,
+        metavar="N",
+        help=f"largest safetensors shard (default {DEFAULT_SHARD_BYTES >> 20}M)",
+    )
+    to_hf.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run's checkpoint: write W + (alpha/r) B A for every adapted weight",
+    )
     _add_convert_options(to_hf, "write tensors in this dtype (default: as stored)")
     to_hf.set_defaults(handler=_convert_mcore_to_hf)
-    to_peft = directions.add_parser("mcore-to-peft",
-                                    help="a LoRA run's checkpoint -> its adapters as Hugging Face PEFT files")
+    to_peft = directions.add_parser(
+        "mcore-to-peft", help="a LoRA run's checkpoint -> its adapters as Hugging Face PEFT files"
+    )
     to_peft.add_argument("--mcore", required=True, metavar="DIR", help="the LoRA run's actor checkpoint directory")
     to_peft.add_argument("--hf-config", default=None, metavar="DIR", help=hf_config_help)
     to_peft.add_argument("--out", required=True, metavar="DIR", help="output directory (PEFT adapter)")
@@ -369,9 +496,19 @@ def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
     read_model_config(args.hf)  # a bad config.json is refused before megatron-core loads (seconds)
     from megatron_adapters.convert import hf_to_mcore  # here: keeps other commands torch-free
 
-    report = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
-                         dtype=args.dtype, buffer_bytes=args.buffer_bytes, checksums=args.checksums,
-                         overwrite=args.overwrite)
+    report = hf_to_mcore(
+        args.hf,
+        args.out,
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        ep=args.ep,
+        etp=args.etp,
+        dtype=args.dtype,
+        buffer_bytes=args.buffer_bytes,
+        checksums=args.checksums,
+        overwrite=args.overwrite,
+    )
     print("\n".join(report.lines()))
     return 0
 
@@ -379,9 +516,17 @@ def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
 def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_adapters.convert import mcore_to_hf
 
-    report = mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, dtype=args.dtype,
-                         buffer_bytes=args.buffer_bytes, shard_bytes=args.shard_bytes,
-                         checksums=args.checksums, overwrite=args.overwrite, merge_lora=args.merge_lora)
+    report = mcore_to_hf(
+        args.mcore,
+        args.out,
+        hf_config=args.hf_config,
+        dtype=args.dtype,
+        buffer_bytes=args.buffer_bytes,
+        shard_bytes=args.shard_bytes,
+        checksums=args.checksums,
+        overwrite=args.overwrite,
+        merge_lora=args.merge_lora,
+    )
     print("\n".join(report.lines()))
     return 0
 

@@ -131,8 +131,13 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                yield number, _BadRow(f"not UTF-8 text (byte 0x{raw[error.start]:02x} at byte {error.start + 1} "
-                                      "of the line); re-encode the file as UTF-8")
+                yield (
+                    number,
+                    _BadRow(
+                        f"not UTF-8 text (byte 0x{raw[error.start]:02x} at byte {error.start + 1} "
+                        "of the line); re-encode the file as UTF-8"
+                    ),
+                )
                 continue
             if not line.strip():
                 continue  # blank lines (a trailing newline, spacing) are not rows
@@ -166,9 +171,7 @@ _READERS: dict[str, _Reader] = {
 def _reader(path: Path) -> _Reader:
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
-        raise ValueError(
-            f"{path}: unsupported data file extension {path.suffix!r}; use one of: {', '.join(_READERS)}"
-        )
+        raise ValueError(f"{path}: unsupported data file extension {path.suffix!r}; use one of: {', '.join(_READERS)}")
     if not path.is_file():
         raise ValueError(f"{path}: data file not found; check data.train_files / data.heldout_files")
     return reader
@@ -197,8 +200,11 @@ def _lookup(record: Mapping[str, Any], dotted: str) -> Any:
 
 
 def _is_message(message: Any) -> bool:
-    return (isinstance(message, Mapping) and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str))
+    return (
+        isinstance(message, Mapping)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
 
 
 def _check_prompt(prompt: Any, key: str) -> str | list[dict[str, str]]:
@@ -268,7 +274,10 @@ def _make_row(uid: str, record: Any, cfg: DataConfig, sft_key: str | None) -> Pr
     answer = _lookup(record, cfg.answer_key)
     used = {cfg.prompt_key, MESSAGES_KEY, cfg.answer_key.split(".")[0], DATA_SOURCE_KEY, sft_key}
     return PromptRow(
-        uid=uid, prompt=prompt, answer=answer, data_source=_optional_str(record, DATA_SOURCE_KEY),
+        uid=uid,
+        prompt=prompt,
+        answer=answer,
+        data_source=_optional_str(record, DATA_SOURCE_KEY),
         sft_response=_sft_response(record, sft_key),
         extra={k: v for k, v in record.items() if k not in used},
     )
@@ -287,9 +296,7 @@ class _BadRows:
     def add(self, uid: str, reason: str) -> None:
         """Record a bad row; raise a ValueError in ``fail`` mode."""
         if self.policy == "fail":
-            raise ValueError(
-                f"{_where(uid)}: {reason}; {self.fix}, or set data.on_bad_row=skip to skip such rows"
-            )
+            raise ValueError(f"{_where(uid)}: {reason}; {self.fix}, or set data.on_bad_row=skip to skip such rows")
         if self.count < _MAX_WARNINGS_PER_FILE:
             logger.warning("skipping %s: %s", _where(uid), reason)
         elif self.count == _MAX_WARNINGS_PER_FILE:
@@ -301,8 +308,7 @@ class _BadRows:
             logger.warning("%s: skipped %d bad rows", self.source, self.count)
 
 
-def _read_file(path_text: str, cfg: DataConfig, sft_key: str | None,
-               report: DataReport) -> list[PromptRow]:
+def _read_file(path_text: str, cfg: DataConfig, sft_key: str | None, report: DataReport) -> list[PromptRow]:
     path = Path(path_text)
     reader = _reader(path)
     bad = _BadRows(path_text, cfg, "fix the row")
@@ -323,8 +329,9 @@ def _read_file(path_text: str, cfg: DataConfig, sft_key: str | None,
     return rows
 
 
-def read_rows(paths: Sequence[str | os.PathLike], cfg: DataConfig, *, sft_key: str | None = None,
-              report: DataReport | None = None) -> list[PromptRow]:
+def read_rows(
+    paths: Sequence[str | os.PathLike], cfg: DataConfig, *, sft_key: str | None = None, report: DataReport | None = None
+) -> list[PromptRow]:
     """The good rows of every file in ``paths`` (``.jsonl`` or ``.parquet``), in file order.
 
     A malformed row (invalid JSON, missing or empty prompt, missing answer, wrong types, a
@@ -337,8 +344,7 @@ def read_rows(paths: Sequence[str | os.PathLike], cfg: DataConfig, *, sft_key: s
         raise ValueError("no data files given; set data.train_files (or leave it empty for the task)")
     report = report if report is not None else DataReport()
     rows = [row for path in paths for row in _read_file(os.fspath(path), cfg, sft_key, report)]
-    logger.info("read %d prompt rows from %d file(s), skipped %d bad rows",
-                len(rows), len(paths), report.num_skipped)
+    logger.info("read %d prompt rows from %d file(s), skipped %d bad rows", len(rows), len(paths), report.num_skipped)
     return rows
 
 
@@ -353,14 +359,16 @@ def _columns(records: Sequence[Any]) -> str:
     return ", ".join(map(str, seen)) or "none"
 
 
-def _preview_file(path_text: str, key: str, cfg: DataConfig, sft_key: str | None,
-                  sources: Counter, no_chat_template: str | None) -> None:
+def _preview_file(
+    path_text: str, key: str, cfg: DataConfig, sft_key: str | None, sources: Counter, no_chat_template: str | None
+) -> None:
     path = Path(path_text)
     where = f"{key}={path_text}"
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
-        raise ValueError(f"{where}: unsupported data file extension {path.suffix!r}; convert it to one of: "
-                         f"{', '.join(_READERS)}")
+        raise ValueError(
+            f"{where}: unsupported data file extension {path.suffix!r}; convert it to one of: {', '.join(_READERS)}"
+        )
     if not path.is_file():
         raise ValueError(f"{where}: no such file (relative paths are read from {os.getcwd()}); fix the path")
     if not os.access(path, os.R_OK):
@@ -377,20 +385,26 @@ def _preview_file(path_text: str, key: str, cfg: DataConfig, sft_key: str | None
             row = _make_row(f"{path_text}:{number}", record, cfg, sft_key)
         except _BadRow as reason:
             if cfg.on_bad_row == "fail":  # what the run would stop at, said now
-                raise ValueError(f"{where}: {reader.unit.format(n=number)}: {reason}; fix the row, or set "
-                                 "data.on_bad_row=skip to skip such rows") from None
+                raise ValueError(
+                    f"{where}: {reader.unit.format(n=number)}: {reason}; fix the row, or set "
+                    "data.on_bad_row=skip to skip such rows"
+                ) from None
             first_bad = first_bad or f"{reader.unit.format(n=number)}: {reason}"
             continue
         if no_chat_template is not None and not isinstance(row.prompt, str):
-            raise ValueError(f"{where}: {reader.unit.format(n=number)}: the prompt is a list of chat messages but "
-                             f"the model in {no_chat_template} has no chat template; use a chat (instruct) model, "
-                             "add its chat_template to tokenizer_config.json, or give plain-text prompts")
+            raise ValueError(
+                f"{where}: {reader.unit.format(n=number)}: the prompt is a list of chat messages but "
+                f"the model in {no_chat_template} has no chat template; use a chat (instruct) model, "
+                "add its chat_template to tokenizer_config.json, or give plain-text prompts"
+            )
         good += 1
         sources[row.data_source] += 1
     if not good:
-        raise ValueError(f"{where}: none of its first {len(records)} rows is usable ({first_bad}); its columns: "
-                         f"{_columns([r for _, r in records])}; set data.prompt_key / data.answer_key (or "
-                         "sft.response_key) to the file's columns")
+        raise ValueError(
+            f"{where}: none of its first {len(records)} rows is usable ({first_bad}); its columns: "
+            f"{_columns([r for _, r in records])}; set data.prompt_key / data.answer_key (or "
+            "sft.response_key) to the file's columns"
+        )
 
 
 def sft_key(cfg: HybridflowConfig) -> str | None:
@@ -398,8 +412,9 @@ def sft_key(cfg: HybridflowConfig) -> str | None:
     return cfg.sft.response_key if cfg.sft.steps > 0 or cfg.run.mode == "sft" else None
 
 
-def preview_files(cfg: DataConfig, *, sft_key: str | None, with_heldout: bool = True,
-                  no_chat_template: str | None = None) -> Counter:
+def preview_files(
+    cfg: DataConfig, *, sft_key: str | None, with_heldout: bool = True, no_chat_template: str | None = None
+) -> Counter:
     """What preflight checks of ``data.train_files`` and ``data.heldout_files`` without reading them
     whole: each exists, is readable, holds rows, and its first ``PREVIEW_ROWS`` rows carry the
     configured columns (at least one good row; none bad under ``data.on_bad_row=fail``), and no
@@ -421,8 +436,9 @@ def _as_encodable(prompt: str | list[dict[str, str]], use_chat: bool, system_pro
     chat has a system turn), else raw text."""
     if not use_chat:
         if not isinstance(prompt, str):
-            raise _BadRow("a chat prompt needs a chat template, but data.apply_chat_template is "
-                          "off or the tokenizer has none")
+            raise _BadRow(
+                "a chat prompt needs a chat template, but data.apply_chat_template is off or the tokenizer has none"
+            )
         return prompt
     chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt is not None and not any(m["role"] == "system" for m in chat):
@@ -438,13 +454,11 @@ def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool) -> T
     except ValueError as error:  # e.g. a prompt that encodes to no tokens
         raise _BadRow(str(error)) from error
     if len(ids) > cfg.max_prompt_length:
-        raise _BadRow(f"the prompt has {len(ids)} tokens, more than "
-                      f"data.max_prompt_length={cfg.max_prompt_length}")
+        raise _BadRow(f"the prompt has {len(ids)} tokens, more than data.max_prompt_length={cfg.max_prompt_length}")
     return TokenizedPrompt(row=row, prompt_ids=tuple(ids))
 
 
-def tokenize_rows(rows: Sequence[PromptRow], tokenizer,
-                  cfg: DataConfig) -> tuple[list[TokenizedPrompt], int]:
+def tokenize_rows(rows: Sequence[PromptRow], tokenizer, cfg: DataConfig) -> tuple[list[TokenizedPrompt], int]:
     """Token ids of each row's prompt, and how many rows were skipped.
 
     With ``cfg.apply_chat_template`` and a tokenizer that has a chat template, a text prompt
@@ -462,8 +476,10 @@ def tokenize_rows(rows: Sequence[PromptRow], tokenizer,
             bad.add(row.uid, str(reason))
     bad.summarise()
     if rows and not encoded:
-        raise ValueError(f"all {len(rows)} prompts were bad (see the warnings above); raise "
-                         f"data.max_prompt_length={cfg.max_prompt_length} or check the data")
+        raise ValueError(
+            f"all {len(rows)} prompts were bad (see the warnings above); raise "
+            f"data.max_prompt_length={cfg.max_prompt_length} or check the data"
+        )
     return encoded, bad.count
 
 
@@ -517,6 +533,7 @@ def _plain(row: Any) -> Mapping[str, Any]:
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> Path:
     """Write ``rows`` (mappings, or dataclasses) as JSON lines, atomically; return the path."""
+
     def write(temporary: str) -> None:
         with open(temporary, "w", encoding="utf-8") as out:
             for row in rows:

@@ -46,8 +46,16 @@ from hybridflow.runtime.progress import read_progress
 from hybridflow.runtime.state import checkpoint_dirs, checkpoint_problem, read_state, sft_checkpoint
 from launch.torchrun_entry import TORCHRUN
 
-__all__ = ["FaultHarness", "FaultReport", "Kill", "check_checkpoints", "final_metrics", "launch_command", "main",
-           "run_uninterrupted"]
+__all__ = [
+    "FaultHarness",
+    "FaultReport",
+    "Kill",
+    "check_checkpoints",
+    "final_metrics",
+    "launch_command",
+    "main",
+    "run_uninterrupted",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +111,13 @@ class FaultReport:
 
     def as_dict(self) -> dict:
         kills = [{**asdict(k), "steps_lost": k.steps_lost} for k in self.kills]
-        return {**asdict(self), "kills": kills, "faults_injected": self.faults_injected,
-                "steps_lost": self.steps_lost, "corrupt_checkpoints_found": len(self.corrupt_checkpoints)}
+        return {
+            **asdict(self),
+            "kills": kills,
+            "faults_injected": self.faults_injected,
+            "steps_lost": self.steps_lost,
+            "corrupt_checkpoints_found": len(self.corrupt_checkpoints),
+        }
 
 
 def check_checkpoints(output_dir: str | os.PathLike) -> list[str]:
@@ -191,9 +204,20 @@ def _workers(launcher: psutil.Process) -> dict[int, psutil.Process]:
 class FaultHarness:
     """Runs ``hybridflow launch`` once on this machine and kills ranks of it ``faults`` times."""
 
-    def __init__(self, config: str, overrides: Sequence[str], *, output_dir: Path, nproc: int, steps: int,
-                 faults: int, seed: int, max_delay_s: float = 2.0, timeout_s: float = 1800.0,
-                 launch_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        config: str,
+        overrides: Sequence[str],
+        *,
+        output_dir: Path,
+        nproc: int,
+        steps: int,
+        faults: int,
+        seed: int,
+        max_delay_s: float = 2.0,
+        timeout_s: float = 1800.0,
+        launch_args: Sequence[str] = (),
+    ) -> None:
         self.config, self.overrides, self.out = config, list(overrides), Path(output_dir)
         self.launch_args = list(launch_args)
         self.nproc, self.steps, self.faults = nproc, steps, faults
@@ -202,8 +226,14 @@ class FaultHarness:
         self._deadline = 0.0
 
     def command(self) -> list[str]:
-        return launch_command(self.config, self.overrides, output_dir=self.out, nproc=self.nproc,
-                              max_restarts=self.faults, launch_args=self.launch_args)
+        return launch_command(
+            self.config,
+            self.overrides,
+            output_dir=self.out,
+            nproc=self.nproc,
+            max_restarts=self.faults,
+            launch_args=self.launch_args,
+        )
 
     def run(self) -> FaultReport:
         started = time.monotonic()
@@ -213,8 +243,9 @@ class FaultHarness:
         marker = uuid.uuid4().hex  # inherited by every process of the run, orphans included
         env = {**os.environ, "OMP_NUM_THREADS": "1", MARKER_ENV: marker}
         with log_path.open("wb") as log_file:
-            child = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=env)
+            child = subprocess.Popen(
+                self.command(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         try:
             self._inject(child, _Progress(self.out))
             self.report.returncode = child.wait(timeout=max(self._deadline - time.monotonic(), 1))
@@ -260,9 +291,14 @@ class FaultHarness:
         if self._wait_for(lambda: True if (progress.current() or 0) >= step else None, child) is None:
             return
         time.sleep(delay)
-        kill = Kill(rank=rank, target_step=step, delay_s=round(delay, 3), steps_done=progress.current() or step,
-                    newest_checkpoint=_newest_step(self.out),
-                    partial_dirs=len(list((self.out / "checkpoints").glob("*.partial"))))
+        kill = Kill(
+            rank=rank,
+            target_step=step,
+            delay_s=round(delay, 3),
+            steps_done=progress.current() or step,
+            newest_checkpoint=_newest_step(self.out),
+            partial_dirs=len(list((self.out / "checkpoints").glob("*.partial"))),
+        )
         try:
             workers[rank].send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
@@ -280,24 +316,54 @@ class FaultHarness:
             if child.poll() is not None:
                 return None
             time.sleep(_POLL_S)
-        raise TimeoutError(f"the run under fault injection did not progress within {self.timeout_s:g} s; "
-                           f"see {self.report.log}")
+        raise TimeoutError(
+            f"the run under fault injection did not progress within {self.timeout_s:g} s; see {self.report.log}"
+        )
 
 
-def launch_command(config: str, overrides: Sequence[str], *, output_dir: Path, nproc: int,
-                   max_restarts: int = 0, launch_args: Sequence[str] = ()) -> list[str]:
+def launch_command(
+    config: str,
+    overrides: Sequence[str],
+    *,
+    output_dir: Path,
+    nproc: int,
+    max_restarts: int = 0,
+    launch_args: Sequence[str] = (),
+) -> list[str]:
     """``hybridflow launch`` of this machine's run into ``output_dir`` (resuming if it holds checkpoints)."""
-    return [sys.executable, "-m", "hybridflow.cli", "launch", config, f"run.output_dir={output_dir}",
-            "run.resume=auto", *overrides, "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts), *launch_args]
+    return [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "launch",
+        config,
+        f"run.output_dir={output_dir}",
+        "run.resume=auto",
+        *overrides,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        *launch_args,
+    ]
 
 
-def run_uninterrupted(config: str, overrides: Sequence[str], *, output_dir: Path, nproc: int,
-                      launch_args: Sequence[str] = (), timeout_s: float = 1800.0) -> subprocess.CompletedProcess:
+def run_uninterrupted(
+    config: str,
+    overrides: Sequence[str],
+    *,
+    output_dir: Path,
+    nproc: int,
+    launch_args: Sequence[str] = (),
+    timeout_s: float = 1800.0,
+) -> subprocess.CompletedProcess:
     """The reference: the same launch without faults; output captured."""
     cmd = launch_command(config, overrides, output_dir=output_dir, nproc=nproc, launch_args=launch_args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -308,9 +374,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--faults", type=int, default=2, help="kills in a row (torchrun --max-restarts)")
     parser.add_argument("--seed", type=int, default=None, help="default: random, printed in the report")
     parser.add_argument("--max-delay-s", type=float, default=2.0, help="random extra wait into the step")
-    parser.add_argument("--reference", type=Path, default=None,
-                        help="an uninterrupted run's directory, run first (same code, same overrides) unless "
-                             "it already holds summary.json")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=None,
+        help="an uninterrupted run's directory, run first (same code, same overrides) unless "
+        "it already holds summary.json",
+    )
     return parser
 
 
@@ -325,8 +395,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(done.stdout[-2000:] + done.stderr[-4000:])
             return 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    harness = FaultHarness(args.config, args.overrides, output_dir=args.out, nproc=nproc, steps=cfg.run.steps,
-                           faults=args.faults, seed=seed, max_delay_s=args.max_delay_s)
+    harness = FaultHarness(
+        args.config,
+        args.overrides,
+        output_dir=args.out,
+        nproc=nproc,
+        steps=cfg.run.steps,
+        faults=args.faults,
+        seed=seed,
+        max_delay_s=args.max_delay_s,
+    )
     report = harness.run().as_dict()
     if args.reference is not None and report["returncode"] == 0:
         report["matches_reference"] = final_metrics(args.out) == final_metrics(args.reference)

@@ -82,8 +82,9 @@ class Node:
         # accept lists and mappings for convenience; store tuples so the node stays hashable
         for key in ("inputs", "outputs"):
             if isinstance(getattr(self, key), str):  # tuple("prompts") would be its letters
-                raise TypeError(f"node {self.name!r}: {key} must be a tuple of field names, "
-                                f"got the string {getattr(self, key)!r}")
+                raise TypeError(
+                    f"node {self.name!r}: {key} must be a tuple of field names, got the string {getattr(self, key)!r}"
+                )
             object.__setattr__(self, key, tuple(getattr(self, key)))
         pairs = self.options.items() if isinstance(self.options, Mapping) else self.options
         object.__setattr__(self, "options", tuple((str(k), v) for k, v in pairs))
@@ -155,8 +156,7 @@ class Graph:
         """Every (producer, consumer, field), consumers in declaration order; data-loader
         fields and fields nobody writes give no edge."""
         writer = self.producers()
-        return [Edge(writer[f], node.name, f) for node in self.nodes for f in node.inputs
-                if f in writer]
+        return [Edge(writer[f], node.name, f) for node in self.nodes for f in node.inputs if f in writer]
 
     def sinks(self) -> tuple[Node, ...]:
         """Nodes whose outputs no node reads: where the step ends."""
@@ -200,14 +200,10 @@ class Graph:
         for node in self.nodes:
             if not node.name.isidentifier():
                 raise GraphError(
-                    f"graph {self.name!r}: node name {node.name!r} must be an identifier "
-                    "(letters, digits, underscores)"
+                    f"graph {self.name!r}: node name {node.name!r} must be an identifier (letters, digits, underscores)"
                 )
             if node.name in seen:
-                raise GraphError(
-                    f"graph {self.name!r}: two nodes are called {node.name!r}; give each a "
-                    "unique name"
-                )
+                raise GraphError(f"graph {self.name!r}: two nodes are called {node.name!r}; give each a unique name")
             seen.add(node.name)
 
     def _check_roles(self, placed_roles: Iterable[str] | None) -> None:
@@ -215,8 +211,7 @@ class Graph:
         for node in self.nodes:
             if node.role not in ROLES:
                 raise GraphError(
-                    f"graph {self.name!r}: node {node.name!r} has unknown role {node.role!r}; "
-                    f"roles: {', '.join(ROLES)}"
+                    f"graph {self.name!r}: node {node.name!r} has unknown role {node.role!r}; roles: {', '.join(ROLES)}"
                 )
             if placed is not None and node.role not in placed:
                 raise GraphError(

@@ -61,8 +61,21 @@ if TYPE_CHECKING:
     from hybridflow.algorithms.recipes import AlgorithmSpec
     from reshard.stats import Bandwidth, PlanStats
 
-__all__ = ["ExecutionPlan", "Placement", "ResourcePool", "Stage", "Switch", "WeightSync", "lower", "place",
-           "holds", "satisfies", "start_mode", "switch", "trained_roles"]
+__all__ = [
+    "ExecutionPlan",
+    "Placement",
+    "ResourcePool",
+    "Stage",
+    "Switch",
+    "WeightSync",
+    "lower",
+    "place",
+    "holds",
+    "satisfies",
+    "start_mode",
+    "switch",
+    "trained_roles",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +117,10 @@ class ResourcePool:
     def describe(self) -> str:
         """``colocated: 64 GPUs on 8 nodes, ranks 0-63: actor, rollout, reward, driver``."""
         nodes = "node" if self.num_nodes == 1 else "nodes"
-        return (f"{self.name}: {self.num_gpus} GPUs on {self.num_nodes} {nodes}, "
-                f"{_ranks_text(self.ranks)}: {', '.join(self.roles)}")
+        return (
+            f"{self.name}: {self.num_gpus} GPUs on {self.num_nodes} {nodes}, "
+            f"{_ranks_text(self.ranks)}: {', '.join(self.roles)}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,10 +163,10 @@ class Placement:
         """A header line and one line per pool."""
         lines = [f"placement {self.mode}, {self.num_gpus} GPUs:"]
         lines += [f"  {pool.describe()}" for pool in self.pools]
-        partial = [r for r in ("rollout", *dict(self.role_ranks))
-                   if len(self.ranks_of(r)) < self.pool_of(r).num_gpus]
-        lines += [f"  {role} on {_ranks_text(self.ranks_of(role))} of pool "
-                  f"{self.pool_of(role).name} only" for role in partial]
+        partial = [r for r in ("rollout", *dict(self.role_ranks)) if len(self.ranks_of(r)) < self.pool_of(r).num_gpus]
+        lines += [
+            f"  {role} on {_ranks_text(self.ranks_of(role))} of pool {self.pool_of(role).name} only" for role in partial
+        ]
         return lines
 
 
@@ -165,9 +180,11 @@ def _check_fits(cfg: HybridflowConfig, role: str, pool: str, pool_size: int) -> 
     if layout.world_size <= pool_size:
         return
     model_parallel = layout.tp * layout.pp * layout.cp
-    fix = (f"lower {role}.parallel.dp to {pool_size // model_parallel} or less"
-           if model_parallel <= pool_size else
-           f"lower {role}.parallel.tp*pp*cp = {model_parallel} to at most {pool_size}")
+    fix = (
+        f"lower {role}.parallel.dp to {pool_size // model_parallel} or less"
+        if model_parallel <= pool_size
+        else f"lower {role}.parallel.tp*pp*cp = {model_parallel} to at most {pool_size}"
+    )
     raise ValueError(
         f"{role}.parallel needs tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp} = "
         f"{layout.world_size} GPUs, more than the {pool_size} of the {pool} pool it runs on "
@@ -186,19 +203,20 @@ def place(cfg: HybridflowConfig) -> Placement:
     per_node, ranks = cfg.rollout.gpus_per_node, cfg.rollout.num_ranks
     if colocated:
         roles = (*models, "rollout", *CPU_ROLES)
-        pools = (ResourcePool(name=COLOCATED, num_gpus=world, gpus_per_node=per_node,
-                              first_rank=0, roles=roles),)
+        pools = (ResourcePool(name=COLOCATED, num_gpus=world, gpus_per_node=per_node, first_rank=0, roles=roles),)
     else:
         pools = (
-            ResourcePool(name=ACTOR_POOL, num_gpus=world, gpus_per_node=per_node, first_rank=0,
-                         roles=(*models, *CPU_ROLES)),
-            ResourcePool(name=ROLLOUT_POOL, num_gpus=ranks, gpus_per_node=per_node,
-                         first_rank=world, roles=("rollout",)),
+            ResourcePool(
+                name=ACTOR_POOL, num_gpus=world, gpus_per_node=per_node, first_rank=0, roles=(*models, *CPU_ROLES)
+            ),
+            ResourcePool(
+                name=ROLLOUT_POOL, num_gpus=ranks, gpus_per_node=per_node, first_rank=world, roles=("rollout",)
+            ),
         )
-    smaller = tuple((role, layout.world_size) for role, layout in enabled_roles(cfg).items()
-                    if layout.world_size < world)
-    return Placement(mode=cfg.rollout.placement, pools=pools, rollout_ranks=ranks,
-                     role_ranks=smaller)
+    smaller = tuple(
+        (role, layout.world_size) for role, layout in enabled_roles(cfg).items() if layout.world_size < world
+    )
+    return Placement(mode=cfg.rollout.placement, pools=pools, rollout_ranks=ranks, role_ranks=smaller)
 
 
 # ----------------------------------------------------------------------- stages
@@ -222,8 +240,7 @@ class Stage:
     def describe(self, index: int) -> list[str]:
         """``3. name [role] op on colocated ranks 0-63 (layout)`` and the switch, if any."""
         node = self.node
-        head = (f"{index}. {node.name} [{node.role}] {node.op} on {self.pool} "
-                f"{_ranks_text(self.ranks)} ({self.layout})")
+        head = f"{index}. {node.name} [{node.role}] {node.op} on {self.pool} {_ranks_text(self.ranks)} ({self.layout})"
         return [head] + ([f"     switch before it: {self.switch.describe()}"] if self.switch else [])
 
 
@@ -236,24 +253,20 @@ def _engine_text(cfg: HybridflowConfig) -> str:
 
 
 def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
-    layouts = {role: f"megatron {layout.describe()}" for role, layout in
-               enabled_roles(cfg).items()}
+    layouts = {role: f"megatron {layout.describe()}" for role, layout in enabled_roles(cfg).items()}
     layouts["rollout"] = _engine_text(cfg)
     for role in CPU_ROLES:
         layouts[role] = "CPU, on each of its ranks"
     return layouts
 
 
-def _node_place(cfg: HybridflowConfig, placement: Placement,
-                node: Node) -> tuple[str, range, str]:
+def _node_place(cfg: HybridflowConfig, placement: Placement, node: Node) -> tuple[str, range, str]:
     """(pool name, ranks, layout line) of ``node``; a weight sync spans both sides."""
     if node.op == SYNC_OP:
         actor, engine = placement.ranks_of("actor"), placement.ranks_of("rollout")
         ranks = range(min(actor.start, engine.start), max(actor.stop, engine.stop))
-        pools = dict.fromkeys([placement.pool_of("actor").name,
-                               placement.pool_of("rollout").name])
-        return ("+".join(pools), ranks,
-                f"actor {cfg.actor.parallel.describe()} -> rollout {_engine_text(cfg)}")
+        pools = dict.fromkeys([placement.pool_of("actor").name, placement.pool_of("rollout").name])
+        return ("+".join(pools), ranks, f"actor {cfg.actor.parallel.describe()} -> rollout {_engine_text(cfg)}")
     layout = _role_layouts(cfg)[node.role]
     return placement.pool_of(node.role).name, placement.ranks_of(node.role), layout
 
@@ -329,7 +342,8 @@ def switch(cfg: HybridflowConfig, source: str | None, target: str) -> Switch:
     held = holds(cfg, source) if source is not None else ENGINE_TAGS
     wanted = holds(cfg, target)
     return Switch(
-        source=source or "start", target=target,
+        source=source or "start",
+        target=target,
         offload=trained if leaving_train else (),
         engine_release=tuple(t for t in held if t not in wanted),
         engine_resume=tuple(t for t in wanted if t not in held),
@@ -388,19 +402,22 @@ class WeightSync:
         if self.stats is None:
             return []
         bw = self.bandwidth
-        header = (f"weight sync actor -> rollout, planned from shapes in {self.seconds:.2f} s "
-                  f"(node {self.node}; time at {bw.intra_node_gbps:g} GB/s intra-, "
-                  f"{bw.inter_node_gbps:g} GB/s inter-node per rank):")
+        header = (
+            f"weight sync actor -> rollout, planned from shapes in {self.seconds:.2f} s "
+            f"(node {self.node}; time at {bw.intra_node_gbps:g} GB/s intra-, "
+            f"{bw.inter_node_gbps:g} GB/s inter-node per rank):"
+        )
         lines = [header, *self.stats.describe().splitlines()]
         if self.adapters_only:
-            lines.append("  lora.push=adapter: this reshard moves the frozen base before the first step and again "
-                         "after an engine restart or a resume (colocated engines keep it resident while the actor "
-                         "trains); each step pushes only the adapters (SGLang's LoRA API)")
+            lines.append(
+                "  lora.push=adapter: this reshard moves the frozen base before the first step and again "
+                "after an engine restart or a resume (colocated engines keep it resident while the actor "
+                "trains); each step pushes only the adapters (SGLang's LoRA API)"
+            )
         return lines
 
 
-def _weight_syncs(cfg: HybridflowConfig, graph: Graph,
-                  with_reshard: bool) -> tuple[WeightSync, ...]:
+def _weight_syncs(cfg: HybridflowConfig, graph: Graph, with_reshard: bool) -> tuple[WeightSync, ...]:
     nodes = [node.name for node in graph.topological_order() if node.op == SYNC_OP]
     if not nodes or not with_reshard:
         return tuple(WeightSync(node=name, stats=None) for name in nodes)
@@ -411,8 +428,10 @@ def _weight_syncs(cfg: HybridflowConfig, graph: Graph,
     stats = plan_weight_sync(cfg).stats
     seconds = time.perf_counter() - start
     logger.debug("planned the actor -> rollout weight sync in %.3f s", seconds)
-    return tuple(WeightSync(node=name, stats=stats, seconds=seconds, bandwidth=bandwidth,
-                            adapters_only=cfg.lora.pushes_adapters) for name in nodes)
+    return tuple(
+        WeightSync(node=name, stats=stats, seconds=seconds, bandwidth=bandwidth, adapters_only=cfg.lora.pushes_adapters)
+        for name in nodes
+    )
 
 
 # ----------------------------------------------------------------------- the plan
@@ -451,8 +470,10 @@ class ExecutionPlan:
 
     def describe(self) -> list[str]:
         """Graph, placement, stages with switches, memory per pool and phase, weight sync."""
-        lines = [f"graph {self.graph.name} ({len(self.graph.nodes)} nodes, data: "
-                 f"{', '.join(self.graph.data_fields) or '-'}):"]
+        lines = [
+            f"graph {self.graph.name} ({len(self.graph.nodes)} nodes, data: "
+            f"{', '.join(self.graph.data_fields) or '-'}):"
+        ]
         lines += [f"  {line}" for line in self.graph.to_text().splitlines()]
         lines += self.placement.describe()
         lines.append("stages:")
@@ -465,8 +486,7 @@ class ExecutionPlan:
         return lines
 
 
-def lower(cfg: HybridflowConfig, *, with_reshard: bool = True,
-          device_memory_gib: float = 80.0) -> ExecutionPlan:
+def lower(cfg: HybridflowConfig, *, with_reshard: bool = True, device_memory_gib: float = 80.0) -> ExecutionPlan:
     """Check and place ``cfg``'s algorithm; ValueError (GraphError for graph faults) naming
     the key at fault. ``with_reshard=False`` skips planning the weight sync (~1 s at 671B)."""
     from hybridflow.algorithms.recipes import algorithm_spec, build_graph
@@ -475,12 +495,17 @@ def lower(cfg: HybridflowConfig, *, with_reshard: bool = True,
     spec = algorithm_spec(cfg)
     placement = place(cfg)
     graph.validate(placement.roles)  # every node's role has a pool
-    memory = tuple(pool_memory(cfg, pool.roles, pool=pool.name,
-                               device_memory_gib=device_memory_gib)
-                   for pool in placement.pools)
+    memory = tuple(
+        pool_memory(cfg, pool.roles, pool=pool.name, device_memory_gib=device_memory_gib) for pool in placement.pools
+    )
     for estimate in memory:
         if not estimate.fits:
             logger.warning("%s", estimate.warning())
-    return ExecutionPlan(spec=spec, graph=graph, placement=placement,
-                         stages=_stages(cfg, placement, graph),
-                         weight_syncs=_weight_syncs(cfg, graph, with_reshard), memory=memory)
+    return ExecutionPlan(
+        spec=spec,
+        graph=graph,
+        placement=placement,
+        stages=_stages(cfg, placement, graph),
+        weight_syncs=_weight_syncs(cfg, graph, with_reshard),
+        memory=memory,
+    )

@@ -27,8 +27,17 @@ import threading
 from typing import Any
 
 __all__ = [
-    "DAPO_SOURCES", "GSM8K_SOURCES", "MATH_SOURCES", "dapo_math", "gsm8k_strict", "is_verl_math_source",
-    "last_boxed", "math_boxed", "math_verify_score", "minerva_normalise", "normalise_math_answer",
+    "DAPO_SOURCES",
+    "GSM8K_SOURCES",
+    "MATH_SOURCES",
+    "dapo_math",
+    "gsm8k_strict",
+    "is_verl_math_source",
+    "last_boxed",
+    "math_boxed",
+    "math_verify_score",
+    "minerva_normalise",
+    "normalise_math_answer",
 ]
 
 GSM8K_SOURCES = ("openai/gsm8k",)
@@ -39,8 +48,10 @@ DAPO_SOURCES = ("math_dapo",)
 
 def is_verl_math_source(data_source: str | None) -> bool:
     """Whether verl scores ``data_source`` with one of the checks reproduced here."""
-    return data_source is not None and (data_source in GSM8K_SOURCES + MATH_SOURCES + DAPO_SOURCES
-                                        or data_source.startswith("aime"))
+    return data_source is not None and (
+        data_source in GSM8K_SOURCES + MATH_SOURCES + DAPO_SOURCES or data_source.startswith("aime")
+    )
+
 
 _GSM8K_TAIL_CHARS = 300  # verl reads the end of the response only (its regex is slow on long text)
 _GSM8K_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
@@ -73,8 +84,8 @@ def last_boxed(text: str) -> str | None:
         elif text[index] == "}":
             depth -= 1
             if depth == 0:
-                whole = text[start:index + 1]
-                return whole[len("\\boxed{"):-1] if whole.startswith("\\boxed{") else None
+                whole = text[start : index + 1]
+                return whole[len("\\boxed{") : -1] if whole.startswith("\\boxed{") else None
     return None  # unbalanced: no answer
 
 
@@ -134,8 +145,18 @@ def _slash_fraction(text: str) -> str:
 
 def normalise_math_answer(text: str) -> str:
     """The MATH evaluation's canonical form of an answer; ``_Unparsable`` when a step cannot read it."""
-    for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"),
-                     ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
+    for old, new in (
+        ("\n", ""),
+        ("\\!", ""),
+        ("\\\\", "\\"),
+        ("tfrac", "frac"),
+        ("dfrac", "frac"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\$", ""),
+    ):
         text = text.replace(old, new)
     text = _without_right_units(text).replace("\\%", "")
     text = text.replace(" .", " 0.").replace("{.", "{0.")
@@ -175,14 +196,60 @@ def math_boxed(response: str, answer: Any, **kwargs: Any) -> float:
 
 # Minerva's answer normalisation (Lewkowycz et al. 2022, appendix D.1), which DAPO's math check
 # applies to the text after the last "Answer:" and to the ground truth.
-_MINERVA_REPLACED = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
-                     ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_MINERVA_REPLACED = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
 _MINERVA_REMOVED = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
-    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
-    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
-    ",\\!", "{,}", '"', "\\dots",
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
 )
 _DAPO_TAIL_CHARS = 300
 _DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")

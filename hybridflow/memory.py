@@ -147,12 +147,14 @@ def param_split(model: ModelConfig) -> list[LayerParams]:
     attention, attn_replicated = _attention_split(model)
     h = model.hidden_size
     norms = 2 * h
-    dense = LayerParams(attention=attention, replicated=attn_replicated + norms,
-                        mlp=3 * h * model.ffn_hidden_size, experts=0)
+    dense = LayerParams(
+        attention=attention, replicated=attn_replicated + norms, mlp=3 * h * model.ffn_hidden_size, experts=0
+    )
     if not model.is_moe:
         return [dense] * model.num_layers
     moe = LayerParams(
-        attention=attention, replicated=attn_replicated + norms + h * model.num_experts,
+        attention=attention,
+        replicated=attn_replicated + norms + h * model.num_experts,
         mlp=3 * h * model.moe_ffn_hidden_size * model.num_shared_experts,
         experts=model.num_experts * 3 * h * model.moe_ffn_hidden_size,
     )
@@ -163,8 +165,7 @@ def param_split(model: ModelConfig) -> list[LayerParams]:
 def stage_layers(num_layers: int, layout: ParallelLayout, stage: int) -> list[int]:
     """Layer indices on pipeline rank ``stage``: its vpp chunks of L / (pp * vpp) layers."""
     chunk = num_layers // (layout.pp * layout.vpp)
-    return [c * chunk + i for c in range(stage, layout.pp * layout.vpp, layout.pp)
-            for i in range(chunk)]
+    return [c * chunk + i for c in range(stage, layout.pp * layout.vpp, layout.pp) for i in range(chunk)]
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,7 @@ class _RankParams:
     experts: int
 
 
-def _stage_params(model: ModelConfig, layout: ParallelLayout, stage: int, *,
-                  head_rows: int) -> _RankParams:
+def _stage_params(model: ModelConfig, layout: ParallelLayout, stage: int, *, head_rows: int) -> _RankParams:
     """Parameters one rank of pipeline stage ``stage`` holds; ``head_rows``: output rows."""
     layers = param_split(model)
     tp, h = layout.tp, model.hidden_size
@@ -222,16 +222,12 @@ def _in_flight_chunks(layout: ParallelLayout, stage: int, num_microbatches: int)
     return min(warmup, num_microbatches * layout.vpp)
 
 
-def _activation_bytes(cfg: HybridflowConfig, layout: ParallelLayout, stage: int, *,
-                      full_recompute: bool) -> int:
+def _activation_bytes(cfg: HybridflowConfig, layout: ParallelLayout, stage: int, *, full_recompute: bool) -> int:
     m = cfg.model
-    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_length
-                                          + cfg.data.max_response_length) / layout.cp
+    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_length + cfg.data.max_response_length) / layout.cp
     layers = param_split(m)
-    own = [_layer_activation_elems(m, layers[i], layout)
-           for i in stage_layers(m.num_layers, layout, stage)]
-    num_microbatches = max(1, cfg.train.global_batch_size
-                           // (cfg.train.micro_batch_size * layout.dp))
+    own = [_layer_activation_elems(m, layers[i], layout) for i in stage_layers(m.num_layers, layout, stage)]
+    num_microbatches = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp))
     chunks = _in_flight_chunks(layout, stage, num_microbatches)
     if full_recompute:
         stored = chunks * len(own) / layout.vpp * m.hidden_size / layout.tp
@@ -242,8 +238,7 @@ def _activation_bytes(cfg: HybridflowConfig, layout: ParallelLayout, stage: int,
 
 
 def _logit_bytes(cfg: HybridflowConfig, layout: ParallelLayout, head_rows: int) -> int:
-    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_length
-                                          + cfg.data.max_response_length) // layout.cp
+    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_length + cfg.data.max_response_length) // layout.cp
     return LOGIT_COPIES * LOGIT_BYTES * tokens * -(-head_rows // layout.tp)
 
 
@@ -265,8 +260,7 @@ def _adapter_params(cfg: HybridflowConfig, layout: ParallelLayout, stage: int) -
     return _RankParams(dense, experts)
 
 
-def _training_stage(cfg: HybridflowConfig, role: str, stage: int, *,
-                    full_recompute: bool) -> dict[str, int]:
+def _training_stage(cfg: HybridflowConfig, role: str, stage: int, *, full_recompute: bool) -> dict[str, int]:
     layout = getattr(cfg, role).parallel
     rows = _head_rows(cfg, role)
     p = _stage_params(cfg.model, layout, stage, head_rows=rows)
@@ -284,21 +278,18 @@ def _training_stage(cfg: HybridflowConfig, role: str, stage: int, *,
         optimizer = (p.dense + p.experts) * state
     out[f"{role} grads"] = (p.dense + p.experts) * MAIN_GRAD_BYTES
     out[f"{role} optimizer"] = int(optimizer)
-    out[f"{role} activations"] = _activation_bytes(cfg, layout, stage,
-                                                   full_recompute=full_recompute)
+    out[f"{role} activations"] = _activation_bytes(cfg, layout, stage, full_recompute=full_recompute)
     out[f"{role} logits"] = _logit_bytes(cfg, layout, rows) if stage == layout.pp - 1 else 0
     return out
 
 
-def training_components(cfg: HybridflowConfig, role: str, *,
-                        full_recompute: bool = True) -> tuple[int, dict[str, int]]:
+def training_components(cfg: HybridflowConfig, role: str, *, full_recompute: bool = True) -> tuple[int, dict[str, int]]:
     """(stage, component -> bytes) of one GPU of ``role``'s heaviest pipeline stage.
 
     ``role`` is actor, reference or critic; the reference holds parameters only.
     """
     role_cfg: RoleConfig = getattr(cfg, role)
-    stages = [_training_stage(cfg, role, s, full_recompute=full_recompute)
-              for s in range(role_cfg.parallel.pp)]
+    stages = [_training_stage(cfg, role, s, full_recompute=full_recompute) for s in range(role_cfg.parallel.pp)]
     heaviest = max(range(len(stages)), key=lambda s: sum(stages[s].values()))
     return heaviest, stages[heaviest]
 
@@ -385,24 +376,27 @@ class MemoryEstimate:
         parts = self.phases[self.peak_phase]
         ranked = sorted(parts, key=parts.__getitem__, reverse=True)
         knobs = [k for k in dict.fromkeys(_knob(name) for name in ranked if parts[name]) if k]
-        return (f"WARNING pool {self.pool}: the {self.peak_phase} peak "
-                f"{self.peak_bytes / GIB:.1f} GiB exceeds the device's "
-                f"{self.device_bytes / GIB:.0f} GiB; {'; '.join(knobs[:3])}")
+        return (
+            f"WARNING pool {self.pool}: the {self.peak_phase} peak "
+            f"{self.peak_bytes / GIB:.1f} GiB exceeds the device's "
+            f"{self.device_bytes / GIB:.0f} GiB; {'; '.join(knobs[:3])}"
+        )
 
     def describe(self) -> list[str]:
         """One table in GiB: components as rows, phases as columns, then the peak."""
         names = list(dict.fromkeys(n for parts in self.phases.values() for n in parts))
         width = max(len(n) for n in [*names, "total"])
         phases = list(self.phases)
-        lines = [f"memory per GPU, pool {self.pool} (GiB):",
-                 "  " + " " * width + "".join(f"{p:>12}" for p in phases)]
+        lines = [f"memory per GPU, pool {self.pool} (GiB):", "  " + " " * width + "".join(f"{p:>12}" for p in phases)]
         for name in names:
             cells = "".join(_gib_cell(self.phases[p].get(name)) for p in phases)
             lines.append(f"  {name:<{width}}{cells}")
         lines.append(f"  {'total':<{width}}" + "".join(_gib_cell(self.totals[p]) for p in phases))
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        lines.append(f"  peak {self.peak_bytes / GIB:.2f} GiB ({self.peak_phase}) of "
-                     f"{self.device_bytes / GIB:.0f} GiB: {verdict}")
+        lines.append(
+            f"  peak {self.peak_bytes / GIB:.2f} GiB ({self.peak_phase}) of "
+            f"{self.device_bytes / GIB:.0f} GiB: {verdict}"
+        )
         lines += [f"  {note}" for note in self.notes]
         warning = self.warning()
         return lines + ([f"  {warning}"] if warning else [])
@@ -416,18 +410,25 @@ def _knob(component: str) -> str | None:
     """The config knob that shrinks ``component`` (None: a fixed margin)."""
     role, _, kind = component.partition(" ")
     if role == "engine":
-        return {"weights": "raise rollout.tp / rollout.ep (more ranks per engine)",
-                "KV cache": "lower rollout.max_total_tokens"}.get(kind)
+        return {
+            "weights": "raise rollout.tp / rollout.ep (more ranks per engine)",
+            "KV cache": "lower rollout.max_total_tokens",
+        }.get(kind)
     if kind in ("activations", "logits"):
-        return (f"lower train.micro_batch_size (or raise {role}.parallel.tp / cp, "
-                f"or shorten data.max_response_length)")
+        return f"lower train.micro_batch_size (or raise {role}.parallel.tp / cp, or shorten data.max_response_length)"
     if kind == "optimizer":
         return f"raise {role}.parallel.dp / ep, or set train.use_distributed_optimizer=true"
     return f"raise {role}.parallel.tp / pp / ep"
 
 
-def pool_memory(cfg: HybridflowConfig, roles: Sequence[str], *, pool: str,
-                device_memory_gib: float = 80.0, full_recompute: bool = True) -> MemoryEstimate:
+def pool_memory(
+    cfg: HybridflowConfig,
+    roles: Sequence[str],
+    *,
+    pool: str,
+    device_memory_gib: float = 80.0,
+    full_recompute: bool = True,
+) -> MemoryEstimate:
     """Per-GPU memory of a pool holding ``roles`` (actor, reference, critic, rollout).
 
     Phases: ``generation`` if the rollout engines are on the pool, ``training`` if a model
@@ -441,8 +442,7 @@ def pool_memory(cfg: HybridflowConfig, roles: Sequence[str], *, pool: str,
         if getattr(cfg, role).parallel.pp > 1:
             notes.append(f"{role}: pipeline stage {stage} (the heaviest)")
     if models and "actor" in models:
-        notes.append("activations with full recomputation" if full_recompute
-                     else "activations without recomputation")
+        notes.append("activations with full recomputation" if full_recompute else "activations without recomputation")
     phases: dict[str, dict[str, int]] = {}
     if "rollout" in roles:
         # what the switch to generation leaves (hybridflow.lowering.switch): every role's params
@@ -453,8 +453,7 @@ def pool_memory(cfg: HybridflowConfig, roles: Sequence[str], *, pool: str,
         phases[TRAINING] = {**components, **{k: v for k, v in kept.items() if k == "engine weights"}}
     if not phases:
         raise ValueError(f"pool {pool} holds no role with GPU memory (roles: {list(roles)})")
-    return MemoryEstimate(pool=pool, phases=phases, device_bytes=int(device_memory_gib * GIB),
-                          notes=tuple(notes))
+    return MemoryEstimate(pool=pool, phases=phases, device_bytes=int(device_memory_gib * GIB), notes=tuple(notes))
 
 
 def checkpoint_bytes(cfg: HybridflowConfig) -> int:

@@ -42,33 +42,54 @@ from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpo
 if TYPE_CHECKING:
     from launch.slurm import SlurmJob
 
-__all__ = ["check_async", "check_data", "check_engine_device", "check_model_weights", "check_node_gpus",
-           "check_packing", "check_resume",
-           "check_runtime_support",
-           "check_separate_nodes", "check_slurm_run", "engine_ranks", "preflight", "process_count"]
+__all__ = [
+    "check_async",
+    "check_data",
+    "check_engine_device",
+    "check_model_weights",
+    "check_node_gpus",
+    "check_packing",
+    "check_resume",
+    "check_runtime_support",
+    "check_separate_nodes",
+    "check_slurm_run",
+    "engine_ranks",
+    "preflight",
+    "process_count",
+]
 
 
 def check_runtime_support(cfg: HybridflowConfig) -> None:
     """What ``hybridflow plan`` accepts but this version's runtime does not run (yet)."""
     if cfg.reference.enabled and cfg.reference.parallel != cfg.actor.parallel:
-        raise ValueError("reference.parallel differs from actor.parallel: the runtime builds the reference on the "
-                         "actor's ranks under the actor's layout; set reference.parallel=${actor.parallel}")
+        raise ValueError(
+            "reference.parallel differs from actor.parallel: the runtime builds the reference on the "
+            "actor's ranks under the actor's layout; set reference.parallel=${actor.parallel}"
+        )
     if cfg.critic.enabled and cfg.critic.parallel != cfg.actor.parallel:
-        raise ValueError("critic.parallel differs from actor.parallel: the runtime builds the critic on the "
-                         "actor's ranks under the actor's layout; set critic.parallel=${actor.parallel}")
+        raise ValueError(
+            "critic.parallel differs from actor.parallel: the runtime builds the critic on the "
+            "actor's ranks under the actor's layout; set critic.parallel=${actor.parallel}"
+        )
     if cfg.rollout.num_replicas != 1 and cfg.rollout.sync_route == "full":
-        raise ValueError(f"rollout.num_replicas={cfg.rollout.num_replicas} with rollout.sync_route=full: the full "
-                         "route gathers whole tensors on one driver in this version; set rollout.sync_route=sliced "
-                         "(SGLang) or rollout.num_replicas=1")
+        raise ValueError(
+            f"rollout.num_replicas={cfg.rollout.num_replicas} with rollout.sync_route=full: the full "
+            "route gathers whole tensors on one driver in this version; set rollout.sync_route=sliced "
+            "(SGLang) or rollout.num_replicas=1"
+        )
     tp, per_node = cfg.rollout.tp, cfg.rollout.gpus_per_node
     if tp > per_node and tp % per_node:
-        raise ValueError(f"rollout.tp={tp} does not fill whole nodes of rollout.gpus_per_node={per_node}: an engine "
-                         f"spanning nodes takes all GPUs of each; set rollout.tp to a multiple of {per_node}")
+        raise ValueError(
+            f"rollout.tp={tp} does not fill whole nodes of rollout.gpus_per_node={per_node}: an engine "
+            f"spanning nodes takes all GPUs of each; set rollout.tp to a multiple of {per_node}"
+        )
     if cfg.rollout.placement == "separate":
         _check_separate(cfg)
     if cfg.lora.enabled and cfg.run.mode == "sft":
-        raise ValueError("lora.enabled=true with run.mode=sft: adapters train the RL actor only (the SFT warm-up "
-                         "and run.mode=sft train the whole model); set lora.enabled=false or run.mode=rl")
+        raise ValueError(
+            "lora.enabled=true with run.mode=sft: adapters train the RL actor only (the SFT warm-up "
+            "and run.mode=sft train the whole model); set lora.enabled=false or run.mode=rl"
+        )
     if cfg.lora.pushes_adapters:
         _check_adapter_push(cfg)
 
@@ -76,13 +97,17 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
 def _check_adapter_push(cfg: HybridflowConfig) -> None:
     """``lora.push=adapter``: what this version's adapter-only weight sync covers."""
     if cfg.rollout.engine != "sglang":
-        raise ValueError(f"lora.push=adapter with rollout.engine={cfg.rollout.engine}: adapters are pushed through "
-                         "SGLang's LoRA adapter API; set rollout.engine=sglang or lora.push=merged")
+        raise ValueError(
+            f"lora.push=adapter with rollout.engine={cfg.rollout.engine}: adapters are pushed through "
+            "SGLang's LoRA adapter API; set rollout.engine=sglang or lora.push=merged"
+        )
     expert = [t for t in cfg.lora.target_modules if t in ("experts", "shared_experts")]
     if expert:
-        raise ValueError(f"lora.push=adapter with lora.target_modules {expert}: SGLang serves expert adapters only "
-                         "through its triton MoE LoRA kernels, which hybridflow does not run yet; set lora.push=merged "
-                         "or target the attention and dense MLP projections only")
+        raise ValueError(
+            f"lora.push=adapter with lora.target_modules {expert}: SGLang serves expert adapters only "
+            "through its triton MoE LoRA kernels, which hybridflow does not run yet; set lora.push=merged "
+            "or target the attention and dense MLP projections only"
+        )
 
 
 ROW_WISE_POLICY_LOSSES = ("gspo", "gmpo", "geo_mean", "clip_cov", "kl_cov")
@@ -97,81 +122,113 @@ def check_packing(cfg: HybridflowConfig, *, policy_loss: str, loss_agg_mode: str
         return
     layout = cfg.actor.parallel
     if layout.cp > 1:
-        raise ValueError(f"packing.enabled with actor.parallel.cp={layout.cp}: packed rows are not split over "
-                         "context parallelism in this version; set actor.parallel.cp=1 or packing.enabled=false")
+        raise ValueError(
+            f"packing.enabled with actor.parallel.cp={layout.cp}: packed rows are not split over "
+            "context parallelism in this version; set actor.parallel.cp=1 or packing.enabled=false"
+        )
     budget = packing.max_tokens_per_micro_batch
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     multiple = layout.tp * layout.cp
     if budget is not None and budget - budget % multiple < longest:
-        raise ValueError(f"packing.max_tokens_per_micro_batch={budget} is below the longest possible sample, "
-                         f"data.max_prompt_length + data.max_response_length = {longest} (a packed row is a "
-                         f"multiple of actor.parallel.tp={layout.tp}); raise it to at least "
-                         f"{-(-longest // multiple) * multiple}")
+        raise ValueError(
+            f"packing.max_tokens_per_micro_batch={budget} is below the longest possible sample, "
+            f"data.max_prompt_length + data.max_response_length = {longest} (a packed row is a "
+            f"multiple of actor.parallel.tp={layout.tp}); raise it to at least "
+            f"{-(-longest // multiple) * multiple}"
+        )
     if not loss_agg_mode.startswith("token-"):
-        raise ValueError(f"packing.enabled with algorithm.loss_agg_mode={loss_agg_mode}: a packed row holds several "
-                         "samples, so per-sequence means would mix them; use token-mean or token-sum, or "
-                         "packing.enabled=false")
+        raise ValueError(
+            f"packing.enabled with algorithm.loss_agg_mode={loss_agg_mode}: a packed row holds several "
+            "samples, so per-sequence means would mix them; use token-mean or token-sum, or "
+            "packing.enabled=false"
+        )
     if policy_loss in ROW_WISE_POLICY_LOSSES:
-        raise ValueError(f"packing.enabled with algorithm.policy_loss={policy_loss}: that loss reduces each "
-                         "sample's row as a whole and a packed row holds several; set packing.enabled=false")
+        raise ValueError(
+            f"packing.enabled with algorithm.policy_loss={policy_loss}: that loss reduces each "
+            "sample's row as a whole and a packed row holds several; set packing.enabled=false"
+        )
     if cfg.algorithm.rollout_correction is not None and cfg.algorithm.rollout_correction_level != "token":
-        raise ValueError(f"packing.enabled with algorithm.rollout_correction_level="
-                         f"{cfg.algorithm.rollout_correction_level}: sequence weights reduce each row as a "
-                         "whole; use rollout_correction_level=token or packing.enabled=false")
+        raise ValueError(
+            f"packing.enabled with algorithm.rollout_correction_level="
+            f"{cfg.algorithm.rollout_correction_level}: sequence weights reduce each row as a "
+            "whole; use rollout_correction_level=token or packing.enabled=false"
+        )
 
 
 def _check_separate(cfg: HybridflowConfig) -> None:
     r = cfg.rollout
     if r.engine != "sglang" or r.sync_route != "sliced":
-        raise ValueError(f"rollout.placement=separate with rollout.engine={r.engine} and rollout.sync_route="
-                         f"{r.sync_route}: engine ranks of their own run SGLang and take sliced pushes; set "
-                         "rollout.engine=sglang and rollout.sync_route=sliced (or rollout.placement=colocated)")
+        raise ValueError(
+            f"rollout.placement=separate with rollout.engine={r.engine} and rollout.sync_route="
+            f"{r.sync_route}: engine ranks of their own run SGLang and take sliced pushes; set "
+            "rollout.engine=sglang and rollout.sync_route=sliced (or rollout.placement=colocated)"
+        )
     if r.tp > r.gpus_per_node:
-        raise ValueError(f"rollout.placement=separate with rollout.tp={r.tp} > rollout.gpus_per_node="
-                         f"{r.gpus_per_node}: separate engines spanning nodes are not run in this version; "
-                         "set rollout.tp <= rollout.gpus_per_node, or rollout.placement=colocated")
+        raise ValueError(
+            f"rollout.placement=separate with rollout.tp={r.tp} > rollout.gpus_per_node="
+            f"{r.gpus_per_node}: separate engines spanning nodes are not run in this version; "
+            "set rollout.tp <= rollout.gpus_per_node, or rollout.placement=colocated"
+        )
 
 
 def check_async(cfg: HybridflowConfig, plan=None) -> None:
     """``async_rl`` against the placement and the graph: one line naming the keys."""
     a = cfg.async_rl
     if a.mode == "async" and a.max_staleness < 1:
-        raise ValueError(f"async_rl.max_staleness={a.max_staleness} under async_rl.mode=async: generation runs "
-                         "K >= 1 policy versions ahead; set async_rl.max_staleness >= 1 (or async_rl.mode=sync)")
+        raise ValueError(
+            f"async_rl.max_staleness={a.max_staleness} under async_rl.mode=async: generation runs "
+            "K >= 1 policy versions ahead; set async_rl.max_staleness >= 1 (or async_rl.mode=sync)"
+        )
     if a.buffer_batches < 1:
-        raise ValueError(f"async_rl.buffer_batches={a.buffer_batches} is smaller than one batch (run.prompts_per_step"
-                         f" x rollout.n = {cfg.run.prompts_per_step * cfg.rollout.n} samples); set it >= 1")
+        raise ValueError(
+            f"async_rl.buffer_batches={a.buffer_batches} is smaller than one batch (run.prompts_per_step"
+            f" x rollout.n = {cfg.run.prompts_per_step * cfg.rollout.n} samples); set it >= 1"
+        )
     if a.mode == "sync":
         if a.partial_rollout:
-            raise ValueError("async_rl.partial_rollout=true with async_rl.mode=sync: nothing is generated ahead, so no "
-                             "request spans a weight update; set async_rl.mode=one_step_off or async (or "
-                             "async_rl.partial_rollout=false)")
+            raise ValueError(
+                "async_rl.partial_rollout=true with async_rl.mode=sync: nothing is generated ahead, so no "
+                "request spans a weight update; set async_rl.mode=one_step_off or async (or "
+                "async_rl.partial_rollout=false)"
+            )
         return
     if a.partial_rollout and a.lag < 2:
-        raise ValueError(f"async_rl.partial_rollout=true with async_rl.mode={a.mode} (max_staleness {a.lag}): the "
-                         "next batch is finished during the step that starts it, so no request spans an update; set "
-                         "async_rl.mode=async with async_rl.max_staleness >= 2 (or async_rl.partial_rollout=false)")
+        raise ValueError(
+            f"async_rl.partial_rollout=true with async_rl.mode={a.mode} (max_staleness {a.lag}): the "
+            "next batch is finished during the step that starts it, so no request spans an update; set "
+            "async_rl.mode=async with async_rl.max_staleness >= 2 (or async_rl.partial_rollout=false)"
+        )
     if a.partial_rollout and a.segment_tokens >= cfg.data.max_response_length:
-        raise ValueError(f"async_rl.segment_tokens={a.segment_tokens} >= data.max_response_length="
-                         f"{cfg.data.max_response_length}: every request would end in its first segment, so none spans "
-                         "a weight update; set async_rl.segment_tokens below it (or async_rl.partial_rollout=false)")
+        raise ValueError(
+            f"async_rl.segment_tokens={a.segment_tokens} >= data.max_response_length="
+            f"{cfg.data.max_response_length}: every request would end in its first segment, so none spans "
+            "a weight update; set async_rl.segment_tokens below it (or async_rl.partial_rollout=false)"
+        )
     if cfg.rollout.placement != "separate":
-        raise ValueError(f"async_rl.mode={a.mode} with rollout.placement={cfg.rollout.placement}: colocated engines "
-                         "share the actor's GPUs, so there is nothing to overlap; set rollout.placement=separate "
-                         "or async_rl.mode=sync")
+        raise ValueError(
+            f"async_rl.mode={a.mode} with rollout.placement={cfg.rollout.placement}: colocated engines "
+            "share the actor's GPUs, so there is nothing to overlap; set rollout.placement=separate "
+            "or async_rl.mode=sync"
+        )
     if a.mode == "one_step_off" and a.max_staleness != 1:
-        raise ValueError(f"async_rl.max_staleness={a.max_staleness} with async_rl.mode=one_step_off, which is K=1 by "
-                         "definition; set async_rl.mode=async for K > 1")
+        raise ValueError(
+            f"async_rl.max_staleness={a.max_staleness} with async_rl.mode=one_step_off, which is K=1 by "
+            "definition; set async_rl.mode=async for K > 1"
+        )
     if a.buffer_batches < a.lag:
-        raise ValueError(f"async_rl.buffer_batches={a.buffer_batches} cannot hold the {a.lag} batch(es) generation "
-                         f"runs ahead under async_rl.mode={a.mode} (max_staleness {a.lag}); set "
-                         f"async_rl.buffer_batches >= {a.lag}")
+        raise ValueError(
+            f"async_rl.buffer_batches={a.buffer_batches} cannot hold the {a.lag} batch(es) generation "
+            f"runs ahead under async_rl.mode={a.mode} (max_staleness {a.lag}); set "
+            f"async_rl.buffer_batches >= {a.lag}"
+        )
     ops = [stage.node.op for stage in (plan.stages if plan is not None else ())]
     if "generate_greedy" in ops or "filter_groups" in ops:
-        raise ValueError(f"async_rl.mode={a.mode} with algorithm.name={cfg.algorithm.name}: its graph draws more "
-                         "than one rollout per step (a greedy baseline or dynamic sampling), which the async "
-                         "pipeline does not run ahead yet; set async_rl.mode=sync, or algorithm.dynamic_sampling="
-                         "false")
+        raise ValueError(
+            f"async_rl.mode={a.mode} with algorithm.name={cfg.algorithm.name}: its graph draws more "
+            "than one rollout per step (a greedy baseline or dynamic sampling), which the async "
+            "pipeline does not run ahead yet; set async_rl.mode=sync, or algorithm.dynamic_sampling="
+            "false"
+        )
 
 
 def engine_ranks(cfg: HybridflowConfig) -> int:
@@ -205,9 +262,11 @@ def check_node_gpus(cfg: HybridflowConfig, available: int) -> None:
     world = process_count(cfg)
     what = "actor.parallel" if world == cfg.actor.parallel.world_size else "actor.parallel + the separate engine ranks"
     if world > available:
-        raise ValueError(f"{what} needs {world} GPUs ({cfg.actor.parallel.describe()}) but this node has "
-                         f"{available}: lower actor.parallel.dp (or tp / pp / ep), or run on more nodes with "
-                         "hybridflow launch or hybridflow slurm")
+        raise ValueError(
+            f"{what} needs {world} GPUs ({cfg.actor.parallel.describe()}) but this node has "
+            f"{available}: lower actor.parallel.dp (or tp / pp / ep), or run on more nodes with "
+            "hybridflow launch or hybridflow slurm"
+        )
 
 
 _SHOWN_CHANGES = 8  # config changes listed on the resume line
@@ -227,8 +286,12 @@ def check_data(cfg: HybridflowConfig, *, command: str = "train") -> None:
     """The data files as far as a look at their first rows tells (``data.preview_files``), and
     one line saying which reward function scores the rows of each data_source."""
     files = model_source(cfg.model.path).files if cfg.model.path and os.path.isdir(cfg.model.path) else None
-    sources = preview_files(cfg.data, sft_key=sft_key(cfg), with_heldout=cfg.run.heldout_prompts > 0,
-                            no_chat_template=str(files) if files and not has_chat_template(files) else None)
+    sources = preview_files(
+        cfg.data,
+        sft_key=sft_key(cfg),
+        with_heldout=cfg.run.heldout_prompts > 0,
+        no_chat_template=str(files) if files and not has_chat_template(files) else None,
+    )
     if not cfg.data.train_files:  # the synthetic task's rows name it as their data_source
         sources[cfg.task.name] += cfg.task.train_size
     line, warnings = describe_routing(cfg.reward, sources)
@@ -237,8 +300,9 @@ def check_data(cfg: HybridflowConfig, *, command: str = "train") -> None:
         _say(command, warning, warning=True)
 
 
-def check_model_weights(cfg: HybridflowConfig, *, on_cluster: bool, must_exist: bool = True,
-                        command: str = "train") -> None:
+def check_model_weights(
+    cfg: HybridflowConfig, *, on_cluster: bool, must_exist: bool = True, command: str = "train"
+) -> None:
     """A run that would post-train a random network by accident is refused: on GPUs (or Slurm) a
     model without ``model.path`` must say ``model.init=random``; ``model.path`` must hold a model
     (``must_exist=False``: a warning when it does not exist). A random model needs a starting
@@ -250,17 +314,24 @@ def check_model_weights(cfg: HybridflowConfig, *, on_cluster: bool, must_exist: 
             layout = cfg.actor.parallel
             check_padded_vocab(source, layout.padded_vocab_size(model), layout.tp)
         else:
-            _say(command, f"model.path={model.path} does not exist here; the job will fail unless it does on "
-                          "the cluster's nodes", warning=True)
+            _say(
+                command,
+                f"model.path={model.path} does not exist here; the job will fail unless it does on the cluster's nodes",
+                warning=True,
+            )
         return
     if model.init is None and on_cluster:
-        raise ValueError("model.path is not set: this run would post-train a randomly initialised network; set "
-                         "model.path=DIR (a Hugging Face model directory or a `hybridflow convert hf-to-mcore` "
-                         "checkpoint), or model.init=random to train from random weights on purpose")
+        raise ValueError(
+            "model.path is not set: this run would post-train a randomly initialised network; set "
+            "model.path=DIR (a Hugging Face model directory or a `hybridflow convert hf-to-mcore` "
+            "checkpoint), or model.init=random to train from random weights on purpose"
+        )
     if model.family not in GENERATED_FAMILIES:
-        raise ValueError(f"model.family={model.family} without model.path: a random {model.family} model has no "
-                         f"starting directory (the run writes one for {', '.join(GENERATED_FAMILIES)}); set "
-                         f"model.path to a {model.family} model directory")
+        raise ValueError(
+            f"model.family={model.family} without model.path: a random {model.family} model has no "
+            f"starting directory (the run writes one for {', '.join(GENERATED_FAMILIES)}); set "
+            f"model.path to a {model.family} model directory"
+        )
 
 
 def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
@@ -268,8 +339,10 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
     at the engine's start after it."""
     r = cfg.rollout
     if r.engine == "sglang" and not on_gpu and r.ep > 1:
-        raise ValueError(f"rollout.ep={r.ep} on a machine without a GPU: SGLang's CPU engine runs only ep=1 "
-                         "(its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run on GPUs")
+        raise ValueError(
+            f"rollout.ep={r.ep} on a machine without a GPU: SGLang's CPU engine runs only ep=1 "
+            "(its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run on GPUs"
+        )
 
 
 def check_output_dir(cfg: HybridflowConfig, *, room: bool = True) -> None:
@@ -285,17 +358,22 @@ def check_output_dir(cfg: HybridflowConfig, *, room: bool = True) -> None:
     out = cfg.run.output_dir
     problem = writable_directory_problem(out)
     if problem is not None:
-        raise ValueError(f"run.output_dir={out} {problem}; set run.output_dir to a directory this user can write, "
-                         "on a file system mounted read-write")
+        raise ValueError(
+            f"run.output_dir={out} {problem}; set run.output_dir to a directory this user can write, "
+            "on a file system mounted read-write"
+        )
     need, free = checkpoint_bytes(cfg), shutil.disk_usage(existing_ancestor(out)).free
     if room and free < need:
-        raise ValueError(f"run.output_dir={out}: its file system has {format_bytes(free)} free, less than one "
-                         f"checkpoint of this run (about {format_bytes(need)}: the trained roles' weights and "
-                         "optimizer state); free space there, or set run.output_dir to a larger file system")
+        raise ValueError(
+            f"run.output_dir={out}: its file system has {format_bytes(free)} free, less than one "
+            f"checkpoint of this run (about {format_bytes(need)}: the trained roles' weights and "
+            "optimizer state); free space there, or set run.output_dir to a larger file system"
+        )
 
 
-def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_reference: bool = False,
-                 content: bool = True) -> None:
+def check_resume(
+    cfg: HybridflowConfig, *, command: str = "train", uses_reference: bool = False, content: bool = True
+) -> None:
     """``run.resume`` against the run directory: the checkpoint a start continues from, the
     damaged ones passed over (``run.resume_fallback``), and a config its model cannot load.
     ``uses_reference``: the reference policy loads from the SFT checkpoint, which must then be
@@ -305,14 +383,23 @@ def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_referenc
     if content and found.path is not None:
         os.environ[checksums.VERIFIED_ENV] = str(found.path)
     sft = sft_checkpoint(cfg.run.output_dir)
-    if (uses_reference and found.path not in (None, sft) and sft.is_dir()
-            and (problem := checkpoint_problem(sft, content=content))):
-        raise ValueError(f"checkpoint sft is damaged: {problem}; the reference policy loads from it (algorithm."
-                         "kl_loss_coef / kl_reward_coef > 0): restore its files, or set a new run.output_dir")
+    if (
+        uses_reference
+        and found.path not in (None, sft)
+        and sft.is_dir()
+        and (problem := checkpoint_problem(sft, content=content))
+    ):
+        raise ValueError(
+            f"checkpoint sft is damaged: {problem}; the reference policy loads from it (algorithm."
+            "kl_loss_coef / kl_reward_coef > 0): restore its files, or set a new run.output_dir"
+        )
     for path, problem in found.damaged:
-        _say(command, f"checkpoint {path.name} is damaged: {problem}; the run sets it aside as "
-                      f"{path.name}{DAMAGED_SUFFIX} and resumes from an earlier one (run.resume_fallback=previous)",
-             warning=True)
+        _say(
+            command,
+            f"checkpoint {path.name} is damaged: {problem}; the run sets it aside as "
+            f"{path.name}{DAMAGED_SUFFIX} and resumes from an earlier one (run.resume_fallback=previous)",
+            warning=True,
+        )
     if found.path is None:
         return
     changes = check_config_loads(found.path, cfg.run.output_dir, yaml.safe_load(to_yaml(cfg)))
@@ -322,8 +409,9 @@ def check_resume(cfg: HybridflowConfig, *, command: str = "train", uses_referenc
         _say(command, f"changed since {found.path.name} was saved: {'; '.join(changes[:_SHOWN_CHANGES])}{more}")
 
 
-def preflight(cfg: HybridflowConfig, *, command: str = "train", content: bool = True,
-              model_must_exist: bool = True) -> None:
+def preflight(
+    cfg: HybridflowConfig, *, command: str = "train", content: bool = True, model_must_exist: bool = True
+) -> None:
     """What can be checked in this process before any rank starts: the algorithm's graph
     against the enabled roles and placement, the reward function, the data files, the engine
     on this machine, and ``run.resume`` against the run directory (``content``: with the
@@ -359,8 +447,10 @@ def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob, *, dry_run: bool = Fal
     a requeued job must resume, and the allocation must start exactly the actor's ranks
     (``dry_run``: a script printed for a model not downloaded yet is only warned about)."""
     if cfg.run.resume != "auto":
-        raise ValueError(f"run.resume={cfg.run.resume}: a Slurm job must be able to resume after a requeue; "
-                         "use run.resume=auto (the default) and a new run.output_dir for a fresh run")
+        raise ValueError(
+            f"run.resume={cfg.run.resume}: a Slurm job must be able to resume after a requeue; "
+            "use run.resume=auto (the default) and a new run.output_dir for a fresh run"
+        )
     job.check_layout(cfg.actor.parallel, engine_ranks(cfg))
     check_separate_nodes(cfg, job.nproc_per_node)
     # the job's node 0 compares the checksums when it starts

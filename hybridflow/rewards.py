@@ -93,6 +93,7 @@ class RewardError(RuntimeError):
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering ``fn(response, answer, **kwargs) -> float`` under ``name``."""
+
     def register(fn: RewardFn) -> RewardFn:
         if name in _REWARDS and _REWARDS[name] is not fn:
             raise ValueError(f"reward function {name!r} is already registered ({_REWARDS[name]!r})")
@@ -112,13 +113,16 @@ def _import_reward(path: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # any import failure is the user's path or module
-        raise ValueError(f"reward.function={path!r}: cannot import module {module_name!r} "
-                         f"({type(error).__name__}: {error})") from error
+        raise ValueError(
+            f"reward.function={path!r}: cannot import module {module_name!r} ({type(error).__name__}: {error})"
+        ) from error
     fn = getattr(module, attribute, None)
     if not callable(fn):
         found = "nothing" if fn is None else f"a {type(fn).__name__}"
-        raise ValueError(f"reward.function={path!r}: module {module_name!r} has {found} named "
-                         f"{attribute!r}; expected a function fn(response, answer, **kwargs)")
+        raise ValueError(
+            f"reward.function={path!r}: module {module_name!r} has {found} named "
+            f"{attribute!r}; expected a function fn(response, answer, **kwargs)"
+        )
     return fn
 
 
@@ -130,8 +134,10 @@ def get_reward(name: str) -> RewardFn:
         return _import_reward(name)
     close = difflib.get_close_matches(name, reward_names(), n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise ValueError(f"reward.function={name!r} is not a registered reward ({', '.join(reward_names())}), "
-                     f"{AUTO!r} nor a dotted path package.module.function; {hint}set reward.function to one of them")
+    raise ValueError(
+        f"reward.function={name!r} is not a registered reward ({', '.join(reward_names())}), "
+        f"{AUTO!r} nor a dotted path package.module.function; {hint}set reward.function to one of them"
+    )
 
 
 _VERL_PARAMETERS = frozenset({"solution_str", "ground_truth"})
@@ -145,14 +151,18 @@ def _parameters(fn: RewardFn) -> frozenset[str]:
         return frozenset()
 
 
-def _arguments(fn: RewardFn, response: str, answer: Any, data_source: str | None, extra_info: Any,
-               kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+def _arguments(
+    fn: RewardFn, response: str, answer: Any, data_source: str | None, extra_info: Any, kwargs: Mapping[str, Any]
+) -> tuple[tuple, dict]:
     """How ``fn`` is called: verl's ``compute_score`` by its parameter names, any other function as
     fn(response, answer, **kwargs), with ``data_source`` / ``extra_info`` when it names them."""
     names = _parameters(fn)
     if _VERL_PARAMETERS <= names:
-        row = {"data_source": data_source, "extra_info": extra_info} if "extra_info" in names else \
-            {"data_source": data_source}
+        row = (
+            {"data_source": data_source, "extra_info": extra_info}
+            if "extra_info" in names
+            else {"data_source": data_source}
+        )
         return (), {**row, "solution_str": response, "ground_truth": answer, **kwargs}
     row = {k: v for k, v in (("data_source", data_source), ("extra_info", extra_info)) if k in names}
     return (response, answer), {**row, **kwargs}
@@ -169,10 +179,12 @@ def check_reward(cfg: RewardConfig) -> None:
         try:
             inspect.signature(fn).bind(*args, **kwargs)
         except TypeError as error:
-            raise ValueError(f"reward.function={name!r} cannot be called as fn(response, answer, "
-                             f"**reward.kwargs) with reward.kwargs={dict(cfg.kwargs)} ({error}); fix "
-                             "reward.kwargs or the function's parameters (verl's compute_score(data_source, "
-                             "solution_str, ground_truth, extra_info) is called as verl calls it)") from None
+            raise ValueError(
+                f"reward.function={name!r} cannot be called as fn(response, answer, "
+                f"**reward.kwargs) with reward.kwargs={dict(cfg.kwargs)} ({error}); fix "
+                "reward.kwargs or the function's parameters (verl's compute_score(data_source, "
+                "solution_str, ground_truth, extra_info) is called as verl calls it)"
+            ) from None
         except ValueError:  # no signature to read (a builtin): it is checked when called
             pass
 
@@ -200,9 +212,11 @@ def describe_routing(cfg: RewardConfig, sources: Mapping[str | None, int]) -> tu
         routes.setdefault(function_name(source, cfg), []).append(f"{shown} ({sources[source]} rows)")
     line = "; ".join(f"{', '.join(shown)} -> {name}" for name, shown in routes.items())
     bypassed = sorted(s for s in sources if s in _REWARDS and s != function_name(s, cfg))
-    warnings = [f"reward.function={cfg.function!r} scores the rows whose data_source is {s!r}, not the "
-                f"registered {s!r} verifier; set reward.function={AUTO} to score each row by its data_source"
-                for s in bypassed]
+    warnings = [
+        f"reward.function={cfg.function!r} scores the rows whose data_source is {s!r}, not the "
+        f"registered {s!r} verifier; set reward.function={AUTO} to score each row by its data_source"
+        for s in bypassed
+    ]
     return f"reward ({cfg.function}): {line or 'no rows'}", warnings
 
 
@@ -362,8 +376,12 @@ def _equation_text(response: str) -> str | None:
 
 
 def _countdown_answer(answer: Any) -> tuple[int, Counter[int]]:
-    ok = isinstance(answer, Mapping) and isinstance(answer.get("target"), int) and isinstance(
-        answer.get("numbers"), (list, tuple)) and all(type(n) is int for n in answer["numbers"])
+    ok = (
+        isinstance(answer, Mapping)
+        and isinstance(answer.get("target"), int)
+        and isinstance(answer.get("numbers"), (list, tuple))
+        and all(type(n) is int for n in answer["numbers"])
+    )
     if not ok:
         raise ValueError(f"countdown answer {answer!r} must be {{'target': int, 'numbers': [int, ...]}}")
     return answer["target"], Counter(answer["numbers"])
@@ -416,8 +434,10 @@ def _check_score(value: Any) -> float:
 
 def _describe(index: int, name: str, response: str, answer: Any, error: Exception) -> str:
     shown = response if len(response) <= _SHOWN_CHARS else response[:_SHOWN_CHARS] + "..."
-    return (f"reward {name!r} failed on sample {index} (response {shown!r}, answer {answer!r}): "
-            f"{type(error).__name__}: {error}")
+    return (
+        f"reward {name!r} failed on sample {index} (response {shown!r}, answer {answer!r}): "
+        f"{type(error).__name__}: {error}"
+    )
 
 
 class _ErrorLog:
@@ -438,8 +458,11 @@ class _ErrorLog:
 
 
 def score_responses(
-    responses: Sequence[str], answers: Sequence[Any], data_sources: Sequence[str | None],
-    cfg: RewardConfig, extra_infos: Sequence[Any] | None = None,
+    responses: Sequence[str],
+    answers: Sequence[Any],
+    data_sources: Sequence[str | None],
+    cfg: RewardConfig,
+    extra_infos: Sequence[Any] | None = None,
 ) -> tuple[list[float], list[str]]:
     """Score each response against its answer; return the scores and one message per failure.
 
@@ -451,8 +474,10 @@ def score_responses(
     RewardError naming the sample under ``fail``.
     """
     if not len(responses) == len(answers) == len(data_sources):
-        raise ValueError(f"score_responses got {len(responses)} responses, {len(answers)} answers "
-                         f"and {len(data_sources)} data sources; they must pair up")
+        raise ValueError(
+            f"score_responses got {len(responses)} responses, {len(answers)} answers "
+            f"and {len(data_sources)} data sources; they must pair up"
+        )
     names = [function_name(source, cfg) for source in data_sources]
     functions = {name: get_reward(name) for name in names}
     _log_new_routes(data_sources, names)

@@ -161,16 +161,20 @@ def _countdown_sample(cfg: TaskConfig, rng: random.Random) -> TaskItem:
         if target > 0:
             # sorted numbers make the question canonical: one problem, one question text
             question = f"Make {target} with {' '.join(map(str, numbers))}"
-            return TaskItem(question=question, answer={"target": target, "numbers": numbers},
-                            solution=equation)
+            return TaskItem(question=question, answer={"target": target, "numbers": numbers}, solution=equation)
     raise AssertionError("no positive countdown target in 1000 draws")
 
 
 def _countdown_corrupt(item: TaskItem, rng: random.Random) -> str:
     # one operator swapped: still an equation over the given numbers, with the wrong value
     text = item.solution
-    swaps = [text[:i] + op + text[i + 1:] for i, c in enumerate(text) if c in _COUNTDOWN_OPS
-             for op in _COUNTDOWN_OPS if op != c]
+    swaps = [
+        text[:i] + op + text[i + 1 :]
+        for i, c in enumerate(text)
+        if c in _COUNTDOWN_OPS
+        for op in _COUNTDOWN_OPS
+        if op != c
+    ]
     rng.shuffle(swaps)
     wrong = [s for s in swaps if countdown(s, item.answer) < 1.0]
     return wrong[0] if wrong else f"{text}+1"  # +1 always misses: the value moves by one
@@ -236,13 +240,21 @@ class _Layout:
     sft_key: str
 
     def row(self, name: str, item: TaskItem, sft_response: str) -> dict[str, Any]:
-        return {self.prompt_key: item.question, **_nested(self.answer_key, item.answer),
-                DATA_SOURCE_KEY: name, self.sft_key: sft_response}
+        return {
+            self.prompt_key: item.question,
+            **_nested(self.answer_key, item.answer),
+            DATA_SOURCE_KEY: name,
+            self.sft_key: sft_response,
+        }
 
 
 def _signature(cfg: TaskConfig, layout: _Layout, seed: int) -> dict[str, Any]:
-    return {"version": _SIGNATURE_VERSION, "task": dataclasses.asdict(cfg), "seed": seed,
-            "layout": dataclasses.asdict(layout)}
+    return {
+        "version": _SIGNATURE_VERSION,
+        "task": dataclasses.asdict(cfg),
+        "seed": seed,
+        "layout": dataclasses.asdict(layout),
+    }
 
 
 def _generate(cfg: TaskConfig, seed: int) -> tuple[list[TaskItem], list[TaskItem], list[str]]:
@@ -263,8 +275,9 @@ def _reusable(meta: Path, paths: tuple[Path, Path], signature: dict[str, Any]) -
         return False
 
 
-def make_task_files(cfg: TaskConfig, data_cfg: DataConfig, out_dir: str | os.PathLike, *,
-                    seed: int, sft_key: str | None = None) -> tuple[Path, Path]:
+def make_task_files(
+    cfg: TaskConfig, data_cfg: DataConfig, out_dir: str | os.PathLike, *, seed: int, sft_key: str | None = None
+) -> tuple[Path, Path]:
     """Write the task's train and held-out jsonl files into ``out_dir``; return their paths.
 
     Rows use ``data_cfg.prompt_key`` and ``data_cfg.answer_key`` (nested for dotted keys) and
@@ -273,8 +286,11 @@ def make_task_files(cfg: TaskConfig, data_cfg: DataConfig, out_dir: str | os.Pat
     anything else is regenerated, each file written atomically and the signature last. Call it
     on one rank and let the others wait: ranks writing at once write the same bytes, though.
     """
-    layout = _Layout(prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key,
-                     sft_key=sft_key if sft_key is not None else SFTConfig().response_key)
+    layout = _Layout(
+        prompt_key=data_cfg.prompt_key,
+        answer_key=data_cfg.answer_key,
+        sft_key=sft_key if sft_key is not None else SFTConfig().response_key,
+    )
     out = Path(out_dir)
     paths = (out / f"{cfg.name}_train.jsonl", out / f"{cfg.name}_heldout.jsonl")
     meta, signature = out / f"{cfg.name}_meta.json", _signature(cfg, layout, seed)
@@ -286,8 +302,14 @@ def make_task_files(cfg: TaskConfig, data_cfg: DataConfig, out_dir: str | os.Pat
     write_jsonl(paths[0], [layout.row(cfg.name, i, r) for i, r in zip(train, responses)])
     write_jsonl(paths[1], [layout.row(cfg.name, i, i.solution) for i in heldout])
     write_atomic(meta, json.dumps(signature, indent=2) + "\n")
-    logger.info("wrote the %s task: %d train rows (sft_noise=%g), %d held-out rows, in %s",
-                cfg.name, len(train), cfg.sft_noise, len(heldout), out)
+    logger.info(
+        "wrote the %s task: %d train rows (sft_noise=%g), %d held-out rows, in %s",
+        cfg.name,
+        len(train),
+        cfg.sft_noise,
+        len(heldout),
+        out,
+    )
     return paths
 
 

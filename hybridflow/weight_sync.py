@@ -49,8 +49,7 @@ def weight_sync_topology(cfg: HybridflowConfig, *, num_destination: int | None =
     num_destination = rollout.num_ranks if num_destination is None else num_destination
     if rollout.placement == "colocated":
         # engine rank i shares actor GPU i; the config checked that the engines fit
-        return Topology.colocated(num_source, gpus_per_node=rollout.gpus_per_node,
-                                  num_destination=num_destination)
+        return Topology.colocated(num_source, gpus_per_node=rollout.gpus_per_node, num_destination=num_destination)
     return Topology.separate(num_source, num_destination, gpus_per_node=rollout.gpus_per_node)
 
 
@@ -68,8 +67,9 @@ def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None) -> Weig
     else:
         raise ValueError(f"weight sync route={route!r}: choose sliced or full")
     plan = plan_reshard(source, destination, weight_sync_topology(cfg, num_destination=destination.num_ranks))
-    return WeightSyncPlan(source=source, destination=destination, plan=plan,
-                          stats=plan_stats(plan, bandwidth=cfg.rollout.bandwidth()))
+    return WeightSyncPlan(
+        source=source, destination=destination, plan=plan, stats=plan_stats(plan, bandwidth=cfg.rollout.bandwidth())
+    )
 
 
 def describe_weight_sync(cfg: HybridflowConfig) -> list[str]:

@@ -32,8 +32,16 @@ from pathlib import Path
 
 from hfschema.files import write_atomic
 
-__all__ = ["ERROR_DIR_ENV", "ERROR_FILE", "RUN_ERRORS", "RUN_ERROR_DIR_ENV", "Failure", "first_failure",
-           "record_failure", "report_failure"]
+__all__ = [
+    "ERROR_DIR_ENV",
+    "ERROR_FILE",
+    "RUN_ERRORS",
+    "RUN_ERROR_DIR_ENV",
+    "Failure",
+    "first_failure",
+    "record_failure",
+    "report_failure",
+]
 
 ERROR_DIR_ENV = "HYBRIDFLOW_ERROR_DIR"
 """Where the ranks of this launcher write their error records (set by the launcher)."""
@@ -68,8 +76,12 @@ def record_failure(error: BaseException, *, env: dict[str, str] | None = None) -
     if not directory:
         return None
     message = str(error).strip() or "(no message)"
-    failure = Failure(rank=int(env.get("RANK", "0")), restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                      time=time.time(), error=f"{type(error).__name__}: {message}")
+    failure = Failure(
+        rank=int(env.get("RANK", "0")),
+        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        time=time.time(),
+        error=f"{type(error).__name__}: {message}",
+    )
     path = Path(directory) / f"rank{failure.rank}.json"
     write_atomic(path, json.dumps(asdict(failure)))
     if shared := env.get(RUN_ERROR_DIR_ENV):
@@ -96,16 +108,24 @@ def first_failure(*directories: str | os.PathLike, since: float = 0.0) -> Failur
     return min((f for f in found if f.restart == last_round), key=lambda f: (f.time, f.rank))
 
 
-def report_failure(directory: str | os.PathLike, output_dir: str | os.PathLike | None, *, command: str,
-                   returncode: int, since: float = 0.0) -> str:
+def report_failure(
+    directory: str | os.PathLike,
+    output_dir: str | os.PathLike | None,
+    *,
+    command: str,
+    returncode: int,
+    since: float = 0.0,
+) -> str:
     """The launcher's last line after torchrun failed (the first failure among this node's records
     in ``directory`` and every node's in the run directory, from ``since`` on); also written to
     ``<output_dir>/error.txt``."""
     shared = [Path(output_dir) / RUN_ERRORS] if output_dir is not None else []
     failure = first_failure(directory, *shared, since=since)
     if failure is None:
-        line = (f"{command}: the job failed with exit status {returncode}; no rank reported an error "
-                "(a rank killed or exiting abruptly); see the ranks' output above")
+        line = (
+            f"{command}: the job failed with exit status {returncode}; no rank reported an error "
+            "(a rank killed or exiting abruptly); see the ranks' output above"
+        )
     else:
         line = f"{command}: {failure.line()}"
     if output_dir is not None and Path(output_dir).is_dir():

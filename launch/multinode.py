@@ -54,8 +54,7 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--rdzv-endpoint={endpoint!r} must be HOST:PORT with a port in 1..65535, "
-                         "e.g. node001:29500")
+        raise ValueError(f"--rdzv-endpoint={endpoint!r} must be HOST:PORT with a port in 1..65535, e.g. node001:29500")
     return host, int(port)
 
 
@@ -102,12 +101,14 @@ class LaunchSpec:
     def check_layout(self, layout: ParallelLayout, engine_ranks: int = 0) -> None:
         """The job must start exactly the ranks the actor's ``layout`` fills, and ``engine_ranks``
         more (separate placement)."""
-        check_process_count(layout, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
-                            self.world_size, engine_ranks)
+        check_process_count(
+            layout, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", self.world_size, engine_ranks
+        )
 
 
-def check_process_count(layout: ParallelLayout, nodes_flag: str, per_node_flag: str, started: int,
-                        engine_ranks: int = 0) -> None:
+def check_process_count(
+    layout: ParallelLayout, nodes_flag: str, per_node_flag: str, started: int, engine_ranks: int = 0
+) -> None:
     """ValueError naming both flags and ``actor.parallel`` unless ``started`` fills the actor's
     ``layout`` and the ``engine_ranks`` of separate placement."""
     want = layout.world_size + engine_ranks
@@ -117,19 +118,30 @@ def check_process_count(layout: ParallelLayout, nodes_flag: str, per_node_flag: 
             f"{nodes_flag} x {per_node_flag} = {started} processes, but actor.parallel fills "
             f"{layout.world_size} ranks (tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp}){engines}; "
             f"start {want} processes in all, or change actor.parallel.dp (or tp/pp/cp) "
-            f"so that the ranks add up to {started}")
+            f"so that the ranks add up to {started}"
+        )
 
 
 def torchrun_command(spec: LaunchSpec, config_path: str, overrides: Sequence[str]) -> list[str]:
     """The torchrun command line of this node."""
-    cmd = [sys.executable, "-m", TORCHRUN, f"--nnodes={spec.nnodes}",
-           f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}",
-           f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        TORCHRUN,
+        f"--nnodes={spec.nnodes}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        f"--max-restarts={spec.max_restarts}",
+        f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}",
+    ]
     if spec.rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}",
-                f"--rdzv-conf=join_timeout={spec.join_timeout_s:g}"]
+        cmd += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={spec.rdzv_id}",
+            f"--rdzv-conf=join_timeout={spec.join_timeout_s:g}",
+        ]
     return cmd + ["-m", "hybridflow.runtime.worker", config_path, *overrides]
 
 
@@ -157,8 +169,10 @@ def _check_port_free(host: str, port: int) -> None:
             probe.bind(("", port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise ValueError(f"--rdzv-endpoint={host}:{port}: port {port} is already in use on this node "
-                                 "(another job's rendezvous?); pick another port") from None
+                raise ValueError(
+                    f"--rdzv-endpoint={host}:{port}: port {port} is already in use on this node "
+                    "(another job's rendezvous?); pick another port"
+                ) from None
             raise
 
 
@@ -167,8 +181,10 @@ def _resolve(host: str, port: int) -> None:
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise ValueError(f"--rdzv-endpoint={host}:{port}: cannot resolve host {host!r} ({e.strerror}); "
-                         "use the first node's host name or IP address") from None
+        raise ValueError(
+            f"--rdzv-endpoint={host}:{port}: cannot resolve host {host!r} ({e.strerror}); "
+            "use the first node's host name or IP address"
+        ) from None
 
 
 def _connect_error(host: str, port: int, timeout_s: float) -> str | None:
@@ -199,8 +215,12 @@ def _store_error(host: str, port: int, timeout_s: float) -> str | None:
     timeout. The client runs in its own process, whose C++ retry warnings stay out of the user's
     terminal."""
     try:
-        done = subprocess.run([sys.executable, "-c", _STORE_PROBE, host, str(port), f"{timeout_s:g}"],
-                              capture_output=True, text=True, timeout=timeout_s + 60)
+        done = subprocess.run(
+            [sys.executable, "-c", _STORE_PROBE, host, str(port), f"{timeout_s:g}"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s + 60,
+        )
     except subprocess.TimeoutExpired:
         return f"no TCPStore handshake within {timeout_s:g} s"
     return None if done.returncode == 0 else (done.stdout.strip() or f"probe exit {done.returncode}")
@@ -224,8 +244,10 @@ def check_endpoint(spec: LaunchSpec) -> None:
         _resolve(host, port)
         # torchrun's c10d backend would try to join a store nobody hosts and fail after its
         # join timeout with a traceback (82 s with an unrouted address, measured)
-        raise ValueError(f"--rdzv-endpoint={spec.rdzv_endpoint}: --node-rank=0 hosts the rendezvous, but "
-                         f"{host!r} is not an address of this machine; give node 0's own host name or IP")
+        raise ValueError(
+            f"--rdzv-endpoint={spec.rdzv_endpoint}: --node-rank=0 hosts the rendezvous, but "
+            f"{host!r} is not an address of this machine; give node 0's own host name or IP"
+        )
     if local if spec.node_rank is None else spec.node_rank == 0:
         _check_port_free(host, port)
         return
@@ -235,17 +257,25 @@ def check_endpoint(spec: LaunchSpec) -> None:
             raise ValueError(
                 f"--rdzv-endpoint={spec.rdzv_endpoint}: nothing accepted a connection there within "
                 f"{spec.rdzv_wait_s:g} s (last error: {error}); start node rank 0 (it hosts the rendezvous) "
-                "and check the host and port, or wait longer with --rdzv-wait-s")
+                "and check the host and port, or wait longer with --rdzv-wait-s"
+            )
         time.sleep(1.0)
     if (error := _store_error(host, port, timeout_s=max(deadline - time.monotonic(), 5.0))) is not None:
         raise ValueError(
             f"--rdzv-endpoint={spec.rdzv_endpoint}: something accepts connections there, but it is not "
             f"torchrun's rendezvous ({error}); give node rank 0's address and the port its launcher uses "
-            "(a proxy or another service holds this one)")
+            "(a proxy or another service holds this one)"
+        )
 
 
-def launch(spec: LaunchSpec, layout: ParallelLayout, config_path: str, overrides: Sequence[str], *,
-           output_dir: str | None = None) -> int:
+def launch(
+    spec: LaunchSpec,
+    layout: ParallelLayout,
+    config_path: str,
+    overrides: Sequence[str],
+    *,
+    output_dir: str | None = None,
+) -> int:
     """Check the rendezvous, then run this node's torchrun to completion or a stop signal;
     returns the exit status (``launch.torchrun.run_job``: 128 + N after signal N; on failure
     this node's first failing rank is the last line and ``<output_dir>/error.txt``).
@@ -261,10 +291,17 @@ def launch(spec: LaunchSpec, layout: ParallelLayout, config_path: str, overrides
     # hangs in init_process_group). Off, each round gets a fresh store on rank 0's node.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     where = "" if spec.node_rank is None else f" node {spec.node_rank}"
-    sys.stdout.write(f"hybridflow launch:{where} {spec.nproc_per_node} of {spec.world_size} process(es) "
-                     f"on {spec.nnodes} node(s) ({layout.describe()}), rendezvous "
-                     f"{spec.rdzv_endpoint or 'standalone'}, up to {spec.max_restarts} restart(s)\n")
+    sys.stdout.write(
+        f"hybridflow launch:{where} {spec.nproc_per_node} of {spec.world_size} process(es) "
+        f"on {spec.nnodes} node(s) ({layout.describe()}), rendezvous "
+        f"{spec.rdzv_endpoint or 'standalone'}, up to {spec.max_restarts} restart(s)\n"
+    )
     sys.stdout.flush()
     # the node hosting the rendezvous holds the run directory (shared by the nodes) for the job
-    return run_job(torchrun_command(spec, config_path, overrides), env, command="hybridflow launch",
-                   output_dir=output_dir, lock=hosts_rendezvous(spec))  # no orphan outlives the job
+    return run_job(
+        torchrun_command(spec, config_path, overrides),
+        env,
+        command="hybridflow launch",
+        output_dir=output_dir,
+        lock=hosts_rendezvous(spec),
+    )  # no orphan outlives the job

@@ -35,8 +35,16 @@ from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["REQUEST_FILE", "STOP_GRACE_S", "STOP_SIGNALS", "TORCHRUN_SHUTDOWN_S", "JobResult", "become_subreaper",
-           "reap_children", "run_reaped"]
+__all__ = [
+    "REQUEST_FILE",
+    "STOP_GRACE_S",
+    "STOP_SIGNALS",
+    "TORCHRUN_SHUTDOWN_S",
+    "JobResult",
+    "become_subreaper",
+    "reap_children",
+    "run_reaped",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +166,9 @@ def _wait(child: subprocess.Popen, stop: _Stop) -> int:
             return child.wait(timeout=_POLL_S)  # polled: a signal's deadline is seen in time
         except subprocess.TimeoutExpired:
             if stop.overdue():
-                logger.warning("the job did not stop within %g s of %s; killing it", STOP_GRACE_S,
-                               signal.Signals(stop.signum).name)
+                logger.warning(
+                    "the job did not stop within %g s of %s; killing it", STOP_GRACE_S, signal.Signals(stop.signum).name
+                )
                 _kill_all(psutil.Process().children(recursive=True), timeout_s=5.0)
 
 

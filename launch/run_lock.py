@@ -48,8 +48,10 @@ def _open(directory: Path) -> int:
             return os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
         problem = f"cannot be written ({error.strerror})"
-    raise ValueError(f"run.output_dir={directory} {problem}; set run.output_dir to a directory this user can "
-                     "write, on a file system mounted read-write")
+    raise ValueError(
+        f"run.output_dir={directory} {problem}; set run.output_dir to a directory this user can "
+        "write, on a file system mounted read-write"
+    )
 
 
 @contextlib.contextmanager
@@ -64,9 +66,11 @@ def hold_run_directory(output_dir: str | os.PathLike) -> Iterator[None]:
         except BlockingIOError:
             raise RunDirectoryBusy(
                 f"run.output_dir={directory} is in use by a run that is still going ({_holder(fd)}); wait for "
-                "it to end or stop it, or set run.output_dir to another directory") from None
-        line = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+                "it to end or stop it, or set run.output_dir to another directory"
+            ) from None
+        line = json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, line.encode() + b"\n", 0)
         yield

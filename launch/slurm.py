@@ -76,11 +76,15 @@ class SlurmJob:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1 or self.gpus_per_node < 0:
-            raise ValueError(f"--nodes={self.nodes} and the processes per node ({self.nproc_per_node}) "
-                             f"must be >= 1, --gpus-per-node={self.gpus_per_node} >= 0")
+            raise ValueError(
+                f"--nodes={self.nodes} and the processes per node ({self.nproc_per_node}) "
+                f"must be >= 1, --gpus-per-node={self.gpus_per_node} >= 0"
+            )
         if self.gpus_per_node and self.nproc_per_node != self.gpus_per_node:
-            raise ValueError(f"--nproc-per-node={self.nproc_per_node} must equal --gpus-per-node="
-                             f"{self.gpus_per_node}: one rank per GPU")
+            raise ValueError(
+                f"--nproc-per-node={self.nproc_per_node} must equal --gpus-per-node="
+                f"{self.gpus_per_node}: one rank per GPU"
+            )
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             raise ValueError(f"--cpus-per-task={self.cpus_per_task} must be >= 1")
         if not 0 < self.rdzv_port < 65536 or self.signal_lead_s < 0 or self.max_restarts < 0:
@@ -88,8 +92,10 @@ class SlurmJob:
         for name in ("job_name", "partition", "account", "time", "qos", "mem"):
             value = getattr(self, name)
             if value is not None and not _DIRECTIVE_VALUE.match(value):
-                raise ValueError(f"--{name.replace('_', '-')}={value!r}: an #SBATCH value cannot be empty "
-                                 "or hold spaces, quotes or backslashes")
+                raise ValueError(
+                    f"--{name.replace('_', '-')}={value!r}: an #SBATCH value cannot be empty "
+                    "or hold spaces, quotes or backslashes"
+                )
         for name, _ in self.env:
             if not _ENV_NAME.match(name):
                 raise ValueError(f"--env {name}=...: {name!r} is not an environment variable name")
@@ -101,19 +107,36 @@ class SlurmJob:
         """The allocation must start exactly the ranks the actor's ``layout`` fills, and
         ``engine_ranks`` more (separate placement)."""
         per_node = "--gpus-per-node" if self.gpus_per_node else "--nproc-per-node"
-        check_process_count(layout, f"--nodes={self.nodes}", f"{per_node}={self.nproc_per_node}",
-                            self.nodes * self.nproc_per_node, engine_ranks)
+        check_process_count(
+            layout,
+            f"--nodes={self.nodes}",
+            f"{per_node}={self.nproc_per_node}",
+            self.nodes * self.nproc_per_node,
+            engine_ranks,
+        )
 
 
 def _directives(job: SlurmJob, log_dir: Path, workdir: Path) -> list[str]:
     options = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     if job.gpus_per_node:
         options.append(f"--gpus-per-node={job.gpus_per_node}")
-    named = {"cpus-per-task": job.cpus_per_task, "mem": job.mem, "partition": job.partition,
-             "account": job.account, "qos": job.qos, "time": job.time}
+    named = {
+        "cpus-per-task": job.cpus_per_task,
+        "mem": job.mem,
+        "partition": job.partition,
+        "account": job.account,
+        "qos": job.qos,
+        "time": job.time,
+    }
     options += [f"--{name}={value}" for name, value in named.items() if value is not None]
-    options += [f"--chdir={workdir}", f"--output={log_dir}/slurm-%j.out", "--open-mode=append",
-                "--requeue", f"--signal=B:USR1@{job.signal_lead_s}", *job.extra_directives]
+    options += [
+        f"--chdir={workdir}",
+        f"--output={log_dir}/slurm-%j.out",
+        "--open-mode=append",
+        "--requeue",
+        f"--signal=B:USR1@{job.signal_lead_s}",
+        *job.extra_directives,
+    ]
     return [f"#SBATCH {option}" for option in options]
 
 
@@ -130,12 +153,14 @@ def _environment(job: SlurmJob) -> list[str]:
 
 def _launch_line(job: SlurmJob, *, python: str, config: Path, overrides: Sequence[str]) -> str:
     q = shlex.quote
-    lines = [f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1",
-             f"  {q(python)} -m hybridflow.cli launch {q(str(config))}",
-             *(f"    {q(o)}" for o in overrides),
-             f"    --nnodes {job.nodes} --nproc-per-node {job.nproc_per_node} --max-restarts {job.max_restarts}",
-             # expanded by the batch shell at run time: the first node and this job's id
-             f'    --rdzv-endpoint "$head_node:{job.rdzv_port}" --rdzv-id "$SLURM_JOB_ID" &']
+    lines = [
+        f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1",
+        f"  {q(python)} -m hybridflow.cli launch {q(str(config))}",
+        *(f"    {q(o)}" for o in overrides),
+        f"    --nnodes {job.nodes} --nproc-per-node {job.nproc_per_node} --max-restarts {job.max_restarts}",
+        # expanded by the batch shell at run time: the first node and this job's id
+        f'    --rdzv-endpoint "$head_node:{job.rdzv_port}" --rdzv-id "$SLURM_JOB_ID" &',
+    ]
     return " \\\n".join(lines)
 
 
@@ -198,8 +223,9 @@ def _request_wait_s(job: SlurmJob) -> int:
     return max(job.signal_lead_s - KILL_AFTER_S - 15, job.signal_lead_s // 2)
 
 
-def render_sbatch(job: SlurmJob, *, config: Path, overrides: Sequence[str], run_dir: Path,
-                  workdir: Path, python: str = sys.executable) -> str:
+def render_sbatch(
+    job: SlurmJob, *, config: Path, overrides: Sequence[str], run_dir: Path, workdir: Path, python: str = sys.executable
+) -> str:
     """The sbatch script of a run (absolute paths: it is read on other nodes and after requeues)."""
     pinned = [*overrides, f"run.output_dir={run_dir}", "run.resume=auto"]
     header = [
@@ -209,12 +235,16 @@ def render_sbatch(job: SlurmJob, *, config: Path, overrides: Sequence[str], run_
         "# Rendered by `hybridflow slurm`; submit with: sbatch " + shlex.quote(str(run_dir / SCRIPT_NAME)),
         "# A requeue resumes this run directory from its newest complete checkpoint.",
     ]
-    body = _BODY.format(port=job.rdzv_port, run_dir=shlex.quote(str(run_dir)), lead=job.signal_lead_s,
-                        request=shlex.quote(str(run_dir / REQUEST_FILE)), request_wait=_request_wait_s(job),
-                        kill_after=KILL_AFTER_S, launch=_launch_line(job, python=python, config=config,
-                                                                     overrides=pinned))
-    return "\n".join([*header, *_directives(job, run_dir / "logs", workdir), "", *_environment(job), "",
-                      body])
+    body = _BODY.format(
+        port=job.rdzv_port,
+        run_dir=shlex.quote(str(run_dir)),
+        lead=job.signal_lead_s,
+        request=shlex.quote(str(run_dir / REQUEST_FILE)),
+        request_wait=_request_wait_s(job),
+        kill_after=KILL_AFTER_S,
+        launch=_launch_line(job, python=python, config=config, overrides=pinned),
+    )
+    return "\n".join([*header, *_directives(job, run_dir / "logs", workdir), "", *_environment(job), "", body])
 
 
 def write_script(text: str, run_dir: Path) -> Path:
@@ -231,15 +261,18 @@ def submit(script: Path) -> str:
     try:
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
-        raise ValueError("--submit: sbatch is not installed on this machine; the script is written at "
-                         f"{script}; submit it from a Slurm login node with: sbatch {script}") from None
+        raise ValueError(
+            "--submit: sbatch is not installed on this machine; the script is written at "
+            f"{script}; submit it from a Slurm login node with: sbatch {script}"
+        ) from None
     if done.returncode != 0:
         raise ValueError(f"sbatch refused {script}: {done.stderr.strip() or done.stdout.strip()}")
     return done.stdout.strip().split(";")[0]  # --parsable prints "jobid[;cluster]"
 
 
-def nproc_per_node(layout: ParallelLayout, *, nodes: int, gpus_per_node: int, requested: int | None,
-                   engine_ranks: int = 0) -> int:
+def nproc_per_node(
+    layout: ParallelLayout, *, nodes: int, gpus_per_node: int, requested: int | None, engine_ranks: int = 0
+) -> int:
     """Ranks per node: ``requested``, else one per GPU, else (CPU) the actor's ``layout``'s ranks
     (and separate placement's ``engine_ranks``) split evenly."""
     if requested is not None:
@@ -248,13 +281,16 @@ def nproc_per_node(layout: ParallelLayout, *, nodes: int, gpus_per_node: int, re
         return gpus_per_node
     world = layout.world_size + engine_ranks
     if nodes < 1 or world % nodes:
-        raise ValueError(f"--nodes={nodes} does not divide the {world} ranks of actor.parallel "
-                         f"({layout.describe()}); pass --nproc-per-node or change --nodes")
+        raise ValueError(
+            f"--nodes={nodes} does not divide the {world} ranks of actor.parallel "
+            f"({layout.describe()}); pass --nproc-per-node or change --nodes"
+        )
     return world // nodes
 
 
-def sbatch_for_run(job: SlurmJob, *, config: str, overrides: Sequence[str], output_dir: str,
-                   workdir: Path | None = None) -> tuple[Path, str]:
+def sbatch_for_run(
+    job: SlurmJob, *, config: str, overrides: Sequence[str], output_dir: str, workdir: Path | None = None
+) -> tuple[Path, str]:
     """The script of the run in ``output_dir`` (the config's ``run.output_dir``, relative to
     ``workdir``); returns (run dir, text). The caller checked the run first
     (``hybridflow.preflight.check_slurm_run``)."""

@@ -41,12 +41,23 @@ logger = logging.getLogger(__name__)
 
 def train_command(nproc: int, config_path: str, overrides: Sequence[str]) -> list[str]:
     """The torchrun command line of a single-node run of ``nproc`` ranks."""
-    return [sys.executable, "-m", TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
-            f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}", "-m", "hybridflow.runtime.worker", config_path, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        TORCHRUN,
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--shutdown-timeout={TORCHRUN_SHUTDOWN_S}",
+        "-m",
+        "hybridflow.runtime.worker",
+        config_path,
+        *overrides,
+    ]
 
 
-def run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output_dir: str | None,
-            lock: bool = True) -> int:
+def run_job(
+    cmd: Sequence[str], env: Mapping[str, str], *, command: str, output_dir: str | None, lock: bool = True
+) -> int:
     """Run torchrun's ``cmd`` under the reaper; returns the exit status (128 + N after signal N).
 
     With ``lock`` the job holds ``output_dir``'s run lock (``launch.run_lock``) from before it
@@ -88,8 +99,15 @@ def _run_errors(output_dir: str | None) -> dict[str, str]:
     return {RUN_ERROR_DIR_ENV: str(shared)}
 
 
-def launch_train(layout: ParallelLayout, config_path: str, overrides: Sequence[str], *, rollout: str,
-                 engine_ranks: int = 0, output_dir: str | None = None) -> int:
+def launch_train(
+    layout: ParallelLayout,
+    config_path: str,
+    overrides: Sequence[str],
+    *,
+    rollout: str,
+    engine_ranks: int = 0,
+    output_dir: str | None = None,
+) -> int:
     """Run the job to completion, one rank per rank of the actor's ``layout`` and ``engine_ranks``
     more (separate placement: the engines' own ranks, after the actor's), after the caller's
     checks (``hybridflow.preflight``); ``rollout`` describes the engines in the start line;

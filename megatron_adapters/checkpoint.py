@@ -136,22 +136,27 @@ def stored_lora(directory: str | os.PathLike) -> LoRAConfig | None:
     # written before the settings were stored (``"lora": true``): the run's config beside it has them
     config = path.parent / "config.yaml"
     if not config.is_file():
-        raise ValueError(f"{path / META_FILE} does not record the LoRA settings and {config} is missing; "
-                         "copy the run's config.yaml there")
+        raise ValueError(
+            f"{path / META_FILE} does not record the LoRA settings and {config} is missing; "
+            "copy the run's config.yaml there"
+        )
     return LoRAConfig(**yaml.safe_load(config.read_text())["lora"])
 
 
-def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False,
-         base_of_lora: bool = False) -> dict:
+def load(
+    policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer: bool = False, base_of_lora: bool = False
+) -> dict:
     """Load a checkpoint saved under any layout into ``policy``; returns its metadata. A policy
     with LoRA adapters loads a checkpoint without them as its base (fresh adapters, B = 0); a
     LoRA checkpoint loads into a policy without adapters only with ``base_of_lora`` (its frozen
     base weights, without what the adapters learned)."""
     meta = read_meta(directory)
     if meta.get("lora") and policy.lora is None and not base_of_lora:
-        raise ValueError(f"{directory} holds LoRA adapters and this policy has none: loading it would drop what "
-                         "they learned; build the policy with its lora config (or pass base_of_lora=True for "
-                         "the frozen base alone)")
+        raise ValueError(
+            f"{directory} holds LoRA adapters and this policy has none: loading it would drop what "
+            "they learned; build the policy with its lora config (or pass base_of_lora=True for "
+            "the frozen base alone)"
+        )
     if with_optimizer:
         _require_optimizer_state(meta, directory)
         _ensure_optimizer_state(policy)
@@ -159,8 +164,10 @@ def load(policy: MegatronPolicy, directory: str | os.PathLike, *, with_optimizer
     base_only = policy.lora is not None and not meta.get("lora")
     if base_only:  # a full model (the SFT warm-up) under fresh adapters: B = 0, the model as saved
         if with_optimizer:
-            raise ValueError(f"{directory} was saved without LoRA adapters: its optimizer state is the full "
-                             "model's; load its weights only (with_optimizer=False)")
+            raise ValueError(
+                f"{directory} was saved without LoRA adapters: its optimizer state is the full "
+                "model's; load its weights only (with_optimizer=False)"
+            )
         state = {k: {n: t for n, t in v.items() if not is_adapter(n)} for k, v in state.items()}
     loaded = dist_checkpointing.load(state, str(directory))
     for index, chunk in enumerate(policy.chunks):

@@ -109,11 +109,16 @@ class ConversionReport:
 
     def lines(self) -> list[str]:
         """A short human-readable report."""
-        head = (f"{self.direction}: {self.family}, {self.tensors} HF tensors "
-                f"({self.nbytes / 1e9:.3f} GB) <-> {self.keys} megatron keys in {self.chunks} "
-                f"boxes, {self.seconds:.1f} s ({self.gbps:.2f} GB/s) -> {self.destination}")
-        skipped = [f"skipped {len(self.skipped)}: {', '.join(self.skipped[:3])}"
-                   f"{' ...' if len(self.skipped) > 3 else ''}"] if self.skipped else []
+        head = (
+            f"{self.direction}: {self.family}, {self.tensors} HF tensors "
+            f"({self.nbytes / 1e9:.3f} GB) <-> {self.keys} megatron keys in {self.chunks} "
+            f"boxes, {self.seconds:.1f} s ({self.gbps:.2f} GB/s) -> {self.destination}"
+        )
+        skipped = (
+            [f"skipped {len(self.skipped)}: {', '.join(self.skipped[:3])}{' ...' if len(self.skipped) > 3 else ''}"]
+            if self.skipped
+            else []
+        )
         return [head, *skipped, *(f"verified: {c}" for c in self.checks)]
 
 
@@ -125,8 +130,11 @@ def _local_spec_renames(model: ModelConfig) -> dict[str, str]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(
-        num_experts=model.num_experts or None, moe_grouped_gemm=False,
-        qk_layernorm=model.qk_layernorm, multi_latent_attention=model.is_mla, normalization="RMSNorm",
+        num_experts=model.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=model.qk_layernorm,
+        multi_latent_attention=model.is_mla,
+        normalization="RMSNorm",
     )
     return dict(spec.submodules.sharded_state_dict_keys_map)
 
@@ -196,19 +204,24 @@ def _preflight_hf(reader: SafetensorsReader, model: ModelConfig) -> tuple[str, .
     for name, entry in reader.tensors.items():
         if name in expected:
             if entry.shape != expected[name]:
-                raise ValueError(f"{entry.path}: tensor {name!r} has shape {list(entry.shape)}, "
-                                 f"expected {list(expected[name])} for this config.json")
+                raise ValueError(
+                    f"{entry.path}: tensor {name!r} has shape {list(entry.shape)}, "
+                    f"expected {list(expected[name])} for this config.json"
+                )
             if not entry.dtype.is_floating_point:
                 raise ValueError(f"{entry.path}: tensor {name!r} has dtype {entry.dtype}, expected floating point")
         elif is_ignored_tensor(model, name):
             skipped.append(name)
         else:
-            raise ValueError(f"{entry.path}: unexpected tensor {name!r}: not part of a "
-                             f"{model.family} model with this config.json")
+            raise ValueError(
+                f"{entry.path}: unexpected tensor {name!r}: not part of a {model.family} model with this config.json"
+            )
     missing = [n for n in expected if n not in reader.tensors]
     if missing:
-        raise ValueError(f"{reader.directory}: tensor {missing[0]!r} is missing from every "
-                         f"*.safetensors file ({len(missing)} missing in all)")
+        raise ValueError(
+            f"{reader.directory}: tensor {missing[0]!r} is missing from every "
+            f"*.safetensors file ({len(missing)} missing in all)"
+        )
     return tuple(sorted(skipped))
 
 
@@ -217,21 +230,22 @@ def _key_dtypes(plan: CheckpointPlan, dtype_of: Mapping[str, torch.dtype]) -> di
     for key, tensors in plan.key_tensors.items():
         kinds = {dtype_of[t] for t in tensors}
         if len(kinds) != 1:
-            raise ValueError(f"megatron key {key!r} would hold tensors of dtypes {sorted(map(str, kinds))} "
-                             f"({', '.join(tensors[:3])}); pass dtype= (--dtype) to convert them to one")
+            raise ValueError(
+                f"megatron key {key!r} would hold tensors of dtypes {sorted(map(str, kinds))} "
+                f"({', '.join(tensors[:3])}); pass dtype= (--dtype) to convert them to one"
+            )
         out[key] = kinds.pop()
     return out
 
 
-def _fill(reader: SafetensorsReader, chunk: Chunk, dtype: torch.dtype,
-          sums: _Checksums | None) -> torch.Tensor:
+def _fill(reader: SafetensorsReader, chunk: Chunk, dtype: torch.dtype, sums: _Checksums | None) -> torch.Tensor:
     """The chunk's tensor: its HF rows, zeros in vocabulary padding rows."""
     data = torch.empty(chunk.param_shape, dtype=dtype)
     filled = 0  # pieces come sorted by position; rows between them are padding
     for piece in chunk.pieces:
-        data[filled: piece.at].zero_()
+        data[filled : piece.at].zero_()
         filled = piece.at + piece.rows[1] - piece.rows[0]
-        rows = data[piece.at: filled]
+        rows = data[piece.at : filled]
         reader.read_rows(piece.tensor, piece.rows, rows)
         if sums is not None:
             sums.add(piece.tensor, piece.rows, rows)
@@ -239,8 +253,9 @@ def _fill(reader: SafetensorsReader, chunk: Chunk, dtype: torch.dtype,
     return data.reshape(chunk.sizes)
 
 
-def _meta(model: ModelConfig, layout: ParallelLayout, plan: CheckpointPlan, source: Path,
-          checksums: Mapping[str, int] | None) -> dict:
+def _meta(
+    model: ModelConfig, layout: ParallelLayout, plan: CheckpointPlan, source: Path, checksums: Mapping[str, int] | None
+) -> dict:
     """``hybridflow.json``: what ``checkpoint.read_meta`` needs, plus where the weights came from."""
     return {
         "format": "megatron-core torch_dist",
@@ -263,9 +278,18 @@ def _converter_layout(tp: int, pp: int, vpp: int, ep: int, etp: int) -> Parallel
 
 
 def hf_to_mcore(
-    hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-    ep: int = 1, etp: int = 1, dtype: str | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    checksums: bool = False, overwrite: bool = False,
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    dtype: str | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    checksums: bool = False,
+    overwrite: bool = False,
 ) -> ConversionReport:
     """Convert a Hugging Face directory into a megatron-core checkpoint for this layout."""
     started = time.perf_counter()
@@ -278,18 +302,23 @@ def hf_to_mcore(
     try:
         skipped = _preflight_hf(reader, model)
         pinned = _pinned(model)
-        dtype_of = {name: e.dtype if target is None or name in pinned else target
-                    for name, e in reader.tensors.items()}
+        dtype_of = {name: e.dtype if target is None or name in pinned else target for name, e in reader.tensors.items()}
         plan = plan_checkpoint(
-            model, renames=_local_spec_renames(model), padded_vocab=layout.padded_vocab_size(model),
-            itemsize=lambda slab: dtype_of[slab.pieces[0].tensor].itemsize, chunk_bytes=_chunk_bytes(buffer_bytes),
+            model,
+            renames=_local_spec_renames(model),
+            padded_vocab=layout.padded_vocab_size(model),
+            itemsize=lambda slab: dtype_of[slab.pieces[0].tensor].itemsize,
+            chunk_bytes=_chunk_bytes(buffer_bytes),
         )
         key_dtypes = _key_dtypes(plan, dtype_of)
         sums = _Checksums() if checksums else None
         with staged_directory(out, overwrite=overwrite) as staging:
             write_dist_checkpoint(
-                staging, boxes=[(c.key, c.offsets, c.sizes) for c in plan.chunks], dtypes=key_dtypes,
-                shapes=plan.keys, extra_states=plan.extra_states,
+                staging,
+                boxes=[(c.key, c.offsets, c.sizes) for c in plan.chunks],
+                dtypes=key_dtypes,
+                shapes=plan.keys,
+                extra_states=plan.extra_states,
                 make=lambda i: _fill(reader, plan.chunks[i], key_dtypes[plan.chunks[i].key], sums),
             )
             _copy_side_files(source, staging / SIDE_FILE_DIR, target)
@@ -304,17 +333,30 @@ def hf_to_mcore(
 
 def _report(direction, source, out, model, plan, nbytes, skipped, started, checks) -> ConversionReport:
     report = ConversionReport(
-        direction=direction, source=str(source), destination=str(out), family=model.family,
-        tensors=len(plan.tensors), nbytes=nbytes, keys=len(plan.keys), chunks=len(plan.chunks),
-        skipped=tuple(skipped), seconds=time.perf_counter() - started, checks=tuple(checks),
+        direction=direction,
+        source=str(source),
+        destination=str(out),
+        family=model.family,
+        tensors=len(plan.tensors),
+        nbytes=nbytes,
+        keys=len(plan.keys),
+        chunks=len(plan.chunks),
+        skipped=tuple(skipped),
+        seconds=time.perf_counter() - started,
+        checks=tuple(checks),
     )
     for line in report.lines():
         logger.info("%s", line)
     return report
 
 
-def _verify_mcore(directory: Path, plan: CheckpointPlan, key_dtypes: Mapping[str, torch.dtype],
-                  recorded: Mapping[str, int] | None, buffer_bytes: int) -> list[str]:
+def _verify_mcore(
+    directory: Path,
+    plan: CheckpointPlan,
+    key_dtypes: Mapping[str, torch.dtype],
+    recorded: Mapping[str, int] | None,
+    buffer_bytes: int,
+) -> list[str]:
     """Re-read the written checkpoint's metadata (and, with checksums, its data)."""
     reader = DistReader(directory)
     stored = reader.tensors()
@@ -324,10 +366,13 @@ def _verify_mcore(directory: Path, plan: CheckpointPlan, key_dtypes: Mapping[str
         md = stored[key]
         covered = sum(math.prod(c.sizes) for c in md.chunks)
         if tuple(md.size) != shape or md.properties.dtype != key_dtypes[key] or covered != math.prod(shape):
-            raise AssertionError(f"{directory}: key {key} stored as {md.properties.dtype} "
-                                 f"{list(md.size)} ({covered} elements in chunks)")
-    checks = [f"{len(stored)} tensor keys + {len(plan.extra_states)} extra-state objects with their "
-              f"global shapes and dtypes; every row of {len(plan.tensors)} HF tensors stored once"]
+            raise AssertionError(
+                f"{directory}: key {key} stored as {md.properties.dtype} {list(md.size)} ({covered} elements in chunks)"
+            )
+    checks = [
+        f"{len(stored)} tensor keys + {len(plan.extra_states)} extra-state objects with their "
+        f"global shapes and dtypes; every row of {len(plan.tensors)} HF tensors stored once"
+    ]
     if recorded is not None:
         again = _read_back_checksums(reader, plan, buffer_bytes)
         bad = [n for n in recorded if again.get(n) != recorded[n]]
@@ -337,8 +382,7 @@ def _verify_mcore(directory: Path, plan: CheckpointPlan, key_dtypes: Mapping[str
     return checks
 
 
-def _batches(chunks: tuple[Chunk, ...], dtypes: Mapping[str, torch.dtype],
-             budget: int) -> Iterator[list[Chunk]]:
+def _batches(chunks: tuple[Chunk, ...], dtypes: Mapping[str, torch.dtype], budget: int) -> Iterator[list[Chunk]]:
     """Consecutive chunks holding HF rows, at most ``budget`` bytes per batch (or one chunk)."""
     batch, size = [], 0
     for chunk in chunks:
@@ -369,8 +413,14 @@ def _adapter_boxes(chunk: Chunk, stored: Mapping[str, tuple[torch.dtype, tuple[i
     return [(box, torch.empty(box[2], dtype=stored[box[0]][0])) for box in (b_box, a_box)]
 
 
-def _read_chunks(reader: DistReader, plan: CheckpointPlan, dtypes: Mapping[str, torch.dtype],
-                 budget: int, *, lora_scale: float | None = None) -> Iterator[tuple[Chunk, torch.Tensor]]:
+def _read_chunks(
+    reader: DistReader,
+    plan: CheckpointPlan,
+    dtypes: Mapping[str, torch.dtype],
+    budget: int,
+    *,
+    lora_scale: float | None = None,
+) -> Iterator[tuple[Chunk, torch.Tensor]]:
     """Every chunk with HF rows, read from the checkpoint in batches of ``budget`` bytes;
     ``lora_scale``: with the adapters merged, W[rows] + s * B[rows] A (in float32)."""
     stored = {k: (dtypes[k], tuple(v.size)) for k, v in reader.tensors().items()} if lora_scale else {}
@@ -392,7 +442,7 @@ def _read_back_checksums(reader: DistReader, plan: CheckpointPlan, buffer_bytes:
     sums = _Checksums()
     for chunk, data in _read_chunks(reader, plan, dtypes, _chunk_bytes(buffer_bytes)):
         for piece in chunk.pieces:
-            sums.add(piece.tensor, piece.rows, data[piece.at: piece.at + piece.rows[1] - piece.rows[0]])
+            sums.add(piece.tensor, piece.rows, data[piece.at : piece.at + piece.rows[1] - piece.rows[0]])
     return sums.values()
 
 
@@ -412,9 +462,11 @@ def _mcore_model(directory: Path, hf_config: str | os.PathLike | None) -> tuple[
     if hf_config is None and not (files / "config.json").is_file() and run_model is not None:
         files = run_model
     if not (files / "config.json").is_file():
-        raise ValueError(f"{directory} has no {SIDE_FILE_DIR}/config.json (it was not written by "
-                         "hf-to-mcore) and is not in a run directory with model/config.json; pass "
-                         "hf_config= (--hf-config DIR) with the model's config.json and tokenizer")
+        raise ValueError(
+            f"{directory} has no {SIDE_FILE_DIR}/config.json (it was not written by "
+            "hf-to-mcore) and is not in a run directory with model/config.json; pass "
+            "hf_config= (--hf-config DIR) with the model's config.json and tokenizer"
+        )
     return read_model_config(files), files
 
 
@@ -424,31 +476,44 @@ def _preflight_mcore(reader: DistReader, plan: CheckpointPlan) -> tuple[str, ...
     where = reader.directory / ".metadata"
     for key, shape in plan.keys.items():
         if key not in stored:
-            raise ValueError(f"{where}: checkpoint key {key!r} (holding {', '.join(plan.key_tensors[key][:2])}) "
-                             "is missing")
+            raise ValueError(
+                f"{where}: checkpoint key {key!r} (holding {', '.join(plan.key_tensors[key][:2])}) is missing"
+            )
         if tuple(stored[key].size) != shape:
-            raise ValueError(f"{where}: checkpoint key {key!r} has shape {list(stored[key].size)}, "
-                             f"expected {list(shape)} for this config.json")
-    unexpected = [k for k in stored if k not in plan.keys and k.startswith(_MODEL_PREFIXES)
-                  and not k.endswith(_ADAPTER_KEYS)]
+            raise ValueError(
+                f"{where}: checkpoint key {key!r} has shape {list(stored[key].size)}, "
+                f"expected {list(shape)} for this config.json"
+            )
+    unexpected = [
+        k for k in stored if k not in plan.keys and k.startswith(_MODEL_PREFIXES) and not k.endswith(_ADAPTER_KEYS)
+    ]
     if unexpected:
-        raise ValueError(f"{where}: unexpected checkpoint key {unexpected[0]!r}: not part of a "
-                         f"{plan.model.family} model with this config.json")
+        raise ValueError(
+            f"{where}: unexpected checkpoint key {unexpected[0]!r}: not part of a "
+            f"{plan.model.family} model with this config.json"
+        )
     return tuple(sorted(k for k in stored if k not in plan.keys))
 
 
 def _stored_padded_vocab(reader: DistReader) -> int:
     embedding = reader.tensors().get("embedding.word_embeddings.weight")
     if embedding is None:
-        raise ValueError(f"{reader.directory / '.metadata'}: checkpoint key "
-                         "'embedding.word_embeddings.weight' is missing")
+        raise ValueError(
+            f"{reader.directory / '.metadata'}: checkpoint key 'embedding.word_embeddings.weight' is missing"
+        )
     return int(embedding.size[0])
 
 
 def mcore_to_hf(
-    mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *, hf_config: str | os.PathLike | None = None,
-    dtype: str | None = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    shard_bytes: int = DEFAULT_SHARD_BYTES, checksums: bool = False, overwrite: bool = False,
+    mcore_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    hf_config: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    checksums: bool = False,
+    overwrite: bool = False,
     merge_lora: bool = False,
 ) -> ConversionReport:
     """Convert a megatron-core checkpoint (converted or saved by training) into a HF directory;
@@ -458,31 +523,39 @@ def mcore_to_hf(
     meta = read_meta(source)
     lora = stored_lora(source)
     if lora is not None and not merge_lora:  # its weights alone are the frozen base, without the training
-        raise ValueError(f"{source} is a LoRA run's checkpoint: its model weights are the frozen base and the "
-                         "training is in the adapters; pass merge_lora=True (--merge-lora) for merged weights, "
-                         "or write the adapters as PEFT files with mcore_to_peft (convert mcore-to-peft)")
+        raise ValueError(
+            f"{source} is a LoRA run's checkpoint: its model weights are the frozen base and the "
+            "training is in the adapters; pass merge_lora=True (--merge-lora) for merged weights, "
+            "or write the adapters as PEFT files with mcore_to_peft (convert mcore-to-peft)"
+        )
     model, files = _mcore_model(source, hf_config)
     target = _target_dtype(dtype)
     reader = DistReader(source)
     stored = {k: v.properties.dtype for k, v in reader.tensors().items()}
     plan = plan_checkpoint(
-        model, renames=_local_spec_renames(model), padded_vocab=_stored_padded_vocab(reader),
+        model,
+        renames=_local_spec_renames(model),
+        padded_vocab=_stored_padded_vocab(reader),
         itemsize=lambda slab: stored[slab.key].itemsize if slab.key in stored else 4,
         chunk_bytes=_chunk_bytes(buffer_bytes),
     )
     skipped = _preflight_mcore(reader, plan)
     pinned = _pinned(model)
-    out_dtype = {n: stored[k] if target is None or n in pinned else target
-                 for k, names in plan.key_tensors.items() for n in names}
+    out_dtype = {
+        n: stored[k] if target is None or n in pinned else target
+        for k, names in plan.key_tensors.items()
+        for n in names
+    }
     sums = _Checksums() if checksums else None
     with staged_directory(out, overwrite=overwrite) as staging:
-        writer = SafetensorsWriter(staging, [(n, out_dtype[n], s) for n, s in plan.tensors.items()],
-                                   shard_bytes=shard_bytes)
+        writer = SafetensorsWriter(
+            staging, [(n, out_dtype[n], s) for n, s in plan.tensors.items()], shard_bytes=shard_bytes
+        )
         try:
             scale = lora.alpha / lora.rank if lora is not None else None
             for chunk, data in _read_chunks(reader, plan, stored, _chunk_bytes(buffer_bytes), lora_scale=scale):
                 for piece in chunk.pieces:
-                    rows = data[piece.at: piece.at + piece.rows[1] - piece.rows[0]].to(out_dtype[piece.tensor])
+                    rows = data[piece.at : piece.at + piece.rows[1] - piece.rows[0]].to(out_dtype[piece.tensor])
                     writer.write_rows(piece.tensor, piece.rows, rows)
                     if sums is not None:
                         sums.add(piece.tensor, piece.rows, rows)
@@ -492,14 +565,21 @@ def mcore_to_hf(
         _copy_side_files(files, staging, target)
         checks = _verify_hf(staging, writer, sums, meta if lora is None else {}, target)
     if lora is not None:
-        checks.append(f"LoRA adapters (r={lora.rank}, alpha={lora.alpha:g}) merged into the weights of "
-                      f"{', '.join(lora.target_modules)}")
+        checks.append(
+            f"LoRA adapters (r={lora.rank}, alpha={lora.alpha:g}) merged into the weights of "
+            f"{', '.join(lora.target_modules)}"
+        )
     nbytes = sum(e.nbytes for e in writer.entries.values())
     return _report("mcore-to-hf", source, out, model, plan, nbytes, skipped, started, checks)
 
 
-def mcore_to_peft(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                  hf_config: str | os.PathLike | None = None, overwrite: bool = False) -> ConversionReport:
+def mcore_to_peft(
+    mcore_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    hf_config: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> ConversionReport:
     """Write a LoRA run's adapters as a PEFT LoRA directory (read from its checkpoint, without the
     base weights), for the base model that ``mcore_to_hf`` makes of the run's SFT checkpoint."""
     from .peft_io import checkpoint_adapters, write_peft  # peft_io imports megatron's lora layers
@@ -508,8 +588,10 @@ def mcore_to_peft(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     source, out = Path(mcore_dir), Path(out_dir)
     lora = stored_lora(source)
     if lora is None:
-        raise ValueError(f"{source} has no LoRA adapters (not a LoRA run's checkpoint); convert it with "
-                         "mcore_to_hf (convert mcore-to-hf)")
+        raise ValueError(
+            f"{source} has no LoRA adapters (not a LoRA run's checkpoint); convert it with "
+            "mcore_to_hf (convert mcore-to-hf)"
+        )
     model, _ = _mcore_model(source, hf_config)
     reader = DistReader(source)
     state = checkpoint_adapters(reader, model)
@@ -522,21 +604,34 @@ def mcore_to_peft(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             written.close()
     adapter_keys = sum(k.endswith(_ADAPTER_KEYS) for k in reader.tensors())
     report = ConversionReport(
-        direction="mcore-to-peft", source=str(source), destination=str(out), family=model.family,
-        tensors=tensors, nbytes=nbytes, keys=adapter_keys, chunks=len(state), skipped=(),
+        direction="mcore-to-peft",
+        source=str(source),
+        destination=str(out),
+        family=model.family,
+        tensors=tensors,
+        nbytes=nbytes,
+        keys=adapter_keys,
+        chunks=len(state),
+        skipped=(),
         seconds=time.perf_counter() - started,
-        checks=(f"{tensors} PEFT tensors re-opened; r={lora.rank}, lora_alpha={lora.alpha:g}; "
-                f"targets: {', '.join(lora.target_modules)}",))
+        checks=(
+            f"{tensors} PEFT tensors re-opened; r={lora.rank}, lora_alpha={lora.alpha:g}; "
+            f"targets: {', '.join(lora.target_modules)}",
+        ),
+    )
     for line in report.lines():
         logger.info("%s", line)
     return report
 
 
-def _verify_hf(directory: Path, writer: SafetensorsWriter, sums: _Checksums | None, meta: Mapping,
-               target: torch.dtype | None) -> list[str]:
+def _verify_hf(
+    directory: Path, writer: SafetensorsWriter, sums: _Checksums | None, meta: Mapping, target: torch.dtype | None
+) -> list[str]:
     count = check_written(writer.entries)
-    checks = [f"{count} tensors in {len({e.path for e in writer.entries.values()})} safetensors "
-              "files re-opened with safe_open: names, shapes, dtypes, index"]
+    checks = [
+        f"{count} tensors in {len({e.path for e in writer.entries.values()})} safetensors "
+        "files re-opened with safe_open: names, shapes, dtypes, index"
+    ]
     if sums is None:
         return checks
     written = sums.values()
@@ -549,8 +644,10 @@ def _verify_hf(directory: Path, writer: SafetensorsWriter, sums: _Checksums | No
     if recorded and target is None:
         differ = [n for n in written if recorded.get(n) != written[n]]
         if differ:
-            raise ValueError(f"tensor {differ[0]!r} differs from the HF source it was converted from "
-                             "(CRC32 recorded in hybridflow.json)")
+            raise ValueError(
+                f"tensor {differ[0]!r} differs from the HF source it was converted from "
+                "(CRC32 recorded in hybridflow.json)"
+            )
         checks.append(f"CRC32 of all {len(written)} tensors equal the original HF checkpoint's")
     return checks
 

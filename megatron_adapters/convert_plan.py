@@ -53,10 +53,17 @@ __all__ = [
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
-_EXTRA_STATE_MODULES = frozenset({
-    "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
-    "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj",
-})
+_EXTRA_STATE_MODULES = frozenset(
+    {
+        "linear_qkv",
+        "linear_proj",
+        "linear_fc1",
+        "linear_fc2",
+        "linear_q_proj",
+        "linear_q_up_proj",
+        "linear_kv_up_proj",
+    }
+)
 """Modules megatron builds as Column/RowParallelLinear (they save ``_extra_state``); MLA's down
 projections are replicated ``Linear`` modules and save none."""
 
@@ -121,12 +128,12 @@ class Chunk:
     @property
     def row_shape(self) -> tuple[int, ...]:
         """Shape of one row (() for 1-D parameters)."""
-        return self.sizes[self.lead + 1:]
+        return self.sizes[self.lead + 1 :]
 
     @property
     def param_shape(self) -> tuple[int, ...]:
         """The chunk as a tensor without its stacked axes."""
-        return self.sizes[self.lead:]
+        return self.sizes[self.lead :]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,8 +156,9 @@ class CheckpointPlan:
     """Stored boxes, in HF checkpoint order (layer by layer)."""
 
 
-def dist_key(param: str, model: ModelConfig,
-             renames: Mapping[str, str]) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+def dist_key(
+    param: str, model: ModelConfig, renames: Mapping[str, str]
+) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(checkpoint key, index on the stacked axes, their extents) of a megatron parameter.
 
     ``renames`` is the layer spec's ``sharded_state_dict_keys_map`` (local spec: the norms are
@@ -162,7 +170,7 @@ def dist_key(param: str, model: ModelConfig,
     layer, rest = int(match.group(1)), match.group(2)
     for old, new in renames.items():
         if rest.startswith(old):
-            rest = new + rest[len(old):]
+            rest = new + rest[len(old) :]
             break
     expert = _EXPERT.match(rest)
     if expert is not None:
@@ -212,8 +220,16 @@ def plan_slabs(model: ModelConfig, renames: Mapping[str, str], padded_vocab: int
     slabs = []
     for name, shape in shapes.items():
         key, prefix, prefix_shape = dist_key(name, model, renames)
-        slabs.append(Slab(param=name, key=key, prefix=prefix, prefix_shape=prefix_shape,
-                          shape=shape, pieces=tuple(sorted(pieces[name], key=lambda p: p.at))))
+        slabs.append(
+            Slab(
+                param=name,
+                key=key,
+                prefix=prefix,
+                prefix_shape=prefix_shape,
+                shape=shape,
+                pieces=tuple(sorted(pieces[name], key=lambda p: p.at)),
+            )
+        )
     return sorted(slabs, key=_checkpoint_order)
 
 
@@ -246,14 +262,17 @@ def _split(slab: Slab, rows_per_chunk: int) -> list[Chunk]:
                 inside.append(Piece(tensor=piece.tensor, rows=(first, first + hi - lo), at=lo - start))
         offsets = slab.prefix + (start,) + (0,) * (len(slab.shape) - 1)
         sizes = (1,) * lead + (stop - start,) + slab.shape[1:]
-        chunks.append(Chunk(key=slab.key, offsets=offsets, sizes=sizes, pieces=tuple(inside),
-                            lead=lead))
+        chunks.append(Chunk(key=slab.key, offsets=offsets, sizes=sizes, pieces=tuple(inside), lead=lead))
     return chunks
 
 
 def plan_checkpoint(
-    model: ModelConfig, *, renames: Mapping[str, str], padded_vocab: int,
-    itemsize: Callable[[Slab], int], chunk_bytes: int,
+    model: ModelConfig,
+    *,
+    renames: Mapping[str, str],
+    padded_vocab: int,
+    itemsize: Callable[[Slab], int],
+    chunk_bytes: int,
 ) -> CheckpointPlan:
     """The chunked checkpoint of ``model``; ``itemsize(slab)`` gives its bytes per element."""
     if chunk_bytes < 1:
@@ -277,8 +296,12 @@ def plan_checkpoint(
     shapes = {t.name: t.shape for t in canonical_tensors(model)}
     _check_coverage(chunks, shapes)
     return CheckpointPlan(
-        model=model, padded_vocab=padded_vocab, tensors={n: shapes[n] for n in order}, keys=keys,
-        key_tensors={k: tuple(v) for k, v in key_tensors.items()}, extra_states=tuple(extra),
+        model=model,
+        padded_vocab=padded_vocab,
+        tensors={n: shapes[n] for n in order},
+        keys=keys,
+        key_tensors={k: tuple(v) for k, v in key_tensors.items()},
+        extra_states=tuple(extra),
         chunks=tuple(chunks),
     )
 

@@ -483,4 +483,3 @@ def _patch_distrib_optimizer_step_state() -> None:
             state["step"] = state["step"].clone()
 
     cls._set_main_param_and_optimizer_states = set_states
-

@@ -66,7 +66,8 @@ class ValueHead(MegatronModule):
         values_SB1 = F.linear(input_, self.weight)
         if self.sequence_parallel:  # every rank's loss sees every value; its grad is split back
             values_SB1 = gather_from_sequence_parallel_region(
-                values_SB1, tensor_parallel_output_grad=False, group=self.tp_group)
+                values_SB1, tensor_parallel_output_grad=False, group=self.tp_group
+            )
         return values_SB1, None
 
 

@@ -45,14 +45,42 @@ ENV = "HYBRIDFLOW_DEVICE_GUARD"
 
 _MARK = "_hybridflow_host_origin"
 _FACTORIES = {
-    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.as_tensor,
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace, torch.eye, torch.from_numpy,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.tensor,
+    torch.as_tensor,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.linspace,
+    torch.eye,
+    torch.from_numpy,
 }
 _LIST_OPS = {torch.cat, torch.stack, torch.concat}
 _SAME_AS_SELF = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}  # CPU indices index GPU tensors
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-                "reduce", "gather", "scatter", "_all_gather_base", "_reduce_scatter_base")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "reduce",
+    "gather",
+    "scatter",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
 _host_groups: set[int] = set()
 _mode: "_TrackPlacement | None" = None
 _replaced: dict[tuple[Any, str], Any] = {}
@@ -80,8 +108,10 @@ def check_on_device(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]
     items = tensors.items() if isinstance(tensors, Mapping) else enumerate(tensors)
     for name, tensor in items:
         if isinstance(tensor, torch.Tensor) and is_host(tensor):
-            raise DeviceGuardError(f"{where}: tensor {name!r} {tuple(tensor.shape)} is on the host "
-                                   f"(made at {_origin(tensor)}); move it to the rank's device")
+            raise DeviceGuardError(
+                f"{where}: tensor {name!r} {tuple(tensor.shape)} is on the host "
+                f"(made at {_origin(tensor)}); move it to the rank's device"
+            )
 
 
 def install() -> None:
@@ -258,7 +288,8 @@ def _check_tensors(name: str, value: Any, group: Any) -> None:
             raise DeviceGuardError(
                 f"torch.distributed.{name} got a host tensor {tuple(tensor.shape)} {tensor.dtype} "
                 f"(made at {_origin(tensor)}) on a device group: NCCL would refuse it on a GPU; "
-                "create it on the rank's device")
+                "create it on the rank's device"
+            )
 
 
 def _checked(collective, name: str):

@@ -122,8 +122,12 @@ def _tensor_item(box: Box, dtype: torch.dtype, global_shape: tuple[int, ...]) ->
 
 
 def write_dist_checkpoint(
-    directory: str | os.PathLike, *, boxes: Sequence[Box], dtypes: Mapping[str, torch.dtype],
-    shapes: Mapping[str, tuple[int, ...]], extra_states: Sequence[str],
+    directory: str | os.PathLike,
+    *,
+    boxes: Sequence[Box],
+    dtypes: Mapping[str, torch.dtype],
+    shapes: Mapping[str, tuple[int, ...]],
+    extra_states: Sequence[str],
     make: Callable[[int], torch.Tensor],
 ) -> None:
     """Write a megatron ``torch_dist`` checkpoint: tensor ``boxes[i]`` is ``make(i)``."""
@@ -137,8 +141,9 @@ def write_dist_checkpoint(
             return extra_state_bytes()
         return make(where[(item.index.fqn, tuple(item.index.offset))])
 
-    writer = FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1,
-                              sync_files=True, overwrite=True)
+    writer = FileSystemWriter(
+        str(directory), single_file_per_rank=True, thread_count=1, sync_files=True, overwrite=True
+    )
     with _one_process():
         dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(items, resolve), no_dist=True)
     save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(directory))
@@ -176,9 +181,16 @@ class _BoxLoadPlanner(LoadPlanner):
         for rid, ((key, offsets, sizes), _) in self.requests.items():
             stored = self.metadata.state_dict_metadata[key]
             if isinstance(stored, BytesStorageMetadata):
-                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(rid),
-                                      dest_offsets=torch.Size(()), storage_index=MetadataIndex(key),
-                                      storage_offsets=torch.Size(()), lengths=torch.Size(())))
+                items.append(
+                    ReadItem(
+                        type=LoadItemType.BYTE_IO,
+                        dest_index=MetadataIndex(rid),
+                        dest_offsets=torch.Size(()),
+                        storage_index=MetadataIndex(key),
+                        storage_offsets=torch.Size(()),
+                        lengths=torch.Size(()),
+                    )
+                )
                 continue
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             for item in create_read_items_for_chunk_list(key, stored, [chunk]):
@@ -216,18 +228,18 @@ class DistReader:
         problems = shard_problems(self.directory, self.metadata.storage_data)
         if problems:  # found now, in one line, not as a traceback from inside torch's reader mid-read
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise ValueError(f"checkpoint {self.directory} is damaged: {problems[0]}{more}; restore the file "
-                             "from a copy, or convert an earlier checkpoint of the run")
+            raise ValueError(
+                f"checkpoint {self.directory} is damaged: {problems[0]}{more}; restore the file "
+                "from a copy, or convert an earlier checkpoint of the run"
+            )
 
     def tensors(self) -> dict[str, TensorStorageMetadata]:
         """Tensor keys and their global size, dtype and stored chunks."""
-        return {k: v for k, v in self.metadata.state_dict_metadata.items()
-                if isinstance(v, TensorStorageMetadata)}
+        return {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def objects(self) -> list[str]:
         """Keys of the stored byte objects (``_extra_state`` ...)."""
-        return [k for k, v in self.metadata.state_dict_metadata.items()
-                if isinstance(v, BytesStorageMetadata)]
+        return [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
 
     def read(self, boxes: Sequence[tuple[Box, torch.Tensor]]) -> None:
         """Fill each destination (shaped like its box) from the checkpoint."""

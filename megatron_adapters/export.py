@@ -42,7 +42,7 @@ def global_named_parameters(policy: MegatronPolicy, *, merge_adapters: bool = Tr
             match = _LAYER.match(name)
             if match:
                 number = layers[int(match.group(1))].layer_number - 1
-                name = f"decoder.layers.{number}." + name[match.end():]
+                name = f"decoder.layers.{number}." + name[match.end() :]
             if name in named:
                 raise AssertionError(f"two chunks both hold {name}")
             named[name] = param.detach()

@@ -26,9 +26,7 @@ def _mask_vocab_padding(logits_BSv: torch.Tensor, vocab_size: int, tp_group) -> 
     return logits_BSv.masked_fill(ids_v >= vocab_size, float("-inf"))
 
 
-def token_logprobs(
-    logits_BSv: torch.Tensor, labels_BS: torch.Tensor, *, vocab_size: int, tp_group
-) -> torch.Tensor:
+def token_logprobs(logits_BSv: torch.Tensor, labels_BS: torch.Tensor, *, vocab_size: int, tp_group) -> torch.Tensor:
     """log p(labels) under the full-vocabulary softmax, differentiable, in fp32."""
     logits_BSv = _mask_vocab_padding(logits_BSv.float(), vocab_size, tp_group)
     # megatron's kernel writes into its logits argument: give it a tensor of its own.

@@ -67,8 +67,15 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from hfschema.lora import LoRAConfig
 
-__all__ = ["ADAPTER_SUFFIXES", "adapter_state", "apply_lora", "adapted_modules", "dropout_step", "is_adapter",
-           "merged_weights"]
+__all__ = [
+    "ADAPTER_SUFFIXES",
+    "adapter_state",
+    "apply_lora",
+    "adapted_modules",
+    "dropout_step",
+    "is_adapter",
+    "merged_weights",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +123,11 @@ def _global_name(name: str, chunk) -> str:
     if expert:
         experts = chunk.get_submodule(name[: expert.start()] + ".mlp.experts")
         index = parallel_state.get_expert_model_parallel_rank() * experts.num_local_experts + int(expert.group(1))
-        name = f"{name[: expert.start()]}.mlp.experts.local_experts.{index}.{name[expert.end():]}"
+        name = f"{name[: expert.start()]}.mlp.experts.local_experts.{index}.{name[expert.end() :]}"
     match = _LAYER.match(name)
     if match:
         number = chunk.decoder.layers[int(match.group(1))].layer_number - 1
-        name = f"decoder.layers.{number}." + name[match.end():]
+        name = f"decoder.layers.{number}." + name[match.end() :]
     return name
 
 
@@ -139,16 +146,19 @@ def _make_adapter(module, global_name: str, lora: LoRAConfig) -> None:
     column = isinstance(module, ColumnParallelLinear)
     out_global, in_global = weight.shape[0] * (tp if column else 1), weight.shape[1] * (1 if column else tp)
     split = _splits(module, column)
-    whole = {"lora_a": _init_a(global_name, (lora.rank, in_global), lora.seed),
-             "lora_b": torch.zeros(out_global, lora.rank, dtype=torch.float64)}
+    whole = {
+        "lora_a": _init_a(global_name, (lora.rank, in_global), lora.seed),
+        "lora_b": torch.zeros(out_global, lora.rank, dtype=torch.float64),
+    }
     expert = module.is_expert
     for name, full in whole.items():
         dim = split[name] if tp > 1 else None
         local = full if dim is None else full.chunk(tp, dim=dim)[rank]
         param = torch.nn.Parameter(local.to(weight.dtype).to(weight.device).contiguous())
         # split like the base (megatron counts them once in the grad norm); experts: nothing duplicated
-        set_tensor_model_parallel_attributes(param, expert or dim is not None, dim if dim is not None else
-                                             (1 if name == "lora_a" else 0), 1)
+        set_tensor_model_parallel_attributes(
+            param, expert or dim is not None, dim if dim is not None else (1 if name == "lora_a" else 0), 1
+        )
         if expert:
             param.allreduce = False  # reduced over the expert data-parallel group, like the base
         module.register_parameter(name, param)
@@ -234,8 +244,11 @@ def _rank_dim_collective(h: torch.Tensor, group, collective) -> torch.Tensor:
 def _expert_column_hook(module, args, output):
     h = F.linear(_dropout(module, args[0]), module.lora_a)  # this rank's r/etp of A x
     # all of A x on every etp rank; backward: the ranks' partial dh summed, each keeping its part
-    h = _rank_dim_collective(h, module.tp_group, lambda t, group: gather_from_sequence_parallel_region(
-        t, tensor_parallel_output_grad=True, group=group))
+    h = _rank_dim_collective(
+        h,
+        module.tp_group,
+        lambda t, group: gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=group),
+    )
     delta = F.linear(h, module.lora_b) * module.lora_scale
     return (output[0] + delta, *output[1:])
 
@@ -259,8 +272,8 @@ def _shard_adapters_in_checkpoints(module, column: bool) -> None:
         state = original(prefix, sharded_offsets, metadata)
         adapters = {k: getattr(module, k) for k in ADAPTER_SUFFIXES}
         sharded = make_sharded_tensors_for_checkpoint(
-            adapters, prefix, axis, sharded_offsets, tp_group=module.tp_group,
-            dp_cp_group=metadata["dp_cp_group"])
+            adapters, prefix, axis, sharded_offsets, tp_group=module.tp_group, dp_cp_group=metadata["dp_cp_group"]
+        )
         if gated:
             singleton = (metadata or {}).get("singleton_local_shards", False)
             key = f"{prefix}lora_b"
@@ -291,8 +304,10 @@ def apply_lora(chunks: list, lora: LoRAConfig) -> int:
     count = 0
     config = chunks[0].config  # the chunks share it; finalize_model_grads reads the rate at each step
     if config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate:
-        logger.info("LoRA: expert-bias update rate %g -> 0 (the routers' bias is part of the frozen base)",
-                    config.moe_router_bias_update_rate)
+        logger.info(
+            "LoRA: expert-bias update rate %g -> 0 (the routers' bias is part of the frozen base)",
+            config.moe_router_bias_update_rate,
+        )
     for chunk in chunks:
         chunk.config.moe_router_bias_update_rate = 0.0
         for param in chunk.parameters():

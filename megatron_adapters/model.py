@@ -69,9 +69,7 @@ def _moe_fields(model: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
         "num_moe_experts": model.num_experts,
         "moe_router_topk": model.moe_top_k,
         "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
-        "moe_shared_expert_intermediate_size": (
-            model.moe_ffn_hidden_size * model.num_shared_experts or None
-        ),
+        "moe_shared_expert_intermediate_size": (model.moe_ffn_hidden_size * model.num_shared_experts or None),
         "moe_layer_freq": [0] * dense + [1] * (model.num_layers - dense),
         "moe_router_score_function": model.router_score_function,
         "moe_router_enable_expert_bias": model.router_expert_bias,
@@ -93,8 +91,12 @@ def _moe_fields(model: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
 
 
 def transformer_config(
-    model: ModelConfig, layout: ParallelLayout, *, params_dtype: torch.dtype = torch.float32,
-    moe: MoEConfig | None = None, initialize: bool = True,
+    model: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    moe: MoEConfig | None = None,
+    initialize: bool = True,
 ) -> TransformerConfig:
     """megatron-core config for ``model`` under ``layout`` (dropout off: RL needs exact log-probs);
     ``moe`` adds routing replay, the expert-bias update rate and router losses (RL actor);
@@ -163,9 +165,7 @@ class MLADotProductAttention(DotProductAttention):
     MLA passes its own softmax scale.
     """
 
-    def __init__(
-        self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         assert v_channels in (None, self.config.kv_channels), "MLA needs kv_channels == v_head_dim"
 

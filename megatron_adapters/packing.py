@@ -40,8 +40,19 @@ from typing import Mapping, Sequence
 import torch
 
 __all__ = [
-    "FIRST_KEY", "POSITIONS_KEY", "SEGMENTS_KEY", "PackPlan", "SegmentedAttention", "balance_shares",
-    "pack", "packed_seq_params", "plan_budget", "plan_fixed", "sample_lengths", "segment_lengths", "unpack",
+    "FIRST_KEY",
+    "POSITIONS_KEY",
+    "SEGMENTS_KEY",
+    "PackPlan",
+    "SegmentedAttention",
+    "balance_shares",
+    "pack",
+    "packed_seq_params",
+    "plan_budget",
+    "plan_fixed",
+    "sample_lengths",
+    "segment_lengths",
+    "unpack",
 ]
 
 FIRST_KEY = "packed_first"
@@ -113,28 +124,29 @@ def plan_fixed(lengths: Sequence[int], micro_batch_size: int, *, multiple: int =
     rows = len(lengths)
     if rows % micro_batch_size:
         raise ValueError(f"{rows} rows per DP rank do not split into micro-batches of {micro_batch_size}")
-    micros = tuple(tuple(r for r in range(i, i + micro_batch_size) if lengths[r] > 0)
-                   for i in range(0, rows, micro_batch_size))
+    micros = tuple(
+        tuple(r for r in range(i, i + micro_batch_size) if lengths[r] > 0) for i in range(0, rows, micro_batch_size)
+    )
     return PackPlan(micro_rows=micros, lengths=tuple(lengths), multiple=multiple)
 
 
-def plan_budget(lengths: Sequence[int], budget: int, *, min_micro_batches: int = 1,
-                multiple: int = 1) -> PackPlan:
+def plan_budget(lengths: Sequence[int], budget: int, *, min_micro_batches: int = 1, multiple: int = 1) -> PackPlan:
     """The fewest micro-batches (at least ``min_micro_batches``) of at most ``budget`` tokens,
     each row's width included, with tokens spread evenly over them: longest rows first, each
     into the least-filled micro-batch (LPT); one more micro-batch whenever a row does not fit."""
     capacity = budget - budget % multiple  # a packed row is padded up to the multiple
     too_long = [n for n in lengths if n > capacity]
     if too_long:
-        raise ValueError(f"a sample of {max(too_long)} tokens exceeds packing.max_tokens_per_micro_batch="
-                         f"{budget} (rounded down to a multiple of {multiple}: {capacity})")
+        raise ValueError(
+            f"a sample of {max(too_long)} tokens exceeds packing.max_tokens_per_micro_batch="
+            f"{budget} (rounded down to a multiple of {multiple}: {capacity})"
+        )
     order = sorted((r for r, n in enumerate(lengths) if n > 0), key=lambda r: (-lengths[r], r))
     count = max(min_micro_batches, math.ceil(sum(lengths) / max(capacity, 1)), 1)
     while True:
         bins = _lpt(order, lengths, count, capacity)
         if bins is not None:
-            return PackPlan(micro_rows=tuple(tuple(sorted(b)) for b in bins), lengths=tuple(lengths),
-                            multiple=multiple)
+            return PackPlan(micro_rows=tuple(tuple(sorted(b)) for b in bins), lengths=tuple(lengths), multiple=multiple)
         count += 1
 
 
@@ -265,9 +277,15 @@ def packed_seq_params(segments_1W: torch.Tensor):
     cu_seqlens = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=seg_W.device)
     cu_seqlens[1:] = torch.cumsum(counts, dim=0).to(torch.int32)
     longest = int(counts.max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens,
+        cu_seqlens_kv_padded=cu_seqlens,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
 
 
 def uses_te_attention(chunks: Sequence[torch.nn.Module]) -> bool:

@@ -42,8 +42,9 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_default_group(timeout_minutes: int = 10, *, store=None, rank: int | None = None,
-                       world_size: int | None = None) -> None:
+def init_default_group(
+    timeout_minutes: int = 10, *, store=None, rank: int | None = None, world_size: int | None = None
+) -> None:
     """Start torch.distributed from torchrun's environment (or as one process without it); with
     ``store``, as ``rank`` of ``world_size`` over it instead (one of two worlds that share a
     torchrun job: the actor's and the engine ranks', separate placement)."""
@@ -100,8 +101,11 @@ def initialize(layout: ParallelLayout, *, seed: int, prefix: str = "parallel") -
 def data_coords() -> tuple[int, int, bool]:
     """(data-parallel rank, data-parallel size, whether this rank is the first of its
     model-parallel group, the ranks that hold the same rows)."""
-    return (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-            parallel_state.get_model_parallel_group().rank() == 0)
+    return (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_model_parallel_group().rank() == 0,
+    )
 
 
 def teardown() -> None:

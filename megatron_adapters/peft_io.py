@@ -100,7 +100,7 @@ def _param_prefix(param: str, targeted: set[str]) -> str:
     one module each around the previous in registration order, so every targeted parameter
     registered after ``param`` puts its wrapper outside, and ``param``'s one ``.base_layer`` deeper."""
     module, name = param.rsplit(".", 1)
-    outer = [n for n in _FUSED_ORDER[_FUSED_ORDER.index(name) + 1:] if n in targeted]
+    outer = [n for n in _FUSED_ORDER[_FUSED_ORDER.index(name) + 1 :] if n in targeted]
     return f"{_PREFIX}{module}{'.base_layer' * len(outer)}"
 
 
@@ -134,8 +134,9 @@ def _target_name(model: ModelConfig, hf: str) -> tuple[str, bool]:
     return hf.rsplit(".", 1)[-1], False
 
 
-def peft_tensors(state: dict[str, torch.Tensor],
-                 model: ModelConfig) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+def peft_tensors(
+    state: dict[str, torch.Tensor], model: ModelConfig
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """The PEFT state dict of whole adapters ``state`` (``adapter_state``'s keys), the target
     module names and the target parameters."""
     rows = _row_map(model)
@@ -149,15 +150,21 @@ def peft_tensors(state: dict[str, torch.Tensor],
         a, b = state[f"{module}.lora_a"], state[key]
         for hf, (lo, hi), at, total in rows[module]:
             name_b = f"{_PREFIX}{hf}.lora_B.weight"
-            out.setdefault(name_b, b.new_zeros(total, b.shape[1]))[lo:hi] = b[at: at + hi - lo]
+            out.setdefault(name_b, b.new_zeros(total, b.shape[1]))[lo:hi] = b[at : at + hi - lo]
             out[f"{_PREFIX}{hf}.lora_A.weight"] = a.clone()
             name, is_parameter = _target_name(model, hf)
             (weights if is_parameter else leaves).add(name)
     return {k: v.contiguous() for k, v in out.items()}, sorted(leaves), sorted(parameters + sorted(weights))
 
 
-def write_peft(state: dict[str, torch.Tensor], model: ModelConfig, lora: LoRAConfig,
-               directory: str | os.PathLike, *, base_model: str | None = None) -> Path:
+def write_peft(
+    state: dict[str, torch.Tensor],
+    model: ModelConfig,
+    lora: LoRAConfig,
+    directory: str | os.PathLike,
+    *,
+    base_model: str | None = None,
+) -> Path:
     """Write whole adapters ``state`` as PEFT files into ``directory`` (a staging directory:
     ``hfschema.files.staged_directory`` makes the result all or nothing)."""
     tensors, targets, parameters = peft_tensors(state, model)
@@ -168,15 +175,21 @@ def write_peft(state: dict[str, torch.Tensor], model: ModelConfig, lora: LoRACon
     return path
 
 
-def peft_config(lora: LoRAConfig, targets: list[str], parameters: list[str], *,
-                base_model: str | None = None) -> dict:
+def peft_config(lora: LoRAConfig, targets: list[str], parameters: list[str], *, base_model: str | None = None) -> dict:
     """The ``adapter_config.json`` values of adapters on ``targets`` / ``parameters``."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
         # PEFT's ParamWrapper refuses any dropout; it is training-only, these files are for inference
-        "lora_dropout": 0.0 if parameters else lora.dropout, "target_modules": targets or None,
-        "target_parameters": parameters or None, "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+        "lora_dropout": 0.0 if parameters else lora.dropout,
+        "target_modules": targets or None,
+        "target_parameters": parameters or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
         "base_model_name_or_path": base_model,
     }
 
@@ -209,14 +222,14 @@ def checkpoint_adapters(reader: DistReader, model: ModelConfig) -> dict[str, tor
             key, prefix, _ = dist_key(f"{module}.{suffix}", model, {})
             if key not in stored:
                 continue
-            shape = tuple(stored[key].size)[len(prefix):]
+            shape = tuple(stored[key].size)[len(prefix) :]
             box = (key, prefix + (0,) * len(shape), (1,) * len(prefix) + shape)
             boxes.append((box, torch.empty(box[2], dtype=stored[key].properties.dtype)))
             names.append(f"{module}.{suffix}")
     if not boxes:
         raise ValueError(f"{reader.directory}: no LoRA adapter keys (*.lora_a / *.lora_b) in the checkpoint")
     reader.read(boxes)
-    return {name: data.reshape(box[2][len(box[2]) - 2:]).float() for name, (box, data) in zip(names, boxes)}
+    return {name: data.reshape(box[2][len(box[2]) - 2 :]).float() for name, (box, data) in zip(names, boxes)}
 
 
 def _whole_adapters(tensors: dict[str, torch.Tensor], rows) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -228,12 +241,14 @@ def _whole_adapters(tensors: dict[str, torch.Tensor], rows) -> dict[str, tuple[t
             continue
         a_list = [tensors[n] for n in names]
         if any(not torch.equal(a_list[0], a) for a in a_list[1:]):
-            raise ValueError(f"the PEFT adapters of {[p[0] for p in pieces]} have different lora_A; megatron's "
-                             f"fused {module} needs one A for them")
+            raise ValueError(
+                f"the PEFT adapters of {[p[0] for p in pieces]} have different lora_A; megatron's "
+                f"fused {module} needs one A for them"
+            )
         size = max(at + hi - lo for _, (lo, hi), at, _ in pieces)
         b = a_list[0].new_zeros(size, a_list[0].shape[0])
         for hf, (lo, hi), at, _ in pieces:
-            b[at: at + hi - lo] = tensors[f"{_PREFIX}{hf}.lora_B.weight"][lo:hi]
+            b[at : at + hi - lo] = tensors[f"{_PREFIX}{hf}.lora_B.weight"][lo:hi]
         whole[module] = (a_list[0], b)
     return whole
 
@@ -259,8 +274,10 @@ def import_peft(policy, directory: str | os.PathLike) -> None:
     path = Path(directory)
     config = json.loads((path / CONFIG_FILE).read_text())
     if config["r"] != policy.lora.rank or float(config["lora_alpha"]) != policy.lora.alpha:
-        raise ValueError(f"{path}: r={config['r']}, lora_alpha={config['lora_alpha']} differ from lora.rank="
-                         f"{policy.lora.rank}, lora.alpha={policy.lora.alpha}")
+        raise ValueError(
+            f"{path}: r={config['r']}, lora_alpha={config['lora_alpha']} differ from lora.rank="
+            f"{policy.lora.rank}, lora.alpha={policy.lora.alpha}"
+        )
     tensors, rows = load_file(str(path / WEIGHTS_FILE)), _row_map(policy.model_config)
     whole = _whole_adapters(tensors, rows)
     whole.update(_whole_expert_adapters(tensors, rows, config.get("target_parameters") or [], policy.lora.rank))

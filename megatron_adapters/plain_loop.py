@@ -45,18 +45,33 @@ def _loss(mask_BS: torch.Tensor, loss_BS: torch.Tensor):
 class PlainTrainer:
     """One model (pp=1, one chunk) with DDP and megatron's optimizer; ``step`` trains one batch."""
 
-    def __init__(self, model: ModelConfig, layout: ParallelLayout, train: TrainConfig, *,
-                 pg_collection: ProcessGroupCollection, params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        layout: ParallelLayout,
+        train: TrainConfig,
+        *,
+        pg_collection: ProcessGroupCollection,
+        params_dtype: torch.dtype,
+    ) -> None:
         if layout.pp != 1:
             raise ValueError("the plain loop baseline runs pp=1 (one model chunk)")
         self.train = train
         chunk = build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection)[0]
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=train.use_distributed_optimizer)
-        self.model = DistributedDataParallel(config=chunk.config, ddp_config=ddp, module=chunk,
-                                             pg_collection=pg_collection)
-        self.optimizer = get_megatron_optimizer(_optimizer_config(train, params_dtype), [self.model],
-                                                use_gloo_process_groups=False, pg_collection=pg_collection)
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=train.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(
+            config=chunk.config, ddp_config=ddp, module=chunk, pg_collection=pg_collection
+        )
+        self.optimizer = get_megatron_optimizer(
+            _optimizer_config(train, params_dtype),
+            [self.model],
+            use_gloo_process_groups=False,
+            pg_collection=pg_collection,
+        )
         chunk.config.finalize_model_grads_func = finalize_model_grads
         chunk.config.grad_scale_func = self.optimizer.scale_loss
         self.pg = pg_collection
@@ -83,9 +98,14 @@ class PlainTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=iter(micros), model=self.model,
-            num_microbatches=len(micros), seq_length=micros[0]["input_ids"].shape[1], micro_batch_size=size,
-            forward_only=False, pg_collection=self.pg,
+            forward_step_func=self._forward_step,
+            data_iterator=iter(micros),
+            model=self.model,
+            num_microbatches=len(micros),
+            seq_length=micros[0]["input_ids"].shape[1],
+            micro_batch_size=size,
+            forward_only=False,
+            pg_collection=self.pg,
         )
         self.optimizer.step()
         synchronize()

@@ -202,11 +202,22 @@ class MegatronPolicy:
         if self.routing is not None:
             self.routing.rebind(chunks)
 
-    def _build_chunks(self, model: ModelConfig, layout: ParallelLayout, params_dtype: torch.dtype,
-                      pg_collection: ProcessGroupCollection) -> list:
+    def _build_chunks(
+        self,
+        model: ModelConfig,
+        layout: ParallelLayout,
+        params_dtype: torch.dtype,
+        pg_collection: ProcessGroupCollection,
+    ) -> list:
         """The GPTModel chunks of this rank (the critic swaps the LM head for a value head)."""
-        return build_model_chunks(model, layout, params_dtype=params_dtype, pg_collection=pg_collection,
-                                  moe=self.moe_config, initialize=self.initialize)
+        return build_model_chunks(
+            model,
+            layout,
+            params_dtype=params_dtype,
+            pg_collection=pg_collection,
+            moe=self.moe_config,
+            initialize=self.initialize,
+        )
 
     def _wrap_ddp(self, chunks, train: TrainConfig) -> list[DistributedDataParallel]:
         ddp_config = DistributedDataParallelConfig(
@@ -262,10 +273,7 @@ class MegatronPolicy:
         rows = batch["input_ids"].shape[0]
         if rows % micro_batch_size:
             raise ValueError(f"{rows} rows per DP rank do not split into micro-batches of {micro_batch_size}")
-        return [
-            {k: v[i : i + micro_batch_size] for k, v in batch.items()}
-            for i in range(0, rows, micro_batch_size)
-        ]
+        return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, rows, micro_batch_size)]
 
     # ---------------------------------------------------------------------------- packing
 
@@ -308,8 +316,16 @@ class MegatronPolicy:
         for micro, rows in zip(micros, plan.micro_rows):  # the padding after the samples is no token
             micro.setdefault(VALID_KEY, micro[SEGMENTS_KEY] < len(rows))
         widest = max(plan.row_width(i) for i in range(len(micros)))
-        self.routing.begin_pass(kind, rows=len(micros), length=widest, micro_rows=1, row_offset=0, record=record,
-                                routes=local.get(ROUTES_KEY), local_rows=True)
+        self.routing.begin_pass(
+            kind,
+            rows=len(micros),
+            length=widest,
+            micro_rows=1,
+            row_offset=0,
+            record=record,
+            routes=local.get(ROUTES_KEY),
+            local_rows=True,
+        )
         return micros, local, (plan, order)
 
     def _scoring_step(self, with_entropy: bool):
@@ -325,8 +341,9 @@ class MegatronPolicy:
 
         return step_fn
 
-    def _packed_logprobs(self, batch: Batch, micro_rows: int, with_entropy: bool, record: bool,
-                         local_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _packed_logprobs(
+        self, batch: Batch, micro_rows: int, with_entropy: bool, record: bool, local_rows: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward_logprobs`` over packed micro-batches; recorded routes unpacked to rows."""
         micros, local, (plan, order) = self._packed_micros("logprob", batch, micro_rows, record, local_rows)
 
@@ -370,8 +387,9 @@ class MegatronPolicy:
             self.routing.after_forward(model)
         return output
 
-    def _begin_routing(self, kind: str, batch: Batch, local: Batch, seq: int, micro_rows: int,
-                       record: bool, local_rows: bool) -> None:
+    def _begin_routing(
+        self, kind: str, batch: Batch, local: Batch, seq: int, micro_rows: int, record: bool, local_rows: bool
+    ) -> None:
         """Tell the router control where this rank's rows sit in the batch its tables cover: the
         global batch, or this DP rank's rows alone (``local_rows``)."""
         if self.routing is None:
@@ -380,9 +398,16 @@ class MegatronPolicy:
             return
         share = local["input_ids"].shape[0]
         offset = 0 if local_rows else parallel_state.get_data_parallel_rank() * share
-        self.routing.begin_pass(kind, rows=batch["input_ids"].shape[0], length=seq, micro_rows=micro_rows,
-                                row_offset=offset, record=record, routes=local.get(ROUTES_KEY),
-                                local_rows=local_rows)
+        self.routing.begin_pass(
+            kind,
+            rows=batch["input_ids"].shape[0],
+            length=seq,
+            micro_rows=micro_rows,
+            row_offset=offset,
+            record=record,
+            routes=local.get(ROUTES_KEY),
+            local_rows=local_rows,
+        )
 
     def _end_routing(self) -> None:
         if self.routing is not None:
@@ -410,9 +435,7 @@ class MegatronPolicy:
     def _run(self, micros, step_fn, *, forward_only: bool, collect: bool) -> list:
         forward_backward = get_forward_backward_func()
         chunks = len(self.chunks)
-        iterators: Iterator | list[Iterator] = (
-            [iter(micros) for _ in range(chunks)] if chunks > 1 else iter(micros)
-        )
+        iterators: Iterator | list[Iterator] = [iter(micros) for _ in range(chunks)] if chunks > 1 else iter(micros)
         return forward_backward(
             forward_step_func=step_fn,
             data_iterator=iterators,
@@ -428,8 +451,13 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def forward_logprobs(
-        self, batch: Batch, *, micro_batch_size: int | None = None, with_entropy: bool = False,
-        record_routes: bool = False, local_rows: bool = False,
+        self,
+        batch: Batch,
+        *,
+        micro_batch_size: int | None = None,
+        with_entropy: bool = False,
+        record_routes: bool = False,
+        local_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy ``[B, T]`` of the global batch, returned on every rank, on the
         host: the runtime's fields live there and enter the trainer again through ``_dp_rows``.
@@ -453,8 +481,9 @@ class MegatronPolicy:
         local = self._stack_last_stage(outputs, padded["input_ids"].shape, seq)
         return tuple((t if local_rows else self._gather_dp(t)).cpu() for t in local)  # type: ignore[return-value]
 
-    def _stack_last_stage(self, outputs, padded_shape, seq, plan: PackPlan | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stack_last_stage(
+        self, outputs, padded_shape, seq, plan: PackPlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenate (or unpack, with ``plan``) the last stage's micro-batch results and share
         them across the PP group."""
         rows, length = padded_shape
@@ -497,8 +526,9 @@ class MegatronPolicy:
         else:
             padded, seq = self._pad_sequence(self._dp_rows(batch, local_rows))
             micros = self._micro_batches(padded, self.train_config.micro_batch_size)
-            self._begin_routing("train", batch, padded, seq, self.train_config.micro_batch_size, record=False,
-                                local_rows=local_rows)
+            self._begin_routing(
+                "train", batch, padded, seq, self.train_config.micro_batch_size, record=False, local_rows=local_rows
+            )
 
         def step_fn(data_iterator, model):
             micro = next(data_iterator)
@@ -541,8 +571,11 @@ class MegatronPolicy:
                     tensors.append(p.data)
                     tensors += [v for v in inner.state.get(p, {}).values() if torch.is_tensor(v)]
         unique = list({id(t): t for t in tensors}.values())  # an FP32 optimizer's params are the model's
-        return TrainingSnapshot(tensors=unique, copies=[t.detach().to("cpu", copy=True) for t in unique],
-                                scheduler_steps=self.scheduler.num_steps)
+        return TrainingSnapshot(
+            tensors=unique,
+            copies=[t.detach().to("cpu", copy=True) for t in unique],
+            scheduler_steps=self.scheduler.num_steps,
+        )
 
     def rollback(self, snap: "TrainingSnapshot") -> None:
         """Put back what ``snapshot`` copied (in place: views and buffers stay valid)."""

@@ -76,8 +76,10 @@ def load_hf_weights(policy, directory, *, buffer_bytes: int = DEFAULT_BUFFER_BYT
     try:
         missing = sorted({h.tensor for h in held} - set(reader.tensors))
         if missing:
-            raise ValueError(f"{directory}: tensor {missing[0]!r} (and {len(missing) - 1} more) is missing from "
-                             "the safetensors files; the directory is not a complete model of its config.json")
+            raise ValueError(
+                f"{directory}: tensor {missing[0]!r} (and {len(missing) - 1} more) is missing from "
+                "the safetensors files; the directory is not a complete model of its config.json"
+            )
         with torch.no_grad():
             for h in held:
                 entry = reader.tensors[h.tensor]
@@ -90,10 +92,15 @@ def load_hf_weights(policy, directory, *, buffer_bytes: int = DEFAULT_BUFFER_BYT
     _zero_unmapped_rows(params, held)
     if policy.optimizer is not None:  # mixed precision keeps fp32 main params: they follow the copy
         policy.optimizer.reload_model_params()
-    report = LoadReport(tensors=len(held), bytes_read=read, share_bytes=share,
-                        seconds=time.perf_counter() - started)
-    logger.info("rank %d loaded %d tensor slices (%.1f MB) from %s in %.1f s", rank, report.tensors,
-                share / 1e6, directory, report.seconds)
+    report = LoadReport(tensors=len(held), bytes_read=read, share_bytes=share, seconds=time.perf_counter() - started)
+    logger.info(
+        "rank %d loaded %d tensor slices (%.1f MB) from %s in %.1f s",
+        rank,
+        report.tensors,
+        share / 1e6,
+        directory,
+        report.seconds,
+    )
     return report
 
 
@@ -116,8 +123,10 @@ def _zero_unmapped_rows(params: dict[str, torch.Tensor], held) -> None:
 
 def _check_shape(entry: HFTensor, expected: tuple[int, ...]) -> None:
     if tuple(entry.shape) != tuple(expected):
-        raise ValueError(f"{entry.path}: tensor {entry.name!r} has shape {list(entry.shape)} but config.json "
-                         f"describes {list(expected)}; the weights and config.json are of different models")
+        raise ValueError(
+            f"{entry.path}: tensor {entry.name!r} has shape {list(entry.shape)} but config.json "
+            f"describes {list(expected)}; the weights and config.json are of different models"
+        )
 
 
 def _slices(region: Region) -> tuple[slice, ...]:
@@ -126,13 +135,17 @@ def _slices(region: Region) -> tuple[slice, ...]:
 
 def _largest_box(held, reader: SafetensorsReader) -> int:
     """Bytes of the largest read a box needs (its rows, whole): the block need not be larger."""
-    sizes = [(h.region[0][1] - h.region[0][0]) * reader.tensors[h.tensor].row_bytes
-             for h in held if h.tensor in reader.tensors]
+    sizes = [
+        (h.region[0][1] - h.region[0][0]) * reader.tensors[h.tensor].row_bytes
+        for h in held
+        if h.tensor in reader.tensors
+    ]
     return max(sizes, default=1)
 
 
-def _copy_box(reader: SafetensorsReader, entry: HFTensor, region: Region, target: torch.Tensor,
-              block: torch.Tensor) -> int:
+def _copy_box(
+    reader: SafetensorsReader, entry: HFTensor, region: Region, target: torch.Tensor, block: torch.Tensor
+) -> int:
     """Rows of ``region`` in reads that fill at most ``block`` (at least one row); returns bytes read."""
     (first, stop), *columns = region
     rows_per_block = max(1, block.numel() // max(entry.row_bytes, 1))
@@ -140,8 +153,8 @@ def _copy_box(reader: SafetensorsReader, entry: HFTensor, region: Region, target
     whole_rows = all((a, b) == (0, n) for (a, b), n in zip(columns, entry.shape[1:]))
     for start in range(first, stop, rows_per_block):
         end = min(stop, start + rows_per_block)
-        rows = block[:(end - start) * entry.row_bytes].view(entry.dtype).view((end - start,) + tuple(entry.shape[1:]))
+        rows = block[: (end - start) * entry.row_bytes].view(entry.dtype).view((end - start,) + tuple(entry.shape[1:]))
         reader.read_rows(entry.name, (start, end), rows)
         part = rows if whole_rows else rows[(slice(None),) + _slices(tuple(columns))]
-        flat[start - first:end - first].copy_(part)
+        flat[start - first : end - first].copy_(part)
     return (stop - first) * entry.row_bytes

@@ -103,8 +103,16 @@ class _Pass:
 class RouterControl:
     """Replay, recording and statistics for the routers of one policy's model chunks."""
 
-    def __init__(self, chunks: list, model: ModelConfig, layout: ParallelLayout, moe: MoEConfig,
-                 *, tp_rank: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        chunks: list,
+        model: ModelConfig,
+        layout: ParallelLayout,
+        moe: MoEConfig,
+        *,
+        tp_rank: int,
+        device: torch.device,
+    ) -> None:
         if layout.cp > 1:
             raise ValueError(f"routing replay / router statistics map tokens for cp=1 only (cp={layout.cp})")
         self.model = model
@@ -144,23 +152,40 @@ class RouterControl:
 
     # ------------------------------------------------------------------------ a pass
 
-    def begin_pass(self, kind: str, *, rows: int, row_offset: int, length: int, micro_rows: int,
-                   record: bool, routes: torch.Tensor | None, local_rows: bool = False) -> None:
+    def begin_pass(
+        self,
+        kind: str,
+        *,
+        rows: int,
+        row_offset: int,
+        length: int,
+        micro_rows: int,
+        record: bool,
+        routes: torch.Tensor | None,
+        local_rows: bool = False,
+    ) -> None:
         """Start a forward pass over ``rows`` global rows of ``length`` positions, this DP rank's
         from ``row_offset``; ``routes`` is this rank's ``[b, T, L, k]`` replay table or None.
         ``local_rows``: the ``rows`` are this DP rank's alone, and so is the recorded table."""
         if routes is not None:
             self._check_routes(routes, record)
-        p = _Pass(kind=kind, record=record, rows=rows, row_offset=row_offset, length=length,
-                  micro_rows=micro_rows, local_rows=local_rows)
+        p = _Pass(
+            kind=kind,
+            record=record,
+            rows=rows,
+            row_offset=row_offset,
+            length=length,
+            micro_rows=micro_rows,
+            local_rows=local_rows,
+        )
         if record:
             if self.moe.routing_replay == "off":
                 raise ValueError("recording routes needs moe.routing_replay=r2 or r3 (megatron's RouterReplay)")
-            p.table_BTLk = torch.full((rows, length, self.num_layers, self.model.moe_top_k), UNROUTED,
-                                      dtype=torch.long, device=self.device)
+            p.table_BTLk = torch.full(
+                (rows, length, self.num_layers, self.model.moe_top_k), UNROUTED, dtype=torch.long, device=self.device
+            )
         if self.moe.router_stats:
-            p.stats = RouterStats(self.num_layers, self.model.num_experts, self.model.moe_top_k,
-                                  device=self.device)
+            p.stats = RouterStats(self.num_layers, self.model.num_experts, self.model.moe_top_k, device=self.device)
             p.flags_BTL = torch.full((rows, length, self.num_layers), -1, dtype=torch.int32, device=self.device)
         self._pass = p
 
@@ -179,8 +204,14 @@ class RouterControl:
         for layer, router in self.routers[id(chunk)]:
             target = None if table is None else self._order(table[:, :, layer])
             self._set_router(router.router_replay, target, p.record)
-            self._calls[id(router)] = _Call(layer=layer, rows=rows, positions=positions, valid_N=valid_N,
-                                            target_Nk=target, replayed=target is not None)
+            self._calls[id(router)] = _Call(
+                layer=layer,
+                rows=rows,
+                positions=positions,
+                valid_N=valid_N,
+                target_Nk=target,
+                replayed=target is not None,
+            )
 
     def after_forward(self, chunk) -> None:
         """Collect what the routers of ``chunk`` recorded; leave their replay state empty."""
@@ -209,8 +240,9 @@ class RouterControl:
             return
         dist.all_reduce(p.stats.sums)
         dist.all_reduce(p.flags_BTL, op=dist.ReduceOp.MAX, group=same_rows)
-        self._merge(p.kind, p.stats, p.flags_BTL,
-                    other_rows=parallel_state.get_data_parallel_group() if p.local_rows else None)
+        self._merge(
+            p.kind, p.stats, p.flags_BTL, other_rows=parallel_state.get_data_parallel_group() if p.local_rows else None
+        )
 
     # ------------------------------------------------------------------------ results
 
@@ -246,13 +278,16 @@ class RouterControl:
             raise ValueError(f"the batch carries {ROUTES_KEY} but moe.routing_replay=off built no RouterReplay")
         want = (self.num_layers, self.model.moe_top_k)
         if routes.dim() != 4 or tuple(routes.shape[2:]) != want:
-            raise ValueError(f"{ROUTES_KEY} of shape {tuple(routes.shape)} is not [B, T, L, k] with "
-                             f"(L, k) = {want} (MoE layers, model.moe_top_k)")
+            raise ValueError(
+                f"{ROUTES_KEY} of shape {tuple(routes.shape)} is not [B, T, L, k] with "
+                f"(L, k) = {want} (MoE layers, model.moe_top_k)"
+            )
         check_suffix_unrouted(routes)
 
     def _order(self, table_bTk: torch.Tensor) -> torch.Tensor:
-        return to_router_order(table_bTk, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                               sequence_parallel=self.tp_size > 1)
+        return to_router_order(
+            table_bTk, tp_size=self.tp_size, tp_rank=self.tp_rank, sequence_parallel=self.tp_size > 1
+        )
 
     def _valid(self, micro: dict[str, torch.Tensor], length: int) -> torch.Tensor:
         ids = micro["input_ids"]
@@ -281,9 +316,15 @@ class RouterControl:
         with torch.no_grad():
             logits_NE = router.gating(args[0].detach()).reshape(-1, router.num_experts)
             natural_Nk = None if call.target_Nk is None else _natural_topk(router, logits_NE)
-            p.stats.add(call.layer, routing_map_NE=output[1], probs_NE=router_probs(logits_NE, router.score_function),
-                        valid_N=call.valid_N, natural_Nk=natural_Nk, target_Nk=call.target_Nk,
-                        replayed=call.replayed)
+            p.stats.add(
+                call.layer,
+                routing_map_NE=output[1],
+                probs_NE=router_probs(logits_NE, router.score_function),
+                valid_N=call.valid_N,
+                natural_Nk=natural_Nk,
+                target_Nk=call.target_Nk,
+                replayed=call.replayed,
+            )
             if natural_Nk is not None:
                 self._flag(p, call, natural_Nk)
 
@@ -315,7 +356,7 @@ def _chunk_routers(chunk, first_k_dense: int) -> list[tuple[int, TopKRouter]]:
     module = getattr(chunk, "module", chunk)
     decoder = getattr(module, "decoder", None)
     pairs = []
-    for layer in (decoder.layers if decoder is not None else []):
+    for layer in decoder.layers if decoder is not None else []:
         router = getattr(layer.mlp, "router", None)
         if isinstance(router, TopKRouter):
             pairs.append((moe_layer_index(layer.layer_number, first_k_dense), router))
@@ -326,9 +367,15 @@ def _natural_topk(router: TopKRouter, logits_NE: torch.Tensor) -> torch.Tensor:
     """The experts the router would choose for these logits, replay or not."""
     config = router.config
     _, map_NE = topk_routing_with_score_function(
-        logits_NE, router.topk, use_pre_softmax=config.moe_router_pre_softmax,
-        num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
-        scaling_factor=config.moe_router_topk_scaling_factor, score_function=router.score_function,
-        expert_bias=router.expert_bias, fused=False, router_replay=None,
+        logits_NE,
+        router.topk,
+        use_pre_softmax=config.moe_router_pre_softmax,
+        num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk,
+        scaling_factor=config.moe_router_topk_scaling_factor,
+        score_function=router.score_function,
+        expert_bias=router.expert_bias,
+        fused=False,
+        router_replay=None,
     )
     return routing_map_topk(map_NE, router.topk)

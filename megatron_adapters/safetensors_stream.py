@@ -32,15 +32,29 @@ import torch
 from hfschema.buckets import fill_buckets
 
 __all__ = [
-    "DTYPES", "INDEX_FILE", "HFTensor", "SafetensorsReader", "SafetensorsWriter", "check_written",
-    "dtype_name", "read_header",
+    "DTYPES",
+    "INDEX_FILE",
+    "HFTensor",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "check_written",
+    "dtype_name",
+    "read_header",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 """safetensors dtype names."""
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -87,8 +101,9 @@ def _header(path: Path) -> tuple[int, dict]:
             raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (length,) = struct.unpack("<Q", raw)
         if length > min(_MAX_HEADER, size - 8):
-            raise ValueError(f"{path}: truncated or corrupt safetensors file (header of {length} "
-                             f"bytes in a {size}-byte file)")
+            raise ValueError(
+                f"{path}: truncated or corrupt safetensors file (header of {length} bytes in a {size}-byte file)"
+            )
         try:
             return 8 + length, json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -108,15 +123,19 @@ def read_header(path: str | os.PathLike) -> dict[str, HFTensor]:
         if dtype is None:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
         if begin != end or stop - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{path}: tensor {name!r}: data_offsets {info['data_offsets']} do not "
-                             f"match its shape {list(shape)} / the previous tensor's end {end}")
+            raise ValueError(
+                f"{path}: tensor {name!r}: data_offsets {info['data_offsets']} do not "
+                f"match its shape {list(shape)} / the previous tensor's end {end}"
+            )
         entries.append(HFTensor(name=name, path=path, dtype=dtype, shape=shape, start=data_start + begin))
         end = stop
     available = path.stat().st_size - data_start
     for entry in entries:
         if entry.start - data_start + entry.nbytes > available:
-            raise ValueError(f"{path}: truncated: tensor {entry.name!r} needs bytes up to "
-                             f"{entry.start + entry.nbytes} but the file has {path.stat().st_size}")
+            raise ValueError(
+                f"{path}: truncated: tensor {entry.name!r} needs bytes up to "
+                f"{entry.start + entry.nbytes} but the file has {path.stat().st_size}"
+            )
     return {e.name: e for e in entries}
 
 
@@ -127,8 +146,10 @@ class SafetensorsReader:
         self.directory = Path(directory)
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
-            raise ValueError(f"{self.directory}: no *.safetensors files (other weight formats are "
-                             "not read; convert them to safetensors first)")
+            raise ValueError(
+                f"{self.directory}: no *.safetensors files (other weight formats are "
+                "not read; convert them to safetensors first)"
+            )
         self.tensors: dict[str, HFTensor] = {}
         for path in files:
             for name, entry in read_header(path).items():
@@ -183,8 +204,13 @@ class SafetensorsReader:
 class SafetensorsWriter:
     """Shards of a Hugging Face checkpoint laid out up front and filled in any order."""
 
-    def __init__(self, directory: str | os.PathLike, tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
-                 *, shard_bytes: int) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+        *,
+        shard_bytes: int,
+    ) -> None:
         self.directory = Path(directory)
         tensors = list(tensors)
         shards = fill_buckets(tensors, [math.prod(shape) * dtype.itemsize for _, dtype, shape in tensors], shard_bytes)
@@ -199,8 +225,7 @@ class SafetensorsWriter:
         header, offset = {}, 0
         for name, dtype, shape in shard:
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": dtype_name(dtype), "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         header["__metadata__"] = {"format": "pt"}
         text = json.dumps(header, separators=(",", ":")).encode()
@@ -230,8 +255,10 @@ class SafetensorsWriter:
             os.fsync(fd)
         self.close()
         total = sum(e.nbytes for e in self.entries.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: e.path.name for name, e in self.entries.items()}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: e.path.name for name, e in self.entries.items()},
+        }
         path = self.directory / INDEX_FILE
         path.write_text(json.dumps(index, indent=2) + "\n")
         return path
@@ -257,6 +284,8 @@ def check_written(entries: Mapping[str, HFTensor]) -> int:
             for name, entry in expected.items():
                 part = f.get_slice(name)
                 if tuple(part.get_shape()) != entry.shape or part.get_dtype() != dtype_name(entry.dtype):
-                    raise ValueError(f"{path}: tensor {name!r} reads back as {part.get_dtype()} "
-                                     f"{part.get_shape()}, written as {entry.dtype} {list(entry.shape)}")
+                    raise ValueError(
+                        f"{path}: tensor {name!r} reads back as {part.get_dtype()} "
+                        f"{part.get_shape()}, written as {entry.dtype} {list(entry.shape)}"
+                    )
     return len(entries)

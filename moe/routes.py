@@ -47,6 +47,7 @@ __all__ = [
 UNROUTED = -1
 """Table entry of a position that has no recorded route."""
 
+
 def check_replay_device(mode: str, *, on_gpu: bool) -> None:
     """R3 needs an engine that returns routes: SGLang does so only on a GPU."""
     if mode == "r3" and not on_gpu:
@@ -64,8 +65,7 @@ def moe_layer_index(layer_number: int, first_k_dense: int) -> int | None:
     return index if index >= 0 else None
 
 
-def to_router_order(table_bTk: torch.Tensor, *, tp_size: int, tp_rank: int,
-                    sequence_parallel: bool) -> torch.Tensor:
+def to_router_order(table_bTk: torch.Tensor, *, tp_size: int, tp_rank: int, sequence_parallel: bool) -> torch.Tensor:
     """One layer's ``[b, T, k]`` micro table as the ``[N, k]`` rows this rank's router sees."""
     rows, length, k = table_bTk.shape
     if sequence_parallel and tp_size > 1:

@@ -47,8 +47,7 @@ __all__ = [
 ]
 
 
-def tokens_per_expert(experts_Nk: torch.Tensor, num_experts: int,
-                      valid_N: torch.Tensor | None = None) -> torch.Tensor:
+def tokens_per_expert(experts_Nk: torch.Tensor, num_experts: int, valid_N: torch.Tensor | None = None) -> torch.Tensor:
     """``[E]`` count of (token, slot) assignments per expert over valid tokens."""
     if valid_N is not None:
         experts_Nk = experts_Nk[valid_N]
@@ -102,17 +101,24 @@ _NUM_FIELDS = 7
 class RouterStats:
     """Per-layer sums over the router calls of one pass; add, all-reduce ``sums``, read metrics."""
 
-    def __init__(self, num_layers: int, num_experts: int, top_k: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, device: torch.device | str = "cpu") -> None:
         self.num_experts = num_experts
         self.top_k = top_k
         self.sums = torch.zeros(num_layers, num_experts + _NUM_FIELDS, dtype=torch.float64, device=device)
         """``[L, E + F]``: tokens per expert, then the scalar sums (summable across ranks), on
         the device of the router's tokens: ``add`` never waits for the device."""
 
-    def add(self, layer: int, *, routing_map_NE: torch.Tensor, probs_NE: torch.Tensor, valid_N: torch.Tensor,
-            natural_Nk: torch.Tensor | None = None, target_Nk: torch.Tensor | None = None,
-            replayed: bool = False) -> None:
+    def add(
+        self,
+        layer: int,
+        *,
+        routing_map_NE: torch.Tensor,
+        probs_NE: torch.Tensor,
+        valid_N: torch.Tensor,
+        natural_Nk: torch.Tensor | None = None,
+        target_Nk: torch.Tensor | None = None,
+        replayed: bool = False,
+    ) -> None:
         """One router call's tokens; ``target_Nk`` rows < 0 have no reference and are not compared."""
         row = self.sums[layer]
         valid_N = valid_N.bool()
@@ -156,9 +162,12 @@ class RouterStats:
                 out.append({})
                 continue
             peak, cv = load_imbalance(self.counts()[layer])
-            m = {"load_max_mean": peak, "load_cv": cv,
-                 "router_entropy": float(self._field(_ENTROPY)[layer]) / tokens,
-                 "dropped_frac": float(self._field(_DROPPED)[layer]) / (tokens * self.top_k)}
+            m = {
+                "load_max_mean": peak,
+                "load_cv": cv,
+                "router_entropy": float(self._field(_ENTROPY)[layer]) / tokens,
+                "dropped_frac": float(self._field(_DROPPED)[layer]) / (tokens * self.top_k),
+            }
             for name, num, den in (("topk_mismatch", _DIFFERS, _COMPARED), ("replay_match", _MATCHED, _REPLAYED)):
                 if float(self._field(den)[layer]) > 0:
                     m[name] = float(self._field(num)[layer]) / float(self._field(den)[layer])
@@ -184,6 +193,5 @@ def summarise(history: Sequence[Mapping[str, float]], prefix: str = "moe/") -> d
     out = {}
     for name in names:
         values = [float(h[name]) for h in history if name in h]
-        out[name] = {"first": values[0], "last": values[-1], "mean": sum(values) / len(values),
-                     "max": max(values)}
+        out[name] = {"first": values[0], "last": values[-1], "mean": sum(values) / len(values), "max": max(values)}
     return out

@@ -151,8 +151,14 @@ def _pieces(t: Transfer, max_elements: int) -> list[Piece]:
         return _split(region, dim + len(region) - len(t.region), r, min(r + step, rows))
 
     return [
-        Piece(t, cut(t.region, r), cut(t.src_region, r), cut(t.dst_region, r),
-              tuple((param, cut(box, r)) for param, box in t.also), per_row * (min(r + step, rows) - r))
+        Piece(
+            t,
+            cut(t.region, r),
+            cut(t.src_region, r),
+            cut(t.dst_region, r),
+            tuple((param, cut(box, r)) for param, box in t.also),
+            per_row * (min(r + step, rows) - r),
+        )
         for r in range(0, rows, step)
     ]
 
@@ -185,8 +191,7 @@ def _schedule(plan: Plan, processes: ProcessMap, bucket_bytes: int) -> Schedule:
     # hop-major: a relayed message is placed after the messages that bring its pieces
     messages = [m for key in sorted(per_key) for m in _pack(key[1:], per_key[key], max_elements, itemsize)]
     arrived = {(processes.destination[p.transfer.dst_rank], p.transfer.tensor, p.region): -1 for p in local}
-    return Schedule(local=tuple(local), rounds=_rounds(messages, bucket_bytes, arrived),
-                    bucket_bytes=bucket_bytes)
+    return Schedule(local=tuple(local), rounds=_rounds(messages, bucket_bytes, arrived), bucket_bytes=bucket_bytes)
 
 
 def _pack(pair, pieces: list[Piece], max_elements: int, itemsize: int) -> list[Message]:
@@ -210,11 +215,12 @@ def _rounds(messages: list[Message], bucket_bytes: int, arrived: dict) -> tuple[
     send_load: list[dict[int, int]] = []
     recv_load: list[dict[int, int]] = []
     for tag, m in enumerate(messages):
-        ready = max((arrived[(m.src, p.transfer.tensor, p.region)] for p in m.pieces if p.transfer.relay),
-                    default=-1)
+        ready = max((arrived[(m.src, p.transfer.tensor, p.region)] for p in m.pieces if p.transfer.relay), default=-1)
         i = ready + 1
-        while i < len(rounds) and not (send_load[i].get(m.src, 0) + m.nbytes <= bucket_bytes
-                                       and recv_load[i].get(m.dst, 0) + m.nbytes <= bucket_bytes):
+        while i < len(rounds) and not (
+            send_load[i].get(m.src, 0) + m.nbytes <= bucket_bytes
+            and recv_load[i].get(m.dst, 0) + m.nbytes <= bucket_bytes
+        ):
             i += 1
         while len(rounds) <= i:
             rounds.append([])

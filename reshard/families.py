@@ -175,7 +175,9 @@ def _global_tensors() -> tuple[TensorSpec, ...]:
     )
     return (
         TensorSpec(
-            hf="model.embed_tokens.weight", shape=_vocab, scope="model",
+            hf="model.embed_tokens.weight",
+            shape=_vocab,
+            scope="model",
             megatron=embed_megatron[:1],
             sglang=Placement(param="model.embed_tokens.weight", rule="vocab", axis="attn_tp"),
             when=lambda m: not m.tie_word_embeddings,
@@ -184,19 +186,24 @@ def _global_tensors() -> tuple[TensorSpec, ...]:
         # when pp > 1 (GPTModel.shared_embedding_or_output_weight); SGLang's lm_head is the
         # embedding module itself (e.g. Qwen2ForCausalLM: self.lm_head = self.model.embed_tokens).
         TensorSpec(
-            hf="model.embed_tokens.weight", shape=_vocab, scope="model",
+            hf="model.embed_tokens.weight",
+            shape=_vocab,
+            scope="model",
             megatron=embed_megatron,
             sglang=Placement(param="model.embed_tokens.weight", rule="vocab", axis="attn_tp"),
             when=lambda m: m.tie_word_embeddings,
         ),
         TensorSpec(
-            hf="model.norm.weight", shape=_hidden, scope="model",
-            megatron=(Placement(param="decoder.final_layernorm.weight", rule="replicated",
-                                stage="last"),),
+            hf="model.norm.weight",
+            shape=_hidden,
+            scope="model",
+            megatron=(Placement(param="decoder.final_layernorm.weight", rule="replicated", stage="last"),),
             sglang=Placement(param="model.norm.weight", rule="replicated"),
         ),
         TensorSpec(
-            hf="lm_head.weight", shape=_vocab, scope="model",
+            hf="lm_head.weight",
+            shape=_vocab,
+            scope="model",
             megatron=(Placement(param="output_layer.weight", rule="vocab", stage="last"),),
             sglang=Placement(param="lm_head.weight", rule="vocab", axis="lm_head"),
             when=lambda m: not m.tie_word_embeddings,
@@ -208,22 +215,31 @@ def _layer_norms() -> tuple[TensorSpec, ...]:
     prefix = "decoder.layers.{layer}"
     return (
         TensorSpec(
-            hf="model.layers.{layer}.input_layernorm.weight", shape=_hidden, scope="layer",
-            megatron=(Placement(
-                param=f"{prefix}.input_layernorm.weight", rule="replicated",
-                te_param=f"{prefix}.self_attention.linear_qkv.layer_norm_weight"),),
-            sglang=Placement(param="model.layers.{layer}.input_layernorm.weight",
-                             rule="replicated"),
+            hf="model.layers.{layer}.input_layernorm.weight",
+            shape=_hidden,
+            scope="layer",
+            megatron=(
+                Placement(
+                    param=f"{prefix}.input_layernorm.weight",
+                    rule="replicated",
+                    te_param=f"{prefix}.self_attention.linear_qkv.layer_norm_weight",
+                ),
+            ),
+            sglang=Placement(param="model.layers.{layer}.input_layernorm.weight", rule="replicated"),
         ),
         TensorSpec(
-            hf="model.layers.{layer}.post_attention_layernorm.weight", shape=_hidden,
+            hf="model.layers.{layer}.post_attention_layernorm.weight",
+            shape=_hidden,
             scope="layer",
-            megatron=(Placement(
-                param=f"{prefix}.pre_mlp_layernorm.weight", rule="replicated",
-                # TE fuses it into linear_fc1 in dense layers only; MoE layers keep the norm
-                te_param=f"{prefix}.mlp.linear_fc1.layer_norm_weight"),),
-            sglang=Placement(param="model.layers.{layer}.post_attention_layernorm.weight",
-                             rule="replicated"),
+            megatron=(
+                Placement(
+                    param=f"{prefix}.pre_mlp_layernorm.weight",
+                    rule="replicated",
+                    # TE fuses it into linear_fc1 in dense layers only; MoE layers keep the norm
+                    te_param=f"{prefix}.mlp.linear_fc1.layer_norm_weight",
+                ),
+            ),
+            sglang=Placement(param="model.layers.{layer}.post_attention_layernorm.weight", rule="replicated"),
         ),
     )
 
@@ -236,34 +252,47 @@ def _gqa_attention() -> tuple[TensorSpec, ...]:
     specs = []
     for part in ("q", "k", "v"):
         n = rows[part]
-        specs.append(TensorSpec(
-            hf=f"{sq}.{part}_proj.weight", shape=lambda m, n=n: (n(m), m.hidden_size),
-            scope="layer",
-            megatron=(Placement(param=f"{mq}.linear_qkv.weight", rule="qkv", part=part),),
-            sglang=Placement(param=f"{sq}.qkv_proj.weight", rule="qkv", part=part,
-                             axis="attn_tp"),
-        ))
+        specs.append(
+            TensorSpec(
+                hf=f"{sq}.{part}_proj.weight",
+                shape=lambda m, n=n: (n(m), m.hidden_size),
+                scope="layer",
+                megatron=(Placement(param=f"{mq}.linear_qkv.weight", rule="qkv", part=part),),
+                sglang=Placement(param=f"{sq}.qkv_proj.weight", rule="qkv", part=part, axis="attn_tp"),
+            )
+        )
     for part in ("q", "k", "v"):
         n = rows[part]
-        specs.append(TensorSpec(
-            hf=f"{sq}.{part}_proj.bias", shape=lambda m, n=n: (n(m),), scope="layer",
-            megatron=(Placement(param=f"{mq}.linear_qkv.bias", rule="qkv", part=part),),
-            sglang=Placement(param=f"{sq}.qkv_proj.bias", rule="qkv", part=part,
-                             axis="attn_tp"),
-            when=lambda m: m.attention_bias,
-        ))
-    specs.append(TensorSpec(
-        hf=f"{sq}.o_proj.weight", shape=lambda m: (m.hidden_size, _q_rows(m)), scope="layer",
-        megatron=(Placement(param=f"{mq}.linear_proj.weight", rule="row"),),
-        sglang=Placement(param=f"{sq}.o_proj.weight", rule="row", axis="attn_tp"),
-    ))
+        specs.append(
+            TensorSpec(
+                hf=f"{sq}.{part}_proj.bias",
+                shape=lambda m, n=n: (n(m),),
+                scope="layer",
+                megatron=(Placement(param=f"{mq}.linear_qkv.bias", rule="qkv", part=part),),
+                sglang=Placement(param=f"{sq}.qkv_proj.bias", rule="qkv", part=part, axis="attn_tp"),
+                when=lambda m: m.attention_bias,
+            )
+        )
+    specs.append(
+        TensorSpec(
+            hf=f"{sq}.o_proj.weight",
+            shape=lambda m: (m.hidden_size, _q_rows(m)),
+            scope="layer",
+            megatron=(Placement(param=f"{mq}.linear_proj.weight", rule="row"),),
+            sglang=Placement(param=f"{sq}.o_proj.weight", rule="row", axis="attn_tp"),
+        )
+    )
     for hf_norm, mg_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
-        specs.append(TensorSpec(
-            hf=f"{sq}.{hf_norm}.weight", shape=lambda m: (m.kv_channels,), scope="layer",
-            megatron=(Placement(param=f"{mq}.{mg_norm}.weight", rule="replicated"),),
-            sglang=Placement(param=f"{sq}.{hf_norm}.weight", rule="replicated"),
-            when=lambda m: m.qk_layernorm,
-        ))
+        specs.append(
+            TensorSpec(
+                hf=f"{sq}.{hf_norm}.weight",
+                shape=lambda m: (m.kv_channels,),
+                scope="layer",
+                megatron=(Placement(param=f"{mq}.{mg_norm}.weight", rule="replicated"),),
+                sglang=Placement(param=f"{sq}.{hf_norm}.weight", rule="replicated"),
+                when=lambda m: m.qk_layernorm,
+            )
+        )
     return tuple(specs)
 
 
@@ -282,66 +311,83 @@ def _mla_attention() -> tuple[TensorSpec, ...]:
     lora = lambda m: m.q_lora_rank is not None  # noqa: E731
     return (
         TensorSpec(
-            hf=f"{sq}.q_a_proj.weight", shape=lambda m: (m.q_lora_rank, m.hidden_size),
+            hf=f"{sq}.q_a_proj.weight",
+            shape=lambda m: (m.q_lora_rank, m.hidden_size),
             scope="layer",
             megatron=(Placement(param=f"{mq}.linear_q_down_proj.weight", rule="replicated"),),
-            sglang=Placement(param=f"{sq}.fused_qkv_a_proj_with_mqa.weight",
-                             rule="replicated_rows", part="q_a"),
+            sglang=Placement(param=f"{sq}.fused_qkv_a_proj_with_mqa.weight", rule="replicated_rows", part="q_a"),
             when=lora,
         ),
         TensorSpec(
-            hf=f"{sq}.q_a_layernorm.weight", shape=lambda m: (m.q_lora_rank,), scope="layer",
-            megatron=(Placement(param=f"{mq}.q_layernorm.weight", rule="replicated",
-                                te_param=f"{mq}.linear_q_up_proj.layer_norm_weight"),),
+            hf=f"{sq}.q_a_layernorm.weight",
+            shape=lambda m: (m.q_lora_rank,),
+            scope="layer",
+            megatron=(
+                Placement(
+                    param=f"{mq}.q_layernorm.weight",
+                    rule="replicated",
+                    te_param=f"{mq}.linear_q_up_proj.layer_norm_weight",
+                ),
+            ),
             sglang=Placement(param=f"{sq}.q_a_layernorm.weight", rule="replicated"),
             when=lora,
         ),
         TensorSpec(
             hf=f"{sq}.q_b_proj.weight",
-            shape=lambda m: (m.num_attention_heads * _q_head(m), m.q_lora_rank), scope="layer",
+            shape=lambda m: (m.num_attention_heads * _q_head(m), m.q_lora_rank),
+            scope="layer",
             megatron=(Placement(param=f"{mq}.linear_q_up_proj.weight", rule="column"),),
             sglang=Placement(param=f"{sq}.q_b_proj.weight", rule="column", axis="attn_tp"),
             when=lora,
         ),
         TensorSpec(
             hf=f"{sq}.q_proj.weight",
-            shape=lambda m: (m.num_attention_heads * _q_head(m), m.hidden_size), scope="layer",
+            shape=lambda m: (m.num_attention_heads * _q_head(m), m.hidden_size),
+            scope="layer",
             megatron=(Placement(param=f"{mq}.linear_q_proj.weight", rule="column"),),
             sglang=Placement(param=f"{sq}.q_proj.weight", rule="column", axis="attn_tp"),
             when=lambda m: not lora(m),
         ),
         TensorSpec(
             hf=f"{sq}.kv_a_proj_with_mqa.weight",
-            shape=lambda m: (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size), scope="layer",
+            shape=lambda m: (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size),
+            scope="layer",
             megatron=(Placement(param=f"{mq}.linear_kv_down_proj.weight", rule="replicated"),),
-            sglang=Placement(param=f"{sq}.fused_qkv_a_proj_with_mqa.weight",
-                             rule="replicated_rows", part="kv_a"),
+            sglang=Placement(param=f"{sq}.fused_qkv_a_proj_with_mqa.weight", rule="replicated_rows", part="kv_a"),
             when=lora,
         ),
         TensorSpec(
             hf=f"{sq}.kv_a_proj_with_mqa.weight",
-            shape=lambda m: (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size), scope="layer",
+            shape=lambda m: (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size),
+            scope="layer",
             megatron=(Placement(param=f"{mq}.linear_kv_down_proj.weight", rule="replicated"),),
             sglang=Placement(param=f"{sq}.kv_a_proj_with_mqa.weight", rule="replicated"),
             when=lambda m: not lora(m),
         ),
         TensorSpec(
-            hf=f"{sq}.kv_a_layernorm.weight", shape=lambda m: (m.kv_lora_rank,), scope="layer",
-            megatron=(Placement(param=f"{mq}.kv_layernorm.weight", rule="replicated",
-                                te_param=f"{mq}.linear_kv_up_proj.layer_norm_weight"),),
+            hf=f"{sq}.kv_a_layernorm.weight",
+            shape=lambda m: (m.kv_lora_rank,),
+            scope="layer",
+            megatron=(
+                Placement(
+                    param=f"{mq}.kv_layernorm.weight",
+                    rule="replicated",
+                    te_param=f"{mq}.linear_kv_up_proj.layer_norm_weight",
+                ),
+            ),
             sglang=Placement(param=f"{sq}.kv_a_layernorm.weight", rule="replicated"),
         ),
         TensorSpec(
             hf=f"{sq}.kv_b_proj.weight",
-            shape=lambda m: (m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim),
-                             m.kv_lora_rank),
+            shape=lambda m: (m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
             scope="layer",
             megatron=(Placement(param=f"{mq}.linear_kv_up_proj.weight", rule="column"),),
             sglang=Placement(param=f"{sq}.kv_b_proj.weight", rule="column", axis="attn_tp"),
         ),
         TensorSpec(
             hf=f"{sq}.o_proj.weight",
-            shape=lambda m: (m.hidden_size, m.num_attention_heads * m.v_head_dim), scope="layer",
+            shape=lambda m: (m.hidden_size, m.num_attention_heads * m.v_head_dim),
+            scope="layer",
             megatron=(Placement(param=f"{mq}.linear_proj.weight", rule="row"),),
             sglang=Placement(param=f"{sq}.o_proj.weight", rule="row", axis="attn_tp"),
         ),
@@ -349,58 +395,74 @@ def _mla_attention() -> tuple[TensorSpec, ...]:
 
 
 def _gated_mlp(
-    *, hf_prefix: str, mg_prefix: str, sg_prefix: str, scope: str,
-    ffn: Callable[[ModelConfig], int], when: Callable[[ModelConfig], bool] = _always,
+    *,
+    hf_prefix: str,
+    mg_prefix: str,
+    sg_prefix: str,
+    scope: str,
+    ffn: Callable[[ModelConfig], int],
+    when: Callable[[ModelConfig], bool] = _always,
 ) -> tuple[TensorSpec, ...]:
     """A SwiGLU MLP: megatron ``linear_fc1`` = [gate_r; up_r] per TP rank; SGLang gate_up_proj."""
     specs = [
         TensorSpec(
             hf=f"{hf_prefix}.{name}_proj.weight",
-            shape=lambda m: (ffn(m), m.hidden_size), scope=scope,
-            megatron=(Placement(param=f"{mg_prefix}.linear_fc1.weight", rule="gated_column",
-                                part=name),),
-            sglang=Placement(param=f"{sg_prefix}.gate_up_proj.weight", rule="gated_column",
-                             part=name),
+            shape=lambda m: (ffn(m), m.hidden_size),
+            scope=scope,
+            megatron=(Placement(param=f"{mg_prefix}.linear_fc1.weight", rule="gated_column", part=name),),
+            sglang=Placement(param=f"{sg_prefix}.gate_up_proj.weight", rule="gated_column", part=name),
             when=when,
         )
         for name in ("gate", "up")
     ]
-    specs.append(TensorSpec(
-        hf=f"{hf_prefix}.down_proj.weight", shape=lambda m: (m.hidden_size, ffn(m)), scope=scope,
-        megatron=(Placement(param=f"{mg_prefix}.linear_fc2.weight", rule="row"),),
-        sglang=Placement(param=f"{sg_prefix}.down_proj.weight", rule="row"),
-        when=when,
-    ))
+    specs.append(
+        TensorSpec(
+            hf=f"{hf_prefix}.down_proj.weight",
+            shape=lambda m: (m.hidden_size, ffn(m)),
+            scope=scope,
+            megatron=(Placement(param=f"{mg_prefix}.linear_fc2.weight", rule="row"),),
+            sglang=Placement(param=f"{sg_prefix}.down_proj.weight", rule="row"),
+            when=when,
+        )
+    )
     return tuple(specs)
 
 
 def _dense_mlp() -> tuple[TensorSpec, ...]:
     return _gated_mlp(
-        hf_prefix="model.layers.{layer}.mlp", mg_prefix="decoder.layers.{layer}.mlp",
-        sg_prefix="model.layers.{layer}.mlp", scope="dense_mlp", ffn=lambda m: m.ffn_hidden_size,
+        hf_prefix="model.layers.{layer}.mlp",
+        mg_prefix="decoder.layers.{layer}.mlp",
+        sg_prefix="model.layers.{layer}.mlp",
+        scope="dense_mlp",
+        ffn=lambda m: m.ffn_hidden_size,
     )
 
 
 def _router(hf_block: str, sg_block: str, *, expert_bias: bool) -> tuple[TensorSpec, ...]:
     """Router weight [E, H] (and DeepSeek's aux-loss-free bias), replicated on both sides."""
-    specs = [TensorSpec(
-        hf=f"model.layers.{{layer}}.{hf_block}.gate.weight", shape=_router_shape, scope="moe",
-        megatron=(Placement(param="decoder.layers.{layer}.mlp.router.weight",
-                            rule="replicated"),),
-        sglang=Placement(param=f"model.layers.{{layer}}.{sg_block}.gate.weight",
-                         rule="replicated"),
-    )]
+    specs = [
+        TensorSpec(
+            hf=f"model.layers.{{layer}}.{hf_block}.gate.weight",
+            shape=_router_shape,
+            scope="moe",
+            megatron=(Placement(param="decoder.layers.{layer}.mlp.router.weight", rule="replicated"),),
+            sglang=Placement(param=f"model.layers.{{layer}}.{sg_block}.gate.weight", rule="replicated"),
+        )
+    ]
     if expert_bias:
-        specs.append(TensorSpec(
-            hf=f"model.layers.{{layer}}.{hf_block}.gate.e_score_correction_bias",
-            shape=lambda m: (m.num_experts,), scope="moe", dtype="float32",
-            megatron=(Placement(param="decoder.layers.{layer}.mlp.router.expert_bias",
-                                rule="replicated"),),
-            sglang=Placement(
-                param=f"model.layers.{{layer}}.{sg_block}.gate.e_score_correction_bias",
-                rule="replicated"),
-            when=lambda m: m.router_expert_bias,
-        ))
+        specs.append(
+            TensorSpec(
+                hf=f"model.layers.{{layer}}.{hf_block}.gate.e_score_correction_bias",
+                shape=lambda m: (m.num_experts,),
+                scope="moe",
+                dtype="float32",
+                megatron=(Placement(param="decoder.layers.{layer}.mlp.router.expert_bias", rule="replicated"),),
+                sglang=Placement(
+                    param=f"model.layers.{{layer}}.{sg_block}.gate.e_score_correction_bias", rule="replicated"
+                ),
+                when=lambda m: m.router_expert_bias,
+            )
+        )
     return tuple(specs)
 
 
@@ -416,17 +478,18 @@ def _experts(hf_block: str, sg_block: str, names: dict[str, str]) -> tuple[Tenso
     return (
         *(
             TensorSpec(
-                hf=f"{hf}.{names[role]}.weight", shape=fc1, scope="expert",
-                megatron=(Placement(param=f"{mg}.linear_fc1.weight", rule="expert_gated_column",
-                                    part=role),),
-                sglang=Placement(param=f"{sg}.w13_weight", rule="expert_w13", part=role,
-                                 axis="moe"),
+                hf=f"{hf}.{names[role]}.weight",
+                shape=fc1,
+                scope="expert",
+                megatron=(Placement(param=f"{mg}.linear_fc1.weight", rule="expert_gated_column", part=role),),
+                sglang=Placement(param=f"{sg}.w13_weight", rule="expert_w13", part=role, axis="moe"),
             )
             for role in ("gate", "up")
         ),
         TensorSpec(
             hf=f"{hf}.{names['down']}.weight",
-            shape=lambda m: (m.hidden_size, m.moe_ffn_hidden_size), scope="expert",
+            shape=lambda m: (m.hidden_size, m.moe_ffn_hidden_size),
+            scope="expert",
             megatron=(Placement(param=f"{mg}.linear_fc2.weight", rule="expert_row"),),
             sglang=Placement(param=f"{sg}.w2_weight", rule="expert_w2", axis="moe"),
         ),
@@ -438,7 +501,9 @@ def _shared_experts() -> tuple[TensorSpec, ...]:
     return _gated_mlp(
         hf_prefix="model.layers.{layer}.mlp.shared_experts",
         mg_prefix="decoder.layers.{layer}.mlp.shared_experts",
-        sg_prefix="model.layers.{layer}.mlp.shared_experts", scope="moe", ffn=_shared_ffn,
+        sg_prefix="model.layers.{layer}.mlp.shared_experts",
+        scope="moe",
+        ffn=_shared_ffn,
         when=lambda m: m.num_shared_experts > 0,
     )
 
@@ -455,8 +520,13 @@ def _spec(family: Family) -> FamilySpec:
         tensors += _shared_experts() if moe.shared_experts else ()
         tensors += _experts(moe.module, moe.module, dict(moe.expert_names))
     traits = family.sglang
-    return FamilySpec(tensors=tensors, dp_attention=traits.dp_attention, tied_head=traits.tied_head,
-                      redundant_experts=traits.redundant_experts, gate_bias=traits.gate_bias)
+    return FamilySpec(
+        tensors=tensors,
+        dp_attention=traits.dp_attention,
+        tied_head=traits.tied_head,
+        redundant_experts=traits.redundant_experts,
+        gate_bias=traits.gate_bias,
+    )
 
 
 FAMILIES: dict[str, FamilySpec] = {name: _spec(family) for name, family in REGISTERED.items()}
@@ -466,10 +536,7 @@ FAMILIES: dict[str, FamilySpec] = {name: _spec(family) for name, family in REGIS
 def family_spec(model: ModelConfig) -> FamilySpec:
     """The registry entry of ``model.family``."""
     if model.family not in FAMILIES:
-        raise ValueError(
-            f"model.family={model.family!r} has no reshard mapping; "
-            f"known families: {', '.join(FAMILIES)}"
-        )
+        raise ValueError(f"model.family={model.family!r} has no reshard mapping; known families: {', '.join(FAMILIES)}")
     return FAMILIES[model.family]
 
 
@@ -491,20 +558,20 @@ def _instances(spec: TensorSpec, model: ModelConfig, dtype: str) -> list[Canonic
     out = []
     for layer in _scope_layers(model, spec.scope):
         if spec.scope != "expert":
-            out.append(CanonicalTensor(name=spec.hf.format(layer=layer), shape=shape,
-                                       dtype=dtype, spec=spec, layer=layer))
+            out.append(
+                CanonicalTensor(name=spec.hf.format(layer=layer), shape=shape, dtype=dtype, spec=spec, layer=layer)
+            )
             continue
         out.extend(
-            CanonicalTensor(name=spec.hf.format(layer=layer, expert=e), shape=shape, dtype=dtype,
-                            spec=spec, layer=layer, expert=e)
+            CanonicalTensor(
+                name=spec.hf.format(layer=layer, expert=e), shape=shape, dtype=dtype, spec=spec, layer=layer, expert=e
+            )
             for e in range(model.num_experts)
         )
     return out
 
 
-def canonical_tensors(
-    model: ModelConfig, *, dtype: str = "bfloat16"
-) -> tuple[CanonicalTensor, ...]:
+def canonical_tensors(model: ModelConfig, *, dtype: str = "bfloat16") -> tuple[CanonicalTensor, ...]:
     """Every canonical tensor of ``model``, in registry order (model, then per layer kind)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r} is not one of: {', '.join(DTYPE_BYTES)}")

@@ -22,5 +22,4 @@ def hf_layout(model: ModelConfig, *, dtype: str = "bfloat16") -> TensorLayout:
     for t in tensors:
         box = full_region(t.shape)
         builder.add(t.name, box, t.name, box, t.shape, (0,))
-    return builder.build(side="hf", description="hf: whole tensors on rank 0", model=model, dtype=dtype,
-                         num_ranks=1)
+    return builder.build(side="hf", description="hf: whole tensors on rank 0", model=model, dtype=dtype, num_ranks=1)

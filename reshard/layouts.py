@@ -114,7 +114,9 @@ class TensorLayout:
         self.check_rank(rank)
         held = tuple(
             Holding(tensor=s.tensor, region=s.region, param=s.param, param_region=s.param_region)
-            for shards in self.shards.values() for s in shards if rank in s.ranks
+            for shards in self.shards.values()
+            for s in shards
+            if rank in s.ranks
         )
         return RankHoldings(rank=rank, holdings=held, param_shapes=self.param_shapes(rank))
 
@@ -126,10 +128,7 @@ class TensorLayout:
     def check_rank(self, rank: int) -> None:
         """Raise ValueError unless ``rank`` exists on this side."""
         if not 0 <= rank < self.num_ranks:
-            raise ValueError(
-                f"{self.side} rank {rank} does not exist: this layout has ranks "
-                f"0..{self.num_ranks - 1}"
-            )
+            raise ValueError(f"{self.side} rank {rank} does not exist: this layout has ranks 0..{self.num_ranks - 1}")
 
 
 class LayoutBuilder:
@@ -142,9 +141,7 @@ class LayoutBuilder:
     def __init__(self, tensors: Iterable[CanonicalTensor]) -> None:
         self._tensors = {t.name: t for t in tensors}
         # value dicts are ordered sets of rank tuples (most keys get exactly one)
-        self._pieces: dict[str, dict[tuple, dict[tuple[int, ...], None]]] = {
-            name: {} for name in self._tensors
-        }
+        self._pieces: dict[str, dict[tuple, dict[tuple[int, ...], None]]] = {name: {} for name in self._tensors}
         self._params: dict[tuple[str, tuple[int, ...]], dict[tuple[int, ...], None]] = {}
         self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}
 
@@ -154,8 +151,13 @@ class LayoutBuilder:
         return self._interned.setdefault(key, key)
 
     def add(
-        self, tensor: str, region: Optional[Region], param: str, param_region: Optional[Region],
-        param_shape: tuple[int, ...], ranks: tuple[int, ...],
+        self,
+        tensor: str,
+        region: Optional[Region],
+        param: str,
+        param_region: Optional[Region],
+        param_shape: tuple[int, ...],
+        ranks: tuple[int, ...],
     ) -> None:
         """Record that ``ranks`` have ``region`` of ``tensor`` at ``param_region`` of ``param``.
 
@@ -170,13 +172,11 @@ class LayoutBuilder:
             return next(iter(groups))
         return self.intern({r for g in groups for r in g})
 
-    def build(self, *, side: str, description: str, model: ModelConfig, dtype: str,
-              num_ranks: int) -> TensorLayout:
+    def build(self, *, side: str, description: str, model: ModelConfig, dtype: str, num_ranks: int) -> TensorLayout:
         """The finished layout."""
         shards = {
             name: tuple(
-                Shard(tensor=name, region=region, param=param, param_region=param_region,
-                      ranks=self._merged(groups))
+                Shard(tensor=name, region=region, param=param, param_region=param_region, ranks=self._merged(groups))
                 for (region, param, param_region), groups in pieces.items()
             )
             for name, pieces in self._pieces.items()
@@ -186,6 +186,12 @@ class LayoutBuilder:
             for (name, shape), groups in self._params.items()
         )
         return TensorLayout(
-            side=side, description=description, model=model, dtype=dtype, num_ranks=num_ranks,
-            tensors=self._tensors, shards=shards, params=params,
+            side=side,
+            description=description,
+            model=model,
+            dtype=dtype,
+            num_ranks=num_ranks,
+            tensors=self._tensors,
+            shards=shards,
+            params=params,
         )

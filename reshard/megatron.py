@@ -97,12 +97,9 @@ def _stage_sizes(model: ModelConfig, layout: ParallelLayout, split: PipelineSpli
     return [fixed.get(p, share) for p in range(layout.pp)]
 
 
-def layer_stages(
-    model: ModelConfig, layout: ParallelLayout, split: PipelineSplit = PipelineSplit()
-) -> tuple[int, ...]:
+def layer_stages(model: ModelConfig, layout: ParallelLayout, split: PipelineSplit = PipelineSplit()) -> tuple[int, ...]:
     """The pp rank holding each layer."""
-    uneven = (split.num_layers_in_first_pipeline_stage is not None
-              or split.num_layers_in_last_pipeline_stage is not None)
+    uneven = split.num_layers_in_first_pipeline_stage is not None or split.num_layers_in_last_pipeline_stage is not None
     if not uneven:
         per_chunk = model.num_layers // (layout.pp * layout.vpp)
         return tuple((layer // per_chunk) % layout.pp for layer in range(model.num_layers))
@@ -150,21 +147,26 @@ def _qkv(ctx: _Ctx, t: CanonicalTensor, pl: Placement) -> list[Piece]:
     return pieces
 
 
-def _split_dim(t: CanonicalTensor, parts: int, dim: int, position: Callable[[int], tuple],
-               param_offset: int = 0, param_rows: int = 0) -> list[Piece]:
+def _split_dim(
+    t: CanonicalTensor,
+    parts: int,
+    dim: int,
+    position: Callable[[int], tuple],
+    param_offset: int = 0,
+    param_rows: int = 0,
+) -> list[Piece]:
     """Even contiguous split of ``dim`` into ``parts``; piece i goes to ``position(i)``."""
-    return [(*_split_geometry(t.shape, parts, dim, i, param_offset, param_rows), position(i))
-            for i in range(parts)]
+    return [(*_split_geometry(t.shape, parts, dim, i, param_offset, param_rows), position(i)) for i in range(parts)]
 
 
 @functools.lru_cache(maxsize=4096)
-def _split_geometry(shape: tuple[int, ...], parts: int, dim: int, i: int, offset: int,
-                    param_rows: int) -> tuple[Region, Region, tuple[int, ...]]:
+def _split_geometry(
+    shape: tuple[int, ...], parts: int, dim: int, i: int, offset: int, param_rows: int
+) -> tuple[Region, Region, tuple[int, ...]]:
     """(box, param box, param shape) of piece i (memoised: thousands of experts share it)."""
     lo, hi = split_even(shape[dim], parts, i)
     box = tuple((lo, hi) if k == dim else (0, n) for k, n in enumerate(shape))
-    param_box = tuple((offset, offset + hi - lo) if k == dim else (0, n)
-                      for k, n in enumerate(shape))
+    param_box = tuple((offset, offset + hi - lo) if k == dim else (0, n) for k, n in enumerate(shape))
     param_shape = tuple((param_rows or hi - lo) if k == dim else n for k, n in enumerate(shape))
     return box, param_box, param_shape
 
@@ -248,8 +250,7 @@ class _Ranks:
             per_stage = lo.world_size // lo.pp
             return list(range(stage * per_stage, (stage + 1) * per_stage))
         if position[0] == "tp":
-            return [dense_rank(lo, tp=position[1], cp=c, dp=d, pp=stage)
-                    for d in range(lo.dp) for c in range(lo.cp)]
+            return [dense_rank(lo, tp=position[1], cp=c, dp=d, pp=stage) for d in range(lo.dp) for c in range(lo.cp)]
         _, etp, ep = position
         return [expert_rank(lo, etp=etp, ep=ep, edp=e, pp=stage) for e in range(lo.expert_dp)]
 
@@ -272,18 +273,21 @@ def _param_name(pl: Placement, t: CanonicalTensor, ctx: _Ctx) -> str:
 
 
 def _check(model: ModelConfig, layout: ParallelLayout, split: PipelineSplit) -> None:
-    uneven = (split.num_layers_in_first_pipeline_stage is not None
-              or split.num_layers_in_last_pipeline_stage is not None)
+    uneven = split.num_layers_in_first_pipeline_stage is not None or split.num_layers_in_last_pipeline_stage is not None
     if uneven:
         # check_model's pp check assumes even stages; check the rest with a pp=1 twin
-        ParallelLayout(tp=layout.tp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
-                       dp=layout.dp * layout.pp).check_model(model, prefix="source")
+        ParallelLayout(tp=layout.tp, ep=layout.ep, etp=layout.etp, cp=layout.cp, dp=layout.dp * layout.pp).check_model(
+            model, prefix="source"
+        )
     else:
         layout.check_model(model, prefix="source")
 
 
 def megatron_layout(
-    model: ModelConfig, layout: ParallelLayout, *, dtype: str = "bfloat16",
+    model: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    dtype: str = "bfloat16",
     split: PipelineSplit = PipelineSplit(),
 ) -> TensorLayout:
     """Where every canonical tensor of ``model`` lives under megatron-core ``layout``."""
@@ -292,8 +296,7 @@ def megatron_layout(
         return _build(model, layout, dtype, split)
 
 
-def _build(model: ModelConfig, layout: ParallelLayout, dtype: str,
-           split: PipelineSplit) -> TensorLayout:
+def _build(model: ModelConfig, layout: ParallelLayout, dtype: str, split: PipelineSplit) -> TensorLayout:
     tensors = canonical_tensors(model, dtype=dtype)
     ctx = _Ctx(model=model, layout=layout, padded_vocab=layout.padded_vocab_size(model))
     stages = layer_stages(model, layout, split)
@@ -307,13 +310,16 @@ def _build(model: ModelConfig, layout: ParallelLayout, dtype: str,
             param = _param_name(pl, t, ctx)
             for box, param_box, shape, position in MEGATRON_RULES[pl.rule](ctx, t, pl):
                 builder.add(t.name, box, param, param_box, shape, ranks(position, stage))
-    return builder.build(side="megatron", description=_describe(layout, split), model=model,
-                         dtype=dtype, num_ranks=layout.world_size)
+    return builder.build(
+        side="megatron", description=_describe(layout, split), model=model, dtype=dtype, num_ranks=layout.world_size
+    )
 
 
 def _describe(layout: ParallelLayout, split: PipelineSplit) -> str:
-    text = (f"megatron tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} "
-            f"etp={layout.etp} cp={layout.cp} dp={layout.dp} ({layout.world_size} ranks)")
+    text = (
+        f"megatron tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} "
+        f"etp={layout.etp} cp={layout.cp} dp={layout.dp} ({layout.world_size} ranks)"
+    )
     first, last = split.num_layers_in_first_pipeline_stage, split.num_layers_in_last_pipeline_stage
     if first is not None or last is not None:
         text += f" stages first={first} last={last}"

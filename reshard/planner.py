@@ -193,9 +193,19 @@ def _transfer(s: Slice, src: int, dst: int, kind: str, relay: bool, hop: int) ->
     (src_param, src_region), *_ = _places(s.destinations if relay else s.sources, src, s.region)
     (dst_param, dst_region), *also = _places(s.destinations, dst, s.region)
     return Transfer(
-        src_rank=src, dst_rank=dst, tensor=s.tensor, region=s.region,
-        src_param=src_param, src_region=src_region, dst_param=dst_param, dst_region=dst_region,
-        nbytes=s.nbytes, kind=kind, relay=relay, hop=hop, also=tuple(also),
+        src_rank=src,
+        dst_rank=dst,
+        tensor=s.tensor,
+        region=s.region,
+        src_param=src_param,
+        src_region=src_region,
+        dst_param=dst_param,
+        dst_region=dst_region,
+        nbytes=s.nbytes,
+        kind=kind,
+        relay=relay,
+        hop=hop,
+        also=tuple(also),
     )
 
 
@@ -265,8 +275,12 @@ def _slices(name: str, itemsize: int, boxes: list[_Box], dst: _Box) -> list[tupl
             continue
         n = needed if region is dst.region else num_elements(region)
         covered += n
-        out.append((box.ranks, Slice(tensor=name, region=region, sources=box.copies,
-                                     destinations=dst.copies, nbytes=n * itemsize)))
+        out.append(
+            (
+                box.ranks,
+                Slice(tensor=name, region=region, sources=box.copies, destinations=dst.copies, nbytes=n * itemsize),
+            )
+        )
     if covered != needed:
         raise ValueError(
             f"{name}: the source layout does not hold all of {dst.region} that destination "
@@ -323,9 +337,14 @@ def _cut(s: Slice, part_bytes: int) -> list[Slice]:
     lo, hi = s.region[dim]
     row = s.nbytes // (hi - lo)
     step = max(1, part_bytes // row)
-    return [dataclasses.replace(s, region=s.region[:dim] + ((a, min(a + step, hi)),) + s.region[dim + 1:],
-                                nbytes=row * (min(a + step, hi) - a))
-            for a in range(lo, hi, step)]
+    return [
+        dataclasses.replace(
+            s,
+            region=s.region[:dim] + ((a, min(a + step, hi)),) + s.region[dim + 1 :],
+            nbytes=row * (min(a + step, hi) - a),
+        )
+        for a in range(lo, hi, step)
+    ]
 
 
 # ---------------------------------------------------------------------- choosing
@@ -457,8 +476,14 @@ class _Chooser:
             links.nic_in[b] += nbytes
 
 
-def plan_reshard(source: TensorLayout, destination: TensorLayout, topology: Topology, *,
-                 max_relays: int = 8, part_bytes: int = 64 << 20) -> Plan:
+def plan_reshard(
+    source: TensorLayout,
+    destination: TensorLayout,
+    topology: Topology,
+    *,
+    max_relays: int = 8,
+    part_bytes: int = 64 << 20,
+) -> Plan:
     """The plan moving every box ``destination`` needs out of ``source`` (pure, deterministic).
 
     ``max_relays``: how many destination nodes a bundle may pass through before it enters a
@@ -476,8 +501,9 @@ def plan_reshard(source: TensorLayout, destination: TensorLayout, topology: Topo
         return _plan(source, destination, topology, max_relays, part_bytes)
 
 
-def _plan(source: TensorLayout, destination: TensorLayout, topology: Topology, max_relays: int,
-          part_bytes: int) -> Plan:
+def _plan(
+    source: TensorLayout, destination: TensorLayout, topology: Topology, max_relays: int, part_bytes: int
+) -> Plan:
     bundles = _bundles(source, destination, part_bytes)
     # largest bundles first: greedy least-loaded balancing does best placing big items early
     order = sorted(range(len(bundles)), key=lambda i: (-bundles[i].nbytes, i))
@@ -496,8 +522,14 @@ def _plan(source: TensorLayout, destination: TensorLayout, topology: Topology, m
                 column.append(value)
     src, relay, dst, kind, hop, which = columns
     return Plan(
-        source=source, destination=destination, topology=topology, bundles=tuple(bundles),
-        route_src=np.array(src, np.int64), route_dst=np.array(dst, np.int64),
-        route_kind=np.array(kind, np.int8), route_bundle=np.array(which, np.int64),
-        route_relay=np.array(relay, bool), route_hop=np.array(hop, np.int16),
+        source=source,
+        destination=destination,
+        topology=topology,
+        bundles=tuple(bundles),
+        route_src=np.array(src, np.int64),
+        route_dst=np.array(dst, np.int64),
+        route_kind=np.array(kind, np.int8),
+        route_bundle=np.array(which, np.int64),
+        route_relay=np.array(relay, bool),
+        route_hop=np.array(hop, np.int16),
     )

@@ -64,10 +64,7 @@ def map_into(sub: Region, box: Region, param_box: Region) -> Region:
     ``param_box`` has the same trailing extents as ``box`` and may have extra leading dims.
     """
     lead = len(param_box) - len(box)
-    shifted = tuple(
-        (p0 + s0 - b0, p0 + s1 - b0)
-        for (s0, s1), (b0, _), (p0, _) in zip(sub, box, param_box[lead:])
-    )
+    shifted = tuple((p0 + s0 - b0, p0 + s1 - b0) for (s0, s1), (b0, _), (p0, _) in zip(sub, box, param_box[lead:]))
     return param_box[:lead] + shifted
 
 

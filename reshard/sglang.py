@@ -88,11 +88,13 @@ def _check_ffn(model: ModelConfig, s: SGLangSettings) -> None:
     if not model.is_moe or model.first_k_dense_layers:
         sizes["model.ffn_hidden_size"] = (model.ffn_hidden_size, s.tp, "sglang.tp")
     if model.is_moe:
-        sizes["model.moe_ffn_hidden_size"] = (model.moe_ffn_hidden_size, s.moe_tp,
-                                              "moe_tp = sglang.tp/ep/moe_dp")
+        sizes["model.moe_ffn_hidden_size"] = (model.moe_ffn_hidden_size, s.moe_tp, "moe_tp = sglang.tp/ep/moe_dp")
     if model.is_moe and model.num_shared_experts:
         sizes["model.moe_ffn_hidden_size*num_shared_experts"] = (
-            model.moe_ffn_hidden_size * model.num_shared_experts, s.tp, "sglang.tp")
+            model.moe_ffn_hidden_size * model.num_shared_experts,
+            s.tp,
+            "sglang.tp",
+        )
     for key, (size, parts, what) in sizes.items():
         if size % parts:
             raise ValueError(f"{what}={parts} does not divide {key}={size}")
@@ -129,8 +131,11 @@ def _check_experts(model: ModelConfig, s: SGLangSettings) -> None:
             f"{', '.join(str(d) for d in divisors(physical) if s.tp % (d * s.moe_dp) == 0)}"
         )
     for layer, row in enumerate(rows):
-        if len(row) != physical or not set(range(model.num_experts)) <= set(row) or \
-                not all(0 <= e < model.num_experts for e in row):
+        if (
+            len(row) != physical
+            or not set(range(model.num_experts)) <= set(row)
+            or not all(0 <= e < model.num_experts for e in row)
+        ):
             raise ValueError(
                 f"sglang.physical_to_logical row {layer} must have {physical} entries in "
                 f"0..{model.num_experts - 1} covering every logical expert"
@@ -184,8 +189,7 @@ class _Ctx:
 
 def _axis_size(s: SGLangSettings, axis: str) -> int:
     """Ranks splitting a tensor placed on ``axis``: the LM head follows --enable-dp-lm-head."""
-    return {"tp": s.tp, "attn_tp": s.attn_tp,
-            "lm_head": s.attn_tp if s.enable_dp_lm_head else s.tp}[axis]
+    return {"tp": s.tp, "attn_tp": s.attn_tp, "lm_head": s.attn_tp if s.enable_dp_lm_head else s.tp}[axis]
 
 
 def _replicated(ctx: _Ctx, t: CanonicalTensor, pl: Placement) -> list[Piece]:
@@ -222,20 +226,21 @@ def _qkv(ctx: _Ctx, t: CanonicalTensor, pl: Placement) -> list[Piece]:
     pieces = []
     for i in range(a):
         start, rows, at, total = _qkv_rows(ctx.model, a, i, pl.part)
-        pieces.append((((start, start + rows),) + tail, ((at, at + rows),) + tail,
-                       (total,) + t.shape[1:], (pl.axis, i)))
+        pieces.append(
+            (((start, start + rows),) + tail, ((at, at + rows),) + tail, (total,) + t.shape[1:], (pl.axis, i))
+        )
     return pieces
 
 
 @functools.lru_cache(maxsize=4096)
-def _split_dim(shape: tuple[int, ...], parts: int, dim: int, i: int, offset: int = 0,
-               param_extent: int = 0) -> tuple[Region, Region, tuple[int, ...]]:
+def _split_dim(
+    shape: tuple[int, ...], parts: int, dim: int, i: int, offset: int = 0, param_extent: int = 0
+) -> tuple[Region, Region, tuple[int, ...]]:
     """(box, param box, param shape) of piece i of ``parts`` along ``dim`` (memoised: thousands
     of experts share one geometry)."""
     lo, hi = split_even(shape[dim], parts, i)
     box = tuple((lo, hi) if k == dim else (0, n) for k, n in enumerate(shape))
-    param_box = tuple((offset, offset + hi - lo) if k == dim else (0, n)
-                      for k, n in enumerate(shape))
+    param_box = tuple((offset, offset + hi - lo) if k == dim else (0, n) for k, n in enumerate(shape))
     param_shape = tuple((param_extent or hi - lo) if k == dim else n for k, n in enumerate(shape))
     return box, param_box, param_shape
 
@@ -330,7 +335,8 @@ class _Ranks:
         if position not in self._cache:
             local = self._local(position)
             self._cache[position] = self.builder.intern(
-                rep * self.s.tp + r for rep in range(self.s.num_replicas) for r in local)
+                rep * self.s.tp + r for rep in range(self.s.num_replicas) for r in local
+            )
         return self._cache[position]
 
     def _local(self, position: tuple) -> list[int]:
@@ -358,9 +364,7 @@ def _slot_maps(model: ModelConfig, s: SGLangSettings) -> tuple[dict, int]:
     return {layer: inverse[row] for layer, row in enumerate(rows)}, len(rows[0])
 
 
-def sglang_layout(
-    model: ModelConfig, settings: SGLangSettings, *, dtype: str = "bfloat16"
-) -> TensorLayout:
+def sglang_layout(model: ModelConfig, settings: SGLangSettings, *, dtype: str = "bfloat16") -> TensorLayout:
     """Which box of every canonical tensor each SGLang rank needs, and where it lands."""
     check_settings(model, settings)
     with gc_paused():
@@ -378,5 +382,6 @@ def _build(model: ModelConfig, settings: SGLangSettings, dtype: str) -> TensorLa
         param = pl.param.format(layer=t.layer)
         for box, param_box, shape, position in SGLANG_RULES[pl.rule](ctx, t, pl):
             builder.add(t.name, box, param, param_box, shape, ranks(position))
-    return builder.build(side="sglang", description=settings.describe(), model=model,
-                         dtype=dtype, num_ranks=settings.num_ranks)
+    return builder.build(
+        side="sglang", description=settings.describe(), model=model, dtype=dtype, num_ranks=settings.num_ranks
+    )

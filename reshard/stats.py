@@ -115,27 +115,33 @@ class PlanStats:
 
     def as_dict(self) -> dict:
         """All fields plus the two ratios (JSON-ready)."""
-        return {**asdict(self), "ratio_to_lower_bound": self.ratio_to_lower_bound,
-                "baseline_ratio": self.baseline_ratio, "node_ratio": self.node_ratio, "time_ratio": self.time_ratio}
+        return {
+            **asdict(self),
+            "ratio_to_lower_bound": self.ratio_to_lower_bound,
+            "baseline_ratio": self.baseline_ratio,
+            "node_ratio": self.node_ratio,
+            "time_ratio": self.time_ratio,
+        }
 
     def describe(self) -> str:
         """A few lines for a terminal (``hybridflow plan``)."""
         b = format_bytes
-        return "\n".join([
-            f"reshard: {b(self.bytes)} across devices ({b(self.intra_node_bytes)} intra-node, "
-            f"{b(self.inter_node_bytes)} inter-node), {b(self.local_bytes)} local copies",
-            f"  lower bound {b(self.lower_bound_bytes)} (ratio {self.ratio_to_lower_bound:.3f}); "
-            f"gather-and-broadcast baseline {b(self.baseline_bytes)} "
-            f"({self.baseline_ratio:.2f}x the plan)",
-            f"  max per rank: sent {b(self.max_sent_bytes)}, received "
-            f"{b(self.max_received_bytes)}; simulated {self.simulated_seconds:.3g} s; "
-            f"{self.num_routes} routes, {self.num_transfers} transfers",
-            f"  network: {b(self.inter_node_bytes)} into nodes, node-level bound "
-            f"{b(self.node_lower_bound_bytes)} (ratio {self.node_ratio:.2f}); time bound "
-            f"{self.time_lower_bound_seconds:.3g} s (simulated {self.time_ratio:.2f}x it)",
-            f"  relays: {b(self.relay_bytes)} forwarded by rollout ranks, up to "
-            f"{self.max_hop} hops deep",
-        ])
+        return "\n".join(
+            [
+                f"reshard: {b(self.bytes)} across devices ({b(self.intra_node_bytes)} intra-node, "
+                f"{b(self.inter_node_bytes)} inter-node), {b(self.local_bytes)} local copies",
+                f"  lower bound {b(self.lower_bound_bytes)} (ratio {self.ratio_to_lower_bound:.3f}); "
+                f"gather-and-broadcast baseline {b(self.baseline_bytes)} "
+                f"({self.baseline_ratio:.2f}x the plan)",
+                f"  max per rank: sent {b(self.max_sent_bytes)}, received "
+                f"{b(self.max_received_bytes)}; simulated {self.simulated_seconds:.3g} s; "
+                f"{self.num_routes} routes, {self.num_transfers} transfers",
+                f"  network: {b(self.inter_node_bytes)} into nodes, node-level bound "
+                f"{b(self.node_lower_bound_bytes)} (ratio {self.node_ratio:.2f}); time bound "
+                f"{self.time_lower_bound_seconds:.3g} s (simulated {self.time_ratio:.2f}x it)",
+                f"  relays: {b(self.relay_bytes)} forwarded by rollout ranks, up to {self.max_hop} hops deep",
+            ]
+        )
 
 
 def format_bytes(n: float) -> str:
@@ -190,18 +196,19 @@ def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
         local_bytes=int(nbytes[kind == LOCAL].sum()),
         intra_node_bytes=int(nbytes[kind == INTRA].sum()),
         inter_node_bytes=int(nbytes[kind == INTER].sum()),
-        max_sent_bytes=int(_per_rank(plan.route_src, nbytes, moved & ~plan.route_relay,
-                                     plan.source.num_ranks).max(initial=0)),
-        max_received_bytes=int(_per_rank(plan.route_dst, nbytes, moved,
-                                         plan.destination.num_ranks).max(initial=0)),
+        max_sent_bytes=int(
+            _per_rank(plan.route_src, nbytes, moved & ~plan.route_relay, plan.source.num_ranks).max(initial=0)
+        ),
+        max_received_bytes=int(_per_rank(plan.route_dst, nbytes, moved, plan.destination.num_ranks).max(initial=0)),
         lower_bound_bytes=int(per_rank.sum()),
         baseline_bytes=baseline_bytes(plan.destination),
         simulated_seconds=_simulated_seconds(plan, nbytes, bandwidth),
         node_lower_bound_bytes=sum(missing.values()),
         relay_bytes=int(nbytes[plan.route_relay].sum()),
         max_hop=plan.max_hop,
-        time_lower_bound_seconds=_time_bound(per_rank, _rank_missing(plan.source, plan.destination, plan.topology),
-                                             missing, plan.topology, bandwidth),
+        time_lower_bound_seconds=_time_bound(
+            per_rank, _rank_missing(plan.source, plan.destination, plan.topology), missing, plan.topology, bandwidth
+        ),
         num_routes=plan.num_routes,
         num_transfers=plan.num_transfers(),
     )
@@ -209,13 +216,13 @@ def plan_stats(plan: Plan, *, bandwidth: Bandwidth) -> PlanStats:
 
 def baseline_bytes(destination: TensorLayout) -> int:
     """Every destination rank receives the whole model (see module docstring)."""
-    model = sum(num_elements(tuple((0, n) for n in t.shape)) * DTYPE_BYTES[t.dtype]
-                for t in destination.tensors.values())
+    model = sum(
+        num_elements(tuple((0, n) for n in t.shape)) * DTYPE_BYTES[t.dtype] for t in destination.tensors.values()
+    )
     return destination.num_ranks * model
 
 
-def _device_holdings(source: TensorLayout, devices: set[Device],
-                     topology: Topology) -> dict[Device, dict[str, set]]:
+def _device_holdings(source: TensorLayout, devices: set[Device], topology: Topology) -> dict[Device, dict[str, set]]:
     """Per device that also hosts a destination rank: tensor -> source boxes held there."""
     held: dict[Device, dict[str, set]] = {}
     for name, shards in source.shards.items():
@@ -270,16 +277,22 @@ def _needed_boxes(shards) -> list[tuple[Region, tuple[int, ...]]]:
     return [(box.region, box.ranks) for box in _boxes(shards, {})]
 
 
-def time_lower_bound_seconds(source: TensorLayout, destination: TensorLayout, topology: Topology,
-                             bandwidth: Bandwidth) -> float:
+def time_lower_bound_seconds(
+    source: TensorLayout, destination: TensorLayout, topology: Topology, bandwidth: Bandwidth
+) -> float:
     """Seconds no plan can beat under the bandwidth model (module docstring)."""
-    return _time_bound(_remote_need_per_rank(source, destination, topology),
-                       _rank_missing(source, destination, topology),
-                       node_missing_bytes(source, destination, topology), topology, bandwidth)
+    return _time_bound(
+        _remote_need_per_rank(source, destination, topology),
+        _rank_missing(source, destination, topology),
+        node_missing_bytes(source, destination, topology),
+        topology,
+        bandwidth,
+    )
 
 
-def _time_bound(per_rank: np.ndarray, rank_missing: np.ndarray, missing: dict[int, int], topology: Topology,
-                bandwidth: Bandwidth) -> float:
+def _time_bound(
+    per_rank: np.ndarray, rank_missing: np.ndarray, missing: dict[int, int], topology: Topology, bandwidth: Bandwidth
+) -> float:
     # one destination rank per device (Topology.check). What its node holds comes over its
     # NVLink (the network carries only what the node lacks); the rest over NVLink or its NIC
     intra, both = bandwidth.intra_node_gbps * 1e9, (bandwidth.intra_node_gbps + bandwidth.inter_node_gbps) * 1e9
@@ -288,8 +301,7 @@ def _time_bound(per_rank: np.ndarray, rank_missing: np.ndarray, missing: dict[in
     nics: dict[int, int] = {}
     for dev in set(topology.source) | set(topology.destination):  # any device of the node can ingest
         nics[dev.node] = nics.get(dev.node, 0) + 1
-    network = max((m / (nics[node] * bandwidth.inter_node_gbps * 1e9) for node, m in missing.items()),
-                  default=0.0)
+    network = max((m / (nics[node] * bandwidth.inter_node_gbps * 1e9) for node, m in missing.items()), default=0.0)
     return max(receive, network)
 
 
@@ -299,8 +311,10 @@ def _rank_missing(source: TensorLayout, destination: TensorLayout, topology: Top
     held_on = _nodes_of(topology.source)
     out = np.zeros(destination.num_ranks, np.int64)
     for name, shards in destination.shards.items():
-        held = {node: list(dict.fromkeys(boxes))
-                for node, boxes in _boxes_by_node(source.shards.get(name, ()), held_on).items()}
+        held = {
+            node: list(dict.fromkeys(boxes))
+            for node, boxes in _boxes_by_node(source.shards.get(name, ()), held_on).items()
+        }
         itemsize = DTYPE_BYTES[destination.tensors[name].dtype]
         for region, ranks in _needed_boxes(shards):
             if id(ranks) not in dst_nodes:

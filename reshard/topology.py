@@ -32,20 +32,18 @@ class Topology:
     """Device of destination rank i at index i."""
 
     @classmethod
-    def colocated(cls, num_ranks: int, *, gpus_per_node: int = 8,
-                  num_destination: int | None = None) -> Topology:
+    def colocated(cls, num_ranks: int, *, gpus_per_node: int = 8, num_destination: int | None = None) -> Topology:
         """Source rank i and destination rank i share device i (node i // gpus_per_node)."""
         dst = num_ranks if num_destination is None else num_destination
-        return cls(source=_devices(0, num_ranks, gpus_per_node),
-                   destination=_devices(0, dst, gpus_per_node))
+        return cls(source=_devices(0, num_ranks, gpus_per_node), destination=_devices(0, dst, gpus_per_node))
 
     @classmethod
-    def separate(cls, num_source: int, num_destination: int, *,
-                 gpus_per_node: int = 8) -> Topology:
+    def separate(cls, num_source: int, num_destination: int, *, gpus_per_node: int = 8) -> Topology:
         """Destination ranks on their own devices, on the nodes after the sources' nodes."""
         first = -(-num_source // gpus_per_node) * gpus_per_node
-        return cls(source=_devices(0, num_source, gpus_per_node),
-                   destination=_devices(first, num_destination, gpus_per_node))
+        return cls(
+            source=_devices(0, num_source, gpus_per_node), destination=_devices(first, num_destination, gpus_per_node)
+        )
 
     @property
     def num_devices(self) -> int:
@@ -54,8 +52,10 @@ class Topology:
 
     def check(self, num_source: int, num_destination: int) -> None:
         """Raise ValueError unless every rank of each side has exactly one device of its own."""
-        for side, have, need in (("source", len(self.source), num_source),
-                                 ("destination", len(self.destination), num_destination)):
+        for side, have, need in (
+            ("source", len(self.source), num_source),
+            ("destination", len(self.destination), num_destination),
+        ):
             if have < need:
                 raise ValueError(
                     f"{side} rank {have} has no place in the topology: topology.{side} lists "
@@ -84,5 +84,4 @@ def _check_distinct(side: str, devices: tuple[Device, ...]) -> None:
 
 
 def _devices(first: int, count: int, gpus_per_node: int) -> tuple[Device, ...]:
-    return tuple(Device(node=(first + i) // gpus_per_node, gpu=(first + i) % gpus_per_node)
-                 for i in range(count))
+    return tuple(Device(node=(first + i) // gpus_per_node, gpu=(first + i) % gpus_per_node) for i in range(count))

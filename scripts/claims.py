@@ -75,7 +75,7 @@ def _sentence_before(text: str) -> str:
     """The last sentence of ``text`` (the one a marker closes), on one line, shortened."""
     flat = " ".join(text.split())
     starts = [m.end() for m in re.finditer(r"[.!?:;]\s+(?=[A-Z`(\"*])", flat)]
-    sentence = flat[starts[-1]:] if starts else flat
+    sentence = flat[starts[-1] :] if starts else flat
     sentence = sentence.lstrip("-*> ").strip()
     return sentence if len(sentence) <= SAYS_CHARS else sentence[: SAYS_CHARS - 3].rstrip() + "..."
 
@@ -117,7 +117,7 @@ def parse_doc(path: str, text: str) -> tuple[list[Claim], list[str]]:
             marked = True
         position = 0
         for match in CLAIM.finditer(line):
-            before = " ".join(paragraph + [line[position:match.start()]])
+            before = " ".join(paragraph + [line[position : match.start()]])
             claims.append(Claim(match.group(1), path, number, section, _sentence_before(CLAIM.sub("", before))))
             marked, position = True, match.end()
         paragraph.append(CLAIM.sub("", line))
@@ -129,13 +129,29 @@ def collect_tests(root: Path = ROOT) -> dict[str, list[tuple[str, str]]]:
     """claim name -> [(test node id, tier)], from pytest's collection of every tier."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "claims.json"
-        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "tests.claims_plugin",
-               "-p", "no:cacheprovider", "-o", "addopts=", f"--claims-json={out}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            "",
+            "-p",
+            "tests.claims_plugin",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            f"--claims-json={out}",
+        ]
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
         result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
         if result.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"pytest --collect-only failed (exit {result.returncode}):\n"
-                               f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
+            raise RuntimeError(
+                f"pytest --collect-only failed (exit {result.returncode}):\n"
+                f"{result.stdout[-3000:]}{result.stderr[-3000:]}"
+            )
         items = json.loads(out.read_text())
     found: dict[str, list[tuple[str, str]]] = {}
     for item in items:
@@ -150,20 +166,28 @@ def problems(claims: list[Claim], bare_sections: list[str], tests: dict[str, lis
     for claim in claims:
         if claim.name in seen:
             first = seen[claim.name]
-            found.append(f"{claim.path}:{claim.line}: claim '{claim.name}' is made again "
-                         f"(first at {first.path}:{first.line}); give it a name of its own")
+            found.append(
+                f"{claim.path}:{claim.line}: claim '{claim.name}' is made again "
+                f"(first at {first.path}:{first.line}); give it a name of its own"
+            )
             continue
         seen[claim.name] = claim
         if not tests.get(claim.name):
-            found.append(f"{claim.path}:{claim.line}: claim '{claim.name}' ({claim.says!r}) has no test in any "
-                         f"tier; mark the test that proves it with @pytest.mark.claim(\"{claim.name}\")")
+            found.append(
+                f"{claim.path}:{claim.line}: claim '{claim.name}' ({claim.says!r}) has no test in any "
+                f'tier; mark the test that proves it with @pytest.mark.claim("{claim.name}")'
+            )
     for name in sorted(set(tests) - set(seen)):
         nodes = ", ".join(node for node, _ in tests[name][:3])
-        found.append(f"{nodes}: claims '{name}', which no doc makes; mark the sentence it proves with "
-                     f"<!-- claim: {name} --> or drop the marker")
+        found.append(
+            f"{nodes}: claims '{name}', which no doc makes; mark the sentence it proves with "
+            f"<!-- claim: {name} --> or drop the marker"
+        )
     for section in bare_sections:
-        found.append(f"{section}: a section with no claim marker; mark what it claims with "
-                     f"<!-- claim: NAME --> or say why it claims nothing with <!-- claims: none, REASON -->")
+        found.append(
+            f"{section}: a section with no claim marker; mark what it claims with "
+            f"<!-- claim: NAME --> or say why it claims nothing with <!-- claims: none, REASON -->"
+        )
     return found
 
 
@@ -226,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"claims: {line}", file=sys.stderr)
     if not found:
         tiers = {tier: sum(tier in Proof(tests.get(c.name, [])).tiers() for c in claims) for tier in TIERS}
-        print(f"claims: {len(claims)} claims, each with a test ({tiers['default']} proven in the default tier, "
-              f"{tiers['slow']} with slow-tier tests, {tiers['gpu']} with GPU tests)")
+        print(
+            f"claims: {len(claims)} claims, each with a test ({tiers['default']} proven in the default tier, "
+            f"{tiers['slow']} with slow-tier tests, {tiers['gpu']} with GPU tests)"
+        )
     return 1 if found else 0
 
 

@@ -80,8 +80,9 @@ def _policy(cfg: HybridflowConfig, dtype: torch.dtype, *, seed: int = 1, initial
     from megatron_adapters.policy import MegatronPolicy
 
     pg = parallel.initialize(cfg.actor.parallel, seed=seed)
-    return MegatronPolicy(cfg.model, cfg.actor.parallel, cfg.train, pg_collection=pg, params_dtype=dtype,
-                          initialize=initialize)
+    return MegatronPolicy(
+        cfg.model, cfg.actor.parallel, cfg.train, pg_collection=pg, params_dtype=dtype, initialize=initialize
+    )
 
 
 def _random_ids(vocab: int, rows: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -123,23 +124,33 @@ def _family_case(family: str, dtype: str, work: Path) -> dict:
     trainer = policy.forward_logprobs({"input_ids": ids}, micro_batch_size=4)[0][:, 1:].float()
     reference = _engine_logprobs(engine, ids)  # transformers on the HF directory itself
     loaded = (trainer - reference).abs()
-    pushed = EngineSync(cfg, channel=colocated(), device=_device(),
-                        source_params=lambda: global_named_parameters(policy), engine=engine).push()
+    pushed = EngineSync(
+        cfg, channel=colocated(), device=_device(), source_params=lambda: global_named_parameters(policy), engine=engine
+    ).push()
     synced = (trainer - _engine_logprobs(engine, ids)).abs()
     engine.shutdown()
     direct = _direct_load_diff(cfg, dtype, hf_dir, ids, reference)  # last: it sets the parallel state up again
     stat, bound = TOLERANCE[dtype]
     worst = max(float(getattr(loaded, stat)()), float(getattr(synced, stat)()), float(getattr(direct, stat)()))
-    return {"family": family, "dtype": dtype, "max_abs_diff": float(loaded.max()),
-            "mean_abs_diff": float(loaded.mean()), "max_abs_diff_after_push": float(synced.max()),
-            "mean_abs_diff_after_push": float(synced.mean()), "tolerance": f"{stat} <= {bound}",
-            "ok": worst <= bound, "direct_load_max_abs_diff": float(direct.max()),
-            "direct_load_mean_abs_diff": float(direct.mean()),
-            "push_plan_bytes": pushed["sync/plan_bytes"], "push_seconds": pushed["sync/seconds"]}
+    return {
+        "family": family,
+        "dtype": dtype,
+        "max_abs_diff": float(loaded.max()),
+        "mean_abs_diff": float(loaded.mean()),
+        "max_abs_diff_after_push": float(synced.max()),
+        "mean_abs_diff_after_push": float(synced.mean()),
+        "tolerance": f"{stat} <= {bound}",
+        "ok": worst <= bound,
+        "direct_load_max_abs_diff": float(direct.max()),
+        "direct_load_mean_abs_diff": float(direct.mean()),
+        "push_plan_bytes": pushed["sync/plan_bytes"],
+        "push_seconds": pushed["sync/seconds"],
+    }
 
 
-def _direct_load_diff(cfg: HybridflowConfig, dtype: str, hf_dir: Path, ids: torch.Tensor,
-                      reference: torch.Tensor) -> torch.Tensor:
+def _direct_load_diff(
+    cfg: HybridflowConfig, dtype: str, hf_dir: Path, ids: torch.Tensor, reference: torch.Tensor
+) -> torch.Tensor:
     """|log-prob difference| between transformers and a policy that ``megatron_adapters.pretrained``
     loaded from the HF directory onto the device (``model.path``'s loader: no converted checkpoint,
     so bf16 runs keep fp32 norms exactly as the directory has them)."""
@@ -163,12 +174,36 @@ def check_families(args, work: Path) -> dict:
 
 def _mid_moe(small: bool) -> ModelConfig:
     if small:
-        return ModelConfig(family="qwen3_moe", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                           head_dim=16, ffn_hidden_size=128, vocab_size=256, num_experts=4, moe_top_k=2,
-                           moe_ffn_hidden_size=32, qk_layernorm=True, max_position_embeddings=64)
-    return ModelConfig(family="qwen3_moe", hidden_size=2048, num_layers=12, num_attention_heads=16, num_kv_heads=4,
-                       head_dim=128, ffn_hidden_size=6144, vocab_size=32000, num_experts=24, moe_top_k=4,
-                       moe_ffn_hidden_size=768, qk_layernorm=True, max_position_embeddings=4096)
+        return ModelConfig(
+            family="qwen3_moe",
+            hidden_size=64,
+            num_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            ffn_hidden_size=128,
+            vocab_size=256,
+            num_experts=4,
+            moe_top_k=2,
+            moe_ffn_hidden_size=32,
+            qk_layernorm=True,
+            max_position_embeddings=64,
+        )
+    return ModelConfig(
+        family="qwen3_moe",
+        hidden_size=2048,
+        num_layers=12,
+        num_attention_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        vocab_size=32000,
+        num_experts=24,
+        moe_top_k=4,
+        moe_ffn_hidden_size=768,
+        qk_layernorm=True,
+        max_position_embeddings=4096,
+    )
 
 
 def _flops_per_token(model: ModelConfig, seq: int) -> float:
@@ -219,8 +254,12 @@ def check_throughput(args, work: Path) -> dict:
     model = _mid_moe(args.small)
     seq, rows, micro, steps, warmup = (32, 4, 2, 2, 1) if args.small else (2048, 16, 4, 10, 2)
     cfg = _base_config(model, "bfloat16", work / "throughput")
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro,
-                                                             global_batch_size=rows, use_distributed_optimizer=True))
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            cfg.train, micro_batch_size=micro, global_batch_size=rows, use_distributed_optimizer=True
+        ),
+    )
     batches = [counting_batch(rows, seq, model.vocab_size, i) for i in range(warmup + steps)]
     dtype = torch.bfloat16
     pg = parallel.initialize(cfg.actor.parallel, seed=1)
@@ -235,9 +274,13 @@ def check_throughput(args, work: Path) -> dict:
     tokens = rows * seq
     flops = _flops_per_token(model, seq) * tokens
     peak = _peak_flops()
-    result = {"parameters": count_parameters(model), "tokens_per_step": tokens, "steps": steps,
-              "plain_step_seconds": statistics.median(plain_times),
-              "policy_step_seconds": statistics.median(policy_times)}
+    result = {
+        "parameters": count_parameters(model),
+        "tokens_per_step": tokens,
+        "steps": steps,
+        "plain_step_seconds": statistics.median(plain_times),
+        "policy_step_seconds": statistics.median(policy_times),
+    }
     result["policy_tokens_per_second"] = tokens / result["policy_step_seconds"]
     result["plain_tokens_per_second"] = tokens / result["plain_step_seconds"]
     result["policy_over_plain"] = result["policy_step_seconds"] / result["plain_step_seconds"]
@@ -291,15 +334,21 @@ def check_ipc(args, work: Path) -> dict:
     tensor = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3)).to(_device())
     handle = work / "handle.bin"
     handle.write_bytes(share(tensor))
-    proc = subprocess.run([sys.executable, "-c", _IPC_CHILD, str(handle), str(ROOT)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _IPC_CHILD, str(handle), str(ROOT)], capture_output=True, text=True, timeout=300
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the second process could not open the handle: {proc.stderr[-2000:]}")
     seen, device = proc.stdout.split()
     expected = float(tensor.double().sum())
-    return {"handle_bytes": handle.stat().st_size, "tensor_bytes": tensor.numel() * tensor.element_size(),
-            "child_device": device, "checksum": expected, "child_checksum": float(seen),
-            "ok": float(seen) == expected}
+    return {
+        "handle_bytes": handle.stat().st_size,
+        "tensor_bytes": tensor.numel() * tensor.element_size(),
+        "child_device": device,
+        "checksum": expected,
+        "child_checksum": float(seen),
+        "ok": float(seen) == expected,
+    }
 
 
 # ------------------------------------------------------------------------------------ train
@@ -308,16 +357,28 @@ def check_ipc(args, work: Path) -> dict:
 def check_train(args, work: Path) -> dict:
     out = work / "quickstart_gpu"
     steps = 2 if args.small else 3
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(CONFIG), f"run.steps={steps}",
-           f"sft.steps={20 if args.small else 100}", f"run.output_dir={out}", "run.heldout_every=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        str(CONFIG),
+        f"run.steps={steps}",
+        f"sft.steps={20 if args.small else 100}",
+        f"run.output_dir={out}",
+        "run.heldout_every=1",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"hybridflow train exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"seconds": time.perf_counter() - started, "summary": summary,
-            "ok": summary.get("heldout_reward_after_rl") is not None}
+    return {
+        "seconds": time.perf_counter() - started,
+        "summary": summary,
+        "ok": summary.get("heldout_reward_after_rl") is not None,
+    }
 
 
 # ------------------------------------------------------------------------------------ efficiency
@@ -337,15 +398,27 @@ def check_efficiency(args, work: Path) -> dict:
     policy = lora_worker.make_policy("qwen3_moe", {}, ["linear_qkv", "linear_proj", "experts"])
     lora = lora_worker.train_two_steps(policy)
     moved = float((lora["logp_after"] - lora["logp_before"]).abs().max())
-    lora_ok = (lora["base_identical"] and not lora["base_requires_grad"] and lora["merge_error"] <= 1e-6
-               and lora["optimizer_numel"] == lora["adapter_numel"] and moved > 1e-4)
-    return {"transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
-            "packing": diffs, "packing_worst": worst, "packing_tolerance": PACKING_TOLERANCE,
-            "routes_follow_packing": packed["routes_equal"], "packing_moved": packed["moved"],
-            "lora_base_identical": lora["base_identical"], "lora_merge_error": lora["merge_error"],
-            "lora_optimizer_numel": lora["optimizer_numel"], "lora_adapter_numel": lora["adapter_numel"],
-            "lora_logp_moved": moved,
-            "ok": worst <= PACKING_TOLERANCE and all(packed["routes_equal"].values()) and lora_ok}
+    lora_ok = (
+        lora["base_identical"]
+        and not lora["base_requires_grad"]
+        and lora["merge_error"] <= 1e-6
+        and lora["optimizer_numel"] == lora["adapter_numel"]
+        and moved > 1e-4
+    )
+    return {
+        "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
+        "packing": diffs,
+        "packing_worst": worst,
+        "packing_tolerance": PACKING_TOLERANCE,
+        "routes_follow_packing": packed["routes_equal"],
+        "packing_moved": packed["moved"],
+        "lora_base_identical": lora["base_identical"],
+        "lora_merge_error": lora["merge_error"],
+        "lora_optimizer_numel": lora["optimizer_numel"],
+        "lora_adapter_numel": lora["adapter_numel"],
+        "lora_logp_moved": moved,
+        "ok": worst <= PACKING_TOLERANCE and all(packed["routes_equal"].values()) and lora_ok,
+    }
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -354,8 +427,13 @@ def check_efficiency(args, work: Path) -> dict:
 def _environment() -> dict:
     import transformers
 
-    env = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-           "cuda": torch.version.cuda, "device": str(_device())}
+    env = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(_device()),
+    }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     try:
@@ -372,8 +450,10 @@ def _run(name: str, fn, args, work: Path) -> dict:
     except Exception as error:
         result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
     result["seconds"] = time.perf_counter() - started
-    sys.stderr.write(f"gpu_check: {name}: {'ok' if result['ok'] else 'FAILED ' + result.get('error', '')} "
-                     f"({result['seconds']:.1f} s)\n")
+    sys.stderr.write(
+        f"gpu_check: {name}: {'ok' if result['ok'] else 'FAILED ' + result.get('error', '')} "
+        f"({result['seconds']:.1f} s)\n"
+    )
     return result
 
 
@@ -396,9 +476,19 @@ def main(argv: list[str] | None = None) -> int:
             report["checks"][name] = _run(name, globals()[f"check_{name}"], args, Path(tmp))
     report["ok"] = all(c["ok"] for c in report["checks"].values())
     write_atomic(args.json, json.dumps(report, indent=2, default=str))
-    sys.stdout.write(json.dumps({k: v for k, v in report.items() if k != "checks"} | {
-        "checks": {k: {kk: vv for kk, vv in v.items() if kk != "traceback"} for k, v in report["checks"].items()}},
-        indent=2, default=str) + "\n")
+    sys.stdout.write(
+        json.dumps(
+            {k: v for k, v in report.items() if k != "checks"}
+            | {
+                "checks": {
+                    k: {kk: vv for kk, vv in v.items() if kk != "traceback"} for k, v in report["checks"].items()
+                }
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
+    )
     return 0 if report["ok"] else 1
 
 

@@ -20,10 +20,25 @@ import subprocess
 import sys
 
 EXIT_UNTRANSLATABLE = 3
-IGNORED = {"disable-pip-version-check", "progress-bar", "no-color", "quiet", "verbose", "no-input",
-           "root-user-action", "cache-dir", "no-cache-dir", "require-virtualenv", "break-system-packages"}
-REPEATED = {"extra-index-url": "--extra-index-url", "find-links": "--find-links", "constraint": "--constraint",
-            "trusted-host": "--allow-insecure-host"}
+IGNORED = {
+    "disable-pip-version-check",
+    "progress-bar",
+    "no-color",
+    "quiet",
+    "verbose",
+    "no-input",
+    "root-user-action",
+    "cache-dir",
+    "no-cache-dir",
+    "require-virtualenv",
+    "break-system-packages",
+}
+REPEATED = {
+    "extra-index-url": "--extra-index-url",
+    "find-links": "--find-links",
+    "constraint": "--constraint",
+    "trusted-host": "--allow-insecure-host",
+}
 
 
 def parse_config(text: str) -> dict[str, str]:

@@ -78,16 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every module's figures here")
     args = parser.parse_args(argv)
     if not args.junit.is_file():
-        print(f"test_budget: error: {args.junit} does not exist (pytest did not write its --junitxml)",
-              file=sys.stderr)
+        print(f"test_budget: error: {args.junit} does not exist (pytest did not write its --junitxml)", file=sys.stderr)
         return 2
     modules = module_times(args.junit)
     print(render(modules, args.top))
     if args.json:
         from hfschema.files import write_atomic
 
-        rows = [{"path": m.path, "seconds": round(m.seconds, 2), "tests": m.tests, "outcomes": dict(m.outcomes)}
-                for m in modules]
+        rows = [
+            {"path": m.path, "seconds": round(m.seconds, 2), "tests": m.tests, "outcomes": dict(m.outcomes)}
+            for m in modules
+        ]
         write_atomic(args.json, json.dumps({"modules": rows}, indent=2) + "\n")
     return 0
 

@@ -31,7 +31,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     path = session.config.getoption("--claims-json")
     if not path:
         return
-    rows = [{"nodeid": item.nodeid, "tier": tier_of(item),
-             "claims": [name for mark in item.iter_markers("claim") for name in mark.args]}
-            for item in session.items]
+    rows = [
+        {
+            "nodeid": item.nodeid,
+            "tier": tier_of(item),
+            "claims": [name for mark in item.iter_markers("claim") for name in mark.args],
+        }
+        for item in session.items
+    ]
     Path(path).write_text(json.dumps(rows))

@@ -279,7 +279,8 @@ def install() -> None:
     """Install what this process's environment selects (``sitecustomize`` calls it)."""
     if os.environ.get(DISK_FULL):
         _fill_disk_for(os.environ[DISK_FULL])
-    hooks = {module: hook for module, (names, hook) in _AFTER_IMPORT.items()
-             if any(os.environ.get(name) for name in names)}
+    hooks = {
+        module: hook for module, (names, hook) in _AFTER_IMPORT.items() if any(os.environ.get(name) for name in names)
+    }
     if hooks:
         sys.meta_path.insert(0, _AfterImport(hooks))

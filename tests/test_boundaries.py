@@ -126,7 +126,7 @@ def find_cycle(edges: Edges) -> list[str]:
         path.append(node)
         for target in graph[node]:
             if target in path:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in done and (cycle := visit(target)):
                 return cycle
         done.add(path.pop())
@@ -181,8 +181,10 @@ def test_hfschema_is_a_leaf():
     """hfschema (and moe) import nothing of the project; reshard and launch import only hfschema;
     megatron_adapters imports no hybridflow or launch (``MAY_IMPORT``)."""
     found = layering_violations(package_imports(ROOT))
-    assert not found, "these imports break the package layering (move the value into hfschema, or pass " \
-                      "plain values in):\n" + "\n".join(found)
+    assert not found, (
+        "these imports break the package layering (move the value into hfschema, or pass "
+        "plain values in):\n" + "\n".join(found)
+    )
 
 
 def test_scanner_covers_the_packages():
@@ -228,11 +230,11 @@ def test_scanner_catches_planted_imports(tmp_path):
 def test_graph_checks_catch_planted_imports(tmp_path):
     planted = {
         "hfschema/model.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                             "    from hybridflow.config import HybridflowConfig\n",
+        "    from hybridflow.config import HybridflowConfig\n",
         "reshard/planner.py": "from hfschema.model import ModelConfig\nfrom . import layouts\n"
-                              "def plan():\n    from megatron_adapters.policy import MegatronPolicy\n",
+        "def plan():\n    from megatron_adapters.policy import MegatronPolicy\n",
         "launch/torchrun.py": "import hfschema.layout, importlib\n"
-                              "state = importlib.import_module('hybridflow.runtime.state')\n",
+        "state = importlib.import_module('hybridflow.runtime.state')\n",
         "megatron_adapters/policy.py": "import moe.routes\nimport reshard\n",
         "hybridflow/cli.py": "import reshard, launch.slurm\nfrom hfschema.layout import ParallelLayout\n",
         "scripts/tool.py": "import hybridflow.cli\n",

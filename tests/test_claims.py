@@ -27,8 +27,9 @@ def test_every_claim_of_the_docs_has_a_test_and_the_table_is_current(collected) 
     claims, bare = read_docs(ROOT)
     assert len(claims) > 100  # the README's claims are marked, not a handful
     assert problems(claims, bare, collected) == []
-    assert (ROOT / TABLE).read_text() == render(claims, collected), \
+    assert (ROOT / TABLE).read_text() == render(claims, collected), (
         f"{TABLE} is stale: python scripts/claims.py --write"
+    )
 
 
 PLANTED = """\
@@ -59,11 +60,15 @@ def test_a_planted_claim_without_a_test_fails_the_check(collected) -> None:
     assert claims[1].says == "It also streams checkpoints of any size to the moon." and claims[1].line == 9
     found = problems(claims, bare, collected)
     moon = [line for line in found if "planted-moon-streaming" in line]
-    assert moon == ["docs/planted.md:9: claim 'planted-moon-streaming' ('It also streams checkpoints of any size to "
-                    "the moon.') has no test in any tier; mark the test that proves it with "
-                    "@pytest.mark.claim(\"planted-moon-streaming\")"]
-    assert any(line.startswith("docs/planted.md: A section that claims something unmarked: a section with no "
-                               "claim marker") for line in found), found
+    assert moon == [
+        "docs/planted.md:9: claim 'planted-moon-streaming' ('It also streams checkpoints of any size to "
+        "the moon.') has no test in any tier; mark the test that proves it with "
+        '@pytest.mark.claim("planted-moon-streaming")'
+    ]
+    assert any(
+        line.startswith("docs/planted.md: A section that claims something unmarked: a section with no claim marker")
+        for line in found
+    ), found
     assert not any("A table of contents" in line or "A feature:" in line for line in found), found
     # the README's claims are not made on this page: their tests are named as claiming nothing here
     assert any("claims 'learning-matrix', which no doc makes" in line for line in found), found
@@ -73,11 +78,14 @@ def test_a_planted_claim_without_a_test_fails_the_check(collected) -> None:
 def test_a_claim_made_twice_and_a_test_of_no_claim_are_named() -> None:
     text = "# P\n\nA. <!-- claim: same -->\n\n## Q\n\nB. <!-- claim: same -->\n"
     claims, bare = parse_doc("p.md", text)
-    found = problems(claims, bare, {"same": [("tests/t.py::test_a", "default")],
-                                    "gone": [("tests/t.py::test_b", "slow")]})
-    assert found == ["p.md:7: claim 'same' is made again (first at p.md:3); give it a name of its own",
-                     "tests/t.py::test_b: claims 'gone', which no doc makes; mark the sentence it proves with "
-                     "<!-- claim: gone --> or drop the marker"]
+    found = problems(
+        claims, bare, {"same": [("tests/t.py::test_a", "default")], "gone": [("tests/t.py::test_b", "slow")]}
+    )
+    assert found == [
+        "p.md:7: claim 'same' is made again (first at p.md:3); give it a name of its own",
+        "tests/t.py::test_b: claims 'gone', which no doc makes; mark the sentence it proves with "
+        "<!-- claim: gone --> or drop the marker",
+    ]
 
 
 @pytest.mark.claim("claims-check-names-each-problem")
@@ -87,5 +95,7 @@ def test_markers_in_code_blocks_are_text_and_tiers_are_listed() -> None:
     claims, bare = parse_doc("p.md", text)
     assert [c.name for c in claims] == ["real"] and bare == []
     table = render(claims, {"real": [("tests/t.py::test_a", "default"), ("tests/t.py::test_b", "slow")]})
-    assert "| `real` | [p.md:8](../p.md#p) | Real. | default, slow | `tests/t.py::test_a`<br>" \
-           "`tests/t.py::test_b` (slow) |" in table
+    assert (
+        "| `real` | [p.md:8](../p.md#p) | Real. | default, slow | `tests/t.py::test_a`<br>"
+        "`tests/t.py::test_b` (slow) |" in table
+    )

@@ -53,8 +53,10 @@ def test_plan_no_reshard(capsys):
 
 
 def test_plan_separate_rollout(capsys):
-    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "rollout.placement=separate",
-                 "rollout.num_replicas=2"]) == 0
+    assert (
+        main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "rollout.placement=separate", "rollout.num_replicas=2"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "x2 replicas (4 ranks); separate" in out
     assert " 0 B local copies" in out  # no engine rank shares a device with the actor
@@ -70,9 +72,21 @@ def test_colocated_rollout_too_big_exits_2(capsys):
 
 @pytest.mark.claim("plan-without-gpu")
 def test_plan_applies_overrides(capsys):
-    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "actor.parallel.tp=2",
-                 "actor.parallel.ep=1", "actor.parallel.dp=1", "critic.enabled=true",
-                 "--world-size", "2"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIGS / "quickstart_cpu.yaml"),
+                "actor.parallel.tp=2",
+                "actor.parallel.ep=1",
+                "actor.parallel.dp=1",
+                "critic.enabled=true",
+                "--world-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "# actor: tp=2 " in out
     assert "# critic: tp=2 " in out  # unset: the actor's layout
@@ -95,12 +109,18 @@ def test_world_size_mismatch_exits_2(capsys):
 @pytest.mark.parametrize(
     "name, total, layout, rollout",
     [
-        ("qwen3_moe_235b", "235.1B",
-         "tp=4 pp=2 vpp=1 ep=8 etp=1 cp=1 dp=8 (world 64, expert_dp 4)",
-         "sglang tp=8 ep=8 x8 replicas (64 ranks); colocated"),
-        ("deepseek_v3_671b", "671.0B",
-         "tp=8 pp=1 vpp=1 ep=64 etp=1 cp=1 dp=8 (world 64, expert_dp 1)",
-         "sglang tp=8 ep=8 dp_attention=8 x8 replicas (64 ranks); colocated"),
+        (
+            "qwen3_moe_235b",
+            "235.1B",
+            "tp=4 pp=2 vpp=1 ep=8 etp=1 cp=1 dp=8 (world 64, expert_dp 4)",
+            "sglang tp=8 ep=8 x8 replicas (64 ranks); colocated",
+        ),
+        (
+            "deepseek_v3_671b",
+            "671.0B",
+            "tp=8 pp=1 vpp=1 ep=64 etp=1 cp=1 dp=8 (world 64, expert_dp 1)",
+            "sglang tp=8 ep=8 dp_attention=8 x8 replicas (64 ranks); colocated",
+        ),
     ],
 )
 @pytest.mark.claim("big-recipes-plan")
@@ -119,14 +139,16 @@ def test_plan_grpo_qwen3_prints_graph_placement_memory_and_reshard(capsys):
     assert main(["plan", str(CONFIGS / "grpo_qwen3_235b.yaml")]) == 0
     assert time.process_time() - start < 20
     out = capsys.readouterr().out
-    for line in ("# algorithm grpo: GRPO", "#   reference (KL in the loss)",
-                 "# graph grpo (8 nodes, data: prompts, answers):",
-                 "#   ref_logprob [reference] ref_logprob: responses -> ref_logprobs",
-                 "# placement colocated, 128 GPUs:",
-                 "#   colocated: 128 GPUs on 16 nodes, ranks 0-127: actor, reference, rollout, "
-                 "reward, driver",
-                 "#        switch before it: engine KV cache resume",
-                 "# memory per GPU, pool colocated (GiB):"):
+    for line in (
+        "# algorithm grpo: GRPO",
+        "#   reference (KL in the loss)",
+        "# graph grpo (8 nodes, data: prompts, answers):",
+        "#   ref_logprob [reference] ref_logprob: responses -> ref_logprobs",
+        "# placement colocated, 128 GPUs:",
+        "#   colocated: 128 GPUs on 16 nodes, ranks 0-127: actor, reference, rollout, reward, driver",
+        "#        switch before it: engine KV cache resume",
+        "# memory per GPU, pool colocated (GiB):",
+    ):
         assert line in out, line
     peak = re.search(r"#   peak ([\d.]+) GiB \((\w+)\) of 80 GiB: fits", out)
     assert peak and 40 < float(peak.group(1)) < 80
@@ -142,14 +164,23 @@ def test_plan_mermaid_prints_only_the_graph(capsys):
 
 
 def test_plan_warns_when_memory_does_not_fit(capsys):
-    assert main(["plan", str(CONFIGS / "grpo_qwen3_235b.yaml"), "--no-reshard",
-                 "--device-memory-gib", "40"]) == 0
+    assert main(["plan", str(CONFIGS / "grpo_qwen3_235b.yaml"), "--no-reshard", "--device-memory-gib", "40"]) == 0
     assert "#   WARNING pool colocated: the generation peak" in capsys.readouterr().out
 
 
 def test_role_larger_than_its_pool_exits_2(capsys):
-    assert main(["plan", str(CONFIGS / "quickstart_cpu.yaml"), "reference.enabled=true",
-                 "algorithm.kl_loss_coef=0.01", "reference.parallel.dp=4"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIGS / "quickstart_cpu.yaml"),
+                "reference.enabled=true",
+                "algorithm.kl_loss_coef=0.01",
+                "reference.parallel.dp=4",
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert "reference.parallel needs tp*pp*cp*dp = 1*1*1*4 = 4 GPUs" in captured.err
     assert "lower reference.parallel.dp to 2 or less" in captured.err
@@ -164,7 +195,16 @@ def test_algorithm_without_its_role_exits_2(capsys):
 @pytest.mark.claim("r3-refused-on-cpu")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would let SGLang return routed experts")
 def test_train_with_r3_on_cpu_exits_2_pointing_to_r2(capsys, tmp_path):
-    assert main(["train", str(CONFIGS / "quickstart_cpu.yaml"), "moe.routing_replay=r3",
-                 f"run.output_dir={tmp_path / 'run'}"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                str(CONFIGS / "quickstart_cpu.yaml"),
+                "moe.routing_replay=r3",
+                f"run.output_dir={tmp_path / 'run'}",
+            ]
+        )
+        == 2
+    )
     assert "moe.routing_replay=r2" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

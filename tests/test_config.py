@@ -28,8 +28,10 @@ def test_defaults_load():
 
 
 def test_yaml_and_overrides_layer_on_the_schema():
-    cfg = load_config(QUICKSTART, ["train.lr=3e-4", "run.name=exp1", "actor.parallel.tp=2",
-                                   "actor.parallel.ep=1", "actor.parallel.dp=1"])
+    cfg = load_config(
+        QUICKSTART,
+        ["train.lr=3e-4", "run.name=exp1", "actor.parallel.tp=2", "actor.parallel.ep=1", "actor.parallel.dp=1"],
+    )
     assert cfg.model.vocab_size == 320  # from the YAML
     assert cfg.model.norm_eps == 1e-6  # schema default
     assert cfg.train.lr == 3e-4  # override
@@ -38,10 +40,14 @@ def test_yaml_and_overrides_layer_on_the_schema():
 
 
 def test_optional_section_and_role_interpolation():
-    cfg = load_config(QUICKSTART, [
-        "model.rope_scaling.factor=4", "reference.enabled=true",
-        "reference.parallel=${actor.parallel}",
-    ])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "model.rope_scaling.factor=4",
+            "reference.enabled=true",
+            "reference.parallel=${actor.parallel}",
+        ],
+    )
     assert cfg.model.rope_scaling is not None and cfg.model.rope_scaling.factor == 4.0
     assert enabled_roles(cfg) == {"actor": cfg.actor.parallel, "reference": cfg.actor.parallel}
 
@@ -67,8 +73,13 @@ def test_big_configs_match_published_sizes(name, total, active):
 
 @pytest.mark.claim("config-errors-name-the-key")
 def test_tp_must_divide_heads():
-    message = _error("model.num_attention_heads=16", "model.num_kv_heads=16", "actor.parallel.tp=3",
-                     "actor.parallel.dp=1", "actor.parallel.ep=1")
+    message = _error(
+        "model.num_attention_heads=16",
+        "model.num_kv_heads=16",
+        "actor.parallel.tp=3",
+        "actor.parallel.dp=1",
+        "actor.parallel.ep=1",
+    )
     assert "actor.parallel.tp=3" in message
     assert "model.num_attention_heads=16" in message
     assert "valid tp values: 1, 2, 4, 8, 16" in message
@@ -115,25 +126,33 @@ def test_scalar_where_a_section_is_expected():
     assert "actor.parallel: expected a mapping with keys tp, pp" in _error("actor.parallel=4")
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("model.num_layers=[1,2]", "model.num_layers: expected int, got [1, 2]"),
-    ("data.train_files=5", "data.train_files: expected a list of str, e.g. data.train_files=[a, b], got 5"),
-    ("data.train_files={a: 1}", "data.train_files: expected a list of str, e.g. data.train_files=[a, b], got {'a': 1}"),
-    ("data.train_files.0=a.jsonl", "data.train_files: expected a list of str"),
-    ("data.train_files=[a.jsonl, {b: 1}]", "data.train_files[1]: expected str, got {'b': 1}"),
-    ("data.train_files=[a.jsonl, [b]]", "data.train_files[1]: expected str, got ['b']"),
-    ("data.train_files=[null]", "data.train_files[0]: expected str, got null"),
-    ("reward.kwargs=[1]", "reward.kwargs: expected a mapping, e.g. reward.kwargs={name: value}, got [1]"),
-    ("reward.kwargs=abc", "reward.kwargs: expected a mapping"),
-    ("run.name={a: 1}", "run.name: expected str, got {'a': 1}"),
-    ("rollout.enable_dp_attention=5", "rollout.enable_dp_attention: expected bool, got 5"),
-    ("algorithm.clip_ratio_high=[1]", "algorithm.clip_ratio_high: expected float or null, got [1]"),
-    ("train={a: 1}", "unknown config key 'train.a'"),
-    ("run=[1, 2]", "run: expected a mapping with keys name, output_dir"),
-    ("data.train_files=${run.name}", "data.train_files: expected a list of str, e.g. data.train_files=[a, b], "
-                                      "got 'quickstart_cpu'"),
-    ("run.name=${oops", "override 'run.name=${oops' does not parse"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.num_layers=[1,2]", "model.num_layers: expected int, got [1, 2]"),
+        ("data.train_files=5", "data.train_files: expected a list of str, e.g. data.train_files=[a, b], got 5"),
+        (
+            "data.train_files={a: 1}",
+            "data.train_files: expected a list of str, e.g. data.train_files=[a, b], got {'a': 1}",
+        ),
+        ("data.train_files.0=a.jsonl", "data.train_files: expected a list of str"),
+        ("data.train_files=[a.jsonl, {b: 1}]", "data.train_files[1]: expected str, got {'b': 1}"),
+        ("data.train_files=[a.jsonl, [b]]", "data.train_files[1]: expected str, got ['b']"),
+        ("data.train_files=[null]", "data.train_files[0]: expected str, got null"),
+        ("reward.kwargs=[1]", "reward.kwargs: expected a mapping, e.g. reward.kwargs={name: value}, got [1]"),
+        ("reward.kwargs=abc", "reward.kwargs: expected a mapping"),
+        ("run.name={a: 1}", "run.name: expected str, got {'a': 1}"),
+        ("rollout.enable_dp_attention=5", "rollout.enable_dp_attention: expected bool, got 5"),
+        ("algorithm.clip_ratio_high=[1]", "algorithm.clip_ratio_high: expected float or null, got [1]"),
+        ("train={a: 1}", "unknown config key 'train.a'"),
+        ("run=[1, 2]", "run: expected a mapping with keys name, output_dir"),
+        (
+            "data.train_files=${run.name}",
+            "data.train_files: expected a list of str, e.g. data.train_files=[a, b], got 'quickstart_cpu'",
+        ),
+        ("run.name=${oops", "override 'run.name=${oops' does not parse"),
+    ],
+)
 @pytest.mark.claim("config-errors-name-the-key")
 def test_a_value_of_the_wrong_kind_is_one_line_naming_the_key(override, expected):
     message = _error(override)
@@ -144,8 +163,9 @@ def test_a_wrong_kind_in_the_yaml_file_names_the_key_and_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  train_files:\n    a: 1\nreward:\n  kwargs: [1]\n")
     message = _error(path=str(bad))
-    assert message == ("data.train_files: expected a list of str, e.g. data.train_files=[a, b], got {'a': 1} "
-                       f"(in config file {bad})")
+    assert message == (
+        f"data.train_files: expected a list of str, e.g. data.train_files=[a, b], got {{'a': 1}} (in config file {bad})"
+    )
     assert load_config(QUICKSTART, ["rollout.enable_dp_attention=1"]).rollout.enable_dp_attention is True
 
 
@@ -174,21 +194,32 @@ def test_family_rules():
     assert "model.family='deepseek_v3' uses MLA" in _error("model.family=deepseek_v3")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    # Llama / Qwen3-MoE attention_bias also biases o_proj, which megatron-core cannot hold alone
-    (("model.family=llama", "model.num_experts=0", "model.qk_layernorm=false",
-      "model.attention_bias=true"), "model.attention_bias=true with model.family='llama'"),
-    (("model.attention_bias=true",), "model.attention_bias=true with model.family='qwen3_moe'"),
-    (("model.qk_layernorm=false",), "model.qk_layernorm=false with model.family='qwen3_moe'"),
-    (("model.family=qwen2", "model.num_experts=0", "model.qk_layernorm=false",
-      "model.attention_bias=false"), "model.attention_bias=false with model.family='qwen2'"),
-    (("model.first_k_dense_layers=1",), "SGLang builds every layer of this family as an MoE"),
-    (("model.num_shared_experts=1",), "model.num_shared_experts=1 with model.family='qwen3_moe'"),
-    (("model.router_score_function=sigmoid", "model.router_expert_bias=true"),
-     "model.router_expert_bias=true with model.family='qwen3_moe'"),
-    (("model.family=mixtral", "model.qk_layernorm=false", "model.norm_topk_prob=false"),
-     "model.norm_topk_prob=false with model.family='mixtral'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # Llama / Qwen3-MoE attention_bias also biases o_proj, which megatron-core cannot hold alone
+        (
+            ("model.family=llama", "model.num_experts=0", "model.qk_layernorm=false", "model.attention_bias=true"),
+            "model.attention_bias=true with model.family='llama'",
+        ),
+        (("model.attention_bias=true",), "model.attention_bias=true with model.family='qwen3_moe'"),
+        (("model.qk_layernorm=false",), "model.qk_layernorm=false with model.family='qwen3_moe'"),
+        (
+            ("model.family=qwen2", "model.num_experts=0", "model.qk_layernorm=false", "model.attention_bias=false"),
+            "model.attention_bias=false with model.family='qwen2'",
+        ),
+        (("model.first_k_dense_layers=1",), "SGLang builds every layer of this family as an MoE"),
+        (("model.num_shared_experts=1",), "model.num_shared_experts=1 with model.family='qwen3_moe'"),
+        (
+            ("model.router_score_function=sigmoid", "model.router_expert_bias=true"),
+            "model.router_expert_bias=true with model.family='qwen3_moe'",
+        ),
+        (
+            ("model.family=mixtral", "model.qk_layernorm=false", "model.norm_topk_prob=false"),
+            "model.norm_topk_prob=false with model.family='mixtral'",
+        ),
+    ],
+)
 def test_flags_the_family_fixes_are_refused(overrides, message):
     # quickstart is qwen3_moe with qk_layernorm: true
     error = _error(*overrides)
@@ -214,9 +245,7 @@ def test_world_size_mismatch():
     cfg = load_config(QUICKSTART, ["actor.parallel.tp=2", "actor.parallel.ep=1", "actor.parallel.dp=1"])
     with pytest.raises(ValueError) as info:
         cfg.actor.parallel.check_world_size(4, prefix="actor.parallel")
-    assert str(info.value) == (
-        "world size 4 does not match actor.parallel: tp*pp*cp*dp = 2*1*1*1 = 2"
-    )
+    assert str(info.value) == ("world size 4 does not match actor.parallel: tp*pp*cp*dp = 2*1*1*1 = 2")
 
 
 def test_unresolvable_interpolation():
@@ -232,8 +261,7 @@ def test_malformed_override():
 
 
 def test_model_properties():
-    mla = ModelConfig(family="deepseek_v3", kv_lora_rank=8, qk_nope_head_dim=4,
-                      qk_rope_head_dim=4, v_head_dim=4)
+    mla = ModelConfig(family="deepseek_v3", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
     assert mla.is_mla and mla.is_moe
     assert ModelConfig(hidden_size=64, num_attention_heads=4).kv_channels == 16
     assert ModelConfig(head_dim=32).kv_channels == 32
@@ -243,9 +271,14 @@ def test_model_properties():
 # --------------------------------------------------------------------------- rollout
 
 
-@pytest.mark.parametrize("name, tp, num_replicas", [
-    ("quickstart_cpu", 2, 1), ("qwen3_moe_235b", 8, 8), ("deepseek_v3_671b", 8, 8),
-])
+@pytest.mark.parametrize(
+    "name, tp, num_replicas",
+    [
+        ("quickstart_cpu", 2, 1),
+        ("qwen3_moe_235b", 8, 8),
+        ("deepseek_v3_671b", 8, 8),
+    ],
+)
 def test_rollout_sections_fit_the_actor(name, tp, num_replicas):
     cfg = load_config(str(CONFIGS / f"{name}.yaml"))
     assert (cfg.rollout.tp, cfg.rollout.num_replicas) == (tp, num_replicas)
@@ -262,33 +295,40 @@ def test_rollout_tp_must_split_the_heads():
 
 
 def test_rollout_ep_must_divide_experts():
-    message = _error("rollout.placement=separate", "rollout.tp=4", "rollout.ep=4",
-                     "model.num_experts=6")
+    message = _error("rollout.placement=separate", "rollout.tp=4", "rollout.ep=4", "model.num_experts=6")
     assert "rollout.ep=4 does not divide the 6 physical experts" in message
     assert "valid ep values: 1, 2" in message
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("rollout.engine=vllm", "rollout.engine='vllm' is not one of: sglang, hf"),
-    ("rollout.placement=remote", "rollout.placement='remote' is not one of: colocated, separate"),
-    ("rollout.dtype=int8", "rollout.dtype='int8' is not one of: bfloat16, float16, float32"),
-    ("rollout.num_replicas=0", "rollout.num_replicas=0 must be > 0"),
-    ("rollout.dp_size=2", "rollout.dp_size=2 needs rollout.enable_dp_attention=true"),
-    ("rollout.moe_dp=2", "rollout.moe_dp=2: SGLang 0.5.23 runs MoE data parallelism only with attention context"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.engine=vllm", "rollout.engine='vllm' is not one of: sglang, hf"),
+        ("rollout.placement=remote", "rollout.placement='remote' is not one of: colocated, separate"),
+        ("rollout.dtype=int8", "rollout.dtype='int8' is not one of: bfloat16, float16, float32"),
+        ("rollout.num_replicas=0", "rollout.num_replicas=0 must be > 0"),
+        ("rollout.dp_size=2", "rollout.dp_size=2 needs rollout.enable_dp_attention=true"),
+        ("rollout.moe_dp=2", "rollout.moe_dp=2: SGLang 0.5.23 runs MoE data parallelism only with attention context"),
+    ],
+)
 def test_rollout_bad_values(override, expected):
     assert expected in _error(override)
 
 
 def test_rollout_dp_attention_needs_a_family_that_has_it():
-    message = _error("model.family=mixtral", "model.qk_layernorm=false", "rollout.enable_dp_attention=true",
-                     "rollout.dp_size=2")
+    message = _error(
+        "model.family=mixtral", "model.qk_layernorm=false", "rollout.enable_dp_attention=true", "rollout.dp_size=2"
+    )
     assert message.startswith("rollout.enable_dp_attention=true: SGLang builds mixtral attention")
 
 
 def test_hf_rollout_is_unsharded():
-    assert load_config(QUICKSTART, ["rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full",
-                                    "rollout.num_replicas=2"]).rollout.num_ranks == 2
+    assert (
+        load_config(
+            QUICKSTART, ["rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full", "rollout.num_replicas=2"]
+        ).rollout.num_ranks
+        == 2
+    )
     message = _error("rollout.engine=hf")  # the quickstart's tp=2
     assert message.startswith("rollout.tp=2 needs rollout.engine=sglang")
     message = _error("rollout.engine=hf", "rollout.tp=1")  # the quickstart's sliced route
@@ -325,8 +365,13 @@ def test_moe_section_defaults_and_errors():
     assert load_config(QUICKSTART).moe.bias_update_rate == 1e-3
     assert "moe.routing_replay='r4' is not one of: off, r2, r3" in _error("moe.routing_replay=r4")
     assert "moe.z_loss_coef=-1.0 must be >= 0" in _error("moe.z_loss_coef=-1")
-    dense = ("model.family=llama", "model.num_experts=0", "model.qk_layernorm=false", "actor.parallel.ep=1",
-             "actor.parallel.dp=2")
+    dense = (
+        "model.family=llama",
+        "model.num_experts=0",
+        "model.qk_layernorm=false",
+        "actor.parallel.ep=1",
+        "actor.parallel.dp=2",
+    )
     assert "moe.routing_replay=r2 needs an MoE model" in _error(*dense, "moe.routing_replay=r2")
     assert "moe.freeze_router=True needs an MoE model" in _error(*dense, "moe.freeze_router=true")
 
@@ -337,8 +382,9 @@ def test_yaml_11_boolean_words_are_read_as_the_word_typed(tmp_path):
     (YAML 1.1 would make it False, refused as 'False'), a boolean setting reads it as one, and
     free text keeps it; true / false stay booleans."""
     config = tmp_path / "words.yaml"
-    config.write_text("moe:\n  routing_replay: off\n  freeze_router: On\nsft:\n  export_hf: no\n"
-                      "data:\n  system_prompt: YES\n")
+    config.write_text(
+        "moe:\n  routing_replay: off\n  freeze_router: On\nsft:\n  export_hf: no\ndata:\n  system_prompt: YES\n"
+    )
     cfg = load_config(str(config))
     assert (cfg.moe.routing_replay, cfg.moe.freeze_router, cfg.sft.export_hf) == ("off", True, False)
     assert cfg.data.system_prompt == "YES"
@@ -350,24 +396,41 @@ def test_yaml_11_boolean_words_are_read_as_the_word_typed(tmp_path):
 
 
 def test_algorithm_accepts_the_verl_losses_aggregations_and_kl_kinds():
-    cfg = load_config(QUICKSTART, ("algorithm.policy_loss=clip_cov", "algorithm.loss_agg_mode=token-sum",
-                                   "algorithm.kl_type=low_var_kl+", "algorithm.log_ratio_clamp=null",
-                                   "algorithm.adv_estimator=opo"))
+    cfg = load_config(
+        QUICKSTART,
+        (
+            "algorithm.policy_loss=clip_cov",
+            "algorithm.loss_agg_mode=token-sum",
+            "algorithm.kl_type=low_var_kl+",
+            "algorithm.log_ratio_clamp=null",
+            "algorithm.adv_estimator=opo",
+        ),
+    )
     algorithm = cfg.algorithm
     assert (algorithm.loss_agg_mode, algorithm.kl_type, algorithm.log_ratio_clamp) == ("token-sum", "low_var_kl+", None)
-    defaults = (algorithm.clip_cov_ratio, algorithm.clip_cov_lb, algorithm.clip_cov_ub, algorithm.kl_cov_ratio,
-                algorithm.ppo_kl_coef, algorithm.sapo_tau_pos, algorithm.sapo_tau_neg)
+    defaults = (
+        algorithm.clip_cov_ratio,
+        algorithm.clip_cov_lb,
+        algorithm.clip_cov_ub,
+        algorithm.kl_cov_ratio,
+        algorithm.ppo_kl_coef,
+        algorithm.sapo_tau_pos,
+        algorithm.sapo_tau_neg,
+    )
     assert defaults == (0.0002, 1.0, 5.0, 0.0002, 0.1, 1.0, 1.05)  # verl's
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("algorithm.clip_cov_ratio=0", "algorithm.clip_cov_ratio=0.0 must be in (0, 1]"),
-    ("algorithm.kl_cov_ratio=2", "algorithm.kl_cov_ratio=2.0 must be in (0, 1]"),
-    ("algorithm.clip_cov_lb=6", "algorithm.clip_cov_lb=6.0 must be below algorithm.clip_cov_ub=5.0"),
-    ("algorithm.ppo_kl_coef=-1", "algorithm.ppo_kl_coef=-1.0 must be >= 0"),
-    ("algorithm.sapo_tau_pos=0", "algorithm.sapo_tau_pos=0.0 must be > 0"),
-    ("algorithm.log_ratio_clamp=0", "algorithm.log_ratio_clamp=0.0 must be > 0"),
-    ("algorithm.kl_type=k2+", "algorithm.kl_type='k2+' is not one of"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("algorithm.clip_cov_ratio=0", "algorithm.clip_cov_ratio=0.0 must be in (0, 1]"),
+        ("algorithm.kl_cov_ratio=2", "algorithm.kl_cov_ratio=2.0 must be in (0, 1]"),
+        ("algorithm.clip_cov_lb=6", "algorithm.clip_cov_lb=6.0 must be below algorithm.clip_cov_ub=5.0"),
+        ("algorithm.ppo_kl_coef=-1", "algorithm.ppo_kl_coef=-1.0 must be >= 0"),
+        ("algorithm.sapo_tau_pos=0", "algorithm.sapo_tau_pos=0.0 must be > 0"),
+        ("algorithm.log_ratio_clamp=0", "algorithm.log_ratio_clamp=0.0 must be > 0"),
+        ("algorithm.kl_type=k2+", "algorithm.kl_type='k2+' is not one of"),
+    ],
+)
 def test_algorithm_loss_knobs_bad_values(override, expected):
     assert expected in _error(override)

@@ -16,10 +16,17 @@ from hybridflow.data import (
     write_parquet,
 )
 
-GOOD = {"prompt": "1+2=", "reward_model": {"ground_truth": 3}, "data_source": "arithmetic",
-        "sft_response": "3", "level": 1}
-CHAT = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
-        "reward_model": {"ground_truth": 4}}
+GOOD = {
+    "prompt": "1+2=",
+    "reward_model": {"ground_truth": 3},
+    "data_source": "arithmetic",
+    "sft_response": "3",
+    "level": 1,
+}
+CHAT = {
+    "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
+    "reward_model": {"ground_truth": 4},
+}
 
 
 def lines_file(tmp_path, *lines, name="rows.jsonl"):
@@ -64,11 +71,14 @@ def test_rows_of_several_files_keep_file_order(tmp_path):
     assert [r.prompt for r in read_rows([a, b], DataConfig())] == ["1+2=", "9+9="]
 
 
-@pytest.mark.parametrize("answer_key, row, expected", [
-    ("answer", {"prompt": "p", "answer": "x"}, "x"),
-    ("reward_model.ground_truth", {"prompt": "p", "reward_model": {"ground_truth": 0}}, 0),
-    ("a.b.c", {"prompt": "p", "a": {"b": {"c": [1, 2]}}}, [1, 2]),
-])
+@pytest.mark.parametrize(
+    "answer_key, row, expected",
+    [
+        ("answer", {"prompt": "p", "answer": "x"}, "x"),
+        ("reward_model.ground_truth", {"prompt": "p", "reward_model": {"ground_truth": 0}}, 0),
+        ("a.b.c", {"prompt": "p", "a": {"b": {"c": [1, 2]}}}, [1, 2]),
+    ],
+)
 def test_answer_key_walks_nested_columns(tmp_path, answer_key, row, expected):
     (read,) = read_rows([lines_file(tmp_path, row)], DataConfig(answer_key=answer_key))
     assert read.answer == expected
@@ -86,12 +96,10 @@ BAD_ROWS = {
     "not an object": ("[1, 2]", "object of columns"),
     "no prompt": ({"reward_model": {"ground_truth": 3}}, "no prompt column 'prompt'"),
     "no answer": ({"prompt": "1+2="}, "no value under 'reward_model'"),
-    "no nested answer": ({"prompt": "1+2=", "reward_model": {"style": "rule"}},
-                         "'reward_model.ground_truth'"),
+    "no nested answer": ({"prompt": "1+2=", "reward_model": {"style": "rule"}}, "'reward_model.ground_truth'"),
     "prompt of wrong type": ({"prompt": 12, "reward_model": {"ground_truth": 3}}, "is of type int"),
     "empty prompt": ({"prompt": "  ", "reward_model": {"ground_truth": 3}}, "empty prompt"),
-    "bad chat message": ({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": 3}},
-                         "messages"),
+    "bad chat message": ({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": 3}}, "messages"),
     "data_source of wrong type": (dict(GOOD, data_source=5), "'data_source' is of type int"),
 }
 
@@ -142,9 +150,12 @@ def test_missing_sft_response_is_a_bad_row_when_asked_for(tmp_path):
 def test_a_dotted_sft_response_key_reads_verls_worked_gsm8k_answer(tmp_path):
     """verl's GSM8K parquet keeps the worked solution in ``extra_info.answer``; reading it for SFT
     leaves ``extra_info`` whole for the reward function."""
-    verl = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "2+2?"}],
-            "reward_model": {"style": "rule", "ground_truth": "4"},
-            "extra_info": {"index": 0, "answer": "2 and 2 make 4\n#### 4"}}
+    verl = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "reward_model": {"style": "rule", "ground_truth": "4"},
+        "extra_info": {"index": 0, "answer": "2 and 2 make 4\n#### 4"},
+    }
     path = str(write_parquet(tmp_path / "g.parquet", [verl, dict(verl, extra_info={"index": 1})]))
     numeric = str(write_parquet(tmp_path / "n.parquet", [dict(verl, extra_info={"index": 2, "answer": 4})]))
     report = DataReport()
@@ -162,8 +173,9 @@ def test_a_byte_that_is_not_utf8_is_a_bad_row_named_by_its_line(tmp_path, caplog
     says, naming the file and line, never a decoding error from inside a read buffer."""
     good = (json.dumps(GOOD) + "\n").encode()
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(good * 3000 + json.dumps(dict(GOOD, prompt="caf\u00e9")).encode().replace(b"\\u00e9", b"\xe9")
-                     + b"\n" + good)
+    path.write_bytes(
+        good * 3000 + json.dumps(dict(GOOD, prompt="caf\u00e9")).encode().replace(b"\\u00e9", b"\xe9") + b"\n" + good
+    )
     report = DataReport()
     with caplog.at_level(logging.WARNING, logger="hybridflow.data"):
         assert len(read_rows([str(path)], DataConfig(), report=report)) == 3001
@@ -181,13 +193,16 @@ def test_many_bad_rows_log_a_bounded_number_of_warnings(tmp_path, caplog):
     assert "skipped 30 bad rows" in caplog.text
 
 
-@pytest.mark.parametrize("name, content, match", [
-    ("none.jsonl", None, "data file not found"),
-    ("rows.csv", "prompt,answer\n", "unsupported data file extension '.csv'"),
-    ("bad.jsonl", "{oops\n", "no usable rows"),
-    ("empty.jsonl", "", "no usable rows"),
-    ("broken.parquet", "not parquet", "not a readable parquet file"),
-])
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("none.jsonl", None, "data file not found"),
+        ("rows.csv", "prompt,answer\n", "unsupported data file extension '.csv'"),
+        ("bad.jsonl", "{oops\n", "no usable rows"),
+        ("empty.jsonl", "", "no usable rows"),
+        ("broken.parquet", "not parquet", "not a readable parquet file"),
+    ],
+)
 def test_file_errors_name_the_file(tmp_path, name, content, match):
     path = tmp_path / name
     if content is not None:
@@ -215,16 +230,20 @@ def tokenizer():
 def test_tokenize_applies_the_chat_template(tmp_path, tokenizer):
     rows = read_rows([lines_file(tmp_path, GOOD, CHAT)], DataConfig())
     (text, chat), skipped = tokenize_rows(rows, tokenizer, DataConfig())
-    as_chat = tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+    as_chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+2="}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert skipped == 0 and text.row is rows[0] and list(text.prompt_ids) == list(as_chat)
     assert tokenizer.decode(chat.prompt_ids).startswith("<|im_start|>system\nBe brief.")
 
 
 @pytest.mark.claim("verl-math-rewards")
 def test_chat_format_rows_read_their_messages_as_the_prompt_and_the_last_assistant_turn_as_the_target(tmp_path):
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="},
-            {"role": "assistant", "content": "4"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2="},
+        {"role": "assistant", "content": "4"},
+    ]
     path = lines_file(tmp_path, {"messages": chat, "answer": "4"}, {"messages": chat[:2], "answer": "4"})
     cfg = DataConfig(answer_key="answer")
     first, second = read_rows([path], cfg, sft_key="sft_response")[:1] + read_rows([path], cfg)[1:]
@@ -239,8 +258,9 @@ def test_a_system_prompt_goes_before_every_chat_without_one(tmp_path, tokenizer)
     cfg = DataConfig(system_prompt="Put the answer after ####.")
     rows = read_rows([lines_file(tmp_path, GOOD, CHAT)], cfg)
     (text, chat), _ = tokenize_rows(rows, tokenizer, cfg)
-    assert tokenizer.decode(text.prompt_ids).startswith("<|im_start|>system\nPut the answer after ####.<|im_end|>\n"
-                                                        "<|im_start|>user\n1+2=")
+    assert tokenizer.decode(text.prompt_ids).startswith(
+        "<|im_start|>system\nPut the answer after ####.<|im_end|>\n<|im_start|>user\n1+2="
+    )
     assert tokenizer.decode(chat.prompt_ids).startswith("<|im_start|>system\nBe brief.")  # its own system turn
 
 

@@ -17,7 +17,7 @@ from tests.conftest import DEVICE_GUARD_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCENARIOS = textwrap.dedent('''
+SCENARIOS = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist
     from megatron_adapters import device_guard as g
@@ -59,7 +59,7 @@ SCENARIOS = textwrap.dedent('''
         "modes_left": torch._C._len_torch_function_stack(),
     }
     print(json.dumps(out))
-''')
+""")
 
 
 def _free_port() -> str:
@@ -72,8 +72,14 @@ def _free_port() -> str:
 
 @pytest.mark.claim("device-guard")
 def test_guard_marks_host_tensors_and_checks_collectives():
-    proc = subprocess.run([sys.executable, "-c", SCENARIOS, _free_port()], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", SCENARIOS, _free_port()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for caught in ("host_factory", "cpu_call", "host_operand", "stacked_scalar", "list_collective"):
@@ -86,8 +92,7 @@ def test_guard_marks_host_tensors_and_checks_collectives():
     assert out["p2p_op_builds"] == "P2POp"  # P2POp still accepts the guarded isend
     assert out["env"] == DEVICE_GUARD_ENV  # the variable tests/conftest.py sets for every test process
     # uninstalled, the process is as it was before install: nothing tracked, c10d's own functions
-    assert out["after_uninstall"] == {"host_factory": "ok", "unmarked": True, "originals_back": True,
-                                      "modes_left": 0}
+    assert out["after_uninstall"] == {"host_factory": "ok", "unmarked": True, "originals_back": True, "modes_left": 0}
 
 
 @pytest.mark.claim("device-guard")

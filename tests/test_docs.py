@@ -56,8 +56,9 @@ def test_every_hybridflow_subcommand_the_docs_show_parses_its_help(capsys) -> No
     from hybridflow.cli import main
 
     shown = {cmd for doc in DOCS for cmd in COMMAND.findall(doc.read_text())}
-    subcommands = {cmd for cmd in shown if cmd.split()[0] in {"plan", "selftest", "train", "launch", "slurm",
-                                                              "convert"}}
+    subcommands = {
+        cmd for cmd in shown if cmd.split()[0] in {"plan", "selftest", "train", "launch", "slurm", "convert"}
+    }
     assert {"train", "plan", "launch", "slurm", "convert hf-to-mcore", "convert mcore-to-hf"} <= subcommands, shown
     for cmd in sorted(subcommands):
         with pytest.raises(SystemExit) as done:
@@ -73,4 +74,5 @@ def test_the_configuration_reference_is_generated_from_the_current_config() -> N
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     assert (ROOT / "docs" / "configuration.md").read_text() == config_reference.render(), (
-        "docs/configuration.md is stale: run python scripts/config_reference.py")
+        "docs/configuration.md is stale: run python scripts/config_reference.py"
+    )

@@ -45,7 +45,8 @@ def _restarts_of(replica: int, stderr: str) -> int:
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
 def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterrupted_one(
-        tmp_path: Path, full_run: Path) -> None:
+    tmp_path: Path, full_run: Path
+) -> None:
     # generate call 3 is step 2's (call 1 scored the held-out prompts after SFT); push 4 is step
     # 3's (push 1 filled the engine at start, pushes 2 and 3 were steps 1's and 2's)
     faults = environment(KILL_ENGINE="0@3", KILL_ENGINE_PUSH="0@4")
@@ -65,7 +66,8 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
 def test_separate_engines_killed_mid_generate_and_mid_push_are_restarted_and_the_run_matches(
-        tmp_path: Path, separate_run, seeded) -> None:
+    tmp_path: Path, separate_run, seeded
+) -> None:
     # generate call 3 is step 2's; push 3 is step 2's (push 1 filled the engines, push 2 was step 1's)
     faults = environment(KILL_ENGINE="1@3", KILL_ENGINE_PUSH="0@3")
     killed = _train(seeded(tmp_path / "killed"), *SEPARATE, env=faults)  # the config of separate_run
@@ -89,13 +91,18 @@ def test_past_the_limit_the_run_stops_in_one_line_naming_the_replica_cause_and_s
         recovery.check_restart(cfg, lost, used=2)
     message = str(stop.value)
     assert "\n" not in message
-    assert message.startswith("rollout replica 0 (driven by rank 0) lost its engine: process 123 "
-                              "(sglang::scheduler_TP1) was killed by SIGKILL during generate;"), message
+    assert message.startswith(
+        "rollout replica 0 (driven by rank 0) lost its engine: process 123 "
+        "(sglang::scheduler_TP1) was killed by SIGKILL during generate;"
+    ), message
     assert "2 of rollout.max_engine_restarts=2 restarts used: raise rollout.max_engine_restarts" in message
     none = load_config(QUICKSTART, ["rollout.max_engine_restarts=0"])
     hung = [(2, 1, "generate hung: no answer within rollout.generate_timeout_s=600 s")]
-    with pytest.raises(replicas.ReplicaFailed, match=r"replica 1 \(driven by rank 2\) lost its engine: generate "
-                                                     r"hung: .*rollout.max_engine_restarts=0"):
+    with pytest.raises(
+        replicas.ReplicaFailed,
+        match=r"replica 1 \(driven by rank 2\) lost its engine: generate "
+        r"hung: .*rollout.max_engine_restarts=0",
+    ):
         recovery.check_restart(none, hung, used=0)
 
 
@@ -105,8 +112,9 @@ def test_restarts_are_refused_by_name_where_they_are_not_supported() -> None:
     recovery.check_restart(load_config(QUICKSTART, ["rollout.placement=separate"]), lost, used=0)  # supported now
     spanning = load_config(QUICKSTART, ["rollout.gpus_per_node=1"])  # tp=2 over two one-GPU nodes
     recovery.check_restart(spanning, lost, used=0, spanning=True)  # colocated: every node's part restarts
-    with pytest.raises(replicas.ReplicaFailed, match="not supported for engines spanning nodes with "
-                                                     "rollout.placement=separate"):
+    with pytest.raises(
+        replicas.ReplicaFailed, match="not supported for engines spanning nodes with rollout.placement=separate"
+    ):
         recovery.check_restart(spanning, lost, used=0)
     # a batch started ahead (asynchronous RL) is not regenerated: collect says why, in one line
     started = [replicas._Report(0, [], 0.0, "process 1 (x) was killed by SIGKILL during generate", None, lost=True)]
@@ -135,20 +143,26 @@ class _Sync:
 
 
 def _holder(replica, engine):
-    cfg = load_config(QUICKSTART, ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2",
-                                   "rollout.max_engine_restarts=2"])
+    cfg = load_config(
+        QUICKSTART,
+        ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", "rollout.max_engine_restarts=2"],
+    )
     return SimpleNamespace(cfg=cfg, model_dir=Path("model"), replica=replica, engine=engine, sync=_Sync(engine))
 
 
 def test_every_process_takes_the_same_restart_and_only_the_lost_replicas_driver_replaces_its_engine(
-        monkeypatch) -> None:
+    monkeypatch,
+) -> None:
     started = []
     monkeypatch.setattr(recovery, "start_engine", lambda cfg, model_dir: started.append(model_dir) or _Engine("new"))
     lost = [(3, 1, "process 9 (sglang::scheduler_TP0) was killed by SIGKILL during generate")]
     actor, metrics = _holder(None, None), {}
     driver0, driver1 = _holder(0, _Engine("old0")), _holder(1, _Engine("old1"))
-    everyone = [recovery.EngineRestarts(actor, metrics=lambda: metrics), recovery.EngineRestarts(driver0),
-                recovery.EngineRestarts(driver1)]
+    everyone = [
+        recovery.EngineRestarts(actor, metrics=lambda: metrics),
+        recovery.EngineRestarts(driver0),
+        recovery.EngineRestarts(driver1),
+    ]
     engines = [r.restart(lost) for r in everyone]
     assert engines[0] is None and engines[1].name == "old0" and engines[2].name == "new"
     assert started == [Path("model")]  # one new engine, on replica 1's driver
@@ -171,8 +185,9 @@ def _pushed(replica, engine_bytes, lost=None, worst=None):
 def _sync_pushing(results: list, restarts) -> tuple[sync_module.EngineSync, list]:
     """An EngineSync whose tries return ``results`` one after another (no process groups)."""
     es = object.__new__(sync_module.EngineSync)
-    es.cfg = load_config(QUICKSTART, ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2",
-                                      "checks.refit_every=2"])
+    es.cfg = load_config(
+        QUICKSTART, ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", "checks.refit_every=2"]
+    )
     es.source_params, es.engine, es.engine_params, es.pushes, es.restarts = None, None, [{}], 0, restarts
     es.adapters, es.pushes_adapters = None, False  # merged pushes
     tries = []
@@ -201,15 +216,20 @@ def test_an_engine_lost_in_a_push_is_replaced_and_the_push_runs_again_as_the_los
     assert es.push(counted=False) and es.pushes == 1 and tries == [True, True, False]
 
     es, _ = _sync_pushing([lost_try], None)  # no restarts: the run stops, naming the replica and cause
-    with pytest.raises(replicas.ReplicaFailed, match=r"^rollout replica 0 \(driven by rank 1\) lost its engine "
-                                                     r"during a weight push: process 9 .*SIGKILL"):
+    with pytest.raises(
+        replicas.ReplicaFailed,
+        match=r"^rollout replica 0 \(driven by rank 1\) lost its engine "
+        r"during a weight push: process 9 .*SIGKILL",
+    ):
         es.push()
 
 
 def test_a_lost_engine_is_left_to_the_restarts_and_any_other_failure_stops_the_step() -> None:
     report = replicas._Report
-    lost = [report(0, [], 0.0, "process 1 (x) was killed by SIGKILL during generate", 0, lost=True),
-            report(None, [], 0.0, None, 1)]
+    lost = [
+        report(0, [], 0.0, "process 1 (x) was killed by SIGKILL during generate", 0, lost=True),
+        report(None, [], 0.0, None, 1),
+    ]
     replicas._raise_failures(lost, restartable=True)  # nothing raised: the caller restarts
     with pytest.raises(replicas.ReplicaFailed, match="replica 0 .* mid-generation: process 1 .* SIGKILL"):
         replicas._raise_failures(lost)  # no restarts (an engine rank, separate placement)

@@ -49,8 +49,12 @@ def family_literals(root: Path = ROOT) -> list[str]:
             skip = _docstrings(tree)
             rel = path.relative_to(root).as_posix()
             for node in ast.walk(tree):
-                if (isinstance(node, ast.Constant) and node.value in FAMILIES and id(node) not in skip
-                        and (rel, node.value) not in ALLOWED_LITERALS):
+                if (
+                    isinstance(node, ast.Constant)
+                    and node.value in FAMILIES
+                    and id(node) not in skip
+                    and (rel, node.value) not in ALLOWED_LITERALS
+                ):
                     found.append(f"{rel}:{node.lineno}: {node.value!r}")
     return found
 

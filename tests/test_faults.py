@@ -56,8 +56,17 @@ def _actor_tensors(out: Path, checkpoint: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.claim("max-restarts-resume", "fault-injection")
 def test_killed_ranks_resume_and_reproduce_the_uninterrupted_run(full_run: Path, tmp_path: Path):
-    harness = FaultHarness(CONFIG, SHORT, output_dir=tmp_path / "faulted", nproc=NPROC, steps=STEPS,
-                           faults=FAULTS, seed=SEED, timeout_s=1500, launch_args=_endpoint())
+    harness = FaultHarness(
+        CONFIG,
+        SHORT,
+        output_dir=tmp_path / "faulted",
+        nproc=NPROC,
+        steps=STEPS,
+        faults=FAULTS,
+        seed=SEED,
+        timeout_s=1500,
+        launch_args=_endpoint(),
+    )
     report = harness.run()
     summary = report.as_dict()
     print(json.dumps(summary, indent=2))  # the numbers of this run: faults, steps lost, corrupt checkpoints

@@ -32,15 +32,18 @@ def _crash_on_call(monkeypatch: pytest.MonkeyPatch, module, name: str, call: int
 
 
 def test_write_atomic_writes_text_bytes_and_through_a_writer_and_flushes_file_and_folder(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     synced = []
     real_fsync = os.fsync
-    monkeypatch.setattr(files.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
-                                                       real_fsync(fd)))
+    monkeypatch.setattr(
+        files.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))
+    )
     assert write_atomic(tmp_path / "a" / "t.txt", "héllo").read_text(encoding="utf-8") == "héllo"
     assert write_atomic(tmp_path / "b.bin", b"\x00\xff").read_bytes() == b"\x00\xff"
-    assert write_atomic(tmp_path / "c.txt", lambda tmp: Path(tmp).write_text("via a writer")).read_text() == \
-        "via a writer"
+    assert (
+        write_atomic(tmp_path / "c.txt", lambda tmp: Path(tmp).write_text("via a writer")).read_text() == "via a writer"
+    )
     assert write_atomic(tmp_path / "empty", "").read_bytes() == b""
     # each write: its temporary file, then the folder that holds the new name
     folder = tmp_path.name
@@ -48,8 +51,9 @@ def test_write_atomic_writes_text_bytes_and_through_a_writer_and_flushes_file_an
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b.bin", "c.txt", "empty"]  # no temporaries
 
 
-def test_a_failed_or_crashed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_or_crashed_write_leaves_the_old_file_and_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = write_atomic(tmp_path / "state.json", "old")
 
     def broken(temporary: str) -> None:
@@ -72,7 +76,8 @@ def _dir(path: Path, text: str) -> Path:
 
 
 def test_publishing_over_a_copy_swaps_them_and_a_crash_before_the_clean_up_leaves_the_new_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     final, staging = _dir(tmp_path / "sft", "old"), _dir(tmp_path / "sft.partial", "new")
     _crash_on_call(monkeypatch, files.shutil, "rmtree", 1)  # right after the swap
     with pytest.raises(Crash):
@@ -84,10 +89,12 @@ def test_publishing_over_a_copy_swaps_them_and_a_crash_before_the_clean_up_leave
     assert (final / "weights").read_text() == "newer" and not (tmp_path / "sft.tmp").exists()
 
 
-@pytest.mark.parametrize("crash_at", [1, 2, 3], ids=["before-moving-the-old-aside", "between-the-renames",
-                                                      "before-removing-the-old"])
+@pytest.mark.parametrize(
+    "crash_at", [1, 2, 3], ids=["before-moving-the-old-aside", "between-the-renames", "before-removing-the-old"]
+)
 def test_without_an_atomic_swap_a_crash_at_any_step_leaves_a_complete_checkpoint_to_resume_from(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash_at: int) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash_at: int
+) -> None:
     """Where the file system cannot swap two names (``renameat2`` missing): the old copy moves to
     ``.previous``, the new one in, the old removed. A crash before each of those steps."""
     old = checkpoint(tmp_path, "step_000004", 4)

@@ -19,8 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--small", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--small", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     report = json.loads(out.read_text())
     failed = {k: v.get("error") for k, v in report["checks"].items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stderr[-3000:])
@@ -42,7 +48,13 @@ def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
 
 @pytest.mark.claim("gpu-check-small-on-cpu")
 def test_gpu_check_sh_refuses_a_machine_without_cuda():
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("gpu_check: no working CUDA driver here")

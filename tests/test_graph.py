@@ -13,12 +13,16 @@ def _node(name, inputs=(), outputs=(), role="driver", **options):
 
 def _chain() -> Graph:
     """gen -> score -> update, with a second branch (logp) feeding update."""
-    return Graph(name="chain", data_fields=("prompts", "answers"), nodes=(
-        _node("gen", ("prompts",), ("responses",), role="rollout"),
-        _node("score", ("responses", "answers"), ("scores",), role="reward"),
-        _node("logp", ("responses",), ("old_logprobs",), role="actor"),
-        _node("update", ("scores", "old_logprobs"), ("metrics",), role="actor"),
-    ))
+    return Graph(
+        name="chain",
+        data_fields=("prompts", "answers"),
+        nodes=(
+            _node("gen", ("prompts",), ("responses",), role="rollout"),
+            _node("score", ("responses", "answers"), ("scores",), role="reward"),
+            _node("logp", ("responses",), ("old_logprobs",), role="actor"),
+            _node("update", ("scores", "old_logprobs"), ("metrics",), role="actor"),
+        ),
+    )
 
 
 def _names(nodes) -> list[str]:
@@ -44,12 +48,15 @@ def test_a_valid_graph_validates_with_and_without_placement():
 
 
 def test_topological_order_breaks_ties_by_declaration_order():
-    graph = Graph(name="g", nodes=(
-        _node("late", ("x",), ("y",)),  # declared first but waits for x
-        _node("first", (), ("x",)),
-        _node("other", (), ("z",)),
-        _node("last", ("y", "z"), ()),
-    ))
+    graph = Graph(
+        name="g",
+        nodes=(
+            _node("late", ("x",), ("y",)),  # declared first but waits for x
+            _node("first", (), ("x",)),
+            _node("other", (), ("z",)),
+            _node("last", ("y", "z"), ()),
+        ),
+    )
     # at each point the earliest-declared ready node runs: late becomes ready before other
     assert _names(graph.topological_order()) == ["first", "late", "other", "last"]
     assert graph.topological_order() == graph.topological_order()
@@ -69,10 +76,14 @@ def test_a_node_writing_a_data_field_is_rejected():
 
 
 def test_a_field_nobody_writes_names_the_reader_and_the_available_fields():
-    graph = Graph(name="g", data_fields=("prompts",), nodes=(
-        _node("gen", ("prompts",), ("responses",)),
-        _node("update", ("responses", "advantages"), ()),
-    ))
+    graph = Graph(
+        name="g",
+        data_fields=("prompts",),
+        nodes=(
+            _node("gen", ("prompts",), ("responses",)),
+            _node("update", ("responses", "advantages"), ()),
+        ),
+    )
     with pytest.raises(GraphError) as error:
         graph.validate()
     message = str(error.value)
@@ -82,13 +93,16 @@ def test_a_field_nobody_writes_names_the_reader_and_the_available_fields():
 
 @pytest.mark.claim("graph-checked-before-start")
 def test_a_cycle_names_the_nodes_on_it_in_flow_order():
-    graph = Graph(name="g", nodes=(
-        _node("a", ("z",), ("x",)),
-        _node("b", ("x",), ("y",)),
-        _node("c", ("y",), ("z",)),
-        _node("downstream", ("z",), ()),  # blocked by the cycle, but not on it
-        _node("free", (), ()),
-    ))
+    graph = Graph(
+        name="g",
+        nodes=(
+            _node("a", ("z",), ("x",)),
+            _node("b", ("x",), ("y",)),
+            _node("c", ("y",), ("z",)),
+            _node("downstream", ("z",), ()),  # blocked by the cycle, but not on it
+            _node("free", (), ()),
+        ),
+    )
     with pytest.raises(GraphError, match=r"graph 'g' has a cycle: a -> b -> c -> a$"):
         graph.validate()
     with pytest.raises(GraphError, match="cycle"):
@@ -121,11 +135,14 @@ def test_an_unknown_role_lists_the_roles():
     assert ", ".join(ROLES) in str(error.value)
 
 
-@pytest.mark.parametrize("role, switch", [
-    ("critic", "critic.enabled=true"),
-    ("reference", "reference.enabled=true"),
-    ("actor", "actor.enabled=true"),
-])
+@pytest.mark.parametrize(
+    "role, switch",
+    [
+        ("critic", "critic.enabled=true"),
+        ("reference", "reference.enabled=true"),
+        ("actor", "actor.enabled=true"),
+    ],
+)
 @pytest.mark.claim("graph-checked-before-start")
 def test_an_unplaced_role_says_which_config_key_places_it(role, switch):
     graph = Graph(name="g", nodes=(_node("a", role=role),))
@@ -165,8 +182,7 @@ def test_mermaid_joins_the_fields_of_one_producer_consumer_pair():
 
 
 def test_nodes_are_frozen_values_with_options_from_a_mapping():
-    node = Node(name="adv", role="driver", op="advantages", inputs=["r"], outputs=["a"],
-                options={"estimator": "grpo"})
+    node = Node(name="adv", role="driver", op="advantages", inputs=["r"], outputs=["a"], options={"estimator": "grpo"})
     assert node.inputs == ("r",) and node.options == (("estimator", "grpo"),)
     assert node.option("estimator") == "grpo"
     assert hash(node) == hash(dataclasses.replace(node))

@@ -13,15 +13,18 @@ import pytest
 from tests.injection import FaultyEngine, environment
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ("import hybridflow.runtime.loop as l, hybridflow.runtime.replicas as r, hybridflow.runtime.sync as s, "
-         "hybridflow.runtime.ops as o; print(l.run_step.__name__, r._attempt.__name__, s.EngineSync.push.__name__, "
-         "o.OPS['old_logprob'].__name__)")
+PROBE = (
+    "import hybridflow.runtime.loop as l, hybridflow.runtime.replicas as r, hybridflow.runtime.sync as s, "
+    "hybridflow.runtime.ops as o; print(l.run_step.__name__, r._attempt.__name__, s.EngineSync.push.__name__, "
+    "o.OPS['old_logprob'].__name__)"
+)
 
 
 def _names(extra: dict[str, str]) -> list[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDFLOW_INJECT_")}
-    done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env={**env, **extra}, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()
 

@@ -9,21 +9,47 @@ from hfschema.model import ModelConfig
 
 
 def _moe(**overrides) -> ModelConfig:
-    base = dict(family="qwen3_moe", hidden_size=64, num_layers=4, num_attention_heads=16,
-                num_kv_heads=4, ffn_hidden_size=128, num_experts=8, moe_ffn_hidden_size=32)
+    base = dict(
+        family="qwen3_moe",
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=16,
+        num_kv_heads=4,
+        ffn_hidden_size=128,
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
 def _dense(**overrides) -> ModelConfig:
-    base = dict(family="llama", hidden_size=64, num_layers=4, num_attention_heads=16,
-                num_kv_heads=4, ffn_hidden_size=128, num_experts=0)
+    base = dict(
+        family="llama",
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=16,
+        num_kv_heads=4,
+        ffn_hidden_size=128,
+        num_experts=0,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
 def _mla(**overrides) -> ModelConfig:
-    base = dict(family="deepseek_v3", hidden_size=64, num_layers=4, num_attention_heads=8,
-                num_kv_heads=8, ffn_hidden_size=128, num_experts=8, moe_ffn_hidden_size=32,
-                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    base = dict(
+        family="deepseek_v3",
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=8,
+        ffn_hidden_size=128,
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -90,9 +116,7 @@ def test_check_world_size():
     layout.check_world_size(2)
     with pytest.raises(ValueError) as info:
         layout.check_world_size(4, prefix="actor.parallel")
-    assert str(info.value) == (
-        "world size 4 does not match actor.parallel: tp*pp*cp*dp = 2*1*1*1 = 2"
-    )
+    assert str(info.value) == ("world size 4 does not match actor.parallel: tp*pp*cp*dp = 2*1*1*1 = 2")
 
 
 def test_check_model_accepts_valid_layout():

@@ -50,16 +50,32 @@ def warm_ups(tmp_path_factory) -> dict[int, Path]:
 @pytest.mark.claim("learning-matrix")
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_the_algorithm_learns_the_task_beyond_its_sft_warm_up(tmp_path: Path, warm_ups, algorithm: str,
-                                                              seed: int) -> None:
+def test_the_algorithm_learns_the_task_beyond_its_sft_warm_up(
+    tmp_path: Path, warm_ups, algorithm: str, seed: int
+) -> None:
     out = seed_from_warm_up(warm_ups[seed], tmp_path / f"{algorithm}_{seed}")
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml",
-           f"run.output_dir={out}", f"algorithm.name={algorithm}", f"run.seed={seed}", *SHORT]
-    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=1100)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        "configs/quickstart_cpu.yaml",
+        f"run.output_dir={out}",
+        f"algorithm.name={algorithm}",
+        f"run.seed={seed}",
+        *SHORT,
+    ]
+    result = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1100
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
-    row = {"algorithm": algorithm, "seed": seed, "heldout_after_sft": summary["heldout_reward_after_sft"],
-           "heldout_after_rl": summary["heldout_reward_after_rl"], "wall_s": round(summary["wall_seconds"])}
+    row = {
+        "algorithm": algorithm,
+        "seed": seed,
+        "heldout_after_sft": summary["heldout_reward_after_sft"],
+        "heldout_after_rl": summary["heldout_reward_after_rl"],
+        "wall_s": round(summary["wall_seconds"]),
+    }
     print("learning-row", json.dumps(row))
     assert row["heldout_after_rl"] > row["heldout_after_sft"], row

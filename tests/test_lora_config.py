@@ -98,8 +98,10 @@ def test_adapter_pushes_run_on_any_placement_and_are_refused_where_they_cannot()
     check_runtime_support(load_config(QUICKSTART, [*push, attention, *separate]))
     check_runtime_support(load_config(QUICKSTART, [*push, attention, *separate, "async_rl.mode=one_step_off"]))
     assert "lora.push" in _error("lora.push=adapters")  # not a choice
-    cases = {"rollout.engine=hf rollout.tp=1 rollout.sync_route=full": "rollout.engine=hf",
-             "lora.target_modules=[linear_qkv,experts]": "'experts'"}
+    cases = {
+        "rollout.engine=hf rollout.tp=1 rollout.sync_route=full": "rollout.engine=hf",
+        "lora.target_modules=[linear_qkv,experts]": "'experts'",
+    }
     for override, named in cases.items():
         cfg = load_config(QUICKSTART, [*push, "lora.target_modules=[linear_qkv]", *override.split()])
         with pytest.raises(ValueError, match="lora.push=adapter") as info:

@@ -40,16 +40,13 @@ def test_colocated_switches_follow_the_step():
     switches = _switches(lower(_cfg(), with_reshard=False))
     # the step ends with the sync, which left the engine's weights resident
     assert switches["generate"] == "engine KV cache resume"
-    assert switches["old_logprob"] == ("engine releases weights+KV cache; "
-                                       "actor grads+optimizer <- host")
+    assert switches["old_logprob"] == ("engine releases weights+KV cache; actor grads+optimizer <- host")
     assert switches["sync_weights"] == "actor grads+optimizer -> host; engine weights resume"
-    assert {switches[name] for name in ("reward", "token_rewards", "advantages",
-                                        "update_actor")} == {None}
+    assert {switches[name] for name in ("reward", "token_rewards", "advantages", "update_actor")} == {None}
 
 
 def test_switches_move_training_state_only_and_name_the_critic():
-    plan = lower(_cfg("reference.enabled=true", "algorithm.kl_loss_coef=0.01"),
-                 with_reshard=False)
+    plan = lower(_cfg("reference.enabled=true", "algorithm.kl_loss_coef=0.01"), with_reshard=False)
     switches = _switches(plan)
     # the reference has no training state: its parameters stay resident (the memory estimate says so)
     assert switches["sync_weights"] == "actor grads+optimizer -> host; engine weights resume"
@@ -63,8 +60,9 @@ def test_switch_values_move_exactly_what_their_modes_differ_by():
     from hybridflow.lowering import switch
 
     cfg = _cfg()
-    assert switch(cfg, "train", "sync") == Switch(source="train", target="sync", offload=("actor",),
-                                                  engine_resume=("weights",))
+    assert switch(cfg, "train", "sync") == Switch(
+        source="train", target="sync", offload=("actor",), engine_resume=("weights",)
+    )
     assert switch(cfg, "sync", "generate").engine_resume == ("kv_cache", "cuda_graph")
     back = switch(cfg, "generate", "train")
     assert back.engine_release == ("weights", "kv_cache", "cuda_graph") and back.restore == ("actor",)
@@ -106,15 +104,13 @@ def test_separate_placement_has_two_pools_and_no_switches():
     cfg = _cfg("rollout.placement=separate", "rollout.num_replicas=2")
     plan = lower(cfg, with_reshard=False)
     actor, rollout = plan.placement.pools
-    assert (actor.name, actor.ranks, rollout.name, rollout.ranks) == \
-        ("actor", range(2), "rollout", range(2, 6))
+    assert (actor.name, actor.ranks, rollout.name, rollout.ranks) == ("actor", range(2), "rollout", range(2, 6))
     assert plan.placement.num_gpus == 6
     assert all(s.switch is None for s in plan.stages)
     by_name = {s.node.name: s for s in plan.stages}
     assert (by_name["generate"].pool, by_name["generate"].ranks) == ("rollout", range(2, 6))
     assert (by_name["reward"].pool, by_name["reward"].ranks) == ("actor", range(2))
-    assert (by_name["sync_weights"].pool, by_name["sync_weights"].ranks) == \
-        ("actor+rollout", range(6))
+    assert (by_name["sync_weights"].pool, by_name["sync_weights"].ranks) == ("actor+rollout", range(6))
     assert list(plan.memory_of("actor").phases) == ["training"]
     assert list(plan.memory_of("rollout").phases) == ["generation"]
 
@@ -134,15 +130,23 @@ def test_a_smaller_reference_runs_on_the_first_ranks():
 
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
 def test_a_role_larger_than_its_pool_names_the_key(placement):
-    cfg = _cfg("reference.enabled=true", "reference.parallel.dp=4",
-               f"rollout.placement={placement}")
+    cfg = _cfg("reference.enabled=true", "reference.parallel.dp=4", f"rollout.placement={placement}")
     pool = "colocated" if placement == "colocated" else "actor"
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             rf"reference.parallel needs tp\*pp\*cp\*dp = 1\*1\*1\*4 = 4 GPUs, more than the 2 "
-            rf"of the {pool} pool .*lower reference.parallel.dp to 2 or less")):
+            rf"of the {pool} pool .*lower reference.parallel.dp to 2 or less"
+        ),
+    ):
         place(cfg)
-    model_parallel = _cfg("algorithm.name=ppo", "critic.enabled=true", "critic.parallel.tp=2",
-                          "critic.parallel.pp=2", f"rollout.placement={placement}")
+    model_parallel = _cfg(
+        "algorithm.name=ppo",
+        "critic.enabled=true",
+        "critic.parallel.tp=2",
+        "critic.parallel.pp=2",
+        f"rollout.placement={placement}",
+    )
     with pytest.raises(ValueError, match=r"lower critic.parallel.tp\*pp\*cp = 4 to at most 2"):
         lower(model_parallel, with_reshard=False)
 
@@ -158,8 +162,9 @@ def test_the_graph_is_validated_against_the_placed_roles(monkeypatch):
     from hybridflow.lowering import Placement, ResourcePool
 
     def no_rollout(cfg):
-        pool = ResourcePool(name="colocated", num_gpus=2, gpus_per_node=8, first_rank=0,
-                            roles=("actor", "reward", "driver"))
+        pool = ResourcePool(
+            name="colocated", num_gpus=2, gpus_per_node=8, first_rank=0, roles=("actor", "reward", "driver")
+        )
         return Placement(mode="colocated", pools=(pool,), rollout_ranks=0)
 
     monkeypatch.setattr("hybridflow.lowering.place", no_rollout)
@@ -189,14 +194,19 @@ def test_the_plan_is_a_frozen_value():
 
 def test_describe_draws_every_section():
     text = "\n".join(lower(_cfg()).describe())
-    for piece in ("graph grpo (7 nodes, data: prompts, answers):",
-                  "  generate [rollout] generate: prompts -> responses",
-                  "placement colocated, 2 GPUs:",
-                  "  colocated: 2 GPUs on 1 node, ranks 0-1: actor, rollout, reward, driver",
-                  "stages:", "  1. generate [rollout] generate on colocated ranks 0-1",
-                  "     switch before it: engine KV cache resume",
-                  "memory per GPU, pool colocated (GiB):", "  peak ",
-                  "reshard: ", "lower bound"):
+    for piece in (
+        "graph grpo (7 nodes, data: prompts, answers):",
+        "  generate [rollout] generate: prompts -> responses",
+        "placement colocated, 2 GPUs:",
+        "  colocated: 2 GPUs on 1 node, ranks 0-1: actor, rollout, reward, driver",
+        "stages:",
+        "  1. generate [rollout] generate on colocated ranks 0-1",
+        "     switch before it: engine KV cache resume",
+        "memory per GPU, pool colocated (GiB):",
+        "  peak ",
+        "reshard: ",
+        "lower bound",
+    ):
         assert piece in text, piece
 
 
@@ -205,8 +215,7 @@ def test_gpu_recipes_fit_80_gib_and_carry_the_reference(name):
     cfg = load_config(str(CONFIGS / f"{name}.yaml"))
     assert cfg.reference.enabled and cfg.reference.parallel == cfg.actor.parallel
     assert cfg.algorithm.name == "grpo" and cfg.algorithm.kl_loss_coef > 0
-    assert cfg.run.prompts_per_step * cfg.rollout.n == \
-        cfg.train.global_batch_size * cfg.algorithm.mini_batches
+    assert cfg.run.prompts_per_step * cfg.rollout.n == cfg.train.global_batch_size * cfg.algorithm.mini_batches
     plan = lower(cfg, with_reshard=False)
     assert plan.fits
     (memory,) = plan.memory
@@ -250,8 +259,12 @@ def test_paper_recipes_fit_and_carry_the_papers_settings(name, tmp_path):
     spec = algorithm_spec(cfg)
     assert (spec.clip_ratio_high, cfg.algorithm.clip_ratio_low, spec.loss_agg_mode) == (0.28, 0.2, "token-mean")
     # 512 prompts x 16 responses in mini-batches of 512: 16 updates a step
-    assert (cfg.run.prompts_per_step, cfg.rollout.n, cfg.train.global_batch_size, cfg.algorithm.mini_batches) == \
-        (512, 16, 512, 16)
+    assert (cfg.run.prompts_per_step, cfg.rollout.n, cfg.train.global_batch_size, cfg.algorithm.mini_batches) == (
+        512,
+        16,
+        512,
+        16,
+    )
     assert cfg.train.lr == 1e-6 and not cfg.reference.enabled and not spec.uses_reference
     if spec.name == "dapo":
         assert spec.dynamic_sampling and spec.overlong_buffer_len == 4096 and cfg.data.max_response_length == 20480
@@ -260,5 +273,18 @@ def test_paper_recipes_fit_and_carry_the_papers_settings(name, tmp_path):
         assert (spec.lm_loss_coef, spec.length_adaptive_lam_alpha, spec.critic_lam) == (0.1, 0.05, 1.0)
     nodes = PAPER_RECIPES[name]
     assert cfg.actor.parallel.world_size == nodes * 8
-    assert main(["slurm", str(CONFIGS / f"{name}.yaml"), f"run.output_dir={tmp_path}", "--nodes", str(nodes),
-                 "--gpus-per-node", "8", "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "slurm",
+                str(CONFIGS / f"{name}.yaml"),
+                f"run.output_dir={tmp_path}",
+                "--nodes",
+                str(nodes),
+                "--gpus-per-node",
+                "8",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )

@@ -20,15 +20,18 @@ pytestmark = pytest.mark.claim("verl-math-rewards")
 THIS_MODULE = __name__
 
 
-@pytest.mark.parametrize("response, truth, score", [
-    ("She has 72 apples.\n#### 72", "72", 1.0),
-    ("She has 72 apples. The answer is 72.", "72", 0.0),  # no "#### ": verl's strict check rejects it
-    ("#### 1,000", "1000", 1.0),  # thousands commas dropped
-    ("#### 72.0", "72", 0.0),  # compared as text
-    ("#### 5 at first, then #### 72", "72", 1.0),  # the last one
-    ("#### 72" + " and more" * 40, "72", 0.0),  # beyond the last 300 characters
-    ("####72", "72", 0.0),  # the space is part of the format
-])
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("She has 72 apples.\n#### 72", "72", 1.0),
+        ("She has 72 apples. The answer is 72.", "72", 0.0),  # no "#### ": verl's strict check rejects it
+        ("#### 1,000", "1000", 1.0),  # thousands commas dropped
+        ("#### 72.0", "72", 0.0),  # compared as text
+        ("#### 5 at first, then #### 72", "72", 1.0),  # the last one
+        ("#### 72" + " and more" * 40, "72", 0.0),  # beyond the last 300 characters
+        ("####72", "72", 0.0),  # the space is part of the format
+    ],
+)
 def test_gsm8k_is_verls_strict_check(response, truth, score):
     assert gsm8k_strict(response, truth) == score
 
@@ -38,24 +41,27 @@ def test_the_math_fallback_and_gsm8k_disagree_where_verl_would():
     assert get_reward("math")(loose, "72") == 1.0 and get_reward("openai/gsm8k")(loose, "72") == 0.0
 
 
-@pytest.mark.parametrize("response, truth, score", [
-    ("so \\boxed{\\dfrac{1}{2}}.", "\\frac{1}{2}", 1.0),
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{\\frac12}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{\\frac1{72}}", "\\frac{1}{72}", 1.0),
-    ("\\boxed{5 \\text{ cm}}", "5", 1.0),
-    ("\\boxed{x = 3}", "3", 1.0),
-    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),
-    ("\\boxed{007}", "7", 1.0),
-    ("\\boxed{90^\\circ}", "90", 1.0),
-    ("\\boxed{3.0}", "3", 0.0),  # verl's check is a string canonicalisation, not arithmetic
-    ("\\fbox{3}", "3", 0.0),  # verl reads \fbox but scores it 0
-    ("first \\boxed{2}, finally \\boxed{3}", "3", 1.0),  # the last box
-    ("The answer is \\boxed 3$.", "3", 1.0),
-    ("\\boxed{3", "3", 0.0),  # unbalanced
-    ("3", "3", 0.0),  # no box
-])
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("so \\boxed{\\dfrac{1}{2}}.", "\\frac{1}{2}", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\frac12}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\frac1{72}}", "\\frac{1}{72}", 1.0),
+        ("\\boxed{5 \\text{ cm}}", "5", 1.0),
+        ("\\boxed{x = 3}", "3", 1.0),
+        ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),
+        ("\\boxed{007}", "7", 1.0),
+        ("\\boxed{90^\\circ}", "90", 1.0),
+        ("\\boxed{3.0}", "3", 0.0),  # verl's check is a string canonicalisation, not arithmetic
+        ("\\fbox{3}", "3", 0.0),  # verl reads \fbox but scores it 0
+        ("first \\boxed{2}, finally \\boxed{3}", "3", 1.0),  # the last box
+        ("The answer is \\boxed 3$.", "3", 1.0),
+        ("\\boxed{3", "3", 0.0),  # unbalanced
+        ("3", "3", 0.0),  # no box
+    ],
+)
 def test_math_is_verls_boxed_check(response, truth, score):
     assert math_boxed(response, truth) == score
 
@@ -66,33 +72,40 @@ def test_the_normalisation_falls_back_to_the_raw_strings_where_it_cannot_read_th
     assert math_boxed("\\boxed{\\sqrt}", "\\sqrt") == 1.0
 
 
-@pytest.mark.parametrize("response, truth, score", [
-    ("So the total is 72.\nAnswer: 72", "72", 1.0),
-    ("answer: $72$", "72", 1.0),
-    ("Answer: 1,000", "1000", 1.0),
-    ("Answer: x = 5", "5", 1.0),
-    ("Answer: 5 dollars", "5", 1.0),
-    ("Answer: \\frac12", "\\frac{1}{2}", 1.0),
-    ("Answer: 4\nthen Answer: 5", "5", 1.0),  # the last one
-    ("The result is 72.", "72", -1.0),  # no "Answer:": DAPO rewards -1
-    ("Answer: 72" + " and more" * 40, "72", -1.0),  # beyond the last 300 characters
-])
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("So the total is 72.\nAnswer: 72", "72", 1.0),
+        ("answer: $72$", "72", 1.0),
+        ("Answer: 1,000", "1000", 1.0),
+        ("Answer: x = 5", "5", 1.0),
+        ("Answer: 5 dollars", "5", 1.0),
+        ("Answer: \\frac12", "\\frac{1}{2}", 1.0),
+        ("Answer: 4\nthen Answer: 5", "5", 1.0),  # the last one
+        ("The result is 72.", "72", -1.0),  # no "Answer:": DAPO rewards -1
+        ("Answer: 72" + " and more" * 40, "72", -1.0),  # beyond the last 300 characters
+    ],
+)
 def test_dapo_math_is_dapos_answer_check(response, truth, score):
     assert dapo_math(response, truth) == score
 
 
 def test_aime_and_math_dapo_rows_get_dapos_check():
-    scores, _ = score_responses(["Answer: 7", "Answer: 7", "Answer: 7"], ["7", "8", "7"],
-                                ["math_dapo", "aime2024", "aime_2025"], RewardConfig())
+    scores, _ = score_responses(
+        ["Answer: 7", "Answer: 7", "Answer: 7"], ["7", "8", "7"], ["math_dapo", "aime2024", "aime_2025"], RewardConfig()
+    )
     assert scores == [1.0, -1.0, 1.0]
 
 
-@pytest.mark.parametrize("response, truth, score", [
-    ("\\boxed{3.0}", "3", 1.0),
-    ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),
-    ("The answer is $\\frac{1}{2}$", "0.5", 1.0),
-    ("\\boxed{4}", "3", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("\\boxed{3.0}", "3", 1.0),
+        ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),
+        ("The answer is $\\frac{1}{2}$", "0.5", 1.0),
+        ("\\boxed{4}", "3", 0.0),
+    ],
+)
 def test_math_verify_is_the_lenient_choice(response, truth, score):
     assert math_verify_score(response, truth) == score
 
@@ -124,8 +137,7 @@ def test_verls_compute_score_is_called_as_verl_calls_it():
     cfg = RewardConfig(function=f"{THIS_MODULE}.compute_score")
     check_reward(cfg)
     SEEN.clear()
-    scores, errors = score_responses(["a", "b"], ["1", "2"], ["openai/gsm8k", None], cfg,
-                                     [{"split": "train"}, None])
+    scores, errors = score_responses(["a", "b"], ["1", "2"], ["openai/gsm8k", None], cfg, [{"split": "train"}, None])
     assert (scores, errors) == ([0.5, 0.25], [])
     assert SEEN == [("openai/gsm8k", "a", "1", {"split": "train"}), (None, "b", "2", None)]
 
@@ -138,13 +150,22 @@ def test_a_reward_function_may_take_the_rows_data_source_and_extra_info():
 
 def test_a_verl_format_parquet_reads_as_it_is(tmp_path):
     """verl's preprocessed GSM8K rows: a chat prompt, data_source, ability, reward_model, extra_info."""
-    row = {"data_source": "openai/gsm8k",
-           "prompt": [{"role": "user", "content": "Natalia sold 48 clips... Let's think step by step and output "
-                                                  "the final answer after \"####\"."}],
-           "ability": "math", "reward_model": {"style": "rule", "ground_truth": "72"},
-           "extra_info": {"split": "train", "index": 0, "answer": "48 + 24 = 72\n#### 72", "question": "..."}}
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [
+            {
+                "role": "user",
+                "content": "Natalia sold 48 clips... Let's think step by step and output "
+                'the final answer after "####".',
+            }
+        ],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "72"},
+        "extra_info": {"split": "train", "index": 0, "answer": "48 + 24 = 72\n#### 72", "question": "..."},
+    }
     (read,) = read_rows([write_parquet(tmp_path / "train.parquet", [row])], DataConfig())
     assert read.prompt == row["prompt"] and read.answer == "72" and read.data_source == "openai/gsm8k"
     assert read.extra["extra_info"]["split"] == "train"
-    assert score_responses(["... #### 72"], [read.answer], [read.data_source], RewardConfig(),
-                           [read.extra["extra_info"]])[0] == [1.0]
+    assert score_responses(
+        ["... #### 72"], [read.answer], [read.data_source], RewardConfig(), [read.extra["extra_info"]]
+    )[0] == [1.0]

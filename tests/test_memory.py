@@ -22,16 +22,36 @@ from hybridflow.model_size import count_parameters
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 # h=64, 2 layers, 4 query heads and 2 kv heads of 16 channels, ffn 128, vocab 256
-DENSE = ["model.family=llama", "model.num_experts=0", "model.hidden_size=64",
-         "model.num_layers=2", "model.num_attention_heads=4", "model.num_kv_heads=2",
-         "model.head_dim=16", "model.ffn_hidden_size=128", "model.vocab_size=256"]
+DENSE = [
+    "model.family=llama",
+    "model.num_experts=0",
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=16",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=256",
+]
 # per layer: q,o 2*64*64 + k,v 2*64*32 = 12288 attention; 3*64*128 = 24576 MLP; 128 norms
 DENSE_LAYER = 12288 + 24576 + 128
-MLA = ["model.family=deepseek_v3", "model.hidden_size=64", "model.num_layers=2",
-       "model.num_attention_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_size=128",
-       "model.vocab_size=256", "model.num_experts=4", "model.moe_ffn_hidden_size=32",
-       "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16",
-       "model.v_head_dim=16", "model.router_score_function=sigmoid", "model.router_expert_bias=true"]
+MLA = [
+    "model.family=deepseek_v3",
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=256",
+    "model.num_experts=4",
+    "model.moe_ffn_hidden_size=32",
+    "model.kv_lora_rank=32",
+    "model.qk_nope_head_dim=16",
+    "model.qk_rope_head_dim=16",
+    "model.v_head_dim=16",
+    "model.router_score_function=sigmoid",
+    "model.router_expert_bias=true",
+]
 
 
 def _cfg(*overrides):
@@ -74,8 +94,7 @@ def test_pipeline_stages_split_layers_and_vocab():
     # each stage: one layer and one vocab matrix; the last stage adds the final norm
     _, parts = training_components(cfg, "actor")
     assert parts["actor params"] == 2 * (DENSE_LAYER + 256 * 64 + 64)
-    interleaved = _cfg(*DENSE, "model.num_layers=4", "actor.parallel.pp=2",
-                       "actor.parallel.vpp=2").actor.parallel
+    interleaved = _cfg(*DENSE, "model.num_layers=4", "actor.parallel.pp=2", "actor.parallel.vpp=2").actor.parallel
     assert stage_layers(4, interleaved, 0) == [0, 2]
     assert stage_layers(4, interleaved, 1) == [1, 3]
 
@@ -91,8 +110,13 @@ def test_distributed_optimizer_divides_state_by_dp():
 
 
 def test_activations_hand_checked():
-    cfg = _cfg(*DENSE, "train.micro_batch_size=2", "train.global_batch_size=8",
-               "data.max_prompt_length=64", "data.max_response_length=16")
+    cfg = _cfg(
+        *DENSE,
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+        "data.max_prompt_length=64",
+        "data.max_response_length=16",
+    )
     tokens = 2 * (64 + 16)
     # per token and layer: attention 2h + q + k + v + o_in = 128 + 64 + 32 + 32 + 64;
     # MLP 2h + 3 ffn = 128 + 384; bf16
@@ -105,8 +129,9 @@ def test_activations_hand_checked():
 
 
 def test_first_stage_keeps_pp_micro_batches():
-    cfg = _cfg(*DENSE, "model.num_layers=4", "actor.parallel.pp=2", "train.micro_batch_size=1",
-               "train.global_batch_size=8")
+    cfg = _cfg(
+        *DENSE, "model.num_layers=4", "actor.parallel.pp=2", "train.micro_batch_size=1", "train.global_batch_size=8"
+    )
     first = _activation_bytes(cfg, cfg.actor.parallel, 0, full_recompute=False)
     last = _activation_bytes(cfg, cfg.actor.parallel, 1, full_recompute=False)
     assert first == 2 * last
@@ -121,8 +146,7 @@ def test_reference_holds_parameters_only():
 def test_kv_cache_gqa():
     # 2 layers, 2 kv heads of 16 channels, bf16: K and V
     assert kv_bytes_per_token(_cfg(*DENSE)) == 2 * 2 * 16 * 2 * 2
-    assert kv_bytes_per_token(_cfg(*DENSE, "rollout.tp=2",
-                                   "actor.parallel.dp=2")) == 2 * 1 * 16 * 2 * 2
+    assert kv_bytes_per_token(_cfg(*DENSE, "rollout.tp=2", "actor.parallel.dp=2")) == 2 * 1 * 16 * 2 * 2
     # attention tp 4 > 2 kv heads: each rank keeps one (replicated) kv head
     four = _cfg(*DENSE, "rollout.tp=4", "rollout.placement=separate")
     assert kv_bytes_per_token(four) == 2 * 1 * 16 * 2 * 2
@@ -183,14 +207,12 @@ def test_describe_is_one_table_with_the_peak_and_a_warning_when_too_big():
     assert lines[0] == "memory per GPU, pool colocated (GiB):"
     assert lines[1].split() == ["generation", "training"]
     assert any(line.split()[:3] == ["actor", "optimizer", "-"] for line in lines)
-    assert f"peak {est.peak_bytes / GIB:.2f} GiB (training) of 40 GiB: DOES NOT FIT" in \
-        "\n".join(lines)
+    assert f"peak {est.peak_bytes / GIB:.2f} GiB (training) of 40 GiB: DOES NOT FIT" in "\n".join(lines)
     warning = est.warning()
     assert warning.startswith("WARNING pool colocated: the training peak")
     assert "raise actor.parallel.tp / pp / ep" in warning  # grads are the biggest part
     small = pool_memory(cfg, ["rollout"], pool="rollout", device_memory_gib=1)
-    assert "lower rollout.max_total_tokens" in small.warning() or \
-        "raise rollout.tp" in small.warning()
+    assert "lower rollout.max_total_tokens" in small.warning() or "raise rollout.tp" in small.warning()
 
 
 def test_a_pool_without_gpu_roles_is_an_error():

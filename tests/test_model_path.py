@@ -34,6 +34,7 @@ def hub_dir(tmp_path_factory) -> Path:
 def copy_of(hub_dir, tmp_path):
     def copy() -> Path:
         return Path(shutil.copytree(hub_dir, tmp_path / "model"))
+
     return copy
 
 
@@ -47,8 +48,10 @@ def test_a_key_that_restates_config_json_is_accepted_and_one_that_contradicts_it
     assert load_config(None, [f"model.path={hub_dir}", "model.num_layers=4"]).model.num_layers == 4
     with pytest.raises(ValueError) as error:
         load_config(None, [f"model.path={hub_dir}", "model.hidden_size=128"])
-    assert str(error.value) == (f"model.hidden_size=128 contradicts {hub_dir}/config.json (64); remove "
-                                "model.hidden_size: model.path sets the architecture")
+    assert str(error.value) == (
+        f"model.hidden_size=128 contradicts {hub_dir}/config.json (64); remove "
+        "model.hidden_size: model.path sets the architecture"
+    )
 
 
 def test_the_quickstart_recipe_with_a_path_names_the_first_key_it_contradicts(hub_dir):
@@ -72,8 +75,10 @@ def test_an_unsupported_model_type_lists_the_supported_ones(copy_of):
     (model / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
     with pytest.raises(ValueError) as error:
         load_config(None, [f"model.path={model}"])
-    assert str(error.value) == (f"{model}/config.json: model_type='gpt_neox' is not supported; supported model "
-                                "types: llama, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3")
+    assert str(error.value) == (
+        f"{model}/config.json: model_type='gpt_neox' is not supported; supported model "
+        "types: llama, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3"
+    )
 
 
 def test_no_tokenizer_files_are_refused(copy_of):
@@ -88,8 +93,9 @@ def test_a_shard_the_index_lists_but_the_directory_lacks_is_named(copy_of):
     (model / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError) as error:
         load_config(None, [f"model.path={model}"])
-    assert str(error.value).startswith(f"{model}/model.safetensors.index.json lists "
-                                       f"model-00002-of-00002.safetensors, missing from {model}; download")
+    assert str(error.value).startswith(
+        f"{model}/model.safetensors.index.json lists model-00002-of-00002.safetensors, missing from {model}; download"
+    )
 
 
 def test_a_directory_without_safetensors_is_refused(copy_of):
@@ -97,8 +103,11 @@ def test_a_directory_without_safetensors_is_refused(copy_of):
     for shard in model.glob("*.safetensors*"):
         shard.unlink()
     (model / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"config\.json but no \*\.safetensors weights \(pytorch_model\.bin "
-                                         r"are not read: save the model with safe_serialization=True\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json but no \*\.safetensors weights \(pytorch_model\.bin "
+        r"are not read: save the model with safe_serialization=True\)",
+    ):
         load_config(None, [f"model.path={model}"])
 
 
@@ -116,10 +125,14 @@ def test_a_cluster_run_without_weights_must_say_init_random():
 
 
 def test_a_random_model_of_a_family_the_run_cannot_write_is_refused_before_any_rank():
-    cfg = load_config(Path(QUICKSTART).with_name("deepseek_v3_671b.yaml").as_posix(), ["model.path=null",
-                                                                                          "model.init=random"])
-    with pytest.raises(ValueError, match=r"^model\.family=deepseek_v3 without model\.path: .* set model\.path to a "
-                                         r"deepseek_v3 model directory"):
+    cfg = load_config(
+        Path(QUICKSTART).with_name("deepseek_v3_671b.yaml").as_posix(), ["model.path=null", "model.init=random"]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^model\.family=deepseek_v3 without model\.path: .* set model\.path to a "
+        r"deepseek_v3 model directory",
+    ):
         check_model_weights(cfg, on_cluster=False)
 
 
@@ -130,11 +143,15 @@ def test_chat_prompts_for_a_model_without_a_chat_template_are_refused(copy_of, t
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     (model / "chat_template.jinja").unlink(missing_ok=True)
     data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}],
-                                "reward_model": {"ground_truth": "2"}}) + "\n")
+    data.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}) + "\n"
+    )
     cfg = load_config(None, [f"model.path={model}", f"data.train_files=[{data}]", "run.heldout_prompts=0"])
-    with pytest.raises(ValueError, match=rf"data.train_files\[0\]={data}: line 1 \(1-based\): the prompt is a "
-                                         rf"list of chat messages but the model in {model} has no chat template"):
+    with pytest.raises(
+        ValueError,
+        match=rf"data.train_files\[0\]={data}: line 1 \(1-based\): the prompt is a "
+        rf"list of chat messages but the model in {model} has no chat template",
+    ):
         check_data(cfg)
 
 
@@ -169,8 +186,11 @@ def test_a_converted_checkpoint_is_a_model_path_too(hub_dir, tmp_path):
     assert cfg.model.architecture == read_model_config(hub_dir)
     check_model_weights(cfg, on_cluster=True)  # converted at tp=1, the default layout's
     cfg = load_config(None, [f"model.path={tmp_path / 'mcore'}", "actor.parallel.tp=2"])
-    with pytest.raises(ValueError, match=r"holds vocabulary rows padded to 384, but actor\.parallel\.tp=2 pads to "
-                                         r"512; convert it again with `hybridflow convert hf-to-mcore --tp 2`"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds vocabulary rows padded to 384, but actor\.parallel\.tp=2 pads to "
+        r"512; convert it again with `hybridflow convert hf-to-mcore --tp 2`",
+    ):
         check_model_weights(cfg, on_cluster=True)
 
 

@@ -12,15 +12,20 @@ from hybridflow.preflight import check_runtime_support, preflight
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart_cpu.yaml")
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["rollout.num_replicas=2", "rollout.tp=1", "rollout.sync_route=full"], "rollout.num_replicas=2 with"),
-    (["rollout.placement=separate", "rollout.engine=hf", "rollout.sync_route=full", "rollout.tp=1"],
-     "rollout.placement=separate with rollout.engine=hf"),
-    (["rollout.placement=separate", "rollout.gpus_per_node=1"], "separate engines spanning nodes"),
-    (["rollout.gpus_per_node=3", "rollout.tp=4", "actor.parallel.dp=4"], "rollout.tp=4 does not fill whole nodes"),
-    (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
-    (["reference.enabled=true", "reference.parallel.ep=1"], "reference.parallel differs"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["rollout.num_replicas=2", "rollout.tp=1", "rollout.sync_route=full"], "rollout.num_replicas=2 with"),
+        (
+            ["rollout.placement=separate", "rollout.engine=hf", "rollout.sync_route=full", "rollout.tp=1"],
+            "rollout.placement=separate with rollout.engine=hf",
+        ),
+        (["rollout.placement=separate", "rollout.gpus_per_node=1"], "separate engines spanning nodes"),
+        (["rollout.gpus_per_node=3", "rollout.tp=4", "actor.parallel.dp=4"], "rollout.tp=4 does not fill whole nodes"),
+        (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
+        (["reference.enabled=true", "reference.parallel.ep=1"], "reference.parallel differs"),
+    ],
+)
 @pytest.mark.claim("preflight-one-line")
 def test_what_the_runtime_cannot_run_is_refused_with_the_key_and_the_fix(overrides, key):
     cfg = load_config(QUICKSTART, overrides)
@@ -42,17 +47,22 @@ def test_an_output_dir_that_cannot_hold_the_run_is_refused_in_one_line(tmp_path,
     from collections import namedtuple
 
     (tmp_path / "a_file").write_text("keep me\n")
-    for where, says in ((tmp_path / "a_file", "is a file, not a directory"),
-                        (tmp_path / "a_file" / "run", "lies under"),
-                        (Path("/sys/hybridflow_run"), "cannot be written")):
+    for where, says in (
+        (tmp_path / "a_file", "is a file, not a directory"),
+        (tmp_path / "a_file" / "run", "lies under"),
+        (Path("/sys/hybridflow_run"), "cannot be written"),
+    ):
         with pytest.raises(ValueError, match=rf"^run.output_dir={where} {says}.*; set run.output_dir to"):
             preflight(load_config(QUICKSTART, [f"run.output_dir={where}"]))
     assert (tmp_path / "a_file").read_text() == "keep me\n"
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 20))
     out = tmp_path / "new" / "run"
-    with pytest.raises(ValueError, match=rf"^run.output_dir={out}: its file system has 1.05 MB free, less than one "
-                                         r"checkpoint of this run \(about 1.62 MB.*set run.output_dir to a larger"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^run.output_dir={out}: its file system has 1.05 MB free, less than one "
+        r"checkpoint of this run \(about 1.62 MB.*set run.output_dir to a larger",
+    ):
         preflight(load_config(QUICKSTART, [f"run.output_dir={out}"]))
     assert not (tmp_path / "new").exists()
 
@@ -139,28 +149,56 @@ def test_plan_resolves_the_reward_function_too(capsys):
     assert "cannot import module 'my_rewards'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("make, overrides, expected", [
-    (lambda d: str(d / "missing.jsonl"), (), "data.train_files[0]={}: no such file (relative paths are read from"),
-    (lambda d: _jsonl(d / "empty.jsonl"), (), "data.train_files[0]={}: the file holds no rows; fill it or remove "
-                                               "it from data.train_files"),
-    (lambda d: _jsonl(d / "q.jsonl", {"question": "1+1=", "answer": 2}), (),
-     "data.train_files[0]={}: none of its first 1 rows is usable (line 1 (1-based): no prompt column 'prompt' "
-     "(data.prompt_key)); its columns: question, answer; set data.prompt_key"),
-    (lambda d: _jsonl(d / "noans.jsonl", {"prompt": "1+1=", "sft_response": "2"}), (),
-     "no value under 'reward_model' (reading 'reward_model.ground_truth')"),
-    (lambda d: _jsonl(d / "nosft.jsonl", {k: v for k, v in ROW.items() if k != "sft_response"}), (),
-     "no SFT response in 'sft_response' (sft.response_key)"),
-    (lambda d: _jsonl(d / "bad.jsonl", ROW, {"prompt": ""}), ("data.on_bad_row=fail",),
-     "data.train_files[0]={}: line 2 (1-based): empty prompt in 'prompt'; fix the row, or set data.on_bad_row=skip"),
-    (lambda d: str(d / "rows.csv"), (), "data.train_files[0]={}: unsupported data file extension '.csv'; convert "
-                                        "it to one of: .jsonl, .parquet"),
-    (lambda d: _parquet(d / "q.parquet", {"question": "1+1=", "answer": 2}), (),
-     "data.train_files[0]={}: none of its first 1 rows is usable (row 0 (0-based): no prompt column 'prompt'"),
-    (lambda d: _write(d / "text.parquet", b"not parquet"), (), "data.train_files[0]={}: cannot be read ("),
-    (lambda d: _write(d / "binary.jsonl", b"\xff\xfe\x00"), (),
-     "data.train_files[0]={}: none of its first 1 rows is usable (line 1 (1-based): not UTF-8 text (byte 0xff at "
-     "byte 1 of the line); re-encode the file as UTF-8)"),
-])
+@pytest.mark.parametrize(
+    "make, overrides, expected",
+    [
+        (lambda d: str(d / "missing.jsonl"), (), "data.train_files[0]={}: no such file (relative paths are read from"),
+        (
+            lambda d: _jsonl(d / "empty.jsonl"),
+            (),
+            "data.train_files[0]={}: the file holds no rows; fill it or remove it from data.train_files",
+        ),
+        (
+            lambda d: _jsonl(d / "q.jsonl", {"question": "1+1=", "answer": 2}),
+            (),
+            "data.train_files[0]={}: none of its first 1 rows is usable (line 1 (1-based): no prompt column 'prompt' "
+            "(data.prompt_key)); its columns: question, answer; set data.prompt_key",
+        ),
+        (
+            lambda d: _jsonl(d / "noans.jsonl", {"prompt": "1+1=", "sft_response": "2"}),
+            (),
+            "no value under 'reward_model' (reading 'reward_model.ground_truth')",
+        ),
+        (
+            lambda d: _jsonl(d / "nosft.jsonl", {k: v for k, v in ROW.items() if k != "sft_response"}),
+            (),
+            "no SFT response in 'sft_response' (sft.response_key)",
+        ),
+        (
+            lambda d: _jsonl(d / "bad.jsonl", ROW, {"prompt": ""}),
+            ("data.on_bad_row=fail",),
+            "data.train_files[0]={}: line 2 (1-based): empty prompt in 'prompt'; fix the row, or set "
+            "data.on_bad_row=skip",
+        ),
+        (
+            lambda d: str(d / "rows.csv"),
+            (),
+            "data.train_files[0]={}: unsupported data file extension '.csv'; convert it to one of: .jsonl, .parquet",
+        ),
+        (
+            lambda d: _parquet(d / "q.parquet", {"question": "1+1=", "answer": 2}),
+            (),
+            "data.train_files[0]={}: none of its first 1 rows is usable (row 0 (0-based): no prompt column 'prompt'",
+        ),
+        (lambda d: _write(d / "text.parquet", b"not parquet"), (), "data.train_files[0]={}: cannot be read ("),
+        (
+            lambda d: _write(d / "binary.jsonl", b"\xff\xfe\x00"),
+            (),
+            "data.train_files[0]={}: none of its first 1 rows is usable (line 1 (1-based): not UTF-8 text "
+            "(byte 0xff at byte 1 of the line); re-encode the file as UTF-8)",
+        ),
+    ],
+)
 @pytest.mark.claim("preflight-one-line")
 def test_data_files_are_checked_before_any_rank_starts(tmp_path, capsys, make, overrides, expected):
     path = make(tmp_path)
@@ -170,26 +208,34 @@ def test_data_files_are_checked_before_any_rank_starts(tmp_path, capsys, make, o
 
 def test_a_heldout_file_is_checked_too(tmp_path, capsys):
     good = _jsonl(tmp_path / "train.jsonl", ROW)
-    line = _refusal(tmp_path, f"data.train_files=[{good}]", f"data.heldout_files=[{good},{tmp_path}/h.jsonl]",
-                    capsys=capsys)
+    line = _refusal(
+        tmp_path, f"data.train_files=[{good}]", f"data.heldout_files=[{good},{tmp_path}/h.jsonl]", capsys=capsys
+    )
     assert f"data.heldout_files[1]={tmp_path}/h.jsonl: no such file" in line
 
 
 @pytest.mark.claim("reward-routing-line")
 def test_preflight_states_which_reward_scores_which_data_source_and_warns_when_one_is_bypassed(tmp_path, capsys):
     rows = _jsonl(tmp_path / "train.jsonl", ROW, ROW, {**ROW, "data_source": "my/math_set"})
-    preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]",
-                                       "reward.function=auto"]))
+    preflight(
+        load_config(
+            QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]", "reward.function=auto"]
+        )
+    )
     out = capsys.readouterr()
-    assert ("hybridflow train: reward (auto): 'arithmetic' (2 rows) -> arithmetic; 'my/math_set' (1 rows) -> math "
-            "(the first rows of each file)") in out.out.splitlines()
+    assert (
+        "hybridflow train: reward (auto): 'arithmetic' (2 rows) -> arithmetic; 'my/math_set' (1 rows) -> math "
+        "(the first rows of each file)"
+    ) in out.out.splitlines()
     assert out.err == ""
     preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]"]))
     out = capsys.readouterr()  # the quickstart's explicit reward.function=max scores every row
     assert "hybridflow train: reward (max): 'arithmetic' (2 rows), 'my/math_set' (1 rows) -> max" in out.out
-    assert out.err == ("hybridflow train: warning: reward.function='max' scores the rows whose data_source is "
-                       "'arithmetic', not the registered 'arithmetic' verifier; set reward.function=auto to score "
-                       "each row by its data_source\n")
+    assert out.err == (
+        "hybridflow train: warning: reward.function='max' scores the rows whose data_source is "
+        "'arithmetic', not the registered 'arithmetic' verifier; set reward.function=auto to score "
+        "each row by its data_source\n"
+    )
 
 
 def test_the_synthetic_task_routes_by_its_name(tmp_path, capsys):
@@ -201,9 +247,11 @@ def test_the_synthetic_task_routes_by_its_name(tmp_path, capsys):
 @pytest.mark.claim("preflight-one-line")
 def test_sglang_expert_parallelism_is_refused_on_a_cpu_machine(tmp_path, capsys):
     line = _refusal(tmp_path, "rollout.ep=2", capsys=capsys)
-    assert line == ("hybridflow train: error: rollout.ep=2 on a machine without a GPU: SGLang's CPU engine runs "
-                    "only ep=1 (its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run "
-                    "on GPUs")
+    assert line == (
+        "hybridflow train: error: rollout.ep=2 on a machine without a GPU: SGLang's CPU engine runs "
+        "only ep=1 (its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run "
+        "on GPUs"
+    )
 
 
 def _run_dir(root: Path) -> Path:
@@ -228,24 +276,30 @@ def test_a_damaged_newest_checkpoint_is_named_and_passed_over_or_refused(tmp_pat
     preflight(load_config(QUICKSTART, [f"run.output_dir={run}"]))
     out = capsys.readouterr()
     assert f"hybridflow train: resuming from {run / 'checkpoints' / 'step_000002'}\n" in out.out
-    assert out.err.endswith(f"hybridflow train: warning: checkpoint step_000004 is damaged: {missing} is missing "
-                            "(listed in .metadata); the run sets it aside as step_000004.damaged and resumes from "
-                            "an earlier one (run.resume_fallback=previous)\n")
+    assert out.err.endswith(
+        f"hybridflow train: warning: checkpoint step_000004 is damaged: {missing} is missing "
+        "(listed in .metadata); the run sets it aside as step_000004.damaged and resumes from "
+        "an earlier one (run.resume_fallback=previous)\n"
+    )
     assert (run / "checkpoints" / "step_000004").is_dir()  # preflight only looks
     line = _refusal(tmp_path, "run.resume_fallback=stop", capsys=capsys)
-    assert line == (f"hybridflow train: error: checkpoint step_000004 is damaged: {missing} is missing (listed in "
-                    f".metadata); set run.resume_fallback=previous to resume from the newest complete checkpoint, "
-                    f"or move {run / 'checkpoints' / 'step_000004'} away")
+    assert line == (
+        f"hybridflow train: error: checkpoint step_000004 is damaged: {missing} is missing (listed in "
+        f".metadata); set run.resume_fallback=previous to resume from the newest complete checkpoint, "
+        f"or move {run / 'checkpoints' / 'step_000004'} away"
+    )
 
 
 @pytest.mark.claim("model-change-refused")
 def test_a_model_the_checkpoint_cannot_load_into_is_named_key_by_key(tmp_path, capsys):
     run = _run_dir(tmp_path / "run")
     line = _refusal(tmp_path, "model.num_layers=3", "model.moe_ffn_hidden_size=16", capsys=capsys)
-    assert line == ("hybridflow train: error: checkpoint step_000004 holds a different model than this config "
-                    "(model.moe_ffn_hidden_size: 32 -> 16; model.num_layers: 2 -> 3; saved under "
-                    f"{run / 'config.yaml'}): restore those model keys to resume, or set a new run.output_dir "
-                    "for a new run")
+    assert line == (
+        "hybridflow train: error: checkpoint step_000004 holds a different model than this config "
+        "(model.moe_ffn_hidden_size: 32 -> 16; model.num_layers: 2 -> 3; saved under "
+        f"{run / 'config.yaml'}): restore those model keys to resume, or set a new run.output_dir "
+        "for a new run"
+    )
     preflight(load_config(QUICKSTART, [f"run.output_dir={run}", "run.steps=40"]))
     assert "hybridflow train: changed since step_000004 was saved: run.steps: 30 -> 40\n" in capsys.readouterr().out
 
@@ -258,6 +312,8 @@ def test_a_damaged_sft_checkpoint_is_refused_when_the_reference_loads_from_it(tm
     missing.unlink()
     preflight(load_config(QUICKSTART, [f"run.output_dir={run}"]))  # no KL term: the SFT checkpoint is not read
     line = _refusal(tmp_path, "reference.enabled=true", "algorithm.kl_loss_coef=0.01", capsys=capsys)
-    assert line == (f"hybridflow train: error: checkpoint sft is damaged: {missing} is missing (listed in .metadata); "
-                    "the reference policy loads from it (algorithm.kl_loss_coef / kl_reward_coef > 0): restore its "
-                    "files, or set a new run.output_dir")
+    assert line == (
+        f"hybridflow train: error: checkpoint sft is damaged: {missing} is missing (listed in .metadata); "
+        "the reference policy loads from it (algorithm.kl_loss_coef / kl_reward_coef > 0): restore its "
+        "files, or set a new run.output_dir"
+    )

@@ -46,8 +46,14 @@ NEW_LAYOUT = {"tp2": "tp=2 pp=1 vpp=1 ep=1 ", "pp2": "tp=1 pp=2 vpp=1 ep=1 "}
 
 def _train(config: Path, out: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **environment(DUMP_LOGPROBS=str(dump))}
-    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}",
-                           *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}", *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 
@@ -62,8 +68,9 @@ def ep2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     """(config, run directory, dump) of the EP=2 run: three steps, a checkpoint after each."""
     root = tmp_path_factory.mktemp("resume_layout")
     config = _config(make_hf_dir(root, "qwen3_moe"), _chat_rows(root / "chat.jsonl"), "qwen3_moe", "ep2")
-    config["run"].update(steps=STEPS, checkpoint_every=1, keep_checkpoints=STEPS, name="resume_layout",
-                         tracking={"backend": "mlflow"})
+    config["run"].update(
+        steps=STEPS, checkpoint_every=1, keep_checkpoints=STEPS, name="resume_layout", tracking={"backend": "mlflow"}
+    )
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     out, dump = root / "ep2", root / "dump_ep2"
@@ -74,7 +81,8 @@ def ep2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
 @pytest.mark.claim("resume-into-another-layout")
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_a_checkpoint_resumed_under_another_layout_continues_from_the_same_weights(
-        ep2_run: tuple[Path, Path, Path], tmp_path: Path, layout: str) -> None:
+    ep2_run: tuple[Path, Path, Path], tmp_path: Path, layout: str
+) -> None:
     config, ep2, ep2_dump = ep2_run
     out, dump = tmp_path / "run", tmp_path / "dump"
     shutil.copytree(ep2, out)

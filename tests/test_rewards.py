@@ -56,12 +56,15 @@ def test_dotted_path_loads_a_function_of_this_module():
     assert get_reward(f"{THIS_MODULE}.half_reward") is half_reward
 
 
-@pytest.mark.parametrize("name, match", [
-    ("no_such_reward", "not a registered reward"),
-    ("no_such_package.module.fn", "cannot import module 'no_such_package.module'"),
-    (f"{THIS_MODULE}.missing_fn", "has nothing named 'missing_fn'"),
-    (f"{THIS_MODULE}.THIS_MODULE", "has a str named 'THIS_MODULE'"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("no_such_reward", "not a registered reward"),
+        ("no_such_package.module.fn", "cannot import module 'no_such_package.module'"),
+        (f"{THIS_MODULE}.missing_fn", "has nothing named 'missing_fn'"),
+        (f"{THIS_MODULE}.THIS_MODULE", "has a str named 'THIS_MODULE'"),
+    ],
+)
 def test_bad_reward_names_say_what_failed(name, match):
     with pytest.raises(ValueError, match=match) as error:
         get_reward(name)
@@ -78,47 +81,67 @@ def test_registering_a_name_twice_is_an_error():
 # --------------------------------------------------------------------------- built-ins
 
 
-@pytest.mark.parametrize("response, answer, score", [
-    ("  Paris\n", "Paris", 1.0), ("paris", "Paris", 0.0), ("42", 42, 1.0), ("42.0", 42, 0.0),
-])
+@pytest.mark.parametrize(
+    "response, answer, score",
+    [
+        ("  Paris\n", "Paris", 1.0),
+        ("paris", "Paris", 0.0),
+        ("42", 42, 1.0),
+        ("42.0", 42, 0.0),
+    ],
+)
 def test_exact_match(response, answer, score):
     assert get_reward("exact_match")(response, answer) == score
 
 
-@pytest.mark.parametrize("text, final", [
-    (r"so \boxed{1} then \boxed{\frac{3}{4}} done", r"\frac{3}{4}"),
-    ("work\n#### 72\n", "72"),
-    ("The Answer: 1,000 apples\nthanks", "1,000 apples"),
-    ("3 apples and 5 pears make 8.", "8"),
-    ("no numbers at all", None),
-])
+@pytest.mark.parametrize(
+    "text, final",
+    [
+        (r"so \boxed{1} then \boxed{\frac{3}{4}} done", r"\frac{3}{4}"),
+        ("work\n#### 72\n", "72"),
+        ("The Answer: 1,000 apples\nthanks", "1,000 apples"),
+        ("3 apples and 5 pears make 8.", "8"),
+        ("no numbers at all", None),
+    ],
+)
 def test_extract_final_answer(text, final):
     assert extract_final_answer(text) == final
 
 
-@pytest.mark.parametrize("response, answer, score", [
-    (r"It is \boxed{42}.", "42", 1.0),
-    (r"It is \boxed{41}.", "42", 0.0),
-    (r"\boxed{\frac{3}{4}}", "0.75", 1.0),
-    (r"\boxed{3/4}", "\\frac{3}{4}", 1.0),
-    ("#### 1,234", 1234, 1.0),
-    ("steps 5, 7 and finally 12", 12, 1.0),
-    ("steps 5, 7 and finally 12", 7, 0.0),
-    ("answer: 2.50", "5/2", 1.0),
-    ("answer: x + 1", "x+1", 1.0),  # not numbers: compared as normalised text
-    ("answer: x + 2", "x+1", 0.0),
-    ("I do not know", 3, 0.0),
-    (r"\boxed{1/0}", 1, 0.0),
-])
+@pytest.mark.parametrize(
+    "response, answer, score",
+    [
+        (r"It is \boxed{42}.", "42", 1.0),
+        (r"It is \boxed{41}.", "42", 0.0),
+        (r"\boxed{\frac{3}{4}}", "0.75", 1.0),
+        (r"\boxed{3/4}", "\\frac{3}{4}", 1.0),
+        ("#### 1,234", 1234, 1.0),
+        ("steps 5, 7 and finally 12", 12, 1.0),
+        ("steps 5, 7 and finally 12", 7, 0.0),
+        ("answer: 2.50", "5/2", 1.0),
+        ("answer: x + 1", "x+1", 1.0),  # not numbers: compared as normalised text
+        ("answer: x + 2", "x+1", 0.0),
+        ("I do not know", 3, 0.0),
+        (r"\boxed{1/0}", 1, 0.0),
+    ],
+)
 def test_math(response, answer, score):
     assert get_reward("math")(response, answer) == score
 
 
-@pytest.mark.parametrize("response, answer, score", [
-    ("19", 19, 1.0), ("19 is it", "19", 1.0), (" 19\n", 19, 1.0), ("-3", -3, 1.0),
-    ("18", 19, 0.0), ("18 19", 19, 0.0),  # only the first integer counts
-    ("", 19, 0.0), ("nineteen", 19, 0.0),
-])
+@pytest.mark.parametrize(
+    "response, answer, score",
+    [
+        ("19", 19, 1.0),
+        ("19 is it", "19", 1.0),
+        (" 19\n", 19, 1.0),
+        ("-3", -3, 1.0),
+        ("18", 19, 0.0),
+        ("18 19", 19, 0.0),  # only the first integer counts
+        ("", 19, 0.0),
+        ("nineteen", 19, 0.0),
+    ],
+)
 def test_arithmetic(response, answer, score):
     assert get_reward("arithmetic")(response, answer) == score
 
@@ -131,29 +154,33 @@ def test_arithmetic_rejects_a_non_integer_answer():
 COUNTDOWN = {"target": 24, "numbers": [2, 3, 4, 6]}
 
 
-@pytest.mark.parametrize("response, score", [
-    ("(2+4)*4", 0.1),            # reuses 4
-    ("6*4", 1.0),                # a subset of the numbers, each once
-    ("(6-2)*(3+...)", 0.0),      # malformed
-    ("6*4*1", 0.1),              # uses a number not given
-    ("<answer>(2*3)*4</answer>", 1.0),
-    ("I think <answer>6+4</answer>", 0.1),  # well formed, wrong value
-    ("6*4 = 24", 1.0),
-    ("24 = 6*4", 1.0),
-    ("so the equation = 6*4", 1.0),
-    ("6*4 = 25", 1.0),           # a wrong claim next to the equation is not what is checked
-    ("6/(3-2)*4", 1.0),          # division, exact
-    ("(6/4)*(3+2)*2", 0.1),      # 2 used twice
-    ("3*(4+6)/(2-2)", 0.1),      # division by zero: well formed, invalid
-    ("6**2-3*4", 0.0),           # power is not allowed
-    ("-2+6*4+2", 0.0),           # no unary minus
-    ("24", 0.1),                 # a bare number, but not a given one
-    ("6", 0.1),                  # a given number, the wrong value
-    ("", 0.0), ("no equation here", 0.0),
-    ("__import__('os').system('true')", 0.0),  # never evaluated
-    ("(lambda: 24)()", 0.0),
-    ("(" * 60 + "6*4" + ")" * 60, 0.0),  # too long to parse
-])
+@pytest.mark.parametrize(
+    "response, score",
+    [
+        ("(2+4)*4", 0.1),  # reuses 4
+        ("6*4", 1.0),  # a subset of the numbers, each once
+        ("(6-2)*(3+...)", 0.0),  # malformed
+        ("6*4*1", 0.1),  # uses a number not given
+        ("<answer>(2*3)*4</answer>", 1.0),
+        ("I think <answer>6+4</answer>", 0.1),  # well formed, wrong value
+        ("6*4 = 24", 1.0),
+        ("24 = 6*4", 1.0),
+        ("so the equation = 6*4", 1.0),
+        ("6*4 = 25", 1.0),  # a wrong claim next to the equation is not what is checked
+        ("6/(3-2)*4", 1.0),  # division, exact
+        ("(6/4)*(3+2)*2", 0.1),  # 2 used twice
+        ("3*(4+6)/(2-2)", 0.1),  # division by zero: well formed, invalid
+        ("6**2-3*4", 0.0),  # power is not allowed
+        ("-2+6*4+2", 0.0),  # no unary minus
+        ("24", 0.1),  # a bare number, but not a given one
+        ("6", 0.1),  # a given number, the wrong value
+        ("", 0.0),
+        ("no equation here", 0.0),
+        ("__import__('os').system('true')", 0.0),  # never evaluated
+        ("(lambda: 24)()", 0.0),
+        ("(" * 60 + "6*4" + ")" * 60, 0.0),  # too long to parse
+    ],
+)
 def test_countdown(response, score):
     assert get_reward("countdown")(response, COUNTDOWN) == pytest.approx(score)
 
@@ -194,23 +221,34 @@ def test_an_explicit_reward_function_scores_every_row_whatever_its_data_source()
 def test_routing_is_described_in_one_line_and_a_bypassed_verifier_is_warned_about():
     sources = {"arithmetic": 90, "my/math_set": 10, None: 2}
     line, warnings = describe_routing(RewardConfig(), sources)
-    assert line == ("reward (auto): 'arithmetic' (90 rows) -> arithmetic; "
-                    "'my/math_set' (10 rows), no data_source (2 rows) -> math")
+    assert line == (
+        "reward (auto): 'arithmetic' (90 rows) -> arithmetic; 'my/math_set' (10 rows), no data_source (2 rows) -> math"
+    )
     assert warnings == []
     line, warnings = describe_routing(RewardConfig(function=f"{THIS_MODULE}.half_reward"), sources)
     assert line.endswith(f"no data_source (2 rows) -> {THIS_MODULE}.half_reward") and "\n" not in line
-    assert warnings == [f"reward.function='{THIS_MODULE}.half_reward' scores the rows whose data_source is "
-                        "'arithmetic', not the registered 'arithmetic' verifier; set reward.function=auto to "
-                        "score each row by its data_source"]
+    assert warnings == [
+        f"reward.function='{THIS_MODULE}.half_reward' scores the rows whose data_source is "
+        "'arithmetic', not the registered 'arithmetic' verifier; set reward.function=auto to "
+        "score each row by its data_source"
+    ]
 
 
-@pytest.mark.parametrize("cfg, match", [
-    (RewardConfig(function="maths"), r"reward.function='maths' is not a registered reward .*did you mean 'math'\?"),
-    (RewardConfig(function="no_such_pkg.fn"), r"reward.function='no_such_pkg.fn': cannot import module 'no_such_pkg'"),
-    (RewardConfig(function=f"{THIS_MODULE}.nope"), r"has nothing named 'nope'"),
-    (RewardConfig(function=f"{THIS_MODULE}.strict_reward", kwargs={"scale": 2}),
-     r"cannot be called as fn\(response, answer, \*\*reward.kwargs\) with reward.kwargs=\{'scale': 2\}"),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (RewardConfig(function="maths"), r"reward.function='maths' is not a registered reward .*did you mean 'math'\?"),
+        (
+            RewardConfig(function="no_such_pkg.fn"),
+            r"reward.function='no_such_pkg.fn': cannot import module 'no_such_pkg'",
+        ),
+        (RewardConfig(function=f"{THIS_MODULE}.nope"), r"has nothing named 'nope'"),
+        (
+            RewardConfig(function=f"{THIS_MODULE}.strict_reward", kwargs={"scale": 2}),
+            r"cannot be called as fn\(response, answer, \*\*reward.kwargs\) with reward.kwargs=\{'scale': 2\}",
+        ),
+    ],
+)
 def test_check_reward_names_the_key_and_the_fix(cfg, match):
     with pytest.raises(ValueError, match=match):
         check_reward(cfg)

@@ -16,10 +16,19 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_selftest_trains_and_reloads(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "hybridflow.cli", "selftest", str(ROOT / "configs/quickstart_cpu.yaml"),
-           f"run.output_dir={tmp_path}", "--steps", "4"]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=500,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "selftest",
+        str(ROOT / "configs/quickstart_cpu.yaml"),
+        f"run.output_dir={tmp_path}",
+        "--steps",
+        "4",
+    ]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=tmp_path, timeout=500, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "selftest.json").read_text())
     assert summary["loss_fell"] and summary["last_loss"] < summary["first_loss"]

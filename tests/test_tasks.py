@@ -26,8 +26,9 @@ def rows_of(path, data_cfg=None):
 def scores_of(rows):
     """Scores of the rows' SFT responses; reward.function stays at its default (auto): the
     rows' data_source picks the task's verifier."""
-    scores, errors = score_responses([r.sft_response for r in rows], [r.answer for r in rows],
-                                     [r.data_source for r in rows], RewardConfig())
+    scores, errors = score_responses(
+        [r.sft_response for r in rows], [r.answer for r in rows], [r.data_source for r in rows], RewardConfig()
+    )
     assert errors == []
     return scores
 
@@ -122,14 +123,21 @@ def test_rows_follow_the_configured_columns(tmp_path):
     train_path, _ = make(tmp_path, data_cfg=data_cfg)
     (row, *_) = rows_of(train_path, data_cfg)
     assert json.loads(train_path.read_text().splitlines()[0]).keys() == {
-        "question", "solution", "data_source", "sft_response"}
+        "question",
+        "solution",
+        "data_source",
+        "sft_response",
+    }
     assert get_reward("arithmetic")(str(row.answer), row.answer) == 1.0
 
 
-@pytest.mark.parametrize("heldout_size, match", [
-    (10, "found only 7 distinct questions"),
-    (7, "held-out split takes"),
-])
+@pytest.mark.parametrize(
+    "heldout_size, match",
+    [
+        (10, "found only 7 distinct questions"),
+        (7, "held-out split takes"),
+    ],
+)
 def test_a_too_small_question_space_is_an_error(tmp_path, heldout_size, match):
     with pytest.raises(ValueError, match=match):
         make(tmp_path, max_operand=1, heldout_size=heldout_size, train_size=5)

@@ -27,8 +27,16 @@ from tests.injection import environment
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[1]
-SHORT = ["run.steps=4", "sft.steps=4", "run.checkpoint_every=2", "run.keep_checkpoints=3",
-         "run.heldout_prompts=16", "run.prompts_per_step=8", "rollout.n=4", "checks.refit_every=1"]
+SHORT = [
+    "run.steps=4",
+    "sft.steps=4",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=3",
+    "run.heldout_prompts=16",
+    "run.prompts_per_step=8",
+    "rollout.n=4",
+    "checks.refit_every=1",
+]
 LOGPROB_TOL = 1e-4
 """fp32 SGLang CPU kernels against fp32 megatron-core; observed <= 1e-6."""
 TIMING = ("timing/", "rollout/tokens_per_s", "sync/seconds")
@@ -41,17 +49,25 @@ it bit for bit: deterministic, with routing replay R2 on, as a MoE user would ru
 reproduction covers the replayed routes too; tests/moe/test_train_replay.py checks the replay)."""
 
 
-def _train(out: Path, *extra: str, fault_at: int | None = None, env: dict | None = None,
-           during=None) -> subprocess.CompletedProcess:
+def _train(
+    out: Path, *extra: str, fault_at: int | None = None, env: dict | None = None, during=None
+) -> subprocess.CompletedProcess:
     """``hybridflow train`` of the short quickstart into ``out``; ``during()``: called once the
     job has started (while it runs)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if fault_at is not None:
         env.update(environment(CRASH_AT_STEP=str(fault_at)))
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml",
-           f"run.output_dir={out}", *SHORT, *extra]
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as job:
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        "configs/quickstart_cpu.yaml",
+        f"run.output_dir={out}",
+        *SHORT,
+        *extra,
+    ]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
         if during is not None:
             during()
         stdout, stderr = job.communicate(timeout=900)
@@ -161,8 +177,10 @@ def test_the_run_executes_the_plan_that_hybridflow_plan_prints(full_run: Path) -
     printed = printed[: len(summary["executed_stages"])]
     # the first RL step as the ranks ran it: every stage, in order, with the switch executed before it
     assert summary["executed_stages"] == printed
-    assert any("switch before it: actor grads+optimizer -> host; engine weights resume" in line
-               for line in summary["executed_stages"])
+    assert any(
+        "switch before it: actor grads+optimizer -> host; engine weights resume" in line
+        for line in summary["executed_stages"]
+    )
 
 
 @pytest.mark.claim("quickstart-pushes-every-step")
@@ -243,9 +261,22 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
         while not (out / "config.yaml").is_file():
             time.sleep(0.05)
         # the same command again while the run goes: refused, and the run below goes on unharmed
-        second = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml",
-                                 f"run.output_dir={out}", *SHORT, *FULL_RUN], cwd=ROOT, capture_output=True,
-                                text=True, timeout=120)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hybridflow.cli",
+                "train",
+                "configs/quickstart_cpu.yaml",
+                f"run.output_dir={out}",
+                *SHORT,
+                *FULL_RUN,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2 and "is in use by a run that is still going" in second.stderr.splitlines()[-1]
         stops.request_checkpoint(out)
 
@@ -261,8 +292,9 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved == ["sft", "step_000002"], saved  # sft_000001 removed once the SFT was complete
     _ok(_train(out, *FULL_RUN))
-    sft_losses = [json.loads((run / "checkpoints" / "sft" / "state.json").read_text())["sft_losses"]
-                  for run in (full_run, out)]
+    sft_losses = [
+        json.loads((run / "checkpoints" / "sft" / "state.json").read_text())["sft_losses"] for run in (full_run, out)
+    ]
     assert sft_losses[0] == sft_losses[1] and len(sft_losses[1]) == 4
     assert _deterministic(_history(out, "step_000004")) == _deterministic(_history(full_run, "step_000004"))
     first = json.loads((full_run / "summary.json").read_text())
@@ -272,7 +304,8 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
 
 @pytest.mark.claim("deterministic-resume-bit-for-bit", "damaged-checkpoint-set-aside")
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
-        full_run: Path, tmp_path: Path) -> None:
+    full_run: Path, tmp_path: Path
+) -> None:
     import shutil
 
     out = tmp_path / "damaged"
@@ -312,8 +345,18 @@ def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> 
     """PPO runs end to end: the critic (value head on the actor's model) is trained beside the
     actor and starts from the actor's SFT weights, not from a fresh initialisation."""
     out = tmp_path / "ppo"
-    _ok(_train(out, "algorithm.name=ppo", "critic.enabled=true", "critic.parallel.ep=2", "critic.parallel.dp=2",
-               "run.steps=2", "sft.steps=10", "run.checkpoint_every=0"))
+    _ok(
+        _train(
+            out,
+            "algorithm.name=ppo",
+            "critic.enabled=true",
+            "critic.parallel.ep=2",
+            "critic.parallel.dp=2",
+            "run.steps=2",
+            "sft.steps=10",
+            "run.checkpoint_every=0",
+        )
+    )
     history = _history(out, "step_000002")
     for h in history:
         assert h["critic/vf_loss"] > 0 and h["critic/grad_norm"] > 0, h
@@ -335,8 +378,9 @@ def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> 
 
 @pytest.mark.claim("algorithms-registered-and-run")
 @pytest.mark.parametrize("algorithm", ["remax", "dapo"])
-def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(full_run: Path, tmp_path: Path,
-                                                                       algorithm: str) -> None:
+def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(
+    full_run: Path, tmp_path: Path, algorithm: str
+) -> None:
     """ReMax's greedy baseline and DAPO's extra draws are rollouts too: each DP rank receives its
     share of them, and the baseline / kept rows line up with the samples they belong to.
 
@@ -384,8 +428,10 @@ each distinct runtime path in the default tier (a critic and VAPO's LM loss, the
 and the adaptive KL reward, GSPO's sequence ratio with rollout correction, RLOO's token-sum)."""
 
 
-@pytest.mark.parametrize("algorithm", [pytest.param(a, marks=pytest.mark.slow) if a in ESTIMATOR_OR_LOSS_ONLY else a
-                                       for a in OTHER_ALGORITHMS])
+@pytest.mark.parametrize(
+    "algorithm",
+    [pytest.param(a, marks=pytest.mark.slow) if a in ESTIMATOR_OR_LOSS_ONLY else a for a in OTHER_ALGORITHMS],
+)
 @pytest.mark.claim("algorithms-registered-and-run", "rollout-correction", "adaptive-kl-reward")
 def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path, algorithm: str) -> None:
     """``hybridflow train``, two RL steps: every step updates the actor with a finite loss, the
@@ -395,17 +441,34 @@ def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path,
     the SGLang engine carries grpo, ppo, remax and dapo through the same runtime above."""
     out = tmp_path / algorithm
     # one run also carries the rollout correction through the runtime (it works with every loss)
-    correction = ("algorithm.rollout_correction=mis", "algorithm.rollout_correction_level=geometric") \
-        if algorithm == "gspo" else ()
+    correction = (
+        ("algorithm.rollout_correction=mis", "algorithm.rollout_correction_level=geometric")
+        if algorithm == "gspo"
+        else ()
+    )
     if algorithm == "rloo":  # and one the unnormalised token-sum aggregation
         correction = ("algorithm.loss_agg_mode=token-sum",)
     if algorithm == "reinforce_plus_plus":  # the adaptive in-reward KL coefficient
-        correction = ("reference.enabled=true", "algorithm.kl_reward_coef=0.05", "algorithm.kl_reward_target=0.001",
-                      "algorithm.kl_reward_horizon=64")
+        correction = (
+            "reference.enabled=true",
+            "algorithm.kl_reward_coef=0.05",
+            "algorithm.kl_reward_target=0.001",
+            "algorithm.kl_reward_horizon=64",
+        )
     if algorithm == "vapo":  # the critic's own learning rate
         correction = ("train.critic_lr=2e-3",)
-    _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2", "sft.steps=1",
-               "run.heldout_prompts=0", *HF_ENGINE, *correction))
+    _ok(
+        _train(
+            out,
+            f"algorithm.name={algorithm}",
+            "run.steps=2",
+            "run.checkpoint_every=2",
+            "sft.steps=1",
+            "run.heldout_prompts=0",
+            *HF_ENGINE,
+            *correction,
+        )
+    )
     history = _history(out, "step_000002")
     assert [h["step"] for h in history] == [1, 2]
     if algorithm == "rloo":  # metrics are token-weighted even though the loss has no divisor

@@ -24,13 +24,31 @@ from tests.test_train import LOGPROB_TOL, WARM_UP, _deterministic, _history, _ok
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
-ASYNC = ["rollout.placement=separate", "rollout.tp=1", WARM_UP, "run.steps=6", "run.checkpoint_every=2",
-         "run.keep_checkpoints=3",  # step 2 stays: the resume test starts from it
-         "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8", "algorithm.rollout_correction=tis"]
-MODES = {"async_k1": (["async_rl.mode=async", "async_rl.max_staleness=1"], 1),
-         # K=2 runs with partial rollouts: whole batches are K=1's path, and one run fewer keeps CI short
-         "async_k2": (["async_rl.mode=async", "async_rl.max_staleness=2", "async_rl.partial_rollout=true",
-                       "async_rl.segment_tokens=1"], 2)}
+ASYNC = [
+    "rollout.placement=separate",
+    "rollout.tp=1",
+    WARM_UP,
+    "run.steps=6",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=3",  # step 2 stays: the resume test starts from it
+    "run.heldout_prompts=20",
+    "run.prompts_per_step=16",
+    "rollout.n=8",
+    "algorithm.rollout_correction=tis",
+]
+MODES = {
+    "async_k1": (["async_rl.mode=async", "async_rl.max_staleness=1"], 1),
+    # K=2 runs with partial rollouts: whole batches are K=1's path, and one run fewer keeps CI short
+    "async_k2": (
+        [
+            "async_rl.mode=async",
+            "async_rl.max_staleness=2",
+            "async_rl.partial_rollout=true",
+            "async_rl.segment_tokens=1",
+        ],
+        2,
+    ),
+}
 TIMED = ("async/overlap", "async/generation_tokens_per_s", "async/training_tokens_per_s")
 
 
@@ -113,7 +131,8 @@ def test_a_killed_async_run_resumed_with_its_buffer_reproduces_the_metrics(runs,
     state = json.loads((out / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["async_buffer"] == [[2, 0], [3, 1]]  # batches started ahead, with their versions
     assert sorted(p.name for p in (out / "checkpoints" / "step_000002").glob("async_buffer_replica*.pt")) == [
-        "async_buffer_replica0.pt"]
+        "async_buffer_replica0.pt"
+    ]
     resumed = _train(out, *args)
     _ok(resumed)
     assert f"resuming from {out / 'checkpoints' / 'step_000002'}" in resumed.stdout, resumed.stdout[-2000:]

@@ -64,8 +64,14 @@ def _config(path: Path, data: Path, family: str, layout: str) -> dict:
         "algorithm": {"name": "grpo", "mini_batches": 1},
         "train": {"lr": 1.0e-4, "micro_batch_size": 4, "global_batch_size": 8},
         "reward": {"function": "math"},
-        "run": {"name": f"family_{family}_{layout}", "steps": 1, "prompts_per_step": 4, "checkpoint_every": 0,
-                "heldout_prompts": 0, "tracking": {"backend": "none"}},
+        "run": {
+            "name": f"family_{family}_{layout}",
+            "steps": 1,
+            "prompts_per_step": 4,
+            "checkpoint_every": 0,
+            "heldout_prompts": 0,
+            "tracking": {"backend": "none"},
+        },
     }
 
 
@@ -93,8 +99,14 @@ def test_a_run_from_a_hub_style_directory_scores_as_transformers(tmp_path: Path,
     config.write_text(yaml.safe_dump(_config(model_dir, _chat_rows(tmp_path / "chat.jsonl"), family, layout)))
     out, dump = tmp_path / "run", tmp_path / "dump"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **environment(DUMP_LOGPROBS=str(dump))}
-    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL, summary  # engine vs trainer

@@ -40,10 +40,19 @@ LOGPROB_TOL = 1e-4
 
 
 def _train(out: Path, *overrides: str) -> Path:
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu_lora.yaml",
-           f"run.output_dir={out}", *SHORT, *overrides]
-    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=1100)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        "configs/quickstart_cpu_lora.yaml",
+        f"run.output_dir={out}",
+        *SHORT,
+        *overrides,
+    ]
+    result = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1100
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return out
 
@@ -59,10 +68,21 @@ def adapter_run(tmp_path_factory, seeded) -> Path:
 
 
 ADAPTER_PUSH = ("lora.push=adapter", "lora.target_modules=[linear_qkv,linear_proj]")
-SEPARATE = ("rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", "run.steps=6",
-            "run.heldout_every=6", "run.checkpoint_every=6")
-ASYNC = ("async_rl.mode=async", "async_rl.max_staleness=2", "async_rl.partial_rollout=true",
-         "async_rl.segment_tokens=1", "algorithm.rollout_correction=tis")
+SEPARATE = (
+    "rollout.placement=separate",
+    "rollout.tp=1",
+    "rollout.num_replicas=2",
+    "run.steps=6",
+    "run.heldout_every=6",
+    "run.checkpoint_every=6",
+)
+ASYNC = (
+    "async_rl.mode=async",
+    "async_rl.max_staleness=2",
+    "async_rl.partial_rollout=true",
+    "async_rl.segment_tokens=1",
+    "algorithm.rollout_correction=tis",
+)
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +145,12 @@ def test_the_adapters_leave_as_peft_files_and_as_merged_weights(run: Path, tmp_p
 
     checkpoints = run / "checkpoints"
     rl = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step"))[-1] / "actor"
-    assert main(["convert", "mcore-to-hf", "--mcore", str(checkpoints / "sft" / "actor"), "--out",
-                 str(tmp_path / "base")]) == 0
+    assert (
+        main(["convert", "mcore-to-hf", "--mcore", str(checkpoints / "sft" / "actor"), "--out", str(tmp_path / "base")])
+        == 0
+    )
     assert main(["convert", "mcore-to-peft", "--mcore", str(rl), "--out", str(tmp_path / "adapter")]) == 0
-    assert main(["convert", "mcore-to-hf", "--mcore", str(rl), "--out", str(tmp_path / "merged"),
-                 "--merge-lora"]) == 0
+    assert main(["convert", "mcore-to-hf", "--mcore", str(rl), "--out", str(tmp_path / "merged"), "--merge-lora"]) == 0
     ids = torch.randint(0, 262, (4, 24), generator=torch.Generator().manual_seed(0))
 
     def scores(net) -> torch.Tensor:

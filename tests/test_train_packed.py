@@ -23,8 +23,16 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 def test_packed_quickstart_trains_and_scores_as_the_engine(tmp_path: Path) -> None:
     out = tmp_path / "packed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu_packed.yaml",
-           f"run.output_dir={out}", *SHORT, "moe.routing_replay=r2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        "configs/quickstart_cpu_packed.yaml",
+        f"run.output_dir={out}",
+        *SHORT,
+        "moe.routing_replay=r2",
+    ]
     _ok(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4
@@ -48,9 +56,22 @@ def test_packed_quickstart_trains_and_scores_as_the_engine(tmp_path: Path) -> No
 @pytest.mark.claim("packed-quickstart-learns")
 def test_the_packed_quickstart_learns(tmp_path: Path, seeded) -> None:
     out = seeded(tmp_path / "packed_learns")
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu_packed.yaml",
-           f"run.output_dir={out}", WARM_UP, "run.steps=10", "run.heldout_every=10", "run.checkpoint_every=10"]
-    _ok(subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=1100))
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        "configs/quickstart_cpu_packed.yaml",
+        f"run.output_dir={out}",
+        WARM_UP,
+        "run.steps=10",
+        "run.heldout_every=10",
+        "run.checkpoint_every=10",
+    ]
+    _ok(
+        subprocess.run(
+            cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1100
+        )
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary

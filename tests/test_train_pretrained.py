@@ -47,9 +47,13 @@ SFT_NOISE = 0.6
 def _gsm8k_row(a: int, b: int, split: str, index: int, worked: str) -> dict:
     """One row as verl's examples/data_preprocess/gsm8k.py lays it out."""
     question = f"max({a},{b})?"
-    return {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": question}],
-            "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(max(a, b))},
-            "extra_info": {"split": split, "index": index, "answer": worked, "question": question}}
+    return {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(max(a, b))},
+        "extra_info": {"split": split, "index": index, "answer": worked, "question": question},
+    }
 
 
 def _write_data(root: Path) -> tuple[Path, Path]:
@@ -70,22 +74,43 @@ def _config(model: Path, train: Path, test: Path) -> dict:
     return {
         "model": {"path": str(model)},
         "actor": {"parallel": {"tp": 2, "dp": 1}},
-        "rollout": {"engine": "sglang", "tp": 2, "dtype": "float32", "n": 8, "temperature": 1.0,
-                    "max_total_tokens": 4096},
-        "data": {"train_files": [str(train)], "heldout_files": [str(test)], "max_prompt_length": 48,
-                 "max_response_length": 8},
+        "rollout": {
+            "engine": "sglang",
+            "tp": 2,
+            "dtype": "float32",
+            "n": 8,
+            "temperature": 1.0,
+            "max_total_tokens": 4096,
+        },
+        "data": {
+            "train_files": [str(train)],
+            "heldout_files": [str(test)],
+            "max_prompt_length": 48,
+            "max_response_length": 8,
+        },
         "sft": {"steps": 200, "lr": 3.0e-3, "batch_size": 64, "response_key": "extra_info.answer"},
         "algorithm": {"name": "grpo", "mini_batches": 4},
         "train": {"lr": 1.0e-3, "micro_batch_size": 16, "global_batch_size": 128, "clip_grad": 1.0},
-        "run": {"name": "gsm8k_style", "steps": RL_STEPS, "prompts_per_step": 16, "checkpoint_every": RL_STEPS,
-                "heldout_prompts": HELDOUT, "tracking": {"backend": "none"}},
+        "run": {
+            "name": "gsm8k_style",
+            "steps": RL_STEPS,
+            "prompts_per_step": 16,
+            "checkpoint_every": RL_STEPS,
+            "heldout_prompts": HELDOUT,
+            "tracking": {"backend": "none"},
+        },
     }
 
 
 def _train(config: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}",
-                           *extra], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=1000)
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "train", str(config), f"run.output_dir={out}", *extra],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=1000,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done
 
@@ -104,8 +129,10 @@ def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loada
     out = tmp_path / "run"
     _train(config, out)
     summary = json.loads((out / "summary.json").read_text())
-    print(f"\nheld-out reward: after SFT {summary['heldout_reward_after_sft']}, "
-          f"after RL {summary['heldout_reward_after_rl']}")
+    print(
+        f"\nheld-out reward: after SFT {summary['heldout_reward_after_sft']}, "
+        f"after RL {summary['heldout_reward_after_rl']}"
+    )
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"] + 0.2, summary
 
     final = out / "checkpoints" / f"step_{RL_STEPS:06d}" / "actor"
@@ -119,15 +146,23 @@ def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loada
     _train(config, out, f"run.steps={RL_STEPS + 1}", "run.heldout_prompts=0", env=environment(DUMP_LOGPROBS=str(dump)))
     assert sorted(p.name for p in dump.iterdir()) == [f"step_{RL_STEPS:06d}"]
     resumed = json.loads((out / "summary.json").read_text())
-    assert resumed["changed_on_resume"] == [{"step": RL_STEPS, "changed": [
-        f"run.heldout_prompts: {HELDOUT} -> 0", f"run.steps: {RL_STEPS} -> {RL_STEPS + 1}"]}], resumed
+    assert resumed["changed_on_resume"] == [
+        {
+            "step": RL_STEPS,
+            "changed": [f"run.heldout_prompts: {HELDOUT} -> 0", f"run.steps: {RL_STEPS} -> {RL_STEPS + 1}"],
+        }
+    ], resumed
     model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
     worst, scored = worst_difference(model, dump)
     print(f"trainer (resumed) vs transformers on the export, {scored} response tokens: max |diff| {worst:.2e}")
     assert scored > 0 and worst < LOGPROB_TOL
 
-    chats = [exported.apply_chat_template([{"role": "user", "content": f"max({a},{b})?"}], add_generation_prompt=True,
-                                          tokenize=False) for a, b in ((2, 7), (9, 4))]
+    chats = [
+        exported.apply_chat_template(
+            [{"role": "user", "content": f"max({a},{b})?"}], add_generation_prompt=True, tokenize=False
+        )
+        for a, b in ((2, 7), (9, 4))
+    ]
     prompts = [exported.encode(text, add_special_tokens=False) for text in chats]
     engine = make_engine("sglang", model_path=str(export), tp=1, dtype="float32", max_total_tokens=2048)
     try:
@@ -135,7 +170,7 @@ def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loada
     finally:
         engine.shutdown()
     for prompt, sample in zip(prompts, batch.samples):
-        expected = transformers_logprobs(model, torch.tensor(prompt + list(sample.response_ids)))[len(prompt) - 1:]
+        expected = transformers_logprobs(model, torch.tensor(prompt + list(sample.response_ids)))[len(prompt) - 1 :]
         assert len(sample.response_ids) > 0
         assert max(abs(a - b) for a, b in zip(sample.logprobs, expected.tolist())) < LOGPROB_TOL
     print("SGLang on the export, greedy:", [exported.decode(s.response_ids) for s in batch.samples])

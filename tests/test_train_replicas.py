@@ -20,8 +20,17 @@ from tests.test_train import LOGPROB_TOL, _deterministic, _history, _ok, _train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1500)]
 
-REPLICAS = ["rollout.tp=1", "rollout.num_replicas=2", "sft.steps=0", "model.init=pretrained", "run.steps=8",
-            "run.checkpoint_every=4", "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8"]
+REPLICAS = [
+    "rollout.tp=1",
+    "rollout.num_replicas=2",
+    "sft.steps=0",
+    "model.init=pretrained",
+    "run.steps=8",
+    "run.checkpoint_every=4",
+    "run.heldout_prompts=20",
+    "run.prompts_per_step=16",
+    "rollout.n=8",
+]
 SAMPLES = 16 * 8
 
 
@@ -53,8 +62,9 @@ def test_the_run_starts_from_the_model_directory(replica_run: Path, pretrained_d
 
 
 @pytest.mark.claim("model-path-e2e")
-def test_the_exported_model_carries_the_starting_models_tokenizer(replica_run: Path, pretrained_dir: Path,
-                                                                  tmp_path: Path) -> None:
+def test_the_exported_model_carries_the_starting_models_tokenizer(
+    replica_run: Path, pretrained_dir: Path, tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_adapters.convert import mcore_to_hf
@@ -84,8 +94,9 @@ def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(repl
 
 
 @pytest.mark.claim("restart-reproduces", "replica-failure-named")
-def test_a_replica_failing_mid_generation_stops_the_step_by_name_and_the_run_resumes(replica_run: Path,
-                                                                                     tmp_path: Path, replicas) -> None:
+def test_a_replica_failing_mid_generation_stops_the_step_by_name_and_the_run_resumes(
+    replica_run: Path, tmp_path: Path, replicas
+) -> None:
     """The uninterrupted run's step-4 checkpoint in a fresh directory (the run as it stood when it
     saved step 4): its restart fails in step 5's generation, saves nothing more, and the next
     restart reproduces the uninterrupted run's steps 5-8."""

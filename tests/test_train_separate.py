@@ -19,8 +19,17 @@ from tests.test_train import LOGPROB_TOL, WARM_UP, _history, _ok, _train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
-SEPARATE = ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", WARM_UP, "run.steps=6",
-            "run.checkpoint_every=6", "run.heldout_prompts=20", "run.prompts_per_step=16", "rollout.n=8"]
+SEPARATE = [
+    "rollout.placement=separate",
+    "rollout.tp=1",
+    "rollout.num_replicas=2",
+    WARM_UP,
+    "run.steps=6",
+    "run.checkpoint_every=6",
+    "run.heldout_prompts=20",
+    "run.prompts_per_step=16",
+    "rollout.n=8",
+]
 REPLICAS = 2
 
 

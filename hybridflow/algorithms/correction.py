@@ -45,8 +45,9 @@ class Correction:
     """``rollout_corr/...``: weight mean / max, dropped fraction, mean log-ratio, k3 KL."""
 
 
-def _log_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,
-                 level: str) -> torch.Tensor:
+def _log_weights(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, level: str
+) -> torch.Tensor:
     token = torch.clamp(zero_padding(old_log_prob.detach() - rollout_log_prob.detach(), mask), -_MAX_LOG_W, _MAX_LOG_W)
     if level == "token":
         return token
@@ -57,13 +58,22 @@ def _log_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mas
     return torch.clamp(total, -_MAX_LOG_W, _MAX_LOG_W).expand_as(token)
 
 
-def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *,
-                       mode: str, level: str = "token", upper: float = 2.0,
-                       lower: Optional[float] = None) -> Correction:
+def rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    mode: str,
+    level: str = "token",
+    upper: float = 2.0,
+    lower: Optional[float] = None,
+) -> Correction:
     """The weights and kept tokens of one correction (module docstring)."""
     if mode not in CORRECTION_MODES or level not in CORRECTION_LEVELS:
-        raise ValueError(f"rollout correction mode {mode!r} / level {level!r}: choose a mode of "
-                         f"{CORRECTION_MODES} and a level of {CORRECTION_LEVELS}")
+        raise ValueError(
+            f"rollout correction mode {mode!r} / level {level!r}: choose a mode of "
+            f"{CORRECTION_MODES} and a level of {CORRECTION_LEVELS}"
+        )
     m = as_bool_mask(response_mask)
     log_w = _log_weights(old_log_prob, rollout_log_prob, response_mask, level)
     w = torch.exp(log_w)

@@ -47,10 +47,17 @@ _EPS = 1e-6
 class Estimator(Protocol):
     """An advantage estimator (see the module docstring for shapes)."""
 
-    def __call__(self, token_rewards: torch.Tensor, response_mask: torch.Tensor, *, index: torch.Tensor,
-                 cfg: AlgorithmConfig, values: Optional[torch.Tensor] = None,
-                 baseline: Optional[torch.Tensor] = None,
-                 split: Optional[BatchSplit] = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(
+        self,
+        token_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        index: torch.Tensor,
+        cfg: AlgorithmConfig,
+        values: Optional[torch.Tensor] = None,
+        baseline: Optional[torch.Tensor] = None,
+        split: Optional[BatchSplit] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 _ESTIMATORS: dict[str, Estimator] = {}
@@ -76,8 +83,10 @@ def estimator_names() -> list[str]:
 def get_estimator(name: str) -> Estimator:
     """The estimator registered as ``name``; ValueError lists the valid names."""
     if name not in _ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r} (algorithm.adv_estimator); "
-                         f"registered: {', '.join(estimator_names())}")
+        raise ValueError(
+            f"unknown advantage estimator {name!r} (algorithm.adv_estimator); "
+            f"registered: {', '.join(estimator_names())}"
+        )
     return _ESTIMATORS[name]
 
 
@@ -109,8 +118,9 @@ def _broadcast(per_sample: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     return zero_padding(per_sample.unsqueeze(-1).expand(response_mask.shape), response_mask)
 
 
-def _discounted_backward(deltas: torch.Tensor, response_mask: torch.Tensor,
-                         decay: torch.Tensor | float) -> torch.Tensor:
+def _discounted_backward(
+    deltas: torch.Tensor, response_mask: torch.Tensor, decay: torch.Tensor | float
+) -> torch.Tensor:
     """acc_t = delta_t + decay * acc_next, run right to left over the masked tokens only.
 
     Unmasked positions inside a response (a tool's output in a multi-turn sample) are skipped:
@@ -225,16 +235,19 @@ def gae(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=Non
     With neither knob set this is standard PPO GAE. ``values`` [B, T] is required.
     """
     if values is None:
-        raise ValueError("the gae estimator needs the critic's values [B, T]: run a critic "
-                         "(algorithm ppo/vapo) or pick a critic-free algorithm.adv_estimator")
+        raise ValueError(
+            "the gae estimator needs the critic's values [B, T]: run a critic "
+            "(algorithm ppo/vapo) or pick a critic-free algorithm.adv_estimator"
+        )
     values = values.detach()
     critic_lam = cfg.lam if cfg.critic_lam is None else cfg.critic_lam
     actor_lam = _adaptive_lam(response_mask, cfg, values.dtype)
     critic_advantages = _gae(token_rewards, values, response_mask, cfg.gamma, critic_lam)
     returns = zero_padding(critic_advantages + values, response_mask)
     same_lam = isinstance(actor_lam, float) and actor_lam == critic_lam
-    actor_advantages = (critic_advantages if same_lam
-                        else _gae(token_rewards, values, response_mask, cfg.gamma, actor_lam))
+    actor_advantages = (
+        critic_advantages if same_lam else _gae(token_rewards, values, response_mask, cfg.gamma, actor_lam)
+    )
     return masked_whiten(actor_advantages, response_mask, split=split), returns
 
 
@@ -268,8 +281,9 @@ def rloo(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=No
 
 
 @register_estimator("reinforce_plus_plus")
-def reinforce_plus_plus(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None,
-                        baseline=None, split=None):
+def reinforce_plus_plus(
+    token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None
+):
     """REINFORCE++: return-to-go of the token rewards (``cfg.gamma``), whitened over the batch's
     masked tokens. Returns = the unwhitened return-to-go."""
     returns = return_to_go(token_rewards, response_mask, cfg.gamma)
@@ -277,8 +291,9 @@ def reinforce_plus_plus(token_rewards, response_mask, *, index, cfg: AlgorithmCo
 
 
 @register_estimator("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(token_rewards, response_mask, *, index, cfg: AlgorithmConfig,
-                                 values=None, baseline=None, split=None):
+def reinforce_plus_plus_baseline(
+    token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None
+):
     """REINFORCE++ with a group baseline: score - group mean, broadcast, then whitened over the
     batch's masked tokens. A group of one has no baseline (mean 0), as in ``grpo``.
     Returns = advantages."""
@@ -294,12 +309,15 @@ def remax(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=N
     broadcast over the response. Returns = return-to-go (``cfg.gamma``) minus the baseline, which
     equals the advantages when gamma is 1 and the score sits on the last token."""
     if baseline is None:
-        raise ValueError("the remax estimator needs baseline [B], the greedy response's score: "
-                         "generate the greedy rollout or pick another algorithm.adv_estimator")
+        raise ValueError(
+            "the remax estimator needs baseline [B], the greedy response's score: "
+            "generate the greedy rollout or pick another algorithm.adv_estimator"
+        )
     scores = sequence_scores(token_rewards, response_mask)
     advantages = _broadcast(scores - baseline, response_mask)
-    returns = zero_padding(return_to_go(token_rewards, response_mask, cfg.gamma)
-                            - baseline.unsqueeze(-1), response_mask)
+    returns = zero_padding(
+        return_to_go(token_rewards, response_mask, cfg.gamma) - baseline.unsqueeze(-1), response_mask
+    )
     return advantages, returns
 
 
@@ -352,15 +370,15 @@ def _best_of_group(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Ten
     positions = torch.arange(scores.shape[0], device=scores.device)
     at_best = torch.where(scores == best[inverse], positions, scores.shape[0])
     first = torch.full((num_groups,), scores.shape[0], device=scores.device).scatter_reduce(
-        0, inverse, at_best, reduce="amin")
+        0, inverse, at_best, reduce="amin"
+    )
     is_best = positions == first[inverse]
     runner_up = _group_extreme(torch.where(is_best, -torch.inf, scores), inverse, num_groups, "amax")
     return is_best, (best - runner_up)[inverse]
 
 
 @register_estimator("grpo_passk")
-def grpo_passk(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None,
-               split=None):
+def grpo_passk(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, values=None, baseline=None, split=None):
     """Pass@k advantages (arXiv 2503.19595; verl's ``compute_grpo_passk_outcome_advantage``):
     only each group's best response learns, with advantage best - second-best score, divided by
     (group std + eps) when ``cfg.norm_adv_by_std``; every other response gets 0.
@@ -372,8 +390,10 @@ def grpo_passk(token_rewards, response_mask, *, index, cfg: AlgorithmConfig, val
     scores = sequence_scores(token_rewards, response_mask)
     _, std, size = group_mean_std(scores, index)
     if bool((size < 2).any()):
-        raise ValueError("the grpo_passk estimator compares each group's best response with its "
-                         f"second best, but a group has {int(size.min())} sample(s): set rollout.n >= 2")
+        raise ValueError(
+            "the grpo_passk estimator compares each group's best response with its "
+            f"second best, but a group has {int(size.min())} sample(s): set rollout.n >= 2"
+        )
     is_best, gap = _best_of_group(scores, index)
     scale = std + _EPS if cfg.norm_adv_by_std else torch.ones_like(std)
     advantages = _broadcast(torch.where(is_best, gap / scale, torch.zeros_like(gap)), response_mask)

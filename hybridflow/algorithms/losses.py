@@ -81,7 +81,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) ->
     count = as_bool_mask(mask).sum().to(x.dtype)
     centred = zero_padding(x - masked_mean(x, mask), mask)
     divisor = (count - 1 if unbiased else count).clamp(min=1)
-    return (centred ** 2).sum() / divisor
+    return (centred**2).sum() / divisor
 
 
 class BatchSplit(Protocol):
@@ -91,8 +91,9 @@ class BatchSplit(Protocol):
     def sum(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8,
-                  split: Optional[BatchSplit] = None) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8, split: Optional[BatchSplit] = None
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked positions; 0 on the padding. With ``split``,
     mean and (Bessel-corrected) variance are those of the whole batch, in two passes as here."""
     if split is None:
@@ -138,8 +139,10 @@ def _seq_mean_token_mean_parts(loss_mat, mask, max_response_length):
 
 def _seq_mean_token_sum_norm_parts(loss_mat, mask, max_response_length):
     if max_response_length is None or max_response_length < 1:
-        raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' divides by the generation budget: "
-                         f"pass max_response_length >= 1 (data.max_response_length), got {max_response_length}")
+        raise ValueError(
+            "loss_agg_mode='seq-mean-token-sum-norm' divides by the generation budget: "
+            f"pass max_response_length >= 1 (data.max_response_length), got {max_response_length}"
+        )
     sums, _, nonempty = _sequence_sums(loss_mat, mask)
     return sums.sum(), nonempty.sum().to(loss_mat.dtype) * max_response_length
 
@@ -154,8 +157,9 @@ _AGG_MODES: dict[str, AggParts] = {
 LOSS_AGG_MODES = tuple(_AGG_MODES)
 
 
-def agg_parts(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
-              max_response_length: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def agg_parts(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, max_response_length: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(numerator, denominator) of the aggregated loss of one micro-batch.
 
     Summing both over the micro-batches of a batch and dividing the numerator by
@@ -178,8 +182,9 @@ def agg_parts(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
     return _AGG_MODES[mode](loss_mat, mask, max_response_length)
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
-             max_response_length: Optional[int] = None) -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, max_response_length: Optional[int] = None
+) -> torch.Tensor:
     """The scalar loss of ``loss_mat`` averaged under ``mode`` (see ``agg_parts``); 0 if all is padding."""
     numerator, denominator = agg_parts(loss_mat, mask, mode, max_response_length=max_response_length)
     return numerator / denominator.clamp(min=1)
@@ -187,8 +192,10 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *,
 
 # ---------------------------------------------------------------- policy losses
 
-PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmConfig],
-                      tuple[torch.Tensor, dict[str, torch.Tensor]]]
+PolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AlgorithmConfig],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
 _POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
@@ -216,15 +223,19 @@ def policy_loss_names() -> list[str]:
 def get_policy_loss(name: str) -> PolicyLoss:
     """The policy loss registered as ``name``; ValueError lists the valid names."""
     if name not in _POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r} (algorithm.policy_loss); "
-                         f"registered: {', '.join(policy_loss_names())}")
+        raise ValueError(
+            f"unknown policy loss {name!r} (algorithm.policy_loss); registered: {', '.join(policy_loss_names())}"
+        )
     return _POLICY_LOSSES[name]
 
 
 def _clean_inputs(old_log_prob, log_prob, advantages, mask):
     """Inputs with zeroed padding, old log-probs detached: the rollout policy is a constant."""
-    return (zero_padding(old_log_prob.detach(), mask), zero_padding(log_prob, mask),
-            zero_padding(advantages.detach(), mask))
+    return (
+        zero_padding(old_log_prob.detach(), mask),
+        zero_padding(log_prob, mask),
+        zero_padding(advantages.detach(), mask),
+    )
 
 
 def _clamp_log_ratio(log_ratio: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
@@ -267,9 +278,11 @@ def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, cfg: 
     dual_bound = -advantages * cfg.clip_ratio_c
     dual_active = (advantages < 0) & (clip_loss > dual_bound)
     loss_mat = torch.where(dual_active, dual_bound, clip_loss)
-    metrics = {"clipfrac": _fraction(clipped, response_mask),
-               "clipfrac_lower": _fraction(dual_active, response_mask),
-               "ppo_kl": _ppo_kl(old_log_prob, log_prob, response_mask)}
+    metrics = {
+        "clipfrac": _fraction(clipped, response_mask),
+        "clipfrac_lower": _fraction(dual_active, response_mask),
+        "ppo_kl": _ppo_kl(old_log_prob, log_prob, response_mask),
+    }
     return zero_padding(loss_mat, response_mask), metrics
 
 
@@ -288,8 +301,7 @@ def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, cfg: Alg
     token_log_ratio = sequence_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
     ratio = torch.exp(_clamp_log_ratio(token_log_ratio, cfg))
     loss_mat, clipped = _clipped_surrogate(ratio, advantages, cfg)
-    metrics = {"clipfrac": _fraction(clipped, response_mask),
-               "ppo_kl": _ppo_kl(old_log_prob, log_prob, response_mask)}
+    metrics = {"clipfrac": _fraction(clipped, response_mask), "ppo_kl": _ppo_kl(old_log_prob, log_prob, response_mask)}
     return zero_padding(loss_mat, response_mask), metrics
 
 
@@ -306,8 +318,10 @@ def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, cfg: Al
     ratio = torch.exp(_log_ratio(old_log_prob, log_prob, cfg)).detach()
     upper = 1.0 + cfg.clip_high
     loss_mat = -torch.clamp(ratio, max=upper) * advantages * log_prob
-    metrics = {"clipfrac": _fraction(ratio > upper, response_mask),
-               "ppo_kl": _ppo_kl(old_log_prob, log_prob, response_mask)}
+    metrics = {
+        "clipfrac": _fraction(ratio > upper, response_mask),
+        "ppo_kl": _ppo_kl(old_log_prob, log_prob, response_mask),
+    }
     return zero_padding(loss_mat, response_mask), metrics
 
 
@@ -436,8 +450,11 @@ def kl_cov_policy_loss(old_log_prob, log_prob, advantages, response_mask, cfg: A
     penalised = _largest(_covariance(advantages, log_prob, mask), mask, _token_budget(cfg.kl_cov_ratio, mask))
     penalty = torch.where(penalised, cfg.ppo_kl_coef * log_ratio.abs(), torch.zeros_like(log_ratio))
     loss_mat = -advantages * torch.exp(log_ratio) + penalty
-    metrics = {"clipfrac": _fraction(penalised, mask), "ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
-               "ppo_kl_abs": masked_mean((log_prob - old_log_prob).abs(), mask).detach()}
+    metrics = {
+        "clipfrac": _fraction(penalised, mask),
+        "ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
+        "ppo_kl_abs": masked_mean((log_prob - old_log_prob).abs(), mask).detach(),
+    }
     return zero_padding(loss_mat, mask), metrics
 
 
@@ -489,9 +506,11 @@ def gmpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, cfg: Alg
     token_log_ratio = sequence_log_ratio.detach().unsqueeze(-1) + pessimistic - pessimistic.detach()
     loss_mat = -masked_mean(advantages, mask, dim=-1).unsqueeze(-1) * torch.exp(token_log_ratio)
     outside = log_ratio != clipped
-    metrics = {"clipfrac": _fraction(outside & (advantages > 0), mask),
-               "clipfrac_lower": _fraction(outside & (advantages < 0), mask),
-               "ppo_kl": _ppo_kl(old_log_prob, log_prob, mask)}
+    metrics = {
+        "clipfrac": _fraction(outside & (advantages > 0), mask),
+        "clipfrac_lower": _fraction(outside & (advantages < 0), mask),
+        "ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
+    }
     return zero_padding(loss_mat, mask), metrics
 
 
@@ -509,8 +528,9 @@ def _tv_inside(old_log_prob, log_prob, advantages, cfg: AlgorithmConfig) -> torc
 def _binary_kl_inside(old_log_prob, log_prob, advantages, cfg: AlgorithmConfig) -> torch.Tensor:
     # KL(old || new) of the two-outcome distributions; the 1e-8 are verl's
     old_prob, prob = torch.exp(old_log_prob), torch.exp(log_prob)
-    kl = (old_prob * (old_log_prob - log_prob)
-          + (1.0 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)))
+    kl = old_prob * (old_log_prob - log_prob) + (1.0 - old_prob) * torch.log(
+        (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+    )
     up = (kl <= cfg.clip_high) | (prob <= old_prob)
     down = (kl <= cfg.clip_ratio_low) | (prob >= old_prob)
     return torch.where(advantages > 0, up, down)
@@ -530,9 +550,11 @@ def _dppo(old_log_prob, log_prob, advantages, response_mask, cfg: AlgorithmConfi
     inside = inside_region(old_log_prob, log_prob.detach(), advantages, cfg)
     weighted = -advantages * torch.clamp(ratio, max=cfg.clip_ratio_c) * log_prob
     loss_mat = torch.where(inside, weighted, torch.zeros_like(weighted))
-    metrics = {"clipfrac": _fraction(~inside, mask),
-               "clipfrac_lower": _fraction(inside & (ratio > cfg.clip_ratio_c), mask),
-               "ppo_kl": _ppo_kl(old_log_prob, log_prob, mask)}
+    metrics = {
+        "clipfrac": _fraction(~inside, mask),
+        "clipfrac_lower": _fraction(inside & (ratio > cfg.clip_ratio_c), mask),
+        "ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
+    }
     return zero_padding(loss_mat, mask), metrics
 
 
@@ -556,10 +578,17 @@ def dppo_kl_policy_loss(old_log_prob, log_prob, advantages, response_mask, cfg: 
     return _dppo(old_log_prob, log_prob, advantages, response_mask, cfg, _binary_kl_inside)
 
 
-def compute_policy_loss(name: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
-                        advantages: torch.Tensor, response_mask: torch.Tensor, cfg: AlgorithmConfig, *,
-                        loss_agg_mode: str, max_response_length: Optional[int] = None
-                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def compute_policy_loss(
+    name: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    loss_agg_mode: str,
+    max_response_length: Optional[int] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar policy loss ``name`` aggregated under ``loss_agg_mode``, and its metrics."""
     loss_mat, metrics = get_policy_loss(name)(old_log_prob, log_prob, advantages, response_mask, cfg)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, max_response_length=max_response_length)
@@ -578,7 +607,7 @@ def _abs(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
-    return 0.5 * log_ratio ** 2
+    return 0.5 * log_ratio**2
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -601,7 +630,12 @@ def _straight_through(estimator: Callable[[torch.Tensor], torch.Tensor]) -> Call
 
 
 _KL_PENALTIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "k1": _k1, "abs": _abs, "mse": _k2, "k2": _k2, "low_var_kl": _k3, "k3": _k3,
+    "k1": _k1,
+    "abs": _abs,
+    "mse": _k2,
+    "k2": _k2,
+    "low_var_kl": _k3,
+    "k3": _k3,
 }
 _KL_PENALTIES |= {f"{kind}+": _straight_through(_KL_PENALTIES[kind]) for kind in ("k1", "abs", "low_var_kl", "k3")}
 
@@ -620,17 +654,25 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     ``(logp - ref) * grad logp`` (verl's ``+`` kinds, straight through).
     """
     if kind not in _KL_PENALTIES:
-        raise ValueError(f"unknown KL kind {kind!r} (algorithm.kl_type); choose one of: "
-                         f"{', '.join(kl_penalty_names())}")
+        raise ValueError(
+            f"unknown KL kind {kind!r} (algorithm.kl_type); choose one of: {', '.join(kl_penalty_names())}"
+        )
     return _KL_PENALTIES[kind](log_prob - ref_log_prob)
 
 
 # ---------------------------------------------------------------- value, entropy, LM losses
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               response_mask: torch.Tensor, *, clip: float, loss_agg_mode: str,
-               max_response_length: Optional[int] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip: float,
+    loss_agg_mode: str,
+    max_response_length: Optional[int] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped critic loss ``0.5 * max((v - R)^2, (clip(v, old - clip, old + clip) - R)^2)``.
 
     ``vf_clipfrac`` is the fraction of masked tokens where the clipped term is the larger.
@@ -640,8 +682,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, metrics
 
 
-def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                     response_mask: torch.Tensor, *, clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss_terms(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor, *, clip: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``value_loss`` before aggregation: the per-token loss ``[B, T]`` and ``vf_clipfrac``
     (for callers that aggregate across micro-batches with ``agg_parts``)."""
     values = zero_padding(values, response_mask)
@@ -654,14 +697,21 @@ def value_loss_terms(values: torch.Tensor, old_values: torch.Tensor, returns: to
     return loss_mat, {"vf_clipfrac": _fraction(clipped_error > unclipped_error, response_mask)}
 
 
-def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, mode: str, *,
-                 max_response_length: Optional[int] = None) -> torch.Tensor:
+def entropy_loss(
+    entropy: torch.Tensor, mask: torch.Tensor, mode: str, *, max_response_length: Optional[int] = None
+) -> torch.Tensor:
     """Token entropy aggregated under ``mode``; positive, so the caller subtracts ``entropy_coef`` times it."""
     return agg_loss(entropy, mask, mode, max_response_length=max_response_length)
 
 
-def lm_loss(log_prob: torch.Tensor, response_mask: torch.Tensor, positive: torch.Tensor, mode: str, *,
-            max_response_length: Optional[int] = None) -> torch.Tensor:
+def lm_loss(
+    log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    positive: torch.Tensor,
+    mode: str,
+    *,
+    max_response_length: Optional[int] = None,
+) -> torch.Tensor:
     """VAPO's positive-example LM loss: the NLL of the tokens of samples with ``positive`` [B] true.
 
     Aggregated under ``mode`` over those samples only; 0 when no sample is positive.

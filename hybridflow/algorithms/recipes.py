@@ -212,21 +212,18 @@ class AlgorithmSpec:
         features = self._features()
         if features:
             lines.append("  " + "; ".join(features))
-        lines += [f"  {k}={_yaml(v)}: {self.name}'s value (the config left the default)"
-                  for k, v in self.filled]
-        lines += [f"  {k}={_yaml(v)} is what {self.name}'s paper uses; not applied"
-                  for k, v in self.recommended]
+        lines += [f"  {k}={_yaml(v)}: {self.name}'s value (the config left the default)" for k, v in self.filled]
+        lines += [f"  {k}={_yaml(v)} is what {self.name}'s paper uses; not applied" for k, v in self.recommended]
         return lines
 
     def _features(self) -> list[str]:
         switched = {
-            "critic" + (f" ({self.critic_warmup_steps} warm-up steps)"
-                         if self.critic_warmup_steps else ""): self.needs_critic,
+            "critic"
+            + (f" ({self.critic_warmup_steps} warm-up steps)" if self.critic_warmup_steps else ""): self.needs_critic,
             "reference (KL in the loss)": self.kl_in_loss,
             "reference (KL in the reward)": self.kl_in_reward,
             f"dynamic sampling, up to {self.max_sampling_rounds} rounds": self.dynamic_sampling,
-            f"overlong shaping over the last {self.overlong_buffer_len} tokens":
-                self.overlong_shaping,
+            f"overlong shaping over the last {self.overlong_buffer_len} tokens": self.overlong_shaping,
             f"LM loss on correct samples x{self.lm_loss_coef}": self.lm_loss,
             f"PF-PPO ({self.pf_ppo})": self.pf_ppo is not None,
             "greedy baseline": self.greedy_baseline,
@@ -264,8 +261,7 @@ def algorithm_names() -> tuple[str, ...]:
     return tuple(_ALGORITHMS)
 
 
-_OVERRIDES = {"adv_estimator": "estimator", "policy_loss": "policy_loss",
-              "loss_agg_mode": "loss_agg_mode"}
+_OVERRIDES = {"adv_estimator": "estimator", "policy_loss": "policy_loss", "loss_agg_mode": "loss_agg_mode"}
 """algorithm.<key> that, when set, replaces the spec field it maps to."""
 
 
@@ -274,48 +270,61 @@ def algorithm_spec(cfg: HybridflowConfig) -> AlgorithmSpec:
     name = cfg.algorithm.name
     if name not in _ALGORITHMS:
         raise ValueError(
-            f"algorithm.name={name!r} is not a registered algorithm; choose one of: "
-            f"{', '.join(_ALGORITHMS)}"
+            f"algorithm.name={name!r} is not a registered algorithm; choose one of: {', '.join(_ALGORITHMS)}"
         )
     spec = _ALGORITHMS[name](cfg)
-    changes = {field: getattr(cfg.algorithm, key) for key, field in _OVERRIDES.items()
-               if getattr(cfg.algorithm, key) is not None}
+    changes = {
+        field: getattr(cfg.algorithm, key)
+        for key, field in _OVERRIDES.items()
+        if getattr(cfg.algorithm, key) is not None
+    }
     return dataclasses.replace(spec, **changes)
 
 
 # --------------------------------------------------------------------------- building specs
 
 _SCHEMA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig)}
-OFF = {"dynamic_sampling": False, "overlong_buffer_len": 0, "lm_loss_coef": 0.0,
-       "length_adaptive_lam_alpha": 0.0}
+OFF = {"dynamic_sampling": False, "overlong_buffer_len": 0, "lm_loss_coef": 0.0, "length_adaptive_lam_alpha": 0.0}
 """What a knob left None means for an algorithm without a value of its own (0: off)."""
 
 
-def _spec(cfg: HybridflowConfig, *, name: str, description: str, estimator: str,
-          policy_loss: str = "vanilla", loss_agg_mode: str = "token-mean",
-          paper: Mapping[str, Any] | None = None,
-          advice: Mapping[str, Any] | None = None) -> AlgorithmSpec:
+def _spec(
+    cfg: HybridflowConfig,
+    *,
+    name: str,
+    description: str,
+    estimator: str,
+    policy_loss: str = "vanilla",
+    loss_agg_mode: str = "token-mean",
+    paper: Mapping[str, Any] | None = None,
+    advice: Mapping[str, Any] | None = None,
+) -> AlgorithmSpec:
     """A spec from ``cfg.algorithm``: ``paper`` values are filled in where the config leaves
     the schema default; ``advice`` values are only recorded there."""
     knobs, filled = _fill(cfg.algorithm, paper or {})
     return AlgorithmSpec(
-        name=name, description=description, estimator=estimator, policy_loss=policy_loss,
+        name=name,
+        description=description,
+        estimator=estimator,
+        policy_loss=policy_loss,
         loss_agg_mode=loss_agg_mode,
         clip_ratio_high=_first_set(knobs["clip_ratio_high"], knobs["clip_ratio_low"]),
         critic_lam=_first_set(knobs["critic_lam"], knobs["lam"]),
         length_adaptive_lam_alpha=knobs["length_adaptive_lam_alpha"],
         critic_warmup_steps=knobs["value_pretrain_steps"],
-        kl_in_loss=knobs["kl_loss_coef"] > 0, kl_in_reward=knobs["kl_reward_coef"] > 0,
+        kl_in_loss=knobs["kl_loss_coef"] > 0,
+        kl_in_reward=knobs["kl_reward_coef"] > 0,
         dynamic_sampling=knobs["dynamic_sampling"],
         max_sampling_rounds=knobs["max_sampling_rounds"],
-        overlong_buffer_len=knobs["overlong_buffer_len"], lm_loss_coef=knobs["lm_loss_coef"],
-        pf_ppo=knobs["pf_ppo"], filled=filled,
+        overlong_buffer_len=knobs["overlong_buffer_len"],
+        lm_loss_coef=knobs["lm_loss_coef"],
+        pf_ppo=knobs["pf_ppo"],
+        filled=filled,
         recommended=_unfollowed(knobs, advice or {}),
     )
 
 
-def _fill(algorithm: AlgorithmConfig, paper: Mapping[str, Any]
-          ) -> tuple[dict[str, Any], tuple[tuple[str, Any], ...]]:
+def _fill(algorithm: AlgorithmConfig, paper: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, Any], ...]]:
     """algorithm's fields with ``paper`` values where the config left them None (a value the
     user wrote always wins, even one equal to the schema's), the rest of the None knobs off,
     and the (config key, value) pairs that were filled."""
@@ -328,11 +337,9 @@ def _fill(algorithm: AlgorithmConfig, paper: Mapping[str, Any]
     return knobs, tuple((f"algorithm.{k}", v) for k, v in unset.items())
 
 
-def _unfollowed(knobs: Mapping[str, Any], advice: Mapping[str, Any]
-                ) -> tuple[tuple[str, Any], ...]:
+def _unfollowed(knobs: Mapping[str, Any], advice: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """(config key, value) of the ``advice`` the config neither follows nor overrides."""
-    return tuple((f"algorithm.{k}", v) for k, v in advice.items()
-                 if knobs[k] == _SCHEMA_DEFAULTS[k] != v)
+    return tuple((f"algorithm.{k}", v) for k, v in advice.items() if knobs[k] == _SCHEMA_DEFAULTS[k] != v)
 
 
 def _first_set(value: Any, fallback: Any) -> Any:
@@ -344,97 +351,164 @@ def _first_set(value: Any, fallback: Any) -> Any:
 
 @register_algorithm("ppo")
 def _ppo(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="ppo", estimator="gae", description=(
-        "PPO: clipped policy updates with a learned critic and GAE advantages "
-        "(Schulman et al., 2017, 'Proximal Policy Optimization Algorithms')"))
+    return _spec(
+        cfg,
+        name="ppo",
+        estimator="gae",
+        description=(
+            "PPO: clipped policy updates with a learned critic and GAE advantages "
+            "(Schulman et al., 2017, 'Proximal Policy Optimization Algorithms')"
+        ),
+    )
 
 
 @register_algorithm("grpo")
 def _grpo(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="grpo", estimator="grpo", description=(
-        "GRPO: rewards normalised within each prompt's group of responses, no critic "
-        "(Shao et al., 2024, 'DeepSeekMath')"))
+    return _spec(
+        cfg,
+        name="grpo",
+        estimator="grpo",
+        description=(
+            "GRPO: rewards normalised within each prompt's group of responses, no critic "
+            "(Shao et al., 2024, 'DeepSeekMath')"
+        ),
+    )
 
 
 @register_algorithm("dapo")
 def _dapo(cfg: HybridflowConfig) -> AlgorithmSpec:
     # the paper's overlong buffer is 4096 of a 20480-token budget: a fifth of it
     buffer = max(1, cfg.data.max_response_length // 5)
-    return _spec(cfg, name="dapo", estimator="grpo", description=(
-        "DAPO: GRPO with clip-higher, dynamic sampling, a token-level loss and overlong "
-        "shaping (Yu et al., 2025, 'DAPO: An Open-Source LLM Reinforcement Learning System "
-        "at Scale')"),
-        paper=dict(clip_ratio_high=0.28, dynamic_sampling=True, overlong_buffer_len=buffer))
+    return _spec(
+        cfg,
+        name="dapo",
+        estimator="grpo",
+        description=(
+            "DAPO: GRPO with clip-higher, dynamic sampling, a token-level loss and overlong "
+            "shaping (Yu et al., 2025, 'DAPO: An Open-Source LLM Reinforcement Learning System "
+            "at Scale')"
+        ),
+        paper=dict(clip_ratio_high=0.28, dynamic_sampling=True, overlong_buffer_len=buffer),
+    )
 
 
 @register_algorithm("vapo")
 def _vapo(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="vapo", estimator="gae", description=(
-        "VAPO: value-based PPO with value pre-training, decoupled and length-adaptive GAE, "
-        "clip-higher and an LM loss on correct samples (Yue et al., 2025, 'VAPO: Efficient "
-        "and Reliable Reinforcement Learning for Advanced Reasoning Tasks')"),
-        paper=dict(clip_ratio_high=0.28, critic_lam=1.0, length_adaptive_lam_alpha=0.05,
-                   lm_loss_coef=0.1),
+    return _spec(
+        cfg,
+        name="vapo",
+        estimator="gae",
+        description=(
+            "VAPO: value-based PPO with value pre-training, decoupled and length-adaptive GAE, "
+            "clip-higher and an LM loss on correct samples (Yue et al., 2025, 'VAPO: Efficient "
+            "and Reliable Reinforcement Learning for Advanced Reasoning Tasks')"
+        ),
+        paper=dict(clip_ratio_high=0.28, critic_lam=1.0, length_adaptive_lam_alpha=0.05, lm_loss_coef=0.1),
         # 50 critic-only steps would stall a short run, so the config decides
-        advice=dict(value_pretrain_steps=50))
+        advice=dict(value_pretrain_steps=50),
+    )
 
 
 @register_algorithm("rloo")
 def _rloo(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="rloo", estimator="rloo", description=(
-        "RLOO: each response's baseline is the mean score of the other responses to its "
-        "prompt (Ahmadian et al., 2024, 'Back to Basics: Revisiting REINFORCE Style "
-        "Optimization for Learning from Human Feedback in LLMs')"))
+    return _spec(
+        cfg,
+        name="rloo",
+        estimator="rloo",
+        description=(
+            "RLOO: each response's baseline is the mean score of the other responses to its "
+            "prompt (Ahmadian et al., 2024, 'Back to Basics: Revisiting REINFORCE Style "
+            "Optimization for Learning from Human Feedback in LLMs')"
+        ),
+    )
 
 
 @register_algorithm("reinforce_plus_plus")
 def _reinforce_plus_plus(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="reinforce_plus_plus", estimator="reinforce_plus_plus", description=(
-        "REINFORCE++: critic-free returns normalised over the whole batch "
-        "(Hu, 2025, 'REINFORCE++: A Simple and Efficient Approach for Aligning Large "
-        "Language Models')"))
+    return _spec(
+        cfg,
+        name="reinforce_plus_plus",
+        estimator="reinforce_plus_plus",
+        description=(
+            "REINFORCE++: critic-free returns normalised over the whole batch "
+            "(Hu, 2025, 'REINFORCE++: A Simple and Efficient Approach for Aligning Large "
+            "Language Models')"
+        ),
+    )
 
 
 @register_algorithm("reinforce_plus_plus_baseline")
 def _reinforce_plus_plus_baseline(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="reinforce_plus_plus_baseline",
-                 estimator="reinforce_plus_plus_baseline", description=(
-                     "REINFORCE++ with the group's mean score subtracted before the batch "
-                     "normalisation (Hu, 2025, 'REINFORCE++')"))
+    return _spec(
+        cfg,
+        name="reinforce_plus_plus_baseline",
+        estimator="reinforce_plus_plus_baseline",
+        description=(
+            "REINFORCE++ with the group's mean score subtracted before the batch "
+            "normalisation (Hu, 2025, 'REINFORCE++')"
+        ),
+    )
 
 
 @register_algorithm("remax")
 def _remax(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="remax", estimator="remax", description=(
-        "ReMax: REINFORCE with the score of a greedy response to the same prompt as baseline "
-        "(Li et al., 2023, 'ReMax: A Simple, Effective, and Efficient Reinforcement Learning "
-        "Method for Aligning Large Language Models')"))
+    return _spec(
+        cfg,
+        name="remax",
+        estimator="remax",
+        description=(
+            "ReMax: REINFORCE with the score of a greedy response to the same prompt as baseline "
+            "(Li et al., 2023, 'ReMax: A Simple, Effective, and Efficient Reinforcement Learning "
+            "Method for Aligning Large Language Models')"
+        ),
+    )
 
 
 @register_algorithm("gspo")
 def _gspo(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="gspo", estimator="grpo", policy_loss="gspo",
-                 loss_agg_mode="seq-mean-token-mean", description=(
-                     "GSPO: group-relative advantages with one length-normalised importance "
-                     "ratio per sequence (Zheng et al., 2025, 'Group Sequence Policy "
-                     "Optimization')"),
-                 # sequence ratios sit near 1: the paper clips them in [1 - 3e-4, 1 + 4e-4]
-                 advice=dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4))
+    return _spec(
+        cfg,
+        name="gspo",
+        estimator="grpo",
+        policy_loss="gspo",
+        loss_agg_mode="seq-mean-token-mean",
+        description=(
+            "GSPO: group-relative advantages with one length-normalised importance "
+            "ratio per sequence (Zheng et al., 2025, 'Group Sequence Policy "
+            "Optimization')"
+        ),
+        # sequence ratios sit near 1: the paper clips them in [1 - 3e-4, 1 + 4e-4]
+        advice=dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+    )
 
 
 @register_algorithm("gpg")
 def _gpg(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="gpg", estimator="gpg", policy_loss="gpg", description=(
-        "GPG: a plain policy gradient on group-relative advantages, without clipping "
-        "(Chu et al., 2025, 'GPG: A Simple and Strong Reinforcement Learning Baseline for "
-        "Model Reasoning')"))
+    return _spec(
+        cfg,
+        name="gpg",
+        estimator="gpg",
+        policy_loss="gpg",
+        description=(
+            "GPG: a plain policy gradient on group-relative advantages, without clipping "
+            "(Chu et al., 2025, 'GPG: A Simple and Strong Reinforcement Learning Baseline for "
+            "Model Reasoning')"
+        ),
+    )
 
 
 @register_algorithm("cispo")
 def _cispo(cfg: HybridflowConfig) -> AlgorithmSpec:
-    return _spec(cfg, name="cispo", estimator="grpo", policy_loss="cispo", description=(
-        "CISPO: clips the importance-sampling weight instead of the update, so every token "
-        "keeps its gradient (MiniMax, 2025, 'MiniMax-M1')"))
+    return _spec(
+        cfg,
+        name="cispo",
+        estimator="grpo",
+        policy_loss="cispo",
+        description=(
+            "CISPO: clips the importance-sampling weight instead of the update, so every token "
+            "keeps its gradient (MiniMax, 2025, 'MiniMax-M1')"
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- config checks
@@ -453,11 +527,16 @@ def check_roles(cfg: HybridflowConfig, spec: AlgorithmSpec) -> None:
         if message:
             raise ValueError(message)
     if cfg.critic.enabled and not spec.needs_critic:
-        logger.warning("critic.enabled=true, but %s reads no values: the critic stays idle; "
-                       "set critic.enabled=false to free its memory", _estimator_key(cfg, spec))
+        logger.warning(
+            "critic.enabled=true, but %s reads no values: the critic stays idle; "
+            "set critic.enabled=false to free its memory",
+            _estimator_key(cfg, spec),
+        )
     if cfg.reference.enabled and not spec.uses_reference:
-        logger.warning("reference.enabled=true, but algorithm.kl_loss_coef and kl_reward_coef "
-                       "are 0: the reference stays idle; set reference.enabled=false")
+        logger.warning(
+            "reference.enabled=true, but algorithm.kl_loss_coef and kl_reward_coef "
+            "are 0: the reference stays idle; set reference.enabled=false"
+        )
     for line in idle_options(cfg, spec):
         logger.warning("%s", line)
 
@@ -468,19 +547,30 @@ def idle_options(cfg: HybridflowConfig, spec: AlgorithmSpec) -> list[str]:
     algo = cfg.algorithm
     gae = spec.estimator == "gae"
     reads = {
-        "value_clip": spec.needs_critic, "critic_lam": gae, "value_pretrain_steps": spec.needs_critic,
-        "length_adaptive_lam_alpha": gae, "lam": gae,
+        "value_clip": spec.needs_critic,
+        "critic_lam": gae,
+        "value_pretrain_steps": spec.needs_critic,
+        "length_adaptive_lam_alpha": gae,
+        "lam": gae,
         "gamma": spec.estimator in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
         "norm_adv_by_std": spec.estimator == "grpo",
-        "max_sampling_rounds": spec.dynamic_sampling, "overlong_penalty_factor": spec.overlong_shaping,
-        "pf_ppo_weight_pow": spec.pf_ppo == "pow", "clip_ratio_c": spec.policy_loss == "vanilla",
-        "kl_type": spec.kl_in_loss or spec.kl_in_reward, "kl_reward_horizon": algo.kl_reward_target is not None,
-        **{key: algo.rollout_correction is not None for key in
-           ("rollout_correction_level", "rollout_correction_upper", "rollout_correction_lower")},
+        "max_sampling_rounds": spec.dynamic_sampling,
+        "overlong_penalty_factor": spec.overlong_shaping,
+        "pf_ppo_weight_pow": spec.pf_ppo == "pow",
+        "clip_ratio_c": spec.policy_loss == "vanilla",
+        "kl_type": spec.kl_in_loss or spec.kl_in_reward,
+        "kl_reward_horizon": algo.kl_reward_target is not None,
+        **{
+            key: algo.rollout_correction is not None
+            for key in ("rollout_correction_level", "rollout_correction_upper", "rollout_correction_lower")
+        },
     }
-    return [f"algorithm.{key}={getattr(algo, key)!r} has no effect: {_estimator_key(cfg, spec)} "
-            f"(policy loss {spec.policy_loss}) does not read it"
-            for key, used in reads.items() if not used and getattr(algo, key) != _SCHEMA_DEFAULTS[key]]
+    return [
+        f"algorithm.{key}={getattr(algo, key)!r} has no effect: {_estimator_key(cfg, spec)} "
+        f"(policy loss {spec.policy_loss}) does not read it"
+        for key, used in reads.items()
+        if not used and getattr(algo, key) != _SCHEMA_DEFAULTS[key]
+    ]
 
 
 def _estimator_key(cfg: HybridflowConfig, spec: AlgorithmSpec) -> str:
@@ -499,18 +589,25 @@ def _missing_actor(cfg: HybridflowConfig, spec: AlgorithmSpec) -> str | None:
 def _missing_critic(cfg: HybridflowConfig, spec: AlgorithmSpec) -> str | None:
     if cfg.critic.enabled or not spec.needs_critic:
         return None
-    return (f"{_estimator_key(cfg, spec)} needs a critic: remove critic.enabled=false (unset, the "
-            "critic is built when the algorithm needs one), or choose a critic-free algorithm "
-            "such as algorithm.name=grpo")
+    return (
+        f"{_estimator_key(cfg, spec)} needs a critic: remove critic.enabled=false (unset, the "
+        "critic is built when the algorithm needs one), or choose a critic-free algorithm "
+        "such as algorithm.name=grpo"
+    )
 
 
 def _missing_reference(cfg: HybridflowConfig, spec: AlgorithmSpec) -> str | None:
     if cfg.reference.enabled or not spec.uses_reference:
         return None
-    coefs = [f"algorithm.{key}={getattr(cfg.algorithm, key)}"
-             for key in ("kl_loss_coef", "kl_reward_coef") if getattr(cfg.algorithm, key) > 0]
-    return (f"{' and '.join(coefs)} needs the reference policy: set reference.enabled=true "
-            "(and reference.parallel to its layout), or set the coefficient to 0")
+    coefs = [
+        f"algorithm.{key}={getattr(cfg.algorithm, key)}"
+        for key in ("kl_loss_coef", "kl_reward_coef")
+        if getattr(cfg.algorithm, key) > 0
+    ]
+    return (
+        f"{' and '.join(coefs)} needs the reference policy: set reference.enabled=true "
+        "(and reference.parallel to its layout), or set the coefficient to 0"
+    )
 
 
 def check_sampling(cfg: HybridflowConfig, spec: AlgorithmSpec) -> None:
@@ -520,8 +617,7 @@ def check_sampling(cfg: HybridflowConfig, spec: AlgorithmSpec) -> None:
     n = cfg.rollout.n
     if n < 2 and ESTIMATORS[spec.estimator].groups:
         raise ValueError(
-            f"{_estimator_key(cfg, spec)} compares the responses to one prompt, but "
-            f"rollout.n={n}: set rollout.n >= 2"
+            f"{_estimator_key(cfg, spec)} compares the responses to one prompt, but rollout.n={n}: set rollout.n >= 2"
         )
     if n < 2 and spec.dynamic_sampling:
         raise ValueError(
@@ -557,8 +653,9 @@ def with_routing_replay(graph: Graph, mode: str) -> Graph:
 
     def add_routes(node: Node) -> Node:
         if node.op == "old_logprob":
-            return dataclasses.replace(node, outputs=node.outputs + ("routed_experts",),
-                                       options={**dict(node.options), "routing_replay": mode})
+            return dataclasses.replace(
+                node, outputs=node.outputs + ("routed_experts",), options={**dict(node.options), "routing_replay": mode}
+            )
         if node.op == "update_actor":
             return dataclasses.replace(node, inputs=node.inputs + ("routed_experts",))
         return node
@@ -569,8 +666,7 @@ def with_routing_replay(graph: Graph, mode: str) -> Graph:
 def graph_from_spec(spec: AlgorithmSpec) -> Graph:
     """The nodes ``spec`` needs, in the order the step runs them (not validated)."""
     nodes = (make(spec) for make in _NODE_BUILDERS)
-    return Graph(name=spec.name, nodes=tuple(n for n in nodes if n is not None),
-                 data_fields=DATA_FIELDS)
+    return Graph(name=spec.name, nodes=tuple(n for n in nodes if n is not None), data_fields=DATA_FIELDS)
 
 
 def _when(flag: bool, *fields: str) -> tuple[str, ...]:
@@ -583,23 +679,39 @@ def _after_filter(spec: AlgorithmSpec) -> tuple[str, ...]:
 
 
 def _generate(spec: AlgorithmSpec) -> Node:
-    return Node(name="generate", role="rollout", op="generate", inputs=("prompts",),
-                outputs=("responses", "rollout_logprobs"),
-                doc="sample rollout.n responses per prompt with the actor's latest weights")
+    return Node(
+        name="generate",
+        role="rollout",
+        op="generate",
+        inputs=("prompts",),
+        outputs=("responses", "rollout_logprobs"),
+        doc="sample rollout.n responses per prompt with the actor's latest weights",
+    )
 
 
 def _generate_greedy(spec: AlgorithmSpec) -> Node | None:
     if not spec.greedy_baseline:
         return None
-    return Node(name="generate_greedy", role="rollout", op="generate_greedy",
-                inputs=("prompts",), outputs=("baseline_responses",),
-                doc="one greedy response per prompt, the ReMax baseline")
+    return Node(
+        name="generate_greedy",
+        role="rollout",
+        op="generate_greedy",
+        inputs=("prompts",),
+        outputs=("baseline_responses",),
+        doc="one greedy response per prompt, the ReMax baseline",
+    )
 
 
 def _reward_node(name: str, responses: str, scores: str, doc: str) -> Node:
-    return Node(name=name, role="reward", op="reward", inputs=(responses, "answers"),
-                outputs=(scores,), options={"responses_field": responses, "scores_field": scores},
-                doc=doc)
+    return Node(
+        name=name,
+        role="reward",
+        op="reward",
+        inputs=(responses, "answers"),
+        outputs=(scores,),
+        options={"responses_field": responses, "scores_field": scores},
+        doc=doc,
+    )
 
 
 def _reward(spec: AlgorithmSpec) -> Node:
@@ -609,94 +721,153 @@ def _reward(spec: AlgorithmSpec) -> Node:
 def _baseline_reward(spec: AlgorithmSpec) -> Node | None:
     if not spec.greedy_baseline:
         return None
-    return _reward_node("baseline_reward", "baseline_responses", "baseline_scores",
-                        "score the greedy baseline responses")
+    return _reward_node(
+        "baseline_reward", "baseline_responses", "baseline_scores", "score the greedy baseline responses"
+    )
 
 
 def _filter_groups(spec: AlgorithmSpec) -> Node | None:
     if not spec.dynamic_sampling:
         return None
-    return Node(name="filter_groups", role=DRIVER, op="filter_groups",
-                inputs=("scores",) + _when(spec.greedy_baseline, "baseline_scores"),
-                outputs=("kept",), options={"max_rounds": spec.max_sampling_rounds},
-                doc="drop groups with equal scores; resample until the batch is full")
+    return Node(
+        name="filter_groups",
+        role=DRIVER,
+        op="filter_groups",
+        inputs=("scores",) + _when(spec.greedy_baseline, "baseline_scores"),
+        outputs=("kept",),
+        options={"max_rounds": spec.max_sampling_rounds},
+        doc="drop groups with equal scores; resample until the batch is full",
+    )
 
 
 def _old_logprob(spec: AlgorithmSpec) -> Node:
-    return Node(name="old_logprob", role="actor", op="old_logprob",
-                inputs=("responses",) + _after_filter(spec), outputs=("old_logprobs", "entropy"),
-                options={"routing_replay": "off"},
-                doc="log-probs of the responses under the actor before the update")
+    return Node(
+        name="old_logprob",
+        role="actor",
+        op="old_logprob",
+        inputs=("responses",) + _after_filter(spec),
+        outputs=("old_logprobs", "entropy"),
+        options={"routing_replay": "off"},
+        doc="log-probs of the responses under the actor before the update",
+    )
 
 
 def _ref_logprob(spec: AlgorithmSpec) -> Node | None:
     if not spec.uses_reference:
         return None
-    return Node(name="ref_logprob", role="reference", op="ref_logprob",
-                inputs=("responses",) + _after_filter(spec), outputs=("ref_logprobs",),
-                doc="log-probs of the responses under the frozen reference policy")
+    return Node(
+        name="ref_logprob",
+        role="reference",
+        op="ref_logprob",
+        inputs=("responses",) + _after_filter(spec),
+        outputs=("ref_logprobs",),
+        doc="log-probs of the responses under the frozen reference policy",
+    )
 
 
 def _values(spec: AlgorithmSpec) -> Node | None:
     if not spec.needs_critic:
         return None
-    return Node(name="values", role="critic", op="values",
-                inputs=("responses",) + _after_filter(spec), outputs=("values",),
-                doc="the critic's value of every response token")
+    return Node(
+        name="values",
+        role="critic",
+        op="values",
+        inputs=("responses",) + _after_filter(spec),
+        outputs=("values",),
+        doc="the critic's value of every response token",
+    )
 
 
 def _token_rewards(spec: AlgorithmSpec) -> Node:
-    inputs = (("scores", "responses") + _after_filter(spec)
-              + _when(spec.kl_in_reward, "ref_logprobs", "old_logprobs"))
-    return Node(name="token_rewards", role=DRIVER, op="token_rewards", inputs=inputs,
-                outputs=("token_rewards",),
-                options={"kl_penalty": spec.kl_in_reward,
-                         "overlong_buffer_len": spec.overlong_buffer_len},
-                doc="the score on the last token, minus KL and overlong penalties")
+    inputs = ("scores", "responses") + _after_filter(spec) + _when(spec.kl_in_reward, "ref_logprobs", "old_logprobs")
+    return Node(
+        name="token_rewards",
+        role=DRIVER,
+        op="token_rewards",
+        inputs=inputs,
+        outputs=("token_rewards",),
+        options={"kl_penalty": spec.kl_in_reward, "overlong_buffer_len": spec.overlong_buffer_len},
+        doc="the score on the last token, minus KL and overlong penalties",
+    )
 
 
 def _advantages(spec: AlgorithmSpec) -> Node:
     options: dict[str, Any] = {"estimator": spec.estimator}
     if spec.needs_critic:
-        options |= {"critic_lam": spec.critic_lam,
-                    "length_adaptive_lam_alpha": spec.length_adaptive_lam_alpha}
-    return Node(name="advantages", role=DRIVER, op="advantages",
-                inputs=("token_rewards",) + ESTIMATORS[spec.estimator].fields,
-                outputs=("advantages", "returns"), options=options,
-                doc=f"{spec.estimator} advantages (and the critic's returns)")
+        options |= {"critic_lam": spec.critic_lam, "length_adaptive_lam_alpha": spec.length_adaptive_lam_alpha}
+    return Node(
+        name="advantages",
+        role=DRIVER,
+        op="advantages",
+        inputs=("token_rewards",) + ESTIMATORS[spec.estimator].fields,
+        outputs=("advantages", "returns"),
+        options=options,
+        doc=f"{spec.estimator} advantages (and the critic's returns)",
+    )
 
 
 def _update_critic(spec: AlgorithmSpec) -> Node | None:
     if not spec.needs_critic:
         return None
-    return Node(name="update_critic", role="critic", op="update_critic",
-                inputs=("responses", "values", "returns"), outputs=("critic_metrics",),
-                doc="regress the critic's values on the returns (clipped)")
+    return Node(
+        name="update_critic",
+        role="critic",
+        op="update_critic",
+        inputs=("responses", "values", "returns"),
+        outputs=("critic_metrics",),
+        doc="regress the critic's values on the returns (clipped)",
+    )
 
 
 def _update_actor(spec: AlgorithmSpec) -> Node:
-    inputs = (("responses", "old_logprobs", "advantages")
-              + _when(spec.kl_in_loss, "ref_logprobs")
-              + _when(spec.lm_loss or spec.pf_ppo is not None, "scores"))
-    return Node(name="update_actor", role="actor", op="update_actor", inputs=inputs,
-                outputs=("actor_metrics",),
-                options={"policy_loss": spec.policy_loss, "loss_agg_mode": spec.loss_agg_mode,
-                         "clip_ratio_high": spec.clip_ratio_high, "kl_loss": spec.kl_in_loss,
-                         "lm_loss_coef": spec.lm_loss_coef, "pf_ppo": spec.pf_ppo,
-                         "start_step": spec.critic_warmup_steps},
-                doc=f"{spec.policy_loss} policy loss over algorithm.ppo_epochs x mini_batches")
+    inputs = (
+        ("responses", "old_logprobs", "advantages")
+        + _when(spec.kl_in_loss, "ref_logprobs")
+        + _when(spec.lm_loss or spec.pf_ppo is not None, "scores")
+    )
+    return Node(
+        name="update_actor",
+        role="actor",
+        op="update_actor",
+        inputs=inputs,
+        outputs=("actor_metrics",),
+        options={
+            "policy_loss": spec.policy_loss,
+            "loss_agg_mode": spec.loss_agg_mode,
+            "clip_ratio_high": spec.clip_ratio_high,
+            "kl_loss": spec.kl_in_loss,
+            "lm_loss_coef": spec.lm_loss_coef,
+            "pf_ppo": spec.pf_ppo,
+            "start_step": spec.critic_warmup_steps,
+        },
+        doc=f"{spec.policy_loss} policy loss over algorithm.ppo_epochs x mini_batches",
+    )
 
 
 def _sync_weights(spec: AlgorithmSpec) -> Node:
-    return Node(name="sync_weights", role="actor", op="sync_weights",
-                inputs=("actor_metrics",) + _when(spec.needs_critic, "critic_metrics"),
-                outputs=("rollout_weights",),
-                doc="push the updated actor to the rollout engines through the reshard plan")
+    return Node(
+        name="sync_weights",
+        role="actor",
+        op="sync_weights",
+        inputs=("actor_metrics",) + _when(spec.needs_critic, "critic_metrics"),
+        outputs=("rollout_weights",),
+        doc="push the updated actor to the rollout engines through the reshard plan",
+    )
 
 
 _NODE_BUILDERS: tuple[Callable[[AlgorithmSpec], Node | None], ...] = (
-    _generate, _generate_greedy, _reward, _baseline_reward, _filter_groups, _old_logprob,
-    _ref_logprob, _values, _token_rewards, _advantages, _update_critic, _update_actor,
+    _generate,
+    _generate_greedy,
+    _reward,
+    _baseline_reward,
+    _filter_groups,
+    _old_logprob,
+    _ref_logprob,
+    _values,
+    _token_rewards,
+    _advantages,
+    _update_critic,
+    _update_actor,
     _sync_weights,
 )
 """Every node an algorithm may use, in step order; a builder returns None when the spec

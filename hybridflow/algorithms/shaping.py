@@ -1,10 +1,10 @@
 """Reward shaping and sample selection applied between scoring and advantage estimation.
 
-    scores [B] --overlong_penalty-->  + length penalty (DAPO)
-    scores [B] --filter_groups-->     keep [B] (DAPO dynamic sampling)
-    scores [B] --pf_ppo_resample-->   indices [B] (PF-PPO policy filtration)
-    token rewards [B, T] --kl_in_reward--> token rewards - coef * KL(actor || reference)
-    measured KL --AdaptiveKLController.update--> next step's coef (Ziegler et al.)
+scores [B] --overlong_penalty-->  + length penalty (DAPO)
+scores [B] --filter_groups-->     keep [B] (DAPO dynamic sampling)
+scores [B] --pf_ppo_resample-->   indices [B] (PF-PPO policy filtration)
+token rewards [B, T] --kl_in_reward--> token rewards - coef * KL(actor || reference)
+measured KL --AdaptiveKLController.update--> next step's coef (Ziegler et al.)
 """
 
 import logging
@@ -33,16 +33,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def overlong_penalty(response_lengths: torch.Tensor, *, max_response_length: int, buffer_len: int,
-                     penalty_factor: float) -> torch.Tensor:
+def overlong_penalty(
+    response_lengths: torch.Tensor, *, max_response_length: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
     """DAPO's soft overlong penalty [B], added to the scores.
 
     0 up to ``max_response_length - buffer_len`` tokens, then falling linearly to
     ``-penalty_factor`` at the full budget (and no lower). ``buffer_len == 0`` turns it off.
     """
     if not 0 <= buffer_len <= max_response_length:
-        raise ValueError(f"algorithm.overlong_buffer_len={buffer_len} must be in "
-                         f"[0, data.max_response_length={max_response_length}]")
+        raise ValueError(
+            f"algorithm.overlong_buffer_len={buffer_len} must be in [0, data.max_response_length={max_response_length}]"
+        )
     lengths = response_lengths.to(torch.get_default_dtype())
     if buffer_len == 0:
         return torch.zeros_like(lengths)
@@ -107,13 +109,13 @@ def pf_ppo_weights(scores: torch.Tensor, mode: str, *, pow: float = 2.0) -> torc
       all the others (uniform when all scores are equal).
     """
     if mode not in _PF_PPO_WEIGHTS:
-        raise ValueError(f"unknown PF-PPO mode {mode!r} (algorithm.pf_ppo); choose one of: "
-                         f"{', '.join(PF_PPO_MODES)}")
+        raise ValueError(f"unknown PF-PPO mode {mode!r} (algorithm.pf_ppo); choose one of: {', '.join(PF_PPO_MODES)}")
     return _PF_PPO_WEIGHTS[mode](scores, pow)
 
 
-def pf_ppo_resample(scores: torch.Tensor, mode: str, generator: Optional[torch.Generator] = None,
-                    pow: float = 2.0) -> torch.Tensor:
+def pf_ppo_resample(
+    scores: torch.Tensor, mode: str, generator: Optional[torch.Generator] = None, pow: float = 2.0
+) -> torch.Tensor:
     """[B] sample indices drawn with replacement from ``pf_ppo_weights``, in ascending order.
 
     Training on ``batch[indices]`` filters the batch by reward reliability while keeping its
@@ -127,8 +129,14 @@ def pf_ppo_resample(scores: torch.Tensor, mode: str, generator: Optional[torch.G
 # ---------------------------------------------------------------- KL in the reward
 
 
-def kl_in_reward(token_rewards: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                 response_mask: torch.Tensor, coef: float, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_in_reward(
+    token_rewards: torch.Tensor,
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    coef: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token rewards - coef * KL per token, each response's token-mean KL [B]).
 
     The KL here is part of the reward, a constant to the policy gradient, so it is computed

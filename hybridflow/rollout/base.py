@@ -227,8 +227,10 @@ def require(engine: Any, protocol: type, setting: str) -> None:
     """TypeError naming ``setting`` when ``engine`` lacks ``protocol``'s methods."""
     if not isinstance(engine, protocol):
         missing = [name for name in protocol_methods(protocol) if not callable(getattr(engine, name, None))]
-        raise TypeError(f"{setting} needs a rollout engine with {', '.join(missing)} ({protocol.__name__}); "
-                        f"{type(engine).__name__} has not: choose another engine or setting")
+        raise TypeError(
+            f"{setting} needs a rollout engine with {', '.join(missing)} ({protocol.__name__}); "
+            f"{type(engine).__name__} has not: choose another engine or setting"
+        )
 
 
 def protocol_methods(protocol: type) -> list[str]:
@@ -266,4 +268,3 @@ def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; registered engines: {', '.join(engine_names()) or 'none'}")
     return _ENGINES[name](**kwargs)
-

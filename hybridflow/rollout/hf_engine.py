@@ -118,8 +118,12 @@ class _Row:
 
     def sample(self, prompt_index: int, sample_index: int) -> RolloutSample:
         return RolloutSample(
-            prompt_index=prompt_index, sample_index=sample_index, prompt_ids=self.prompt,
-            response_ids=tuple(self.tokens), logprobs=tuple(self.logprobs), finish_reason=self.finish,
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=self.prompt,
+            response_ids=tuple(self.tokens),
+            logprobs=tuple(self.logprobs),
+            finish_reason=self.finish,
             routed_experts=torch.cat(self.experts) if self.experts else None,
         )
 
@@ -153,11 +157,14 @@ def _check_push(weights: Mapping[str, object], expected: Mapping[str, torch.Tens
         if not isinstance(tensor, torch.Tensor):
             problem = f"pushed weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor"
         elif name not in expected:
-            problem = (f"pushed weight {name!r} is not a parameter of the engine's model "
-                       f"(names look like {sorted(expected)[:3]})")
+            problem = (
+                f"pushed weight {name!r} is not a parameter of the engine's model "
+                f"(names look like {sorted(expected)[:3]})"
+            )
         elif tensor.shape != expected[name].shape:
-            problem = (f"pushed weight {name!r} has shape {tuple(tensor.shape)}; the model's is "
-                       f"{tuple(expected[name].shape)}")
+            problem = (
+                f"pushed weight {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(expected[name].shape)}"
+            )
         else:
             continue
         raise ValueError(f"{problem}; the engine keeps its previous weights")
@@ -194,8 +201,15 @@ def _reload(model, checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
 class HFEngine:
     """A ``RolloutEngine`` over one transformers causal LM on one device."""
 
-    def __init__(self, model, *, max_context: int, seed: int = 0,
-                 return_routed_experts: bool = False, weights_loaded: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        max_context: int,
+        seed: int = 0,
+        return_routed_experts: bool = False,
+        weights_loaded: bool = True,
+    ) -> None:
         self.model = model.eval()
         self.max_context = max_context
         self.eos_token_ids = _eos_ids(model)
@@ -211,8 +225,7 @@ class HFEngine:
         config = self.model.config
         if "num_experts_per_tok" not in config.to_dict():
             raise ValueError(
-                f"return_routed_experts=True needs an MoE model; {config.model_type} has no "
-                f"num_experts_per_tok"
+                f"return_routed_experts=True needs an MoE model; {config.model_type} has no num_experts_per_tok"
             )
         return config.num_experts_per_tok
 
@@ -229,8 +242,10 @@ class HFEngine:
         if self._released:
             raise RuntimeError("the engine's memory is released; call resume_memory() first")
         if self._needs_push:
-            raise RuntimeError("the engine holds no weights yet (it started with load_format='dummy'); "
-                               "push every tensor with push_weights() first")
+            raise RuntimeError(
+                "the engine holds no weights yet (it started with load_format='dummy'); "
+                "push every tensor with push_weights() first"
+            )
 
     def pause(self) -> None:
         """Refuse new ``generate`` calls until ``resume`` (calls are synchronous: none is in flight)."""
@@ -285,9 +300,7 @@ class HFEngine:
                 )
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise ValueError(
-                    f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab})"
-                )
+                raise ValueError(f"prompt {index} has token id {bad[0]} outside the vocabulary [0, {vocab})")
             checked.append(prompt)
         if not checked:
             raise ValueError("generate needs at least one prompt")
@@ -296,8 +309,9 @@ class HFEngine:
     def _forward(self, ids_RS: torch.Tensor, mask_RS: torch.Tensor, cache):
         """Last-position logits ``[R, V]`` and per-layer router logits (or None)."""
         positions_RS = (mask_RS.cumsum(-1) - 1).clamp(min=0)[:, -ids_RS.shape[1] :]
-        inputs = dict(input_ids=ids_RS, attention_mask=mask_RS, position_ids=positions_RS,
-                      past_key_values=cache, use_cache=True)
+        inputs = dict(
+            input_ids=ids_RS, attention_mask=mask_RS, position_ids=positions_RS, past_key_values=cache, use_cache=True
+        )
         if self._top_k_experts is None:
             return self.model(**inputs, logits_to_keep=1).logits[:, -1], None
         # The causal-LM head would also compute the router aux loss, which cannot take a cached
@@ -305,16 +319,19 @@ class HFEngine:
         out = self.model.get_decoder()(**inputs, output_router_logits=True)
         return self.model.get_output_embeddings()(out.last_hidden_state[:, -1]), out.router_logits
 
-    def _record_experts(self, rows: list[_Row], router_logits, ids_RS: torch.Tensor,
-                        mask_RS: torch.Tensor) -> None:
+    def _record_experts(self, rows: list[_Row], router_logits, ids_RS: torch.Tensor, mask_RS: torch.Tensor) -> None:
         """Append the experts each open row's fed (non-pad) tokens were routed to."""
         if router_logits is None:
             return
         k = self._top_k_experts
         # each layer's router logits are [R * S, E]; top-k of the logits = top-k of the softmax
-        experts_RSLk = torch.stack(
-            [torch.topk(layer, k, dim=-1).indices.reshape(*ids_RS.shape, k) for layer in router_logits], dim=2
-        ).to(torch.int32).cpu()
+        experts_RSLk = (
+            torch.stack(
+                [torch.topk(layer, k, dim=-1).indices.reshape(*ids_RS.shape, k) for layer in router_logits], dim=2
+            )
+            .to(torch.int32)
+            .cpu()
+        )
         fed_RS = mask_RS[:, -ids_RS.shape[1] :].bool().cpu()
         for r, row in enumerate(rows):
             if row.finish is None:
@@ -324,8 +341,7 @@ class HFEngine:
         from transformers import DynamicCache
 
         # the context caps a response like max_new_tokens does ("length")
-        rows = [_Row(prompt=p, budget=min(params.max_new_tokens, self.max_context - len(p)))
-                for p in prompts]
+        rows = [_Row(prompt=p, budget=min(params.max_new_tokens, self.max_context - len(p))) for p in prompts]
         stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
         generator = self._generator
         if params.seed is not None:
@@ -362,8 +378,7 @@ class HFEngine:
 
     # ---- weights
 
-    def push_weights(self, weights: Mapping[str, torch.Tensor], *,
-                     route: str = "full") -> WeightPushReport:
+    def push_weights(self, weights: Mapping[str, torch.Tensor], *, route: str = "full") -> WeightPushReport:
         """Load HF-named tensors (all of the model's or some), in-memory or checkpoint names.
 
         Names and shapes are all checked first: a bad one is a ValueError naming it, and the
@@ -388,8 +403,9 @@ class HFEngine:
         logger.debug("pushed %d tensors (%d bytes) in %.3f s", len(weights), pushed, seconds)
         return WeightPushReport(seconds=seconds, bytes_per_rank=(pushed,), route=route)
 
-    def _from_checkpoint_names(self, weights: Mapping[str, torch.Tensor],
-                               live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _from_checkpoint_names(
+        self, weights: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """The full in-memory state after loading checkpoint-named ``weights`` over the current."""
         checkpoint = _checkpoint_state(self.model)
         # Name the bad tensor in whichever naming the push follows more closely.
@@ -407,8 +423,14 @@ class HFEngine:
 
 @register_engine("hf")
 def _start(
-    model_path: str, *, max_context: int | None = None, dtype: str = "float32", seed: int = 0,
-    device: str = "cpu", return_routed_experts: bool = False, load_format: str = "auto",
+    model_path: str,
+    *,
+    max_context: int | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    device: str = "cpu",
+    return_routed_experts: bool = False,
+    load_format: str = "auto",
 ) -> HFEngine:
     """An ``HFEngine`` on the transformers model in ``model_path``.
 
@@ -434,8 +456,11 @@ def _start(
     if max_context is None:
         max_context = limit
     if not 1 < max_context <= limit:
-        raise ValueError(
-            f"max_context={max_context} must be in 2..{limit} (the model's max_position_embeddings)"
-        )
-    return HFEngine(model, max_context=max_context, seed=seed,
-                    return_routed_experts=return_routed_experts, weights_loaded=load_format != "dummy")
+        raise ValueError(f"max_context={max_context} must be in 2..{limit} (the model's max_position_embeddings)")
+    return HFEngine(
+        model,
+        max_context=max_context,
+        seed=seed,
+        return_routed_experts=return_routed_experts,
+        weights_loaded=load_format != "dummy",
+    )

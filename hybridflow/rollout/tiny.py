@@ -119,19 +119,24 @@ def make_tiny_tokenizer(vocab_size: int = 320):
         raise ValueError(f"vocab_size={vocab_size} must be >= {minimum} (256 bytes + special tokens)")
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     backend.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
     named = {key: SPECIAL_TOKENS[key] for key in ("unk_token", "pad_token", "bos_token", "eos_token")}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, **named,
+        tokenizer_object=backend,
+        **named,
         extra_special_tokens=[SPECIAL_TOKENS["im_start"], SPECIAL_TOKENS["im_end"]],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -155,8 +160,7 @@ def _save_tokenizer(tokenizer, path: Path) -> None:
 
 def _token_ids(tokenizer) -> dict[str, Any]:
     eos, im_end = tokenizer.convert_tokens_to_ids([SPECIAL_TOKENS[k] for k in ("eos_token", "im_end")])
-    return dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=[eos, im_end])
+    return dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=[eos, im_end])
 
 
 def _build_config(family: str, token_ids: Mapping[str, Any], vocab_size: int, overrides: Mapping[str, Any]):
@@ -164,14 +168,17 @@ def _build_config(family: str, token_ids: Mapping[str, Any], vocab_size: int, ov
 
     settings = {**_TINY_DIMS, **_family(family), **overrides}
     return AutoConfig.for_model(
-        family, vocab_size=vocab_size, dtype="float32", **settings,
-        pad_token_id=token_ids["pad_token_id"], bos_token_id=token_ids["bos_token_id"],
+        family,
+        vocab_size=vocab_size,
+        dtype="float32",
+        **settings,
+        pad_token_id=token_ids["pad_token_id"],
+        bos_token_id=token_ids["bos_token_id"],
         eos_token_id=token_ids["eos_token_id"][0],
     )
 
 
-def _build_model(family: str, token_ids: Mapping[str, Any], vocab_size: int, seed: int,
-                 overrides: Mapping[str, Any]):
+def _build_model(family: str, token_ids: Mapping[str, Any], vocab_size: int, seed: int, overrides: Mapping[str, Any]):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -185,7 +192,12 @@ def _build_model(family: str, token_ids: Mapping[str, Any], vocab_size: int, see
 
 
 def make_tiny_model_dir(
-    path: str | Path, family: str, *, seed: int = 0, vocab_size: int = 320, weights: bool = True,
+    path: str | Path,
+    family: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 320,
+    weights: bool = True,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random ``family`` model and its tokenizer into ``path``; return the path.

@@ -45,13 +45,16 @@ Prompt = str | Sequence[Mapping[str, str]]
 
 
 def _is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(
-        isinstance(message, Mapping) for message in prompt
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str)
+        and all(isinstance(message, Mapping) for message in prompt)
     )
 
 
-def _encode_chat(tokenizer, index: int, messages: Sequence[Mapping[str, str]],
-                 add_generation_prompt: bool) -> list[int]:
+def _encode_chat(
+    tokenizer, index: int, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool
+) -> list[int]:
     if not tokenizer.chat_template:
         raise ValueError(
             f"prompt {index} is a chat (a list of messages) but the tokenizer has no "
@@ -64,7 +67,10 @@ def _encode_chat(tokenizer, index: int, messages: Sequence[Mapping[str, str]],
 
 
 def encode_prompts(
-    tokenizer, prompts: Sequence[Prompt], *, add_generation_prompt: bool = True,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    *,
+    add_generation_prompt: bool = True,
     add_special_tokens: bool = True,
 ) -> list[list[int]]:
     """Token ids of each prompt: raw text through ``tokenizer(...)``, chat messages through the
@@ -90,8 +96,7 @@ def encode_prompts(
     return encoded
 
 
-def decode_responses(tokenizer, samples: Sequence[RolloutSample], *,
-                     skip_special_tokens: bool = True) -> list[str]:
+def decode_responses(tokenizer, samples: Sequence[RolloutSample], *, skip_special_tokens: bool = True) -> list[str]:
     """The text of each sample's response."""
     return [tokenizer.decode(list(s.response_ids), skip_special_tokens=skip_special_tokens) for s in samples]
 
@@ -153,8 +158,9 @@ def _pack_experts(samples: Sequence[RolloutSample], length: int, left: bool) -> 
     if not any(have):
         return None
     if not all(have):
-        raise ValueError(f"sample {have.index(False)} has no routed_experts but others do; "
-                         f"pack samples from one engine call")
+        raise ValueError(
+            f"sample {have.index(False)} has no routed_experts but others do; pack samples from one engine call"
+        )
     experts = [torch.as_tensor(s.routed_experts, dtype=torch.long) for s in samples]
     layers_k = experts[0].shape[1:]
     packed = torch.full((len(samples), length, *layers_k), -1, dtype=torch.long)
@@ -171,7 +177,10 @@ def _pack_experts(samples: Sequence[RolloutSample], length: int, left: bool) -> 
 
 
 def pack_batch(
-    samples: Sequence[RolloutSample], *, pad_id: int, max_length: int | None = None,
+    samples: Sequence[RolloutSample],
+    *,
+    pad_id: int,
+    max_length: int | None = None,
     padding_side: str = "right",
 ) -> dict[str, torch.Tensor]:
     """Pad prompt + response of each sample into trainer tensors (see the module docstring).

@@ -41,8 +41,9 @@ def from_response(x_BR: torch.Tensor, prompt_lengths_B: torch.Tensor, length: in
     return out[:, :length]
 
 
-def pad_rows(batch: dict[str, torch.Tensor], multiple: int, *, rows: int | None = None
-             ) -> tuple[dict[str, torch.Tensor], int]:
+def pad_rows(
+    batch: dict[str, torch.Tensor], multiple: int, *, rows: int | None = None
+) -> tuple[dict[str, torch.Tensor], int]:
     """Append copies of row 0 with every mask zeroed until the rows divide by ``multiple`` (or
     number ``rows``, when given: another DP rank may hold more); zero rows when there is none.
 

@@ -101,8 +101,13 @@ def join(actors: int, *, timeout_minutes: int) -> tuple[Channel, Any, int, int]:
     # torchrun's agent hosts the store unless told not to (hybridflow launch turns it off); then
     # rank 0 hosts it, as init_process_group would
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent and rank == 0, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+    )
     objects = dist.ProcessGroupGloo(dist.PrefixStore("joint-objects/", store), rank, world, timeout=timeout)
     data = objects
     if torch.cuda.is_available():  # weights and samples move as device tensors

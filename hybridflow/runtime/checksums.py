@@ -51,8 +51,11 @@ def digest(path: Path) -> tuple[int, int]:
 
 def listed_files(directory: Path) -> list[str]:
     """Every file of a checkpoint being written, relative, that the manifest covers."""
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                  if p.is_file() and str(p.relative_to(directory)) not in UNLISTED)
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and str(p.relative_to(directory)) not in UNLISTED
+    )
 
 
 def shares_of(directory: Path, files: list[str], world: int) -> list[list[str]]:
@@ -92,8 +95,10 @@ def problems(directory: Path) -> list[str]:
         if size != want_size:
             found.append(f"{directory / name} has {size} bytes, {MANIFEST} lists {want_size}")
         elif crc != want_crc:
-            found.append(f"{directory / name} has changed since it was written (CRC-32 {crc:08x}, "
-                         f"{MANIFEST} lists {want_crc:08x})")
+            found.append(
+                f"{directory / name} has changed since it was written (CRC-32 {crc:08x}, "
+                f"{MANIFEST} lists {want_crc:08x})"
+            )
     return found
 
 

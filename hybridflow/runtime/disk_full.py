@@ -63,6 +63,8 @@ def message(directory: Path, doing: str, kept: str) -> str:
     """One line: the full file system (by ``directory``), what was being written, what is kept."""
     free = free_bytes(directory)
     left = f", {free / 2**20:.0f} MiB free now" if free is not None else ""
-    return (f"no space left on the file system of {directory}{left}, while {doing}; {kept}; free space there "
-            "(run.keep_checkpoints=1 keeps fewer checkpoints) or set run.output_dir on a larger disk, then "
-            "rerun the same command to resume")
+    return (
+        f"no space left on the file system of {directory}{left}, while {doing}; {kept}; free space there "
+        "(run.keep_checkpoints=1 keeps fewer checkpoints) or set run.output_dir on a larger disk, then "
+        "rerun the same command to resume"
+    )

@@ -91,8 +91,19 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
             request = channel.broadcast(None)
             if request[0] == "generate":
                 _, prompts, params, seed, call = request
-                replicas.generate(cfg, held.engine, prompts, params, seed, call=call, channel=channel,
-                                  replica=replica, shard=None, device=device(), restarts=restarts)
+                replicas.generate(
+                    cfg,
+                    held.engine,
+                    prompts,
+                    params,
+                    seed,
+                    call=call,
+                    channel=channel,
+                    replica=replica,
+                    shard=None,
+                    device=device(),
+                    restarts=restarts,
+                )
             elif request[0] == "push":
                 held.sync.push()
             elif request[0] == "stop":
@@ -123,11 +134,22 @@ class _Buffer:
         """The driver's engine as it is now (a restart replaces it), or None."""
         return self.held.engine
 
-    def start(self, batch: int, prompts, params, seed: int, segment: int | None = None,
-              version: int | None = None) -> None:
+    def start(
+        self, batch: int, prompts, params, seed: int, segment: int | None = None, version: int | None = None
+    ) -> None:
         if self.engine is not None:
-            started = replicas.start(self.cfg, self.engine, prompts, params, seed, call=f"async/{batch}",
-                                     channel=self.channel, replica=self.replica, segment=segment, version=version)
+            started = replicas.start(
+                self.cfg,
+                self.engine,
+                prompts,
+                params,
+                seed,
+                call=f"async/{batch}",
+                channel=self.channel,
+                replica=self.replica,
+                segment=segment,
+                version=version,
+            )
             self.kept[batch] = started
             if started.report.interval is not None:
                 self.busy.append(started.report.interval)
@@ -154,8 +176,14 @@ class _Buffer:
 
         if batch in self.kept:
             self._continue(batch, batch, None)
-        replicas.collect(self.cfg, self.kept.pop(batch, None), num_prompts=num_prompts, channel=self.channel,
-                         shard=None, device=device())
+        replicas.collect(
+            self.cfg,
+            self.kept.pop(batch, None),
+            num_prompts=num_prompts,
+            channel=self.channel,
+            shard=None,
+            device=device(),
+        )
 
     def intervals(self) -> None:
         self.channel.gather(self.busy)
@@ -172,7 +200,7 @@ class _Buffer:
         if self.engine is not None:
             count = self.cfg.rollout.num_replicas
             for path in sorted(Path(directory).glob(f"{BUFFER_FILE}*.pt")):
-                if int(path.stem[len(BUFFER_FILE):]) % count == self.replica:
+                if int(path.stem[len(BUFFER_FILE) :]) % count == self.replica:
                     for batch, started in torch.load(path, weights_only=False).items():
                         self.kept[batch] = self.kept[batch].merged(started) if batch in self.kept else started
         self.channel.barrier()

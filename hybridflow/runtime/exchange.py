@@ -47,9 +47,15 @@ class SampleMeta:
 
 def meta_of(x: RolloutSample) -> SampleMeta:
     routes = None if x.routed_experts is None else tuple(torch.as_tensor(x.routed_experts).shape)
-    return SampleMeta(prompt_index=x.prompt_index, sample_index=x.sample_index, prompt_len=len(x.prompt_ids),
-                      response_len=len(x.response_ids), finish_reason=x.finish_reason, routes_shape=routes,
-                      segments=tuple(x.segments))
+    return SampleMeta(
+        prompt_index=x.prompt_index,
+        sample_index=x.sample_index,
+        prompt_len=len(x.prompt_ids),
+        response_len=len(x.response_ids),
+        finish_reason=x.finish_reason,
+        routes_shape=routes,
+        segments=tuple(x.segments),
+    )
 
 
 def pack(samples: Sequence[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +66,10 @@ def pack(samples: Sequence[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor]:
         if x.routed_experts is not None:
             ints.append(torch.as_tensor(x.routed_experts).to(torch.int32).flatten())
         floats.append(torch.tensor(x.logprobs, dtype=torch.float32))
-    return (torch.cat(ints) if ints else torch.zeros(0, dtype=torch.int32),
-            torch.cat(floats) if floats else torch.zeros(0, dtype=torch.float32))
+    return (
+        torch.cat(ints) if ints else torch.zeros(0, dtype=torch.int32),
+        torch.cat(floats) if floats else torch.zeros(0, dtype=torch.float32),
+    )
 
 
 def unpack(metas: Sequence[SampleMeta], ints: torch.Tensor, floats: torch.Tensor) -> list[RolloutSample]:
@@ -76,10 +84,18 @@ def unpack(metas: Sequence[SampleMeta], ints: torch.Tensor, floats: torch.Tensor
             count = m.num_ints - len(ids)
             routes = ints[i : i + count].to(torch.long).reshape(m.routes_shape)
             i += count
-        out.append(RolloutSample(prompt_index=m.prompt_index, sample_index=m.sample_index,
-                                 prompt_ids=tuple(ids[: m.prompt_len]), response_ids=tuple(ids[m.prompt_len :]),
-                                 logprobs=tuple(floats_list[f : f + m.response_len]),
-                                 finish_reason=m.finish_reason, routed_experts=routes, segments=m.segments))
+        out.append(
+            RolloutSample(
+                prompt_index=m.prompt_index,
+                sample_index=m.sample_index,
+                prompt_ids=tuple(ids[: m.prompt_len]),
+                response_ids=tuple(ids[m.prompt_len :]),
+                logprobs=tuple(floats_list[f : f + m.response_len]),
+                finish_reason=m.finish_reason,
+                routed_experts=routes,
+                segments=m.segments,
+            )
+        )
         f += m.response_len
     return out
 
@@ -98,9 +114,15 @@ class Delivery:
     """Bytes this rank received point to point (its own samples not counted)."""
 
 
-def deliver(mine: Sequence[RolloutSample], metas_by_rank: Sequence[Sequence[SampleMeta]],
-            dp_of_rank: Sequence[int | None], owner_of: Callable[[SampleMeta], int], *, device: torch.device,
-            link: Link | None = None) -> Delivery:
+def deliver(
+    mine: Sequence[RolloutSample],
+    metas_by_rank: Sequence[Sequence[SampleMeta]],
+    dp_of_rank: Sequence[int | None],
+    owner_of: Callable[[SampleMeta], int],
+    *,
+    device: torch.device,
+    link: Link | None = None,
+) -> Delivery:
     """Move every sample to the ranks of the DP rank that owns it (a collective over ``link``,
     the default group when None: every rank calls it with the same metadata).
 
@@ -132,6 +154,9 @@ def deliver(mine: Sequence[RolloutSample], metas_by_rank: Sequence[Sequence[Samp
     order = sorted(((m.prompt_index, m.sample_index), m) for metas in metas_by_rank for m in metas)
     position = {key: i for i, (key, _) in enumerate(order)}
     received.sort(key=lambda x: (x.prompt_index, x.sample_index))
-    return Delivery(samples=tuple(received), positions=tuple(position[(x.prompt_index, x.sample_index)]
-                                                             for x in received),
-                    metas=tuple(m for _, m in order), received_bytes=nbytes)
+    return Delivery(
+        samples=tuple(received),
+        positions=tuple(position[(x.prompt_index, x.sample_index)] for x in received),
+        metas=tuple(m for _, m in order),
+        received_bytes=nbytes,
+    )

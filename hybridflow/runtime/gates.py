@@ -35,23 +35,31 @@ def failures(checks: ChecksConfig, metrics: dict[str, float], step: int) -> list
     if step == 0:
         kl = metrics.get("actor/ppo_kl_first_mini")
         if kl is not None and abs(kl) >= checks.first_step_ppo_kl:
-            out.append(f"first step: actor/ppo_kl_first_mini={kl:.3g}, not below checks.first_step_ppo_kl="
-                       f"{checks.first_step_ppo_kl:g}: the trainer does not reproduce its own old log-probs "
-                       f"(nondeterministic forward, or training-time dropout)")
+            out.append(
+                f"first step: actor/ppo_kl_first_mini={kl:.3g}, not below checks.first_step_ppo_kl="
+                f"{checks.first_step_ppo_kl:g}: the trainer does not reproduce its own old log-probs "
+                f"(nondeterministic forward, or training-time dropout)"
+            )
         clip = metrics.get("actor/clipfrac_first_mini")
         if clip:
-            out.append(f"first step: actor/clipfrac_first_mini={clip:.3g}, not 0: the first update clipped "
-                       f"tokens before any update moved the policy")
+            out.append(
+                f"first step: actor/clipfrac_first_mini={clip:.3g}, not 0: the first update clipped "
+                f"tokens before any update moved the policy"
+            )
     refit = metrics.get("checks/refit_max_rel_diff")
     if refit is not None and refit >= checks.refit_tolerance:
-        out.append(f"step {step + 1}: checks/refit_max_rel_diff={refit:.3g}, not below checks.refit_tolerance="
-                   f"{checks.refit_tolerance:g}: the engine's weights read back differ from what the trainer "
-                   f"pushed")
+        out.append(
+            f"step {step + 1}: checks/refit_max_rel_diff={refit:.3g}, not below checks.refit_tolerance="
+            f"{checks.refit_tolerance:g}: the engine's weights read back differ from what the trainer "
+            f"pushed"
+        )
     error = metrics.get("rollout/token_mult_prob_error")
     if error is not None and error >= checks.token_mult_prob_error:
-        out.append(f"step {step + 1}: rollout/token_mult_prob_error={error:.4g}, not below "
-                   f"checks.token_mult_prob_error={checks.token_mult_prob_error:g}: the engine's log-probs "
-                   f"differ from the trainer's (is the weight sync complete?)")
+        out.append(
+            f"step {step + 1}: rollout/token_mult_prob_error={error:.4g}, not below "
+            f"checks.token_mult_prob_error={checks.token_mult_prob_error:g}: the engine's log-probs "
+            f"differ from the trainer's (is the weight sync complete?)"
+        )
     return out
 
 

@@ -30,6 +30,7 @@ __all__ = ["train_rl"]
 
 logger = logging.getLogger(__name__)
 
+
 def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, float]:
     ro, scores = f["responses"], f["scores"]  # every sample's numbers, on every rank
     lengths = ro.lengths.float()
@@ -52,8 +53,10 @@ def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, flo
 def _checked(node, returned: dict) -> dict:
     """``returned`` if it holds exactly the fields ``node`` declares (the graph's checks rely on it)."""
     if set(returned) != set(node.outputs):
-        raise AssertionError(f"op {node.op!r} of node {node.name!r} returned fields {sorted(returned)}; "
-                             f"the node declares {sorted(node.outputs)}")
+        raise AssertionError(
+            f"op {node.op!r} of node {node.name!r} returned fields {sorted(returned)}; "
+            f"the node declares {sorted(node.outputs)}"
+        )
     return returned
 
 
@@ -84,8 +87,9 @@ def _steer_kl(s: Session, metrics: dict[str, float]) -> None:
     """After an applied step, the in-reward KL coefficient moves by the KL it measured (adaptive
     controller; a fixed one stays), and the step records where it left it (resume reads it)."""
     if "actor/reward_kl" in metrics:
-        metrics[KL_COEF_NEXT] = s.kl_reward.update(metrics["actor/reward_kl"],
-                                                   int(metrics["actor/reward_kl_responses"]))
+        metrics[KL_COEF_NEXT] = s.kl_reward.update(
+            metrics["actor/reward_kl"], int(metrics["actor/reward_kl_responses"])
+        )
 
 
 def _updates_per_step(s: Session) -> int:
@@ -98,8 +102,11 @@ def _skip(s: Session, error: NonFiniteStep) -> dict[str, float]:
     """A step with a non-finite update leaves no trace: the updates it made before are rolled
     back, and an engine that dropped its weights for training gets the (unchanged) ones back."""
     undone = s.undo.rollback()
-    logger.warning("%s; run.on_nan=skip: going on without this step%s", error,
-                   " (its earlier updates rolled back)" if undone else "")
+    logger.warning(
+        "%s; run.on_nan=skip: going on without this step%s",
+        error,
+        " (its earlier updates rolled back)" if undone else "",
+    )
     if s.sync is not None and s.sync.engine_drops_weights:
         switches.enter(s, "sync")
         s.sync.push()
@@ -112,8 +119,14 @@ def train_rl(s: Session, plan, *, save) -> bool:
     cfg, state = s.cfg, s.state
     if plan.start_mode is not None:
         switches.enter(s, plan.start_mode)
-    bar = tqdm(range(state.step, cfg.run.steps), initial=state.step, total=cfg.run.steps, desc="rl",
-               unit="step", disable=not s.is_driver)
+    bar = tqdm(
+        range(state.step, cfg.run.steps),
+        initial=state.step,
+        total=cfg.run.steps,
+        desc="rl",
+        unit="step",
+        disable=not s.is_driver,
+    )
     if s.is_driver:
         write_progress(s.out_dir, phase="rl", done=state.step, total=cfg.run.steps)
     for step in bar:
@@ -138,8 +151,9 @@ def train_rl(s: Session, plan, *, save) -> bool:
         if s.is_driver:
             write_progress(s.out_dir, phase="rl", done=done, total=cfg.run.steps)
         saved = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps
-        requested = done < cfg.run.steps and stops.checkpoint_requested(s.out_dir, is_driver=s.is_driver,
-                                                                        group=s.shard.group)
+        requested = done < cfg.run.steps and stops.checkpoint_requested(
+            s.out_dir, is_driver=s.is_driver, group=s.shard.group
+        )
         if saved or requested:
             switches.enter(s, "train")  # the optimizer state back on the device, as it is saved
             save(done)

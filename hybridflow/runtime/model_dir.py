@@ -41,18 +41,24 @@ GENERATED_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.write is no
 
 def _family_overrides(model: ModelConfig) -> dict[str, Any]:
     if model.family not in GENERATED_FAMILIES:
-        raise ValueError(f"model.family={model.family!r}: the run can write a starting model directory for "
-                         f"{', '.join(GENERATED_FAMILIES)} only; set model.path to a model directory of that family")
+        raise ValueError(
+            f"model.family={model.family!r}: the run can write a starting model directory for "
+            f"{', '.join(GENERATED_FAMILIES)} only; set model.path to a model directory of that family"
+        )
     return FAMILIES[model.family].write(model)
 
 
 def hf_overrides(model: ModelConfig) -> dict[str, Any]:
     """transformers config values that make the tiny family model equal ``model``."""
     common = dict(
-        hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
-        head_dim=model.kv_channels, intermediate_size=model.ffn_hidden_size,
-        max_position_embeddings=model.max_position_embeddings, rms_norm_eps=model.norm_eps,
+        hidden_size=model.hidden_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_kv_heads,
+        head_dim=model.kv_channels,
+        intermediate_size=model.ffn_hidden_size,
+        max_position_embeddings=model.max_position_embeddings,
+        rms_norm_eps=model.norm_eps,
         tie_word_embeddings=model.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
     )
@@ -61,8 +67,11 @@ def hf_overrides(model: ModelConfig) -> dict[str, Any]:
 
 def _mismatches(expected: ModelConfig, got: ModelConfig) -> list[str]:
     fields = [f.name for f in dataclasses.fields(ModelConfig)]
-    return [f"model.{name}: config {getattr(expected, name)!r}, directory {getattr(got, name)!r}"
-            for name in fields if getattr(expected, name) != getattr(got, name)]
+    return [
+        f"model.{name}: config {getattr(expected, name)!r}, directory {getattr(got, name)!r}"
+        for name in fields
+        if getattr(expected, name) != getattr(got, name)
+    ]
 
 
 def _matches(path: Path, model: ModelConfig) -> bool:
@@ -83,8 +92,9 @@ def rollout_model_dir(model: ModelConfig, path: str | os.PathLike, *, seed: int)
         return final
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    make_tiny_model_dir(staging, model.family, seed=seed, vocab_size=model.vocab_size, weights=False,
-                        **hf_overrides(model))
+    make_tiny_model_dir(
+        staging, model.family, seed=seed, vocab_size=model.vocab_size, weights=False, **hf_overrides(model)
+    )
     problems = _mismatches(model, to_hybridflow_model_config(staging))
     if problems:
         shutil.rmtree(staging, ignore_errors=True)

@@ -115,11 +115,18 @@ class Rollout:
         mine = (src >= 0).nonzero().flatten()
         pick = src[mine]
         picked = pick.tolist()
-        return replace(self, batch={k: v[pick] for k, v in self.batch.items()},
-                       texts=[self.texts[i] for i in picked], answers=[self.answers[i] for i in picked],
-                       sources=[self.sources[i] for i in picked], extra_infos=[self.extra_infos[i] for i in picked],
-                       rows=mine, groups=self.groups[source],
-                       lengths=self.lengths[source], truncated=self.truncated[source])
+        return replace(
+            self,
+            batch={k: v[pick] for k, v in self.batch.items()},
+            texts=[self.texts[i] for i in picked],
+            answers=[self.answers[i] for i in picked],
+            sources=[self.sources[i] for i in picked],
+            extra_infos=[self.extra_infos[i] for i in picked],
+            rows=mine,
+            groups=self.groups[source],
+            lengths=self.lengths[source],
+            truncated=self.truncated[source],
+        )
 
     def select(self, keep: torch.Tensor) -> "Rollout":
         """The samples where ``keep`` [N] is True."""
@@ -131,9 +138,14 @@ class Rollout:
 
 def sampling(s: Session, *, greedy: bool = False) -> SamplingParams:
     r = s.cfg.rollout
-    return SamplingParams(n=1 if greedy else r.n, temperature=0.0 if greedy else r.temperature,
-                          top_p=r.top_p, top_k=r.top_k, max_new_tokens=s.cfg.data.max_response_length,
-                          stop_token_ids=s.stop_ids)
+    return SamplingParams(
+        n=1 if greedy else r.n,
+        temperature=0.0 if greedy else r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=s.cfg.data.max_response_length,
+        stop_token_ids=s.stop_ids,
+    )
 
 
 def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset: int = 0) -> Rollout:
@@ -146,8 +158,19 @@ def rollout(s: Session, prompts, params: SamplingParams, seed: int, group_offset
     s.rollout_calls += 1
     ids = [p.prompt_ids for p in prompts]
     s.channel.announce(("generate", ids, params, seed, s.rollout_calls))  # separate: the engine ranks follow
-    out = replicas.generate(s.cfg, s.engine, ids, params, seed, call=s.rollout_calls, channel=s.channel,
-                            replica=s.replica, shard=s.shard, device=s.device, restarts=s.restarts)
+    out = replicas.generate(
+        s.cfg,
+        s.engine,
+        ids,
+        params,
+        seed,
+        call=s.rollout_calls,
+        channel=s.channel,
+        replica=s.replica,
+        shard=s.shard,
+        device=s.device,
+        restarts=s.restarts,
+    )
     return as_rollout(s, prompts, out, group_offset)
 
 
@@ -185,8 +208,15 @@ def _empty_batch(pad_id: int, metas) -> dict[str, torch.Tensor]:
     """``pack_batch``'s tensors with no rows (a DP rank that owns none of a call's prompts)."""
     shape = next((m.routes_shape for m in metas if m.routes_shape is not None), None)
     routes = None if shape is None else torch.zeros(1, *shape[1:], dtype=torch.long)
-    dummy = RolloutSample(prompt_index=0, sample_index=0, prompt_ids=(pad_id,), response_ids=(pad_id,),
-                          logprobs=(0.0,), finish_reason=FINISH_LENGTH, routed_experts=routes)
+    dummy = RolloutSample(
+        prompt_index=0,
+        sample_index=0,
+        prompt_ids=(pad_id,),
+        response_ids=(pad_id,),
+        logprobs=(0.0,),
+        finish_reason=FINISH_LENGTH,
+        routed_experts=routes,
+    )
     return {k: v[:0] for k, v in pack_batch([dummy], pad_id=pad_id).items()}
 
 
@@ -237,12 +267,16 @@ def _token_version_metrics(s: Session, versions: torch.Tensor, step: int) -> dic
     k = s.cfg.async_rl.lag
     lag = (step - versions[versions >= 0]).clamp(0, k)
     spanning = sum(len(set(row[row >= 0].tolist())) > 1 for row in versions)
-    counts = s.shard.sum(torch.cat([torch.bincount(lag, minlength=k + 1).double(), torch.tensor([float(spanning)],
-                                                                                                  dtype=torch.float64)]))
+    counts = s.shard.sum(
+        torch.cat([torch.bincount(lag, minlength=k + 1).double(), torch.tensor([float(spanning)], dtype=torch.float64)])
+    )
     tokens = float(counts[:-1].sum())
     mean = float((counts[:-1] * torch.arange(k + 1, dtype=torch.float64)).sum()) / max(tokens, 1.0)
-    return {**{f"async/tokens_version_lag_{d}": float(c) for d, c in enumerate(counts[:-1].tolist())},
-            "async/token_staleness_mean": mean, "async/partial_samples": float(counts[-1])}
+    return {
+        **{f"async/tokens_version_lag_{d}": float(c) for d, c in enumerate(counts[:-1].tolist())},
+        "async/token_staleness_mean": mean,
+        "async/partial_samples": float(counts[-1]),
+    }
 
 
 @op("generate_greedy")
@@ -296,12 +330,18 @@ def _concat(parts: list[Rollout]) -> Rollout:
     offsets = [0]
     for p in parts:
         offsets.append(offsets[-1] + p.total)
-    return Rollout(batch={k: torch.cat(v) for k, v in batch.items()}, texts=sum((p.texts for p in parts), []),
-                   answers=sum((p.answers for p in parts), []), sources=sum((p.sources for p in parts), []),
-                   extra_infos=sum((p.extra_infos for p in parts), []),
-                   rows=torch.cat([p.rows + o for p, o in zip(parts, offsets)]),
-                   groups=torch.cat([p.groups for p in parts]), lengths=torch.cat([p.lengths for p in parts]),
-                   truncated=torch.cat([p.truncated for p in parts]), seconds=sum(p.seconds for p in parts))
+    return Rollout(
+        batch={k: torch.cat(v) for k, v in batch.items()},
+        texts=sum((p.texts for p in parts), []),
+        answers=sum((p.answers for p in parts), []),
+        sources=sum((p.sources for p in parts), []),
+        extra_infos=sum((p.extra_infos for p in parts), []),
+        rows=torch.cat([p.rows + o for p, o in zip(parts, offsets)]),
+        groups=torch.cat([p.groups for p in parts]),
+        lengths=torch.cat([p.lengths for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]),
+        seconds=sum(p.seconds for p in parts),
+    )
 
 
 def current(f: dict) -> tuple[Rollout, torch.Tensor]:
@@ -327,8 +367,9 @@ def _micro_rows(s: Session, rows: int) -> int:
     return -(-rows // micro) * micro
 
 
-def _logprobs(s: Session, policy, ro: Rollout, *, with_entropy: bool, routes: torch.Tensor | None = None,
-              record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _logprobs(
+    s: Session, policy, ro: Rollout, *, with_entropy: bool, routes: torch.Tensor | None = None, record: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of this rank's rows of the rollout; ``routes``: replay these experts, ``record``:
     keep the ones the routers chose (``policy.routing.take_recorded()``). ``attention_mask``
     marks the real tokens, which the router statistics count."""
@@ -342,8 +383,10 @@ def _logprobs(s: Session, policy, ro: Rollout, *, with_entropy: bool, routes: to
 
 def _engine_routes(ro: Rollout) -> torch.Tensor:
     if "routed_experts" not in ro.batch:
-        raise ValueError("moe.routing_replay=r3 but the rollout engine returned no routed experts; SGLang "
-                         "returns them for MoE models on a GPU (use moe.routing_replay=r2 otherwise)")
+        raise ValueError(
+            "moe.routing_replay=r3 but the rollout engine returned no routed experts; SGLang "
+            "returns them for MoE models on a GPU (use moe.routing_replay=r2 otherwise)"
+        )
     return ro.batch["routed_experts"]
 
 
@@ -424,18 +467,32 @@ def token_rewards(s: Session, node, f: dict, step: int) -> dict:
     mask_BR = _response_view(ro, ro.batch["response_mask"])
     buffer = node.option("overlong_buffer_len")
     if buffer > 0:
-        scores = scores + overlong_penalty(ro.batch["response_lengths"],
-                                           max_response_length=s.cfg.data.max_response_length,
-                                           buffer_len=buffer, penalty_factor=algo.overlong_penalty_factor)
+        scores = scores + overlong_penalty(
+            ro.batch["response_lengths"],
+            max_response_length=s.cfg.data.max_response_length,
+            buffer_len=buffer,
+            penalty_factor=algo.overlong_penalty_factor,
+        )
     rewards_BR = scores_to_token_rewards(scores, mask_BR)
     if node.option("kl_penalty"):
         coef = s.kl_reward.value
-        rewards_BR, kl_B = kl_in_reward(rewards_BR, _response_view(ro, f["old_logprobs"]),
-                                        _response_view(ro, f["ref_logprobs"]), mask_BR, coef, algo.kl_type)
+        rewards_BR, kl_B = kl_in_reward(
+            rewards_BR,
+            _response_view(ro, f["old_logprobs"]),
+            _response_view(ro, f["ref_logprobs"]),
+            mask_BR,
+            coef,
+            algo.kl_type,
+        )
         kl_sum, count = s.shard.sum(torch.tensor([float(kl_B.sum()), float(len(kl_B))], dtype=torch.float64))
         # verl's measure: the batch mean of each response's token-mean KL, over this many responses
-        s.step_metrics.update({"actor/reward_kl": float(kl_sum / count.clamp(min=1)),
-                               "actor/reward_kl_coef": coef, "actor/reward_kl_responses": float(count)})
+        s.step_metrics.update(
+            {
+                "actor/reward_kl": float(kl_sum / count.clamp(min=1)),
+                "actor/reward_kl_coef": coef,
+                "actor/reward_kl_responses": float(count),
+            }
+        )
     return {"token_rewards": rewards_BR}
 
 
@@ -448,10 +505,14 @@ def advantages(s: Session, node, f: dict, step: int) -> dict:
     values_BR = _response_view(ro, f["values"]) if "values" in f else None
     cfg = s.algo
     if values_BR is not None:  # GAE's lambdas, as the graph resolved them
-        cfg = replace(cfg, critic_lam=node.option("critic_lam"),
-                      length_adaptive_lam_alpha=node.option("length_adaptive_lam_alpha"))
-    adv_BR, ret_BR = estimator(f["token_rewards"], mask_BR, index=ro.index, cfg=cfg,
-                               values=values_BR, baseline=baseline, split=s.shard)
+        cfg = replace(
+            cfg,
+            critic_lam=node.option("critic_lam"),
+            length_adaptive_lam_alpha=node.option("length_adaptive_lam_alpha"),
+        )
+    adv_BR, ret_BR = estimator(
+        f["token_rewards"], mask_BR, index=ro.index, cfg=cfg, values=values_BR, baseline=baseline, split=s.shard
+    )
     if s.stale_weights is not None:  # async_rl.on_stale=downweight: a scaled advantage scales the policy loss
         adv_BR = adv_BR * s.stale_weights[ro.rows][:, None]
     length = ro.batch["input_ids"].shape[1]
@@ -474,9 +535,14 @@ def actor_loss(s: Session, node, num_response: int) -> Callable:
         correction = None
         if algo.rollout_correction is not None:  # drop what it drops, weight the rest
             correction = rollout_correction(
-                micro["old_logprobs"], micro["rollout_logprobs"], mask, mode=algo.rollout_correction,
-                level=algo.rollout_correction_level, upper=algo.rollout_correction_upper,
-                lower=algo.rollout_correction_lower)
+                micro["old_logprobs"],
+                micro["rollout_logprobs"],
+                mask,
+                mode=algo.rollout_correction,
+                level=algo.rollout_correction_level,
+                upper=algo.rollout_correction_upper,
+                lower=algo.rollout_correction_lower,
+            )
             mask = mask * correction.keep
         mat, metrics = policy_loss(micro["old_logprobs"], logp, micro["advantages"], mask, algo)
         if correction is not None:
@@ -499,11 +565,17 @@ def actor_loss(s: Session, node, num_response: int) -> Callable:
     return loss_fn
 
 
-def _train_rows(s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: int,
-                pf_ppo: str | None) -> dict[str, torch.Tensor]:
-    rows = {"input_ids": ro.batch["input_ids"], "response_mask": ro.batch["response_mask"].float(),
-            "attention_mask": ro.batch["attention_mask"], "old_logprobs": f["old_logprobs"],
-            "advantages": f["advantages"], "positive": (scores[ro.rows] > 0).float()}
+def _train_rows(
+    s: Session, f: dict, ro: Rollout, scores: torch.Tensor, step: int, pf_ppo: str | None
+) -> dict[str, torch.Tensor]:
+    rows = {
+        "input_ids": ro.batch["input_ids"],
+        "response_mask": ro.batch["response_mask"].float(),
+        "attention_mask": ro.batch["attention_mask"],
+        "old_logprobs": f["old_logprobs"],
+        "advantages": f["advantages"],
+        "positive": (scores[ro.rows] > 0).float(),
+    }
     for key in ("ref_logprobs", "routed_experts"):  # routing replay: the experts to train with
         if key in f:
             rows[key] = f[key]
@@ -545,14 +617,19 @@ def update_actor(s: Session, node, f: dict, step: int) -> dict:
         for mini in _mini_batches(s, rows, s.algo.mini_batches):
             result = s.actor.train_step(mini, loss_fn, local_rows=True)
             if not result.applied:
-                raise NonFiniteStep(f"step {step}: the actor loss or a gradient is not finite "
-                                    f"(loss {result.loss}); the update was not applied")
+                raise NonFiniteStep(
+                    f"step {step}: the actor loss or a gradient is not finite "
+                    f"(loss {result.loss}); the update was not applied"
+                )
             results.append(result)
     last = results[-1]
     # the mean over the step's updates, as the loss: the last mini-batch alone may hold no signal
-    metrics = {"actor/pg_loss": sum(r.loss for r in results) / len(results),
-               "actor/grad_norm": sum(r.grad_norm for r in results) / len(results),
-               "actor/lr": last.lr, "actor/updated": 1.0}
+    metrics = {
+        "actor/pg_loss": sum(r.loss for r in results) / len(results),
+        "actor/grad_norm": sum(r.grad_norm for r in results) / len(results),
+        "actor/lr": last.lr,
+        "actor/updated": 1.0,
+    }
     for name in last.metrics:
         metrics[f"actor/{name}"] = sum(r.metrics[name] for r in results) / len(results)
     for name in ("ppo_kl", "clipfrac"):  # before any update of the step: old log-probs vs the trainer's
@@ -588,8 +665,12 @@ def critic_loss(clip: float) -> Callable:
 @op("update_critic")
 def update_critic(s: Session, node, f: dict, step: int) -> dict:
     ro, _ = current(f)
-    rows = {"input_ids": ro.batch["input_ids"], "response_mask": ro.batch["response_mask"].float(),
-            "old_values": f["values"], "returns": f["returns"]}
+    rows = {
+        "input_ids": ro.batch["input_ids"],
+        "response_mask": ro.batch["response_mask"].float(),
+        "old_values": f["values"],
+        "returns": f["returns"],
+    }
     loss_fn = critic_loss(s.algo.value_clip)
     results = []
     s.undo.before_update(s.critic)
@@ -599,8 +680,11 @@ def update_critic(s: Session, node, f: dict, step: int) -> dict:
             if not result.applied:
                 raise NonFiniteStep(f"step {step}: the critic loss or a gradient is not finite; not applied")
             results.append(result)
-    metrics = {"critic/vf_loss": sum(r.loss for r in results) / len(results),
-               "critic/grad_norm": sum(r.grad_norm for r in results) / len(results), "critic/lr": results[-1].lr}
+    metrics = {
+        "critic/vf_loss": sum(r.loss for r in results) / len(results),
+        "critic/grad_norm": sum(r.grad_norm for r in results) / len(results),
+        "critic/lr": results[-1].lr,
+    }
     for name in results[-1].metrics:
         metrics[f"critic/{name}"] = sum(r.metrics[name] for r in results) / len(results)
     return {"critic_metrics": metrics}

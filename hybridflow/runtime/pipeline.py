@@ -64,8 +64,9 @@ class Pipeline:
             s.channel.barrier()
             self.pending = saved
         elif saved:
-            logger.info("async_rl.resume=drop: regenerating the %d pending batch(es) with the resumed weights",
-                        len(saved))
+            logger.info(
+                "async_rl.resume=drop: regenerating the %d pending batch(es) with the resumed weights", len(saved)
+            )
 
     def _start(self, batch: int, version: int) -> None:
         from hybridflow.runtime.ops import sampling, step_seed
@@ -75,8 +76,17 @@ class Pipeline:
         # a batch trained before the next push is generated whole
         segment = self.cfg.segment_tokens if partial and batch > version else None
         # the seed sync mode uses for this step: a batch's samples depend on its version only
-        self.s.channel.announce(("start", batch, ids, sampling(self.s), step_seed(self.s.cfg.run.seed, batch), segment,
-                                 version if partial else None))
+        self.s.channel.announce(
+            (
+                "start",
+                batch,
+                ids,
+                sampling(self.s),
+                step_seed(self.s.cfg.run.seed, batch),
+                segment,
+                version if partial else None,
+            )
+        )
         self.pending[batch] = version
 
     def rollout(self, step: int) -> tuple[replicas.ReplicaOutput, int]:
@@ -90,8 +100,9 @@ class Pipeline:
             self._start(batch, step)
         num_prompts = self.s.cfg.run.prompts_per_step
         self.s.channel.announce(("collect", step, num_prompts))
-        out = replicas.collect(self.s.cfg, None, num_prompts=num_prompts, channel=self.s.channel, shard=self.s.shard,
-                               device=device())
+        out = replicas.collect(
+            self.s.cfg, None, num_prompts=num_prompts, channel=self.s.channel, shard=self.s.shard, device=device()
+        )
         version = self.pending.pop(step)
         for batch in after:
             self._start(batch, step)
@@ -103,12 +114,18 @@ class Pipeline:
     def admit(self, step: int, version: int, total: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """(keep [N], weight [N], metrics) of batch ``step``'s N samples for the trainer at ``step``."""
         self.versions = torch.full((total,), version, dtype=torch.long)
-        keep, weight = staleness.admit(self.versions, step, self.lag, on_stale=self.cfg.on_stale,
-                                       stale_weight=self.cfg.stale_weight)
+        keep, weight = staleness.admit(
+            self.versions, step, self.lag, on_stale=self.cfg.on_stale, stale_weight=self.cfg.stale_weight
+        )
         metrics = staleness.staleness_metrics(self.versions, step, self.lag)
-        metrics.update({"async/buffer_batches": float(len(self.pending)), "async/policy_version": float(step),
-                        "async/dropped_samples": float((~keep).sum()), "async/downweighted_samples":
-                        float((weight < 1).sum())})
+        metrics.update(
+            {
+                "async/buffer_batches": float(len(self.pending)),
+                "async/policy_version": float(step),
+                "async/dropped_samples": float((~keep).sum()),
+                "async/downweighted_samples": float((weight < 1).sum()),
+            }
+        )
         return keep, weight, metrics
 
     def training_done(self) -> None:
@@ -125,8 +142,11 @@ class Pipeline:
         wall = max(time.time() - start, 1e-9)
         trained = max(train_end - train_start, 1e-9)
         overlap = staleness.overlap_seconds(busy, (train_start, train_end))
-        return {"async/overlap_fraction": overlap / wall, "async/overlap_seconds": overlap,
-                "async/training_tokens_per_s": trained_tokens / trained}
+        return {
+            "async/overlap_fraction": overlap / wall,
+            "async/overlap_seconds": overlap,
+            "async/training_tokens_per_s": trained_tokens / trained,
+        }
 
     def save(self, directory: Path) -> list[list[int]]:
         """Save the pending batches beside a checkpoint (``async_rl.resume=checkpoint``; every actor

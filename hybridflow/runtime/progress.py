@@ -24,9 +24,19 @@ PROGRESS_FILE = "progress.json"
 
 def write_progress(out_dir: str | os.PathLike, *, phase: str, done: int, total: int) -> None:
     """Record ``done`` of ``total`` steps of ``phase`` (the driver rank only)."""
-    write_atomic(Path(out_dir) / PROGRESS_FILE, json.dumps({
-        "phase": phase, "done": done, "total": total, "pid": os.getpid(),
-        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "time": time.time()}))
+    write_atomic(
+        Path(out_dir) / PROGRESS_FILE,
+        json.dumps(
+            {
+                "phase": phase,
+                "done": done,
+                "total": total,
+                "pid": os.getpid(),
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                "time": time.time(),
+            }
+        ),
+    )
 
 
 def read_progress(out_dir: str | os.PathLike) -> dict | None:

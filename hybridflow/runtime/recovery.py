@@ -80,8 +80,10 @@ def check_restart(cfg, lost: list[tuple[int, int, str]], used: int, *, spanning:
             "rollout.placement=separate yet: rerun the same command to resume from the newest checkpoint"
         )
     if used + len(lost) > limit:
-        raise ReplicaFailed(f"{where}; {used} of rollout.max_engine_restarts={limit} restarts used: "
-                            "raise rollout.max_engine_restarts to survive more engine failures")
+        raise ReplicaFailed(
+            f"{where}; {used} of rollout.max_engine_restarts={limit} restarts used: "
+            "raise rollout.max_engine_restarts to survive more engine failures"
+        )
 
 
 class EngineRestarts:
@@ -92,8 +94,13 @@ class EngineRestarts:
     part of those replicas' engines when engines span nodes (collective: each part's rank starts
     its new part, and they meet at the driver's new address); None: such engines are refused."""
 
-    def __init__(self, holder: EngineHolder, *, metrics: Callable[[], dict[str, float]] | None = None,
-                 respawn: Callable[[set[int]], None] | None = None) -> None:
+    def __init__(
+        self,
+        holder: EngineHolder,
+        *,
+        metrics: Callable[[], dict[str, float]] | None = None,
+        respawn: Callable[[set[int]], None] | None = None,
+    ) -> None:
         self.holder = holder
         self.metrics = metrics
         self.respawn = respawn
@@ -112,8 +119,13 @@ class EngineRestarts:
             step[METRIC] = step.get(METRIC, 0.0) + len(lost)
         if h.engine is not None and h.replica in {replica for _, replica, _ in lost}:
             cause = next(c for _, replica, c in lost if replica == h.replica)
-            logger.warning("rollout replica %d lost its engine (%s): restarting it (restart %d of %d)", h.replica,
-                           cause, self.used, h.cfg.rollout.max_engine_restarts)
+            logger.warning(
+                "rollout replica %d lost its engine (%s): restarting it (restart %d of %d)",
+                h.replica,
+                cause,
+                self.used,
+                h.cfg.rollout.max_engine_restarts,
+            )
             if not spanning:
                 h.engine.shutdown()  # kills and reaps whatever of it is left
                 h.engine = start_engine(h.cfg, h.model_dir)

@@ -56,15 +56,26 @@ from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
 from hybridflow.runtime.shares import Shard, balanced_owners, owner
 
-__all__ = ["ReplicaFailed", "ReplicaOutput", "Started",
-           "advance", "chunk_seed", "collect", "driver_rank", "generate", "replica_of",
-           "start"]
+__all__ = [
+    "ReplicaFailed",
+    "ReplicaOutput",
+    "Started",
+    "advance",
+    "chunk_seed",
+    "collect",
+    "driver_rank",
+    "generate",
+    "replica_of",
+    "start",
+]
 
 _SEED_MOD = 2**31 - 1
 _SEGMENT_SEED = 104729
 """Offsets a continuation's seeds from the segments before it (a prime, like the chunks' 7919)."""
-ASYNC_LOST = ("a batch started ahead (asynchronous RL) cannot be regenerated on a new engine: the actor ranks "
-              "train meanwhile and hold newer weights than it was started under")
+ASYNC_LOST = (
+    "a batch started ahead (asynchronous RL) cannot be regenerated on a new engine: the actor ranks "
+    "train meanwhile and hold newer weights than it was started under"
+)
 """Why ``collect`` refuses to restart a lost engine."""
 
 
@@ -143,8 +154,9 @@ class _Counter:
         return self.store.add(self.key, 1) - 1
 
 
-def _drive(engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range],
-           counter: _Counter) -> tuple[list[RolloutSample], float, list[int]]:
+def _drive(
+    engine, prompts: Sequence, params: SamplingParams, seed: int, chunks: list[range], counter: _Counter
+) -> tuple[list[RolloutSample], float, list[int]]:
     """Generate chunks on this replica until none is left: the samples, the seconds, and each
     sample's chunk."""
     samples, chunk_of, started = [], [], time.perf_counter()
@@ -172,9 +184,20 @@ class _Report(NamedTuple):
     """When this driver generated (``time.time()`` at start and end); None: it did not."""
 
 
-def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             seed: int, *, call: int, channel: Channel, replica: int | None, shard: Shard | None,
-             device, restarts=None) -> ReplicaOutput:
+def generate(
+    cfg: HybridflowConfig,
+    engine,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    seed: int,
+    *,
+    call: int,
+    channel: Channel,
+    replica: int | None,
+    shard: Shard | None,
+    device,
+    restarts=None,
+) -> ReplicaOutput:
     """Every replica's share of ``prompts``, delivered to the data-parallel ranks that own them
     (``shares.owner``; collective over ``channel``). ``engine`` is the engine of ``replica``
     when this rank drives it, else None; ``shard``: this rank's DP share (None on an engine
@@ -187,8 +210,18 @@ def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], pa
     while True:
         samples, mine = [], _Report(None, [], 0.0, None, dp_rank)
         if engine is not None:
-            samples, mine, _ = _attempt(engine, prompts, params, seed, chunks, channel, replica=replica, call=call,
-                                        attempt=attempt, dp_rank=dp_rank)
+            samples, mine, _ = _attempt(
+                engine,
+                prompts,
+                params,
+                seed,
+                chunks,
+                channel,
+                replica=replica,
+                call=call,
+                attempt=attempt,
+                dp_rank=dp_rank,
+            )
         gathered: list[_Report] = channel.gather(mine)
         _raise_failures(gathered, restartable=restarts is not None)
         lost = [(rank, g.replica, g.error) for rank, g in enumerate(gathered) if g.lost]
@@ -199,19 +232,37 @@ def generate(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], pa
     return _deliver(cfg, samples, gathered, len(prompts), channel=channel, device=device)
 
 
-def _deliver(cfg: HybridflowConfig, samples: list[RolloutSample], gathered: list[_Report], num_prompts: int, *,
-             channel: Channel, device) -> ReplicaOutput:
+def _deliver(
+    cfg: HybridflowConfig,
+    samples: list[RolloutSample],
+    gathered: list[_Report],
+    num_prompts: int,
+    *,
+    channel: Channel,
+    device,
+) -> ReplicaOutput:
     """The drivers' samples to the DP ranks that own their prompts (collective over ``channel``)."""
     counts = [0] * cfg.rollout.num_replicas
     for report in gathered:
         if report.replica is not None:
             counts[report.replica] += len(report.metas)
-    got = deliver(samples, [g.metas for g in gathered], [g.dp_rank for g in gathered],
-                  _owner_of(cfg, gathered, num_prompts), device=device, link=channel.link)
-    return ReplicaOutput(samples=got.samples, positions=got.positions, metas=got.metas,
-                         seconds=max(g.seconds for g in gathered), samples_per_replica=tuple(counts),
-                         received_bytes=got.received_bytes,
-                         intervals=tuple(g.interval for g in gathered if g.interval is not None))
+    got = deliver(
+        samples,
+        [g.metas for g in gathered],
+        [g.dp_rank for g in gathered],
+        _owner_of(cfg, gathered, num_prompts),
+        device=device,
+        link=channel.link,
+    )
+    return ReplicaOutput(
+        samples=got.samples,
+        positions=got.positions,
+        metas=got.metas,
+        seconds=max(g.seconds for g in gathered),
+        samples_per_replica=tuple(counts),
+        received_bytes=got.received_bytes,
+        intervals=tuple(g.interval for g in gathered if g.interval is not None),
+    )
 
 
 def _owner_of(cfg: HybridflowConfig, gathered: list[_Report], num_prompts: int):
@@ -249,22 +300,36 @@ class Started:
     def merged(self, other: "Started") -> "Started":
         """Both shares as one (a resumed run with fewer replicas than saved buffers)."""
         r = self.report
-        return dataclasses.replace(self, samples=self.samples + other.samples, chunk_of=self.chunk_of + other.chunk_of,
-                                   report=r._replace(metas=r.metas + other.report.metas,
-                                                     seconds=r.seconds + other.report.seconds))
+        return dataclasses.replace(
+            self,
+            samples=self.samples + other.samples,
+            chunk_of=self.chunk_of + other.chunk_of,
+            report=r._replace(metas=r.metas + other.report.metas, seconds=r.seconds + other.report.seconds),
+        )
 
     def unfinished(self) -> list[int]:
         """Positions of the requests a partial rollout has yet to continue."""
         if self.params is None or self.report.error is not None:
             return []
         limit = self.params.max_new_tokens
-        return [i for i, x in enumerate(self.samples) if x.finish_reason == FINISH_LENGTH
-                and len(x.response_ids) < limit]
+        return [
+            i for i, x in enumerate(self.samples) if x.finish_reason == FINISH_LENGTH and len(x.response_ids) < limit
+        ]
 
 
-def start(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int, *,
-          call: str, channel: Channel, replica: int, segment: int | None = None,
-          version: int | None = None) -> Started:
+def start(
+    cfg: HybridflowConfig,
+    engine,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    seed: int,
+    *,
+    call: str,
+    channel: Channel,
+    replica: int,
+    segment: int | None = None,
+    version: int | None = None,
+) -> Started:
     """Generate this driver's share of ``prompts`` now, with the weights its engine holds, for a
     later ``collect`` (the chunks and seeds are those ``generate`` would use: the samples do not
     depend on when they are collected). A failure is kept in the report and raised at collect.
@@ -274,13 +339,24 @@ def start(cfg: HybridflowConfig, engine, prompts: Sequence[Sequence[int]], param
     first = (
         params if segment is None else dataclasses.replace(params, max_new_tokens=min(segment, params.max_new_tokens))
     )
-    samples, report, chunk_of = _attempt(engine, prompts, first, seed, _chunks(len(prompts), cfg), channel,
-                                         replica=replica, call=call, attempt=0, dp_rank=None)
+    samples, report, chunk_of = _attempt(
+        engine,
+        prompts,
+        first,
+        seed,
+        _chunks(len(prompts), cfg),
+        channel,
+        replica=replica,
+        call=call,
+        attempt=0,
+        dp_rank=None,
+    )
     if version is None:
         return Started(samples, report)
     samples = [dataclasses.replace(x, segments=((0, version),)) for x in samples]
-    return Started(samples, report._replace(metas=[meta_of(x) for x in samples]), tuple(chunk_of), params, seed,
-                   version=version)
+    return Started(
+        samples, report._replace(metas=[meta_of(x) for x in samples]), tuple(chunk_of), params, seed, version=version
+    )
 
 
 def advance(engine, started: Started, version: int, *, segment: int | None) -> tuple[Started, tuple[float, float]]:
@@ -296,8 +372,9 @@ def advance(engine, started: Started, version: int, *, segment: int | None) -> t
     try:
         for (chunk, done), rows in sorted(groups.items()):
             left = started.params.max_new_tokens - done
-            params = dataclasses.replace(started.params, n=1, max_new_tokens=left if segment is None
-                                         else min(segment, left))
+            params = dataclasses.replace(
+                started.params, n=1, max_new_tokens=left if segment is None else min(segment, left)
+            )
             engine.reseed(chunk_seed(started.seed + (started.segments + 1) * _SEGMENT_SEED, chunk))
             out = engine.generate([samples[i].prompt_ids + samples[i].response_ids for i in rows], params)
             for more in out.samples:
@@ -306,8 +383,9 @@ def advance(engine, started: Started, version: int, *, segment: int | None) -> t
     except Exception as failure:
         error, lost = _described(failure)
     ended = time.time()
-    report = started.report._replace(metas=[meta_of(x) for x in samples], error=error, lost=lost,
-                                     seconds=started.report.seconds + (ended - began))
+    report = started.report._replace(
+        metas=[meta_of(x) for x in samples], error=error, lost=lost, seconds=started.report.seconds + (ended - began)
+    )
     return (
         dataclasses.replace(started, samples=samples, report=report, segments=started.segments + 1, version=version),
         (began, ended),
@@ -321,19 +399,26 @@ def _continued(x: RolloutSample, more: RolloutSample, version: int) -> RolloutSa
     routes = x.routed_experts
     if routes is not None and more.routed_experts is not None:
         routes = torch.as_tensor(routes)
-        routes = torch.cat([routes, torch.as_tensor(more.routed_experts)[len(routes):]])
-    return dataclasses.replace(x, response_ids=x.response_ids + more.response_ids, logprobs=x.logprobs + more.logprobs,
-                               finish_reason=more.finish_reason, routed_experts=routes,
-                               segments=x.segments + ((len(x.response_ids), version),))
+        routes = torch.cat([routes, torch.as_tensor(more.routed_experts)[len(routes) :]])
+    return dataclasses.replace(
+        x,
+        response_ids=x.response_ids + more.response_ids,
+        logprobs=x.logprobs + more.logprobs,
+        finish_reason=more.finish_reason,
+        routed_experts=routes,
+        segments=x.segments + ((len(x.response_ids), version),),
+    )
 
 
-def collect(cfg: HybridflowConfig, started: Started | None, *, num_prompts: int, channel: Channel,
-            shard: Shard | None, device) -> ReplicaOutput:
+def collect(
+    cfg: HybridflowConfig, started: Started | None, *, num_prompts: int, channel: Channel, shard: Shard | None, device
+) -> ReplicaOutput:
     """A started call's samples, delivered as ``generate`` delivers them (collective over
     ``channel``; ``started``: this driver's share, None on every other process)."""
     dp_rank = None if shard is None else shard.dp_rank
-    samples, mine = ([], _Report(None, [], 0.0, None, dp_rank)) if started is None else (started.samples,
-                                                                                         started.report)
+    samples, mine = (
+        ([], _Report(None, [], 0.0, None, dp_rank)) if started is None else (started.samples, started.report)
+    )
     gathered: list[_Report] = channel.gather(mine)
     _raise_failures(gathered, why_not=ASYNC_LOST)
     return _deliver(cfg, samples, gathered, num_prompts, channel=channel, device=device)
@@ -358,8 +443,11 @@ def _attempt(
     try:
         began = time.time()
         samples, seconds, chunk_of = _drive(engine, prompts, params, seed, chunks, counter)
-        return samples, _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank,
-                                interval=(began, time.time())), chunk_of
+        return (
+            samples,
+            _Report(replica, [meta_of(x) for x in samples], seconds, None, dp_rank, interval=(began, time.time())),
+            chunk_of,
+        )
     except Exception as failure:
         error, lost = _described(failure)
         return [], _Report(replica, [], 0.0, error, dp_rank, lost=lost), []

@@ -13,8 +13,16 @@ __all__ = ["format_summary", "plot_rewards", "summarise", "summarise_async", "wr
 logger = logging.getLogger(__name__)
 
 
-def summarise(cfg, state: RunState, *, heldout_after_rl: float | None, wall_seconds: float,
-              data_rows_skipped: dict[str, int], reward_errors: int, extra: dict[str, Any]) -> dict[str, Any]:
+def summarise(
+    cfg,
+    state: RunState,
+    *,
+    heldout_after_rl: float | None,
+    wall_seconds: float,
+    data_rows_skipped: dict[str, int],
+    reward_errors: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """The run's headline numbers, with what it left out: bad data rows skipped (by data set)
     and reward calls that raised (scored 0)."""
     history = state.history
@@ -105,17 +113,23 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
     if moe:
         m = moe["metrics"]
         mismatch = m.get("moe/train/topk_mismatch", {}).get("mean")
-        lines.append(f"  MoE          routing replay {moe['routing_replay']}, load max/mean "
-                     f"{_fmt(m.get('moe/train/load_max_mean', {}).get('last'))}, top-k mismatch in training "
-                     f"{_fmt(mismatch)} (mean)")
+        lines.append(
+            f"  MoE          routing replay {moe['routing_replay']}, load max/mean "
+            f"{_fmt(m.get('moe/train/load_max_mean', {}).get('last'))}, top-k mismatch in training "
+            f"{_fmt(mismatch)} (mean)"
+        )
     ar = summary.get("async_rl")
     if ar:
-        lines.append(f"  async RL     {ar['mode']} (max staleness {ar['max_staleness']}), staleness mean "
-                     f"{_fmt(ar['staleness_mean'])} max {_fmt(ar['staleness_max'])}, generation overlapping "
-                     f"training {_fmt(ar['overlap_fraction_mean'])} of step time")
+        lines.append(
+            f"  async RL     {ar['mode']} (max staleness {ar['max_staleness']}), staleness mean "
+            f"{_fmt(ar['staleness_mean'])} max {_fmt(ar['staleness_max'])}, generation overlapping "
+            f"training {_fmt(ar['overlap_fraction_mean'])} of step time"
+        )
         if ar.get("partial_rollout"):
-            lines.append(f"               partial rollouts: {_fmt(ar['partial_samples'])} samples spanned a weight "
-                         f"update; token staleness mean {_fmt(ar['token_staleness_mean'])}")
+            lines.append(
+                f"               partial rollouts: {_fmt(ar['partial_samples'])} samples spanned a weight "
+                f"update; token staleness mean {_fmt(ar['token_staleness_mean'])}"
+            )
     if summary.get("mlflow_uri"):
         lines.append(f"  MLflow       run {summary.get('mlflow_run_id')} at {summary['mlflow_uri']}")
     if summary.get("tensorboard_dir"):
@@ -125,15 +139,23 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
 
 def summarise_async(async_rl, history: list[dict[str, float]]) -> dict[str, Any]:
     """Asynchronous RL over the run: mode, K, sample staleness and overlap of generation with training."""
+
     def mean(key: str) -> float | None:
         values = [h[key] for h in history if key in h]
         return sum(values) / len(values) if values else None
 
-    out = {"mode": async_rl.mode, "max_staleness": async_rl.lag, "staleness_mean": mean("async/staleness_mean"),
-           "staleness_max": max((h.get("async/staleness_max", 0.0) for h in history), default=None),
-           "overlap_fraction_mean": mean("async/overlap_fraction"),
-           "dropped_samples": sum(h.get("async/dropped_samples", 0.0) for h in history)}
+    out = {
+        "mode": async_rl.mode,
+        "max_staleness": async_rl.lag,
+        "staleness_mean": mean("async/staleness_mean"),
+        "staleness_max": max((h.get("async/staleness_max", 0.0) for h in history), default=None),
+        "overlap_fraction_mean": mean("async/overlap_fraction"),
+        "dropped_samples": sum(h.get("async/dropped_samples", 0.0) for h in history),
+    }
     if async_rl.partial_rollout:
-        out.update(partial_rollout=True, token_staleness_mean=mean("async/token_staleness_mean"),
-                   partial_samples=sum(h.get("async/partial_samples", 0.0) for h in history))
+        out.update(
+            partial_rollout=True,
+            token_staleness_mean=mean("async/token_staleness_mean"),
+            partial_samples=sum(h.get("async/partial_samples", 0.0) for h in history),
+        )
     return out

@@ -51,10 +51,24 @@ logger = logging.getLogger(__name__)
 DRIVER = 0
 
 # torchrun's variables: SGLang's scheduler processes must not take them for their own
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                 "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "GROUP_WORLD_SIZE",
-                 "ROLE_NAME", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+_TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
 
 
 def broadcast(value: Any) -> Any:
@@ -101,23 +115,47 @@ def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dis
     if cfg.rollout.engine == "hf":  # in this process, on the driver's device
         from megatron_adapters.parallel import device
 
-        return make_engine("hf", model_path=str(model_dir), dtype=cfg.rollout.dtype, seed=cfg.run.seed,
-                           device=str(device()), return_routed_experts=cfg.moe.routing_replay == "r3",
-                           load_format="dummy")
+        return make_engine(
+            "hf",
+            model_path=str(model_dir),
+            dtype=cfg.rollout.dtype,
+            seed=cfg.run.seed,
+            device=str(device()),
+            return_routed_experts=cfg.moe.routing_replay == "r3",
+            load_format="dummy",
+        )
     saved = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
     placement = {**engine_parallel_args(cfg), **_node_args(cfg, node_rank, dist_init_addr)}
     try:
         if node_rank > 0:
             from hybridflow.rollout.sglang.engine import start_node
 
-            return start_node(str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep, dtype=cfg.rollout.dtype,
-                              max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.run.seed, load_format="dummy",
-                              deterministic=_engine_deterministic(cfg), **placement)
-        return make_engine("sglang", model_path=str(model_dir), tp=cfg.rollout.tp, ep=cfg.rollout.ep,
-                           dtype=cfg.rollout.dtype, max_total_tokens=cfg.rollout.max_total_tokens,
-                           seed=cfg.run.seed, load_format="dummy", bucket_bytes=cfg.rollout.push_bucket_mb << 20,
-                           deterministic=_engine_deterministic(cfg), generate_timeout_s=cfg.rollout.generate_timeout_s,
-                           **placement, **_adapter_slots(cfg))
+            return start_node(
+                str(model_dir),
+                tp=cfg.rollout.tp,
+                ep=cfg.rollout.ep,
+                dtype=cfg.rollout.dtype,
+                max_total_tokens=cfg.rollout.max_total_tokens,
+                seed=cfg.run.seed,
+                load_format="dummy",
+                deterministic=_engine_deterministic(cfg),
+                **placement,
+            )
+        return make_engine(
+            "sglang",
+            model_path=str(model_dir),
+            tp=cfg.rollout.tp,
+            ep=cfg.rollout.ep,
+            dtype=cfg.rollout.dtype,
+            max_total_tokens=cfg.rollout.max_total_tokens,
+            seed=cfg.run.seed,
+            load_format="dummy",
+            bucket_bytes=cfg.rollout.push_bucket_mb << 20,
+            deterministic=_engine_deterministic(cfg),
+            generate_timeout_s=cfg.rollout.generate_timeout_s,
+            **placement,
+            **_adapter_slots(cfg),
+        )
     finally:
         os.environ.update(saved)
 
@@ -130,8 +168,9 @@ def _adapter_slots(cfg: HybridflowConfig) -> dict:
     from hybridflow.rollout.sglang.cpu import has_cuda_gpu
     from hybridflow.rollout.sglang.engine import lora_args
 
-    return lora_args(rank=cfg.lora.rank, target_modules=engine_target_modules(cfg.lora.target_modules),
-                     on_cpu=not has_cuda_gpu())
+    return lora_args(
+        rank=cfg.lora.rank, target_modules=engine_target_modules(cfg.lora.target_modules), on_cpu=not has_cuda_gpu()
+    )
 
 
 def _engine_deterministic(cfg: HybridflowConfig) -> bool:
@@ -146,8 +185,17 @@ def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bo
     adapters). A pretrained model's policy is not randomly initialised: weights are loaded next."""
     from megatron_adapters.policy import MegatronPolicy
 
-    return MegatronPolicy(cfg.model, cfg.actor.parallel, train, pg_collection=pg, trainable=trainable, moe=moe,
-                          lora=lora, packing_config=cfg.packing, initialize=not cfg.model.pretrained)
+    return MegatronPolicy(
+        cfg.model,
+        cfg.actor.parallel,
+        train,
+        pg_collection=pg,
+        trainable=trainable,
+        moe=moe,
+        lora=lora,
+        packing_config=cfg.packing,
+        initialize=not cfg.model.pretrained,
+    )
 
 
 class ModelRole(Protocol):
@@ -304,8 +352,9 @@ def prepare_files(cfg: HybridflowConfig, out_dir: Path) -> tuple[list[str], list
         out_dir.mkdir(parents=True, exist_ok=True)
         train, heldout = list(cfg.data.train_files), list(cfg.data.heldout_files)
         if not train:
-            t, h = make_task_files(cfg.task, cfg.data, out_dir / "data", seed=cfg.run.seed,
-                                  sft_key=cfg.sft.response_key)
+            t, h = make_task_files(
+                cfg.task, cfg.data, out_dir / "data", seed=cfg.run.seed, sft_key=cfg.sft.response_key
+            )
             train, heldout = [str(t)], heldout or [str(h)]
         model_dir = run_model_dir(cfg.model, out_dir / "model", seed=cfg.run.seed)
         paths = (train, heldout, model_dir)
@@ -316,8 +365,9 @@ def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: li
     """Tokenised training prompts (with SFT targets when SFT runs), held-out prompts, and the bad
     rows skipped under ``data.on_bad_row=skip`` (unreadable or untokenisable) by data set."""
     report = DataReport()
-    prompts, too_long = tokenize_rows(read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report), tokenizer,
-                                      cfg.data)
+    prompts, too_long = tokenize_rows(
+        read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report), tokenizer, cfg.data
+    )
     skipped = {"train": report.num_skipped + too_long}
     held = []
     if heldout and cfg.run.heldout_prompts > 0:

@@ -25,8 +25,14 @@ logger = logging.getLogger(__name__)
 
 def sft_train_config(cfg):
     """The actor's optimizer settings with SFT's learning rate (constant) and batch size."""
-    return dataclasses.replace(cfg.train, lr=cfg.sft.lr, min_lr=0.0, lr_schedule="constant", lr_warmup_steps=0,
-                               global_batch_size=cfg.sft.batch_size)
+    return dataclasses.replace(
+        cfg.train,
+        lr=cfg.sft.lr,
+        min_lr=0.0,
+        lr_schedule="constant",
+        lr_warmup_steps=0,
+        global_batch_size=cfg.sft.batch_size,
+    )
 
 
 def sft_batch(rows: list[TokenizedPrompt], tokenizer, end_id: int) -> dict[str, torch.Tensor]:
@@ -51,8 +57,19 @@ def _nll(logp, entropy, micro):
     return -(logp * mask).sum(), tokens, {"entropy": (entropy * mask).sum() / tokens.clamp(min=1)}
 
 
-def run_sft(policy, rows: list[TokenizedPrompt], tokenizer, *, steps: int, batch_size: int, seed: int,
-            end_id: int, row_multiple: int, start: int = 0, on_step=None) -> list[float]:
+def run_sft(
+    policy,
+    rows: list[TokenizedPrompt],
+    tokenizer,
+    *,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    end_id: int,
+    row_multiple: int,
+    start: int = 0,
+    on_step=None,
+) -> list[float]:
     """Train ``policy`` for SFT steps ``start`` .. ``steps - 1``; returns the loss of each.
     ``on_step(step, result)`` follows each step; a true return stops SFT there (a checkpoint
     request). Step k's batch is a function of (seed, k), so a resumed SFT draws what an
@@ -62,14 +79,15 @@ def run_sft(policy, rows: list[TokenizedPrompt], tokenizer, *, steps: int, batch
         raise ValueError("SFT needs targets: no training row has the column named by sft.response_key")
     sampler = PromptSampler(len(usable), batch_size, seed + 17)
     losses = []
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc="sft", unit="step",
-               disable=dist.get_rank() != 0)
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc="sft", unit="step", disable=dist.get_rank() != 0)
     for step in bar:
         batch, _ = pad_rows(sft_batch([usable[i] for i in sampler.batch(step)], tokenizer, end_id), row_multiple)
         result = policy.train_step(batch, _nll)
         if not result.applied:
-            raise FloatingPointError(f"SFT step {step}: the loss or a gradient is not finite; stopped "
-                                     "before applying it (no checkpoint written)")
+            raise FloatingPointError(
+                f"SFT step {step}: the loss or a gradient is not finite; stopped "
+                "before applying it (no checkpoint written)"
+            )
         losses.append(result.loss)
         bar.set_postfix(loss=f"{result.loss:.3f}")
         if on_step is not None and on_step(step, result):

@@ -49,8 +49,18 @@ from typing import Any
 from hfschema.files import publish_directory, restore_previous, shard_problems, write_atomic
 from hybridflow.runtime import checksums
 
-__all__ = ["Resume", "RunState", "checkpoint_dirs", "checkpoint_problem", "config_changes", "find_resume",
-           "is_rl_checkpoint", "latest_checkpoint", "read_state", "write_json_atomic"]
+__all__ = [
+    "Resume",
+    "RunState",
+    "checkpoint_dirs",
+    "checkpoint_problem",
+    "config_changes",
+    "find_resume",
+    "is_rl_checkpoint",
+    "latest_checkpoint",
+    "read_state",
+    "write_json_atomic",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +124,10 @@ def read_state(directory: str | os.PathLike) -> RunState:
         raw["heldout"] = [tuple(x) for x in raw.get("heldout", [])]
         return RunState(**raw)
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"checkpoint run state {path} is unreadable ({e}); delete that checkpoint "
-                         "directory to resume from an earlier one") from None
+        raise ValueError(
+            f"checkpoint run state {path} is unreadable ({e}); delete that checkpoint "
+            "directory to resume from an earlier one"
+        ) from None
 
 
 def save_state(directory: str | os.PathLike, state: RunState) -> None:
@@ -239,12 +251,16 @@ class Resume:
 def _candidates(output_dir: Path) -> list[Path]:
     """Published checkpoints, newest first: the RL steps, the SFT one, then an unfinished SFT's."""
     sft = sft_checkpoint(output_dir)
-    return (list(reversed(checkpoint_dirs(output_dir))) + ([sft] if sft.is_dir() else [])
-            + list(reversed(sft_progress_dirs(output_dir))))
+    return (
+        list(reversed(checkpoint_dirs(output_dir)))
+        + ([sft] if sft.is_dir() else [])
+        + list(reversed(sft_progress_dirs(output_dir)))
+    )
 
 
-def find_resume(output_dir: str | os.PathLike, resume: str, *, fallback: str = "previous",
-                content: bool = True) -> Resume:
+def find_resume(
+    output_dir: str | os.PathLike, resume: str, *, fallback: str = "previous", content: bool = True
+) -> Resume:
     """The checkpoint a start continues from under ``run.resume`` and ``run.resume_fallback``;
     ValueError (naming the files and the fix) when ``never`` meets a directory that holds
     checkpoints, when ``stop`` meets a damaged newest one, or when none is complete.
@@ -255,20 +271,26 @@ def find_resume(output_dir: str | os.PathLike, resume: str, *, fallback: str = "
             logger.warning("restored checkpoint %s, whose replacement was cut short", path)
     candidates = _candidates(output_dir)
     if candidates and resume == "never":
-        raise ValueError(f"run.output_dir={output_dir} already holds checkpoints ({candidates[0].name}); set "
-                         "run.resume=auto to continue that run, or pick a new run.name / run.output_dir")
+        raise ValueError(
+            f"run.output_dir={output_dir} already holds checkpoints ({candidates[0].name}); set "
+            "run.resume=auto to continue that run, or pick a new run.name / run.output_dir"
+        )
     damaged: list[tuple[Path, str]] = []
     for path in candidates:
         problem = checkpoint_problem(path, content=content)
         if problem is None:
             return Resume(path=path, damaged=tuple(damaged))
         if fallback == "stop":
-            raise ValueError(f"checkpoint {path.name} is damaged: {problem}; set run.resume_fallback=previous to "
-                             f"resume from the newest complete checkpoint, or move {path} away")
+            raise ValueError(
+                f"checkpoint {path.name} is damaged: {problem}; set run.resume_fallback=previous to "
+                f"resume from the newest complete checkpoint, or move {path} away"
+            )
         damaged.append((path, problem))
     if damaged:
-        raise ValueError(f"no complete checkpoint in {output_dir / 'checkpoints'} (newest: {damaged[0][0].name}: "
-                         f"{damaged[0][1]}); restore the files, or set a new run.output_dir to start over")
+        raise ValueError(
+            f"no complete checkpoint in {output_dir / 'checkpoints'} (newest: {damaged[0][0].name}: "
+            f"{damaged[0][1]}); restore the files, or set a new run.output_dir to start over"
+        )
     return Resume(path=None)
 
 
@@ -282,8 +304,9 @@ def set_aside(damaged: tuple[tuple[Path, str], ...]) -> None:
         logger.warning("checkpoint %s is damaged (%s); set aside as %s", path, problem, target.name)
 
 
-def resume_point(output_dir: str | os.PathLike, resume: str, *, fallback: str = "previous",
-                 set_aside_damaged: bool = False) -> Path | None:
+def resume_point(
+    output_dir: str | os.PathLike, resume: str, *, fallback: str = "previous", set_aside_damaged: bool = False
+) -> Path | None:
     """The checkpoint a start continues from (``find_resume``); with ``set_aside_damaged`` (the
     run's rank 0) the damaged newer ones are renamed out of the way."""
     found = find_resume(output_dir, resume, fallback=fallback)
@@ -373,7 +396,9 @@ def check_config_loads(checkpoint: Path, output_dir: str | os.PathLike, current:
     path, config = recorded
     blocking, other = config_changes(config, current)
     if blocking:
-        raise ValueError(f"checkpoint {checkpoint.name} holds a different model than this config "
-                         f"({'; '.join(blocking)}; saved under {path}): restore those model keys to resume, "
-                         "or set a new run.output_dir for a new run")
+        raise ValueError(
+            f"checkpoint {checkpoint.name} holds a different model than this config "
+            f"({'; '.join(blocking)}; saved under {path}): restore those model keys to resume, "
+            "or set a new run.output_dir for a new run"
+        )
     return other

@@ -30,8 +30,15 @@ import torch.distributed as dist
 from hfschema.files import write_atomic
 from launch.reaper import REQUEST_FILE
 
-__all__ = ["REQUEST_FILE", "Stopped", "checkpoint_requested", "deferred", "done_request", "install",
-           "request_checkpoint"]
+__all__ = [
+    "REQUEST_FILE",
+    "Stopped",
+    "checkpoint_requested",
+    "deferred",
+    "done_request",
+    "install",
+    "request_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 

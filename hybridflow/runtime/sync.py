@@ -103,8 +103,16 @@ class EngineSync:
     engine on a replica driver, None elsewhere; ``source_params`` is None on an engine rank.
     """
 
-    def __init__(self, cfg: HybridflowConfig, *, channel: Channel, device: torch.device, source_params=None,
-                 engine=None, adapters=None) -> None:
+    def __init__(
+        self,
+        cfg: HybridflowConfig,
+        *,
+        channel: Channel,
+        device: torch.device,
+        source_params=None,
+        engine=None,
+        adapters=None,
+    ) -> None:
         self.cfg = cfg
         self.channel = channel
         self.device = device
@@ -115,8 +123,10 @@ class EngineSync:
         # colocated: destination rank r shares actor rank r's device (the config checked r < world);
         # separate: destination rank r is joint rank actors + r, a process of its own
         self.offset = actors if channel.separate else 0
-        self.processes = ProcessMap(source=tuple(range(actors)),
-                                    destination=tuple(self.offset + r for r in range(self.sync.destination.num_ranks)))
+        self.processes = ProcessMap(
+            source=tuple(range(actors)),
+            destination=tuple(self.offset + r for r in range(self.sync.destination.num_ranks)),
+        )
         self.dtype = WIRE_DTYPES[cfg.rollout.dtype]
         self.source_params = source_params
         self.adapters = adapters
@@ -210,16 +220,28 @@ class EngineSync:
         dest = self._destination()
         sources = self.source_params() if self.source_params is not None else None
         buffers = self._buffers(dest)
-        report = execute(self.plan, self.processes, sources=sources, destinations=buffers,
-                         bucket_bytes=self.cfg.rollout.reshard_bucket_mb << 20, link=self.channel.link)
+        report = execute(
+            self.plan,
+            self.processes,
+            sources=sources,
+            destinations=buffers,
+            bucket_bytes=self.cfg.rollout.reshard_bucket_mb << 20,
+            link=self.channel.link,
+        )
         pushed, worst, lost = 0.0, None, None
         # the engine's weights are resident: the plan's switch before sync_weights resumed them
         if self.engine_params is not None:
             pushed, worst, lost = self._push_sliced(dest, buffers, verify)
         elif self.route == "full":
             pushed = self._push_full(buffers)
-        return _Pushed(self._replica(), pushed, report.bytes_received + report.bytes_copied_locally,
-                       report.bytes_relayed, worst, lost)
+        return _Pushed(
+            self._replica(),
+            pushed,
+            report.bytes_received + report.bytes_copied_locally,
+            report.bytes_relayed,
+            worst,
+            lost,
+        )
 
     def _push_adapters(self, mine: _Pushed) -> list[_Pushed]:
         """The actor's adapters into every replica's engine (collective: every process gathers
@@ -261,14 +283,22 @@ class EngineSync:
             if g.replica is not None:
                 per_replica[g.replica], adapters[g.replica] = g.engine_bytes, g.adapter_bytes
         checked = [g.worst for g in gathered if g.worst is not None]
-        return {"sync/seconds": seconds, "sync/plan_bytes": float(sum(g.plan_bytes for g in gathered)),
-                "sync/relayed_bytes": float(sum(g.relayed_bytes for g in gathered)),  # forwarded by engine ranks
-                "sync/engine_bytes": float(sum(per_replica)),
-                **({"sync/adapter_bytes": float(sum(adapters)),
-                    **{f"sync/replica{k}/adapter_bytes": b for k, b in enumerate(adapters)}}
-                   if self.pushes_adapters else {}),
-                **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)},
-                **({"checks/refit_max_rel_diff": max(checked)} if checked else {})}
+        return {
+            "sync/seconds": seconds,
+            "sync/plan_bytes": float(sum(g.plan_bytes for g in gathered)),
+            "sync/relayed_bytes": float(sum(g.relayed_bytes for g in gathered)),  # forwarded by engine ranks
+            "sync/engine_bytes": float(sum(per_replica)),
+            **(
+                {
+                    "sync/adapter_bytes": float(sum(adapters)),
+                    **{f"sync/replica{k}/adapter_bytes": b for k, b in enumerate(adapters)},
+                }
+                if self.pushes_adapters
+                else {}
+            ),
+            **{f"sync/replica{k}/engine_bytes": b for k, b in enumerate(per_replica)},
+            **({"checks/refit_max_rel_diff": max(checked)} if checked else {}),
+        }
 
     def _verifying(self) -> bool:
         """Whether this push reads the engines' weights back (the first, then every
@@ -276,8 +306,9 @@ class EngineSync:
         every = self.cfg.checks.refit_every
         return self.engine_params is not None and every > 0 and self.pushes % every == 0
 
-    def _push_sliced(self, dest: int | None, buffers: dict[str, torch.Tensor],
-                     verify: bool) -> tuple[float, float | None, str | None]:
+    def _push_sliced(
+        self, dest: int | None, buffers: dict[str, torch.Tensor], verify: bool
+    ) -> tuple[float, float | None, str | None]:
         """Each destination process shares its buffers; each replica's driver pushes its ranks'
         shares (collective over the default group, whose rank r plays destination rank r).
         Returns the bytes pushed; on a driver when ``verify``ing, the refit verifier's worst
@@ -367,8 +398,10 @@ def _flat_sizes(layout: _Layout) -> list[tuple[torch.dtype, int]]:
 
 def _flatten(tensors: dict[str, torch.Tensor], layout: _Layout, device: torch.device) -> list[torch.Tensor]:
     """One flat buffer per dtype on ``device`` (what the link sends)."""
-    return [torch.cat([tensors[name].reshape(-1) for name, _, d in layout[0] if d == dtype]).to(device)
-            for dtype, _ in _flat_sizes(layout)]
+    return [
+        torch.cat([tensors[name].reshape(-1) for name, _, d in layout[0] if d == dtype]).to(device)
+        for dtype, _ in _flat_sizes(layout)
+    ]
 
 
 def _unflatten(flat: list[torch.Tensor], layout: _Layout) -> dict[str, torch.Tensor]:
@@ -379,6 +412,6 @@ def _unflatten(flat: list[torch.Tensor], layout: _Layout) -> dict[str, torch.Ten
     out = {}
     for name, shape, dtype in layout[0]:
         n = math.prod(shape)
-        out[name] = buffers[dtype][offsets[dtype]: offsets[dtype] + n].view(shape).clone()
+        out[name] = buffers[dtype][offsets[dtype] : offsets[dtype] + n].view(shape).clone()
         offsets[dtype] += n
     return out

@@ -38,8 +38,9 @@ _FROM_STEP = ".from_step_"
 class Tracker:
     """Logs params, metrics and artifacts of one run; inert on ranks other than 0."""
 
-    def __init__(self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None,
-                 history: list[dict[str, float]] = ()) -> None:
+    def __init__(
+        self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None, history: list[dict[str, float]] = ()
+    ) -> None:
         self.run_id: str | None = None
         self.uri: str | None = None
         self.tensorboard_dir: str | None = None
@@ -65,9 +66,13 @@ class Tracker:
             mlflow.create_experiment(name, artifact_location=location)
         mlflow.set_experiment(name)
         if run_id and not _store_holds(mlflow, run_id):
-            logger.warning("the checkpoint's MLflow run %s is not in %s (a checkpoint from another run directory, or "
-                           "the store removed): starting a new MLflow run with the checkpoint's %d steps so far",
-                           run_id, uri, len(history))
+            logger.warning(
+                "the checkpoint's MLflow run %s is not in %s (a checkpoint from another run directory, or "
+                "the store removed): starting a new MLflow run with the checkpoint's %d steps so far",
+                run_id,
+                uri,
+                len(history),
+            )
             run_id = None
         else:
             history = ()
@@ -98,8 +103,11 @@ class Tracker:
             latest = _latest_values(logged)
             changed = {f"{k}{_FROM_STEP}{step}": v for k, v in values.items() if k in latest and latest[k] != v}
             if changed:
-                logger.info("settings changed since the MLflow run began, logged as of step %d: %s", step,
-                            ", ".join(f"{k}={v}" for k, v in changed.items()))
+                logger.info(
+                    "settings changed since the MLflow run began, logged as of step %d: %s",
+                    step,
+                    ", ".join(f"{k}={v}" for k, v in changed.items()),
+                )
             fresh = {k: v for k, v in {**values, **changed}.items() if k not in logged}
             self._mlflow.log_params(fresh)
         if self._tensorboard is not None:

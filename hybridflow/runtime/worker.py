@@ -134,16 +134,20 @@ def _export_hf(staging: Path) -> None:
     from megatron_adapters.convert import mcore_to_hf
 
     report = mcore_to_hf(staging / "actor", staging / run_state.HF_EXPORT)
-    logger.info("exported the SFT model as a Hugging Face directory %s (%.1f MB)",
-                staging.with_suffix("") / run_state.HF_EXPORT, report.nbytes / 1e6)
+    logger.info(
+        "exported the SFT model as a Hugging Face directory %s (%.1f MB)",
+        staging.with_suffix("") / run_state.HF_EXPORT,
+        report.nbytes / 1e6,
+    )
 
 
 def _record_checksums(s: Session, staging: Path) -> None:
     """Every file of the checkpoint being written, hashed by the actor ranks in shares of equal
     bytes, into its ``checksums.json`` (collective; rank 0 deals the files and writes it)."""
     dist.barrier()  # every file in place before rank 0 lists them
-    shares = broadcast(checksums.shares_of(staging, checksums.listed_files(staging), dist.get_world_size())
-                       if s.is_driver else None)
+    shares = broadcast(
+        checksums.shares_of(staging, checksums.listed_files(staging), dist.get_world_size()) if s.is_driver else None
+    )
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, checksums.hash_files(staging, shares[dist.get_rank()]))
     if s.is_driver:
@@ -173,15 +177,25 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
         s.state.sft_losses.append(result.loss)
         done = s.state.sft_step = step + 1
         every = cfg.sft.checkpoint_every
-        requested = done < cfg.sft.steps and stops.checkpoint_requested(s.out_dir, is_driver=s.is_driver,
-                                                                        group=s.shard.group)
+        requested = done < cfg.sft.steps and stops.checkpoint_requested(
+            s.out_dir, is_driver=s.is_driver, group=s.shard.group
+        )
         if requested or (every and done % every == 0 and done < cfg.sft.steps):
             _save(s, f"sft_{done:06d}", with_optimizer=True, policy=policy)
         return requested
 
-    run_sft(policy, s.train_prompts, s.tokenizer, steps=cfg.sft.steps, start=s.state.sft_step,
-            batch_size=cfg.sft.batch_size, seed=cfg.run.seed, end_id=end_id,
-            row_multiple=cfg.actor.parallel.dp * cfg.train.micro_batch_size, on_step=after)
+    run_sft(
+        policy,
+        s.train_prompts,
+        s.tokenizer,
+        steps=cfg.sft.steps,
+        start=s.state.sft_step,
+        batch_size=cfg.sft.batch_size,
+        seed=cfg.run.seed,
+        end_id=end_id,
+        row_multiple=cfg.actor.parallel.dp * cfg.train.micro_batch_size,
+        on_step=after,
+    )
     if requested:
         if s.is_driver:
             stops.done_request(s.out_dir)
@@ -206,8 +220,13 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     if s.spec.needs_critic:
         from megatron_adapters.critic import MegatronCritic
 
-        s.critic = MegatronCritic(s.cfg.model, s.cfg.actor.parallel, s.cfg.train.for_critic(), pg_collection=s.pg,
-                                  packing_config=s.cfg.packing)
+        s.critic = MegatronCritic(
+            s.cfg.model,
+            s.cfg.actor.parallel,
+            s.cfg.train.for_critic(),
+            pg_collection=s.pg,
+            packing_config=s.cfg.packing,
+        )
         if resume_from is not None and (resume_from / "critic").is_dir():
             checkpoint.load(s.critic, resume_from / "critic", with_optimizer=True)
         else:  # the policy's (SFT) transformer under a fresh value head, as PPO critics start
@@ -268,17 +287,25 @@ def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
     from megatron_adapters.peft_io import adapter_push
 
-    s.restarts = EngineRestarts(s, metrics=lambda: s.step_metrics, respawn=None if s.channel.separate else
-                                lambda replicas: _respawn(s, replicas))
+    s.restarts = EngineRestarts(
+        s,
+        metrics=lambda: s.step_metrics,
+        respawn=None if s.channel.separate else lambda replicas: _respawn(s, replicas),
+    )
     if s.channel.separate:  # the engine ranks start the engines, from the directory rank 0 wrote
         s.channel.announce(str(s.model_dir))
     else:
         s.replica = replica_of(s.cfg, s.rank)
         _start_parts(s, None)
     adapters = s.cfg.lora.pushes_adapters
-    s.sync = EngineSync(s.cfg, channel=s.channel, device=s.device, engine=s.engine,
-                        source_params=lambda: global_named_parameters(s.actor, merge_adapters=not adapters),
-                        adapters=(lambda: adapter_push(s.actor)) if adapters else None)
+    s.sync = EngineSync(
+        s.cfg,
+        channel=s.channel,
+        device=s.device,
+        engine=s.engine,
+        source_params=lambda: global_named_parameters(s.actor, merge_adapters=not adapters),
+        adapters=(lambda: adapter_push(s.actor)) if adapters else None,
+    )
     s.sync.restarts = s.restarts
     s.sync.push()
 
@@ -357,17 +384,30 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
     state = run_state.read_state(resume_from) if resume_from else run_state.RunState()
     rank = dist.get_rank()
     tracker = Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id, history=state.history)
-    s = Session(cfg=cfg, out_dir=out_dir, rank=rank, tokenizer=tokenizer, model_dir=model_dir,
-                train_prompts=prompts, heldout_prompts=held, sft_rows=prompts,
-                sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
-                state=state, tracker=tracker, stop_ids=stop_token_ids(tokenizer, model_dir), pg=pg,
-                shard=_shard(), device=parallel.device(), channel=channel,
-                data_rows_skipped=skipped, reward_errors=state.reward_errors)
+    s = Session(
+        cfg=cfg,
+        out_dir=out_dir,
+        rank=rank,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        train_prompts=prompts,
+        heldout_prompts=held,
+        sft_rows=prompts,
+        sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
+        state=state,
+        tracker=tracker,
+        stop_ids=stop_token_ids(tokenizer, model_dir),
+        pg=pg,
+        shard=_shard(),
+        device=parallel.device(),
+        channel=channel,
+        data_rows_skipped=skipped,
+        reward_errors=state.reward_errors,
+    )
     s.spec = algorithm_spec(cfg)
     filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
     s.algo = dataclasses.replace(cfg.algorithm, **filled)
-    s.kl_reward = kl_controller(s.algo.kl_reward_coef, s.algo.kl_reward_target, s.algo.kl_reward_horizon,
-                                state.history)
+    s.kl_reward = kl_controller(s.algo.kl_reward_coef, s.algo.kl_reward_target, s.algo.kl_reward_horizon, state.history)
     s.started, s.wall_before = time.time(), state.wall_seconds
     return s
 
@@ -375,20 +415,34 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
 def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     wall = s.wall_before + time.time() - s.started
     first = s.state.history[0] if s.state.history else {}
-    extra = {"first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
-             "first_step_ppo_kl": first.get("actor/ppo_kl_first_mini"),
-             "first_step_clipfrac": first.get("actor/clipfrac_first_mini"),
-             "mlflow_run_id": s.tracker.run_id, "mlflow_uri": s.tracker.uri,
-             "executed_stages": s.executed_stages, "tensorboard_dir": s.tracker.tensorboard_dir,
-             "engine_restarts": s.restarts.used if s.restarts is not None else 0}
+    extra = {
+        "first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
+        "first_step_ppo_kl": first.get("actor/ppo_kl_first_mini"),
+        "first_step_clipfrac": first.get("actor/clipfrac_first_mini"),
+        "mlflow_run_id": s.tracker.run_id,
+        "mlflow_uri": s.tracker.uri,
+        "executed_stages": s.executed_stages,
+        "tensorboard_dir": s.tracker.tensorboard_dir,
+        "engine_restarts": s.restarts.used if s.restarts is not None else 0,
+    }
     if s.pipeline is not None:
         extra["async_rl"] = report.summarise_async(s.cfg.async_rl, s.state.history)
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
-        extra["moe"] = {"routing_replay": s.cfg.moe.routing_replay, "freeze_router": s.cfg.moe.freeze_router,
-                        "metrics": summarise_router_stats(s.state.history),
-                        "tokens_per_expert_last_step": s.moe_tokens_per_expert}
-    summary = report.summarise(s.cfg, s.state, heldout_after_rl=heldout_after_rl, wall_seconds=wall,
-                               data_rows_skipped=s.data_rows_skipped, reward_errors=s.reward_errors, extra=extra)
+        extra["moe"] = {
+            "routing_replay": s.cfg.moe.routing_replay,
+            "freeze_router": s.cfg.moe.freeze_router,
+            "metrics": summarise_router_stats(s.state.history),
+            "tokens_per_expert_last_step": s.moe_tokens_per_expert,
+        }
+    summary = report.summarise(
+        s.cfg,
+        s.state,
+        heldout_after_rl=heldout_after_rl,
+        wall_seconds=wall,
+        data_rows_skipped=s.data_rows_skipped,
+        reward_errors=s.reward_errors,
+        extra=extra,
+    )
     if s.is_driver:
         path = report.write_summary(s.out_dir, summary)
         plot = report.plot_rewards(s.out_dir, s.state)
@@ -416,7 +470,8 @@ def out_of_memory_hint(cfg: HybridflowConfig, phase: str) -> Iterator[None]:
             f"rank {rank} ran out of GPU memory in {phase} ({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB "
             f"in use): lower train.micro_batch_size (now {cfg.train.micro_batch_size}) or "
             f"data.max_response_length (now {cfg.data.max_response_length}), or raise actor.parallel.tp / pp / ep "
-            f"(now {cfg.actor.parallel.describe()})") from None
+            f"(now {cfg.actor.parallel.describe()})"
+        ) from None
 
 
 def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> tuple[Path | None, list[str]]:
@@ -525,12 +580,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(parallel.device())
         channel, store, own_rank, own_size = join(cfg.actor.parallel.world_size, timeout_minutes=minutes)
         prefix = "actor/" if channel.rank < channel.actors else "engine/"
-        parallel.init_default_group(minutes, store=dist.PrefixStore(prefix, store), rank=own_rank,
-                                    world_size=own_size)
+        parallel.init_default_group(minutes, store=dist.PrefixStore(prefix, store), rank=own_rank, world_size=own_size)
     else:
         parallel.init_default_group(timeout_minutes=minutes)
-    console.configure(cfg.run.output_dir, rank=int(os.environ.get("RANK", "0")),
-                      driver=(channel.rank if channel else dist.get_rank()) == DRIVER, verbose=cfg.run.verbose)
+    console.configure(
+        cfg.run.output_dir,
+        rank=int(os.environ.get("RANK", "0")),
+        driver=(channel.rank if channel else dist.get_rank()) == DRIVER,
+        verbose=cfg.run.verbose,
+    )
     try:
         if channel is not None and channel.rank >= channel.actors:
             serve(cfg, channel)
@@ -562,8 +620,9 @@ def _one_line_error(error: BaseException, cfg: HybridflowConfig) -> BaseExceptio
     if isinstance(error, (DeviceMemoryError, disk_full.DiskFull)):
         return error
     if disk_full.is_disk_full(error):  # outside a checkpoint: the tracking store, a report
-        return disk_full.DiskFull(disk_full.message(Path(cfg.run.output_dir), "writing the run's files",
-                                                    "the complete checkpoints are kept"))
+        return disk_full.DiskFull(
+            disk_full.message(Path(cfg.run.output_dir), "writing the run's files", "the complete checkpoints are kept")
+        )
     return None
 
 

@@ -63,8 +63,9 @@ def test_mask_mode_rejects_without_weighting_and_metrics():
 def test_degenerate_and_extreme_inputs():
     same = rollout_correction(OLD, OLD, MASK, mode="mis", level="sequence")
     assert torch.equal(same.weights, MASK) and torch.equal(same.keep, MASK)  # on-policy: all weights 1
-    far = rollout_correction(torch.zeros(1, 2), torch.full((1, 2), -1e4), torch.ones(1, 2), mode="tis",
-                             level="sequence", upper=3.0)
+    far = rollout_correction(
+        torch.zeros(1, 2), torch.full((1, 2), -1e4), torch.ones(1, 2), mode="tis", level="sequence", upper=3.0
+    )
     assert torch.isfinite(far.weights).all() and far.weights.max() == 3.0  # clamped, no overflow
     empty = rollout_correction(OLD, ROLLOUT, torch.zeros(2, 3), mode="mis")
     assert empty.keep.sum() == 0 and torch.isfinite(empty.metrics["rollout_corr/weight_max"])
@@ -105,9 +106,18 @@ def test_every_policy_loss_takes_the_correction(name):
         "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3]),
     }
     plain = AlgorithmConfig()
-    node = Node(name="update_actor", role="actor", op="update_actor", options={
-        "policy_loss": name, "loss_agg_mode": "token-mean", "clip_ratio_high": 0.2, "kl_loss": False,
-        "lm_loss_coef": 0.0})
+    node = Node(
+        name="update_actor",
+        role="actor",
+        op="update_actor",
+        options={
+            "policy_loss": name,
+            "loss_agg_mode": "token-mean",
+            "clip_ratio_high": 0.2,
+            "kl_loss": False,
+            "lm_loss_coef": 0.0,
+        },
+    )
 
     def loss(algo, rollout, mask=MASK):
         fn = actor_loss(SimpleNamespace(algo=algo), node, 3)

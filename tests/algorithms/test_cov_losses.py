@@ -86,17 +86,22 @@ def test_clip_cov_with_no_candidate_is_ppo_without_dual_clip():
     # loss is the plain clipped surrogate; a negative-advantage ratio of 5 is not dual-clipped
     old = torch.tensor([[-1.0, -2.0]])
     log_prob = old + torch.tensor([[math.log(5.0), 0.0]])
-    loss_mat, metrics = get_policy_loss("clip_cov")(old, log_prob, torch.tensor([[-1.0, -1.0]]), torch.ones(1, 2),
-                                                    make_cfg(clip_cov_ratio=1.0))
+    loss_mat, metrics = get_policy_loss("clip_cov")(
+        old, log_prob, torch.tensor([[-1.0, -1.0]]), torch.ones(1, 2), make_cfg(clip_cov_ratio=1.0)
+    )
     close(loss_mat, [[5.0, 1.0]])  # max(5, 1.28) = 5, where vanilla's dual clip would give 3
     close(metrics["clipfrac"], 0.0)
 
 
 def test_clip_cov_of_a_single_token_group_and_empty_rows():
     # one token: its centred values are 0, covariance 0: nothing drawn. An empty row adds nothing.
-    loss_mat, metrics = get_policy_loss("clip_cov")(torch.tensor([[-1.0], [NAN]]), torch.tensor([[-1.0], [NAN]]),
-                                                    torch.tensor([[3.0], [NAN]]), torch.tensor([[1], [0]]),
-                                                    make_cfg(clip_cov_ratio=1.0))
+    loss_mat, metrics = get_policy_loss("clip_cov")(
+        torch.tensor([[-1.0], [NAN]]),
+        torch.tensor([[-1.0], [NAN]]),
+        torch.tensor([[3.0], [NAN]]),
+        torch.tensor([[1], [0]]),
+        make_cfg(clip_cov_ratio=1.0),
+    )
     close(loss_mat, [[-3.0], [0.0]])
     close(metrics["clipfrac"], 0.0)
 
@@ -193,8 +198,9 @@ def test_kl_cov_with_all_equal_advantages_breaks_ties_by_position():
 
 
 def test_kl_cov_of_nothing_masked_is_zero():
-    loss_mat, metrics = get_policy_loss("kl_cov")(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
-                                                  torch.zeros(1, 2), make_cfg())
+    loss_mat, metrics = get_policy_loss("kl_cov")(
+        torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2), make_cfg()
+    )
     close(loss_mat, [[0.0, 0.0]])
     close(metrics["clipfrac"], 0.0)
 
@@ -254,19 +260,23 @@ def test_kl_cov_matches_verls_formula_on_a_random_batch():
 
 @pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
 def test_cov_losses_plug_into_compute_policy_loss(name):
-    loss, metrics = compute_policy_loss(name, LOGP - KL_LOG_RATIO, LOGP, KL_ADV, MASK, make_cfg(),
-                                        loss_agg_mode="seq-mean-token-mean")
+    loss, metrics = compute_policy_loss(
+        name, LOGP - KL_LOG_RATIO, LOGP, KL_ADV, MASK, make_cfg(), loss_agg_mode="seq-mean-token-mean"
+    )
     loss_mat, same = get_policy_loss(name)(LOGP - KL_LOG_RATIO, LOGP, KL_ADV, MASK, make_cfg())
     torch.testing.assert_close(loss, agg_loss(loss_mat, MASK, "seq-mean-token-mean"))
     assert metrics.keys() == same.keys()
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("clip_cov_ratio", 0.0, "clip_cov_ratio=0.0 must be in (0, 1]"),
-    ("kl_cov_ratio", 1.5, "kl_cov_ratio=1.5 must be in (0, 1]"),
-    ("clip_cov_lb", 5.0, "clip_cov_lb=5.0 must be below clip_cov_ub=5.0"),
-    ("ppo_kl_coef", -0.1, "ppo_kl_coef=-0.1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("clip_cov_ratio", 0.0, "clip_cov_ratio=0.0 must be in (0, 1]"),
+        ("kl_cov_ratio", 1.5, "kl_cov_ratio=1.5 must be in (0, 1]"),
+        ("clip_cov_lb", 5.0, "clip_cov_lb=5.0 must be below clip_cov_ub=5.0"),
+        ("ppo_kl_coef", -0.1, "ppo_kl_coef=-0.1 must be >= 0"),
+    ],
+)
 def test_cov_knobs_are_validated(key, value, message):
     with pytest.raises(ValueError) as error:
         make_cfg(**{key: value})

@@ -59,10 +59,15 @@ def test_group_stats_of_non_contiguous_groups():
     scores = torch.tensor([1.0, 0.0, 0.0, 4.0, 2.0, 3.0])
     mean, std, size = group_mean_std(scores, index)
     close(mean, [1, 2, 1, 2, 1, 3])
-    close(std, [1, 8 ** 0.5, 1, 8 ** 0.5, 1, 0])
+    close(std, [1, 8**0.5, 1, 8**0.5, 1, 0])
     close(size, [3, 2, 3, 2, 3, 1])
     assert group_all_equal(torch.tensor([1.0, 1.0, 2.0, 1.0, 0.5]), torch.tensor([0, 0, 1, 2, 2])).tolist() == [
-        True, True, True, False, False]
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
 
 
 def test_return_to_go_discounts_and_skips_holes_in_the_mask():
@@ -77,8 +82,16 @@ def test_return_to_go_discounts_and_skips_holes_in_the_mask():
 
 # index / scores shared by grpo, rloo: groups 7 = {0, 2, 4}, 3 = {1, 3}, 5 = {5}
 GROUP_INDEX = torch.tensor([7, 3, 7, 3, 7, 5])
-GROUP_REWARDS = torch.tensor([  # sample 3's score 4 is spread over two tokens: the score is the sum
-    [0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 3.0, 0.0], [0.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+GROUP_REWARDS = torch.tensor(
+    [  # sample 3's score 4 is spread over two tokens: the score is the sum
+        [0.0, 0.0, 1.0],
+        [0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0],
+        [1.0, 3.0, 0.0],
+        [0.0, 2.0, 0.0],
+        [3.0, 0.0, 0.0],
+    ]
+)
 GROUP_MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
 
 
@@ -156,7 +169,7 @@ def test_grpo_passk_rewards_only_each_groups_best_by_its_margin():
     rewards = torch.tensor([[1.0], [0.0], [0.0], [2.0], [5.0]])
     index = torch.tensor([0, 1, 0, 0, 1])
     advantages, returns = run("grpo_passk", rewards, torch.ones(5, 1), index=index)
-    close(advantages, [[0.0], [0.0], [0.0], [1.0 / (1.0 + 1e-6)], [5.0 / (12.5 ** 0.5 + 1e-6)]])
+    close(advantages, [[0.0], [0.0], [0.0], [1.0 / (1.0 + 1e-6)], [5.0 / (12.5**0.5 + 1e-6)]])
     close(returns, advantages)
     unnormalised, _ = run("grpo_passk", rewards, torch.ones(5, 1), index=index, norm_adv_by_std=False)
     close(unnormalised, [[0.0], [0.0], [0.0], [1.0], [5.0]])
@@ -278,8 +291,9 @@ def test_gae_length_adaptive_lambda_per_sequence():
     # alpha 0.5: length 3 -> lam 1 - 1 / 1.5 = 1/3 (decay 0.3): A1 = 0.16 + 0.18 = 0.34,
     # A0 = -0.32 + 0.102 = -0.218; length 1 -> lam clamped to 0 (one token: lam is moot)
     # returns use lam = 1 (the critic's lambda), untouched by alpha
-    advantages, returns = run("gae", GAE_REWARDS, GAE_MASK, values=GAE_VALUES, gamma=0.9, lam=1.0,
-                              length_adaptive_lam_alpha=0.5)
+    advantages, returns = run(
+        "gae", GAE_REWARDS, GAE_MASK, values=GAE_VALUES, gamma=0.9, lam=1.0, length_adaptive_lam_alpha=0.5
+    )
     close(returns, [[0.81, 0.9, 1.0], [2.0, 0.0, 0.0]])
     close(advantages, gae_advantages([-0.218, 0.34, 0.6, 1.0]))
 
@@ -287,8 +301,9 @@ def test_gae_length_adaptive_lambda_per_sequence():
 def test_gae_bootstraps_across_a_hole_in_the_mask():
     # gamma = lam = 1, token 1 masked out (its reward 5 and value 9 ignored): t2: A = 1 - 0.4 = 0.6;
     # t0: delta = 0 + V(t2) - 0.5 = -0.1, A = -0.1 + 0.6 = 0.5 -> returns 1 at both real tokens
-    _, returns = run("gae", torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[1, 0, 1]]),
-                     values=torch.tensor([[0.5, 9.0, 0.4]]))
+    _, returns = run(
+        "gae", torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[1, 0, 1]]), values=torch.tensor([[0.5, 9.0, 0.4]])
+    )
     close(returns, [[1.0, 0.0, 1.0]])
 
 
@@ -315,8 +330,10 @@ def random_batch(seed: int = 0, batch: int = 6, length: int = 5):
     return rewards, mask, values, torch.tensor([0, 1, 0, 1, 2, 2])[:batch]
 
 
-@pytest.mark.parametrize("name", ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                  "remax", "gpg", "opo", "grpo_passk"])
+@pytest.mark.parametrize(
+    "name",
+    ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg", "opo", "grpo_passk"],
+)
 def test_padding_never_changes_an_estimator(name):
     rewards, mask, values, index = random_batch()
     baseline = torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0, 0.5])
@@ -334,8 +351,17 @@ def test_padding_never_changes_an_estimator(name):
 def test_registry_lists_valid_names_on_unknown():
     with pytest.raises(ValueError) as error:
         get_estimator("ppo_magic")
-    for name in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg", "opo",
-                 "grpo_passk"):
+    for name in (
+        "gae",
+        "grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "gpg",
+        "opo",
+        "grpo_passk",
+    ):
         assert name in str(error.value)
         assert name in estimator_names()
 

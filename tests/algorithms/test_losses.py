@@ -25,8 +25,20 @@ from hybridflow.config import AlgorithmConfig
 
 ATOL = 1e-5
 NAN = float("nan")
-POLICY_LOSSES = ["vanilla", "gspo", "cispo", "gpg", "reinforce", "clip_cov", "kl_cov", "sapo", "gmpo", "geo_mean",
-                 "dppo_tv", "dppo_kl"]
+POLICY_LOSSES = [
+    "vanilla",
+    "gspo",
+    "cispo",
+    "gpg",
+    "reinforce",
+    "clip_cov",
+    "kl_cov",
+    "sapo",
+    "gmpo",
+    "geo_mean",
+    "dppo_tv",
+    "dppo_kl",
+]
 
 
 def make_cfg(**overrides) -> AlgorithmConfig:
@@ -58,13 +70,16 @@ AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0, X], [4.0, 5.0, X, X], [X, X, X, X]])
 AGG_MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", 15 / 5),               # 1 + 2 + 3 + 4 + 5 over 5 tokens
-    ("token-sum", 15),                    # no normaliser at all
-    ("seq-mean-token-sum", (6 + 9) / 2),  # the empty row counts for nothing
-    ("seq-mean-token-mean", (2 + 4.5) / 2),
-    ("seq-mean-token-sum-norm", 15 / (2 * 4)),  # 2 non-empty sequences * budget 4
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 15 / 5),  # 1 + 2 + 3 + 4 + 5 over 5 tokens
+        ("token-sum", 15),  # no normaliser at all
+        ("seq-mean-token-sum", (6 + 9) / 2),  # the empty row counts for nothing
+        ("seq-mean-token-mean", (2 + 4.5) / 2),
+        ("seq-mean-token-sum-norm", 15 / (2 * 4)),  # 2 non-empty sequences * budget 4
+    ],
+)
 def test_agg_loss_by_hand(mode, expected):
     close(agg_loss(AGG_LOSS, AGG_MASK, mode, max_response_length=4), expected)
 
@@ -88,8 +103,13 @@ def test_micro_batch_parts_sum_to_the_whole_batch(mode):
     # the contract: numerator / max(denominator, 1) (token-sum's denominators are all 0)
     torch.testing.assert_close(numerator / max(denominator, 1.0), whole, atol=1e-12, rtol=0)
     # averaging the micro-batch losses instead is wrong for this batch: the test can tell
-    naive = sum(agg_loss(loss_mat[r], mask[r], mode, max_response_length=8)
-                for r in (slice(0, 2), slice(2, 3), slice(3, 7), slice(7, 9))) / 4
+    naive = (
+        sum(
+            agg_loss(loss_mat[r], mask[r], mode, max_response_length=8)
+            for r in (slice(0, 2), slice(2, 3), slice(3, 7), slice(7, 9))
+        )
+        / 4
+    )
     assert abs(naive - whole) > 1e-3
 
 
@@ -147,7 +167,7 @@ def test_vanilla_by_hand():
     old, log_prob, adv, mask = vanilla_inputs()
     loss_mat, metrics = get_policy_loss("vanilla")(old, log_prob, adv, mask, make_cfg(**VANILLA_CFG))
     close(loss_mat, [[-1.28, -0.5, 0.8], [3.0, -2.0, 0.0]])
-    close(metrics["clipfrac"], 2 / 5)        # a and c
+    close(metrics["clipfrac"], 2 / 5)  # a and c
     close(metrics["clipfrac_lower"], 1 / 5)  # d
     close(metrics["ppo_kl"], -(math.log(1.5) + 2 * math.log(0.5) + math.log(5.0)) / 5)
     # only the unclipped tokens b and e carry a gradient: d(-A r)/d logp = -A r
@@ -201,8 +221,9 @@ def test_cispo_by_hand():
     # loss = -w A logp = 0.392772, -1.693147; gradient -w A = -1.28, 1.0
     old = torch.tensor([[-1.0, -1.0]])
     log_prob = (old + torch.tensor([[math.log(2.0), math.log(0.5)]])).requires_grad_()
-    loss_mat, metrics = get_policy_loss("cispo")(old, log_prob, torch.tensor([[1.0, -2.0]]), torch.ones(1, 2),
-                                                 make_cfg(clip_ratio_high=0.28))
+    loss_mat, metrics = get_policy_loss("cispo")(
+        old, log_prob, torch.tensor([[1.0, -2.0]]), torch.ones(1, 2), make_cfg(clip_ratio_high=0.28)
+    )
     close(loss_mat, [[0.392772, -1.693147]])
     close(metrics["clipfrac"], 0.5)
     loss_mat.sum().backward()
@@ -212,8 +233,9 @@ def test_cispo_by_hand():
 def test_gpg_is_minus_advantage_times_log_prob():
     # A = 2, -1; logp = -0.5, -2 -> loss 1, -2; gradient -A = -2, 1 (the old log-probs do not matter)
     log_prob = torch.tensor([[-0.5, -2.0]], requires_grad=True)
-    loss_mat, metrics = get_policy_loss("gpg")(torch.tensor([[-9.0, -9.0]]), log_prob, torch.tensor([[2.0, -1.0]]),
-                                               torch.ones(1, 2), make_cfg())
+    loss_mat, metrics = get_policy_loss("gpg")(
+        torch.tensor([[-9.0, -9.0]]), log_prob, torch.tensor([[2.0, -1.0]]), torch.ones(1, 2), make_cfg()
+    )
     close(loss_mat, [[1.0, -2.0]])
     close(metrics["clipfrac"], 0.0)
     close(metrics["ppo_kl"], (-9.0 + 0.5 - 9.0 + 2.0) / 2)
@@ -224,8 +246,9 @@ def test_gpg_is_minus_advantage_times_log_prob():
 def test_reinforce_is_unclipped_ratio_times_advantage():
     # A = 2, ratio 1.5 (beyond any clip): loss -3, gradient -A r = -3
     log_prob = torch.tensor([[-1.0 + math.log(1.5)]], requires_grad=True)
-    loss_mat, _ = get_policy_loss("reinforce")(torch.tensor([[-1.0]]), log_prob, torch.tensor([[2.0]]),
-                                               torch.ones(1, 1), make_cfg())
+    loss_mat, _ = get_policy_loss("reinforce")(
+        torch.tensor([[-1.0]]), log_prob, torch.tensor([[2.0]]), torch.ones(1, 1), make_cfg()
+    )
     close(loss_mat, [[-3.0]])
     loss_mat.sum().backward()
     close(log_prob.grad, [[-3.0]])

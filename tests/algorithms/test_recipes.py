@@ -25,12 +25,23 @@ from hybridflow.config import ALGORITHMS, HybridflowConfig, load_config
 from hybridflow.graph import Graph
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
-OPS = {"generate", "generate_greedy", "reward", "filter_groups", "old_logprob", "ref_logprob",
-       "values", "token_rewards", "advantages", "update_critic", "update_actor", "sync_weights"}
+OPS = {
+    "generate",
+    "generate_greedy",
+    "reward",
+    "filter_groups",
+    "old_logprob",
+    "ref_logprob",
+    "values",
+    "token_rewards",
+    "advantages",
+    "update_critic",
+    "update_actor",
+    "sync_weights",
+}
 WITH_CRITIC = {"ppo", "vapo"}
 CRITIC_NODES = {"values", "update_critic"}
-OPTIONAL_NODES = {"generate_greedy", "baseline_reward", "filter_groups", "ref_logprob",
-                  "values", "update_critic"}
+OPTIONAL_NODES = {"generate_greedy", "baseline_reward", "filter_groups", "ref_logprob", "values", "update_critic"}
 
 
 @functools.cache
@@ -60,9 +71,11 @@ def _registered(module: str, decorator: str) -> set[str]:
     if not path.exists():
         pytest.skip(f"{path} is not written yet")
     calls = (node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call))
-    return {call.args[0].value for call in calls
-            if getattr(call.func, "id", None) == decorator and call.args
-            and isinstance(call.args[0], ast.Constant)}
+    return {
+        call.args[0].value
+        for call in calls
+        if getattr(call.func, "id", None) == decorator and call.args and isinstance(call.args[0], ast.Constant)
+    }
 
 
 def test_the_graph_knows_exactly_the_registered_estimators():
@@ -116,8 +129,9 @@ def test_ppo_trains_the_critic_on_the_returns_and_waits_for_it_before_syncing():
 @pytest.mark.parametrize("name", ["grpo", "ppo", "dapo"])
 @pytest.mark.parametrize("kl_loss, kl_reward", [(0.0, 0.0), (0.1, 0.0), (0.0, 0.1), (0.1, 0.1)])
 def test_reference_nodes_appear_iff_a_kl_coefficient_is_positive(name, kl_loss, kl_reward):
-    graph = _graph(name, "reference.enabled=true", f"algorithm.kl_loss_coef={kl_loss}",
-                   f"algorithm.kl_reward_coef={kl_reward}")
+    graph = _graph(
+        name, "reference.enabled=true", f"algorithm.kl_loss_coef={kl_loss}", f"algorithm.kl_reward_coef={kl_reward}"
+    )
     assert ("ref_logprob" in _node_names(graph)) == (kl_loss > 0 or kl_reward > 0)
     assert ("ref_logprobs" in graph.node("update_actor").inputs) == (kl_loss > 0)
     assert graph.node("update_actor").option("kl_loss") == (kl_loss > 0)
@@ -149,8 +163,7 @@ def test_dapo_fills_in_clip_higher_dynamic_sampling_and_overlong_shaping():
 
 @pytest.mark.claim("algorithm-fills-unset-knobs")
 def test_a_configured_value_beats_the_algorithms_own():
-    spec = algorithm_spec(_cfg("dapo", "algorithm.clip_ratio_high=0.25",
-                               "algorithm.overlong_buffer_len=2"))
+    spec = algorithm_spec(_cfg("dapo", "algorithm.clip_ratio_high=0.25", "algorithm.overlong_buffer_len=2"))
     assert (spec.clip_ratio_high, spec.overlong_buffer_len) == (0.25, 2)
     assert [key for key, _ in spec.filled] == ["algorithm.dynamic_sampling"]
 
@@ -162,8 +175,9 @@ def test_a_written_value_wins_even_when_it_equals_the_schema_default():
     assert not spec.dynamic_sampling and spec.overlong_buffer_len == 0 and not spec.overlong_shaping
     assert [key for key, _ in spec.filled] == ["algorithm.clip_ratio_high"]
     assert "filter_groups" not in _node_names(_graph("dapo", "algorithm.dynamic_sampling=false"))
-    spec = algorithm_spec(_cfg("vapo", "algorithm.lm_loss_coef=0", "algorithm.length_adaptive_lam_alpha=0",
-                               "critic.enabled=true"))
+    spec = algorithm_spec(
+        _cfg("vapo", "algorithm.lm_loss_coef=0", "algorithm.length_adaptive_lam_alpha=0", "critic.enabled=true")
+    )
     assert spec.lm_loss_coef == 0.0 and not spec.lm_loss and spec.length_adaptive_lam_alpha is None
     assert ("algorithm.critic_lam", 1.0) in spec.filled
     plain = algorithm_spec(_cfg("grpo"))  # an algorithm without values of its own: all off
@@ -183,8 +197,7 @@ def test_remax_scores_a_greedy_baseline():
     baseline = graph.node("baseline_reward")
     assert baseline.op == "reward"
     assert baseline.inputs == ("baseline_responses", "answers")
-    assert dict(baseline.options) == {"responses_field": "baseline_responses",
-                                      "scores_field": "baseline_scores"}
+    assert dict(baseline.options) == {"responses_field": "baseline_responses", "scores_field": "baseline_scores"}
     assert "baseline_scores" in graph.node("advantages").inputs
 
 
@@ -206,25 +219,27 @@ def test_vapo_uses_decoupled_length_adaptive_gae_and_an_lm_loss():
 def test_vapo_value_pretraining_delays_the_actor():
     spec = algorithm_spec(_cfg("vapo", "algorithm.value_pretrain_steps=7"))
     assert spec.critic_warmup_steps == 7 and not spec.recommended
-    assert _graph("vapo", "algorithm.value_pretrain_steps=7").node(
-        "update_actor").option("start_step") == 7
+    assert _graph("vapo", "algorithm.value_pretrain_steps=7").node("update_actor").option("start_step") == 7
 
 
 def test_gspo_uses_its_loss_and_sequence_mean_with_its_clip_as_advice():
     spec = algorithm_spec(_cfg("gspo"))
-    assert (spec.estimator, spec.policy_loss, spec.loss_agg_mode) == (
-        "grpo", "gspo", "seq-mean-token-mean")
-    assert dict(spec.recommended) == {"algorithm.clip_ratio_low": 3e-4,
-                                      "algorithm.clip_ratio_high": 4e-4}
+    assert (spec.estimator, spec.policy_loss, spec.loss_agg_mode) == ("grpo", "gspo", "seq-mean-token-mean")
+    assert dict(spec.recommended) == {"algorithm.clip_ratio_low": 3e-4, "algorithm.clip_ratio_high": 4e-4}
     followed = algorithm_spec(_cfg("gspo", "algorithm.clip_ratio_low=0.0003"))
     assert dict(followed.recommended) == {"algorithm.clip_ratio_high": 4e-4}
 
 
-@pytest.mark.parametrize("name, estimator, loss", [
-    ("gpg", "gpg", "gpg"), ("cispo", "grpo", "cispo"), ("rloo", "rloo", "vanilla"),
-    ("reinforce_plus_plus", "reinforce_plus_plus", "vanilla"),
-    ("reinforce_plus_plus_baseline", "reinforce_plus_plus_baseline", "vanilla"),
-])
+@pytest.mark.parametrize(
+    "name, estimator, loss",
+    [
+        ("gpg", "gpg", "gpg"),
+        ("cispo", "grpo", "cispo"),
+        ("rloo", "rloo", "vanilla"),
+        ("reinforce_plus_plus", "reinforce_plus_plus", "vanilla"),
+        ("reinforce_plus_plus_baseline", "reinforce_plus_plus_baseline", "vanilla"),
+    ],
+)
 def test_estimator_and_loss_of_each_critic_free_algorithm(name, estimator, loss):
     spec = algorithm_spec(_cfg(name))
     assert (spec.estimator, spec.policy_loss, spec.needs_critic) == (estimator, loss, False)
@@ -237,12 +252,15 @@ def test_pf_ppo_reweights_the_actor_update_by_scores():
 
 
 def test_overrides_replace_estimator_loss_and_aggregation():
-    cfg = _cfg("grpo", "algorithm.adv_estimator=rloo", "algorithm.policy_loss=gspo",
-               "algorithm.loss_agg_mode=seq-mean-token-sum")
+    cfg = _cfg(
+        "grpo",
+        "algorithm.adv_estimator=rloo",
+        "algorithm.policy_loss=gspo",
+        "algorithm.loss_agg_mode=seq-mean-token-sum",
+    )
     update = build_graph(cfg).node("update_actor")
     assert build_graph(cfg).node("advantages").option("estimator") == "rloo"
-    assert (update.option("policy_loss"), update.option("loss_agg_mode")) == (
-        "gspo", "seq-mean-token-sum")
+    assert (update.option("policy_loss"), update.option("loss_agg_mode")) == ("gspo", "seq-mean-token-sum")
 
 
 @pytest.mark.parametrize("estimator", ["opo", "grpo_passk"])
@@ -256,8 +274,7 @@ def test_group_estimators_are_selectable_and_need_groups(estimator):
 
 
 def test_an_estimator_override_brings_the_nodes_it_needs():
-    assert CRITIC_NODES <= _node_names(_graph("grpo", "algorithm.adv_estimator=gae",
-                                              "critic.enabled=true"))
+    assert CRITIC_NODES <= _node_names(_graph("grpo", "algorithm.adv_estimator=gae", "critic.enabled=true"))
     assert "generate_greedy" in _node_names(_graph("grpo", "algorithm.adv_estimator=remax"))
     assert not CRITIC_NODES & _node_names(_graph("ppo", "algorithm.adv_estimator=grpo"))
 
@@ -273,8 +290,9 @@ def test_an_unregistered_name_lists_the_registered_ones():
     cfg = dataclasses.replace(_cfg("grpo"))
     cfg.algorithm = dataclasses.replace(cfg.algorithm)
     cfg.algorithm.name = "trpo"  # the config's own check would reject it first
-    with pytest.raises(ValueError, match="algorithm.name='trpo' is not a registered algorithm; "
-                                         "choose one of: ppo, grpo"):
+    with pytest.raises(
+        ValueError, match="algorithm.name='trpo' is not a registered algorithm; choose one of: ppo, grpo"
+    ):
         algorithm_spec(cfg)
 
 
@@ -295,8 +313,11 @@ def test_a_critic_algorithm_with_the_critic_switched_off_names_the_key():
 
 def test_an_estimator_override_needing_a_critic_names_the_override():
     cfg = _cfg("grpo", "algorithm.adv_estimator=gae", "critic.enabled=false")
-    with pytest.raises(ValueError, match=r"algorithm.adv_estimator=gae needs a critic: "
-                                         r"remove critic.enabled=false"):
+    with pytest.raises(
+        ValueError,
+        match=r"algorithm.adv_estimator=gae needs a critic: "
+        r"remove critic.enabled=false",
+    ):
         check_roles(cfg, algorithm_spec(cfg))
 
 
@@ -311,8 +332,7 @@ def test_a_kl_coefficient_without_the_reference_names_the_key(key):
 
 def test_a_disabled_actor_is_named():
     cfg = _cfg("grpo", "actor.enabled=false")
-    with pytest.raises(ValueError, match="algorithm.name=grpo trains the actor: "
-                                         "set actor.enabled=true"):
+    with pytest.raises(ValueError, match="algorithm.name=grpo trains the actor: set actor.enabled=true"):
         check_roles(cfg, algorithm_spec(cfg))
 
 
@@ -324,14 +344,23 @@ def test_idle_roles_are_warned_about(caplog):
     assert "reference.enabled=true, but" in caplog.text
 
 
-@pytest.mark.parametrize("name, overrides, message", [
-    ("grpo", ("rollout.n=1",), "compares the responses to one prompt, but rollout.n=1"),
-    ("dapo", ("rollout.n=1",), "compares the responses"),
-    ("remax", ("rollout.n=1", "algorithm.dynamic_sampling=true"),
-     "dynamic sampling (algorithm.name=remax) drops groups"),
-    ("grpo", ("algorithm.overlong_buffer_len=8", "data.max_response_length=8"),
-     "algorithm.overlong_buffer_len=8 must be smaller than data.max_response_length=8"),
-])
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        ("grpo", ("rollout.n=1",), "compares the responses to one prompt, but rollout.n=1"),
+        ("dapo", ("rollout.n=1",), "compares the responses"),
+        (
+            "remax",
+            ("rollout.n=1", "algorithm.dynamic_sampling=true"),
+            "dynamic sampling (algorithm.name=remax) drops groups",
+        ),
+        (
+            "grpo",
+            ("algorithm.overlong_buffer_len=8", "data.max_response_length=8"),
+            "algorithm.overlong_buffer_len=8 must be smaller than data.max_response_length=8",
+        ),
+    ],
+)
 def test_sampling_that_cannot_feed_the_algorithm_is_rejected(name, overrides, message):
     cfg = _cfg(name, *overrides)
     with pytest.raises(ValueError) as error:
@@ -391,8 +420,10 @@ def test_a_knob_the_algorithm_never_reads_is_named():
     ]  # norm_adv_by_std is grpo's own knob
     ppo = _cfg("ppo", "algorithm.value_clip=0.3", "algorithm.lam=0.9")
     assert idle_options(ppo, algorithm_spec(ppo)) == []
-    assert "rollout_correction_upper" in idle_options(*(lambda c: (c, algorithm_spec(c)))(
-        _cfg("grpo", "algorithm.rollout_correction_upper=3.0")))[0]
+    assert (
+        "rollout_correction_upper"
+        in idle_options(*(lambda c: (c, algorithm_spec(c)))(_cfg("grpo", "algorithm.rollout_correction_upper=3.0")))[0]
+    )
 
 
 def _options_each_op_reads() -> dict[str, set[str]]:

@@ -29,15 +29,18 @@ def close(actual, expected, atol=1e-5):
 def test_overlong_penalty_by_hand():
     # budget 10, buffer 4: free up to 6 tokens, then -(length - 6) / 4 * factor, floored at -factor
     lengths = torch.tensor([5, 6, 8, 10, 12])
-    close(overlong_penalty(lengths, max_response_length=10, buffer_len=4, penalty_factor=1.0),
-          [0.0, 0.0, -0.5, -1.0, -1.0])
-    close(overlong_penalty(lengths, max_response_length=10, buffer_len=4, penalty_factor=2.0),
-          [0.0, 0.0, -1.0, -2.0, -2.0])
+    close(
+        overlong_penalty(lengths, max_response_length=10, buffer_len=4, penalty_factor=1.0),
+        [0.0, 0.0, -0.5, -1.0, -1.0],
+    )
+    close(
+        overlong_penalty(lengths, max_response_length=10, buffer_len=4, penalty_factor=2.0),
+        [0.0, 0.0, -1.0, -2.0, -2.0],
+    )
 
 
 def test_overlong_penalty_off_and_bad_buffer():
-    close(overlong_penalty(torch.tensor([3, 10]), max_response_length=10, buffer_len=0, penalty_factor=1.0),
-          [0.0, 0.0])
+    close(overlong_penalty(torch.tensor([3, 10]), max_response_length=10, buffer_len=0, penalty_factor=1.0), [0.0, 0.0])
     with pytest.raises(ValueError, match="overlong_buffer_len"):
         overlong_penalty(torch.tensor([3]), max_response_length=10, buffer_len=11, penalty_factor=1.0)
 
@@ -139,16 +142,19 @@ def test_adaptive_kl_controller_holds_at_the_target_and_moves_towards_it():
     assert controller.value == pytest.approx(0.2)  # no samples: unchanged
     for _ in range(50):  # KL above the target raises the coefficient, by at most 20% per horizon
         controller.update(0.5, 100)
-    assert controller.value == pytest.approx(0.2 * 1.02 ** 50)
+    assert controller.value == pytest.approx(0.2 * 1.02**50)
     starting_at_zero = AdaptiveKLController(0.0, target_kl=0.1, horizon=10)
     assert starting_at_zero.update(5.0, 10) == 0.0  # multiplicative: 0 stays 0, as in verl
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(init_kl_coef=-0.1, target_kl=0.1, horizon=10), "init_kl_coef=-0.1 must be >= 0"),
-    (dict(init_kl_coef=0.1, target_kl=0.0, horizon=10), "target_kl=0.0 must be > 0"),
-    (dict(init_kl_coef=0.1, target_kl=0.1, horizon=0), "horizon=0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(init_kl_coef=-0.1, target_kl=0.1, horizon=10), "init_kl_coef=-0.1 must be >= 0"),
+        (dict(init_kl_coef=0.1, target_kl=0.0, horizon=10), "target_kl=0.0 must be > 0"),
+        (dict(init_kl_coef=0.1, target_kl=0.1, horizon=0), "horizon=0 must be > 0"),
+    ],
+)
 def test_adaptive_kl_controller_rejects_bad_settings(kwargs, message):
     init = kwargs.pop("init_kl_coef")
     with pytest.raises(ValueError, match=message):

@@ -117,7 +117,7 @@ def test_gmpo_by_hand():
     loss_mat, metrics = get_policy_loss("gmpo")(old, log_prob, adv, mask, make_cfg())
     l0, l1 = -math.exp(-0.15), 2 * math.exp(0.5)
     close(loss_mat, [[l0, l0], [l1, 0.0], [0.0, 0.0]])  # every token carries its sequence's loss
-    close(metrics["clipfrac"], 2 / 4)        # row 0: both log-ratios outside [-0.2, 0.2], A > 0
+    close(metrics["clipfrac"], 2 / 4)  # row 0: both log-ratios outside [-0.2, 0.2], A > 0
     close(metrics["clipfrac_lower"], 1 / 4)  # row 1, A < 0
     loss = agg_loss(loss_mat, mask, "seq-mean-token-mean")
     close(loss, (l0 + l1) / 3)
@@ -161,8 +161,9 @@ def test_gmpo_extreme_log_ratios():
     mask = torch.ones(2, 1)
     clamped, _ = get_policy_loss("gmpo")(old, log_prob, adv, mask, make_cfg())
     close(clamped, [[math.exp(20.0)], [-math.exp(0.2)]], rtol=1e-12)
-    unclamped, _ = compute_policy_loss("gmpo", old, log_prob, adv, mask, make_cfg(log_ratio_clamp=None),
-                                       loss_agg_mode="seq-mean-token-mean")
+    unclamped, _ = compute_policy_loss(
+        "gmpo", old, log_prob, adv, mask, make_cfg(log_ratio_clamp=None), loss_agg_mode="seq-mean-token-mean"
+    )
     torch.testing.assert_close(unclamped, verl_geo_mean(old, log_prob, adv, mask))
 
 
@@ -200,7 +201,7 @@ def test_dppo_by_hand(name):
     r_b, w_d, w_e = 0.6 / 0.5, 3.0, 0.1 / 0.9
     close(loss_mat, [[0.0, -r_b * math.log(0.6), 0.0, w_d * math.log(0.9), -w_e * math.log(0.1)]])
     close(grad, [[0.0, -r_b, 0.0, w_d, -w_e]])
-    close(metrics["clipfrac"], 2 / 5)        # a and c outside
+    close(metrics["clipfrac"], 2 / 5)  # a and c outside
     close(metrics["clipfrac_lower"], 1 / 5)  # d inside, weight truncated
     close(metrics["ppo_kl"], -math.log(0.8 / 0.5 * 1.2 * 0.4 * 9 * (1 / 9)) / 5)
 
@@ -231,8 +232,9 @@ def test_dppo_region_is_a_constant_to_the_gradient():
 def test_dppo_extreme_ratio_stays_finite_in_float32():
     old = torch.tensor([[-60.0, -0.1]])
     log_prob = torch.tensor([[-5.0, -80.0]], requires_grad=True)  # log r = +55, -79.9
-    loss_mat, metrics = get_policy_loss("dppo_tv")(old, log_prob, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2),
-                                                   make_cfg())
+    loss_mat, metrics = get_policy_loss("dppo_tv")(
+        old, log_prob, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2), make_cfg()
+    )
     loss_mat.sum().backward()
     assert torch.isfinite(loss_mat).all() and torch.isfinite(log_prob.grad).all()
     close(loss_mat, [[3.0 * -5.0, -math.exp(-20.0) * -80.0]])  # weight capped at 3; r clamped at e^-20

@@ -20,8 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(script: str, tmp_path: Path, *args: str, timeout: int = 1400) -> dict:
     out = tmp_path / "result.json"
-    done = subprocess.run([sys.executable, script, *args, "--json", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, script, *args, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -48,8 +54,16 @@ def test_async_rl_benchmark_runs_each_mode(tmp_path) -> None:
 
 @pytest.mark.claim("convert-benchmark")
 def test_convert_benchmark_round_trips_in_bounded_memory(tmp_path) -> None:
-    result = _run("benchmarks/convert.py", tmp_path, "--target-bytes", "64M", "--buffer-bytes", "8M", "--workdir",
-                  str(tmp_path / "work"))
+    result = _run(
+        "benchmarks/convert.py",
+        tmp_path,
+        "--target-bytes",
+        "64M",
+        "--buffer-bytes",
+        "8M",
+        "--workdir",
+        str(tmp_path / "work"),
+    )
     assert result["round_trip_bitwise"] is True
     assert result["checkpoint_bytes"] >= 64 * 2**20 * 0.9
     for way in ("hf_to_mcore", "mcore_to_hf"):
@@ -58,8 +72,16 @@ def test_convert_benchmark_round_trips_in_bounded_memory(tmp_path) -> None:
 
 @pytest.mark.claim("load-pretrained-benchmark")
 def test_load_pretrained_benchmark_reads_each_ranks_share_in_bounded_memory(tmp_path) -> None:
-    result = _run("benchmarks/load_pretrained.py", tmp_path, "--target-bytes", "200M", "--buffer-bytes", "32M",
-                  "--workdir", str(tmp_path))
+    result = _run(
+        "benchmarks/load_pretrained.py",
+        tmp_path,
+        "--target-bytes",
+        "200M",
+        "--buffer-bytes",
+        "32M",
+        "--workdir",
+        str(tmp_path),
+    )
     cases = {case["layout"].split()[0]: case for case in result["cases"]}
     assert set(cases) == {"ep2", "tp2"}
     for case in cases.values():
@@ -79,8 +101,20 @@ def test_efficiency_benchmark_packs_fewer_tokens(tmp_path) -> None:
 
 @pytest.mark.claim("user-mistakes-table")
 def test_user_mistakes_table_prints_every_row(tmp_path) -> None:
-    done = subprocess.run([sys.executable, "scripts/user_mistakes.py", "--work", str(tmp_path / "work"), "--json",
-                           str(tmp_path / "table.json")], cwd=ROOT, capture_output=True, text=True, timeout=1400)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "scripts/user_mistakes.py",
+            "--work",
+            str(tmp_path / "work"),
+            "--json",
+            str(tmp_path / "table.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1400,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((tmp_path / "table.json").read_text())
     table = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| #")]

@@ -38,8 +38,15 @@ def test_multi_node_command_uses_c10d_with_a_join_timeout():
     spec = LaunchSpec(nnodes=4, nproc_per_node=8, rdzv_endpoint="node001:29500", rdzv_id="job7", max_restarts=3)
     cmd = torchrun_command(spec, "c.yaml", ["run.steps=2"])
     assert cmd[1:3] == ["-m", "launch.torchrun_entry"]
-    for arg in ("--nnodes=4", "--nproc-per-node=8", "--max-restarts=3", "--rdzv-backend=c10d",
-                "--rdzv-endpoint=node001:29500", "--rdzv-id=job7", "--rdzv-conf=join_timeout=600"):
+    for arg in (
+        "--nnodes=4",
+        "--nproc-per-node=8",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node001:29500",
+        "--rdzv-id=job7",
+        "--rdzv-conf=join_timeout=600",
+    ):
         assert arg in cmd
     assert "--standalone" not in cmd
     assert cmd[-4:] == ["-m", "hybridflow.runtime.worker", "c.yaml", "run.steps=2"]
@@ -51,14 +58,17 @@ def test_single_node_without_endpoint_is_standalone():
     assert not any(a.startswith("--rdzv") for a in cmd)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(nnodes=2, nproc_per_node=1), "needs --rdzv-endpoint"),
-    (dict(nnodes=0, nproc_per_node=1), "--nnodes=0 must be >= 1"),
-    (dict(nnodes=2, nproc_per_node=1, rdzv_endpoint="h:1", node_rank=2), "--node-rank=2 must be in 0..1"),
-    (dict(nnodes=1, nproc_per_node=1, max_restarts=-1), "--max-restarts=-1"),
-    (dict(nnodes=2, nproc_per_node=1, rdzv_endpoint="node001"), "must be HOST:PORT"),
-    (dict(nnodes=2, nproc_per_node=1, rdzv_endpoint="node001:99999"), "must be HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(nnodes=2, nproc_per_node=1), "needs --rdzv-endpoint"),
+        (dict(nnodes=0, nproc_per_node=1), "--nnodes=0 must be >= 1"),
+        (dict(nnodes=2, nproc_per_node=1, rdzv_endpoint="h:1", node_rank=2), "--node-rank=2 must be in 0..1"),
+        (dict(nnodes=1, nproc_per_node=1, max_restarts=-1), "--max-restarts=-1"),
+        (dict(nnodes=2, nproc_per_node=1, rdzv_endpoint="node001"), "must be HOST:PORT"),
+        (dict(nnodes=2, nproc_per_node=1, rdzv_endpoint="node001:99999"), "must be HOST:PORT"),
+    ],
+)
 def test_spec_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LaunchSpec(**kwargs)
@@ -75,8 +85,13 @@ def test_more_processes_than_the_layout_names_numbers_and_keys(cfg):
     with pytest.raises(ValueError) as info:
         spec.check_layout(cfg.actor.parallel)
     message = str(info.value)
-    for part in ("--nnodes=2", "--nproc-per-node=4", "= 8 processes", "actor.parallel fills 2 ranks",
-                 "actor.parallel.dp"):
+    for part in (
+        "--nnodes=2",
+        "--nproc-per-node=4",
+        "= 8 processes",
+        "actor.parallel fills 2 ranks",
+        "actor.parallel.dp",
+    ):
         assert part in message
 
 
@@ -134,8 +149,9 @@ def test_a_reachable_rendezvous_store_passes():
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
     check_endpoint(LaunchSpec(nnodes=2, nproc_per_node=1, node_rank=1, rdzv_endpoint=f"127.0.0.1:{store.port}"))
 
 
@@ -166,16 +182,22 @@ def test_a_service_that_is_not_the_rendezvous_is_named_in_one_line():
 
 def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "launch", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "launch", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     return done, time.monotonic() - started
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29500"],
-     "= 4 processes, but actor.parallel fills 2 ranks"),
-    (["--nnodes", "1", "--nproc-per-node", "1"], "= 1 processes, but actor.parallel fills 2 ranks"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29500"],
+            "= 4 processes, but actor.parallel fills 2 ranks",
+        ),
+        (["--nnodes", "1", "--nproc-per-node", "1"], "= 1 processes, but actor.parallel fills 2 ranks"),
+    ],
+)
 @pytest.mark.claim("separate-refused-shapes", "launch-process-count")
 def test_cli_process_count_errors(args, message, tmp_path):
     done, seconds = _cli(CONFIG, f"run.output_dir={tmp_path}", *args)
@@ -193,8 +215,20 @@ def test_cli_missing_config(tmp_path):
 @pytest.mark.claim("launch-errors-within-seconds")
 def test_cli_unreachable_endpoint_exits_2_within_seconds(tmp_path):
     # two nodes of one rank each fill the quickstart's 2 ranks; this is the second node
-    done, seconds = _cli(CONFIG, f"run.output_dir={tmp_path}", "--nnodes", "2", "--nproc-per-node", "1",
-                         "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-wait-s", "3")
+    done, seconds = _cli(
+        CONFIG,
+        f"run.output_dir={tmp_path}",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-wait-s",
+        "3",
+    )
     assert done.returncode == 2, done.stderr
     assert "nothing accepted a connection there within 3 s" in done.stderr
     assert "start node rank 0" in done.stderr
@@ -203,7 +237,19 @@ def test_cli_unreachable_endpoint_exits_2_within_seconds(tmp_path):
 
 def test_cli_reports_the_layout_error_before_touching_the_network(capsys):
     # a wrong process count is found before any connection attempt to an endpoint that would hang
-    code = main(["launch", CONFIG, "--nnodes", "2", "--nproc-per-node", "3", "--node-rank", "1",
-                 "--rdzv-endpoint", "192.0.2.1:29500"])
+    code = main(
+        [
+            "launch",
+            CONFIG,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "3",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "192.0.2.1:29500",
+        ]
+    )
     assert code == 2
     assert "= 6 processes" in capsys.readouterr().err

@@ -45,8 +45,14 @@ def test_orphans_of_a_crashed_job_are_reaped(tmp_path) -> None:
         sys.exit(0 if code == 17 else 1)
     """)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", launcher],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 10

@@ -29,8 +29,7 @@ HOLD = textwrap.dedent("""
 
 
 def _holder(directory: Path) -> subprocess.Popen:
-    job = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)], stdout=subprocess.PIPE, text=True,
-                           cwd=ROOT)
+    job = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert job.stdout.readline().strip() == "held"
     return job
 
@@ -40,8 +39,11 @@ def test_a_second_holder_is_refused_naming_the_first_and_a_killed_holder_leaves_
     run_dir = tmp_path / "run"
     first = _holder(run_dir)
     try:
-        with pytest.raises(RunDirectoryBusy, match=rf"run.output_dir={run_dir} is in use by a run that is still going "
-                                                   rf"\(host \S+, pid {first.pid}, started .*\); .*set run.output_dir"):
+        with pytest.raises(
+            RunDirectoryBusy,
+            match=rf"run.output_dir={run_dir} is in use by a run that is still going "
+            rf"\(host \S+, pid {first.pid}, started .*\); .*set run.output_dir",
+        ):
             with hold_run_directory(run_dir):
                 pass
     finally:
@@ -75,8 +77,9 @@ def test_train_into_a_busy_directory_is_refused_before_any_rank_starts(tmp_path:
     assert all((run_dir / name).read_text() == "the first run's\n" for name in (ERROR_FILE, REQUEST_FILE))
 
 
-@pytest.mark.parametrize(("where", "says"), [("a_file", "is a file, not a directory"),
-                                             ("/sys/hybridflow_run", "cannot be written")])
+@pytest.mark.parametrize(
+    ("where", "says"), [("a_file", "is a file, not a directory"), ("/sys/hybridflow_run", "cannot be written")]
+)
 def test_a_run_directory_that_cannot_be_one_is_named_in_one_line(tmp_path: Path, where: str, says: str) -> None:
     path = tmp_path / where if not where.startswith("/") else Path(where)
     if where == "a_file":

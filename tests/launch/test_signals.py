@@ -35,8 +35,16 @@ ROOT = Path(__file__).resolve().parents[2]
 STOP_BOUND_S = 30.0
 """The promise: every process of the job gone this long after the signal."""
 MARKER = "HYBRIDFLOW_TEST_JOB"
-CHEAP = ["rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full", "sft.steps=0", "run.heldout_prompts=4",
-         "run.heldout_every=0", "run.prompts_per_step=2", "rollout.n=2"]
+CHEAP = [
+    "rollout.engine=hf",
+    "rollout.tp=1",
+    "rollout.sync_route=full",
+    "sft.steps=0",
+    "run.heldout_prompts=4",
+    "run.heldout_every=0",
+    "run.prompts_per_step=2",
+    "rollout.n=2",
+]
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
 SLOW_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """The real-run variants of one handler (``launch.reaper.STOP_SIGNALS`` and ``runtime.stops``
@@ -69,8 +77,9 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 class Job:
     """A command started in its own session with a marker, its output in a log file."""
 
-    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None,
-                 ignoring: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, cmd: list[str], log: Path, env: dict[str, str] | None = None, ignoring: tuple[int, ...] = ()
+    ) -> None:
         """``ignoring``: signals the command starts with ignored (as ``cmd &`` in a script
         starts it with SIGINT ignored, ``nohup`` with SIGHUP)."""
         self.marker, self.log, self.left = uuid.uuid4().hex, log, []
@@ -81,8 +90,9 @@ class Job:
                 signal.signal(sig, signal.SIG_IGN)
 
         with log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=ignore)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=ignore
+            )
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -142,8 +152,10 @@ _STAND_IN = textwrap.dedent("""
 
 
 def _launcher(mode: str) -> list[str]:
-    code = ("import os, sys\nfrom launch.reaper import run_reaped\n"
-            f"sys.exit(run_reaped([sys.executable, '-c', {_STAND_IN!r}, {mode!r}], os.environ).returncode)\n")
+    code = (
+        "import os, sys\nfrom launch.reaper import run_reaped\n"
+        f"sys.exit(run_reaped([sys.executable, '-c', {_STAND_IN!r}, {mode!r}], os.environ).returncode)\n"
+    )
     return [sys.executable, "-c", code]
 
 
@@ -190,17 +202,29 @@ def test_a_job_that_ignores_the_signal_is_killed_after_the_grace(tmp_path) -> No
 
 # --- hybridflow train on the CPU quickstart ----------------------------------------------------
 
+
 def _train(out: Path, *overrides: str, env: dict[str, str] | None = None) -> Job:
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml", f"run.output_dir={out}",
-           *CHEAP, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        "configs/quickstart_cpu.yaml",
+        f"run.output_dir={out}",
+        *CHEAP,
+        *overrides,
+    ]
     return Job(cmd, out.with_name(out.name + ".log"), env)
 
 
 @pytest.mark.claim("stop-signals", "stop-mid-checkpoint")
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SIGNALS else s for s in SIGNALS],
-                         ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize(
+    "sig",
+    [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SIGNALS else s for s in SIGNALS],
+    ids=lambda s: signal.Signals(s).name,
+)
 def test_a_signal_stops_every_process_of_hybridflow_train(tmp_path, sig) -> None:
     out = tmp_path / "run"
     job = _train(out, "run.steps=50", "run.checkpoint_every=1")  # a checkpoint is often being written
@@ -234,9 +258,20 @@ def test_sigterm_stops_the_sglang_engine_processes_too(tmp_path) -> None:
     """The quickstart's SGLang engine (tp=2): its scheduler and detokenizer processes, children
     of rank 0, go with the job (torchrun signals each rank's process group)."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml", f"run.output_dir={out}",
-           "sft.steps=0", "run.steps=50", "run.heldout_prompts=4", "run.heldout_every=0", "run.prompts_per_step=2",
-           "rollout.n=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "train",
+        "configs/quickstart_cpu.yaml",
+        f"run.output_dir={out}",
+        "sft.steps=0",
+        "run.steps=50",
+        "run.heldout_prompts=4",
+        "run.heldout_every=0",
+        "run.prompts_per_step=2",
+        "rollout.n=2",
+    ]
     job = Job(cmd, tmp_path / "run.log")
     try:
         job.wait_for("rl:", timeout_s=400)
@@ -284,10 +319,18 @@ def test_a_disk_that_fills_during_a_save_is_named_in_one_line_and_loses_nothing(
     out = tmp_path / "run"
     first = _train(out, "run.steps=1", "run.checkpoint_every=1", "run.tracking.backend=none")
     assert first.proc.wait(timeout=240) == 0, first.text()[-3000:]
-    kept = {p: data for p, data in _files(out).items()
-            if p.name not in ("run.lock", "progress.json") and "logs" not in p.relative_to(out).parts}
-    job = _train(out, "run.steps=3", "run.checkpoint_every=1", "run.tracking.backend=none",
-                 env=environment(DISK_FULL="step_000002.partial"))
+    kept = {
+        p: data
+        for p, data in _files(out).items()
+        if p.name not in ("run.lock", "progress.json") and "logs" not in p.relative_to(out).parts
+    }
+    job = _train(
+        out,
+        "run.steps=3",
+        "run.checkpoint_every=1",
+        "run.tracking.backend=none",
+        env=environment(DISK_FULL="step_000002.partial"),
+    )
     try:
         code = job.proc.wait(timeout=240)
     finally:
@@ -296,9 +339,12 @@ def test_a_disk_that_fills_during_a_save_is_named_in_one_line_and_loses_nothing(
     assert code == 1, lines[-30:]
     checkpoints = out / "checkpoints"
     assert lines[-1].startswith("hybridflow train: rank ") and (
-        f"failed: DiskFull: no space left on the file system of {checkpoints}" in lines[-1]), lines[-5:]
-    assert ("while writing checkpoint step_000002.partial; it stays step_000002.partial, which resume never reads, "
-            "and the newest complete checkpoint, step_000001, is kept; free space there") in lines[-1], lines[-1]
+        f"failed: DiskFull: no space left on the file system of {checkpoints}" in lines[-1]
+    ), lines[-5:]
+    assert (
+        "while writing checkpoint step_000002.partial; it stays step_000002.partial, which resume never reads, "
+        "and the newest complete checkpoint, step_000001, is kept; free space there"
+    ) in lines[-1], lines[-1]
     assert (out / ERROR_FILE).read_text() == lines[-1] + "\n"
     assert (checkpoints / "step_000002.partial").is_dir() and not (checkpoints / "step_000002").exists()
     assert {p: p.read_bytes() for p in kept} == kept  # every file of the first start as it was

@@ -70,15 +70,49 @@ def test_one_cpu_node(capsys, tmp_path):
 @pytest.mark.claim("slurm-script")
 def test_four_gpu_nodes(capsys, tmp_path):
     code, out, err = _render(
-        capsys, tmp_path, "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--account", "proj1",
-        "--time", "04:00:00", "--qos", "high", "--cpus-per-task", "64", "--mem", "0", "--max-restarts", "2",
-        "--rdzv-port", "29611", "--env", "NCCL_IB_HCA=mlx5", "--sbatch-option=--constraint=h100",
-        overrides=BIG)
+        capsys,
+        tmp_path,
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj1",
+        "--time",
+        "04:00:00",
+        "--qos",
+        "high",
+        "--cpus-per-task",
+        "64",
+        "--mem",
+        "0",
+        "--max-restarts",
+        "2",
+        "--rdzv-port",
+        "29611",
+        "--env",
+        "NCCL_IB_HCA=mlx5",
+        "--sbatch-option=--constraint=h100",
+        overrides=BIG,
+    )
     assert code == 0, err
     script = (tmp_path / "run" / SCRIPT_NAME).read_text()
     directives = _directives(script)
-    for d in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--partition=gpu", "--account=proj1",
-              "--time=04:00:00", "--qos=high", "--cpus-per-task=64", "--mem=0", "--requeue", "--constraint=h100"):
+    for d in (
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=8",
+        "--partition=gpu",
+        "--account=proj1",
+        "--time=04:00:00",
+        "--qos=high",
+        "--cpus-per-task=64",
+        "--mem=0",
+        "--requeue",
+        "--constraint=h100",
+    ):
         assert d in directives, d
     assert "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1" in script
     assert "--nnodes 4 --nproc-per-node 8 --max-restarts 2" in script
@@ -108,8 +142,7 @@ def test_printed_output_is_itself_a_valid_script(capsys, tmp_path):
 def test_user_run_dir_and_resume_overrides_are_pinned_once(tmp_path):
     cfg = load_config(CONFIG)
     job = SlurmJob(nodes=1, gpus_per_node=0, nproc_per_node=2)
-    script = render_sbatch(job, config=Path(CONFIG), overrides=["train.lr=1e-4"], run_dir=tmp_path,
-                           workdir=tmp_path)
+    script = render_sbatch(job, config=Path(CONFIG), overrides=["train.lr=1e-4"], run_dir=tmp_path, workdir=tmp_path)
     assert script.count("run.output_dir=") == 1 and "train.lr=1e-4" in script
     assert cfg.actor.parallel.world_size == 2
 

@@ -21,9 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run_cluster_tests_without_slurm(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k != "HYBRIDFLOW_REQUIRE_SLURM"}
     clean.update(PATH=str(tmp_path), **env)  # an empty directory: no sbatch
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "tests/launch/test_slurm_cluster.py"],
-                          cwd=ROOT, env=clean, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/launch/test_slurm_cluster.py"],
+        cwd=ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.claim("slurm-required-in-ci")

@@ -29,21 +29,32 @@ from launch.run_lock import LOCK_FILE, hold_run_directory
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "quickstart_cpu.yaml")
-SHORT = ["run.steps=4", "sft.steps=4", "run.checkpoint_every=2", "run.keep_checkpoints=3",
-         "run.heldout_prompts=16", "run.prompts_per_step=8", "rollout.n=4"]
+SHORT = [
+    "run.steps=4",
+    "sft.steps=4",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=3",
+    "run.heldout_prompts=16",
+    "run.prompts_per_step=8",
+    "rollout.n=4",
+]
 JOB_TIMEOUT_S = 900
 
 pytestmark = [
-    pytest.mark.slurm, pytest.mark.timeout(2400),
-    pytest.mark.skipif(shutil.which("sbatch") is None,
-                       reason="Slurm is not installed (no sbatch on PATH); apt-get install -y slurm-wlm munge"),
+    pytest.mark.slurm,
+    pytest.mark.timeout(2400),
+    pytest.mark.skipif(
+        shutil.which("sbatch") is None,
+        reason="Slurm is not installed (no sbatch on PATH); apt-get install -y slurm-wlm munge",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def slurm_env() -> dict[str, str]:
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_single_node.sh"), "start"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "slurm_single_node.sh"), "start"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, f"the one-node Slurm cluster did not start:\n{done.stdout}\n{done.stderr}"
     conf = re.search(r"^SLURM_CONF=(\S+)$", done.stdout, flags=re.M).group(1)
     return {**os.environ, "SLURM_CONF": conf}
@@ -56,8 +67,22 @@ def _free_port() -> int:
 
 
 def _submit(env: dict[str, str], out: Path) -> str:
-    cmd = [sys.executable, "-m", "hybridflow.cli", "slurm", CONFIG, *SHORT, f"run.output_dir={out}",
-           "--nodes", "1", "--gpus-per-node", "0", "--rdzv-port", str(_free_port()), "--submit"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.cli",
+        "slurm",
+        CONFIG,
+        *SHORT,
+        f"run.output_dir={out}",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "0",
+        "--rdzv-port",
+        str(_free_port()),
+        "--submit",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return re.search(r"^# submitted batch job (\d+);", done.stdout, flags=re.M).group(1)

@@ -54,10 +54,29 @@ def _stubs(folder: Path) -> Path:
 
 def _batch_job(tmp_path: Path) -> tuple[Job, Path, Path]:
     out, stubs = tmp_path / "run", _stubs(tmp_path / "bin")
-    rendered = subprocess.run([sys.executable, "-m", "hybridflow.cli", "slurm", "configs/quickstart_cpu.yaml", *CHEAP,
-                               f"run.output_dir={out}", "run.steps=50", "run.checkpoint_every=0", "--nodes", "1",
-                               "--gpus-per-node", "0", "--rdzv-port", str(_free_port())],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    rendered = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridflow.cli",
+            "slurm",
+            "configs/quickstart_cpu.yaml",
+            *CHEAP,
+            f"run.output_dir={out}",
+            "run.steps=50",
+            "run.checkpoint_every=0",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "0",
+            "--rdzv-port",
+            str(_free_port()),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rendered.returncode == 0, rendered.stderr
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "localhost"}
     return Job(["bash", str(out / SCRIPT_NAME)], tmp_path / "job.log", env), out, stubs

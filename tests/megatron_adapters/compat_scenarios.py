@@ -118,8 +118,21 @@ def tp2_moe_step() -> None:
     policy.train_step(_batch(2), _loss)
 
 
-SCENARIOS = {f.__name__: f for f in (import_attention, build_moe, build_mla, train_moe, seq_parallel_norm, resume_adam,
-                                      ep2_step, etp2_step, etp2_uneven_step, tp2_moe_step)}
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        import_attention,
+        build_moe,
+        build_mla,
+        train_moe,
+        seq_parallel_norm,
+        resume_adam,
+        ep2_step,
+        etp2_step,
+        etp2_uneven_step,
+        tp2_moe_step,
+    )
+}
 TWO_PROCESS = {"ep2_step", "etp2_step", "etp2_uneven_step", "tp2_moe_step"}
 
 

@@ -31,15 +31,40 @@ _OVERRIDES = {
     "mixtral": {},
 }
 _DEEPSEEK = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-    n_routed_experts=4, num_experts_per_tok=2, routed_scaling_factor=2.5, n_group=1, topk_group=1,
-    first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=48, kv_lora_rank=32,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                     "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "mscale": 1.0, "mscale_all_dim": 1.0},
-    rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=INIT_RANGE,
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=256,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=INIT_RANGE,
 )
 
 
@@ -47,8 +72,12 @@ def _deepseek_dir(path: Path, seed: int) -> Path:
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     tokenizer = make_tiny_tokenizer(320)
-    config = DeepseekV3Config(**_DEEPSEEK, pad_token_id=tokenizer.pad_token_id,
-                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = DeepseekV3Config(
+        **_DEEPSEEK,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).float()
@@ -96,8 +125,9 @@ def make_hf_dir(root: Path, family: str, seed: int = 0) -> Path:
     if family == "deepseek_v3":
         _deepseek_dir(path, seed)
     else:
-        make_tiny_model_dir(path, family, seed=seed, num_hidden_layers=4,
-                            initializer_range=INIT_RANGE, **_OVERRIDES[family])
+        make_tiny_model_dir(
+            path, family, seed=seed, num_hidden_layers=4, initializer_range=INIT_RANGE, **_OVERRIDES[family]
+        )
     _rewrite_weights(path, seed, shards=2)
     return path
 

@@ -46,20 +46,31 @@ def load_and_score(hf_dir: str, spec: dict, mcore_dir: str, resave_dir: str) -> 
     model = read_model_config(hf_dir)
     layout = layout_for(spec)
     pg = parallel.initialize(layout, seed=SEED)
-    policy = MegatronPolicy(model, layout, TrainConfig(micro_batch_size=1, global_batch_size=4),
-                            pg_collection=pg, trainable=False)
+    policy = MegatronPolicy(
+        model, layout, TrainConfig(micro_batch_size=1, global_batch_size=4), pg_collection=pg, trainable=False
+    )
     checkpoint.load(policy, mcore_dir)
     logp, _ = policy.forward_logprobs(batch(model.vocab_size))
     checkpoint.save(policy, resave_dir)
-    direct = MegatronPolicy(model, layout, TrainConfig(micro_batch_size=1, global_batch_size=4),
-                            pg_collection=pg, trainable=False, initialize=False)  # as a run builds it
+    direct = MegatronPolicy(
+        model,
+        layout,
+        TrainConfig(micro_batch_size=1, global_batch_size=4),
+        pg_collection=pg,
+        trainable=False,
+        initialize=False,
+    )  # as a run builds it
     report = load_hf_weights(direct, hf_dir, buffer_bytes=4096)  # small blocks: many reads per tensor
     direct_logp, _ = direct.forward_logprobs(batch(model.vocab_size))
     differs, shares = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(differs, _differing(policy, direct, model))
     dist.all_gather_object(shares, report.share_bytes)
-    return {"logp": logp, "direct_logp": direct_logp, "direct_differs": sorted({n for d in differs for n in d}),
-            "direct_share_bytes": shares}
+    return {
+        "logp": logp,
+        "direct_logp": direct_logp,
+        "direct_differs": sorted({n for d in differs for n in d}),
+        "direct_share_bytes": shares,
+    }
 
 
 def _differing(converted: MegatronPolicy, direct: MegatronPolicy, model) -> list[str]:

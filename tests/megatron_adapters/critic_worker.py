@@ -78,8 +78,9 @@ def _without_sequence_parallel(off: bool):
         model_builder.transformer_config = original
 
 
-def critic(family: str, spec: dict, init_dir: str, tie: bool, save: bool, resume: bool,
-           sequence_parallel: bool = True) -> dict:
+def critic(
+    family: str, spec: dict, init_dir: str, tie: bool, save: bool, resume: bool, sequence_parallel: bool = True
+) -> dict:
     with _without_sequence_parallel(not sequence_parallel):
         return _critic(family, spec, init_dir, tie, save, resume)
 
@@ -106,8 +107,14 @@ def _critic(family: str, spec: dict, init_dir: str, tie: bool, save: bool, resum
     after = value_model.forward_values(data)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {"skipped": skipped, "fresh_head": fresh})
-    out = {"values": values, "loss": result.loss, "grad_norm": result.grad_norm, "applied": result.applied,
-           "after": after, "ranks": per_rank}
+    out = {
+        "values": values,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "applied": result.applied,
+        "after": after,
+        "ranks": per_rank,
+    }
     if not resume:
         return out
     if not save:
@@ -125,8 +132,10 @@ def _from_reference(model, layout, pg, data, init_dir: str) -> dict:
     layout: its values and the next step's loss."""
     loaded = MegatronCritic(model, layout, TRAIN, pg_collection=pg)
     checkpoint.load(loaded, _save_dir(init_dir, ParallelLayout()), with_optimizer=True)
-    return {"reference_values": loaded.forward_values(data),
-            "reference_next_loss": loaded.train_step(data, _value_loss).loss}
+    return {
+        "reference_values": loaded.forward_values(data),
+        "reference_next_loss": loaded.train_step(data, _value_loss).loss,
+    }
 
 
 def _resumed(value_model: MegatronCritic, model, layout, pg, data, init_dir: str) -> dict:
@@ -137,8 +146,11 @@ def _resumed(value_model: MegatronCritic, model, layout, pg, data, init_dir: str
     resumed = MegatronCritic(model, layout, TRAIN, pg_collection=pg)
     checkpoint.load(resumed, save_dir, with_optimizer=True)
     values = resumed.forward_values(data)
-    return {"resumed_values": values, "resumed_next_loss": resumed.train_step(data, _value_loss).loss,
-            "next_loss": value_model.train_step(data, _value_loss).loss}
+    return {
+        "resumed_values": values,
+        "resumed_next_loss": resumed.train_step(data, _value_loss).loss,
+        "next_loss": value_model.train_step(data, _value_loss).loss,
+    }
 
 
 if __name__ == "__main__":

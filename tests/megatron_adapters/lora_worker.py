@@ -43,10 +43,18 @@ def make_policy(family: str, spec: dict, targets: list[str] | None, dropout: flo
 
 def _base(policy: MegatronPolicy) -> dict[str, torch.Tensor]:
     """The base's parameters and its routers' expert bias (base state megatron moves itself)."""
-    params = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(policy.chunks)
-              for n, p in c.named_parameters() if not is_adapter(n)}
-    return params | {f"{i}.{n}": b.clone() for i, c in enumerate(policy.chunks)
-                     for n, b in c.named_buffers() if n.endswith("expert_bias")}
+    params = {
+        f"{i}.{n}": p.detach().clone()
+        for i, c in enumerate(policy.chunks)
+        for n, p in c.named_parameters()
+        if not is_adapter(n)
+    }
+    return params | {
+        f"{i}.{n}": b.clone()
+        for i, c in enumerate(policy.chunks)
+        for n, b in c.named_buffers()
+        if n.endswith("expert_bias")
+    }
 
 
 def train_two_steps(policy: MegatronPolicy) -> dict:
@@ -55,21 +63,24 @@ def train_two_steps(policy: MegatronPolicy) -> dict:
     base = _base(policy)
     for _ in range(2):
         result = policy.train_step(data, next_token_loss)
-        out["steps"].append({"loss": result.loss, "grad_norm": result.grad_norm,
-                             "grads": adapter_state(policy, grads=True)})
+        out["steps"].append(
+            {"loss": result.loss, "grad_norm": result.grad_norm, "grads": adapter_state(policy, grads=True)}
+        )
     out["logp_after"] = policy.forward_logprobs(data)[0]
     out["adapters"] = adapter_state(policy)
     out["merge_error"] = _merge_error(policy, out["adapters"])
     after = _base(policy)
     out["base_identical"] = all(torch.equal(base[k], after[k]) for k in base)
-    out["base_requires_grad"] = any(p.requires_grad for c in policy.chunks for n, p in c.named_parameters()
-                                    if not is_adapter(n))
+    out["base_requires_grad"] = any(
+        p.requires_grad for c in policy.chunks for n, p in c.named_parameters() if not is_adapter(n)
+    )
     optimized = [p for o in _torch_optimizers(policy.optimizer) for g in o.param_groups for p in g["params"]]
     adapters = [p for c in policy.chunks for n, p in c.named_parameters() if is_adapter(n)]
     out["optimizer_numel"] = sum(p.numel() for p in optimized)
     out["adapter_numel"] = sum(p.numel() for p in adapters)
-    out["grad_buffer_numel"] = sum(b.grad_data.numel() for c in policy.chunks
-                                   for b in c.buffers + c.expert_parallel_buffers)
+    out["grad_buffer_numel"] = sum(
+        b.grad_data.numel() for c in policy.chunks for b in c.buffers + c.expert_parallel_buffers
+    )
     return out
 
 
@@ -113,8 +124,9 @@ def lora_reference(family: str, targets: list[str], init_dir: str, resume_dir: s
     return {**out, "base_logp": base_logp, "resumed_adapters": adapter_state(resumed), "refused": refused}
 
 
-def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str, save_dir: str,
-                     dropout: float = 0.0) -> dict:
+def lora_equivalence(
+    family: str, spec: dict, targets: list[str], init_dir: str, save_dir: str, dropout: float = 0.0
+) -> dict:
     """Load the reference's initial state under ``spec`` and train as it did; save, and read the
     adapters back from the files as the offline PEFT export does (global, layout-free)."""
     from megatron_adapters.dist_io import DistReader
@@ -128,8 +140,7 @@ def lora_equivalence(family: str, spec: dict, targets: list[str], init_dir: str,
     return out
 
 
-def peft_roundtrip(hf_dir: str, mcore_dir: str, spec: dict, targets: list[str], peft_dir: str,
-                   lora_dir: str) -> dict:
+def peft_roundtrip(hf_dir: str, mcore_dir: str, spec: dict, targets: list[str], peft_dir: str, lora_dir: str) -> dict:
     """A converted HF model's base under fresh adapters, two steps, exported as PEFT files and
     saved as a LoRA checkpoint (``lora_dir``, for the offline converters); a fresh policy imports
     the PEFT files and must score the same."""
@@ -155,8 +166,13 @@ def peft_roundtrip(hf_dir: str, mcore_dir: str, spec: dict, targets: list[str], 
     fresh = MegatronPolicy(model, layout_for(spec), LORA_TRAIN, pg_collection=pg, lora=lora)
     checkpoint.load(fresh, mcore_dir)
     import_peft(fresh, peft_dir)
-    return {"logp": logp, "imported_logp": fresh.forward_logprobs(data)[0], "input_ids": data["input_ids"],
-            "base_identical": base_identical, "expert_biases": expert_biases}
+    return {
+        "logp": logp,
+        "imported_logp": fresh.forward_logprobs(data)[0],
+        "input_ids": data["input_ids"],
+        "base_identical": base_identical,
+        "expert_biases": expert_biases,
+    }
 
 
 TASKS = {f.__name__: f for f in (lora_reference, lora_equivalence, peft_roundtrip)}

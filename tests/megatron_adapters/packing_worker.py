@@ -70,15 +70,20 @@ def _actor_pass(policy: MegatronPolicy, data: dict) -> dict:
     logp, entropy = policy.forward_logprobs(data, with_entropy=True)
     result = policy.train_step(data, next_token_loss)
     after, _ = policy.forward_logprobs(data)
-    return {"logp": logp, "entropy": entropy, "loss": result.loss, "grad_norm": result.grad_norm,
-            "tokens": result.num_tokens, "after": after}
+    return {
+        "logp": logp,
+        "entropy": entropy,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "tokens": result.num_tokens,
+        "after": after,
+    }
 
 
 def _critic_pass(critic: MegatronCritic, data: dict) -> dict:
     values = critic.forward_values(data)
     result = critic.train_step(data, _value_loss)
-    return {"values": values, "loss": result.loss, "grad_norm": result.grad_norm,
-            "after": critic.forward_values(data)}
+    return {"values": values, "loss": result.loss, "grad_norm": result.grad_norm, "after": critic.forward_values(data)}
 
 
 def _routes(policy: MegatronPolicy, data: dict) -> torch.Tensor:
@@ -103,8 +108,10 @@ def packed(family: str, spec: dict) -> dict:
     if moe is not None:  # before training: every policy still has the same weights
         routes = {name: _routes(policy, data) for name, policy in actors.items()}
         valid = mask.bool()[..., None, None].expand_as(routes["unpacked"])
-        replayed = {name: actors[name].forward_logprobs({**data, "routed_experts": routes["unpacked"]})[0]
-                    for name in ("unpacked", "packed")}
+        replayed = {
+            name: actors[name].forward_logprobs({**data, "routed_experts": routes["unpacked"]})[0]
+            for name in ("unpacked", "packed")
+        }
         out["routes_equal"] = {n: bool(torch.equal(r[valid], routes["unpacked"][valid])) for n, r in routes.items()}
         out["replay_logp"] = _masked_diff(replayed["packed"], replayed["unpacked"], mask)
     runs = {name: _actor_pass(policy, data) for name, policy in actors.items()}
@@ -121,17 +128,21 @@ def packed(family: str, spec: dict) -> dict:
             "tokens": (got["tokens"], ref["tokens"]),
             "after": _masked_diff(got["after"], ref["after"], mask),
         }
-    critics = {name: _critic_pass(_build(MegatronCritic, family, layout, pg, PACKINGS[name], critic_moe), data)
-               for name in ("unpacked", "packed", "budget")}
+    critics = {
+        name: _critic_pass(_build(MegatronCritic, family, layout, pg, PACKINGS[name], critic_moe), data)
+        for name in ("unpacked", "packed", "budget")
+    }
     vref = critics["unpacked"]
     for name in ("packed", "budget"):
         vgot = critics[name]
-        out[name].update({
-            "values": _masked_diff(vgot["values"], vref["values"], mask),
-            "value_loss": abs(vgot["loss"] - vref["loss"]),
-            "value_grad_norm": abs(vgot["grad_norm"] - vref["grad_norm"]) / vref["grad_norm"],
-            "value_after": _masked_diff(vgot["after"], vref["after"], mask),
-        })
+        out[name].update(
+            {
+                "values": _masked_diff(vgot["values"], vref["values"], mask),
+                "value_loss": abs(vgot["loss"] - vref["loss"]),
+                "value_grad_norm": abs(vgot["grad_norm"] - vref["grad_norm"]) / vref["grad_norm"],
+                "value_after": _masked_diff(vgot["after"], vref["after"], mask),
+            }
+        )
     return out
 
 

@@ -34,8 +34,9 @@ LAYOUT = ParallelLayout(ep=2, dp=2)
 
 def _policy(pg) -> MegatronPolicy:
     torch.manual_seed(5)
-    return MegatronPolicy(tiny("qwen3_moe"), LAYOUT, TrainConfig(micro_batch_size=2, global_batch_size=4, lr=1e-2),
-                          pg_collection=pg)
+    return MegatronPolicy(
+        tiny("qwen3_moe"), LAYOUT, TrainConfig(micro_batch_size=2, global_batch_size=4, lr=1e-2), pg_collection=pg
+    )
 
 
 def _batch(step: int) -> dict:

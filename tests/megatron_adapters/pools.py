@@ -15,8 +15,15 @@ def run_pool(worker: Path, nproc: int, tasks: list[dict], workdir: Path, label: 
     plan = workdir / f"{label}.json"
     plan.write_text(json.dumps(tasks))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(worker),
-           str(plan)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(worker),
+        str(plan),
+    ]
     log = workdir / f"{label}.log"
     with log.open("w") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)

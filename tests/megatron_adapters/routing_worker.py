@@ -82,14 +82,26 @@ def transformers_model(model, hf, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     config = Qwen3MoeConfig(
-        vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
-        num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_kv_heads, head_dim=model.kv_channels,
-        moe_intermediate_size=model.moe_ffn_hidden_size, num_experts=model.num_experts,
-        num_experts_per_tok=model.moe_top_k, norm_topk_prob=True, rms_norm_eps=model.norm_eps,
-        rope_theta=model.rope_theta, max_position_embeddings=model.max_position_embeddings,
-        tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], eos_token_id=None,
-        pad_token_id=0, bos_token_id=None,
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_kv_heads,
+        head_dim=model.kv_channels,
+        moe_intermediate_size=model.moe_ffn_hidden_size,
+        num_experts=model.num_experts,
+        num_experts_per_tok=model.moe_top_k,
+        norm_topk_prob=True,
+        rms_norm_eps=model.norm_eps,
+        rope_theta=model.rope_theta,
+        max_position_embeddings=model.max_position_embeddings,
+        tie_word_embeddings=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
     )
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
@@ -101,11 +113,17 @@ def rollout_batch(model, hf, *, odd_length: bool = False) -> dict[str, torch.Ten
     """The bf16 HF engine's samples (rank 0), packed with its routes and log-probs, on every rank."""
     box = [None]
     if dist.get_rank() == 0:
-        engine = HFEngine(transformers_model(model, hf, torch.bfloat16), max_context=model.max_position_embeddings,
-                          seed=7, return_routed_experts=True)
+        engine = HFEngine(
+            transformers_model(model, hf, torch.bfloat16),
+            max_context=model.max_position_embeddings,
+            seed=7,
+            return_routed_experts=True,
+        )
         generator = torch.Generator().manual_seed(11)
-        prompts = [torch.randint(1, model.vocab_size, (int(n),), generator=generator).tolist()
-                   for n in torch.randint(4, 9, (PROMPTS,), generator=generator)]
+        prompts = [
+            torch.randint(1, model.vocab_size, (int(n),), generator=generator).tolist()
+            for n in torch.randint(4, 9, (PROMPTS,), generator=generator)
+        ]
         out = engine.generate(prompts, SamplingParams(n=SAMPLES, temperature=1.0, max_new_tokens=12))
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in out.samples)
         box = [pack_batch(out.samples, pad_id=0, max_length=length + (odd_length and length % 2 == 0))]
@@ -119,14 +137,20 @@ def transformers_routes(model, hf, ids_BT: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = net.model(input_ids=ids_BT, output_router_logits=True)
     k = model.moe_top_k
-    return torch.stack([torch.topk(layer, k, dim=-1).indices.reshape(*ids_BT.shape, k)
-                        for layer in out.router_logits], dim=2)
+    return torch.stack(
+        [torch.topk(layer, k, dim=-1).indices.reshape(*ids_BT.shape, k) for layer in out.router_logits], dim=2
+    )
 
 
 def policy(model, layout, pg, moe: MoEConfig, *, lr: float = 1e-2, micro: int = 2) -> MegatronPolicy:
     torch.manual_seed(5)
-    return MegatronPolicy(model, layout, TrainConfig(micro_batch_size=micro, global_batch_size=PROMPTS * SAMPLES,
-                                                     lr=lr), pg_collection=pg, moe=moe)
+    return MegatronPolicy(
+        model,
+        layout,
+        TrainConfig(micro_batch_size=micro, global_batch_size=PROMPTS * SAMPLES, lr=lr),
+        pg_collection=pg,
+        moe=moe,
+    )
 
 
 def _loss(logp, entropy, micro):
@@ -163,15 +187,18 @@ def replay(pg) -> dict:
     valid = batch["attention_mask"]
     engine_routed = (batch["routed_experts"] >= 0).all(-1).all(-1) & valid.bool()
     result = {
-        "rows": int(valid.shape[0]), "real_tokens": int(valid.sum()), "layers": int(recorded.shape[2]),
+        "rows": int(valid.shape[0]),
+        "real_tokens": int(valid.sum()),
+        "layers": int(recorded.shape[2]),
         "response_tokens": int(batch["response_mask"].sum()),
         "mismatch_without_replay": _mismatch(logp_off, batch["logprobs"], batch["response_mask"]),
         "mismatch_with_replay": _mismatch(logp_on, batch["logprobs"], batch["response_mask"]),
         "engine_vs_trainer_topk_mismatch": replayed["moe/logprob/topk_mismatch"],
         "engine_vs_trainer_topk_mismatch_any_layer": replayed["moe/logprob/topk_mismatch_any_layer"],
         "replay_match_engine_routes": replayed["moe/logprob/replay_match"],
-        "recorded_vs_transformers_fp32": _agreement(recorded, transformers_routes(model, hf, batch["input_ids"]),
-                                                    valid),
+        "recorded_vs_transformers_fp32": _agreement(
+            recorded, transformers_routes(model, hf, batch["input_ids"]), valid
+        ),
         "engine_routes_vs_recorded": _agreement(recorded, batch["routed_experts"], engine_routed),
     }
     result["stats_match_pure_functions"] = _check_stats(natural, natural_counts, recorded, valid, model.num_experts)
@@ -192,17 +219,24 @@ def _check_stats(metrics: dict, counts_LE, recorded_BTLk, valid_BT, num_experts:
 
 def _r2_training(actor: MegatronPolicy, batch, recorded) -> dict:
     """R2: replay the recorded routes in two training steps; the second runs on updated weights."""
-    rows = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-            "response_mask": batch["response_mask"], "routed_experts": recorded}
+    rows = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "response_mask": batch["response_mask"],
+        "routed_experts": recorded,
+    }
     first = actor.train_step(rows, _loss)
     actor.routing.pop_metrics()
     second = actor.train_step(rows, _loss)
     stats = actor.routing.pop_metrics()
     totals = actor.routing.last_stats["train"].totals()
-    return {"r2_train_replay_match": stats["moe/train/replay_match"], "r2_train_pairs_compared": totals["replayed"],
-            "r2_train_pairs_matched": totals["matched"],
-            "r2_train_natural_vs_recorded_mismatch": stats["moe/train/topk_mismatch"],
-            "r2_losses": [first.loss, second.loss]}
+    return {
+        "r2_train_replay_match": stats["moe/train/replay_match"],
+        "r2_train_pairs_compared": totals["replayed"],
+        "r2_train_pairs_matched": totals["matched"],
+        "r2_train_natural_vs_recorded_mismatch": stats["moe/train/topk_mismatch"],
+        "r2_losses": [first.loss, second.loss],
+    }
 
 
 def model_parallel(layout: ParallelLayout, pg) -> dict:
@@ -217,11 +251,14 @@ def model_parallel(layout: ParallelLayout, pg) -> dict:
     recorded = actor.routing.take_recorded()
     logp_self, _ = actor.forward_logprobs({**plain, "routed_experts": recorded})
     metrics = actor.routing.pop_metrics()
-    return {"length": int(batch["input_ids"].shape[1]),
-            "recorded_vs_transformers_fp32": _agreement(recorded, transformers_routes(model, hf, batch["input_ids"]),
-                                                        batch["attention_mask"]),
-            "self_replay_max_logp_diff": float((logp_self - logp_off).abs().max()),
-            "self_replay_match": metrics["moe/logprob/replay_match"]}
+    return {
+        "length": int(batch["input_ids"].shape[1]),
+        "recorded_vs_transformers_fp32": _agreement(
+            recorded, transformers_routes(model, hf, batch["input_ids"]), batch["attention_mask"]
+        ),
+        "self_replay_max_logp_diff": float((logp_self - logp_off).abs().max()),
+        "self_replay_match": metrics["moe/logprob/replay_match"],
+    }
 
 
 def _router_state(p: MegatronPolicy) -> dict[str, torch.Tensor]:
@@ -278,14 +315,22 @@ def _bias_reshard(pg) -> bool:
     buffers = {}
     if dist.get_rank() == 0:
         buffers = {n: torch.zeros(s) for n, s in destination.param_shapes(0).items()}
-    execute(plan, ProcessMap(source=(0, 1), destination=(0,)), sources=named, destinations=buffers,
-            bucket_bytes=1 << 20, verify=True)
+    execute(
+        plan,
+        ProcessMap(source=(0, 1), destination=(0,)),
+        sources=named,
+        destinations=buffers,
+        bucket_bytes=1 << 20,
+        verify=True,
+    )
     if dist.get_rank() != 0:
         return True
     biases = {n: t for n, t in buffers.items() if n.endswith("e_score_correction_bias")}
     layers = range(model.first_k_dense_layers, model.num_layers)
-    expected = {f"model.layers.{i}.mlp.gate.e_score_correction_bias":
-                named[f"decoder.layers.{i}.mlp.router.expert_bias"] for i in layers}
+    expected = {
+        f"model.layers.{i}.mlp.gate.e_score_correction_bias": named[f"decoder.layers.{i}.mlp.router.expert_bias"]
+        for i in layers
+    }
     return set(biases) == set(expected) and all(torch.equal(biases[n], expected[n]) for n in expected)
 
 
@@ -300,8 +345,12 @@ def _aux_losses(pg, batch) -> bool:
     return any(not torch.equal(moved[0][k], moved[1][k]) for k in moved[0])
 
 
-SCENARIOS = {"replay": (EP2, replay), "tp2": (TP2, partial(model_parallel, TP2)),
-             "pp2": (PP2, partial(model_parallel, PP2)), "frozen": (EP2, frozen)}
+SCENARIOS = {
+    "replay": (EP2, replay),
+    "tp2": (TP2, partial(model_parallel, TP2)),
+    "pp2": (PP2, partial(model_parallel, PP2)),
+    "frozen": (EP2, frozen),
+}
 
 if __name__ == "__main__":
     parallel.init_default_group()

@@ -101,13 +101,18 @@ def test_stored_parameters_equal_the_oracle(family, hf_dirs, converted):
     renames = convert_module._local_spec_renames(model)
     slabs = plan_slabs(model, renames, padded)
     assert sorted(s.param for s in slabs) == sorted(expected)
-    boxes = [((s.key, s.prefix + (0,) * len(s.shape), (1,) * len(s.prefix) + s.shape),
-              torch.empty((1,) * len(s.prefix) + s.shape)) for s in slabs]
+    boxes = [
+        (
+            (s.key, s.prefix + (0,) * len(s.shape), (1,) * len(s.prefix) + s.shape),
+            torch.empty((1,) * len(s.prefix) + s.shape),
+        )
+        for s in slabs
+    ]
     reader.read(boxes)
     for slab, (_, got) in zip(slabs, boxes):
         got, want = got.reshape(slab.shape).numpy(), expected[slab.param]
         if slab.param in VOCAB_PARAMS:  # padding rows: zeros here, a sentinel in the oracle
-            assert not got[model.vocab_size:].any()
+            assert not got[model.vocab_size :].any()
             got, want = got[: model.vocab_size], want[: model.vocab_size]
         np.testing.assert_array_equal(got, want, err_msg=slab.param)
 
@@ -137,15 +142,37 @@ def test_stored_chunks_respect_the_buffer(converted):
 def test_plans_deepseek_v3_671b_without_weights():
     """The plan is pure: 671B parameters, 45k HF tensors, bounded chunks, in seconds."""
     model = ModelConfig(  # deepseek-ai/DeepSeek-V3 config.json
-        family="deepseek_v3", hidden_size=7168, num_layers=61, num_attention_heads=128,
-        num_kv_heads=128, ffn_hidden_size=18432, vocab_size=129280, num_experts=256, moe_top_k=8,
-        moe_ffn_hidden_size=2048, num_shared_experts=1, router_score_function="sigmoid",
-        router_expert_bias=True, router_topk_scaling_factor=2.5, router_num_groups=8,
-        router_group_topk=4, first_k_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+        family="deepseek_v3",
+        hidden_size=7168,
+        num_layers=61,
+        num_attention_heads=128,
+        num_kv_heads=128,
+        ffn_hidden_size=18432,
+        vocab_size=129280,
+        num_experts=256,
+        moe_top_k=8,
+        moe_ffn_hidden_size=2048,
+        num_shared_experts=1,
+        router_score_function="sigmoid",
+        router_expert_bias=True,
+        router_topk_scaling_factor=2.5,
+        router_num_groups=8,
+        router_group_topk=4,
+        first_k_dense_layers=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    )
     chunk_bytes = 256 << 20
-    plan = plan_checkpoint(model, renames={}, padded_vocab=ParallelLayout(tp=8).padded_vocab_size(model),
-                           itemsize=lambda slab: 2, chunk_bytes=chunk_bytes)
+    plan = plan_checkpoint(
+        model,
+        renames={},
+        padded_vocab=ParallelLayout(tp=8).padded_vocab_size(model),
+        itemsize=lambda slab: 2,
+        chunk_bytes=chunk_bytes,
+    )
     assert set(plan.tensors) == {t.name for t in canonical_tensors(model)} and len(plan.tensors) == 45395
     assert plan.keys["decoder.layers.3.mlp.experts.experts.linear_fc1.weight"] == (256, 4096, 7168)
     assert max(np.prod(c.sizes) * 2 for c in plan.chunks) <= chunk_bytes
@@ -220,8 +247,11 @@ def _architecture(path):
     return config, "gpt2"
 
 
-@pytest.mark.parametrize("breaker", [_missing, _unexpected, _shape, _truncated, _architecture],
-                         ids=["missing", "unexpected", "shape", "truncated", "architecture"])
+@pytest.mark.parametrize(
+    "breaker",
+    [_missing, _unexpected, _shape, _truncated, _architecture],
+    ids=["missing", "unexpected", "shape", "truncated", "architecture"],
+)
 @pytest.mark.claim("convert-bad-input")
 def test_bad_hf_input_names_file_and_tensor_and_writes_nothing(breaker, hf_dirs, tmp_path):
     source = _copy(hf_dirs["qwen3_moe"], tmp_path)
@@ -277,8 +307,11 @@ def test_bad_megatron_input(hf_dirs, converted, tmp_path):
     shutil.copytree(mcore, damaged)
     shard = sorted(damaged.glob("*.distcp"))[-1]
     shard.unlink()
-    with pytest.raises(ValueError, match=rf"checkpoint {damaged} is damaged: {shard} is missing \(listed in "
-                                         r"\.metadata\); restore the file"):
+    with pytest.raises(
+        ValueError,
+        match=rf"checkpoint {damaged} is damaged: {shard} is missing \(listed in "
+        r"\.metadata\); restore the file",
+    ):
         mcore_to_hf(damaged, tmp_path / "c")
     assert not (tmp_path / "c").exists() and not (tmp_path / "c.tmp").exists()
 
@@ -288,15 +321,35 @@ def test_bad_megatron_input(hf_dirs, converted, tmp_path):
 
 def test_cli_round_trip_and_error(hf_dirs, tmp_path, capsys):
     mcore, back = tmp_path / "mcore", tmp_path / "back"
-    assert main(["convert", "hf-to-mcore", "--hf", str(hf_dirs["mixtral"]), "--out", str(mcore),
-                 "--tp", "2", "--ep", "2", "--buffer-bytes", "64K", "--checksums"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "hf-to-mcore",
+                "--hf",
+                str(hf_dirs["mixtral"]),
+                "--out",
+                str(mcore),
+                "--tp",
+                "2",
+                "--ep",
+                "2",
+                "--buffer-bytes",
+                "64K",
+                "--checksums",
+            ]
+        )
+        == 0
+    )
     assert main(["convert", "mcore-to-hf", "--mcore", str(mcore), "--out", str(back), "--checksums"]) == 0
     printed = capsys.readouterr().out
     assert "hf-to-mcore: mixtral" in printed and "mcore-to-hf: mixtral" in printed
     assert "verified: CRC32 of all" in printed
     _assert_same_tensors(hf_tensors(hf_dirs["mixtral"]), hf_tensors(back))
-    assert main(["convert", "hf-to-mcore", "--hf", str(hf_dirs["mixtral"]), "--out", str(tmp_path / "x"),
-                 "--tp", "3"]) == 2
+    assert (
+        main(["convert", "hf-to-mcore", "--hf", str(hf_dirs["mixtral"]), "--out", str(tmp_path / "x"), "--tp", "3"])
+        == 2
+    )
     assert "convert.tp=3 does not divide" in capsys.readouterr().err
 
 
@@ -306,26 +359,44 @@ def test_a_convert_error_is_the_only_line_on_stderr(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "convert", "hf-to-mcore", "--hf", str(tmp_path),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridflow.cli",
+            "convert",
+            "hf-to-mcore",
+            "--hf",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2
-    assert done.stderr.splitlines() == [f"hybridflow convert: error: {tmp_path}/config.json not found: "
-                                        "a Hugging Face model directory needs config.json"], done.stderr
+    assert done.stderr.splitlines() == [
+        f"hybridflow convert: error: {tmp_path}/config.json not found: a Hugging Face model directory needs config.json"
+    ], done.stderr
 
 
-@pytest.mark.parametrize("family,key,value", [
-    ("qwen2", "use_sliding_window", True),
-    ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
-    ("deepseek_v3", "norm_topk_prob", False),
-    ("mixtral", "hidden_act", "gelu"),
-    # SGLang would hold tensors (o_proj bias, dense MLPs, no gate bias) ModelConfig cannot describe
-    ("llama", "attention_bias", True),
-    ("qwen3_moe", "attention_bias", True),
-    ("deepseek_v3", "moe_layer_freq", 2),
-    ("deepseek_v3", "topk_method", "greedy"),
-    ("deepseek_v3", "scoring_func", "softmax"),
-    ("deepseek_v3", "attention_bias", True),
-])
+@pytest.mark.parametrize(
+    "family,key,value",
+    [
+        ("qwen2", "use_sliding_window", True),
+        ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
+        ("deepseek_v3", "norm_topk_prob", False),
+        ("mixtral", "hidden_act", "gelu"),
+        # SGLang would hold tensors (o_proj bias, dense MLPs, no gate bias) ModelConfig cannot describe
+        ("llama", "attention_bias", True),
+        ("qwen3_moe", "attention_bias", True),
+        ("deepseek_v3", "moe_layer_freq", 2),
+        ("deepseek_v3", "topk_method", "greedy"),
+        ("deepseek_v3", "scoring_func", "softmax"),
+        ("deepseek_v3", "attention_bias", True),
+    ],
+)
 def test_config_settings_megatron_builds_differently_are_refused(family, key, value, hf_dirs, tmp_path):
     source = _copy(hf_dirs[family], tmp_path)
     config = json.loads((source / "config.json").read_text())

@@ -53,10 +53,15 @@ def runs(tmp_path_factory) -> Path:
         for family in FAMILIES:
             spec = _spec(family, pool)
             hf_to_mcore(root / f"hf_{family}", root / f"mcore_{pool}_{family}", **spec)
-            tasks.append({"hf_dir": str(root / f"hf_{family}"), "spec": spec,
-                          "mcore_dir": str(root / f"mcore_{pool}_{family}"),
-                          "resave_dir": str(root / f"resaved_{pool}_{family}"),
-                          "out": str(root / f"{pool}_{family}.pt")})
+            tasks.append(
+                {
+                    "hf_dir": str(root / f"hf_{family}"),
+                    "spec": spec,
+                    "mcore_dir": str(root / f"mcore_{pool}_{family}"),
+                    "resave_dir": str(root / f"resaved_{pool}_{family}"),
+                    "out": str(root / f"{pool}_{family}.pt"),
+                }
+            )
         _torchrun(nproc, tasks, root, f"{pool}_world{nproc}")
     return root
 

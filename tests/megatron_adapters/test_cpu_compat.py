@@ -39,8 +39,15 @@ def _run(*scenarios: str, skip: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", cpu_compat.SKIP_ENV: skip}
     if scenarios[0] in TWO_PROCESS:
         assert set(scenarios) <= TWO_PROCESS, scenarios
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
-               *scenarios]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPT),
+            *scenarios,
+        ]
     else:
         assert not set(scenarios) & TWO_PROCESS, scenarios
         cmd = [sys.executable, str(SCRIPT), *scenarios]
@@ -92,14 +99,21 @@ def test_nothing_is_patched_on_a_gpu_machine(monkeypatch) -> None:
 def test_gpu_kernel_packages_are_skipped_while_megatron_imports_and_import_after() -> None:
     """On CPU, megatron-core's guarded imports of flashinfer and DeepEP take their no-kernel branch
     (about 3.5 s of CPU less per process); the packages still import afterwards, for SGLang."""
-    code = ("import sys, megatron_adapters\n"
-            "from megatron.core.inference.contexts import dynamic_context\n"
-            "from megatron.core.transformer.moe import fused_a2a\n"
-            "print('LOADED', sorted(n for n in ('flashinfer', 'deep_ep') if n in sys.modules))\n"
-            "print('MEGATRON SEES', dynamic_context.HAVE_FLASHINFER, fused_a2a.HAVE_DEEP_EP)\n"
-            "import flashinfer\n"
-            "print('AFTER', flashinfer.__name__)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        "import sys, megatron_adapters\n"
+        "from megatron.core.inference.contexts import dynamic_context\n"
+        "from megatron.core.transformer.moe import fused_a2a\n"
+        "print('LOADED', sorted(n for n in ('flashinfer', 'deep_ep') if n in sys.modules))\n"
+        "print('MEGATRON SEES', dynamic_context.HAVE_FLASHINFER, fused_a2a.HAVE_DEEP_EP)\n"
+        "import flashinfer\n"
+        "print('AFTER', flashinfer.__name__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOADED []\nMEGATRON SEES False False\nAFTER flashinfer\n" in result.stdout, result.stdout

@@ -25,13 +25,31 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 WORKER = Path(__file__).with_name("critic_worker.py")
 TOL = 1e-5
 # family, tie_word_embeddings: qwen2 ties; llama tied is the same path on another family
-MODELS = {"qwen2": ("qwen2", True), "llama": ("llama", False), "llama_tied": ("llama", True),
-          "qwen3_moe": ("qwen3_moe", False)}
+MODELS = {
+    "qwen2": ("qwen2", True),
+    "llama": ("llama", False),
+    "llama_tied": ("llama", True),
+    "qwen3_moe": ("qwen3_moe", False),
+}
 # name -> (layout spec, sequence parallel); the project's layouts turn it on with TP
-LAYOUTS = {"pp2": ({"pp": 2}, True), "pp2vpp2": ({"pp": 2, "vpp": 2}, True), "tp2": ({"tp": 2}, True),
-           "tp2_no_sp": ({"tp": 2}, False), "ep2": ({"ep": 2}, True)}
-CASES = [("qwen2", "pp2"), ("qwen2", "pp2vpp2"), ("qwen2", "tp2"), ("llama", "pp2"), ("llama", "tp2"),
-         ("llama", "tp2_no_sp"), ("llama_tied", "pp2"), ("qwen3_moe", "tp2"), ("qwen3_moe", "ep2")]
+LAYOUTS = {
+    "pp2": ({"pp": 2}, True),
+    "pp2vpp2": ({"pp": 2, "vpp": 2}, True),
+    "tp2": ({"tp": 2}, True),
+    "tp2_no_sp": ({"tp": 2}, False),
+    "ep2": ({"ep": 2}, True),
+}
+CASES = [
+    ("qwen2", "pp2"),
+    ("qwen2", "pp2vpp2"),
+    ("qwen2", "tp2"),
+    ("llama", "pp2"),
+    ("llama", "tp2"),
+    ("llama", "tp2_no_sp"),
+    ("llama_tied", "pp2"),
+    ("qwen3_moe", "tp2"),
+    ("qwen3_moe", "ep2"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +58,22 @@ def results(tmp_path_factory) -> dict[str, dict]:
 
     def task(m: str, name: str, spec: dict, sequence_parallel: bool, save: bool) -> dict:
         family, tie = MODELS[m]
-        return {"kind": "critic", "family": family, "spec": spec, "tie": tie, "save": save, "resume": tie,
-                "sequence_parallel": sequence_parallel, "init_dir": str(workdir / f"init_{m}"),
-                "out": str(workdir / f"{m}_{name}")}
+        return {
+            "kind": "critic",
+            "family": family,
+            "spec": spec,
+            "tie": tie,
+            "save": save,
+            "resume": tie,
+            "sequence_parallel": sequence_parallel,
+            "init_dir": str(workdir / f"init_{m}"),
+            "out": str(workdir / f"{m}_{name}"),
+        }
 
     run_pool(WORKER, 1, [task(m, "ref", {}, True, True) for m in MODELS], workdir, "critic_world1", timeout=600)
-    run_pool(WORKER, 2, [task(m, name, *LAYOUTS[name], False) for m, name in CASES], workdir, "critic_world2",
-             timeout=600)
+    run_pool(
+        WORKER, 2, [task(m, name, *LAYOUTS[name], False) for m, name in CASES], workdir, "critic_world2", timeout=600
+    )
     names = [f"{m}_ref" for m in MODELS] + [f"{m}_{name}" for m, name in CASES]
     return {name: torch.load(workdir / name) for name in names}
 

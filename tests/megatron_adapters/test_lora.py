@@ -40,22 +40,40 @@ moves its weight by a share of lr: an expert's 3.08e-8 against 3.33e-8 (both wit
 PEFT_TOL = 1e-4
 """fp32 megatron-core vs fp32 transformers (as the converter tests)."""
 DENSE = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-TARGETS = {"llama": DENSE, "qwen2": DENSE,  # qwen2: biased qkv, tied embeddings
-           "qwen3_moe": ["linear_qkv", "linear_proj", "experts"]}
-PEFT_TARGETS = {**TARGETS, "mixtral": ["linear_qkv", "linear_proj", "experts"],
-                # MLA has no linear_qkv; layer 0 is dense (linear_fc1/2), the others shared + routed experts
-                "deepseek_v3": ["linear_proj", "linear_fc1", "linear_fc2", "experts", "shared_experts"]}
-CASES = {"llama_tp2": ("llama", {"tp": 2}), "qwen2_tp2": ("qwen2", {"tp": 2}), "llama_pp2": ("llama", {"pp": 2}),
-         "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}), "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2}),
-         # experts split over etp: their adapters split the rank dim too (megatron_adapters/lora.py)
-         "qwen3_moe_etp2": ("qwen3_moe", {"etp": 2}), "qwen3_moe_tp2_etp2": ("qwen3_moe", {"tp": 2, "etp": 2})}
+TARGETS = {
+    "llama": DENSE,
+    "qwen2": DENSE,  # qwen2: biased qkv, tied embeddings
+    "qwen3_moe": ["linear_qkv", "linear_proj", "experts"],
+}
+PEFT_TARGETS = {
+    **TARGETS,
+    "mixtral": ["linear_qkv", "linear_proj", "experts"],
+    # MLA has no linear_qkv; layer 0 is dense (linear_fc1/2), the others shared + routed experts
+    "deepseek_v3": ["linear_proj", "linear_fc1", "linear_fc2", "experts", "shared_experts"],
+}
+CASES = {
+    "llama_tp2": ("llama", {"tp": 2}),
+    "qwen2_tp2": ("qwen2", {"tp": 2}),
+    "llama_pp2": ("llama", {"pp": 2}),
+    "qwen3_moe_tp2": ("qwen3_moe", {"tp": 2, "etp": 1}),
+    "qwen3_moe_ep2": ("qwen3_moe", {"ep": 2}),
+    # experts split over etp: their adapters split the rank dim too (megatron_adapters/lora.py)
+    "qwen3_moe_etp2": ("qwen3_moe", {"etp": 2}),
+    "qwen3_moe_tp2_etp2": ("qwen3_moe", {"tp": 2, "etp": 2}),
+}
 DROPOUT = 0.1
 DROPOUT_CASES = {  # keyed masks: every layout draws the masks one process draws (megatron_adapters/lora.py)
-    "llama_tp2_dropout": ("llama", {"tp": 2}), "llama_pp2_dropout": ("llama", {"pp": 2}),
-    "qwen3_moe_tp2_etp2_dropout": ("qwen3_moe", {"tp": 2, "etp": 2})}
+    "llama_tp2_dropout": ("llama", {"tp": 2}),
+    "llama_pp2_dropout": ("llama", {"pp": 2}),
+    "qwen3_moe_tp2_etp2_dropout": ("qwen3_moe", {"tp": 2, "etp": 2}),
+}
 DROPOUT_REFS = sorted({f for f, _ in DROPOUT_CASES.values()})
-PEFT_CASES = {"llama": {"tp": 2}, "qwen3_moe": {"ep": 2},  # EP=2: each rank holds half the experts' adapters
-              "mixtral": {"ep": 2}, "deepseek_v3": {"tp": 2, "etp": 1}}
+PEFT_CASES = {
+    "llama": {"tp": 2},
+    "qwen3_moe": {"ep": 2},  # EP=2: each rank holds half the experts' adapters
+    "mixtral": {"ep": 2},
+    "deepseek_v3": {"tp": 2, "etp": 1},
+}
 
 
 def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str) -> None:
@@ -65,28 +83,79 @@ def _torchrun(nproc: int, tasks: list[dict], workdir: Path, label: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("lora_runs")
-    refs = [{"kind": "lora_reference", "family": f, "targets": t, "init_dir": str(work / f"init_{f}"),
-             "resume_dir": str(work / f"resume_{f}"), "out": str(work / f"{f}_ref.pt")} for f, t in TARGETS.items()]
-    refs += [{"kind": "lora_reference", "family": f, "targets": TARGETS[f], "init_dir": str(work / f"init_{f}_dropout"),
-              "resume_dir": str(work / f"resume_{f}_dropout"), "out": str(work / f"{f}_dropout_ref.pt"),
-              "dropout": DROPOUT} for f in DROPOUT_REFS]
-    cases = [{"kind": "lora_equivalence", "family": f, "spec": spec, "targets": TARGETS[f],
-              "init_dir": str(work / f"init_{f}"), "save_dir": str(work / f"saved_{name}"),
-              "out": str(work / f"{name}.pt")} for name, (f, spec) in CASES.items()]
-    cases += [{"kind": "lora_equivalence", "family": f, "spec": spec, "targets": TARGETS[f],
-               "init_dir": str(work / f"init_{f}_dropout"), "save_dir": str(work / f"saved_{name}"),
-               "out": str(work / f"{name}.pt"), "dropout": DROPOUT} for name, (f, spec) in DROPOUT_CASES.items()]
+    refs = [
+        {
+            "kind": "lora_reference",
+            "family": f,
+            "targets": t,
+            "init_dir": str(work / f"init_{f}"),
+            "resume_dir": str(work / f"resume_{f}"),
+            "out": str(work / f"{f}_ref.pt"),
+        }
+        for f, t in TARGETS.items()
+    ]
+    refs += [
+        {
+            "kind": "lora_reference",
+            "family": f,
+            "targets": TARGETS[f],
+            "init_dir": str(work / f"init_{f}_dropout"),
+            "resume_dir": str(work / f"resume_{f}_dropout"),
+            "out": str(work / f"{f}_dropout_ref.pt"),
+            "dropout": DROPOUT,
+        }
+        for f in DROPOUT_REFS
+    ]
+    cases = [
+        {
+            "kind": "lora_equivalence",
+            "family": f,
+            "spec": spec,
+            "targets": TARGETS[f],
+            "init_dir": str(work / f"init_{f}"),
+            "save_dir": str(work / f"saved_{name}"),
+            "out": str(work / f"{name}.pt"),
+        }
+        for name, (f, spec) in CASES.items()
+    ]
+    cases += [
+        {
+            "kind": "lora_equivalence",
+            "family": f,
+            "spec": spec,
+            "targets": TARGETS[f],
+            "init_dir": str(work / f"init_{f}_dropout"),
+            "save_dir": str(work / f"saved_{name}"),
+            "out": str(work / f"{name}.pt"),
+            "dropout": DROPOUT,
+        }
+        for name, (f, spec) in DROPOUT_CASES.items()
+    ]
     for f, spec in PEFT_CASES.items():
         hf = make_hf_dir(work, f)
         hf_to_mcore(hf, work / f"mcore_{f}")
-        cases.append({"kind": "peft_roundtrip", "hf_dir": str(hf), "mcore_dir": str(work / f"mcore_{f}"), "spec": spec,
-                      "targets": PEFT_TARGETS[f], "peft_dir": str(work / f"peft_{f}"),
-                      "lora_dir": str(work / f"lora_{f}"), "out": str(work / f"peft_{f}.pt")})
+        cases.append(
+            {
+                "kind": "peft_roundtrip",
+                "hf_dir": str(hf),
+                "mcore_dir": str(work / f"mcore_{f}"),
+                "spec": spec,
+                "targets": PEFT_TARGETS[f],
+                "peft_dir": str(work / f"peft_{f}"),
+                "lora_dir": str(work / f"lora_{f}"),
+                "out": str(work / f"peft_{f}.pt"),
+            }
+        )
     _torchrun(1, refs, work, "world1")
     _torchrun(2, cases, work, "world2")
     results = {"dir": work}
-    for name in [*(f"{f}_ref" for f in TARGETS), *(f"{f}_dropout_ref" for f in DROPOUT_REFS), *CASES,
-                 *DROPOUT_CASES, *(f"peft_{f}" for f in PEFT_CASES)]:
+    for name in [
+        *(f"{f}_ref" for f in TARGETS),
+        *(f"{f}_dropout_ref" for f in DROPOUT_REFS),
+        *CASES,
+        *DROPOUT_CASES,
+        *(f"peft_{f}" for f in PEFT_CASES),
+    ]:
         result = torch.load(work / f"{name}.pt")
         if "exception" in result:
             pytest.fail(f"worker task {name} raised:\n{result['exception']}")
@@ -233,15 +302,29 @@ def test_a_lora_checkpoint_converts_offline_to_peft_files_and_merged_weights(run
     if family == "llama":  # and through the command line
         from hybridflow.cli import main
 
-        assert main(["convert", "mcore-to-peft", "--mcore", str(lora_dir), "--hf-config", str(hf),
-                     "--out", str(tmp_path / "peft")]) == 0
+        assert (
+            main(
+                [
+                    "convert",
+                    "mcore-to-peft",
+                    "--mcore",
+                    str(lora_dir),
+                    "--hf-config",
+                    str(hf),
+                    "--out",
+                    str(tmp_path / "peft"),
+                ]
+            )
+            == 0
+        )
     else:
         mcore_to_peft(lora_dir, tmp_path / "peft", hf_config=hf)
     offline = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     expected = load_file(str(live / "adapter_model.safetensors"))
     assert offline.keys() == expected.keys() and all(torch.equal(offline[k], expected[k]) for k in expected)
-    assert (json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-            == json.loads((live / "adapter_config.json").read_text()))
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text()) == json.loads(
+        (live / "adapter_config.json").read_text()
+    )
 
     with pytest.raises(ValueError, match="--merge-lora"):  # the base alone would drop the training
         mcore_to_hf(lora_dir, tmp_path / "base", hf_config=hf)
@@ -270,8 +353,9 @@ def test_a_checkpoint_that_predates_stored_lora_settings_takes_them_from_the_run
     (actor / META_FILE).write_text(json.dumps({"lora": True}))
     with pytest.raises(ValueError, match="config.yaml is missing"):
         stored_lora(actor)
-    (actor.parent / "config.yaml").write_text("lora:\n  enabled: true\n  rank: 8\n  alpha: 4.0\n"
-                                              "  target_modules: [linear_qkv]\n")
+    (actor.parent / "config.yaml").write_text(
+        "lora:\n  enabled: true\n  rank: 8\n  alpha: 4.0\n  target_modules: [linear_qkv]\n"
+    )
     assert (stored_lora(actor).rank, stored_lora(actor).alpha) == (8, 4.0)
     (actor / META_FILE).write_text(json.dumps({"lora": None}))
     assert stored_lora(actor) is None

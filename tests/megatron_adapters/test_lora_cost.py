@@ -21,8 +21,9 @@ KEYS = ("full_ft_trainer_bytes", "lora_trainer_bytes", "merged_push_bytes", "ada
 def test_lora_cost_reports_less_memory_and_fewer_push_bytes(tmp_path: Path) -> None:
     out = tmp_path / "lora_cost.json"
     cmd = [sys.executable, "benchmarks/lora_cost.py", "--models", "quickstart", "--json", str(out)]
-    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                            text=True, timeout=250)
+    result = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=250
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     row = json.loads(out.read_text())["quickstart"]
     assert all(row[k] > 0 for k in KEYS)

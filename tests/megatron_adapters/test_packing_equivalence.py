@@ -29,8 +29,9 @@ CASES = [(f, name) for f in FAMILIES for name in LAYOUTS if f in MOE_FAMILIES or
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     workdir = tmp_path_factory.mktemp("packing_runs")
-    tasks = [{"kind": "packed", "family": f, "spec": LAYOUTS[name], "out": str(workdir / f"{f}_{name}")}
-             for f, name in CASES]
+    tasks = [
+        {"kind": "packed", "family": f, "spec": LAYOUTS[name], "out": str(workdir / f"{f}_{name}")} for f, name in CASES
+    ]
     _torchrun(2, tasks, workdir, "packing_world2", worker=WORKER)
     return {f"{f}_{name}": torch.load(workdir / f"{f}_{name}") for f, name in CASES}
 

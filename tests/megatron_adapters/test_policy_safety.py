@@ -17,10 +17,20 @@ WORKER = Path(__file__).with_name("policy_worker.py")
 
 @pytest.mark.claim("skipped-step-rolled-back")
 def test_nan_steps_are_not_applied_and_offloading_is_exact() -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           "nan", "offload", "rollback"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=500,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(WORKER),
+        "nan",
+        "offload",
+        "rollback",
+    ]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=500, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for name in ("nan", "offload", "rollback"):
         for rank in (0, 1):

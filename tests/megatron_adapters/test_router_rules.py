@@ -39,14 +39,45 @@ from megatron_adapters.model import transformer_config
 
 N, D = 512, 32
 
-_QWEN3 = dict(hidden_size=D, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, vocab_size=64)
-_MIXTRAL = dict(hidden_size=D, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, num_local_experts=8, vocab_size=64)
-_DEEPSEEK = dict(hidden_size=D, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1,
-                 first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                 qk_rope_head_dim=4, v_head_dim=8, vocab_size=64, routed_scaling_factor=2.5)
+_QWEN3 = dict(
+    hidden_size=D,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=8,
+    vocab_size=64,
+)
+_MIXTRAL = dict(
+    hidden_size=D,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=8,
+    vocab_size=64,
+)
+_DEEPSEEK = dict(
+    hidden_size=D,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    vocab_size=64,
+    routed_scaling_factor=2.5,
+)
 
 CASES = {
     # Qwen3-MoE: softmax -> top-k -> renormalise iff norm_topk_prob (modeling_qwen3_moe.py:257-266);
@@ -65,18 +96,30 @@ CASES = {
     "deepseek-groups-k4-of-2": ("deepseek_v3", dict(num_experts_per_tok=4, n_group=4, topk_group=2), "equal"),
     "deepseek-groups-k5-of-2": ("deepseek_v3", dict(num_experts_per_tok=5, n_group=4, topk_group=2), "equal"),
     "deepseek-groups-k4-of-2-scale1": (
-        "deepseek_v3", dict(num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=1.0), "equal"),
-    "deepseek-nonorm-k1": ("deepseek_v3", dict(num_experts_per_tok=1, n_group=1, topk_group=1,
-                                               norm_topk_prob=False), "equal"),
+        "deepseek_v3",
+        dict(num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=1.0),
+        "equal",
+    ),
+    "deepseek-nonorm-k1": (
+        "deepseek_v3",
+        dict(num_experts_per_tok=1, n_group=1, topk_group=1, norm_topk_prob=False),
+        "equal",
+    ),
     "deepseek-one-group": ("deepseek_v3", dict(num_experts_per_tok=4, n_group=1, topk_group=1), "mapped"),
     "deepseek-all-groups": ("deepseek_v3", dict(num_experts_per_tok=3, n_group=4, topk_group=4), "mapped"),
     "deepseek-groups-k2-of-2": ("deepseek_v3", dict(num_experts_per_tok=2, n_group=4, topk_group=2), "differs"),
     "deepseek-groups-k4-of-1": ("deepseek_v3", dict(num_experts_per_tok=4, n_group=4, topk_group=1), "differs"),
     "deepseek-groups-k8-of-1": ("deepseek_v3", dict(num_experts_per_tok=8, n_group=2, topk_group=1), "differs"),
-    "deepseek-nonorm-k2": ("deepseek_v3", dict(num_experts_per_tok=2, n_group=1, topk_group=1,
-                                               norm_topk_prob=False), "differs"),
-    "deepseek-norm-k1": ("deepseek_v3", dict(num_experts_per_tok=1, n_group=1, topk_group=1,
-                                             norm_topk_prob=True), "differs"),
+    "deepseek-nonorm-k2": (
+        "deepseek_v3",
+        dict(num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=False),
+        "differs",
+    ),
+    "deepseek-norm-k1": (
+        "deepseek_v3",
+        dict(num_experts_per_tok=1, n_group=1, topk_group=1, norm_topk_prob=True),
+        "differs",
+    ),
 }
 """name -> (family, router settings of its config.json, expected verdict)."""
 
@@ -84,8 +127,11 @@ CASES = {
 def _hf_config(family: str, settings: dict):
     from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
-    cls, base = {"qwen3_moe": (Qwen3MoeConfig, _QWEN3), "mixtral": (MixtralConfig, _MIXTRAL),
-                 "deepseek_v3": (DeepseekV3Config, _DEEPSEEK)}[family]
+    cls, base = {
+        "qwen3_moe": (Qwen3MoeConfig, _QWEN3),
+        "mixtral": (MixtralConfig, _MIXTRAL),
+        "deepseek_v3": (DeepseekV3Config, _DEEPSEEK),
+    }[family]
     return cls(**{**base, **settings})
 
 
@@ -95,8 +141,9 @@ def _hf_router(config, seed: int) -> torch.nn.Module:
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    cls = {"qwen3_moe": Qwen3MoeTopKRouter, "mixtral": MixtralTopKRouter,
-           "deepseek_v3": DeepseekV3TopkRouter}[config.model_type]
+    cls = {"qwen3_moe": Qwen3MoeTopKRouter, "mixtral": MixtralTopKRouter, "deepseek_v3": DeepseekV3TopkRouter}[
+        config.model_type
+    ]
     g = torch.Generator().manual_seed(seed)
     router = cls(config)
     with torch.no_grad():
@@ -121,8 +168,9 @@ def _hf_route(router: torch.nn.Module, seed: int):
 
 
 def _megatron_route(logits_NE: torch.Tensor, bias_E: torch.Tensor | None, **settings):
-    probs_NE, map_NE = topk_routing_with_score_function(logits_NE, fused=False, router_replay=None,
-                                                        expert_bias=bias_E, **settings)
+    probs_NE, map_NE = topk_routing_with_score_function(
+        logits_NE, fused=False, router_replay=None, expert_bias=bias_E, **settings
+    )
     return probs_NE, map_NE
 
 
@@ -131,9 +179,13 @@ def _as_router_routes(model: ModelConfig, logits_NE: torch.Tensor, bias_E: torch
     ``TopKRouter.routing``, megatron/core/transformer/moe/router.py)."""
     c = transformer_config(model, ParallelLayout())
     return _megatron_route(
-        logits_NE, bias_E if c.moe_router_enable_expert_bias else None, topk=c.moe_router_topk,
-        use_pre_softmax=c.moe_router_pre_softmax, num_groups=c.moe_router_num_groups,
-        group_topk=c.moe_router_group_topk, scaling_factor=c.moe_router_topk_scaling_factor,
+        logits_NE,
+        bias_E if c.moe_router_enable_expert_bias else None,
+        topk=c.moe_router_topk,
+        use_pre_softmax=c.moe_router_pre_softmax,
+        num_groups=c.moe_router_num_groups,
+        group_topk=c.moe_router_group_topk,
+        scaling_factor=c.moe_router_topk_scaling_factor,
         score_function=c.moe_router_score_function,
     )
 
@@ -146,8 +198,13 @@ def _straight_routes(config, logits_NE: torch.Tensor, bias_E: torch.Tensor | Non
         return _megatron_route(logits_NE, None, topk=1, use_pre_softmax=True, score_function="softmax")
     groups = config.n_group if config.n_group > 1 else None
     return _megatron_route(
-        logits_NE, bias_E, topk=config.num_experts_per_tok, use_pre_softmax=False, num_groups=groups,
-        group_topk=config.topk_group if groups else None, scaling_factor=config.routed_scaling_factor,
+        logits_NE,
+        bias_E,
+        topk=config.num_experts_per_tok,
+        use_pre_softmax=False,
+        num_groups=groups,
+        group_topk=config.topk_group if groups else None,
+        scaling_factor=config.routed_scaling_factor,
         score_function="sigmoid",
     )
 
@@ -166,8 +223,11 @@ def test_router_is_equal_mapped_or_refused(name, tmp_path):
     logits_NE, hf_probs_NE, hf_map_NE = _hf_route(router, seed=len(name))
     bias_E = getattr(router, "e_score_correction_bias", None)
     if verdict == "differs":
-        with pytest.raises(ValueError, match=r"config\.json: .*\(config\.json .*num_experts_per_tok.*; "
-                                             r"megatron-core moe_router_topk"):
+        with pytest.raises(
+            ValueError,
+            match=r"config\.json: .*\(config\.json .*num_experts_per_tok.*; "
+            r"megatron-core moe_router_topk",
+        ):
             read_model_config(_write(tmp_path, config))
         probs_NE, map_NE = _straight_routes(config, logits_NE, bias_E)
         assert not (torch.equal(map_NE, hf_map_NE) and torch.allclose(probs_NE, hf_probs_NE)), name
@@ -190,9 +250,11 @@ def test_group_refusal_names_every_key(tmp_path):
         read_model_config(_write(tmp_path, config))
     message = str(info.value)
     assert "\n" not in message and "moe_top_k=2, router_group_topk=2, router_num_groups=4" in message
-    for key in ("num_experts_per_tok, topk_group, n_group",
-                "moe_router_topk, moe_router_group_topk, moe_router_num_groups",
-                "only moe_top_k // router_group_topk = 2"):
+    for key in (
+        "num_experts_per_tok, topk_group, n_group",
+        "moe_router_topk, moe_router_group_topk, moe_router_num_groups",
+        "only moe_top_k // router_group_topk = 2",
+    ):
         assert key in message
 
 
@@ -201,8 +263,14 @@ def test_absent_router_keys_read_as_transformers_defaults(tmp_path):
 
     config = _hf_config("deepseek_v3", dict(num_experts_per_tok=8, num_hidden_layers=4))
     raw = config.to_dict()
-    for key in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "n_shared_experts",
-                "first_k_dense_replace"):
+    for key in (
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "n_shared_experts",
+        "first_k_dense_replace",
+    ):
         raw.pop(key)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     model, defaults = read_model_config(tmp_path), DeepseekV3Config()
@@ -215,8 +283,11 @@ def test_absent_router_keys_read_as_transformers_defaults(tmp_path):
 
 def test_mixtral_router_jitter_is_refused(tmp_path):
     config = _hf_config("mixtral", dict(num_experts_per_tok=2, router_jitter_noise=0.01))
-    with pytest.raises(ValueError, match=r"config\.json: router_jitter_noise=0\.01: .*only "
-                                         r"router_jitter_noise=0\.0 maps"):
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: router_jitter_noise=0\.01: .*only "
+        r"router_jitter_noise=0\.0 maps",
+    ):
         read_model_config(_write(tmp_path, config))
 
 
@@ -224,8 +295,11 @@ def test_mixtral_router_jitter_is_refused(tmp_path):
 def test_yaml_model_section_is_refused_by_the_same_rules():
     from hybridflow.config import load_config
 
-    with pytest.raises(ValueError, match=r"model\.moe_top_k=4, model\.router_group_topk=4, "
-                                         r"model\.router_num_groups=8 \(config\.json"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.moe_top_k=4, model\.router_group_topk=4, "
+        r"model\.router_num_groups=8 \(config\.json",
+    ):
         load_config("configs/deepseek_v3_671b.yaml", ["model.moe_top_k=4"])
     with pytest.raises(ValueError, match=r"model\.norm_topk_prob=false, model\.moe_top_k=8 "):
         load_config("configs/deepseek_v3_671b.yaml", ["model.norm_topk_prob=false"])

@@ -22,10 +22,19 @@ SCENARIOS = ("replay", "tp2", "pp2", "frozen")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("routing") / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           str(out), *SCENARIOS]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=500,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(WORKER),
+        str(out),
+        *SCENARIOS,
+    ]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=500, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for name in SCENARIOS:
         for rank in (0, 1):

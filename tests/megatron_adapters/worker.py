@@ -96,8 +96,12 @@ def reference(family: str, init_dir: str) -> dict:
     logp, entropy = policy.forward_logprobs(batch(policy.model_config.vocab_size), with_entropy=True)
     stats = step(policy)
     return {
-        "before": logp, "entropy_before": entropy, "after": score(policy),
-        "direct_logp": direct_logp, "direct_entropy": direct_entropy, **stats,
+        "before": logp,
+        "entropy_before": entropy,
+        "after": score(policy),
+        "direct_logp": direct_logp,
+        "direct_entropy": direct_entropy,
+        **stats,
     }
 
 
@@ -152,12 +156,16 @@ def global_layers(family: str, spec: dict) -> dict:
     from megatron_adapters.export import global_named_parameters
 
     names = global_named_parameters(make_policy(family, spec))
-    return {"layers": sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")}),
-            "names": sorted(names)}
+    return {
+        "layers": sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")}),
+        "names": sorted(names),
+    }
 
 
-TASKS = {f.__name__: f for f in (reference, equivalence, train_and_save, resume, load_weights, load_optimizer_error,
-                                  global_layers)}
+TASKS = {
+    f.__name__: f
+    for f in (reference, equivalence, train_and_save, resume, load_weights, load_optimizer_error, global_layers)
+}
 
 
 def main() -> None:

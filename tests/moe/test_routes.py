@@ -23,7 +23,13 @@ def _table(rows: int, length: int) -> torch.Tensor:
 def test_router_order_is_sequence_major():
     # megatron flattens [S, b] hidden states: token n = s * b + j
     assert to_router_order(_table(2, 3), tp_size=1, tp_rank=0, sequence_parallel=False)[:, 0].tolist() == [
-        0, 10, 1, 11, 2, 12]
+        0,
+        10,
+        1,
+        11,
+        2,
+        12,
+    ]
 
 
 def test_sequence_parallel_takes_this_ranks_positions():

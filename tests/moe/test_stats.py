@@ -68,8 +68,15 @@ def test_router_stats_sums_per_layer():
     # layer 0: natural routing differs from the target on token 2; replay dispatched the target
     target = torch.tensor([[0, 1], [0, 2], [1, 3], [3, 0]])
     natural = torch.tensor([[1, 0], [2, 0], [1, 0], [0, 1]])
-    stats.add(0, routing_map_NE=_map(target), probs_NE=probs, valid_N=valid, natural_Nk=natural,
-              target_Nk=target, replayed=True)
+    stats.add(
+        0,
+        routing_map_NE=_map(target),
+        probs_NE=probs,
+        valid_N=valid,
+        natural_Nk=natural,
+        target_Nk=target,
+        replayed=True,
+    )
     # layer 1: no reference; token 1 lost one slot to capacity
     dropped_map = _map(EXPERTS_NK)
     dropped_map[1, 2] = False
@@ -87,7 +94,7 @@ def test_router_stats_sums_per_layer():
     assert metrics["moe/train/topk_mismatch"] == pytest.approx(1 / 3)  # only layer 0 measured it
     assert metrics["moe/train/load_max_mean"] == pytest.approx((2 / 1.5 + 3 / 1.25) / 2)
     # layer 1 counts 3, 2, 0, 0: mean 1.25
-    variance = ((3 - 1.25) ** 2 + 0.75 ** 2 + 2 * 1.25 ** 2) / 4
+    variance = ((3 - 1.25) ** 2 + 0.75**2 + 2 * 1.25**2) / 4
     assert metrics["moe/train/layer1/load_cv"] == pytest.approx(math.sqrt(variance) / 1.25)
 
 
@@ -95,12 +102,20 @@ def test_replay_match_counts_tokens_dispatched_elsewhere():
     stats = RouterStats(num_layers=1, num_experts=4, top_k=2)
     target = torch.tensor([[0, 1], [2, 3], [-1, -1]])  # the last token has no route: not compared
     dispatched = torch.tensor([[1, 0], [2, 1], [0, 1]])
-    stats.add(0, routing_map_NE=_map(dispatched), probs_NE=router_probs(torch.zeros(3, 4), "softmax"),
-              valid_N=torch.ones(3, dtype=torch.bool), target_Nk=target, replayed=True)
+    stats.add(
+        0,
+        routing_map_NE=_map(dispatched),
+        probs_NE=router_probs(torch.zeros(3, 4), "softmax"),
+        valid_N=torch.ones(3, dtype=torch.bool),
+        target_Nk=target,
+        replayed=True,
+    )
     assert stats.layer_metrics()[0]["replay_match"] == 0.5
 
 
 def test_summarise_keeps_layer_averages():
-    history = [{"step": 1, "moe/train/load_cv": 0.5, "moe/train/layer0/load_cv": 0.4, "reward/mean": 1.0},
-               {"step": 2, "moe/train/load_cv": 0.3}]
+    history = [
+        {"step": 1, "moe/train/load_cv": 0.5, "moe/train/layer0/load_cv": 0.4, "reward/mean": 1.0},
+        {"step": 2, "moe/train/load_cv": 0.3},
+    ]
     assert summarise(history) == {"moe/train/load_cv": {"first": 0.5, "last": 0.3, "mean": 0.4, "max": 0.5}}

@@ -63,8 +63,10 @@ def load_into_policy(policy: MegatronPolicy, model, hf) -> None:
     wanted = oracle.megatron_params(model, LAYOUT, hf, dist.get_rank())
     params = dict(policy.chunks[0].module.named_parameters())
     if set(wanted) != set(params):
-        raise AssertionError(f"name mismatch: oracle-only {sorted(set(wanted) - set(params))[:5]}, "
-                             f"megatron-only {sorted(set(params) - set(wanted))[:5]}")
+        raise AssertionError(
+            f"name mismatch: oracle-only {sorted(set(wanted) - set(params))[:5]}, "
+            f"megatron-only {sorted(set(params) - set(wanted))[:5]}"
+        )
     with torch.no_grad():
         for name, value in wanted.items():
             if tuple(params[name].shape) != value.shape:
@@ -78,14 +80,23 @@ def hf_logprobs(model, hf, ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     config = Qwen3MoeConfig(
-        vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-        intermediate_size=model.ffn_hidden_size, num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_kv_heads,
-        head_dim=model.kv_channels, moe_intermediate_size=model.moe_ffn_hidden_size,
-        num_experts=model.num_experts, num_experts_per_tok=model.moe_top_k, norm_topk_prob=True,
-        rms_norm_eps=model.norm_eps, rope_theta=model.rope_theta,
-        max_position_embeddings=model.max_position_embeddings, tie_word_embeddings=False,
-        decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_kv_heads,
+        head_dim=model.kv_channels,
+        moe_intermediate_size=model.moe_ffn_hidden_size,
+        num_experts=model.num_experts,
+        num_experts_per_tok=model.moe_top_k,
+        norm_topk_prob=True,
+        rms_norm_eps=model.norm_eps,
+        rope_theta=model.rope_theta,
+        max_position_embeddings=model.max_position_embeddings,
+        tie_word_embeddings=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
     )
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
@@ -109,8 +120,14 @@ def reshard_case(policy, model, hf, settings: SGLangSettings, dst_processes: tup
     buffers = {}
     if dst_rank is not None:
         buffers = {n: torch.zeros(s) for n, s in destination.param_shapes(dst_rank).items()}
-    report = execute(plan, processes, sources=global_named_parameters(policy),
-                     destinations=buffers, bucket_bytes=16 << 10, verify=True)
+    report = execute(
+        plan,
+        processes,
+        sources=global_named_parameters(policy),
+        destinations=buffers,
+        bucket_bytes=16 << 10,
+        verify=True,
+    )
     result = {"report": report.as_dict(), "dst_rank": dst_rank}
     if dst_rank is not None:
         expected = oracle.sglang_params(model, settings, hf, dst_rank)

@@ -26,11 +26,12 @@ def _attention_shapes(m: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     if m.is_mla:
         qh = m.qk_nope_head_dim + m.qk_rope_head_dim
         kv_b_rows = m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        out = {f"{p}.kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim,
-                                                  m.hidden_size),
-               f"{p}.kv_a_layernorm.weight": (m.kv_lora_rank,),
-               f"{p}.kv_b_proj.weight": (kv_b_rows, m.kv_lora_rank),
-               f"{p}.o_proj.weight": (m.hidden_size, m.num_attention_heads * m.v_head_dim)}
+        out = {
+            f"{p}.kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, m.hidden_size),
+            f"{p}.kv_a_layernorm.weight": (m.kv_lora_rank,),
+            f"{p}.kv_b_proj.weight": (kv_b_rows, m.kv_lora_rank),
+            f"{p}.o_proj.weight": (m.hidden_size, m.num_attention_heads * m.v_head_dim),
+        }
         if m.q_lora_rank is None:
             out[f"{p}.q_proj.weight"] = (m.num_attention_heads * qh, m.hidden_size)
         else:
@@ -51,8 +52,7 @@ def _attention_shapes(m: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
 
 def _mlp_shapes(p: str, ffn: int, hidden: int, names=("gate_proj", "up_proj", "down_proj")):
     gate, up, down = names
-    return {f"{p}.{gate}.weight": (ffn, hidden), f"{p}.{up}.weight": (ffn, hidden),
-            f"{p}.{down}.weight": (hidden, ffn)}
+    return {f"{p}.{gate}.weight": (ffn, hidden), f"{p}.{up}.weight": (ffn, hidden), f"{p}.{down}.weight": (hidden, ffn)}
 
 
 def _moe_block(m: ModelConfig) -> tuple[str, tuple[str, str, str]]:
@@ -80,8 +80,7 @@ def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         if m.router_expert_bias:
             out[f"{p}.{block}.gate.e_score_correction_bias"] = (m.num_experts,)
         if m.num_shared_experts:
-            out.update(_mlp_shapes(f"{p}.mlp.shared_experts",
-                                   m.moe_ffn_hidden_size * m.num_shared_experts, h))
+            out.update(_mlp_shapes(f"{p}.mlp.shared_experts", m.moe_ffn_hidden_size * m.num_shared_experts, h))
         for e in range(m.num_experts):
             out.update(_mlp_shapes(f"{p}.{block}.experts.{e}", m.moe_ffn_hidden_size, h, names))
     return out
@@ -105,12 +104,16 @@ def megatron_coords(lo: ParallelLayout, rank: int) -> dict[str, int]:
     per_stage = lo.world_size // lo.pp
     pp, inner = divmod(rank, per_stage)
     edp = lo.world_size // (lo.etp * lo.ep * lo.pp)
-    return {"tp": inner % lo.tp, "pp": pp, "etp": inner % lo.etp,
-            "ep": (inner // lo.etp) % lo.ep, "edp": inner // (lo.etp * lo.ep) % edp}
+    return {
+        "tp": inner % lo.tp,
+        "pp": pp,
+        "etp": inner % lo.etp,
+        "ep": (inner // lo.etp) % lo.ep,
+        "edp": inner // (lo.etp * lo.ep) % edp,
+    }
 
 
-def megatron_layers(m: ModelConfig, lo: ParallelLayout, pp: int, first=None,
-                    last=None) -> list[int]:
+def megatron_layers(m: ModelConfig, lo: ParallelLayout, pp: int, first=None, last=None) -> list[int]:
     """Global layers on pp rank ``pp``: interleaved chunks, or megatron's uneven first/last."""
     if first is None and last is None:
         per_chunk = m.num_layers // (lo.pp * lo.vpp)
@@ -135,10 +138,12 @@ def _megatron_qkv(m: ModelConfig, hf: dict, p: str, suffix: str, tp: int, r: int
     d, groups = m.kv_channels, m.num_kv_heads
     qpg = m.num_attention_heads // groups
     q, k, v = (hf[f"{p}.{x}_proj.{suffix}"] for x in "qkv")
-    per_group = [np.concatenate([q[g * qpg * d:(g + 1) * qpg * d], k[g * d:(g + 1) * d],
-                                 v[g * d:(g + 1) * d]]) for g in range(groups)]
+    per_group = [
+        np.concatenate([q[g * qpg * d : (g + 1) * qpg * d], k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]])
+        for g in range(groups)
+    ]
     local = groups // tp
-    return np.concatenate(per_group[r * local:(r + 1) * local])
+    return np.concatenate(per_group[r * local : (r + 1) * local])
 
 
 def _megatron_fc1(gate: np.ndarray, up: np.ndarray, parts: int, r: int) -> np.ndarray:
@@ -172,9 +177,10 @@ def _megatron_mlp(m, hf, i, lo: ParallelLayout, c: dict) -> dict[str, np.ndarray
     p, mg = f"model.layers.{i}", f"decoder.layers.{i}.mlp"
     if not m.is_moe or i < m.first_k_dense_layers:
         gate, up = hf[f"{p}.mlp.gate_proj.weight"], hf[f"{p}.mlp.up_proj.weight"]
-        return {f"{mg}.linear_fc1.weight": _megatron_fc1(gate, up, lo.tp, c["tp"]),
-                f"{mg}.linear_fc2.weight": _chunk(hf[f"{p}.mlp.down_proj.weight"], lo.tp,
-                                                  c["tp"], 1)}
+        return {
+            f"{mg}.linear_fc1.weight": _megatron_fc1(gate, up, lo.tp, c["tp"]),
+            f"{mg}.linear_fc2.weight": _chunk(hf[f"{p}.mlp.down_proj.weight"], lo.tp, c["tp"], 1),
+        }
     block, (g, u, d) = _moe_block(m)
     out = {f"{mg}.router.weight": hf[f"{p}.{block}.gate.weight"]}
     if m.router_expert_bias:
@@ -182,29 +188,29 @@ def _megatron_mlp(m, hf, i, lo: ParallelLayout, c: dict) -> dict[str, np.ndarray
     if m.num_shared_experts:
         s = f"{p}.mlp.shared_experts"
         out[f"{mg}.shared_experts.linear_fc1.weight"] = _megatron_fc1(
-            hf[f"{s}.gate_proj.weight"], hf[f"{s}.up_proj.weight"], lo.tp, c["tp"])
-        out[f"{mg}.shared_experts.linear_fc2.weight"] = _chunk(
-            hf[f"{s}.down_proj.weight"], lo.tp, c["tp"], 1)
+            hf[f"{s}.gate_proj.weight"], hf[f"{s}.up_proj.weight"], lo.tp, c["tp"]
+        )
+        out[f"{mg}.shared_experts.linear_fc2.weight"] = _chunk(hf[f"{s}.down_proj.weight"], lo.tp, c["tp"], 1)
     local = m.num_experts // lo.ep
     for j in range(local):
         e = f"{p}.{block}.experts.{c['ep'] * local + j}"
         out[f"{mg}.experts.local_experts.{j}.linear_fc1.weight"] = _megatron_fc1(
-            hf[f"{e}.{g}.weight"], hf[f"{e}.{u}.weight"], lo.etp, c["etp"])
-        out[f"{mg}.experts.local_experts.{j}.linear_fc2.weight"] = _chunk(
-            hf[f"{e}.{d}.weight"], lo.etp, c["etp"], 1)
+            hf[f"{e}.{g}.weight"], hf[f"{e}.{u}.weight"], lo.etp, c["etp"]
+        )
+        out[f"{mg}.experts.local_experts.{j}.linear_fc2.weight"] = _chunk(hf[f"{e}.{d}.weight"], lo.etp, c["etp"], 1)
     return out
 
 
-def megatron_params(m: ModelConfig, lo: ParallelLayout, hf: dict, rank: int,
-                    first=None, last=None) -> dict[str, np.ndarray]:
+def megatron_params(
+    m: ModelConfig, lo: ParallelLayout, hf: dict, rank: int, first=None, last=None
+) -> dict[str, np.ndarray]:
     """The parameters megatron-core rank ``rank`` holds (global layer numbers in names)."""
     c = megatron_coords(lo, rank)
     tp, r = lo.tp, c["tp"]
     padded = lo.padded_vocab_size(m)
     out: dict[str, np.ndarray] = {}
     if c["pp"] == 0:
-        out["embedding.word_embeddings.weight"] = _vocab_rows(
-            hf["model.embed_tokens.weight"], padded, tp, r)
+        out["embedding.word_embeddings.weight"] = _vocab_rows(hf["model.embed_tokens.weight"], padded, tp, r)
     if c["pp"] == lo.pp - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
         if not m.tie_word_embeddings:
@@ -214,8 +220,7 @@ def megatron_params(m: ModelConfig, lo: ParallelLayout, hf: dict, rank: int,
     for i in megatron_layers(m, lo, c["pp"], first, last):
         p = f"model.layers.{i}"
         out[f"decoder.layers.{i}.input_layernorm.weight"] = hf[f"{p}.input_layernorm.weight"]
-        out[f"decoder.layers.{i}.pre_mlp_layernorm.weight"] = \
-            hf[f"{p}.post_attention_layernorm.weight"]
+        out[f"decoder.layers.{i}.pre_mlp_layernorm.weight"] = hf[f"{p}.post_attention_layernorm.weight"]
         out.update(_megatron_attention(m, hf, i, tp, r))
         out.update(_megatron_mlp(m, hf, i, lo, c))
     return out
@@ -243,8 +248,8 @@ def _sglang_qkv(m: ModelConfig, hf: dict, p: str, suffix: str, a: int, i: int) -
     q = _chunk(hf[f"{p}.q_proj.{suffix}"], a, i)
     if a >= kv:
         head = i // (a // kv)
-        k = hf[f"{p}.k_proj.{suffix}"][head * d:(head + 1) * d]
-        v = hf[f"{p}.v_proj.{suffix}"][head * d:(head + 1) * d]
+        k = hf[f"{p}.k_proj.{suffix}"][head * d : (head + 1) * d]
+        v = hf[f"{p}.v_proj.{suffix}"][head * d : (head + 1) * d]
     else:
         k = _chunk(hf[f"{p}.k_proj.{suffix}"], a, i)
         v = _chunk(hf[f"{p}.v_proj.{suffix}"], a, i)
@@ -264,7 +269,8 @@ def _sglang_attention(m, hf, i, a: int, ar: int) -> dict[str, np.ndarray]:
             out[f"{p}.kv_a_proj_with_mqa.weight"] = hf[f"{p}.kv_a_proj_with_mqa.weight"]
         else:
             out[f"{p}.fused_qkv_a_proj_with_mqa.weight"] = np.concatenate(
-                [hf[f"{p}.q_a_proj.weight"], hf[f"{p}.kv_a_proj_with_mqa.weight"]])
+                [hf[f"{p}.q_a_proj.weight"], hf[f"{p}.kv_a_proj_with_mqa.weight"]]
+            )
             out[f"{p}.q_a_layernorm.weight"] = hf[f"{p}.q_a_layernorm.weight"]
             out[f"{p}.q_b_proj.weight"] = _chunk(hf[f"{p}.q_b_proj.weight"], a, ar)
         return out
@@ -280,9 +286,10 @@ def _sglang_attention(m, hf, i, a: int, ar: int) -> dict[str, np.ndarray]:
 def _sglang_gate_up(hf: dict, p: str, parts: int, r: int) -> dict[str, np.ndarray]:
     # MergedColumnParallelLinear [gate_r; up_r]; RowParallelLinear on the input dim
     gate, up = hf[f"{p}.gate_proj.weight"], hf[f"{p}.up_proj.weight"]
-    return {f"{p}.gate_up_proj.weight": np.concatenate([_chunk(gate, parts, r),
-                                                        _chunk(up, parts, r)]),
-            f"{p}.down_proj.weight": _chunk(hf[f"{p}.down_proj.weight"], parts, r, 1)}
+    return {
+        f"{p}.gate_up_proj.weight": np.concatenate([_chunk(gate, parts, r), _chunk(up, parts, r)]),
+        f"{p}.down_proj.weight": _chunk(hf[f"{p}.down_proj.weight"], parts, r, 1),
+    }
 
 
 def _sglang_experts(m, hf, i, s: SGLangSettings, t: int) -> dict[str, np.ndarray]:
@@ -297,8 +304,9 @@ def _sglang_experts(m, hf, i, s: SGLangSettings, t: int) -> dict[str, np.ndarray
     w13, w2 = [], []
     for j in range(local):
         e = f"model.layers.{i}.{block}.experts.{row[ep_rank * local + j]}"
-        w13.append(np.concatenate([_chunk(hf[f"{e}.{g}.weight"], mt, mt_rank),
-                                   _chunk(hf[f"{e}.{u}.weight"], mt, mt_rank)]))
+        w13.append(
+            np.concatenate([_chunk(hf[f"{e}.{g}.weight"], mt, mt_rank), _chunk(hf[f"{e}.{u}.weight"], mt, mt_rank)])
+        )
         w2.append(_chunk(hf[f"{e}.{d}.weight"], mt, mt_rank, 1))
     p = f"model.layers.{i}.{block}.experts"
     return {f"{p}.w13_weight": np.stack(w13), f"{p}.w2_weight": np.stack(w2)}
@@ -324,8 +332,10 @@ def sglang_params(m: ModelConfig, s: SGLangSettings, hf: dict, rank: int) -> dic
     t = rank % s.tp
     a = s.tp // s.dp_size if s.enable_dp_attention else s.tp
     head = a if s.enable_dp_lm_head else s.tp
-    out = {"model.embed_tokens.weight": _sglang_vocab(hf["model.embed_tokens.weight"], a, t % a),
-           "model.norm.weight": hf["model.norm.weight"]}
+    out = {
+        "model.embed_tokens.weight": _sglang_vocab(hf["model.embed_tokens.weight"], a, t % a),
+        "model.norm.weight": hf["model.norm.weight"],
+    }
     if not m.tie_word_embeddings:
         out["lm_head.weight"] = _sglang_vocab(hf["lm_head.weight"], head, t % head)
     for i in range(m.num_layers):

@@ -45,15 +45,24 @@ def _devices(*pairs: tuple[int, int]) -> tuple[Device, ...]:
 
 
 CASES = {
-    "two_nodes": (ParallelLayout(dp=2), SGLangSettings(num_replicas=2),
-                  Topology(source=_devices((0, 0), (0, 1)), destination=_devices((1, 0), (1, 1))),
-                  ProcessMap(source=(0, 1), destination=(2, 3))),
-    "chain": (ParallelLayout(), SGLangSettings(num_replicas=3),
-              Topology(source=_devices((0, 0)), destination=_devices((1, 0), (2, 0), (3, 0))),
-              ProcessMap(source=(0,), destination=(1, 2, 3))),
-    "colocated_pp": (ParallelLayout(pp=2, dp=2), SGLangSettings(tp=2, num_replicas=2),
-                     Topology.colocated(4, gpus_per_node=2),
-                     ProcessMap(source=(0, 1, 2, 3), destination=(0, 1, 2, 3))),
+    "two_nodes": (
+        ParallelLayout(dp=2),
+        SGLangSettings(num_replicas=2),
+        Topology(source=_devices((0, 0), (0, 1)), destination=_devices((1, 0), (1, 1))),
+        ProcessMap(source=(0, 1), destination=(2, 3)),
+    ),
+    "chain": (
+        ParallelLayout(),
+        SGLangSettings(num_replicas=3),
+        Topology(source=_devices((0, 0)), destination=_devices((1, 0), (2, 0), (3, 0))),
+        ProcessMap(source=(0,), destination=(1, 2, 3)),
+    ),
+    "colocated_pp": (
+        ParallelLayout(pp=2, dp=2),
+        SGLangSettings(tp=2, num_replicas=2),
+        Topology.colocated(4, gpus_per_node=2),
+        ProcessMap(source=(0, 1, 2, 3), destination=(0, 1, 2, 3)),
+    ),
 }
 MODEL = TINY_MODELS["qwen3_moe"]
 
@@ -66,23 +75,29 @@ def run_case(name: str, hf: dict) -> dict:
     src_rank, dst_rank = processes.roles(dist.get_rank())
     params = {}
     if src_rank is not None:
-        params = {k: torch.from_numpy(np.ascontiguousarray(v))
-                  for k, v in oracle.megatron_params(MODEL, layout, hf, src_rank).items()}
+        params = {
+            k: torch.from_numpy(np.ascontiguousarray(v))
+            for k, v in oracle.megatron_params(MODEL, layout, hf, src_rank).items()
+        }
     buffers = {}
     if dst_rank is not None:
         buffers = {n: torch.zeros(s) for n, s in destination.param_shapes(dst_rank).items()}
-    report = execute(plan, processes, sources=params, destinations=buffers, bucket_bytes=2048,
-                     verify=True)
+    report = execute(plan, processes, sources=params, destinations=buffers, bucket_bytes=2048, verify=True)
     inter = plan.route_kind == 2
-    result = {"report": report.as_dict(), "dst_rank": dst_rank,
-              "relay_routes": int(plan.route_relay.sum()), "max_hop": plan.max_hop,
-              "inter_relay_routes": int((plan.route_relay & inter).sum()),
-              "inter_bytes": int(plan.route_nbytes()[inter].sum())}
+    result = {
+        "report": report.as_dict(),
+        "dst_rank": dst_rank,
+        "relay_routes": int(plan.route_relay.sum()),
+        "max_hop": plan.max_hop,
+        "inter_relay_routes": int((plan.route_relay & inter).sum()),
+        "inter_bytes": int(plan.route_nbytes()[inter].sum()),
+    }
     if dst_rank is not None:
         want = oracle.sglang_params(MODEL, settings, hf, dst_rank)
         result["names_match"] = set(want) == set(buffers)
-        result["mismatched"] = [n for n, v in want.items()
-                                if not torch.equal(buffers[n], torch.from_numpy(np.ascontiguousarray(v)))]
+        result["mismatched"] = [
+            n for n, v in want.items() if not torch.equal(buffers[n], torch.from_numpy(np.ascontiguousarray(v)))
+        ]
     return result
 
 

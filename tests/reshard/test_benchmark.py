@@ -10,8 +10,18 @@ import pytest
 from hfschema.files import write_atomic
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "reshard_plan.py"
-REQUIRED = {"model", "source", "destination", "num_gpus", "plan_seconds", "peak_rss_bytes",
-            "bytes", "lower_bound_bytes", "baseline_bytes", "simulated_seconds"}
+REQUIRED = {
+    "model",
+    "source",
+    "destination",
+    "num_gpus",
+    "plan_seconds",
+    "peak_rss_bytes",
+    "bytes",
+    "lower_bound_bytes",
+    "baseline_bytes",
+    "simulated_seconds",
+}
 
 
 def _module():

@@ -11,9 +11,19 @@ from pathlib import Path
 import pytest
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "reshard_exec.py"
-REQUIRED = {"name", "bytes", "executor_seconds", "baseline_seconds", "megatron_resharding_seconds",
-            "memcpy_seconds", "checksums_ok", "executor_gbps", "baseline_gbps",
-            "speedup_vs_baseline", "fraction_of_memcpy"}
+REQUIRED = {
+    "name",
+    "bytes",
+    "executor_seconds",
+    "baseline_seconds",
+    "megatron_resharding_seconds",
+    "memcpy_seconds",
+    "checksums_ok",
+    "executor_gbps",
+    "baseline_gbps",
+    "speedup_vs_baseline",
+    "fraction_of_memcpy",
+}
 
 
 @pytest.mark.claim("reshard-exec-benchmark")
@@ -22,8 +32,9 @@ REQUIRED = {"name", "bytes", "executor_seconds", "baseline_seconds", "megatron_r
 def test_small_run_writes_exact_cases(tmp_path) -> None:
     out = tmp_path / "exec.json"
     cmd = [sys.executable, str(BENCHMARK), "--small", "--repeats", "1", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=110,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     cases = json.loads(out.read_text())["cases"]
     assert json.loads(result.stdout) == {"cases": cases}  # stdout carries only the JSON

@@ -16,10 +16,26 @@ from tests.reshard.cases import TINY_MODELS, random_megatron
 # tp=2 cp=1 dp=2 pp=2, ep=2 etp=1 (expert_dp = 8 / (1*2*2) = 2), written out by hand from
 # megatron-core's order "tp-cp-ep-dp-pp" (tp fastest):
 #   rank: (tp, dp, pp) dense        (etp, ep, edp, pp) expert
-DENSE_TABLE = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 1, 0), 3: (1, 1, 0),
-               4: (0, 0, 1), 5: (1, 0, 1), 6: (0, 1, 1), 7: (1, 1, 1)}
-EXPERT_TABLE = {0: (0, 0, 0, 0), 1: (0, 1, 0, 0), 2: (0, 0, 1, 0), 3: (0, 1, 1, 0),
-                4: (0, 0, 0, 1), 5: (0, 1, 0, 1), 6: (0, 0, 1, 1), 7: (0, 1, 1, 1)}
+DENSE_TABLE = {
+    0: (0, 0, 0),
+    1: (1, 0, 0),
+    2: (0, 1, 0),
+    3: (1, 1, 0),
+    4: (0, 0, 1),
+    5: (1, 0, 1),
+    6: (0, 1, 1),
+    7: (1, 1, 1),
+}
+EXPERT_TABLE = {
+    0: (0, 0, 0, 0),
+    1: (0, 1, 0, 0),
+    2: (0, 0, 1, 0),
+    3: (0, 1, 1, 0),
+    4: (0, 0, 0, 1),
+    5: (0, 1, 0, 1),
+    6: (0, 0, 1, 1),
+    7: (0, 1, 1, 1),
+}
 
 
 def test_rank_order_matches_the_explicit_table():
@@ -38,34 +54,55 @@ def _megatron_rank_generator():
         pytest.skip("megatron-core is not installed in .venv")
     tree = ast.parse(path.read_text())
     wanted = {"generate_masked_orthogonal_rank_groups", "RankGenerator"}
-    module = ast.Module(body=[n for n in tree.body if getattr(n, "name", None) in wanted],
-                        type_ignores=[])
+    module = ast.Module(body=[n for n in tree.body if getattr(n, "name", None) in wanted], type_ignores=[])
     namespace = {"List": list}
     exec(compile(module, str(path), "exec"), namespace)
     return namespace["RankGenerator"]
 
 
-@pytest.mark.parametrize("tp,cp,dp,pp,ep,etp", [
-    (2, 1, 2, 2, 2, 1), (2, 2, 2, 1, 4, 1), (1, 1, 8, 2, 4, 2), (4, 1, 2, 2, 2, 4),
-    (2, 1, 4, 1, 8, 1),
-])
+@pytest.mark.parametrize(
+    "tp,cp,dp,pp,ep,etp",
+    [
+        (2, 1, 2, 2, 2, 1),
+        (2, 2, 2, 1, 4, 1),
+        (1, 1, 8, 2, 4, 2),
+        (4, 1, 2, 2, 2, 4),
+        (2, 1, 4, 1, 8, 1),
+    ],
+)
 def test_rank_order_matches_megatron_rank_generator(tp, cp, dp, pp, ep, etp):
     generator = _megatron_rank_generator()
     layout = ParallelLayout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp)
     order = "tp-cp-ep-dp-pp"
     dense = generator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     expert = generator(tp=etp, ep=ep, dp=layout.expert_dp, pp=pp, cp=1, order=order)
-    ours_tp = sorted(sorted(dense_rank(layout, tp=t, cp=c, dp=d, pp=p) for t in range(tp))
-                     for c in range(cp) for d in range(dp) for p in range(pp))
+    ours_tp = sorted(
+        sorted(dense_rank(layout, tp=t, cp=c, dp=d, pp=p) for t in range(tp))
+        for c in range(cp)
+        for d in range(dp)
+        for p in range(pp)
+    )
     assert ours_tp == sorted(dense.get_ranks("tp"))
-    ours_dp = sorted(sorted(dense_rank(layout, tp=t, cp=c, dp=d, pp=p) for d in range(dp))
-                     for t in range(tp) for c in range(cp) for p in range(pp))
+    ours_dp = sorted(
+        sorted(dense_rank(layout, tp=t, cp=c, dp=d, pp=p) for d in range(dp))
+        for t in range(tp)
+        for c in range(cp)
+        for p in range(pp)
+    )
     assert ours_dp == sorted(dense.get_ranks("dp"))
-    ours_ep = sorted(sorted(expert_rank(layout, etp=t, ep=e, edp=d, pp=p) for e in range(ep))
-                     for t in range(etp) for d in range(layout.expert_dp) for p in range(pp))
+    ours_ep = sorted(
+        sorted(expert_rank(layout, etp=t, ep=e, edp=d, pp=p) for e in range(ep))
+        for t in range(etp)
+        for d in range(layout.expert_dp)
+        for p in range(pp)
+    )
     assert ours_ep == sorted(expert.get_ranks("ep"))
-    ours_etp = sorted(sorted(expert_rank(layout, etp=t, ep=e, edp=d, pp=p) for t in range(etp))
-                      for e in range(ep) for d in range(layout.expert_dp) for p in range(pp))
+    ours_etp = sorted(
+        sorted(expert_rank(layout, etp=t, ep=e, edp=d, pp=p) for t in range(etp))
+        for e in range(ep)
+        for d in range(layout.expert_dp)
+        for p in range(pp)
+    )
     assert ours_etp == sorted(expert.get_ranks("tp"))
     assert sorted(expert.get_ranks("pp")) == sorted(dense.get_ranks("pp"))
 
@@ -88,13 +125,14 @@ def test_stage_ownership_of_embedding_head_and_layers():
     # stage 0 = ranks 0,1 (embedding + layer 0); stage 1 = ranks 2,3 (layer 1, norm, tied copy)
     embed = src.shards["model.embed_tokens.weight"]
     assert {(s.param, s.ranks) for s in embed} == {
-        ("embedding.word_embeddings.weight", (0, 1)), ("output_layer.weight", (2, 3))}
+        ("embedding.word_embeddings.weight", (0, 1)),
+        ("output_layer.weight", (2, 3)),
+    }
     assert src.shards["model.norm.weight"][0].ranks == (2, 3)
     assert src.shards["model.layers.0.input_layernorm.weight"][0].ranks == (0, 1)
     assert src.shards["model.layers.1.input_layernorm.weight"][0].ranks == (2, 3)
     no_pp = megatron_layout(model, ParallelLayout(dp=2))
-    assert {s.param for s in no_pp.shards["model.embed_tokens.weight"]} == {
-        "embedding.word_embeddings.weight"}
+    assert {s.param for s in no_pp.shards["model.embed_tokens.weight"]} == {"embedding.word_embeddings.weight"}
 
 
 def test_qkv_interleaving_and_expert_ownership():
@@ -102,8 +140,10 @@ def test_qkv_interleaving_and_expert_ownership():
     src = megatron_layout(model, ParallelLayout(tp=2, ep=4, dp=2))
     # tp rank 1 holds query group 1: q heads 2,3 (rows 16:32), k head 1, v head 1;
     # its linear_qkv rows are [q(16) k(8) v(8)]
-    q, k, v = ({s.ranks: (s.region[0], s.param_region[0])
-                for s in src.shards[f"model.layers.0.self_attn.{x}_proj.weight"]} for x in "qkv")
+    q, k, v = (
+        {s.ranks: (s.region[0], s.param_region[0]) for s in src.shards[f"model.layers.0.self_attn.{x}_proj.weight"]}
+        for x in "qkv"
+    )
     assert q[(1, 3)] == ((16, 32), (0, 16)) and k[(1, 3)] == ((8, 16), (16, 24))
     assert v[(1, 3)] == ((8, 16), (24, 32))
     # experts: 8 / ep 4 = 2 per ep rank; expert 5 = local 1 of ep rank 2 = ranks 2 (edp 0)
@@ -127,7 +167,7 @@ def test_each_copy_partitions_every_tensor(seed):
         for group in by_param_kind.values():
             assert sum(num_elements(s.region) for s in group) == size, tensor
             for i, a in enumerate(group):
-                assert all(intersect(a.region, b.region) is None for b in group[i + 1:]), tensor
+                assert all(intersect(a.region, b.region) is None for b in group[i + 1 :]), tensor
         holders = {r for s in shards for r in s.ranks}
         assert holders <= set(range(layout.world_size))
 
@@ -139,8 +179,6 @@ def test_bad_source_layouts_are_refused():
     with pytest.raises(ValueError, match=r"source.tp=4 does not divide model.num_kv_heads=2"):
         megatron_layout(model, ParallelLayout(tp=4))
     with pytest.raises(ValueError, match="leave 1 of model.num_layers=4 layers for 2 middle"):
-        megatron_layout(model, ParallelLayout(pp=3), split=PipelineSplit(
-            num_layers_in_first_pipeline_stage=3))
+        megatron_layout(model, ParallelLayout(pp=3), split=PipelineSplit(num_layers_in_first_pipeline_stage=3))
     with pytest.raises(ValueError, match="vpp=2 with an uneven pipeline split"):
-        megatron_layout(model, ParallelLayout(pp=2, vpp=2), split=PipelineSplit(
-            num_layers_in_first_pipeline_stage=1))
+        megatron_layout(model, ParallelLayout(pp=2, vpp=2), split=PipelineSplit(num_layers_in_first_pipeline_stage=1))

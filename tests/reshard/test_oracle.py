@@ -36,13 +36,14 @@ def test_plan_reproduces_sglang_parameters(case):
     hf = hf_checkpoint(case.model, seed=1)
     first = case.split.num_layers_in_first_pipeline_stage
     last = case.split.num_layers_in_last_pipeline_stage
-    held = {r: megatron_params(case.model, case.layout, hf, r, first, last)
-            for r in range(source.num_ranks)}
+    held = {r: megatron_params(case.model, case.layout, hf, r, first, last) for r in range(source.num_ranks)}
     for r, params in held.items():
         assert {k: v.shape for k, v in params.items()} == source.param_shapes(r), r
 
-    buffers = {r: {k: np.zeros(s, np.float32) for k, s in destination.param_shapes(r).items()}
-               for r in range(destination.num_ranks)}
+    buffers = {
+        r: {k: np.zeros(s, np.float32) for k, s in destination.param_shapes(r).items()}
+        for r in range(destination.num_ranks)
+    }
     for t in plan.transfers():  # in plan order: a relay's box reached it on an earlier route
         sender = buffers if t.relay else held
         box = sender[t.src_rank][t.src_param][_box(t.src_region)]
@@ -51,8 +52,7 @@ def test_plan_reproduces_sglang_parameters(case):
 
     for r in range(destination.num_ranks):
         expected = sglang_params(case.model, case.settings, hf, r)
-        assert {k: v.shape for k, v in expected.items()} == \
-            {k: v.shape for k, v in buffers[r].items()}, r
+        assert {k: v.shape for k, v in expected.items()} == {k: v.shape for k, v in buffers[r].items()}, r
         for name, want in expected.items():
             np.testing.assert_array_equal(buffers[r][name], want, err_msg=f"rank {r} {name}")
 
@@ -62,8 +62,7 @@ def test_plan_to_the_hf_layout_reassembles_the_checkpoint(case):
     """The full-tensor route's plan: every Megatron layout gathers back to the HF tensors, exactly."""
     source, _ = case.build()
     destination = hf_layout(case.model, dtype=source.dtype)
-    plan = plan_reshard(source, destination, Topology.colocated(source.num_ranks, gpus_per_node=8,
-                                                                num_destination=1))
+    plan = plan_reshard(source, destination, Topology.colocated(source.num_ranks, gpus_per_node=8, num_destination=1))
     hf = hf_checkpoint(case.model, seed=2)
     first = case.split.num_layers_in_first_pipeline_stage
     last = case.split.num_layers_in_last_pipeline_stage

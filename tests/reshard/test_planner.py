@@ -36,8 +36,10 @@ def _contains(outer, inner):
 
 
 def _coverage(plan, destination):
-    counts = {r: {k: np.zeros(s, np.int32) for k, s in destination.param_shapes(r).items()}
-              for r in range(destination.num_ranks)}
+    counts = {
+        r: {k: np.zeros(s, np.int32) for k, s in destination.param_shapes(r).items()}
+        for r in range(destination.num_ranks)
+    }
     for t in plan.transfers():
         for param, region in ((t.dst_param, t.dst_region), *t.also):
             counts[t.dst_rank][param][_box(region)] += 1
@@ -52,7 +54,7 @@ def _check_exactly_once(counts):
                 covered = rows.all(axis=1)
                 # real rows first, padding rows (never written) after; none written twice
                 assert rows.max(initial=0) <= 1 and (rows.min(axis=1) == rows.max(axis=1)).all()
-                assert not covered[np.argmin(covered):].any() if not covered.all() else True, name
+                assert not covered[np.argmin(covered) :].any() if not covered.all() else True, name
             else:
                 assert (c == 1).all(), (rank, name, np.unique(c))
 
@@ -75,7 +77,8 @@ def _check_sources(plan, source):
             continue
         received[(t.dst_rank, t.tensor, t.region)] = t
         assert any(
-            s.param == t.src_param and _contains(s.region, t.region)
+            s.param == t.src_param
+            and _contains(s.region, t.region)
             and map_into(t.region, s.region, s.param_region) == t.src_region
             for s in held[(t.src_rank, t.tensor)]
         ), t
@@ -130,8 +133,7 @@ def test_plan_properties(case):
     moved = sum(t.nbytes for t in plan.transfers() if t.kind != "local")
     assert stats.bytes == moved
     assert stats.num_transfers == sum(1 for _ in plan.transfers())
-    assert stats.bytes == stats.lower_bound_bytes == _brute_lower_bound(
-        source, destination, case.topology)
+    assert stats.bytes == stats.lower_bound_bytes == _brute_lower_bound(source, destination, case.topology)
     # the node-level bound: exact (element by element), and no plan carries less over the network
     assert stats.node_lower_bound_bytes == _brute_node_bound(source, destination, case.topology)
     assert stats.node_lower_bound_bytes == stats.inter_node_bytes  # node-aware: at the bound
@@ -176,8 +178,9 @@ def test_each_node_gets_the_model_once_from_balanced_holders_and_fans_it_out():
     inter = plan.route_kind == 2
     part = max(b.nbytes for b in plan.bundles)
     assert part <= 1024
-    sent = np.bincount(plan.route_src[inter & ~plan.route_relay], plan.route_nbytes()[inter & ~plan.route_relay],
-                       minlength=4)
+    sent = np.bincount(
+        plan.route_src[inter & ~plan.route_relay], plan.route_nbytes()[inter & ~plan.route_relay], minlength=4
+    )
     assert (sent > 0).all(), sent  # every holder's NIC takes part
     took = np.bincount(plan.route_dst[inter], plan.route_nbytes()[inter], minlength=8)
     assert (took.reshape(2, 4).max(1) - took.reshape(2, 4).min(1) <= part).all(), took
@@ -206,16 +209,22 @@ def test_relays_carry_the_model_across_engine_nodes():
 def test_bad_max_relays():
     model = TINY_MODELS["llama"]
     with pytest.raises(ValueError, match="max_relays is -1"):
-        plan_reshard(megatron_layout(model, ParallelLayout()), sglang_layout(model, SGLangSettings()),
-                     Topology.colocated(1), max_relays=-1)
+        plan_reshard(
+            megatron_layout(model, ParallelLayout()),
+            sglang_layout(model, SGLangSettings()),
+            Topology.colocated(1),
+            max_relays=-1,
+        )
 
 
 def test_same_node_source_preferred_over_idle_remote_one():
     model = TINY_MODELS["llama"]
     source = megatron_layout(model, ParallelLayout(dp=2))
     destination = sglang_layout(model, SGLangSettings(num_replicas=2))
-    topo = Topology(source=(Device(node=0, gpu=0), Device(node=1, gpu=0)),
-                    destination=(Device(node=0, gpu=1), Device(node=0, gpu=2)))
+    topo = Topology(
+        source=(Device(node=0, gpu=0), Device(node=1, gpu=0)),
+        destination=(Device(node=0, gpu=1), Device(node=0, gpu=2)),
+    )
     plan = plan_reshard(source, destination, topo)
     assert set(plan.route_src.tolist()) == {0}
     assert {t.kind for t in plan.transfers()} == {"intra"}
@@ -235,8 +244,9 @@ def test_colocated_identical_layouts_move_nothing():
 
 
 def _replicated_bytes(layout):
-    return sum(layout.shard_nbytes(s) for shards in layout.shards.values() for s in shards
-               if len(s.ranks) == layout.num_ranks)
+    return sum(
+        layout.shard_nbytes(s) for shards in layout.shards.values() for s in shards if len(s.ranks) == layout.num_ranks
+    )
 
 
 def test_vocab_padding_differs_between_the_sides():
@@ -285,12 +295,16 @@ def test_two_ranks_on_one_device_are_refused():
     model = TINY_MODELS["llama"]
     source = megatron_layout(model, ParallelLayout(dp=2))
     destination = sglang_layout(model, SGLangSettings(num_replicas=2))
-    twice = Topology(source=(Device(node=0, gpu=0), Device(node=0, gpu=0)),
-                     destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)))
+    twice = Topology(
+        source=(Device(node=0, gpu=0), Device(node=0, gpu=0)),
+        destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)),
+    )
     with pytest.raises(ValueError, match="source ranks 0 and 1 are both on node 0 gpu 0"):
         plan_reshard(source, destination, twice)
-    twice = Topology(source=(Device(node=0, gpu=0), Device(node=0, gpu=1)),
-                     destination=(Device(node=1, gpu=3), Device(node=1, gpu=3)))
+    twice = Topology(
+        source=(Device(node=0, gpu=0), Device(node=0, gpu=1)),
+        destination=(Device(node=1, gpu=3), Device(node=1, gpu=3)),
+    )
     with pytest.raises(ValueError, match="destination ranks 0 and 1 are both on node 1 gpu 3"):
         plan_reshard(source, destination, twice)
 

@@ -34,8 +34,7 @@ def test_deepseek_names_on_both_sides():
     mq = "decoder.layers.{layer}.self_attention"
     assert kv_a.megatron[0].param == f"{mq}.linear_kv_down_proj.weight"
     gate = spec["model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight"]
-    assert gate.megatron[0].param == \
-        "decoder.layers.{layer}.mlp.experts.local_experts.{local}.linear_fc1.weight"
+    assert gate.megatron[0].param == "decoder.layers.{layer}.mlp.experts.local_experts.{local}.linear_fc1.weight"
     assert gate.sglang.param == "model.layers.{layer}.mlp.experts.w13_weight"
     norm = spec["model.layers.{layer}.input_layernorm.weight"]
     assert norm.megatron[0].te_param == f"{mq}.linear_qkv.layer_norm_weight"

@@ -29,8 +29,10 @@ def _plan(topology):
 
 def test_one_source_to_two_remote_ranks():
     model_elems, replicated = _elements()
-    stats = plan_stats(_plan(Topology.separate(1, 2, gpus_per_node=2)),
-                       bandwidth=Bandwidth(intra_node_gbps=100.0, inter_node_gbps=10.0))
+    stats = plan_stats(
+        _plan(Topology.separate(1, 2, gpus_per_node=2)),
+        bandwidth=Bandwidth(intra_node_gbps=100.0, inter_node_gbps=10.0),
+    )
     # each split element goes to one rank, each replicated one (norms) to both; bf16. The norms
     # cross the network once into the node, and one rank forwards them to the other over NVLink
     want = 2 * (model_elems + replicated)
@@ -49,8 +51,7 @@ def test_one_source_to_two_remote_ranks():
 
 
 def test_same_node_uses_intra_bandwidth_and_local_is_free():
-    topology = Topology(source=(Device(node=0, gpu=0),),
-                        destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)))
+    topology = Topology(source=(Device(node=0, gpu=0),), destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)))
     stats = plan_stats(_plan(topology), bandwidth=Bandwidth(intra_node_gbps=100.0, inter_node_gbps=25.0))
     assert stats.local_bytes > 0 and stats.inter_node_bytes == 0
     assert stats.bytes == stats.intra_node_bytes == stats.lower_bound_bytes
@@ -59,10 +60,18 @@ def test_same_node_uses_intra_bandwidth_and_local_is_free():
 
 
 def test_as_dict_and_describe():
-    stats = plan_stats(_plan(Topology.colocated(1, num_destination=2)),
-                       bandwidth=Bandwidth(intra_node_gbps=200.0, inter_node_gbps=25.0))
+    stats = plan_stats(
+        _plan(Topology.colocated(1, num_destination=2)),
+        bandwidth=Bandwidth(intra_node_gbps=200.0, inter_node_gbps=25.0),
+    )
     d = stats.as_dict()
-    assert {"bytes", "lower_bound_bytes", "baseline_bytes", "simulated_seconds",
-            "ratio_to_lower_bound", "baseline_ratio"} <= set(d)
+    assert {
+        "bytes",
+        "lower_bound_bytes",
+        "baseline_bytes",
+        "simulated_seconds",
+        "ratio_to_lower_bound",
+        "baseline_ratio",
+    } <= set(d)
     text = stats.describe()
     assert "lower bound" in text and "baseline" in text and "simulated" in text

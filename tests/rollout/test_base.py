@@ -61,8 +61,14 @@ def test_register_engine_adds_a_name_once(monkeypatch):
 
 def test_batch_counts_response_tokens():
     def sample(i, response):
-        return RolloutSample(prompt_index=i, sample_index=0, prompt_ids=(1,), response_ids=response,
-                             logprobs=(0.0,) * len(response), finish_reason="stop")
+        return RolloutSample(
+            prompt_index=i,
+            sample_index=0,
+            prompt_ids=(1,),
+            response_ids=response,
+            logprobs=(0.0,) * len(response),
+            finish_reason="stop",
+        )
 
     batch = RolloutBatch(samples=(sample(0, (4, 5)), sample(1, (6,))), seconds=0.0)
     assert batch.num_response_tokens == 3

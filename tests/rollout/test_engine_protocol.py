@@ -71,9 +71,12 @@ def test_a_route_the_engine_cannot_take_is_named() -> None:
     class GenerateOnly:
         def generate(self, prompts, params): ...
 
-    with pytest.raises(TypeError, match=r"^rollout.sync_route=sliced needs a rollout engine with rank_params, "
-                                        r"push_rank_payloads, weight_digests \(SlicedWeightReceiver\); "
-                                        r"GenerateOnly has not"):
+    with pytest.raises(
+        TypeError,
+        match=r"^rollout.sync_route=sliced needs a rollout engine with rank_params, "
+        r"push_rank_payloads, weight_digests \(SlicedWeightReceiver\); "
+        r"GenerateOnly has not",
+    ):
         require(GenerateOnly(), SlicedWeightReceiver, "rollout.sync_route=sliced")
     proxy = ProtocolOnly(GenerateOnly())
     assert proxy.implements == [] and not hasattr(proxy, "generate")  # not the whole protocol: nothing
@@ -85,14 +88,35 @@ def test_a_route_the_engine_cannot_take_is_named() -> None:
 @pytest.mark.parametrize("engine", ["sglang", "hf"])
 def test_a_run_whose_engines_have_only_the_protocols_methods_trains(tmp_path: Path, engine: str) -> None:
     out = tmp_path / "run"
-    overrides = ["sft.steps=0", "run.steps=2", "run.checkpoint_every=0", "run.heldout_prompts=4",
-                 "run.heldout_every=0", "run.prompts_per_step=4", "rollout.n=2", "run.tracking.backend=none"]
+    overrides = [
+        "sft.steps=0",
+        "run.steps=2",
+        "run.checkpoint_every=0",
+        "run.heldout_prompts=4",
+        "run.heldout_every=0",
+        "run.prompts_per_step=4",
+        "rollout.n=2",
+        "run.tracking.backend=none",
+    ]
     if engine == "hf":
         overrides += ["rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **environment(PROTOCOL_ONLY="1")}
-    done = subprocess.run([sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml",
-                           f"run.output_dir={out}", *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=500)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridflow.cli",
+            "train",
+            "configs/quickstart_cpu.yaml",
+            f"run.output_dir={out}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     implements = {"sglang": "RolloutEngine, SlicedWeightReceiver, AdapterReceiver", "hf": "RolloutEngine"}[engine]
     assert f"the {engine} engine reduced to {implements}" in done.stderr, done.stderr[-3000:]

@@ -69,8 +69,14 @@ def responses(batch):
 
 
 def test_tiny_dir_has_the_hub_layout(tiny_dir, tmp_path):
-    names = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json"}
+    names = {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }
     assert names <= {p.name for p in tiny_dir.iterdir()}
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     assert "chat_template" in json.loads((tiny_dir / "tokenizer_config.json").read_text())
@@ -82,13 +88,29 @@ def test_tiny_dir_has_the_hub_layout(tiny_dir, tmp_path):
 
 def test_tiny_dir_maps_to_model_config(tiny_dir):
     config = to_hybridflow_model_config(tiny_dir)
-    common = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16,
-                  ffn_hidden_size=128, vocab_size=320, max_position_embeddings=256, tie_word_embeddings=False)
+    common = dict(
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        ffn_hidden_size=128,
+        vocab_size=320,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     if config.family == "qwen2":
         assert config == ModelConfig(family="qwen2", num_experts=0, attention_bias=True, **common)
     else:
-        assert config == ModelConfig(family="qwen3_moe", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32,
-                                     qk_layernorm=True, norm_topk_prob=True, **common)
+        assert config == ModelConfig(
+            family="qwen3_moe",
+            num_experts=4,
+            moe_top_k=2,
+            moe_ffn_hidden_size=32,
+            qk_layernorm=True,
+            norm_topk_prob=True,
+            **common,
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
@@ -131,8 +153,9 @@ def test_logprobs_equal_a_teacher_forced_forward(engine, reference, side):
     batch = engine.generate(PROMPTS, params)
     packed = pack_batch(batch.samples, pad_id=0, padding_side=side)
     with torch.no_grad():
-        logits = reference(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"],
-                           position_ids=packed["position_ids"]).logits
+        logits = reference(
+            input_ids=packed["input_ids"], attention_mask=packed["attention_mask"], position_ids=packed["position_ids"]
+        ).logits
     logp = torch.log_softmax(logits.float(), dim=-1)[:, :-1].gather(-1, packed["input_ids"][:, 1:, None])[..., 0]
     scored = torch.cat([torch.zeros(len(logp), 1), logp], dim=1)  # position t scores token t
     mask = packed["response_mask"].bool()

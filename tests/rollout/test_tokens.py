@@ -12,9 +12,15 @@ PAD = 1
 
 def sample(prompt, response, *, finish=FINISH_STOP, prompt_index=0, sample_index=0, experts=None):
     logprobs = tuple(-0.5 - i for i in range(len(response)))
-    return RolloutSample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=tuple(prompt),
-                         response_ids=tuple(response), logprobs=logprobs, finish_reason=finish,
-                         routed_experts=experts)
+    return RolloutSample(
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        prompt_ids=tuple(prompt),
+        response_ids=tuple(response),
+        logprobs=logprobs,
+        finish_reason=finish,
+        routed_experts=experts,
+    )
 
 
 SAMPLES = (
@@ -92,10 +98,16 @@ def test_routed_experts_all_or_none():
         ((), {}, "at least one sample"),
         (SAMPLES, {"padding_side": "middle"}, "padding_side='middle' is not one of: right, left"),
         (SAMPLES, {"max_length": 0}, "max_length=0 must be >= 1"),
-        ((SAMPLES[0], sample([1] * 9, [2], prompt_index=4, sample_index=1)), {"max_length": 8},
-         r"sample 1 \(prompt 4, sample 1\): its prompt has 9 tokens, more than max_length=8"),
-        (SAMPLES, {"max_length": 4},
-         r"sample 0 \(prompt 0, sample 0\): prompt 3 \+ response 2 = 5 tokens, more than max_length=4"),
+        (
+            (SAMPLES[0], sample([1] * 9, [2], prompt_index=4, sample_index=1)),
+            {"max_length": 8},
+            r"sample 1 \(prompt 4, sample 1\): its prompt has 9 tokens, more than max_length=8",
+        ),
+        (
+            SAMPLES,
+            {"max_length": 4},
+            r"sample 0 \(prompt 0, sample 0\): prompt 3 \+ response 2 = 5 tokens, more than max_length=4",
+        ),
         ((sample([], [2]),), {}, "sample 0 .* has an empty prompt"),
     ],
 )
@@ -105,8 +117,9 @@ def test_pack_errors(samples, kwargs, message):
 
 
 def test_logprob_count_must_match_response():
-    bad = RolloutSample(prompt_index=0, sample_index=0, prompt_ids=(1,), response_ids=(2, 3), logprobs=(0.0,),
-                        finish_reason=FINISH_STOP)
+    bad = RolloutSample(
+        prompt_index=0, sample_index=0, prompt_ids=(1,), response_ids=(2, 3), logprobs=(0.0,), finish_reason=FINISH_STOP
+    )
     with pytest.raises(ValueError, match="1 log-probs for 2 response tokens"):
         pack_batch((bad,), pad_id=PAD)
 

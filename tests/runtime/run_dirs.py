@@ -20,8 +20,11 @@ def model_dir(directory: Path) -> Path:
     directory.mkdir(parents=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled": one process on purpose
-        dcp.save({"decoder.weight": torch.arange(12.0).reshape(4, 3), "output.weight": torch.ones(5)},
-                 storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+        dcp.save(
+            {"decoder.weight": torch.arange(12.0).reshape(4, 3), "output.weight": torch.ones(5)},
+            storage_writer=dcp.FileSystemWriter(str(directory)),
+            no_dist=True,
+        )
     (directory / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     torch.save({}, directory / "common.pt")
     (directory / "hybridflow.json").write_text(json.dumps({"format": "megatron-core torch_dist", "step": 0}))

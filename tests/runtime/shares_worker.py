@@ -55,19 +55,29 @@ def main() -> None:
     dp_rank, dp_size = rank // tp, world // tp
     everything = batch(routes=True)
     # two drivers: rank 0 generated the even prompts, the last rank the odd ones
-    drivers = {0: [x for x in everything if x.prompt_index % 2 == 0],
-               world - 1: [x for x in everything if x.prompt_index % 2 == 1]}
+    drivers = {
+        0: [x for x in everything if x.prompt_index % 2 == 0],
+        world - 1: [x for x in everything if x.prompt_index % 2 == 1],
+    }
     metas = [[meta_of(x) for x in drivers.get(r, [])] for r in range(world)]
-    got = deliver(drivers.get(rank, []), metas, [r // tp for r in range(world)],
-                  lambda m: owner(m.prompt_index, PROMPTS, dp_size), device=torch.device("cpu"))
+    got = deliver(
+        drivers.get(rank, []),
+        metas,
+        [r // tp for r in range(world)],
+        lambda m: owner(m.prompt_index, PROMPTS, dp_size),
+        device=torch.device("cpu"),
+    )
     mine = [i for i, x in enumerate(everything) if owner(x.prompt_index, PROMPTS, dp_size) == dp_rank]
-    same = [a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids and a.logprobs == tuple(
-        torch.tensor(b.logprobs, dtype=torch.float32).tolist()) and a.finish_reason == b.finish_reason
-            and torch.equal(a.routed_experts, b.routed_experts)
-            for a, b in zip(got.samples, [everything[i] for i in mine])]
+    same = [
+        a.prompt_ids == b.prompt_ids
+        and a.response_ids == b.response_ids
+        and a.logprobs == tuple(torch.tensor(b.logprobs, dtype=torch.float32).tolist())
+        and a.finish_reason == b.finish_reason
+        and torch.equal(a.routed_experts, b.routed_experts)
+        for a, b in zip(got.samples, [everything[i] for i in mine])
+    ]
 
-    shard = Shard(dp_rank=dp_rank, dp_size=dp_size, leader=rank % tp == 0,
-                  group=dist.new_group(backend="gloo"))
+    shard = Shard(dp_rank=dp_rank, dp_size=dp_size, leader=rank % tp == 0, group=dist.new_group(backend="gloo"))
     g = torch.Generator().manual_seed(9)
     x, mask = torch.randn(len(everything), 6, generator=g), torch.rand(len(everything), 6, generator=g) > 0.3
     rows = torch.tensor(mine, dtype=torch.long)
@@ -81,13 +91,21 @@ def main() -> None:
     estimates = {}
     for name in ("grpo", "gpg", "reinforce_plus_plus_baseline"):
         full, _ = get_estimator(name)(rewards, torch.ones_like(mask), index=groups, cfg=cfg)
-        part, _ = get_estimator(name)(rewards[rows], torch.ones_like(mask[rows]), index=groups[rows], cfg=cfg,
-                                      split=shard)
+        part, _ = get_estimator(name)(
+            rewards[rows], torch.ones_like(mask[rows]), index=groups[rows], cfg=cfg, split=shard
+        )
         estimates[name] = float((full[rows] - part).abs().max())
     gathered = shard.gather(rows, scores[rows], len(everything))
-    result = {"positions": list(got.positions), "expected": mine, "same": same, "received_bytes": got.received_bytes,
-              "metas": len(got.metas), "whiten_diff": float((whole[rows] - split).abs().max()),
-              "estimator_diff": estimates, "gather_equal": bool(torch.equal(gathered, scores))}
+    result = {
+        "positions": list(got.positions),
+        "expected": mine,
+        "same": same,
+        "received_bytes": got.received_bytes,
+        "metas": len(got.metas),
+        "whiten_diff": float((whole[rows] - split).abs().max()),
+        "estimator_diff": estimates,
+        "gather_equal": bool(torch.equal(gathered, scores)),
+    }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -72,8 +72,10 @@ def test_colocated_gpu_engines_keep_the_base_while_the_actor_trains_so_it_goes_o
 
     merged = load_config(QUICKSTART, ["lora.target_modules=[linear_qkv]"])
     adapter = load_config(QUICKSTART, ["lora.push=adapter", "lora.target_modules=[linear_qkv]"])
-    separate = load_config(QUICKSTART, ["lora.push=adapter", "lora.target_modules=[linear_qkv]",
-                                        "rollout.placement=separate", "rollout.tp=1"])
+    separate = load_config(
+        QUICKSTART,
+        ["lora.push=adapter", "lora.target_modules=[linear_qkv]", "rollout.placement=separate", "rollout.tp=1"],
+    )
     assert sync_module.drops_weights(merged, gpu=True) and not sync_module.drops_weights(merged, gpu=False)
     assert not sync_module.drops_weights(adapter, gpu=True) and not sync_module.drops_weights(separate, gpu=True)
     # the plan's switches say so: generation -> training frees the KV cache alone, and the sync
@@ -100,9 +102,12 @@ def test_an_engine_lost_while_loading_adapters_is_reported_and_gets_the_base_nex
 @pytest.mark.claim("lora-adapters-to-separate-engines")
 def test_adapters_travel_to_separate_drivers_as_one_flat_buffer_per_dtype_and_come_back_whole() -> None:
     g = torch.Generator().manual_seed(0)
-    tensors = {"a.lora_A.weight": torch.randn(4, 8, generator=g), "a.lora_B.weight": torch.randn(8, 4, generator=g),
-               "b.lora_A.weight": torch.randn(2, 3, generator=g).to(torch.bfloat16),
-               "b.lora_B.weight": torch.randn(3, 2, generator=g)}
+    tensors = {
+        "a.lora_A.weight": torch.randn(4, 8, generator=g),
+        "a.lora_B.weight": torch.randn(8, 4, generator=g),
+        "b.lora_A.weight": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+        "b.lora_B.weight": torch.randn(3, 2, generator=g),
+    }
     layout = sync_module._layout(tensors, {"r": 4})
     flat = sync_module._flatten(tensors, layout, torch.device("cpu"))
     assert [(t.dtype, t.numel()) for t in flat] == [(torch.float32, 32 + 32 + 6), (torch.bfloat16, 6)]

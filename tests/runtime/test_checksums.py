@@ -62,7 +62,8 @@ def test_a_changed_size_or_a_missing_manifest_is_named(run_dir: Path) -> None:
     with open(newest / "actor" / "common.pt", "ab") as f:
         f.write(b"tail")
     assert "common.pt has" in state.checkpoint_problem(newest) and "checksums.json lists" in state.checkpoint_problem(
-        newest)
+        newest
+    )
     (newest / checksums.MANIFEST).unlink()
     assert "checksums.json is missing or unreadable" in state.checkpoint_problem(newest)
 

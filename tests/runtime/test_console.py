@@ -41,7 +41,8 @@ def _emit() -> None:
 @pytest.mark.claim("quiet-terminal")
 @pytest.mark.parametrize("verbose", [False, True])
 def test_the_terminal_shows_the_runs_own_lines_and_the_file_keeps_every_record(
-        tmp_path: Path, capsys, restore_logging, verbose: bool) -> None:
+    tmp_path: Path, capsys, restore_logging, verbose: bool
+) -> None:
     path = console.configure(tmp_path, rank=0, driver=True, verbose=verbose)
     _emit()
     for handler in logging.getLogger().handlers:

@@ -51,10 +51,17 @@ class ScriptedEngine:
                 stop = count == left
                 if stop:
                     ids[-1] = EOS
-                out.append(RolloutSample(prompt_index=i, sample_index=j, prompt_ids=tuple(prompt),
-                                         response_ids=tuple(ids), logprobs=(-0.1 * self.version,) * count,
-                                         finish_reason=FINISH_STOP if stop else FINISH_LENGTH,
-                                         routed_experts=torch.full((len(prompt) + count - 1, 1, 1), self.version)))
+                out.append(
+                    RolloutSample(
+                        prompt_index=i,
+                        sample_index=j,
+                        prompt_ids=tuple(prompt),
+                        response_ids=tuple(ids),
+                        logprobs=(-0.1 * self.version,) * count,
+                        finish_reason=FINISH_STOP if stop else FINISH_LENGTH,
+                        routed_experts=torch.full((len(prompt) + count - 1, 1, 1), self.version),
+                    )
+                )
         return RolloutBatch(samples=tuple(out), seconds=0.0)
 
 
@@ -81,8 +88,18 @@ def _cfg(replicas_: int = 1):
 
 
 def _started(engine, cfg=None, segment=2, version=5):
-    return replicas.start(cfg or _cfg(), engine, PROMPTS, PARAMS, 11, call="async/3", channel=Channel(), replica=0,
-                          segment=segment, version=version)
+    return replicas.start(
+        cfg or _cfg(),
+        engine,
+        PROMPTS,
+        PARAMS,
+        11,
+        call="async/3",
+        channel=Channel(),
+        replica=0,
+        segment=segment,
+        version=version,
+    )
 
 
 @pytest.mark.claim("partial-rollout-versions")
@@ -149,8 +166,15 @@ def test_a_batch_generated_whole_is_tagged_with_one_version_and_an_untagged_star
 
 @pytest.mark.claim("partial-rollout-versions")
 def test_token_versions_follow_the_segments_and_travel_with_the_samples():
-    x = RolloutSample(prompt_index=0, sample_index=0, prompt_ids=(7, 8), response_ids=(101, 102, 103, EOS),
-                      logprobs=(-1.0,) * 4, finish_reason=FINISH_STOP, segments=((0, 3), (1, 4), (3, 5)))
+    x = RolloutSample(
+        prompt_index=0,
+        sample_index=0,
+        prompt_ids=(7, 8),
+        response_ids=(101, 102, 103, EOS),
+        logprobs=(-1.0,) * 4,
+        finish_reason=FINISH_STOP,
+        segments=((0, 3), (1, 4), (3, 5)),
+    )
     y = dataclasses.replace(x, prompt_index=1, response_ids=(101,), logprobs=(-1.0,), segments=((0, 3),))
     right = pack_batch([x, y], pad_id=0)["token_versions"]
     assert right.tolist() == [[-1, -1, 3, 4, 4, 5], [-1, -1, 3, -1, -1, -1]]
@@ -163,13 +187,26 @@ def test_token_versions_follow_the_segments_and_travel_with_the_samples():
     assert unpack([meta_of(x), meta_of(y)], ints, floats) == [x, y]
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["async_rl.partial_rollout=true"], "async_rl.partial_rollout=true with async_rl.mode=sync"),
-    (["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2", "async_rl.partial_rollout=true",
-      "async_rl.segment_tokens=4"], "async_rl.segment_tokens=4 >= data.max_response_length=4"),
-    (["async_rl.mode=one_step_off", *SEPARATE, "async_rl.partial_rollout=true", "async_rl.segment_tokens=1"],
-     "async_rl.partial_rollout=true with async_rl.mode=one_step_off"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["async_rl.partial_rollout=true"], "async_rl.partial_rollout=true with async_rl.mode=sync"),
+        (
+            [
+                "async_rl.mode=async",
+                *SEPARATE,
+                "async_rl.max_staleness=2",
+                "async_rl.partial_rollout=true",
+                "async_rl.segment_tokens=4",
+            ],
+            "async_rl.segment_tokens=4 >= data.max_response_length=4",
+        ),
+        (
+            ["async_rl.mode=one_step_off", *SEPARATE, "async_rl.partial_rollout=true", "async_rl.segment_tokens=1"],
+            "async_rl.partial_rollout=true with async_rl.mode=one_step_off",
+        ),
+    ],
+)
 @pytest.mark.claim("partial-rollout-refusals")
 def test_bad_partial_rollout_settings_are_one_line_errors_naming_the_keys(overrides, key):
     cfg = load_config(QUICKSTART, overrides)
@@ -183,12 +220,22 @@ def test_bad_partial_rollout_settings_are_one_line_errors_naming_the_keys(overri
 def test_the_plan_line_and_the_summary_state_partial_rollouts():
     from hybridflow.runtime.report import summarise_async
 
-    cfg = load_config(QUICKSTART, ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2",
-                                   "async_rl.partial_rollout=true", "async_rl.segment_tokens=1"])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "async_rl.mode=async",
+            *SEPARATE,
+            "async_rl.max_staleness=2",
+            "async_rl.partial_rollout=true",
+            "async_rl.segment_tokens=1",
+        ],
+    )
     check_async(cfg)
     assert "partial rollouts: 1 token(s) per request per version" in cfg.async_rl.describe()
-    history = [{"async/token_staleness_mean": 0.5, "async/partial_samples": 10.0},
-               {"async/token_staleness_mean": 1.5, "async/partial_samples": 20.0}]
+    history = [
+        {"async/token_staleness_mean": 0.5, "async/partial_samples": 10.0},
+        {"async/token_staleness_mean": 1.5, "async/partial_samples": 20.0},
+    ]
     got = summarise_async(cfg.async_rl, history)
     assert (got["partial_rollout"], got["token_staleness_mean"], got["partial_samples"]) == (True, 1.0, 30.0)
 

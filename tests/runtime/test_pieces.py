@@ -27,8 +27,7 @@ def test_response_views_round_trip() -> None:
 
 
 def test_pad_rows_adds_rows_without_tokens() -> None:
-    batch = {"input_ids": torch.arange(6).view(3, 2), "response_mask": torch.ones(3, 2),
-             "advantages": torch.ones(3, 2)}
+    batch = {"input_ids": torch.arange(6).view(3, 2), "response_mask": torch.ones(3, 2), "advantages": torch.ones(3, 2)}
     padded, rows = pad_rows(batch, 4)
     assert rows == 3 and padded["input_ids"].shape == (4, 2)
     assert padded["response_mask"][3].sum() == 0 and padded["advantages"][3].sum() == 0
@@ -72,12 +71,29 @@ def test_an_unreadable_run_state_names_the_file(tmp_path: Path) -> None:
 
 def test_summary_and_plot(tmp_path: Path) -> None:
     cfg = load_config("configs/quickstart_cpu.yaml")
-    run = state.RunState(step=2, heldout_after_sft=0.25, sft_losses=[3.0, 1.0], heldout=[(0, 0.25), (2, 0.5)],
-                         history=[{"step": 1, "reward/mean": 0.2}, {"step": 2, "reward/mean": 0.4}])
-    summary = report.summarise(cfg, run, heldout_after_rl=0.5, wall_seconds=12.0,
-                               data_rows_skipped={"train": 0, "heldout": 0}, reward_errors=0, extra={})
-    for key, value in (("heldout_reward_after_sft", 0.25), ("heldout_reward_after_rl", 0.5), ("steps", 2),
-                       ("wall_seconds", 12.0), ("train_reward_last", 0.4)):
+    run = state.RunState(
+        step=2,
+        heldout_after_sft=0.25,
+        sft_losses=[3.0, 1.0],
+        heldout=[(0, 0.25), (2, 0.5)],
+        history=[{"step": 1, "reward/mean": 0.2}, {"step": 2, "reward/mean": 0.4}],
+    )
+    summary = report.summarise(
+        cfg,
+        run,
+        heldout_after_rl=0.5,
+        wall_seconds=12.0,
+        data_rows_skipped={"train": 0, "heldout": 0},
+        reward_errors=0,
+        extra={},
+    )
+    for key, value in (
+        ("heldout_reward_after_sft", 0.25),
+        ("heldout_reward_after_rl", 0.5),
+        ("steps", 2),
+        ("wall_seconds", 12.0),
+        ("train_reward_last", 0.4),
+    ):
         assert summary[key] == value
     path = report.write_summary(tmp_path, summary)
     assert json.loads(path.read_text())["steps"] == 2
@@ -90,8 +106,15 @@ def test_summary_and_plot(tmp_path: Path) -> None:
 @pytest.mark.claim("bad-rows-and-reward-errors")
 def test_skipped_rows_and_reward_errors_reach_the_screen_and_summary_json(tmp_path: Path) -> None:
     cfg = load_config("configs/quickstart_cpu.yaml")
-    summary = report.summarise(cfg, state.RunState(), heldout_after_rl=None, wall_seconds=1.0,
-                               data_rows_skipped={"train": 3, "heldout": 1}, reward_errors=2, extra={})
+    summary = report.summarise(
+        cfg,
+        state.RunState(),
+        heldout_after_rl=None,
+        wall_seconds=1.0,
+        data_rows_skipped={"train": 3, "heldout": 1},
+        reward_errors=2,
+        extra={},
+    )
     saved = json.loads(report.write_summary(tmp_path, summary).read_text())
     assert saved["data_rows_skipped"] == {"train": 3, "heldout": 1} and saved["reward_errors"] == 2
     (line,) = [x for x in report.format_summary(saved, tmp_path).splitlines() if "left out" in x]
@@ -135,12 +158,28 @@ class _Tracker:
 
 
 def _fake_session(on_nan: str, steps: int = 3):
-    cfg = load_config("configs/quickstart_cpu.yaml", [f"run.on_nan={on_nan}", f"run.steps={steps}",
-                                                       "run.heldout_every=0"])
-    return SimpleNamespace(cfg=cfg, state=state.RunState(), is_driver=False, tracker=_Tracker(), step_metrics={},
-                           prompt_batch=lambda step: [], executed_stages=[], mode=None, engine=None,
-                           actor=None, critic=None, algo=cfg.algorithm, sync=None, rank=0, pipeline=None,
-                           out_dir=Path("unused"), shard=SimpleNamespace(group=None))
+    cfg = load_config(
+        "configs/quickstart_cpu.yaml", [f"run.on_nan={on_nan}", f"run.steps={steps}", "run.heldout_every=0"]
+    )
+    return SimpleNamespace(
+        cfg=cfg,
+        state=state.RunState(),
+        is_driver=False,
+        tracker=_Tracker(),
+        step_metrics={},
+        prompt_batch=lambda step: [],
+        executed_stages=[],
+        mode=None,
+        engine=None,
+        actor=None,
+        critic=None,
+        algo=cfg.algorithm,
+        sync=None,
+        rank=0,
+        pipeline=None,
+        out_dir=Path("unused"),
+        shard=SimpleNamespace(group=None),
+    )
 
 
 def _graph_raising_at(bad_step: int):
@@ -150,9 +189,10 @@ def _graph_raising_at(bad_step: int):
         calls.append(step)
         if step == bad_step:
             raise NonFiniteStep(f"step {step}: not finite")
-        return {"responses": SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2),
-                                             seconds=1.0),
-                "scores": torch.ones(2)}
+        return {
+            "responses": SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2), seconds=1.0),
+            "scores": torch.ones(2),
+        }
 
     node = SimpleNamespace(name="update_actor", op="fake_update", role="actor", outputs=("responses", "scores"))
     stage = Stage(node=node, pool="colocated", ranks=range(1), layout="megatron")
@@ -200,6 +240,7 @@ class _Role:
 def test_a_skipped_step_rolls_back_every_update_it_made(monkeypatch) -> None:
     """The critic's update and the actor's first mini-batch went through when the actor's second
     one is not finite: with run.on_nan=skip both are undone, and later steps train normally."""
+
     def critic_update(s, node, f, step):
         s.undo.before_update(s.critic)
         s.critic.updates += 1
@@ -211,16 +252,26 @@ def test_a_skipped_step_rolls_back_every_update_it_made(monkeypatch) -> None:
         if step == 1:
             raise NonFiniteStep(f"step {step}: mini-batch 2 not finite")
         s.actor.updates += 1
-        return {"responses": SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2), seconds=1.0),
-                "scores": torch.ones(2)}
+        return {
+            "responses": SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2), seconds=1.0),
+            "scores": torch.ones(2),
+        }
 
     monkeypatch.setitem(loop.OPS, "fake_critic", critic_update)
     monkeypatch.setitem(loop.OPS, "fake_actor", actor_update)
     monkeypatch.setattr(loop.dist, "barrier", lambda: None)
-    stages = tuple(Stage(node=SimpleNamespace(name=name, op=op, role=role, outputs=outputs), pool="colocated",
-                         ranks=range(1), layout="megatron")
-                   for name, op, role, outputs in (("update_critic", "fake_critic", "critic", ("critic_done",)),
-                                                   ("update_actor", "fake_actor", "actor", ("responses", "scores"))))
+    stages = tuple(
+        Stage(
+            node=SimpleNamespace(name=name, op=op, role=role, outputs=outputs),
+            pool="colocated",
+            ranks=range(1),
+            layout="megatron",
+        )
+        for name, op, role, outputs in (
+            ("update_critic", "fake_critic", "critic", ("critic_done",)),
+            ("update_actor", "fake_actor", "actor", ("responses", "scores")),
+        )
+    )
     s = _fake_session("skip")
     s.actor, s.critic = _Role(), _Role()
     loop.train_rl(s, SimpleNamespace(stages=stages, start_mode=None), save=lambda step: None)
@@ -254,24 +305,38 @@ def test_switches_execute_the_plans_values_in_order():
 
     cfg = load_config("configs/quickstart_cpu.yaml", ["algorithm.name=ppo", "critic.enabled=true"])
     calls = []
-    s = SimpleNamespace(cfg=cfg, mode=None, actor=_Recorder("actor", calls), critic=_Recorder("critic", calls),
-                        engine=_Recorder("engine", calls))
+    s = SimpleNamespace(
+        cfg=cfg,
+        mode=None,
+        actor=_Recorder("actor", calls),
+        critic=_Recorder("critic", calls),
+        engine=_Recorder("engine", calls),
+    )
     plan = lower(cfg, with_reshard=False)
     switches.enter(s, plan.start_mode)  # from everything resident to the step's start (sync)
     for stage in plan.stages:
         if stage.switch is not None:
             switches.apply(s, stage.switch)
-    assert calls == ["actor offload", "critic offload", "engine release kv_cache+cuda_graph",  # -> sync
-                     "engine resume kv_cache+cuda_graph",                                      # -> generate
-                     "engine release weights+kv_cache+cuda_graph", "actor restore", "critic restore",  # -> train
-                     "actor offload", "critic offload", "engine resume weights"]               # -> sync
+    assert calls == [
+        "actor offload",
+        "critic offload",
+        "engine release kv_cache+cuda_graph",  # -> sync
+        "engine resume kv_cache+cuda_graph",  # -> generate
+        "engine release weights+kv_cache+cuda_graph",
+        "actor restore",
+        "critic restore",  # -> train
+        "actor offload",
+        "critic offload",
+        "engine resume weights",
+    ]  # -> sync
     assert s.mode == "sync"
     calls.clear()
     switches.enter(s, "generate")
     switches.enter(s, "sync")  # generating GPUs already hold what a sync needs
     assert calls == ["engine resume kv_cache+cuda_graph"]
-    separate = SimpleNamespace(cfg=load_config("configs/quickstart_cpu.yaml", ["rollout.placement=separate"]),
-                               mode=None)
+    separate = SimpleNamespace(
+        cfg=load_config("configs/quickstart_cpu.yaml", ["rollout.placement=separate"]), mode=None
+    )
     switches.enter(separate, "train")  # engines on their own GPUs: nothing moves
     assert separate.mode is None
 
@@ -288,8 +353,13 @@ def test_a_skipped_sync_still_brings_the_engine_in_for_the_next_generation():
     from hybridflow.runtime import switches
 
     calls = []
-    s = SimpleNamespace(cfg=load_config("configs/quickstart_cpu.yaml"), mode="train",  # the step stopped mid-way
-                        actor=_Recorder("actor", calls), critic=None, engine=_Recorder("engine", calls))
+    s = SimpleNamespace(
+        cfg=load_config("configs/quickstart_cpu.yaml"),
+        mode="train",  # the step stopped mid-way
+        actor=_Recorder("actor", calls),
+        critic=None,
+        engine=_Recorder("engine", calls),
+    )
     switches.enter(s, "generate")  # what the loop does before the next step's generate stage
     assert calls == ["actor offload", "engine resume weights+kv_cache+cuda_graph"] and s.mode == "generate"
 

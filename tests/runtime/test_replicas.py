@@ -30,10 +30,16 @@ def test_one_replica_takes_the_batch_whole_and_many_take_chunks():
 @pytest.mark.claim("replica-failure-named")
 def test_a_failed_replica_is_named_on_every_rank():
     report = replicas._Report
-    gathered = [report(0, [], 1.0, None, 0), report(None, [], 0.0, None, 1),
-                report(1, [], 0.0, "RuntimeError: engine died", 0)]
-    with pytest.raises(replicas.ReplicaFailed, match=r"rollout replica 1 \(driven by rank 2\) failed mid-generation: "
-                                                     r"RuntimeError: engine died; .*resume"):
+    gathered = [
+        report(0, [], 1.0, None, 0),
+        report(None, [], 0.0, None, 1),
+        report(1, [], 0.0, "RuntimeError: engine died", 0),
+    ]
+    with pytest.raises(
+        replicas.ReplicaFailed,
+        match=r"rollout replica 1 \(driven by rank 2\) failed mid-generation: "
+        r"RuntimeError: engine died; .*resume",
+    ):
         replicas._raise_failures(gathered)
     replicas._raise_failures(gathered[:2])  # no failure: nothing raised
 
@@ -42,8 +48,9 @@ def test_the_engine_gets_the_parallel_settings_the_plan_assumed(monkeypatch, tmp
     from hybridflow.runtime import session
 
     # (rollout.moe_dp > 1 is refused when the config is read: SGLang pairs it with attention CP)
-    cfg = load_config(QUICKSTART, ["rollout.enable_dp_attention=true", "rollout.dp_size=2",
-                                   "rollout.ep=1", "rollout.tp=2"])
+    cfg = load_config(
+        QUICKSTART, ["rollout.enable_dp_attention=true", "rollout.dp_size=2", "rollout.ep=1", "rollout.tp=2"]
+    )
     assert session.engine_parallel_args(cfg) == {"attn_dp_size": 2}
     assert session.engine_parallel_args(load_config(QUICKSTART)) == {}
     seen = {}
@@ -55,8 +62,16 @@ def test_the_engine_gets_the_parallel_settings_the_plan_assumed(monkeypatch, tmp
 
 @pytest.mark.claim("engine-spanning-nodes")
 def test_engines_spanning_nodes_start_one_part_per_node():
-    cfg = load_config(QUICKSTART, ["rollout.tp=4", "rollout.num_replicas=2", "rollout.gpus_per_node=2",
-                                   "actor.parallel.dp=8", "actor.parallel.ep=2"])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "rollout.tp=4",
+            "rollout.num_replicas=2",
+            "rollout.gpus_per_node=2",
+            "actor.parallel.dp=8",
+            "actor.parallel.ep=2",
+        ],
+    )
     assert replicas.engine_nodes(cfg) == 2
     roles = {r: replicas.node_role(cfg, r) for r in range(8)}
     # replica 0 on ranks 0-3 (nodes of GPUs 0-1 and 2-3), replica 1 on ranks 4-7

@@ -46,10 +46,19 @@ def test_token_balanced_owners_keep_the_prompt_counts_and_even_out_the_tokens():
 @pytest.mark.claim("dp-ranks-receive-their-rows")
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp4", "tp2xdp2"])
 def test_every_rank_receives_exactly_its_dp_ranks_samples(tmp_path, tp):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER),
-           str(tmp_path), str(tp)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        str(WORKER),
+        str(tmp_path),
+        str(tp),
+    ]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     covered = set()
@@ -73,8 +82,18 @@ def test_every_rank_receives_exactly_its_dp_ranks_samples(tmp_path, tp):
 @pytest.mark.claim("rollout-data-benchmark")
 def test_the_rollout_data_benchmark_measures_shares_against_the_broadcast(tmp_path):
     out = tmp_path / "rollout_data.json"
-    cmd = [sys.executable, "benchmarks/rollout_data.py", "--samples", "64", "--tokens", "32", "--ranks", "4",
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "benchmarks/rollout_data.py",
+        "--samples",
+        "64",
+        "--tokens",
+        "32",
+        "--ranks",
+        "4",
+        "--json",
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr[-4000:]
     (case,) = json.loads(out.read_text())["cases"]

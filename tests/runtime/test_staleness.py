@@ -69,14 +69,17 @@ def test_overlap_counts_the_union_of_busy_intervals_inside_the_window():
 SEPARATE = ["rollout.placement=separate", "rollout.tp=1"]
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["async_rl.mode=one_step_off"], "async_rl.mode=one_step_off with rollout.placement=colocated"),
-    (["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=0"], "async_rl.max_staleness=0"),
-    (["async_rl.buffer_batches=0"], "async_rl.buffer_batches=0 is smaller than one batch"),
-    (["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=3"], "async_rl.buffer_batches=2 cannot hold"),
-    (["async_rl.mode=one_step_off", *SEPARATE, "async_rl.max_staleness=2"], "K=1 by definition"),
-    (["async_rl.mode=async", *SEPARATE, "algorithm.name=remax"], "algorithm.name=remax"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["async_rl.mode=one_step_off"], "async_rl.mode=one_step_off with rollout.placement=colocated"),
+        (["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=0"], "async_rl.max_staleness=0"),
+        (["async_rl.buffer_batches=0"], "async_rl.buffer_batches=0 is smaller than one batch"),
+        (["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=3"], "async_rl.buffer_batches=2 cannot hold"),
+        (["async_rl.mode=one_step_off", *SEPARATE, "async_rl.max_staleness=2"], "K=1 by definition"),
+        (["async_rl.mode=async", *SEPARATE, "algorithm.name=remax"], "algorithm.name=remax"),
+    ],
+)
 @pytest.mark.claim("async-refusals")
 def test_bad_async_settings_are_one_line_errors_naming_the_keys(overrides, key):
     cfg = load_config(QUICKSTART, overrides)
@@ -97,8 +100,11 @@ def test_async_config_values_are_checked_in_the_section():
 def test_good_async_settings_pass():
     from hybridflow.lowering import lower
 
-    for overrides in (["async_rl.mode=one_step_off", *SEPARATE],
-                      ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2"], []):
+    for overrides in (
+        ["async_rl.mode=one_step_off", *SEPARATE],
+        ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2"],
+        [],
+    ):
         cfg = load_config(QUICKSTART, overrides)
         check_async(cfg, lower(cfg, with_reshard=False))
 
@@ -121,21 +127,38 @@ def test_one_step_off_runs_as_async_with_k1_the_runtime_reads_only_the_lag():
     k1 = load_config(QUICKSTART, ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=1"]).async_rl
     assert one.lag == k1.lag == 1 and _simulate(one.lag, 6) == _simulate(k1.lag, 6)
     runtime = Path(__file__).resolve().parents[2] / "hybridflow" / "runtime"
-    reads = {f"{path.name}: {line.strip()}" for path in runtime.glob("*.py")
-             for line in path.read_text().splitlines() if re.search(r"async_rl\.mode\b", line)
-             and not line.lstrip().startswith(("#", '"', "engine ranks"))}
-    assert reads == {'worker.py: if cfg.async_rl.mode != "sync":',
-                     'report.py: out = {"mode": async_rl.mode, "max_staleness": async_rl.lag, '
-                     '"staleness_mean": mean("async/staleness_mean"),'}, reads
+    reads = {
+        f"{path.name}: {line.strip()}"
+        for path in runtime.glob("*.py")
+        for line in path.read_text().splitlines()
+        if re.search(r"async_rl\.mode\b", line) and not line.lstrip().startswith(("#", '"', "engine ranks"))
+    }
+    assert reads == {
+        'worker.py: if cfg.async_rl.mode != "sync":',
+        'report.py: out = {"mode": async_rl.mode, "max_staleness": async_rl.lag, '
+        '"staleness_mean": mean("async/staleness_mean"),',
+    }, reads
 
 
 def test_the_summary_reports_staleness_and_overlap():
     from hybridflow.runtime.report import summarise_async
 
     cfg = load_config(QUICKSTART, ["async_rl.mode=async", *SEPARATE, "async_rl.max_staleness=2"])
-    history = [{"async/staleness_mean": 0.0, "async/staleness_max": 0.0, "async/overlap_fraction": 0.2},
-               {"async/staleness_mean": 2.0, "async/staleness_max": 2.0, "async/overlap_fraction": 0.4,
-                "async/dropped_samples": 3.0}]
+    history = [
+        {"async/staleness_mean": 0.0, "async/staleness_max": 0.0, "async/overlap_fraction": 0.2},
+        {
+            "async/staleness_mean": 2.0,
+            "async/staleness_max": 2.0,
+            "async/overlap_fraction": 0.4,
+            "async/dropped_samples": 3.0,
+        },
+    ]
     got = summarise_async(cfg.async_rl, history)
-    assert got == {"mode": "async", "max_staleness": 2, "staleness_mean": 1.0, "staleness_max": 2.0,
-                   "overlap_fraction_mean": pytest.approx(0.3), "dropped_samples": 3.0}
+    assert got == {
+        "mode": "async",
+        "max_staleness": 2,
+        "staleness_mean": 1.0,
+        "staleness_max": 2.0,
+        "overlap_fraction_mean": pytest.approx(0.3),
+        "dropped_samples": 3.0,
+    }

@@ -52,14 +52,17 @@ def test_under_stop_a_damaged_newest_checkpoint_refuses_the_start_naming_the_fil
     assert "set run.resume_fallback=previous" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("damage, expected", [
-    (lambda c: shard(c).write_bytes(b"x"), r"__0_0.distcp is truncated \(1 bytes, .metadata lists \d+\)"),
-    (lambda c: (c / "actor" / ".metadata").unlink(), r"actor/.metadata is missing"),
-    (lambda c: (c / "actor" / ".metadata").write_bytes(b"not a pickle"), r"actor/.metadata is unreadable"),
-    (lambda c: (c / "actor" / "common.pt").unlink(), r"actor/common.pt is missing"),
-    (lambda c: (c / "actor" / "hybridflow.json").write_text("{"), r"actor/hybridflow.json is unreadable"),
-    (lambda c: (c / "state.json").unlink(), r"step_000004/state.json is missing or unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda c: shard(c).write_bytes(b"x"), r"__0_0.distcp is truncated \(1 bytes, .metadata lists \d+\)"),
+        (lambda c: (c / "actor" / ".metadata").unlink(), r"actor/.metadata is missing"),
+        (lambda c: (c / "actor" / ".metadata").write_bytes(b"not a pickle"), r"actor/.metadata is unreadable"),
+        (lambda c: (c / "actor" / "common.pt").unlink(), r"actor/common.pt is missing"),
+        (lambda c: (c / "actor" / "hybridflow.json").write_text("{"), r"actor/hybridflow.json is unreadable"),
+        (lambda c: (c / "state.json").unlink(), r"step_000004/state.json is missing or unreadable"),
+    ],
+)
 @pytest.mark.claim("checkpoint-checksums")
 def test_each_kind_of_damage_names_its_file(run_dir: Path, damage, expected) -> None:
     newest = run_dir / "checkpoints" / "step_000004"
@@ -71,8 +74,11 @@ def test_each_kind_of_damage_names_its_file(run_dir: Path, damage, expected) -> 
 def test_no_complete_checkpoint_left_is_refused(run_dir: Path) -> None:
     for name in ("sft", "step_000002", "step_000004"):
         shard(run_dir / "checkpoints" / name).unlink()
-    with pytest.raises(ValueError, match=r"no complete checkpoint in .*checkpoints \(newest: step_000004: .*"
-                                         r"restore the files, or set a new run.output_dir"):
+    with pytest.raises(
+        ValueError,
+        match=r"no complete checkpoint in .*checkpoints \(newest: step_000004: .*"
+        r"restore the files, or set a new run.output_dir",
+    ):
         state.find_resume(run_dir, "auto")
     with pytest.raises(ValueError, match="already holds checkpoints"):
         state.find_resume(run_dir, "never")
@@ -85,8 +91,9 @@ def _resolved(*overrides: str) -> dict:
 @pytest.mark.claim("model-change-refused")
 def test_a_model_change_is_named_key_by_key_and_other_changes_are_reported() -> None:
     before = _resolved()
-    blocking, other = state.config_changes(before, _resolved("model.num_layers=4", "model.vocab_size=512",
-                                                             "run.steps=40"))
+    blocking, other = state.config_changes(
+        before, _resolved("model.num_layers=4", "model.vocab_size=512", "run.steps=40")
+    )
     assert blocking == ["model.num_layers: 2 -> 4", "model.vocab_size: 320 -> 512"]
     assert other == ["run.steps: 30 -> 40"]
     blocking, other = state.config_changes(before, _resolved("model.rope_theta=20000.0"))
@@ -104,8 +111,10 @@ def test_resume_compares_with_the_checkpoint_config_first_and_refuses_a_model_it
     with pytest.raises(ValueError) as error:
         state.check_config_loads(path, tmp_path, _resolved("train.lr=0.01", "model.hidden_size=128"))
     message = str(error.value)
-    assert message.startswith("checkpoint step_000002 holds a different model than this config "
-                              f"(model.hidden_size: 64 -> 128; saved under {path / 'config.yaml'})")
+    assert message.startswith(
+        "checkpoint step_000002 holds a different model than this config "
+        f"(model.hidden_size: 64 -> 128; saved under {path / 'config.yaml'})"
+    )
     assert "restore those model keys" in message and "\n" not in message
 
 
@@ -115,5 +124,6 @@ def test_the_fault_harness_checks_checkpoints_as_resume_does(run_dir: Path) -> N
     assert check_checkpoints(run_dir) == []
     missing = shard(run_dir / "checkpoints" / "step_000002")
     missing.unlink()
-    assert check_checkpoints(run_dir) == [f"{run_dir / 'checkpoints' / 'step_000002'}: {missing} is missing "
-                                          "(listed in .metadata)"]
+    assert check_checkpoints(run_dir) == [
+        f"{run_dir / 'checkpoints' / 'step_000002'}: {missing} is missing (listed in .metadata)"
+    ]

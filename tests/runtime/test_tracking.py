@@ -63,8 +63,9 @@ def test_an_inactive_rank_writes_no_event_files(tmp_path: Path) -> None:
     assert tracker.tensorboard_dir is None and not (tmp_path / "tensorboard").exists()
 
 
-def test_a_checkpoint_whose_mlflow_run_the_store_lacks_starts_a_new_run_with_its_history(tmp_path: Path,
-                                                                                           caplog) -> None:
+def test_a_checkpoint_whose_mlflow_run_the_store_lacks_starts_a_new_run_with_its_history(
+    tmp_path: Path, caplog
+) -> None:
     """A checkpoint copied into another run directory names an MLflow run that directory's store
     never held: the run goes on in a new MLflow run that holds the steps so far; a store that
     holds the run reopens it and adds nothing."""
@@ -82,8 +83,12 @@ def test_a_checkpoint_whose_mlflow_run_the_store_lacks_starts_a_new_run_with_its
     moved.close()
     points = mlflow.MlflowClient(tracking_uri=moved.uri).get_metric_history(moved.run_id, "reward/mean")
     assert [(m.step, m.value) for m in points] == [(1, 0.25), (2, 0.5)]
-    same = Tracker(load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path / 'a'}"]), active=True,
-                   run_id=old_id, history=history)
+    same = Tracker(
+        load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path / 'a'}"]),
+        active=True,
+        run_id=old_id,
+        history=history,
+    )
     assert same.run_id == old_id
     same.close()
     points = mlflow.MlflowClient(tracking_uri=same.uri).get_metric_history(old_id, "reward/mean")
@@ -105,5 +110,10 @@ def test_a_resume_with_changed_settings_dates_each_change_in_the_same_mlflow_run
         resumed.log_params({"actor_layout": layout, "algorithm.name": "grpo", "algorithm.n": 8}, step=step)
         resumed.close()
     params = mlflow.MlflowClient(tracking_uri=first.uri).get_run(first.run_id).data.params
-    assert params == {"actor_layout": "ep2 dp2", "algorithm.name": "grpo", "algorithm.n": "8",
-                      "actor_layout.from_step_4": "tp2 dp1", "actor_layout.from_step_6": "ep2 dp2"}
+    assert params == {
+        "actor_layout": "ep2 dp2",
+        "algorithm.name": "grpo",
+        "algorithm.n": "8",
+        "actor_layout.from_step_4": "tp2 dp1",
+        "actor_layout.from_step_6": "ep2 dp2",
+    }

@@ -32,7 +32,10 @@ def test_modules_are_summed_and_ordered_with_their_outcomes(tmp_path):
     junit.write_text(JUNIT)
     modules = module_times(junit, ROOT)
     assert [(m.path, m.seconds, m.tests) for m in modules] == [
-        ("tests/test_train.py", 40.5, 2), ("tests/launch/test_slurm.py", 3.0, 2), ("tests/test_config.py", 0.25, 1)]
+        ("tests/test_train.py", 40.5, 2),
+        ("tests/launch/test_slurm.py", 3.0, 2),
+        ("tests/test_config.py", 0.25, 1),
+    ]
     assert dict(modules[1].outcomes) == {"passed": 1, "failure": 1}
     text = render(modules, top=2)
     assert text.splitlines()[0] == "slowest 2 of 3 test modules (setup + call + teardown):"
@@ -44,11 +47,21 @@ def test_modules_are_summed_and_ordered_with_their_outcomes(tmp_path):
 def test_the_command_prints_the_table_writes_json_and_names_a_missing_file(tmp_path):
     junit = tmp_path / "junit.xml"
     junit.write_text(JUNIT)
-    done = subprocess.run([sys.executable, "scripts/test_budget.py", str(junit), "--json", str(tmp_path / "b.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "scripts/test_budget.py", str(junit), "--json", str(tmp_path / "b.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "tests/test_train.py" in done.stdout
     assert json.loads((tmp_path / "b.json").read_text())["modules"][0]["seconds"] == 40.5
-    missing = subprocess.run([sys.executable, "scripts/test_budget.py", str(tmp_path / "none.xml")], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "scripts/test_budget.py", str(tmp_path / "none.xml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "none.xml does not exist" in missing.stderr

@@ -129,8 +129,9 @@ def skipped_model_modules(architectures: Sequence[str]) -> list[str]:
     and SGLang's registry reports an unknown architecture as it always does."""
     sources = _model_sources()
     classes = [re.compile(rf"^class {re.escape(name)}\b", re.MULTILINE) for name in architectures]
-    needed = {name for name, path in sources.items()
-              if any(c.search(path.read_text(errors="replace")) for c in classes)}
+    needed = {
+        name for name, path in sources.items() if any(c.search(path.read_text(errors="replace")) for c in classes)
+    }
     return sorted(set(sources) - needed) if needed else []
 
 
@@ -151,8 +152,9 @@ def register_architectures(architectures: Sequence[str]) -> None:
             models.setdefault(cls.__name__, cls)
 
 
-def cpu_environment(tp: int, environ: MutableMapping[str, str] | None = None, *,
-                    architectures: Sequence[str] = ()) -> dict[str, str]:
+def cpu_environment(
+    tp: int, environ: MutableMapping[str, str] | None = None, *, architectures: Sequence[str] = ()
+) -> dict[str, str]:
     """The variables the CPU engine needs for ``tp`` ranks serving ``architectures``, as a dict
     (nothing is changed)."""
     environ = os.environ if environ is None else environ
@@ -195,7 +197,6 @@ def _drop_cuda_sgl_kernel() -> None:
     if module is not None and not getattr(module, "IS_HYBRIDFLOW_CPU_STUB", False):
         for name in [n for n in sys.modules if n == "sgl_kernel" or n.startswith("sgl_kernel.")]:
             del sys.modules[name]
-
 
 
 class _Forking:

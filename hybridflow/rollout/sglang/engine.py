@@ -124,29 +124,66 @@ def _start(
         pause_mode=pause_mode,
         engine_kwargs=engine_kwargs,
     )
-    return SGLangEngine(engine, tp=tp, on_cpu=on_cpu, model_path=model_path, routed_experts=routed,
-                        deterministic=deterministic, pause_mode=pause_mode, own_processes=own,
-                        weights_loaded=args.get("load_format") != "dummy", bucket_bytes=bucket_bytes,
-                        generate_timeout_s=generate_timeout_s)
+    return SGLangEngine(
+        engine,
+        tp=tp,
+        on_cpu=on_cpu,
+        model_path=model_path,
+        routed_experts=routed,
+        deterministic=deterministic,
+        pause_mode=pause_mode,
+        own_processes=own,
+        weights_loaded=args.get("load_format") != "dummy",
+        bucket_bytes=bucket_bytes,
+        generate_timeout_s=generate_timeout_s,
+    )
 
 
-def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: int, mem_fraction_static: float | None,
-            seed: int, return_routed_experts: bool | None, deterministic: bool, pause_mode: str,
-            engine_kwargs: dict[str, Any]):
+def _launch(
+    model_path: str,
+    *,
+    tp: int,
+    ep: int,
+    dtype: str,
+    max_total_tokens: int,
+    mem_fraction_static: float | None,
+    seed: int,
+    return_routed_experts: bool | None,
+    deterministic: bool,
+    pause_mode: str,
+    engine_kwargs: dict[str, Any],
+):
     """``sglang.Engine(...)`` with hybridflow's settings; returns it with the pids it started."""
     on_cpu = not cpu.has_cuda_gpu()
-    _check_start(tp=tp, ep=ep, on_cpu=on_cpu, deterministic=deterministic, pause_mode=pause_mode,
-                 return_routed_experts=return_routed_experts)
+    _check_start(
+        tp=tp,
+        ep=ep,
+        on_cpu=on_cpu,
+        deterministic=deterministic,
+        pause_mode=pause_mode,
+        return_routed_experts=return_routed_experts,
+    )
     if on_cpu and engine_kwargs.get("enable_lora") and not cpu.can_fork_engine_processes():
-        raise ValueError("a CPU SGLang engine serves LoRA adapters only from forked processes (they drop its "
-                         "pinned host memory, which needs a GPU driver); start it from a process with "
-                         "OMP_NUM_THREADS=1 and torch.set_num_threads(1), as hybridflow's CPU ranks are")
+        raise ValueError(
+            "a CPU SGLang engine serves LoRA adapters only from forked processes (they drop its "
+            "pinned host memory, which needs a GPU driver); start it from a process with "
+            "OMP_NUM_THREADS=1 and torch.set_num_threads(1), as hybridflow's CPU ranks are"
+        )
     if on_cpu:
         cpu.apply_cpu_environment(tp, architectures=_architectures(model_path))
     routed = _is_moe(model_path) and not on_cpu if return_routed_experts is None else return_routed_experts
     os.environ.update(_ENGINE_ENV)
-    args = _engine_args(model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens, seed=seed,
-                        on_cpu=on_cpu, routed=routed, deterministic=deterministic)
+    args = _engine_args(
+        model_path,
+        tp=tp,
+        ep=ep,
+        dtype=dtype,
+        max_total_tokens=max_total_tokens,
+        seed=seed,
+        on_cpu=on_cpu,
+        routed=routed,
+        deterministic=deterministic,
+    )
     if mem_fraction_static is not None:
         args["mem_fraction_static"] = mem_fraction_static
     _check_layout_overrides(engine_kwargs, on_cpu=on_cpu)
@@ -166,8 +203,13 @@ def _launch(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: 
     # the processes SGLang started (schedulers, detokenizer): shutdown kills these, nothing else
     own = frozenset(p.pid for p in psutil.Process().children() if p.pid not in children_before)
     engine._hybridflow_zmq_contexts = _new_zmq_contexts(contexts_before)  # closed at shutdown (watch: a lost engine)
-    logger.info("SGLang engine up in %.1f s (tp=%d, ep=%d, %s)", time.perf_counter() - started, tp, ep,
-                "CPU" if on_cpu else "GPU")
+    logger.info(
+        "SGLang engine up in %.1f s (tp=%d, ep=%d, %s)",
+        time.perf_counter() - started,
+        tp,
+        ep,
+        "CPU" if on_cpu else "GPU",
+    )
     return engine, own, args, on_cpu, routed
 
 
@@ -176,8 +218,9 @@ def lora_args(*, rank: int, target_modules: Sequence[str], on_cpu: bool) -> dict
     modules ``target_modules`` (leaf names: ``q_proj``, ``gate_proj``...). One adapter slot: a
     push replaces the adapter between generations. On CPU SGLang's torch-native LoRA kernels (its
     others are triton); routed-expert adapters need its triton_v2 MoE LoRA, so a GPU."""
-    args: dict[str, Any] = dict(enable_lora=True, max_lora_rank=rank, lora_target_modules=list(target_modules),
-                                max_loras_per_batch=1)
+    args: dict[str, Any] = dict(
+        enable_lora=True, max_lora_rank=rank, lora_target_modules=list(target_modules), max_loras_per_batch=1
+    )
     if on_cpu:
         args["lora_backend"] = "torch_native"
     return args
@@ -198,9 +241,20 @@ class SGLangNode:
         _unlink_shared_memory(None, [p.pid for p in tree])
 
 
-def start_node(model_path: str, *, node_rank: int, nnodes: int, dist_init_addr: str, tp: int, ep: int = 1,
-               dtype: str = "float32", max_total_tokens: int = 4096, seed: int = 0, deterministic: bool = False,
-               **engine_kwargs: Any) -> SGLangNode:
+def start_node(
+    model_path: str,
+    *,
+    node_rank: int,
+    nnodes: int,
+    dist_init_addr: str,
+    tp: int,
+    ep: int = 1,
+    dtype: str = "float32",
+    max_total_tokens: int = 4096,
+    seed: int = 0,
+    deterministic: bool = False,
+    **engine_kwargs: Any,
+) -> SGLangNode:
     """Start node ``node_rank`` (>= 1) of an engine whose ``tp`` ranks span ``nnodes`` nodes; node 0 is
     the ``make_engine("sglang", ..., nnodes=, node_rank=0, dist_init_addr=)`` that drives it.
 
@@ -211,22 +265,49 @@ def start_node(model_path: str, *, node_rank: int, nnodes: int, dist_init_addr: 
         raise ValueError(f"start_node(node_rank={node_rank}): node 0 is the driving engine (make_engine)")
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
     kwargs = dict(engine_kwargs, nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
-    _, own, *_ = _launch(model_path, tp=tp, ep=ep, dtype=dtype, max_total_tokens=max_total_tokens,
-                         mem_fraction_static=None, seed=seed, return_routed_experts=None, deterministic=deterministic,
-                         pause_mode="retract", engine_kwargs=kwargs)
+    _, own, *_ = _launch(
+        model_path,
+        tp=tp,
+        ep=ep,
+        dtype=dtype,
+        max_total_tokens=max_total_tokens,
+        mem_fraction_static=None,
+        seed=seed,
+        return_routed_experts=None,
+        deterministic=deterministic,
+        pause_mode="retract",
+        engine_kwargs=kwargs,
+    )
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     logger.info("SGLang engine node %d of %d up (schedulers %s)", node_rank, nnodes, sorted(own))
     return SGLangNode(own)
 
 
-def _engine_args(model_path: str, *, tp: int, ep: int, dtype: str, max_total_tokens: int, seed: int,
-                 on_cpu: bool, routed: bool, deterministic: bool) -> dict[str, Any]:
+def _engine_args(
+    model_path: str,
+    *,
+    tp: int,
+    ep: int,
+    dtype: str,
+    max_total_tokens: int,
+    seed: int,
+    on_cpu: bool,
+    routed: bool,
+    deterministic: bool,
+) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments; on CPU, the settings seen working in CPU_NOTES."""
     args = dict(
-        model_path=model_path, tp_size=tp, ep_size=ep, dtype=dtype, max_total_tokens=max_total_tokens,
-        random_seed=seed, skip_server_warmup=True, custom_weight_loader=[param_report.LOADER, rank_seed.LOADER,
-                                                                     post_load.LOADER, param_report.DIGEST_LOADER],
-        enable_return_routed_experts=routed, enable_deterministic_inference=deterministic, log_level="warning",
+        model_path=model_path,
+        tp_size=tp,
+        ep_size=ep,
+        dtype=dtype,
+        max_total_tokens=max_total_tokens,
+        random_seed=seed,
+        skip_server_warmup=True,
+        custom_weight_loader=[param_report.LOADER, rank_seed.LOADER, post_load.LOADER, param_report.DIGEST_LOADER],
+        enable_return_routed_experts=routed,
+        enable_deterministic_inference=deterministic,
+        log_level="warning",
         custom_sigquit_handler=_child_failed_at_start,
     )
     if on_cpu:
@@ -263,14 +344,18 @@ def _check_layout_overrides(engine_kwargs: dict[str, Any], *, on_cpu: bool) -> N
     """Refuse engine settings whose parameter layout the reshard plan would write wrongly."""
     for key, pinned in GPU_LAYOUT_PINS.items():
         if key in engine_kwargs and engine_kwargs[key] != pinned:
-            raise ValueError(f"sglang {key}={engine_kwargs[key]!r} changes the engine's parameter layout, which the "
-                             f"reshard plan does not model; leave it at {pinned!r}")
+            raise ValueError(
+                f"sglang {key}={engine_kwargs[key]!r} changes the engine's parameter layout, which the "
+                f"reshard plan does not model; leave it at {pinned!r}"
+            )
     if on_cpu:
         return
     for name in GPU_LAYOUT_ENV:
         if os.environ.get(name, "") not in ("", "0", "false", "False"):
-            raise ValueError(f"environment {name}={os.environ[name]} re-lays SGLang's parameters on GPUs in a "
-                             f"way the reshard plan does not model; unset it")
+            raise ValueError(
+                f"environment {name}={os.environ[name]} re-lays SGLang's parameters on GPUs in a "
+                f"way the reshard plan does not model; unset it"
+            )
 
 
 class SGLangStartError(RuntimeError):
@@ -305,8 +390,9 @@ def _close_new_zmq_contexts(before: set[int]) -> None:
         context.destroy(linger=0)
 
 
-def _check_start(*, tp: int, ep: int, on_cpu: bool, deterministic: bool, pause_mode: str,
-                 return_routed_experts: bool | None) -> None:
+def _check_start(
+    *, tp: int, ep: int, on_cpu: bool, deterministic: bool, pause_mode: str, return_routed_experts: bool | None
+) -> None:
     if tp < 1 or ep < 1 or tp % ep:
         raise ValueError(f"sglang tp={tp}, ep={ep}: both must be >= 1 and ep must divide tp")
     if pause_mode not in PAUSE_MODES:
@@ -315,14 +401,20 @@ def _check_start(*, tp: int, ep: int, on_cpu: bool, deterministic: bool, pause_m
         return
     if ep > 1:
         # seen: the scheduler dies in the first forward ("index -1 is out of bounds for dimension 1")
-        raise ValueError(f"sglang ep={ep}: SGLang's CPU engine only runs ep=1 (its torch-native MoE does "
-                         "not handle non-local experts); use ep=1 on CPU or run on a GPU")
+        raise ValueError(
+            f"sglang ep={ep}: SGLang's CPU engine only runs ep=1 (its torch-native MoE does "
+            "not handle non-local experts); use ep=1 on CPU or run on a GPU"
+        )
     if deterministic:
-        raise ValueError("sglang deterministic=true needs a GPU: SGLang's deterministic inference refuses the "
-                         "CPU attention backend (intel_amx); set deterministic=false on CPU")
+        raise ValueError(
+            "sglang deterministic=true needs a GPU: SGLang's deterministic inference refuses the "
+            "CPU attention backend (intel_amx); set deterministic=false on CPU"
+        )
     if return_routed_experts:
-        raise ValueError("sglang return_routed_experts=true needs a GPU: SGLang 0.5.23 allocates the routed-"
-                         "experts buffer with cudaHostRegister ('Found no NVIDIA driver' on CPU)")
+        raise ValueError(
+            "sglang return_routed_experts=true needs a GPU: SGLang 0.5.23 allocates the routed-"
+            "experts buffer with cudaHostRegister ('Found no NVIDIA driver' on CPU)"
+        )
 
 
 def _architectures(model_path: str) -> list[str]:
@@ -344,10 +436,21 @@ def _is_moe(model_path: str) -> bool:
 class SGLangEngine:
     """A running SGLang engine; see the module docstring. Start it with ``make_engine("sglang", ...)``."""
 
-    def __init__(self, engine: Any, *, tp: int, on_cpu: bool, model_path: str, routed_experts: bool,
-                 deterministic: bool, pause_mode: str, own_processes: frozenset[int],
-                 weights_loaded: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 generate_timeout_s: float | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        tp: int,
+        on_cpu: bool,
+        model_path: str,
+        routed_experts: bool,
+        deterministic: bool,
+        pause_mode: str,
+        own_processes: frozenset[int],
+        weights_loaded: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        generate_timeout_s: float | None = None,
+    ):
         self._engine = engine
         self.generate_timeout_s = generate_timeout_s
         """Bound of one call that waits on the engine (None: none); past it the engine counts as hung."""
@@ -399,10 +502,16 @@ class SGLangEngine:
         started = time.perf_counter()
         sampling = [self._sampling(params, i) for i in range(len(input_ids))]
         served = {"lora_path": [self._adapter] * len(input_ids)} if self._adapter is not None else {}
-        outputs = self._watched(lambda: self._engine.generate(
-            input_ids=input_ids, sampling_params=sampling, return_logprob=True,
-            return_routed_experts=self._routed_experts, **served,
-        ), "generate")
+        outputs = self._watched(
+            lambda: self._engine.generate(
+                input_ids=input_ids,
+                sampling_params=sampling,
+                return_logprob=True,
+                return_routed_experts=self._routed_experts,
+                **served,
+            ),
+            "generate",
+        )
         seconds = time.perf_counter() - started
         samples = tuple(self._sample(out, i // params.n, i % params.n, input_ids[i]) for i, out in enumerate(outputs))
         return RolloutBatch(samples=samples, seconds=seconds)
@@ -425,8 +534,11 @@ class SGLangEngine:
 
     def _sampling(self, params: SamplingParams, index: int) -> dict[str, Any]:
         sampling = {
-            "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k, "stop_token_ids": list(params.stop_token_ids),
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "stop_token_ids": list(params.stop_token_ids),
         }
         if params.seed is not None and params.temperature > 0:
             # SGLang honours a per-request seed only under deterministic inference
@@ -444,11 +556,18 @@ class SGLangEngine:
         response = tuple(int(t) for t in out["output_ids"])
         logprobs = tuple(float(lp) for lp, _token, _text in meta["output_token_logprobs"])
         assert len(logprobs) == len(response), (len(logprobs), len(response))
-        routed = _routed_experts(meta, len(prompt), len(response), self._num_layers, self._top_k,
-                                 first_dense=self._first_dense)
-        return RolloutSample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=tuple(prompt),
-                             response_ids=response, logprobs=logprobs, finish_reason=_FINISH[reason],
-                             routed_experts=routed)
+        routed = _routed_experts(
+            meta, len(prompt), len(response), self._num_layers, self._top_k, first_dense=self._first_dense
+        )
+        return RolloutSample(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=tuple(prompt),
+            response_ids=response,
+            logprobs=logprobs,
+            finish_reason=_FINISH[reason],
+            routed_experts=routed,
+        )
 
     # weights
 
@@ -460,8 +579,9 @@ class SGLangEngine:
             return self.push_full(weights)
         raise ValueError(f"weight push route={route!r}: choose one of {', '.join(ROUTES)}")
 
-    def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor],
-                     config: Mapping[str, Any]) -> WeightPushReport:
+    def load_adapter(
+        self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]
+    ) -> WeightPushReport:
         """Load LoRA adapter ``name`` (PEFT tensor names and ``adapter_config.json`` values) through
         SGLang's adapter API and serve it from the next generate on, in place of the adapter
         served before (unloaded first: its slot is the one). The engine must be started with
@@ -470,14 +590,19 @@ class SGLangEngine:
         started = time.perf_counter()
         if self._adapter is not None:
             self.unload_adapter(self._adapter)
-        result = self._watched(lambda: self._engine.load_lora_adapter_from_tensors(
-            lora_name=name, tensors=dict(tensors), config_dict=dict(config)), "load_lora_adapter_from_tensors")
+        result = self._watched(
+            lambda: self._engine.load_lora_adapter_from_tensors(
+                lora_name=name, tensors=dict(tensors), config_dict=dict(config)
+            ),
+            "load_lora_adapter_from_tensors",
+        )
         if not result.success:
             raise RuntimeError(f"SGLang did not load LoRA adapter {name!r}: {result.error_message}")
         self._adapter = name
         nbytes = sum(t.nbytes for t in tensors.values())
-        return WeightPushReport(seconds=time.perf_counter() - started, bytes_per_rank=(nbytes,) * self.tp,
-                                route="adapter")
+        return WeightPushReport(
+            seconds=time.perf_counter() - started, bytes_per_rank=(nbytes,) * self.tp, route="adapter"
+        )
 
     def unload_adapter(self, name: str) -> None:
         """Unload LoRA adapter ``name``; generate then serves the base weights if it was the served one."""
@@ -492,8 +617,9 @@ class SGLangEngine:
         """Each TP rank's parameter names and shapes, read from the running engine (padding included)."""
         return [{name: tuple(info["shape"]) for name, info in rank.items()} for rank in self.rank_params()]
 
-    def push_rank_tensors(self, per_rank: Sequence[Mapping[str, torch.Tensor]], *,
-                          bucket_bytes: int | None = None) -> WeightPushReport:
+    def push_rank_tensors(
+        self, per_rank: Sequence[Mapping[str, torch.Tensor]], *, bucket_bytes: int | None = None
+    ) -> WeightPushReport:
         """Give each TP rank only its own tensors, under SGLang's parameter names.
 
         ``per_rank[r]`` maps names to rank r's local tensors, unpadded as the reshard planner lays
@@ -518,8 +644,10 @@ class SGLangEngine:
         received = [0] * self.tp
         with self._update_session(weights=True):
             for last, bucket in _mark_last(fill_buckets(names, sizes, bucket_bytes or self.bucket_bytes)):
-                prepared = [handles.prepare_rank_payload(r, {n: per_rank[r][n] for n in bucket}, params[r])
-                            for r in range(self.tp)]
+                prepared = [
+                    handles.prepare_rank_payload(r, {n: per_rank[r][n] for n in bucket}, params[r])
+                    for r in range(self.tp)
+                ]
                 self._send_payloads([payload for payload, _kept in prepared], flush_cache=last)
                 for r, (payload, _kept) in enumerate(prepared):
                     received[r] += payload.nbytes
@@ -531,26 +659,34 @@ class SGLangEngine:
         until this returns. Flushes the cache once every rank has its weights."""
         self._check_open()
         if len(payloads) != self.tp or [p.rank for p in payloads] != list(range(self.tp)):
-            raise ValueError(f"sliced push got payloads for ranks {[p.rank for p in payloads]}; "
-                             f"the engine has tp={self.tp} (ranks 0..{self.tp - 1}, in order)")
+            raise ValueError(
+                f"sliced push got payloads for ranks {[p.rank for p in payloads]}; "
+                f"the engine has tp={self.tp} (ranks 0..{self.tp - 1}, in order)"
+            )
         _same_names([list(p.handles) for p in payloads])
         started = time.perf_counter()
         with self._update_session(weights=True):
             self._send_payloads(payloads, flush_cache=True)
-        return WeightPushReport(seconds=time.perf_counter() - started,
-                                bytes_per_rank=tuple(p.nbytes for p in payloads), route="sliced")
+        return WeightPushReport(
+            seconds=time.perf_counter() - started, bytes_per_rank=tuple(p.nbytes for p in payloads), route="sliced"
+        )
 
     def _send_payloads(self, payloads: Sequence[handles.RankPayload], *, flush_cache: bool) -> None:
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 
-        named = [(name, LocalSerializedTensor(values=[p.handles[name] for p in payloads]))
-                 for name in payloads[0].handles]
+        named = [
+            (name, LocalSerializedTensor(values=[p.handles[name] for p in payloads])) for name in payloads[0].handles
+        ]
         self._update(named, load_format="direct", flush_cache=False)
         if flush_cache:  # the last bucket: "direct" skipped the model's post-load hook (DeepSeek's w_kc / w_vc)
             self._update([("post_load", _NAME_ONLY)], load_format=post_load.LOADER, flush_cache=True)
 
-    def push_full(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                  bucket_bytes: int | None = None) -> WeightPushReport:
+    def push_full(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int | None = None,
+    ) -> WeightPushReport:
         """The baseline: every rank receives the full tensors under HF checkpoint names and slices them.
 
         MoE experts go by checkpoint names (``mlp.experts.{e}.gate_proj.weight``); transformers 5's
@@ -580,11 +716,14 @@ class SGLangEngine:
             return
         for name, tensor in items:
             if name not in expected:
-                raise ValueError(f"full push: {name!r} is not a tensor of the model's checkpoint; use HF checkpoint "
-                                 "names (per-expert mlp.experts.{e}.gate_proj.weight, not fused in-memory names)")
+                raise ValueError(
+                    f"full push: {name!r} is not a tensor of the model's checkpoint; use HF checkpoint "
+                    "names (per-expert mlp.experts.{e}.gate_proj.weight, not fused in-memory names)"
+                )
             if tuple(tensor.shape) != expected[name]:
-                raise ValueError(f"full push: {name!r} has shape {tuple(tensor.shape)}, the checkpoint "
-                                 f"{expected[name]}")
+                raise ValueError(
+                    f"full push: {name!r} has shape {tuple(tensor.shape)}, the checkpoint {expected[name]}"
+                )
 
     def rank_params(self) -> list[dict[str, dict[str, Any]]]:
         """Every TP rank's parameters, ``{name: {"shape": [...], "dtype": "float32"}}``, read once from the
@@ -622,8 +761,12 @@ class SGLangEngine:
             self._weights_lost = False
 
     def _update(self, named: list, *, load_format: str | None, flush_cache: bool) -> None:
-        result = self._watched(lambda: self._engine.update_weights_from_tensor(
-            named_tensors=named, load_format=load_format, flush_cache=flush_cache), "update_weights_from_tensor")
+        result = self._watched(
+            lambda: self._engine.update_weights_from_tensor(
+                named_tensors=named, load_format=load_format, flush_cache=flush_cache
+            ),
+            "update_weights_from_tensor",
+        )
         _check_result(result, f"update_weights_from_tensor(load_format={load_format!r})")
 
     def reseed(self, seed: int) -> None:
@@ -688,16 +831,21 @@ class SGLangEngine:
 
     def _check_weights_writable(self) -> None:
         if "weights" in self._released:
-            raise RuntimeError("weight push while the engine's weights are released: call "
-                               "resume_memory(('weights',)) first")
+            raise RuntimeError(
+                "weight push while the engine's weights are released: call resume_memory(('weights',)) first"
+            )
 
     def _check_servable(self) -> None:
         if self._released:
-            raise RuntimeError(f"generate while the engine's {', '.join(sorted(self._released))} memory is "
-                               "released: call resume_memory() first")
+            raise RuntimeError(
+                f"generate while the engine's {', '.join(sorted(self._released))} memory is "
+                "released: call resume_memory() first"
+            )
         if self._weights_lost:
-            raise RuntimeError("the engine holds no valid weights (it started with load_format='dummy', or its "
-                               "weights were released and their values are gone): push weights, then generate")
+            raise RuntimeError(
+                "the engine holds no valid weights (it started with load_format='dummy', or its "
+                "weights were released and their values are gone): push weights, then generate"
+            )
 
     def shutdown(self) -> None:
         """Stop the engine, then make sure no process it started is left (leftovers are killed, with a warning)."""
@@ -795,8 +943,9 @@ def _descendants(pids: frozenset[int]) -> list[psutil.Process]:
 
 def _reap_children(children_before: frozenset[int], timeout_s: float = 10.0) -> None:
     """Kill and reap every descendant of this process not in ``children_before`` (a failed start)."""
-    _kill_and_reap([p for p in psutil.Process().children(recursive=True) if p.pid not in children_before],
-                   timeout_s=timeout_s)
+    _kill_and_reap(
+        [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before], timeout_s=timeout_s
+    )
 
 
 def _kill_and_reap(processes: list[psutil.Process], *, timeout_s: float = 10.0, quiet: bool = False) -> None:
@@ -808,15 +957,19 @@ def _kill_and_reap(processes: list[psutil.Process], *, timeout_s: float = 10.0, 
     """
     alive = [p for p in processes if _is_running(p)]
     if alive and not quiet:
-        logger.warning("SGLang left %d process(es) running after shutdown (%s); killing them",
-                       len(alive), ", ".join(str(p.pid) for p in alive))
+        logger.warning(
+            "SGLang left %d process(es) running after shutdown (%s); killing them",
+            len(alive),
+            ", ".join(str(p.pid) for p in alive),
+        )
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
     _gone, stuck = psutil.wait_procs(processes, timeout=timeout_s)
     if stuck:
-        logger.warning("SGLang processes still present %.0f s after shutdown: %s", timeout_s,
-                       ", ".join(f"{p.pid}" for p in stuck))
+        logger.warning(
+            "SGLang processes still present %.0f s after shutdown: %s", timeout_s, ", ".join(f"{p.pid}" for p in stuck)
+        )
 
 
 def _is_running(process: psutil.Process) -> bool:
@@ -873,8 +1026,10 @@ def _same_names(per_rank: list[list[str]]) -> list[str]:
     for rank, other in enumerate(per_rank):
         if set(other) != set(names):
             missing, extra = sorted(set(names) - set(other)), sorted(set(other) - set(names))
-            raise ValueError(f"sliced push: rank {rank} names other parameters than rank 0 "
-                             f"(missing {missing[:5]}, extra {extra[:5]}); every rank must get the same names")
+            raise ValueError(
+                f"sliced push: rank {rank} names other parameters than rank 0 "
+                f"(missing {missing[:5]}, extra {extra[:5]}); every rank must get the same names"
+            )
     return names
 
 
@@ -883,8 +1038,9 @@ def _mark_last(buckets: list[list[str]]) -> Iterator[tuple[bool, list[str]]]:
         yield index == len(buckets) - 1, bucket
 
 
-def _routed_experts(meta: dict[str, Any], prompt_len: int, response_len: int, num_layers: int,
-                    top_k: int, *, first_dense: int = 0) -> np.ndarray | None:
+def _routed_experts(
+    meta: dict[str, Any], prompt_len: int, response_len: int, num_layers: int, top_k: int, *, first_dense: int = 0
+) -> np.ndarray | None:
     """``[P + R - 1, L, k]`` experts chosen for every token fed to the model, or None.
 
     SGLang returns base64 int32 rows ``[num_layers, k]`` for positions ``0 .. P + R - 2`` (the
@@ -897,6 +1053,8 @@ def _routed_experts(meta: dict[str, Any], prompt_len: int, response_len: int, nu
         return None
     rows = np.frombuffer(base64.b64decode(raw), dtype=np.int32).reshape(-1, num_layers, top_k)
     if len(rows) != prompt_len + response_len - 1:
-        raise RuntimeError(f"SGLang returned routed experts for {len(rows)} positions; a {prompt_len}-token prompt "
-                           f"with a {response_len}-token response feeds {prompt_len + response_len - 1}")
+        raise RuntimeError(
+            f"SGLang returned routed experts for {len(rows)} positions; a {prompt_len}-token prompt "
+            f"with a {response_len}-token response feeds {prompt_len + response_len - 1}"
+        )
     return rows[:, first_dense:].copy()

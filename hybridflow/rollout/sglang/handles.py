@@ -39,8 +39,15 @@ import torch.multiprocessing
 
 from hybridflow.rollout.sglang.padding import to_engine_layout
 
-__all__ = ["RankPayload", "check_rank_tensor", "engine_tensor", "nbytes", "open_handle", "prepare_rank_payload",
-           "share"]
+__all__ = [
+    "RankPayload",
+    "check_rank_tensor",
+    "engine_tensor",
+    "nbytes",
+    "open_handle",
+    "prepare_rank_payload",
+    "share",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +66,16 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def check_rank_tensor(rank: int, name: str, tensor: torch.Tensor,
-                      params: Mapping[str, Mapping[str, Any]]) -> tuple[tuple[int, ...], torch.dtype]:
+def check_rank_tensor(
+    rank: int, name: str, tensor: torch.Tensor, params: Mapping[str, Mapping[str, Any]]
+) -> tuple[tuple[int, ...], torch.dtype]:
     """The engine's (shape, dtype) for ``name`` on ``rank``; ValueError if the engine has no such
     parameter or ``tensor`` cannot be padded to its shape. Allocates nothing."""
     if name not in params:
-        raise ValueError(f"sliced push: {name!r} (rank {rank}) is not a parameter of the engine's model; "
-                         f"its parameters are named like {sorted(params)[:3]}")
+        raise ValueError(
+            f"sliced push: {name!r} (rank {rank}) is not a parameter of the engine's model; "
+            f"its parameters are named like {sorted(params)[:3]}"
+        )
     shape = tuple(params[name]["shape"])
     try:  # on the meta device: checks the padding rule without allocating
         to_engine_layout(name, torch.empty(tensor.shape, device="meta"), shape)
@@ -120,8 +130,9 @@ def _device_uuid_reductions() -> None:
     monkey_patch_torch_reductions()
 
 
-def prepare_rank_payload(rank: int, tensors: Mapping[str, torch.Tensor],
-                         params: Mapping[str, Mapping[str, Any]]) -> tuple[RankPayload, list[torch.Tensor]]:
+def prepare_rank_payload(
+    rank: int, tensors: Mapping[str, torch.Tensor], params: Mapping[str, Mapping[str, Any]]
+) -> tuple[RankPayload, list[torch.Tensor]]:
     """Check ``tensors`` against engine rank ``rank``'s ``params`` (``SGLangEngine.rank_params()[rank]``),
     lay them out as the engine's parameters and share them.
 

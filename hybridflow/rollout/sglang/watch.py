@@ -82,8 +82,9 @@ class ProcessWatch:
         signals a failure, or ``timeout_s`` (None: no bound) passes."""
         self.check(what)
         done = threading.Event()
-        poller = threading.Thread(target=self._poll, args=(done, timeout_s, what), daemon=True,
-                                  name="hybridflow-engine-watch")
+        poller = threading.Thread(
+            target=self._poll, args=(done, timeout_s, what), daemon=True, name="hybridflow-engine-watch"
+        )
         self._active, self._what = True, what
         poller.start()
         try:
@@ -130,8 +131,11 @@ class ProcessWatch:
     def _signalled(self) -> None:
         """SIGQUIT: a scheduler that failed (often a peer of one that died: that one is named)."""
         dead = self.dead()
-        self._lost(f"{dead} during {self._what}" if dead is not None
-                   else f"an SGLang process reported a failure (SIGQUIT) during {self._what}")
+        self._lost(
+            f"{dead} during {self._what}"
+            if dead is not None
+            else f"an SGLang process reported a failure (SIGQUIT) during {self._what}"
+        )
 
     def _lost(self, cause: str) -> None:
         """In the loop's thread: record ``cause`` and stop the loop if a call is running on it."""

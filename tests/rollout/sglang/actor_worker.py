@@ -59,17 +59,25 @@ def export(model_dir: str, out: str) -> None:
     model, policy = actor(model_dir)
     source = megatron_layout(model, LAYOUT, dtype="float32")
     destination = sglang_layout(model, SETTINGS, dtype="float32")
-    topology = Topology(source=(Device(node=0, gpu=0), Device(node=0, gpu=1)),
-                        destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)))
+    topology = Topology(
+        source=(Device(node=0, gpu=0), Device(node=0, gpu=1)),
+        destination=(Device(node=0, gpu=0), Device(node=0, gpu=1)),
+    )
     plan = plan_reshard(source, destination, topology)
     me = dist.get_rank()
     buffers = {n: torch.zeros(s) for n, s in destination.param_shapes(me).items()}
-    report = execute(plan, ProcessMap(source=(0, 1), destination=(0, 1)),
-                     sources=global_named_parameters(policy), destinations=buffers, bucket_bytes=1 << 20,
-                     verify=True)
+    report = execute(
+        plan,
+        ProcessMap(source=(0, 1), destination=(0, 1)),
+        sources=global_named_parameters(policy),
+        destinations=buffers,
+        bucket_bytes=1 << 20,
+        verify=True,
+    )
     share = sum(destination.shard_nbytes(s) for shards in destination.shards.values() for s in shards if me in s.ranks)
-    torch.save({"tensors": buffers, "plan_share_bytes": share, "report": report.as_dict()},
-               os.path.join(out, f"rank{me}.pt"))
+    torch.save(
+        {"tensors": buffers, "plan_share_bytes": share, "report": report.as_dict()}, os.path.join(out, f"rank{me}.pt")
+    )
 
 
 def score(model_dir: str, out: str, seqs: str) -> None:

@@ -23,11 +23,17 @@ def main(spec_path: str) -> None:
     from hybridflow.rollout.sglang.engine import lora_args
 
     spec = json.loads(open(spec_path).read())
-    adapters = [(load_file(f"{d}/adapter_model.safetensors"), json.loads(open(f"{d}/adapter_config.json").read()))
-                for d in spec["adapters"]]
+    adapters = [
+        (load_file(f"{d}/adapter_model.safetensors"), json.loads(open(f"{d}/adapter_config.json").read()))
+        for d in spec["adapters"]
+    ]
     config = adapters[0][1]
-    engine = make_engine("sglang", model_path=spec["model"], tp=spec["tp"],
-                         **lora_args(rank=config["r"], target_modules=config["target_modules"], on_cpu=True))
+    engine = make_engine(
+        "sglang",
+        model_path=spec["model"],
+        tp=spec["tp"],
+        **lora_args(rank=config["r"], target_modules=config["target_modules"], on_cpu=True),
+    )
     greedy = SamplingParams(temperature=0.0, max_new_tokens=spec["max_new"])
     phases, pushes = {}, []
 

@@ -32,17 +32,23 @@ def load_hf(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int,
-              stop_token_ids: tuple[int, ...] = ()) -> list[list[int]]:
+def hf_greedy(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()
+) -> list[list[int]]:
     """transformers ``generate(do_sample=False)`` one prompt at a time (no padding); prompt removed."""
     eos = list(model.generation_config.eos_token_id) + list(stop_token_ids)
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            full = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos)
-        out.append(full[0, len(prompt):].tolist())
+            full = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+            )
+        out.append(full[0, len(prompt) :].tolist())
     return out
 
 
@@ -64,8 +70,13 @@ def rank_tensors(path: Path, tp: int, ep: int = 1) -> list[dict[str, torch.Tenso
     them out (the oracle)."""
     hf = {name: t.numpy() for name, t in checkpoint_tensors(path).items()}
     config = to_hybridflow_model_config(path)
-    return [{name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in
-             sglang_params(config, SGLangSettings(tp=tp, ep=ep), hf, rank).items()} for rank in range(tp)]
+    return [
+        {
+            name: torch.from_numpy(np.ascontiguousarray(a))
+            for name, a in sglang_params(config, SGLangSettings(tp=tp, ep=ep), hf, rank).items()
+        }
+        for rank in range(tp)
+    ]
 
 
 def child_processes() -> list[psutil.Process]:

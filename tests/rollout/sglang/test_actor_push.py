@@ -52,8 +52,16 @@ def pushed(tmp_path_factory):
         sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=3))
     finally:
         engine.shutdown()
-    yield {"root": root, "actor_dir": actor_dir, "prompts": prompts, "exported": exported, "report": report,
-           "before": before, "after": after, "sampled": sampled}
+    yield {
+        "root": root,
+        "actor_dir": actor_dir,
+        "prompts": prompts,
+        "exported": exported,
+        "report": report,
+        "before": before,
+        "after": after,
+        "sampled": sampled,
+    }
 
 
 def _responses(batch) -> list[list[int]]:

@@ -10,14 +10,17 @@ import pytest
 from hybridflow.rollout.sglang import cpu
 
 
-@pytest.mark.parametrize("tp,cores,expected", [
-    (1, [0, 1], "0-1"),
-    (2, [0, 1], "0|1"),
-    (2, [0, 1, 2, 3], "0-1|2-3"),
-    (2, [0, 1, 2], "0-1|2"),
-    (2, [0, 2, 4, 6], "0,2|4,6"),
-    (3, [0, 1], "0|1|0"),  # fewer cores than ranks: shared round-robin
-])
+@pytest.mark.parametrize(
+    "tp,cores,expected",
+    [
+        (1, [0, 1], "0-1"),
+        (2, [0, 1], "0|1"),
+        (2, [0, 1, 2, 3], "0-1|2-3"),
+        (2, [0, 1, 2], "0-1|2"),
+        (2, [0, 2, 4, 6], "0,2|4,6"),
+        (3, [0, 1], "0|1|0"),  # fewer cores than ranks: shared round-robin
+    ],
+)
 def test_omp_threads_bind_splits_the_usable_cores(tp, cores, expected):
     assert cpu.omp_threads_bind(tp, cores) == expected
 
@@ -73,8 +76,14 @@ def test_a_registry_loaded_for_one_architecture_takes_another_before_the_next_fo
         print("AFTER", sorted(ModelRegistry.models))
     """
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join([str(cpu.STUB_PATH), os.getcwd()]))
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.getcwd())
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.getcwd(),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     before = done.stdout.split("BEFORE ")[1].splitlines()[0]
     after = done.stdout.split("AFTER ")[1].splitlines()[0]
@@ -103,20 +112,24 @@ def test_apply_sets_the_environment_without_a_gpu(monkeypatch):
 def _run_with_stub(code: str, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
     log = tmp_path / "calls.log"
     env = dict(os.environ, PYTHONPATH=str(cpu.STUB_PATH), **{cpu.STUB_LOG_ENV: str(log)})
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=60
+    )
     return done, log.read_text() if log.exists() else ""
 
 
 def test_stand_in_shadows_the_cuda_package_and_imports_what_sglang_names(tmp_path):
-    done, calls = _run_with_stub("""
+    done, calls = _run_with_stub(
+        """
         import sgl_kernel
         assert sgl_kernel.IS_HYBRIDFLOW_CPU_STUB
         from sgl_kernel.scalar_type import scalar_types
         from sgl_kernel.kvcacheio import transfer_kv_per_layer
         table = [scalar_types.uint4b8, scalar_types.uint8b128]  # sglang builds such tables at import
         print(repr(transfer_kv_per_layer))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert "sgl_kernel.kvcacheio.transfer_kv_per_layer" in done.stdout
     assert calls == ""  # naming a kernel is not calling it
@@ -124,13 +137,16 @@ def test_stand_in_shadows_the_cuda_package_and_imports_what_sglang_names(tmp_pat
 
 @pytest.mark.claim("stub-never-called")
 def test_a_stand_in_kernel_records_the_call_and_raises(tmp_path):
-    done, calls = _run_with_stub("""
+    done, calls = _run_with_stub(
+        """
         import os, sgl_kernel
         try:
             sgl_kernel.elementwise.silu_and_mul(1, 2)
         except sgl_kernel.StubKernelCalled as error:
             print("raised:", error)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert "raised: sgl_kernel.elementwise.silu_and_mul was called" in done.stdout
     pid, name = calls.split()
@@ -188,8 +204,14 @@ def test_a_rank_forks_a_tp2_engines_processes_and_keeps_its_process_group(tmp_pa
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(FORKED_ENGINE))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.getcwd(),
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "FORKED [True, True, True]" in done.stdout, done.stdout[-2000:]
     # the children share the rank's resource tracker, as spawned ones would: one of their own would

@@ -225,8 +225,10 @@ def test_full_push_matches_transformers_and_moves_more_bytes_per_rank(case):
     assert _response_ids(engine.generate(PROMPTS, GREEDY)) == expected
     sliced = engine.push_weights(rank_tensors(other, case.tp), route="sliced")
     assert _response_ids(engine.generate(PROMPTS, GREEDY)) == expected
-    print(f"\n[{case.family} tp={case.tp}] full push {full.seconds:.2f} s, bytes/rank {full.bytes_per_rank}; "
-          f"sliced {sliced.seconds:.2f} s, {sliced.bytes_per_rank}")
+    print(
+        f"\n[{case.family} tp={case.tp}] full push {full.seconds:.2f} s, bytes/rank {full.bytes_per_rank}; "
+        f"sliced {sliced.seconds:.2f} s, {sliced.bytes_per_rank}"
+    )
     assert full.bytes_per_rank == (sum(t.nbytes for t in checkpoint_tensors(other).values()),) * case.tp
     if case.tp > 1:
         assert all(s < f for s, f in zip(sliced.bytes_per_rank, full.bytes_per_rank))

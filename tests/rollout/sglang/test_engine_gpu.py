@@ -22,7 +22,9 @@ from hybridflow.rollout.sglang import cpu
 from tests.rollout.sglang.reference import hf_greedy, load_hf, rank_tensors, tiny_model_dir
 
 pytestmark = [
-    pytest.mark.gpu, pytest.mark.distributed, pytest.mark.timeout(900),
+    pytest.mark.gpu,
+    pytest.mark.distributed,
+    pytest.mark.timeout(900),
     pytest.mark.skipif(not cpu.has_cuda_gpu(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it on one)"),
 ]
 
@@ -73,8 +75,10 @@ def test_release_frees_memory_and_resume_then_push_serves_the_same_tokens(moe_di
         after = _responses(engine.generate(PROMPTS, GREEDY))
     finally:
         engine.shutdown()
-    print(f"\nfree GPU memory: {free_before / 2**20:.0f} MiB, released {free_released / 2**20:.0f} MiB, "
-          f"resumed {free_resumed / 2**20:.0f} MiB")
+    print(
+        f"\nfree GPU memory: {free_before / 2**20:.0f} MiB, released {free_released / 2**20:.0f} MiB, "
+        f"resumed {free_resumed / 2**20:.0f} MiB"
+    )
     assert free_released - free_before > 64 << 20  # the KV pool of 65,536 tokens alone is larger
     assert free_resumed < free_released - (64 << 20)
     assert after == before

@@ -19,13 +19,16 @@ def test_sglang_is_a_registered_engine():
 
 
 @pytest.mark.skipif(cpu.has_cuda_gpu(), reason="checks of the CPU engine")
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(tp=2, ep=2), "ep=2"),
-    (dict(deterministic=True), "deterministic"),
-    (dict(return_routed_experts=True), "return_routed_experts"),
-    (dict(tp=3, ep=2), "ep must divide tp"),
-    (dict(pause_mode="freeze"), "pause_mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(tp=2, ep=2), "ep=2"),
+        (dict(deterministic=True), "deterministic"),
+        (dict(return_routed_experts=True), "return_routed_experts"),
+        (dict(tp=3, ep=2), "ep must divide tp"),
+        (dict(pause_mode="freeze"), "pause_mode"),
+    ],
+)
 def test_settings_the_cpu_engine_cannot_run_are_refused_before_start(kwargs, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         make_engine("sglang", model_path=str(tmp_path), **kwargs)
@@ -35,8 +38,9 @@ def test_settings_the_cpu_engine_cannot_run_are_refused_before_start(kwargs, mat
 def test_a_cpu_engine_that_would_spawn_is_refused_lora_before_start(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "can_fork_engine_processes", lambda: False)  # e.g. OMP_NUM_THREADS unset
     with pytest.raises(ValueError, match="LoRA adapters only from forked processes"):
-        make_engine("sglang", model_path=str(tmp_path), **engine.lora_args(rank=8, target_modules=["q_proj"],
-                                                                           on_cpu=True))
+        make_engine(
+            "sglang", model_path=str(tmp_path), **engine.lora_args(rank=8, target_modules=["q_proj"], on_cpu=True)
+        )
 
 
 def test_routed_experts_keep_every_fed_position_and_drop_dense_layers():
@@ -57,9 +61,15 @@ def test_buckets_keep_order_and_size():
     assert fill_buckets(["a", "b", "c", "d"], [4, 4, 10, 1], 8) == [["a", "b"], ["c"], ["d"]]
 
 
-@pytest.mark.parametrize("result,ok", [
-    ((True, "Success"), True), ((False, "bad"), False), ({"success": False, "message": "x"}, False), (None, True),
-])
+@pytest.mark.parametrize(
+    "result,ok",
+    [
+        ((True, "Success"), True),
+        ((False, "bad"), False),
+        ({"success": False, "message": "x"}, False),
+        (None, True),
+    ],
+)
 def test_check_result_reads_every_shape_of_sglang_reply(result, ok):
     if ok:
         engine._check_result(result, "call")
@@ -80,9 +90,14 @@ class _FakeSGLang:
     """Stands in for ``sglang.Engine`` to follow the adapter's GPU memory bookkeeping (a GPU
     engine cannot start here); records the calls SGLang would receive."""
 
-    tokenizer_manager = SimpleNamespace(context_len=64, model_config=SimpleNamespace(
-        vocab_size=320, hf_text_config=SimpleNamespace(num_hidden_layers=2, num_experts_per_tok=2)),
-        _subprocess_watchdog=None, auto_create_handle_loop=lambda: None)
+    tokenizer_manager = SimpleNamespace(
+        context_len=64,
+        model_config=SimpleNamespace(
+            vocab_size=320, hf_text_config=SimpleNamespace(num_hidden_layers=2, num_experts_per_tok=2)
+        ),
+        _subprocess_watchdog=None,
+        auto_create_handle_loop=lambda: None,
+    )
 
     def __init__(self):
         self.calls = []
@@ -110,8 +125,16 @@ class _FakeSGLang:
 def test_gpu_memory_release_resume_and_push_order_is_enforced(tmp_path, monkeypatch):
     fake = _FakeSGLang()
     monkeypatch.setattr(engine, "_shutdown", lambda *_args: None)  # nothing to shut down
-    gpu = engine.SGLangEngine(fake, tp=1, on_cpu=False, model_path=str(tmp_path), routed_experts=False,
-                              deterministic=False, pause_mode="retract", own_processes=frozenset())
+    gpu = engine.SGLangEngine(
+        fake,
+        tp=1,
+        on_cpu=False,
+        model_path=str(tmp_path),
+        routed_experts=False,
+        deterministic=False,
+        pause_mode="retract",
+        own_processes=frozenset(),
+    )
     sent = []
     monkeypatch.setattr(gpu, "_send_payloads", lambda payloads, flush_cache: sent.append(len(payloads)))
     payload = [handles.RankPayload(rank=0, handles={"model.norm.weight": b"handle"}, nbytes=256)]
@@ -143,9 +166,17 @@ def test_gpu_memory_release_resume_and_push_order_is_enforced(tmp_path, monkeypa
 def test_an_engine_started_without_weights_generates_only_after_a_push(tmp_path, monkeypatch):
     fake = _FakeSGLang()
     monkeypatch.setattr(engine, "_shutdown", lambda *_args: None)
-    empty = engine.SGLangEngine(fake, tp=1, on_cpu=True, model_path=str(tmp_path), routed_experts=False,
-                                deterministic=False, pause_mode="retract", own_processes=frozenset(),
-                                weights_loaded=False)  # load_format="dummy"
+    empty = engine.SGLangEngine(
+        fake,
+        tp=1,
+        on_cpu=True,
+        model_path=str(tmp_path),
+        routed_experts=False,
+        deterministic=False,
+        pause_mode="retract",
+        own_processes=frozenset(),
+        weights_loaded=False,
+    )  # load_format="dummy"
     monkeypatch.setattr(empty, "_send_payloads", lambda payloads, flush_cache: None)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
     with pytest.raises(RuntimeError, match="load_format='dummy'"):
@@ -156,22 +187,43 @@ def test_an_engine_started_without_weights_generates_only_after_a_push(tmp_path,
 
 @pytest.mark.claim("gpu-layout-pins")
 def test_gpu_engines_start_with_the_layout_the_reshard_plan_writes(tmp_path):
-    args = engine._engine_args(str(tmp_path), tp=2, ep=1, dtype="bfloat16", max_total_tokens=64, seed=0,
-                               on_cpu=False, routed=False, deterministic=False)
+    args = engine._engine_args(
+        str(tmp_path),
+        tp=2,
+        ep=1,
+        dtype="bfloat16",
+        max_total_tokens=64,
+        seed=0,
+        on_cpu=False,
+        routed=False,
+        deterministic=False,
+    )
     for key, pinned in engine.GPU_LAYOUT_PINS.items():
         assert args[key] == pinned
     assert args["disable_shared_experts_fusion"] is True and args["moe_runner_backend"] == "triton"
-    cpu_args = engine._engine_args(str(tmp_path), tp=2, ep=1, dtype="float32", max_total_tokens=64, seed=0,
-                                   on_cpu=True, routed=False, deterministic=False)
+    cpu_args = engine._engine_args(
+        str(tmp_path),
+        tp=2,
+        ep=1,
+        dtype="float32",
+        max_total_tokens=64,
+        seed=0,
+        on_cpu=True,
+        routed=False,
+        deterministic=False,
+    )
     assert not set(engine.GPU_LAYOUT_PINS) & set(cpu_args)  # CPU layouts never take those paths
 
 
-@pytest.mark.parametrize("override, key", [
-    (dict(moe_runner_backend="flashinfer_cutlass"), "moe_runner_backend='flashinfer_cutlass'"),
-    (dict(disable_shared_experts_fusion=False), "disable_shared_experts_fusion=False"),
-    (dict(moe_a2a_backend="deepep"), "moe_a2a_backend='deepep'"),
-    (dict(ep_num_redundant_experts=8), "ep_num_redundant_experts=8"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (dict(moe_runner_backend="flashinfer_cutlass"), "moe_runner_backend='flashinfer_cutlass'"),
+        (dict(disable_shared_experts_fusion=False), "disable_shared_experts_fusion=False"),
+        (dict(moe_a2a_backend="deepep"), "moe_a2a_backend='deepep'"),
+        (dict(ep_num_redundant_experts=8), "ep_num_redundant_experts=8"),
+    ],
+)
 @pytest.mark.claim("gpu-layout-pins")
 def test_layout_changing_overrides_are_refused_before_start(override, key, tmp_path):
     with pytest.raises(ValueError, match=f"sglang {key} changes the engine's parameter layout"):

@@ -55,12 +55,15 @@ def test_prepare_pads_casts_and_counts_the_engine_bytes():
     assert payload.nbytes == 4 * 16 * 64 * 4 + 16 * 8 * 2
 
 
-@pytest.mark.parametrize("tensors,match", [
-    ({"model.layers.0.mlp.experts.w13_weight": torch.ones(4, 64, 16)}, "rank 1.*not a parameter"),
-    ({"model.layers.0.self_attn.o_proj.weight": torch.ones(16, 9)}, "rank 1.*o_proj"),
-    ({"model.layers.0.mlp.experts.w2_weight": torch.ones(4, 16, 80)}, "rank 1.*w2_weight"),
-    ({}, "no tensors for engine rank 1"),
-])
+@pytest.mark.parametrize(
+    "tensors,match",
+    [
+        ({"model.layers.0.mlp.experts.w13_weight": torch.ones(4, 64, 16)}, "rank 1.*not a parameter"),
+        ({"model.layers.0.self_attn.o_proj.weight": torch.ones(16, 9)}, "rank 1.*o_proj"),
+        ({"model.layers.0.mlp.experts.w2_weight": torch.ones(4, 16, 80)}, "rank 1.*w2_weight"),
+        ({}, "no tensors for engine rank 1"),
+    ],
+)
 def test_bad_tensors_are_refused_before_anything_is_shared(tensors, match, monkeypatch):
     shared = []
     monkeypatch.setattr(handles, "share", lambda t: shared.append(t) or b"")

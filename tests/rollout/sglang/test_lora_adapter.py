@@ -36,8 +36,9 @@ def _adapter(model_dir: Path, out: Path, seed: int) -> Path:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    net = get_peft_model(load_hf(model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
-                                                         init_lora_weights=False))
+    net = get_peft_model(
+        load_hf(model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    )
     net.save_pretrained(str(out))
     return out
 
@@ -51,11 +52,22 @@ def served(request, tmp_path_factory):
     model_dir = tiny_model_dir(root, "qwen2", seed=0)
     adapters = [_adapter(model_dir, root / f"adapter{i}", seed=i) for i in (1, 2)]
     spec = root / "spec.json"
-    spec.write_text(json.dumps({"model": str(model_dir), "tp": tp, "adapters": [str(a) for a in adapters],
-                                "prompts": PROMPTS, "max_new": MAX_NEW, "out": str(root / "out.json")}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model": str(model_dir),
+                "tp": tp,
+                "adapters": [str(a) for a in adapters],
+                "prompts": PROMPTS,
+                "max_new": MAX_NEW,
+                "out": str(root / "out.json"),
+            }
+        )
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(WORKER), str(spec)], env=env, capture_output=True, text=True,
-                          timeout=800, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(spec)], env=env, capture_output=True, text=True, timeout=800, cwd=ROOT
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
     return model_dir, adapters, json.loads((root / "out.json").read_text())
 

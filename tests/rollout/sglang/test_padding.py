@@ -28,12 +28,15 @@ def test_dense_gate_up_follows_the_same_rule():
     assert torch.equal(out[P : P + I_LOCAL], gate_up[I_LOCAL:])
 
 
-@pytest.mark.parametrize("name,shape,padded,dim", [
-    ("model.layers.0.mlp.experts.w2_weight", (E, H, I_LOCAL), (E, H, P), 2),
-    ("model.layers.0.mlp.down_proj.weight", (H, I_LOCAL), (H, P), 1),
-    ("model.embed_tokens.weight", (100, H), (128, H), 0),
-    ("lm_head.weight", (100, H), (128, H), 0),
-])
+@pytest.mark.parametrize(
+    "name,shape,padded,dim",
+    [
+        ("model.layers.0.mlp.experts.w2_weight", (E, H, I_LOCAL), (E, H, P), 2),
+        ("model.layers.0.mlp.down_proj.weight", (H, I_LOCAL), (H, P), 1),
+        ("model.embed_tokens.weight", (100, H), (128, H), 0),
+        ("lm_head.weight", (100, H), (128, H), 0),
+    ],
+)
 def test_tail_padding(name, shape, padded, dim):
     t = torch.randn(shape)
     out = to_engine_layout(name, t, padded)
@@ -54,15 +57,18 @@ def test_padded_expert_computes_the_same_output():
     assert torch.allclose(expert(padded13, padded2), expert(w13, w2), atol=1e-6)
 
 
-@pytest.mark.parametrize("name,shape,engine_shape", [
-    ("model.layers.0.self_attn.o_proj.weight", (8, 3), (8, 4)),  # the engine pads no dim of o_proj
-    ("model.layers.0.self_attn.qkv_proj.weight", (12, 8), (16, 8)),  # padded heads: unsupported
-    ("model.layers.0.mlp.experts.w2_weight", (E, H - 1, I_LOCAL), (E, H, P)),  # wrong dim grows
-    ("model.layers.0.mlp.experts.w2_weight", (E, H, P + 1), (E, H, P)),  # shrinking
-    ("model.layers.0.mlp.experts.w13_weight", (E + 1, 2 * I_LOCAL, H), (E, 2 * P, H)),
-    ("model.layers.0.mlp.experts.w13_weight", (E, 2 * I_LOCAL, H), (E, 2 * P + 1, H)),  # odd
-    ("model.embed_tokens.weight", (100, H), (128,)),
-])
+@pytest.mark.parametrize(
+    "name,shape,engine_shape",
+    [
+        ("model.layers.0.self_attn.o_proj.weight", (8, 3), (8, 4)),  # the engine pads no dim of o_proj
+        ("model.layers.0.self_attn.qkv_proj.weight", (12, 8), (16, 8)),  # padded heads: unsupported
+        ("model.layers.0.mlp.experts.w2_weight", (E, H - 1, I_LOCAL), (E, H, P)),  # wrong dim grows
+        ("model.layers.0.mlp.experts.w2_weight", (E, H, P + 1), (E, H, P)),  # shrinking
+        ("model.layers.0.mlp.experts.w13_weight", (E + 1, 2 * I_LOCAL, H), (E, 2 * P, H)),
+        ("model.layers.0.mlp.experts.w13_weight", (E, 2 * I_LOCAL, H), (E, 2 * P + 1, H)),  # odd
+        ("model.embed_tokens.weight", (100, H), (128,)),
+    ],
+)
 def test_shapes_no_rule_reaches_are_refused_by_name(name, shape, engine_shape):
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         to_engine_layout(name, torch.zeros(shape), engine_shape)
