@@ -9,7 +9,7 @@ job) and the ``HYBRIDFLOW_INJECT_*`` variables that select what to inject:
 ``RAISE_AT_STEP=STEP:RANK``
     that rank raises as that RL step starts: a bug in one rank.
 ``REPLICA_FAILURE=K@N``
-    replica K's engine raises at the N-th generate call of the run.
+    replica K's driver fails its share of the N-th generate call of the run (its first try).
 ``KILL_ENGINE=K@N``
     replica K's driver SIGKILLs a scheduler process of its SGLang engine while the N-th generate
     call generates (its first try).
@@ -122,15 +122,13 @@ def kill_a_scheduler_soon(engine) -> None:
 
 
 class FaultyEngine:
-    """The real engine, whose next ``generate`` first fails (``failure``) or loses a scheduler
-    process (``kill``); everything else goes to the real one."""
+    """The real engine, whose next ``generate`` loses a scheduler process while it runs;
+    everything else goes to the real one."""
 
-    def __init__(self, engine, *, failure: str | None = None, kill: bool = False) -> None:
-        self._engine, self._failure, self._kill = engine, failure, kill
+    def __init__(self, engine) -> None:
+        self._engine, self._kill = engine, True
 
     def generate(self, prompts, params):
-        if self._failure:
-            raise RuntimeError(self._failure)
         if self._kill:
             self._kill = False
             kill_a_scheduler_soon(self._engine)
@@ -141,18 +139,29 @@ class FaultyEngine:
 
 
 def _replicas(replicas) -> None:
-    real_attempt = replicas._attempt
+    real_attempt, real_drive = replicas._attempt, replicas._drive
 
     def faulty_attempt(engine, *args, replica: int, call, attempt: int, **kwargs):
         here = f"{replica}@{call}"
-        failing = os.environ.get(REPLICA_FAILURE) == here
-        failure = f"{REPLICA_FAILURE}={here}: simulated engine failure" if failing else None
-        kill = os.environ.get(KILL_ENGINE) == here
-        if attempt == 0 and (failure or kill):
-            engine = FaultyEngine(engine, failure=failure, kill=kill)
-        return real_attempt(engine, *args, replica=replica, call=call, attempt=attempt, **kwargs)
+        if attempt == 0 and os.environ.get(KILL_ENGINE) == here:
+            engine = FaultyEngine(engine)
+        if attempt == 0 and os.environ.get(REPLICA_FAILURE) == here:
+            # the try itself fails, before any chunk is taken: a replica that would have taken none
+            # (the chunks go to whichever driver asks first) fails all the same
+            replicas._drive = _failing(f"{REPLICA_FAILURE}={here}: simulated engine failure")
+        try:
+            return real_attempt(engine, *args, replica=replica, call=call, attempt=attempt, **kwargs)
+        finally:
+            replicas._drive = real_drive
 
     replicas._attempt = faulty_attempt
+
+
+def _failing(message: str) -> Callable:
+    def drive(*args, **kwargs):
+        raise RuntimeError(message)
+
+    return drive
 
 
 def _sync(sync) -> None:

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from tests.injection import FaultyEngine, environment
 
@@ -35,23 +34,35 @@ def test_selected_hooks_wrap_their_functions_in_every_new_interpreter_and_none_o
     assert _names(environment()) == ["run_step", "_attempt", "push", "old_logprob"]  # on the path, nothing chosen
 
 
-class _Engine:
-    def __init__(self) -> None:
-        self.calls = []
+class _Watch:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.active = pid, False
 
-    def generate(self, prompts, params):
-        self.calls.append(prompts)
-        return "samples"
+    def schedulers(self) -> list[int]:
+        return [self.pid]
+
+
+class _Engine:
+    """An engine whose generate waits, as a real one's does, while its "scheduler" runs."""
+
+    def __init__(self, scheduler: subprocess.Popen) -> None:
+        self.watch, self.scheduler, self.seeds = _Watch(scheduler.pid), scheduler, []
 
     def reseed(self, seed: int) -> None:
-        self.calls.append(("seed", seed))
+        self.seeds.append(seed)
+
+    def generate(self, prompts, params):
+        self.watch.active = True
+        try:
+            return self.scheduler.wait(timeout=30)
+        finally:
+            self.watch.active = False
 
 
-def test_a_faulty_engine_fails_its_generate_and_passes_everything_else_to_the_real_one() -> None:
-    real = _Engine()
-    faulty = FaultyEngine(real, failure="simulated engine failure")
+def test_a_faulty_engine_loses_its_scheduler_during_its_next_generate_and_forwards_the_rest() -> None:
+    scheduler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    real = _Engine(scheduler)
+    faulty = FaultyEngine(real)
     faulty.reseed(7)
-    with pytest.raises(RuntimeError, match="^simulated engine failure$"):
-        faulty.generate([[1]], None)
-    assert real.calls == [("seed", 7)]
-    assert FaultyEngine(real).generate([[2]], None) == "samples" and real.calls[-1] == [[2]]
+    assert real.seeds == [7] and scheduler.poll() is None  # armed, nothing killed yet
+    assert faulty.generate([[1]], None) == -signal.SIGKILL  # killed while generate waited on it

@@ -119,6 +119,8 @@ def test_a_run_whose_engines_have_only_the_protocols_methods_trains(tmp_path: Pa
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     implements = {"sglang": "RolloutEngine, SlicedWeightReceiver, AdapterReceiver", "hf": "RolloutEngine"}[engine]
-    assert f"the {engine} engine reduced to {implements}" in done.stderr, done.stderr[-3000:]
+    # said while the engine starts: its log file (runtime.console), the rank's or the engine's
+    logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
+    assert f"the {engine} engine reduced to {implements}" in logs, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["first_step_logprob_diff_max"] < 1e-3, summary
