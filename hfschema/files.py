@@ -101,17 +101,17 @@ def publish_directory(staging: str | os.PathLike, final: str | os.PathLike) -> N
     staging, final = Path(staging), Path(final)
     if not final.exists():
         os.replace(staging, final)
-    elif _exchange(staging, final):
         fsync_directory(final.parent)
-        shutil.rmtree(staging)
+        return
+    if _exchange(staging, final):
+        old = staging
     else:
-        previous = final.with_name(final.name + PREVIOUS_SUFFIX)
-        shutil.rmtree(previous, ignore_errors=True)
-        os.replace(final, previous)
+        old = final.with_name(final.name + PREVIOUS_SUFFIX)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
         os.replace(staging, final)
-        fsync_directory(final.parent)
-        shutil.rmtree(previous)
-    fsync_directory(final.parent)
+    fsync_directory(final.parent)  # the new copy in place, durably, before the old one goes
+    shutil.rmtree(old)
 
 
 def restore_previous(folder: str | os.PathLike) -> list[Path]:

@@ -17,6 +17,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from hfschema.files import existing_ancestor
+
 __all__ = ["DiskFull", "free_bytes", "is_disk_full", "message"]
 
 _ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -50,11 +52,8 @@ def is_disk_full(error: BaseException) -> bool:
 
 def free_bytes(path: str | Path) -> int | None:
     """Free bytes on ``path``'s file system (its nearest existing ancestor's), None if unknown."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
     try:
-        return shutil.disk_usage(path).free
+        return shutil.disk_usage(existing_ancestor(path)).free
     except OSError:
         return None
 
