@@ -107,6 +107,7 @@ def _family_case(family: str, dtype: str, work: Path) -> dict:
     from hfschema.hf_config import read_model_config
     from hybridflow.rollout import make_engine
     from hybridflow.runtime.channel import colocated
+    from hybridflow.runtime.engine_client import EngineClient
     from hybridflow.runtime.sync import EngineSync
     from megatron_adapters import checkpoint
     from megatron_adapters.convert import hf_to_mcore
@@ -125,7 +126,11 @@ def _family_case(family: str, dtype: str, work: Path) -> dict:
     reference = _engine_logprobs(engine, ids)  # transformers on the HF directory itself
     loaded = (trainer - reference).abs()
     pushed = EngineSync(
-        cfg, channel=colocated(), device=_device(), source_params=lambda: global_named_parameters(policy), engine=engine
+        cfg,
+        channel=colocated(),
+        device=_device(),
+        source_params=lambda: global_named_parameters(policy),
+        engines=EngineClient(cfg, hf_dir, 0, engine),
     ).push()
     synced = (trainer - _engine_logprobs(engine, ids)).abs()
     engine.shutdown()

@@ -76,11 +76,12 @@ def _steps(loop) -> None:
     run_step = loop.run_step
 
     def faulty_run_step(s, stages, step):
-        if os.environ.get(CRASH_AT_STEP) == str(step):
-            logger.error("%s=%d: simulating a crash", CRASH_AT_STEP, step)
+        index, rank = step.index, s.run.rank
+        if os.environ.get(CRASH_AT_STEP) == str(index):
+            logger.error("%s=%d: simulating a crash", CRASH_AT_STEP, index)
             os._exit(CRASH_STATUS)
-        if os.environ.get(RAISE_AT_STEP) == f"{step}:{s.rank}":
-            raise RuntimeError(f"{RAISE_AT_STEP}={step}:{s.rank}: simulated failure in rank {s.rank}")
+        if os.environ.get(RAISE_AT_STEP) == f"{index}:{rank}":
+            raise RuntimeError(f"{RAISE_AT_STEP}={index}:{rank}: simulated failure in rank {rank}")
         return run_step(s, stages, step)
 
     loop.run_step = faulty_run_step
@@ -94,12 +95,13 @@ def _dump(ops) -> None:
 
     def dumping(s, node, f, step):
         out = old_logprob(s, node, f, step)
-        target = Path(os.environ[DUMP_LOGPROBS]) / f"step_{step:06d}" / f"rank{s.rank}.pt"
+        target = Path(os.environ[DUMP_LOGPROBS]) / f"step_{step.index:06d}" / f"rank{s.run.rank}.pt"
         if not target.exists():
-            ro, _ = ops.current(f)
+            ro = ops.kept_rollout(node, f)
             rows = {key: ro.batch[key].cpu() for key in ("input_ids", "attention_mask", "response_mask", "logprobs")}
             target.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({**rows, "trainer_logprobs": out["old_logprobs"].detach().cpu(), "step": step}, target)
+            logprobs = out.fields["old_logprobs"].detach().cpu()
+            torch.save({**rows, "trainer_logprobs": logprobs, "step": step.index}, target)
         return out
 
     ops.OPS["old_logprob"] = dumping

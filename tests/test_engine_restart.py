@@ -25,6 +25,7 @@ import pytest
 from hybridflow.config import load_config
 from hybridflow.runtime import recovery, replicas
 from hybridflow.runtime import sync as sync_module
+from hybridflow.runtime.engine_client import EngineClient
 from tests.injection import environment
 from tests.test_train import FULL_RUN, _deterministic, _history, _ok, _train
 from tests.test_train_separate import SEPARATE
@@ -132,8 +133,8 @@ class _Engine:
 
 
 class _Sync:
-    def __init__(self, engine) -> None:
-        self.engine, self.pushes, self.replaced = engine, [], 0
+    def __init__(self) -> None:
+        self.pushes, self.replaced = [], 0
 
     def push(self, **how) -> None:
         self.pushes.append(how)
@@ -147,31 +148,32 @@ def _holder(replica, engine):
         QUICKSTART,
         ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", "rollout.max_engine_restarts=2"],
     )
-    return SimpleNamespace(cfg=cfg, model_dir=Path("model"), replica=replica, engine=engine, sync=_Sync(engine))
+    return EngineClient(cfg, Path("model"), replica, engine, sync=_Sync())
 
 
+@pytest.mark.claim("engine-held-once")
 def test_every_process_takes_the_same_restart_and_only_the_lost_replicas_driver_replaces_its_engine(
     monkeypatch,
 ) -> None:
     started = []
     monkeypatch.setattr(recovery, "start_engine", lambda cfg, model_dir: started.append(model_dir) or _Engine("new"))
     lost = [(3, 1, "process 9 (sglang::scheduler_TP0) was killed by SIGKILL during generate")]
-    actor, metrics = _holder(None, None), {}
+    actor = _holder(None, None)
     driver0, driver1 = _holder(0, _Engine("old0")), _holder(1, _Engine("old1"))
-    everyone = [
-        recovery.EngineRestarts(actor, metrics=lambda: metrics),
-        recovery.EngineRestarts(driver0),
-        recovery.EngineRestarts(driver1),
-    ]
+    everyone = [recovery.EngineRestarts(actor), recovery.EngineRestarts(driver0), recovery.EngineRestarts(driver1)]
     engines = [r.restart(lost) for r in everyone]
     assert engines[0] is None and engines[1].name == "old0" and engines[2].name == "new"
     assert started == [Path("model")]  # one new engine, on replica 1's driver
-    assert driver1.sync.engine is engines[2] and not driver0.engine.closed
+    # held once, in the client the push reads it from
+    assert driver1.engine is engines[2] and not driver0.engine.closed
+    push = object.__new__(sync_module.EngineSync)
+    push.engines = driver1
+    assert push.engine is engines[2]
     # every process pushes the new engine the weights, inside the call: no announcement, not counted;
     # and every process's sync knows an engine is new (lora.push=adapter then pushes the base again)
     assert all(h.sync.pushes == [{"counted": False, "announce": False}] for h in (actor, driver0, driver1))
     assert all(h.sync.replaced == 1 for h in (actor, driver0, driver1))
-    assert metrics == {recovery.METRIC: 1.0} and [r.used for r in everyone] == [1, 1, 1]
+    assert [r.used for r in everyone] == [1, 1, 1]  # the loop reports each step's share
     for r in everyone:  # the same budget everywhere: the third restart is past max_engine_restarts=2
         r.replace([(2, 0, "generate hung: no answer within rollout.generate_timeout_s=60 s")])
         with pytest.raises(replicas.ReplicaFailed, match="2 of rollout.max_engine_restarts=2 restarts used"):
@@ -188,7 +190,7 @@ def _sync_pushing(results: list, restarts) -> tuple[sync_module.EngineSync, list
     es.cfg = load_config(
         QUICKSTART, ["rollout.placement=separate", "rollout.tp=1", "rollout.num_replicas=2", "checks.refit_every=2"]
     )
-    es.source_params, es.engine, es.engine_params, es.pushes, es.restarts = None, None, [{}], 0, restarts
+    es.source_params, es.engines, es.engine_params, es.pushes, es.restarts = None, None, [{}], 0, restarts
     es.adapters, es.pushes_adapters = None, False  # merged pushes
     tries = []
 

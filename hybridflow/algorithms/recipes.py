@@ -23,15 +23,17 @@ Every node any algorithm uses (``[...]``: only some algorithms):
 
 The ops. The runtime dispatches on ``op``; each node is named after its op except the second
 ``reward`` node, ``baseline_reward``. ``[+ x: when]`` is a field read only in that case
-(``kept``: with dynamic sampling); ``{...}`` are the node's options.
+(``kept``: with dynamic sampling); ``{...}`` are the node's options. An op reads only what its
+node declares (``runtime/step.Inputs`` refuses the rest), so this table is all that passes.
 
     op               role       reads -> writes
     ───────────────  ─────────  ─────────────────────────────────────────────────────────────
-    generate         rollout    prompts -> responses, rollout_logprobs
+    generate         rollout    prompts -> responses, rollout_logprobs [+ staleness_weights:
+                                  async_rl.on_stale=downweight]
     generate_greedy  rollout    prompts -> baseline_responses
     reward           reward     <responses_field>, answers -> <scores_field>
                                   {responses_field, scores_field}
-    filter_groups    driver     scores [+ baseline_scores: remax] -> kept  {max_rounds}
+    filter_groups    driver     responses, scores [+ baseline_scores: remax] -> kept  {max_rounds}
     old_logprob      actor      responses [+ kept] -> old_logprobs, entropy [+ routed_experts:
                                   moe.routing_replay r2 / r3]  {routing_replay}
     ref_logprob      reference  responses [+ kept] -> ref_logprobs
@@ -39,11 +41,12 @@ The ops. The runtime dispatches on ``op``; each node is named after its op excep
     token_rewards    driver     scores, responses [+ kept] [+ ref_logprobs, old_logprobs: KL
                                   in the reward] -> token_rewards
                                   {kl_penalty, overlong_buffer_len}
-    advantages       driver     token_rewards [+ values: gae] [+ baseline_scores: remax]
+    advantages       driver     token_rewards, responses [+ kept] [+ values: gae]
+                                  [+ baseline_scores: remax] [+ staleness_weights]
                                   -> advantages, returns
                                   {estimator; with a critic: critic_lam, length_adaptive_lam_alpha}
-    update_critic    critic     responses, values, returns -> critic_metrics
-    update_actor     actor      responses, old_logprobs, advantages [+ ref_logprobs: KL in the
+    update_critic    critic     responses, values, returns [+ kept] -> critic_metrics
+    update_actor     actor      responses, old_logprobs, advantages [+ kept] [+ ref_logprobs: KL in the
                                   loss] [+ scores: LM loss or PF-PPO] [+ routed_experts: routing
                                   replay] -> actor_metrics
                                   {policy_loss, loss_agg_mode, clip_ratio_high, kl_loss,
@@ -92,6 +95,7 @@ __all__ = [
     "check_roles",
     "check_sampling",
     "graph_from_spec",
+    "with_staleness_weights",
     "placed_roles",
     "register_algorithm",
 ]
@@ -641,8 +645,28 @@ def build_graph(cfg: HybridflowConfig) -> Graph:
     check_roles(cfg, spec)
     check_sampling(cfg, spec)
     graph = with_routing_replay(graph_from_spec(spec), cfg.moe.routing_replay)
+    graph = with_staleness_weights(
+        graph, downweights=cfg.async_rl.mode != "sync" and cfg.async_rl.on_stale == "downweight"
+    )
     graph.validate(placed_roles(cfg))
     return graph
+
+
+def with_staleness_weights(graph: Graph, *, downweights: bool) -> Graph:
+    """Asynchronous RL with ``async_rl.on_stale=downweight``: ``generate`` hands ``advantages``
+    each admitted sample's loss weight (below 1 past ``max_staleness``), which scales its
+    advantages."""
+    if not downweights:
+        return graph
+
+    def add_weights(node: Node) -> Node:
+        if node.op == "generate":
+            return dataclasses.replace(node, outputs=node.outputs + ("staleness_weights",))
+        if node.op == "advantages":
+            return dataclasses.replace(node, inputs=node.inputs + ("staleness_weights",))
+        return node
+
+    return dataclasses.replace(graph, nodes=tuple(add_weights(n) for n in graph.nodes))
 
 
 def with_routing_replay(graph: Graph, mode: str) -> Graph:
@@ -733,7 +757,7 @@ def _filter_groups(spec: AlgorithmSpec) -> Node | None:
         name="filter_groups",
         role=DRIVER,
         op="filter_groups",
-        inputs=("scores",) + _when(spec.greedy_baseline, "baseline_scores"),
+        inputs=("responses", "scores") + _when(spec.greedy_baseline, "baseline_scores"),
         outputs=("kept",),
         options={"max_rounds": spec.max_sampling_rounds},
         doc="drop groups with equal scores; resample until the batch is full",
@@ -799,7 +823,7 @@ def _advantages(spec: AlgorithmSpec) -> Node:
         name="advantages",
         role=DRIVER,
         op="advantages",
-        inputs=("token_rewards",) + ESTIMATORS[spec.estimator].fields,
+        inputs=("token_rewards", "responses") + _after_filter(spec) + ESTIMATORS[spec.estimator].fields,
         outputs=("advantages", "returns"),
         options=options,
         doc=f"{spec.estimator} advantages (and the critic's returns)",
@@ -813,7 +837,7 @@ def _update_critic(spec: AlgorithmSpec) -> Node | None:
         name="update_critic",
         role="critic",
         op="update_critic",
-        inputs=("responses", "values", "returns"),
+        inputs=("responses", "values", "returns") + _after_filter(spec),
         outputs=("critic_metrics",),
         doc="regress the critic's values on the returns (clipped)",
     )
@@ -822,6 +846,7 @@ def _update_critic(spec: AlgorithmSpec) -> Node | None:
 def _update_actor(spec: AlgorithmSpec) -> Node:
     inputs = (
         ("responses", "old_logprobs", "advantages")
+        + _after_filter(spec)
         + _when(spec.kl_in_loss, "ref_logprobs")
         + _when(spec.lm_loss or spec.pf_ppo is not None, "scores")
     )

@@ -36,10 +36,8 @@ config, and the actor ranks' checkpoints are the run's whole state.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +45,7 @@ import torch.distributed as dist
 from hybridflow.config import HybridflowConfig
 from hybridflow.runtime import replicas
 from hybridflow.runtime.channel import Channel
+from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.recovery import EngineRestarts
 from hybridflow.runtime.session import start_engine
 from hybridflow.runtime.sync import EngineSync
@@ -59,18 +58,6 @@ BUFFER_FILE = "async_buffer_replica"
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _EngineRank:
-    """What an engine rank holds (a ``recovery.EngineHolder``): its replica's engine on a driver,
-    replaced there when it is lost."""
-
-    cfg: HybridflowConfig
-    model_dir: Path
-    replica: int | None
-    engine: Any = None
-    sync: EngineSync | None = None
-
-
 def serve(cfg: HybridflowConfig, channel: Channel) -> None:
     """Run this engine rank until actor rank 0 says stop (every engine rank calls it)."""
     from megatron_adapters.parallel import device
@@ -81,10 +68,10 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
         return
     model_dir = Path(announced)
     replica = replicas.replica_of(cfg, dist.get_rank())
-    held = _EngineRank(cfg, model_dir, replica, start_engine(cfg, model_dir) if replica is not None else None)
+    held = EngineClient(cfg, model_dir, replica, start_engine(cfg, model_dir) if replica is not None else None)
     try:
-        held.sync = EngineSync(cfg, channel=channel, device=device(), engine=held.engine)
-        restarts = EngineRestarts(held)  # the actor ranks count the restarts in their metrics
+        held.sync = EngineSync(cfg, channel=channel, device=device(), engines=held)
+        restarts = held.restarts = EngineRestarts(held)  # the actor ranks count the restarts in their metrics
         held.sync.restarts = restarts
         buffer = _Buffer(cfg, held, channel)
         while True:
@@ -124,7 +111,7 @@ class _Buffer:
 
     REQUESTS = ("start", "advance", "collect", "intervals", "save_buffer", "load_buffer")
 
-    def __init__(self, cfg: HybridflowConfig, held: _EngineRank, channel: Channel) -> None:
+    def __init__(self, cfg: HybridflowConfig, held: EngineClient, channel: Channel) -> None:
         self.cfg, self.held, self.replica, self.channel = cfg, held, held.replica, channel
         self.kept: dict[int, replicas.Started] = {}
         self.busy: list[tuple[float, float]] = []

@@ -7,9 +7,13 @@ for step in steps:
     fields = {prompts, answers}                         (the same draw on every rank)
     for stage in plan.stages:                           generate, reward, old_logprob, ...,
         enter(stage.switch.target)                      colocation switch, when the plan has one
-        fields |= OPS[stage.node.op](session, stage.node, fields)       update_actor, sync_weights
+        out = OPS[stage.node.op](session, stage.node, Inputs(stage.node, fields), step)
+        fields |= out.fields; metrics |= out.metrics    (the node's outputs; what it measured)
     metrics -> MLflow; held-out score every run.heldout_every; checkpoint every run.checkpoint_every
 ```
+
+What one step's ops hand each other is in ``fields`` only: the graph's edges (``step.Inputs``
+refuses an op any other field); the session holds what lives longer (``session``).
 """
 
 from __future__ import annotations
@@ -22,16 +26,18 @@ from tqdm import tqdm
 
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
 from hybridflow.runtime import gates, stops, switches
-from hybridflow.runtime.ops import OPS, NonFiniteStep, current, heldout_reward
+from hybridflow.runtime.ops import OPS, NonFiniteStep, heldout_reward
 from hybridflow.runtime.progress import write_progress
-from hybridflow.runtime.session import Session, StepUndo
+from hybridflow.runtime.recovery import METRIC as RESTARTS
+from hybridflow.runtime.session import Session
+from hybridflow.runtime.step import Inputs, Produced, Step, StepUndo
 
-__all__ = ["train_rl"]
+__all__ = ["heldout", "run_step", "train_rl"]
 
 logger = logging.getLogger(__name__)
 
 
-def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, float]:
+def _step_metrics(f: dict, measured: dict[str, float], times: dict[str, float]) -> dict[str, float]:
     ro, scores = f["responses"], f["scores"]  # every sample's numbers, on every rank
     lengths = ro.lengths.float()
     metrics = {
@@ -43,42 +49,51 @@ def _step_metrics(f: dict, times: dict[str, float], s: Session) -> dict[str, flo
         **f.get("actor_metrics", {}),
         **f.get("critic_metrics", {}),
         **f.get("rollout_weights", {}),
-        **s.step_metrics,
+        **measured,
         **times,
     }
     metrics["timing/step"] = sum(times.values())
     return metrics
 
 
-def _checked(node, returned: dict) -> dict:
-    """``returned`` if it holds exactly the fields ``node`` declares (the graph's checks rely on it)."""
-    if set(returned) != set(node.outputs):
+def _checked(node, returned: Produced) -> dict:
+    """The fields of ``returned`` if they are exactly those ``node`` declares (the graph's checks
+    rely on it)."""
+    if set(returned.fields) != set(node.outputs):
         raise AssertionError(
-            f"op {node.op!r} of node {node.name!r} returned fields {sorted(returned)}; "
+            f"op {node.op!r} of node {node.name!r} returned fields {sorted(returned.fields)}; "
             f"the node declares {sorted(node.outputs)}"
         )
-    return returned
+    return returned.fields
 
 
-def run_step(s: Session, stages, step: int) -> dict[str, float]:
+def run_step(s: Session, stages, step: Step) -> dict[str, float]:
     """One RL step through the plan's stages; returns its metrics (same on every rank)."""
-    s.step_metrics, s.stale_weights = {}, None
     began = time.perf_counter()
-    prompts = s.prompt_batch(step)
+    prompts = s.data.prompt_batch(step.index)
     f = {"prompts": prompts, "answers": [p.row.answer for p in prompts]}
-    times = {}
-    record = not s.executed_stages
+    measured, times, errors = {}, {}, 0
+    restarts = s.engines.restarts
+    restarted = restarts.used if restarts is not None else 0
+    record = not s.run.executed_stages
     for index, stage in enumerate(stages, 1):
         started = time.perf_counter()
         if stage.switch is not None:  # from where the last stage left: the planned switch, unless a step was skipped
             switches.enter(s, stage.switch.target)
-        f.update(_checked(stage.node, OPS[stage.node.op](s, stage.node, f, step)))
+        produced = OPS[stage.node.op](s, stage.node, Inputs(stage.node, f), step)
+        f.update(_checked(stage.node, produced))
+        measured.update(produced.metrics)
+        errors += produced.reward_errors
         times[f"timing/{stage.node.name}"] = time.perf_counter() - started
         if record:
-            s.executed_stages.extend(stage.describe(index))
-    metrics = _step_metrics(f, times, s)
+            s.run.executed_stages.extend(stage.describe(index))
+    if restarts is not None and restarts.used > restarted:  # lost engines replaced within the step
+        measured[RESTARTS] = float(restarts.used - restarted)
+    metrics = _step_metrics(f, measured, times)
+    metrics["reward/errors"] = float(errors)
     if s.pipeline is not None:  # how much generation overlapped training (asks the engine ranks)
-        metrics.update(s.pipeline.end_step(float(current(f)[0].lengths.sum())))
+        trained = f["kept"][0] if "kept" in f else f["responses"]
+        metrics.update(s.pipeline.end_step(float(trained.lengths.sum())))
     metrics["timing/step_wall"] = time.perf_counter() - began  # the stages and what runs between them
     return metrics
 
@@ -87,36 +102,40 @@ def _steer_kl(s: Session, metrics: dict[str, float]) -> None:
     """After an applied step, the in-reward KL coefficient moves by the KL it measured (adaptive
     controller; a fixed one stays), and the step records where it left it (resume reads it)."""
     if "actor/reward_kl" in metrics:
-        metrics[KL_COEF_NEXT] = s.kl_reward.update(
+        metrics[KL_COEF_NEXT] = s.models.kl_reward.update(
             metrics["actor/reward_kl"], int(metrics["actor/reward_kl_responses"])
         )
 
 
-def _updates_per_step(s: Session) -> int:
-    """Optimizer updates one RL step makes (every trained role, every epoch and mini-batch)."""
-    roles = sum(role is not None for role in (s.actor, s.critic))
-    return roles * s.algo.ppo_epochs * s.algo.mini_batches
-
-
-def _skip(s: Session, error: NonFiniteStep) -> dict[str, float]:
+def _skip(s: Session, error: NonFiniteStep, undo: StepUndo) -> dict[str, float]:
     """A step with a non-finite update leaves no trace: the updates it made before are rolled
     back, and an engine that dropped its weights for training gets the (unchanged) ones back."""
-    undone = s.undo.rollback()
+    undone = undo.rollback()
     logger.warning(
         "%s; run.on_nan=skip: going on without this step%s",
         error,
         " (its earlier updates rolled back)" if undone else "",
     )
-    if s.sync is not None and s.sync.engine_drops_weights:
+    sync = s.engines.sync
+    if sync is not None and sync.engine_drops_weights:
         switches.enter(s, "sync")
-        s.sync.push()
+        sync.push()
     return {"actor/skipped_step": 1.0, "actor/rolled_back": float(undone)}
 
 
+def heldout(s: Session) -> float | None:
+    """The held-out score with the engines' current weights (None: no held-out prompts); its
+    reward errors join the run's count."""
+    reward, errors = heldout_reward(s)
+    s.run.state.reward_errors += errors
+    return reward
+
+
 def train_rl(s: Session, plan, *, save) -> bool:
-    """Steps ``s.state.step`` .. ``run.steps`` of ``plan`` (an ``ExecutionPlan``); ``save(step)``
+    """Steps ``state.step`` .. ``run.steps`` of ``plan`` (an ``ExecutionPlan``); ``save(step)``
     writes a checkpoint. False: stopped early after a checkpoint asked for (``stops``)."""
-    cfg, state = s.cfg, s.state
+    run = s.run
+    cfg, state = run.cfg, run.state
     if plan.start_mode is not None:
         switches.enter(s, plan.start_mode)
     bar = tqdm(
@@ -125,41 +144,42 @@ def train_rl(s: Session, plan, *, save) -> bool:
         total=cfg.run.steps,
         desc="rl",
         unit="step",
-        disable=not s.is_driver,
+        disable=not run.is_driver,
     )
-    if s.is_driver:
-        write_progress(s.out_dir, phase="rl", done=state.step, total=cfg.run.steps)
+    if run.is_driver:
+        write_progress(run.out_dir, phase="rl", done=state.step, total=cfg.run.steps)
     for step in bar:
-        s.undo = StepUndo(cfg.run.on_nan == "skip" and _updates_per_step(s) > 1)
+        undo = StepUndo(cfg.run.on_nan == "skip" and s.models.updates_per_step() > 1)
         try:
-            metrics = run_step(s, plan.stages, step)
+            metrics = run_step(s, plan.stages, Step(step, undo))
             _steer_kl(s, metrics)
         except NonFiniteStep as error:
             if cfg.run.on_nan == "stop":
                 raise
-            metrics = _skip(s, error)
+            metrics = _skip(s, error, undo)
         metrics.update(gates.apply(cfg.checks, metrics, step))  # before this step's checkpoint
         done = step + 1
         if cfg.run.heldout_every and done % cfg.run.heldout_every == 0 and done < cfg.run.steps:
-            reward = heldout_reward(s)
+            reward = heldout(s)
             metrics["heldout/reward"] = reward
             state.heldout.append((done, reward))
+        state.reward_errors += int(metrics.get("reward/errors", 0))
         state.step = done
         state.history.append({"step": done, **metrics})
-        s.tracker.log_metrics(metrics, step=done)
+        run.tracker.log_metrics(metrics, step=done)
         bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
-        if s.is_driver:
-            write_progress(s.out_dir, phase="rl", done=done, total=cfg.run.steps)
+        if run.is_driver:
+            write_progress(run.out_dir, phase="rl", done=done, total=cfg.run.steps)
         saved = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps
         requested = done < cfg.run.steps and stops.checkpoint_requested(
-            s.out_dir, is_driver=s.is_driver, group=s.shard.group
+            run.out_dir, is_driver=run.is_driver, group=run.shard.group
         )
         if saved or requested:
             switches.enter(s, "train")  # the optimizer state back on the device, as it is saved
             save(done)
         if requested:
-            if s.is_driver:
-                stops.done_request(s.out_dir)
+            if run.is_driver:
+                stops.done_request(run.out_dir)
                 logger.warning("checkpointed step %d as %s asked; stopping", done, stops.REQUEST_FILE)
             return False
     dist.barrier()

@@ -36,11 +36,14 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridflow.runtime import replicas, staleness
+
+if TYPE_CHECKING:
+    from hybridflow.runtime.session import RunContext, RunData
 
 __all__ = ["Pipeline"]
 
@@ -48,20 +51,21 @@ logger = logging.getLogger(__name__)
 
 
 class Pipeline:
-    """The actor side of the async buffer, alike on every actor rank (``s``: the session)."""
+    """The actor side of the async buffer, alike on every actor rank."""
 
-    def __init__(self, s: Any, resume_from: Path | None) -> None:
-        self.s, self.cfg = s, s.cfg.async_rl
+    def __init__(self, run: RunContext, data: RunData, resume_from: Path | None) -> None:
+        self.run, self.data, self.cfg = run, data, run.cfg.async_rl
+        self.channel = run.channel
         self.lag = self.cfg.lag
         self.pending: dict[int, int] = {}
         """batch -> the policy version it was started under (generated or generating)."""
         self.window: list[float] = []
         """This step's [start, training start, training end] (``time.time()``)."""
         self.versions = torch.zeros(0, dtype=torch.long)
-        saved = {int(b): int(v) for b, v in s.state.async_buffer}
+        saved = {int(b): int(v) for b, v in run.state.async_buffer}
         if saved and resume_from is not None and self.cfg.resume == "checkpoint":
-            s.channel.announce(("load_buffer", str(resume_from)))
-            s.channel.barrier()
+            self.channel.announce(("load_buffer", str(resume_from)))
+            self.channel.barrier()
             self.pending = saved
         elif saved:
             logger.info(
@@ -71,18 +75,19 @@ class Pipeline:
     def _start(self, batch: int, version: int) -> None:
         from hybridflow.runtime.ops import sampling, step_seed
 
-        ids = [p.prompt_ids for p in self.s.prompt_batch(batch)]
+        cfg = self.run.cfg
+        ids = [p.prompt_ids for p in self.data.prompt_batch(batch)]
         partial = self.cfg.partial_rollout
         # a batch trained before the next push is generated whole
         segment = self.cfg.segment_tokens if partial and batch > version else None
         # the seed sync mode uses for this step: a batch's samples depend on its version only
-        self.s.channel.announce(
+        self.channel.announce(
             (
                 "start",
                 batch,
                 ids,
-                sampling(self.s),
-                step_seed(self.s.cfg.run.seed, batch),
+                sampling(cfg, self.data.stop_ids),
+                step_seed(cfg.run.seed, batch),
                 segment,
                 version if partial else None,
             )
@@ -95,19 +100,20 @@ class Pipeline:
         from megatron_adapters.parallel import device
 
         self.window = [time.time()]
-        before, after = staleness.starts(step, lag=self.lag, steps=self.s.cfg.run.steps, pending=self.pending)
+        cfg = self.run.cfg
+        before, after = staleness.starts(step, lag=self.lag, steps=cfg.run.steps, pending=self.pending)
         for batch in before:
             self._start(batch, step)
-        num_prompts = self.s.cfg.run.prompts_per_step
-        self.s.channel.announce(("collect", step, num_prompts))
+        num_prompts = cfg.run.prompts_per_step
+        self.channel.announce(("collect", step, num_prompts))
         out = replicas.collect(
-            self.s.cfg, None, num_prompts=num_prompts, channel=self.s.channel, shard=self.s.shard, device=device()
+            cfg, None, num_prompts=num_prompts, channel=self.channel, shard=self.run.shard, device=device()
         )
         version = self.pending.pop(step)
         for batch in after:
             self._start(batch, step)
         if self.cfg.partial_rollout and self.pending:
-            self.s.channel.announce(("advance", step, self.cfg.segment_tokens))
+            self.channel.announce(("advance", step, self.cfg.segment_tokens))
         self.window.append(time.time())
         return out, version
 
@@ -136,8 +142,8 @@ class Pipeline:
     def end_step(self, trained_tokens: float) -> dict[str, float]:
         """The step's overlap of generation with training, and each side's tokens/s."""
         self.training_done()
-        self.s.channel.announce(("intervals",))
-        busy = [i for part in self.s.channel.gather([]) for i in part]
+        self.channel.announce(("intervals",))
+        busy = [i for part in self.channel.gather([]) for i in part]
         start, train_start, train_end = self.window
         wall = max(time.time() - start, 1e-9)
         trained = max(train_end - train_start, 1e-9)
@@ -153,6 +159,6 @@ class Pipeline:
         rank calls it); returns what the run state records: [batch, version] pairs."""
         if self.cfg.resume != "checkpoint" or not self.pending:
             return []
-        self.s.channel.announce(("save_buffer", str(directory)))
-        self.s.channel.barrier()
+        self.channel.announce(("save_buffer", str(directory)))
+        self.channel.barrier()
         return [[b, v] for b, v in sorted(self.pending.items())]

@@ -10,7 +10,8 @@ replicas.generate: the drivers' reports       EngineSync.push: each driver's "lo
       │  naming the replica, the cause and the setting to raise
       ├─ each lost replica's driver (an actor rank colocated, an engine rank separate): shut
       │  the old engine down (every process of it killed and reaped), start a new one as the
-      │  run did (start_engine: load_format=dummy, empty); EngineSync.engine follows
+      │  run did (start_engine: load_format=dummy, empty) into the process's EngineClient,
+      │  where EngineSync reads it
       ├─ every process: the reshard plan's weight push again (actor ranks send, engine ranks
       │  receive; no "push" announcement: the engine ranks are already in the same call), so
       │  the new engine holds the actor's current weights before it serves
@@ -38,33 +39,18 @@ engine the batch's weights.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Callable
 
-from hybridflow.config import HybridflowConfig
+from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.replicas import ReplicaFailed, engine_nodes
 from hybridflow.runtime.session import start_engine
 
-__all__ = ["EngineHolder", "EngineRestarts", "check_restart"]
+__all__ = ["EngineRestarts", "check_restart"]
 
 logger = logging.getLogger(__name__)
 
 METRIC = "rollout/engine_restarts"
 """Restarts in the step (a step metric) and over the run (the summary's ``engine_restarts``)."""
-
-
-class EngineHolder(Protocol):
-    """Where a process keeps its replica's engine: the ``Session`` on an actor rank, the engine
-    rank's own small record in separate placement (``engine_ranks``)."""
-
-    cfg: HybridflowConfig
-    model_dir: Path
-    replica: int | None
-    """The replica this process drives, or None."""
-    engine: Any
-    """That replica's engine, or None."""
-    sync: Any
-    """The process's ``sync.EngineSync``: the push that fills a new engine."""
 
 
 def check_restart(cfg, lost: list[tuple[int, int, str]], used: int, *, spanning: bool = False) -> None:
@@ -89,23 +75,16 @@ def check_restart(cfg, lost: list[tuple[int, int, str]], used: int, *, spanning:
 class EngineRestarts:
     """One process's part in replacing lost engines (every process of the channel holds one).
 
-    ``metrics``: the running step's metrics, where the restarts are counted (actor ranks; None
-    on an engine rank, whose metrics no one reads). ``respawn(replicas)``: replaces every node's
-    part of those replicas' engines when engines span nodes (collective: each part's rank starts
-    its new part, and they meet at the driver's new address); None: such engines are refused."""
+    ``engines``: where this process keeps its replica's engine and its weight push.
+    ``respawn(replicas)``: replaces every node's part of those replicas' engines when engines
+    span nodes (collective: each part's rank starts its new part, and they meet at the driver's
+    new address); None: such engines are refused."""
 
-    def __init__(
-        self,
-        holder: EngineHolder,
-        *,
-        metrics: Callable[[], dict[str, float]] | None = None,
-        respawn: Callable[[set[int]], None] | None = None,
-    ) -> None:
-        self.holder = holder
-        self.metrics = metrics
+    def __init__(self, engines: EngineClient, *, respawn: Callable[[set[int]], None] | None = None) -> None:
+        self.holder = engines
         self.respawn = respawn
         self.used = 0
-        """Restarts so far in this process."""
+        """Restarts so far in this process (the loop reports each step's share as ``METRIC``)."""
 
     def replace(self, lost: list[tuple[int, int, str]]) -> None:
         """Replace the engines of ``lost`` ([(driver rank, replica, cause)]) with new, empty ones
@@ -114,9 +93,6 @@ class EngineRestarts:
         spanning = engine_nodes(h.cfg) > 1
         check_restart(h.cfg, lost, self.used, spanning=self.respawn is not None)
         self.used += len(lost)
-        if self.metrics is not None:
-            step = self.metrics()
-            step[METRIC] = step.get(METRIC, 0.0) + len(lost)
         if h.engine is not None and h.replica in {replica for _, replica, _ in lost}:
             cause = next(c for _, replica, c in lost if replica == h.replica)
             logger.warning(
@@ -131,7 +107,6 @@ class EngineRestarts:
                 h.engine = start_engine(h.cfg, h.model_dir)
         if spanning:  # every rank: the parts on other nodes restart with the driver's
             self.respawn({replica for _, replica, _ in lost})
-        h.sync.engine = h.engine
         h.sync.engines_replaced()
 
     def restart(self, lost: list[tuple[int, int, str]]):

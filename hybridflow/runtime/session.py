@@ -1,20 +1,23 @@
-"""Everything one rank holds during a run, set up in dependency order.
+"""What one rank holds for a whole run, set up in dependency order.
 
 ```
 rank 0: task files, model directory  ──barrier──►  every rank reads them
-every rank: tokenizer, prompts (train / held-out), actor (megatron-core, the actor's layout)
+every rank: RunContext (config, output directory, DP share, channel, run state, tracker)
+            RunData (tokenizer, prompts: train / held-out, the sampler)
+            Models (the algorithm; actor, reference, critic after the warm-up, the actor's layout)
 rank 0: MLflow run
 each replica's driver (and, for an engine spanning nodes, the first rank of each of its other
-nodes): its SGLang engine (its own scheduler processes)
-every rank: EngineSync (the reshard plan from shapes; engine handles on the drivers only)
+nodes): its SGLang engine (its own scheduler processes), kept in the EngineClient
+every rank: EngineSync (the reshard plan from shapes; it reads the engine from the EngineClient)
 ```
 
 The replica drivers generate each step (``replicas``); each data-parallel rank receives only
 the samples it trains on (``exchange``, ``shares``) and its leader scores them; the scores and
 a few numbers per sample reach every rank, and the trainer work runs on every rank under the
-actor's layout, each DP rank on its own rows. What the runtime calls on the trainer roles, the
-engine and the tracker is typed by small Protocols (``ModelRole``, ``RolloutEngine``,
-``MetricSink``).
+actor's layout, each DP rank on its own rows. A step's own values are not kept here: its ops
+hand them on as the graph's fields and return what they measured (``step``). What the runtime
+calls on the trainer roles, the engine and the tracker is typed by small Protocols
+(``ModelRole``, ``RolloutEngine``, ``MetricSink``).
 """
 
 from __future__ import annotations
@@ -29,8 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from hybridflow.algorithms.recipes import AlgorithmSpec
     from hybridflow.config import AlgorithmConfig
-    from hybridflow.rollout.base import RolloutEngine
-    from hybridflow.runtime.sync import EngineSync
+    from hybridflow.runtime.pipeline import Pipeline
 
 import torch
 import torch.distributed as dist
@@ -40,11 +42,22 @@ from hybridflow.config import HybridflowConfig
 from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows
 from hybridflow.runtime import console
 from hybridflow.runtime.channel import Channel
+from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.model_dir import run_model_dir
 from hybridflow.runtime.shares import Shard, single_process
 from hybridflow.runtime.state import RunState
 
-__all__ = ["MetricSink", "ModelRole", "Session", "broadcast", "build_policy", "start_engine"]
+__all__ = [
+    "MetricSink",
+    "ModelRole",
+    "Models",
+    "RunContext",
+    "RunData",
+    "Session",
+    "broadcast",
+    "build_policy",
+    "start_engine",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -225,27 +238,6 @@ class ModelRole(Protocol):
     def rollback(self, snapshot: Any) -> None: ...
 
 
-class StepUndo:
-    """Host snapshots of the roles this RL step updates, taken before each role's first update,
-    when ``run.on_nan=skip`` and the step makes more than one update (one update that fails is
-    never applied, so it needs none): a skipped step then changes no weights at all."""
-
-    def __init__(self, active: bool) -> None:
-        self.active = active
-        self._taken: list[tuple[ModelRole, Any]] = []
-
-    def before_update(self, role: ModelRole) -> None:
-        if self.active and all(r is not role for r, _ in self._taken):
-            self._taken.append((role, role.snapshot()))
-
-    def rollback(self) -> bool:
-        """Undo every update of the step; whether there was any to undo."""
-        for role, snap in self._taken:
-            role.rollback(snap)
-        undone, self._taken = bool(self._taken), []
-        return undone
-
-
 class MetricSink(Protocol):
     """What the runtime calls on the run's tracker (``hybridflow.runtime.tracking.Tracker``)."""
 
@@ -264,19 +256,14 @@ class MetricSink(Protocol):
 
 
 @dataclass
-class Session:
-    """One rank's view of a run; see the module docstring."""
+class RunContext:
+    """What lives for the whole run on this rank: its config and place, its record and tracker."""
 
     cfg: HybridflowConfig
     out_dir: Path
     rank: int
-    tokenizer: Any
-    model_dir: Path
-    train_prompts: list[TokenizedPrompt]
-    heldout_prompts: list[TokenizedPrompt]
-    sft_rows: list[TokenizedPrompt]
-    sampler: PromptSampler
     state: RunState
+    """The run's record, saved with every checkpoint (steps, history, held-out scores, counters)."""
     tracker: MetricSink
     shard: Shard = field(default_factory=single_process)
     """This rank's data-parallel share of every rollout (``shares``)."""
@@ -284,63 +271,78 @@ class Session:
     """The rank's device: where rollout samples travel to it."""
     channel: Channel | None = None
     """The processes rollouts and pushes span: the actor ranks, and the engine ranks when separate."""
-    engine: RolloutEngine | None = None
-    """This rank's replica's engine when it drives one."""
-    actor: ModelRole | None = None
-    reference: ModelRole | None = None
-    critic: ModelRole | None = None
-    """The critic also has ``forward_values`` (``megatron_adapters.critic.MegatronCritic``)."""
-    sync: EngineSync | None = None
-    restarts: Any = None
-    """Replaces lost engines (``recovery.EngineRestarts``), on every rank once rollout started."""
-    stop_ids: tuple[int, ...] = ()
-    algo: AlgorithmConfig | None = None
-    """``cfg.algorithm`` with the values the algorithm filled in (e.g. DAPO's clip_ratio_high)."""
-    spec: AlgorithmSpec | None = None
-    """The algorithm's ``AlgorithmSpec`` (estimator, loss, which roles run)."""
-    pg: Any = None
-    """The actor layout's process groups (megatron ``ProcessGroupCollection``)."""
-    replica: int | None = None
-    """The rollout replica this rank drives (its engine is ``engine``), or None."""
-    engine_node: Any = None
-    """This node's part of a multi-node engine that another rank drives (``SGLangNode``), or None."""
-    pipeline: Any = None
-    """Asynchronous RL's buffer of batches started ahead (``pipeline.Pipeline``), or None (sync)."""
-    stale_weights: torch.Tensor | None = None
-    """[N] loss weights of the step's samples past ``async_rl.max_staleness`` (on_stale=downweight),
-    or None: every sample weighs 1."""
-    rollout_calls: int = 0
-    """Generate calls so far, counted alike on every rank (names each call's shared chunk counter)."""
-    mode: str | None = None
-    """What the colocated GPUs hold now: generate, sync, train, or None (everything, at start)."""
-    executed_stages: list[str] = field(default_factory=list)
-    """The first RL step of this process as it ran: each stage and the switch executed before
-    it, in ``hybridflow plan``'s words (the summary reports it)."""
-    step_metrics: dict[str, float] = field(default_factory=dict)
-    """Metrics the ops of the running step report beside their fields (reset every step)."""
-    undo: StepUndo = field(default_factory=lambda: StepUndo(False))
-    """The running step's snapshots for ``run.on_nan=skip`` (reset every step)."""
-    kl_reward: Any = None
-    """The in-reward KL coefficient's controller (``shaping.kl_controller``): fixed or adaptive."""
-    reward_errors: int = 0
-    """Reward calls that raised so far (scored 0)."""
-    data_rows_skipped: dict[str, int] = field(default_factory=dict)
-    """Bad data rows skipped when the prompts were read, by data set (train, heldout)."""
-    moe_tokens_per_expert: list | None = None
-    """The last training pass's tokens per expert and MoE layer, for the summary."""
     started: float = 0.0
     """``time.time()`` when this process started the run."""
     wall_before: float = 0.0
     """Wall seconds of the run before this process started (a resumed run's earlier part)."""
+    executed_stages: list[str] = field(default_factory=list)
+    """The first RL step of this process as it ran: each stage and the switch executed before
+    it, in ``hybridflow plan``'s words (the summary reports it)."""
 
     @property
     def is_driver(self) -> bool:
         return self.rank == DRIVER
 
+
+@dataclass
+class RunData:
+    """The tokenizer, the prompts and how each step draws them."""
+
+    tokenizer: Any
+    train_prompts: list[TokenizedPrompt]
+    heldout_prompts: list[TokenizedPrompt]
+    sampler: PromptSampler
+    stop_ids: tuple[int, ...] = ()
+    """End-of-text and end-of-turn ids the responses stop at."""
+    rows_skipped: dict[str, int] = field(default_factory=dict)
+    """Bad data rows skipped when the prompts were read, by data set (train, heldout)."""
+
     def prompt_batch(self, step: int, offset: int = 0) -> list[TokenizedPrompt]:
         """The prompts of RL step ``step`` (``offset`` > 0: extra draws, e.g. dynamic sampling)."""
         index = self.sampler.batch(step + offset * 1_000_003)
         return [self.train_prompts[i] for i in index]
+
+
+@dataclass
+class Models:
+    """The trained and frozen models under the actor's layout, and the algorithm they follow."""
+
+    spec: AlgorithmSpec
+    """The algorithm's ``AlgorithmSpec`` (estimator, loss, which roles run)."""
+    algo: AlgorithmConfig
+    """``cfg.algorithm`` with the values the algorithm filled in (e.g. DAPO's clip_ratio_high)."""
+    kl_reward: Any
+    """The in-reward KL coefficient's controller (``shaping.kl_controller``): fixed or adaptive."""
+    pg: Any = None
+    """The actor layout's process groups (megatron ``ProcessGroupCollection``)."""
+    actor: ModelRole | None = None
+    reference: ModelRole | None = None
+    critic: ModelRole | None = None
+    """The critic also has ``forward_values`` (``megatron_adapters.critic.MegatronCritic``)."""
+
+    def updates_per_step(self) -> int:
+        """Optimizer updates one RL step makes (every trained role, every epoch and mini-batch)."""
+        roles = sum(role is not None for role in (self.actor, self.critic))
+        return roles * self.algo.ppo_epochs * self.algo.mini_batches
+
+
+@dataclass
+class Session:
+    """One rank's view of a run; see the module docstring. Each step's values are not kept
+    here: the stages return them (``ops.Produced``) and the loop passes them on."""
+
+    run: RunContext
+    data: RunData
+    models: Models
+    engines: EngineClient
+    pipeline: Pipeline | None = None
+    """Asynchronous RL's buffer of batches started ahead, or None (sync)."""
+    mode: str | None = None
+    """What the colocated GPUs hold now: generate, sync, train, or None (everything, at start)."""
+
+    @property
+    def cfg(self) -> HybridflowConfig:
+        return self.run.cfg
 
 
 def prepare_files(cfg: HybridflowConfig, out_dir: Path) -> tuple[list[str], list[str], Path]:

@@ -22,7 +22,7 @@ __all__ = ["apply", "enter"]
 
 
 def _trained(s: Session, role: str):
-    policy = {"actor": s.actor, "critic": s.critic}[role]
+    policy = {"actor": s.models.actor, "critic": s.models.critic}[role]
     if policy is None:
         raise AssertionError(f"the plan switches {role}'s training state, but this run built no {role}")
     return policy
@@ -32,11 +32,12 @@ def apply(s: Session, change: Switch) -> None:
     """Execute ``change`` on this rank (every rank calls it; the driver moves the engine)."""
     for role in change.offload:
         _trained(s, role).offload_training_state()
-    if s.engine is not None:
+    engine = s.engines.engine
+    if engine is not None:
         if change.engine_release:
-            s.engine.release_memory(change.engine_release)
+            engine.release_memory(change.engine_release)
         if change.engine_resume:
-            s.engine.resume_memory(change.engine_resume)
+            engine.resume_memory(change.engine_resume)
     for role in change.restore:
         _trained(s, role).restore_training_state()
     s.mode = change.target

@@ -53,6 +53,7 @@ from hybridflow.config import HybridflowConfig
 from hybridflow.lowering import holds
 from hybridflow.rollout.base import AdapterReceiver, EngineLost, SlicedWeightReceiver, require
 from hybridflow.runtime.channel import Channel
+from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.replicas import (
     ReplicaFailed,
     driver_rank,
@@ -99,8 +100,9 @@ class EngineSync:
     ranks, which receive their own shares and hand them to their replica's driver).
 
     Construct it on every process together (the processes that hold destination ranks gather
-    the engines' parameter tables from their drivers); ``engine`` is this process's replica's
-    engine on a replica driver, None elsewhere; ``source_params`` is None on an engine rank.
+    the engines' parameter tables from their drivers); ``engines`` is this process's
+    ``EngineClient``, whose engine (a replica driver's; None elsewhere) it pushes to, the one a
+    restart replaced included; ``source_params`` is None on an engine rank.
     """
 
     def __init__(
@@ -109,8 +111,8 @@ class EngineSync:
         *,
         channel: Channel,
         device: torch.device,
+        engines: EngineClient | None = None,
         source_params=None,
-        engine=None,
         adapters=None,
     ) -> None:
         self.cfg = cfg
@@ -136,12 +138,13 @@ class EngineSync:
         """The engines get the base once and adapters every push (else merged weights)."""
         self._base_held = False
         """Every engine holds the base the plan last pushed (adapter pushes then move nothing else)."""
-        self.engine = engine
+        self.engines = engines
         self.pushes = 0
         """Counted pushes so far (the refit checks' schedule)."""
         self.restarts = None
         """This process's ``recovery.EngineRestarts`` (None: an engine lost in a push stops the run)."""
         holds_destination = not channel.separate or source_params is None
+        engine = self.engine
         # what the routes need of the engine (rollout.base's protocols), named before any push
         if engine is not None and self.route == "sliced":
             require(engine, SlicedWeightReceiver, "rollout.sync_route=sliced")
@@ -151,6 +154,11 @@ class EngineSync:
         self.engine_drops_weights = drops_weights(cfg, gpu=torch.cuda.is_available())
         """Whether the engine's weights are released (and lose their values) after every
         generation, so every step must push, even one that left the actor unchanged."""
+
+    @property
+    def engine(self):
+        """This process's replica's engine on its driver, else None."""
+        return None if self.engines is None else self.engines.engine
 
     def _engine_params(self) -> list[dict]:
         """Every engine rank's parameter table (engine-major: replica k's ranks at k*tp..), read by

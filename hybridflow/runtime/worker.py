@@ -38,14 +38,17 @@ from hybridflow.lowering import lower
 from hybridflow.runtime import checksums, console, determinism, disk_full, report, stops
 from hybridflow.runtime import state as run_state
 from hybridflow.runtime.channel import Channel, colocated, join
+from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.engine_ranks import serve
-from hybridflow.runtime.loop import train_rl
-from hybridflow.runtime.ops import heldout_reward
+from hybridflow.runtime.loop import heldout, train_rl
 from hybridflow.runtime.pipeline import Pipeline
 from hybridflow.runtime.recovery import EngineRestarts
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
 from hybridflow.runtime.session import (
     DRIVER,
+    Models,
+    RunContext,
+    RunData,
     Session,
     broadcast,
     build_policy,
@@ -72,33 +75,34 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf
     with the actor as a Hugging Face model directory beside it (``run_state.HF_EXPORT``)."""
     from megatron_adapters import checkpoint
 
-    final = s.out_dir / "checkpoints" / name
+    final = s.run.out_dir / "checkpoints" / name
     staging = run_state.staging_dir(final)
     # a stop signal now waits for the checkpoint (within the launcher's grace)
-    with stops.deferred(), _disk_full_named(s.out_dir, staging):
-        if s.is_driver:
+    with stops.deferred(), _disk_full_named(s.run.out_dir, staging):
+        if s.run.is_driver:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         dist.barrier()
-        checkpoint.save(policy or s.actor, staging / "actor", with_optimizer=with_optimizer, step=s.state.step)
-        if export_hf and s.is_driver:
+        checkpoint.save(
+            policy or s.models.actor, staging / "actor", with_optimizer=with_optimizer, step=s.run.state.step
+        )
+        if export_hf and s.run.is_driver:
             _export_hf(staging)
-        if policy is None and s.critic is not None:
-            checkpoint.save(s.critic, staging / "critic", with_optimizer=with_optimizer, step=s.state.step)
+        if policy is None and s.models.critic is not None:
+            checkpoint.save(s.models.critic, staging / "critic", with_optimizer=with_optimizer, step=s.run.state.step)
         # asynchronous RL: the engine drivers save the batches started ahead beside the checkpoint
         buffer = s.pipeline.save(staging) if s.pipeline is not None else []
-        if s.is_driver:
+        if s.run.is_driver:
             write_atomic(staging / run_state.CONFIG_FILE, to_yaml(s.cfg))  # what a resume compares with
         _record_checksums(s, staging)
-        if s.is_driver:
-            s.state.mlflow_run_id = s.tracker.run_id
-            s.state.reward_errors = s.reward_errors
-            s.state.wall_seconds = s.wall_before + time.time() - s.started
-            s.state.async_buffer = buffer
-            s.state.checksummed = True
-            run_state.save_state(staging, s.state)
+        if s.run.is_driver:
+            s.run.state.mlflow_run_id = s.run.tracker.run_id
+            s.run.state.wall_seconds = s.run.wall_before + time.time() - s.run.started
+            s.run.state.async_buffer = buffer
+            s.run.state.checksummed = True
+            run_state.save_state(staging, s.run.state)
             run_state.publish(staging, final)
-            run_state.prune(s.out_dir, s.cfg.run.keep_checkpoints)
+            run_state.prune(s.run.out_dir, s.cfg.run.keep_checkpoints)
         dist.barrier()
 
 
@@ -146,11 +150,13 @@ def _record_checksums(s: Session, staging: Path) -> None:
     bytes, into its ``checksums.json`` (collective; rank 0 deals the files and writes it)."""
     dist.barrier()  # every file in place before rank 0 lists them
     shares = broadcast(
-        checksums.shares_of(staging, checksums.listed_files(staging), dist.get_world_size()) if s.is_driver else None
+        checksums.shares_of(staging, checksums.listed_files(staging), dist.get_world_size())
+        if s.run.is_driver
+        else None
     )
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, checksums.hash_files(staging, shares[dist.get_rank()]))
-    if s.is_driver:
+    if s.run.is_driver:
         checksums.write_manifest(staging, parts)
 
 
@@ -160,25 +166,25 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
     from megatron_adapters import checkpoint
 
     cfg = s.cfg
-    if s.state.sft_done or cfg.sft.steps == 0:
+    if s.run.state.sft_done or cfg.sft.steps == 0:
         return True
-    policy = build_policy(cfg, sft_train_config(cfg), s.pg)
-    if s.state.sft_step:  # resume_from is the unfinished SFT's checkpoint
+    policy = build_policy(cfg, sft_train_config(cfg), s.models.pg)
+    if s.run.state.sft_step:  # resume_from is the unfinished SFT's checkpoint
         checkpoint.load(policy, resume_from / "actor", with_optimizer=True)
     else:
         _load_starting_weights(s, policy)
-    end_id = s.stop_ids[-1] if s.stop_ids else s.tokenizer.eos_token_id
-    end_id = s.tokenizer.convert_tokens_to_ids("<|im_end|>") if s.tokenizer.chat_template else end_id
+    end_id = s.data.stop_ids[-1] if s.data.stop_ids else s.data.tokenizer.eos_token_id
+    end_id = s.data.tokenizer.convert_tokens_to_ids("<|im_end|>") if s.data.tokenizer.chat_template else end_id
     requested = False
 
     def after(step: int, result) -> bool:
         nonlocal requested
-        s.tracker.log_metrics({"sft/loss": result.loss}, step=step)
-        s.state.sft_losses.append(result.loss)
-        done = s.state.sft_step = step + 1
+        s.run.tracker.log_metrics({"sft/loss": result.loss}, step=step)
+        s.run.state.sft_losses.append(result.loss)
+        done = s.run.state.sft_step = step + 1
         every = cfg.sft.checkpoint_every
         requested = done < cfg.sft.steps and stops.checkpoint_requested(
-            s.out_dir, is_driver=s.is_driver, group=s.shard.group
+            s.run.out_dir, is_driver=s.run.is_driver, group=s.run.shard.group
         )
         if requested or (every and done % every == 0 and done < cfg.sft.steps):
             _save(s, f"sft_{done:06d}", with_optimizer=True, policy=policy)
@@ -186,10 +192,10 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
 
     run_sft(
         policy,
-        s.train_prompts,
-        s.tokenizer,
+        s.data.train_prompts,
+        s.data.tokenizer,
         steps=cfg.sft.steps,
-        start=s.state.sft_step,
+        start=s.run.state.sft_step,
         batch_size=cfg.sft.batch_size,
         seed=cfg.run.seed,
         end_id=end_id,
@@ -197,11 +203,11 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
         on_step=after,
     )
     if requested:
-        if s.is_driver:
-            stops.done_request(s.out_dir)
-            logger.warning("checkpointed SFT step %d as %s asked; stopping", s.state.sft_step, stops.REQUEST_FILE)
+        if s.run.is_driver:
+            stops.done_request(s.run.out_dir)
+            logger.warning("checkpointed SFT step %d as %s asked; stopping", s.run.state.sft_step, stops.REQUEST_FILE)
         return False
-    s.state.sft_done = True
+    s.run.state.sft_done = True
     _save(s, "sft", with_optimizer=False, policy=policy, export_hf=cfg.sft.export_hf)
     return True
 
@@ -209,38 +215,38 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
 def _load_actor(s: Session, resume_from: Path | None) -> None:
     from megatron_adapters import checkpoint
 
-    s.actor = build_policy(s.cfg, s.cfg.train, s.pg, moe=s.cfg.moe, lora=s.cfg.lora)
-    sft = run_state.sft_checkpoint(s.out_dir)
+    s.models.actor = build_policy(s.cfg, s.cfg.train, s.models.pg, moe=s.cfg.moe, lora=s.cfg.lora)
+    sft = run_state.sft_checkpoint(s.run.out_dir)
     if resume_from is not None and run_state.is_rl_checkpoint(resume_from):
-        checkpoint.load(s.actor, resume_from / "actor", with_optimizer=True)
+        checkpoint.load(s.models.actor, resume_from / "actor", with_optimizer=True)
     elif (sft / "actor").is_dir():
-        _load_sft(s.actor, sft)
+        _load_sft(s.models.actor, sft)
     else:
-        _load_starting_weights(s, s.actor)
-    if s.spec.needs_critic:
+        _load_starting_weights(s, s.models.actor)
+    if s.models.spec.needs_critic:
         from megatron_adapters.critic import MegatronCritic
 
-        s.critic = MegatronCritic(
+        s.models.critic = MegatronCritic(
             s.cfg.model,
             s.cfg.actor.parallel,
             s.cfg.train.for_critic(),
-            pg_collection=s.pg,
+            pg_collection=s.models.pg,
             packing_config=s.cfg.packing,
         )
         if resume_from is not None and (resume_from / "critic").is_dir():
-            checkpoint.load(s.critic, resume_from / "critic", with_optimizer=True)
+            checkpoint.load(s.models.critic, resume_from / "critic", with_optimizer=True)
         else:  # the policy's (SFT) transformer under a fresh value head, as PPO critics start
-            skipped = _copy_weights(s.actor, s.critic)
+            skipped = _copy_weights(s.models.actor, s.models.critic)
             if any(not name.startswith("output_layer.") for name in skipped):
                 raise AssertionError(f"the critic differs from the actor beyond its value head: {skipped}")
-    if s.spec.uses_reference:
-        s.reference = build_policy(s.cfg, s.cfg.train, s.pg, trainable=False)
+    if s.models.spec.uses_reference:
+        s.models.reference = build_policy(s.cfg, s.cfg.train, s.models.pg, trainable=False)
         if (sft / "actor").is_dir():
-            _load_sft(s.reference, sft)
+            _load_sft(s.models.reference, sft)
         elif s.cfg.model.pretrained:  # read again: a resumed actor has moved away from it
-            _load_starting_weights(s, s.reference)
+            _load_starting_weights(s, s.models.reference)
         else:  # no SFT: the reference is the initial actor, which this run's seed rebuilt
-            _copy_weights(s.actor, s.reference)
+            _copy_weights(s.models.actor, s.models.reference)
 
 
 def _load_sft(policy, sft: Path) -> None:
@@ -287,47 +293,46 @@ def _start_rollout(s: Session) -> None:
     from megatron_adapters.export import global_named_parameters
     from megatron_adapters.peft_io import adapter_push
 
-    s.restarts = EngineRestarts(
-        s,
-        metrics=lambda: s.step_metrics,
-        respawn=None if s.channel.separate else lambda replicas: _respawn(s, replicas),
+    run, engines = s.run, s.engines
+    engines.restarts = EngineRestarts(
+        engines, respawn=None if run.channel.separate else lambda replicas: _respawn(s, replicas)
     )
-    if s.channel.separate:  # the engine ranks start the engines, from the directory rank 0 wrote
-        s.channel.announce(str(s.model_dir))
+    if run.channel.separate:  # the engine ranks start the engines, from the directory rank 0 wrote
+        run.channel.announce(str(engines.model_dir))
     else:
-        s.replica = replica_of(s.cfg, s.rank)
+        engines.replica = replica_of(s.cfg, run.rank)
         _start_parts(s, None)
     adapters = s.cfg.lora.pushes_adapters
-    s.sync = EngineSync(
+    engines.sync = EngineSync(
         s.cfg,
-        channel=s.channel,
-        device=s.device,
-        engine=s.engine,
-        source_params=lambda: global_named_parameters(s.actor, merge_adapters=not adapters),
-        adapters=(lambda: adapter_push(s.actor)) if adapters else None,
+        channel=run.channel,
+        device=run.device,
+        engines=engines,
+        source_params=lambda: global_named_parameters(s.models.actor, merge_adapters=not adapters),
+        adapters=(lambda: adapter_push(s.models.actor)) if adapters else None,
     )
-    s.sync.restarts = s.restarts
-    s.sync.push()
+    engines.sync.restarts = engines.restarts
+    engines.sync.push()
 
 
 def _start_parts(s: Session, replicas: set[int] | None) -> None:
     """This rank's part of the engines of ``replicas`` (None: all), if it starts one: the
     driver's, or another node's of an engine spanning nodes (collective: every engine's node
     parts start together, their schedulers meet at start-up at the driver's address)."""
-    role, addresses = node_role(s.cfg, s.rank), _engine_addresses(s)
+    role, addresses = node_role(s.cfg, s.run.rank), _engine_addresses(s)
     if role is not None and (replicas is None or role[0] in replicas):
         replica, node = role
-        engine = start_engine(s.cfg, s.model_dir, node_rank=node, dist_init_addr=addresses[replica])
-        s.engine, s.engine_node = (engine, None) if node == 0 else (None, engine)
+        engine = start_engine(s.cfg, s.engines.model_dir, node_rank=node, dist_init_addr=addresses[replica])
+        s.engines.engine, s.engines.node_part = (engine, None) if node == 0 else (None, engine)
 
 
 def _respawn(s: Session, replicas: set[int]) -> None:
     """Replace every node's part of the engines of ``replicas`` (engines spanning nodes; every
     rank calls it, ``recovery.EngineRestarts``): the old parts are shut down, then new ones
     start and meet at the drivers' new addresses."""
-    role = node_role(s.cfg, s.rank)
+    role = node_role(s.cfg, s.run.rank)
     if role is not None and role[0] in replicas:
-        (s.engine if role[1] == 0 else s.engine_node).shutdown()  # kills and reaps whatever of it is left
+        (s.engines.engine if role[1] == 0 else s.engines.node_part).shutdown()  # kills and reaps whatever of it is left
     _start_parts(s, replicas)
 
 
@@ -336,11 +341,11 @@ def _engine_addresses(s: Session) -> list[str | None]:
     host; ``HYBRIDFLOW_ENGINE_HOST`` overrides the name), gathered on every rank; None per
     replica when engines fit a node."""
     mine = None
-    if engine_nodes(s.cfg) > 1 and s.replica is not None:
+    if engine_nodes(s.cfg) > 1 and s.engines.replica is not None:
         host = os.environ.get("HYBRIDFLOW_ENGINE_HOST") or socket.gethostbyname(socket.gethostname())
         with socket.socket() as sock:
             sock.bind(("", 0))
-            mine = (s.replica, f"{host}:{sock.getsockname()[1]}")
+            mine = (s.engines.replica, f"{host}:{sock.getsockname()[1]}")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     found = dict(item for item in gathered if item is not None)
@@ -350,18 +355,18 @@ def _engine_addresses(s: Session) -> list[str | None]:
 def _stop_engines(s: Session, *, in_order: bool) -> None:
     """Drivers shut their engines down first (that stops every node's schedulers), then each
     node reaps its own; after a failure, each rank cleans up what it has at once."""
-    if s.channel is not None and s.channel.separate:
+    if s.run.channel is not None and s.run.channel.separate:
         if in_order:  # the engine ranks stop theirs (serve); after a failure torchrun stops them
             # before the rollout started (run.mode=sft, a stop during SFT) they wait for its directory
-            s.channel.announce(("stop",) if s.sync is not None else None)
-            s.channel.barrier()
+            s.run.channel.announce(("stop",) if s.engines.sync is not None else None)
+            s.run.channel.barrier()
         return
-    if s.engine is not None:
-        s.engine.shutdown()
+    if s.engines.engine is not None:
+        s.engines.engine.shutdown()
     if in_order:
         dist.barrier()
-    if s.engine_node is not None:
-        s.engine_node.shutdown()
+    if s.engines.node_part is not None:
+        s.engines.node_part.shutdown()
 
 
 def _shard() -> Shard:
@@ -383,75 +388,85 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
     prompts, held, skipped = load_prompts(cfg, tokenizer, train, heldout)
     state = run_state.read_state(resume_from) if resume_from else run_state.RunState()
     rank = dist.get_rank()
-    tracker = Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id, history=state.history)
-    s = Session(
+    run = RunContext(
         cfg=cfg,
         out_dir=out_dir,
         rank=rank,
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        train_prompts=prompts,
-        heldout_prompts=held,
-        sft_rows=prompts,
-        sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
         state=state,
-        tracker=tracker,
-        stop_ids=stop_token_ids(tokenizer, model_dir),
-        pg=pg,
+        tracker=Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id, history=state.history),
         shard=_shard(),
         device=parallel.device(),
         channel=channel,
-        data_rows_skipped=skipped,
-        reward_errors=state.reward_errors,
+        started=time.time(),
+        wall_before=state.wall_seconds,
     )
-    s.spec = algorithm_spec(cfg)
-    filled = {key.removeprefix("algorithm."): value for key, value in s.spec.filled}
-    s.algo = dataclasses.replace(cfg.algorithm, **filled)
-    s.kl_reward = kl_controller(s.algo.kl_reward_coef, s.algo.kl_reward_target, s.algo.kl_reward_horizon, state.history)
-    s.started, s.wall_before = time.time(), state.wall_seconds
-    return s
+    data = RunData(
+        tokenizer=tokenizer,
+        train_prompts=prompts,
+        heldout_prompts=held,
+        sampler=PromptSampler(len(prompts), cfg.run.prompts_per_step, cfg.run.seed, cfg.data.shuffle),
+        stop_ids=stop_token_ids(tokenizer, model_dir),
+        rows_skipped=skipped,
+    )
+    return Session(run=run, data=data, models=_models(cfg, pg, state), engines=EngineClient(cfg, model_dir))
+
+
+def _models(cfg: HybridflowConfig, pg, state: run_state.RunState) -> Models:
+    """The algorithm's settings (with what it filled in) and its KL controller; the models
+    themselves are built after the warm-up (``_load_actor``)."""
+    spec = algorithm_spec(cfg)
+    filled = {key.removeprefix("algorithm."): value for key, value in spec.filled}
+    algo = dataclasses.replace(cfg.algorithm, **filled)
+    kl = kl_controller(algo.kl_reward_coef, algo.kl_reward_target, algo.kl_reward_horizon, state.history)
+    return Models(spec=spec, algo=algo, kl_reward=kl, pg=pg)
 
 
 def _finish(s: Session, heldout_after_rl: float | None) -> dict:
-    wall = s.wall_before + time.time() - s.started
-    first = s.state.history[0] if s.state.history else {}
+    wall = s.run.wall_before + time.time() - s.run.started
+    first = s.run.state.history[0] if s.run.state.history else {}
     extra = {
         "first_step_logprob_diff_max": first.get("rollout/logprob_diff_max"),
         "first_step_ppo_kl": first.get("actor/ppo_kl_first_mini"),
         "first_step_clipfrac": first.get("actor/clipfrac_first_mini"),
-        "mlflow_run_id": s.tracker.run_id,
-        "mlflow_uri": s.tracker.uri,
-        "executed_stages": s.executed_stages,
-        "tensorboard_dir": s.tracker.tensorboard_dir,
-        "engine_restarts": s.restarts.used if s.restarts is not None else 0,
+        "mlflow_run_id": s.run.tracker.run_id,
+        "mlflow_uri": s.run.tracker.uri,
+        "executed_stages": s.run.executed_stages,
+        "tensorboard_dir": s.run.tracker.tensorboard_dir,
+        "engine_restarts": s.engines.restarts.used if s.engines.restarts is not None else 0,
     }
     if s.pipeline is not None:
-        extra["async_rl"] = report.summarise_async(s.cfg.async_rl, s.state.history)
+        extra["async_rl"] = report.summarise_async(s.cfg.async_rl, s.run.state.history)
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {
             "routing_replay": s.cfg.moe.routing_replay,
             "freeze_router": s.cfg.moe.freeze_router,
-            "metrics": summarise_router_stats(s.state.history),
-            "tokens_per_expert_last_step": s.moe_tokens_per_expert,
+            "metrics": summarise_router_stats(s.run.state.history),
+            "tokens_per_expert_last_step": _tokens_per_expert(s.models.actor),
         }
     summary = report.summarise(
         s.cfg,
-        s.state,
+        s.run.state,
         heldout_after_rl=heldout_after_rl,
         wall_seconds=wall,
-        data_rows_skipped=s.data_rows_skipped,
-        reward_errors=s.reward_errors,
+        data_rows_skipped=s.data.rows_skipped,
+        reward_errors=s.run.state.reward_errors,
         extra=extra,
     )
-    if s.is_driver:
-        path = report.write_summary(s.out_dir, summary)
-        plot = report.plot_rewards(s.out_dir, s.state)
-        s.tracker.log_metrics({"heldout/reward_after_rl": heldout_after_rl or 0.0}, step=s.state.step)
+    if s.run.is_driver:
+        path = report.write_summary(s.run.out_dir, summary)
+        plot = report.plot_rewards(s.run.out_dir, s.run.state)
+        s.run.tracker.log_metrics({"heldout/reward_after_rl": heldout_after_rl or 0.0}, step=s.run.state.step)
         for artifact in (path, plot):
             if artifact is not None:
-                s.tracker.log_artifact(artifact)
-        sys.stdout.write(report.format_summary(summary, s.out_dir) + "\n")
+                s.run.tracker.log_artifact(artifact)
+        sys.stdout.write(report.format_summary(summary, s.run.out_dir) + "\n")
     return summary
+
+
+def _tokens_per_expert(actor) -> list | None:
+    """The last training pass's tokens per expert and MoE layer (router statistics), if any."""
+    stats = actor.routing.last_stats.get("train") if actor is not None and actor.routing is not None else None
+    return None if stats is None else stats.counts().tolist()
 
 
 class DeviceMemoryError(RuntimeError):
@@ -505,15 +520,15 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
     pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     s = _session(cfg, out_dir, resume_from, pg, channel or colocated())
     if changes:  # the summary says what this start changed, and from which step
-        s.state.changes.append({"step": s.state.step, "changed": changes})
-    s.tracker.log_params(
+        s.run.state.changes.append({"step": s.run.state.step, "changed": changes})
+    s.run.tracker.log_params(
         {
             "algorithm": cfg.algorithm.name,
             "actor_layout": cfg.actor.parallel.describe(),
             "rollout": cfg.rollout.describe(),
             **{f"algorithm.{k}": v for k, v in asdict(cfg.algorithm).items()},
         },
-        step=s.state.step,
+        step=s.run.state.step,
     )
     try:
         with out_of_memory_hint(cfg, "the SFT warm-up"):
@@ -528,23 +543,24 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
             _start_rollout(s)
         _freeze_startup_objects()
         if cfg.async_rl.mode != "sync":
-            s.pipeline = Pipeline(s, resume_from)
-        if s.state.heldout_after_sft is None:
-            s.state.heldout_after_sft = heldout_reward(s)
-            s.state.heldout.append((s.state.step, s.state.heldout_after_sft))
+            s.pipeline = Pipeline(s.run, s.data, resume_from)
+        state = s.run.state
+        if state.heldout_after_sft is None:
+            state.heldout_after_sft = heldout(s)
+            state.heldout.append((state.step, state.heldout_after_sft))
         with out_of_memory_hint(cfg, "the RL steps"):
             finished = train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
         if not finished:  # checkpointed on request (stops.REQUEST_FILE): a later start resumes there
             return _stopped_on_request(s)
-        after_rl = heldout_reward(s)
+        after_rl = heldout(s)
         if after_rl is not None:
-            s.state.heldout.append((s.state.step, after_rl))
+            state.heldout.append((state.step, after_rl))
         summary = _finish(s, after_rl)
-        s.tracker.close()
+        s.run.tracker.close()
         _stop_engines(s, in_order=True)
         return summary
     except BaseException as error:
-        s.tracker.close(status="KILLED" if isinstance(error, stops.Stopped) else "FAILED")
+        s.run.tracker.close(status="KILLED" if isinstance(error, stops.Stopped) else "FAILED")
         _stop_engines(s, in_order=False)
         raise
 
@@ -561,7 +577,7 @@ def _freeze_startup_objects() -> None:
 
 
 def _stopped_on_request(s: Session) -> dict:
-    s.tracker.close(status="KILLED")
+    s.run.tracker.close(status="KILLED")
     _stop_engines(s, in_order=True)
     return {}
 

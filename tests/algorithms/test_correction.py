@@ -120,7 +120,7 @@ def test_every_policy_loss_takes_the_correction(name):
     )
 
     def loss(algo, rollout, mask=MASK):
-        fn = actor_loss(SimpleNamespace(algo=algo), node, 3)
+        fn = actor_loss(SimpleNamespace(models=SimpleNamespace(algo=algo)), node, 3)
         num, den, _ = fn(logp, torch.zeros(2, 3), {**micro, "response_mask": mask, "rollout_logprobs": rollout})
         return num / den
 

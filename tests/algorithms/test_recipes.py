@@ -142,9 +142,9 @@ def test_reference_nodes_appear_iff_a_kl_coefficient_is_positive(name, kl_loss, 
 
 def test_dapo_filters_groups_before_the_per_sample_nodes():
     graph = _graph("dapo")
-    assert graph.node("filter_groups").inputs == ("scores",)
+    assert graph.node("filter_groups").inputs == ("responses", "scores")
     assert graph.node("filter_groups").option("max_rounds") == 3
-    for name in ("old_logprob", "token_rewards"):
+    for name in ("old_logprob", "token_rewards", "advantages", "update_actor"):
         assert "kept" in graph.node(name).inputs
     order = [node.name for node in graph.topological_order()]
     assert order.index("filter_groups") < order.index("old_logprob")
@@ -201,9 +201,19 @@ def test_remax_scores_a_greedy_baseline():
     assert "baseline_scores" in graph.node("advantages").inputs
 
 
+def test_downweighted_stale_samples_reach_the_advantages_through_an_edge_the_plan_prints():
+    async_run = ["rollout.placement=separate", "async_rl.mode=one_step_off", "async_rl.on_stale=downweight"]
+    graph = build_graph(_cfg("grpo", *async_run))
+    assert "staleness_weights" in graph.node("generate").outputs
+    assert ("generate", "advantages", "staleness_weights") in graph.edges()
+    assert "staleness_weights" in graph.to_mermaid()
+    dropping = build_graph(_cfg("grpo", *async_run[:2]))  # on_stale=drop: no weights to hand on
+    assert all("staleness_weights" not in node.outputs for node in dropping.nodes)
+
+
 def test_remax_with_dynamic_sampling_resamples_the_baseline_with_its_group():
     graph = _graph("remax", "algorithm.dynamic_sampling=true")
-    assert graph.node("filter_groups").inputs == ("scores", "baseline_scores")
+    assert graph.node("filter_groups").inputs == ("responses", "scores", "baseline_scores")
 
 
 def test_vapo_uses_decoupled_length_adaptive_gae_and_an_lm_loss():

@@ -35,7 +35,7 @@ class _Engine:
 def _sync(engine: _Engine) -> tuple[sync_module.EngineSync, list]:
     es = object.__new__(sync_module.EngineSync)
     es.cfg = load_config(QUICKSTART, ["lora.push=adapter", "lora.target_modules=[linear_qkv]"])
-    es.engine, es.pushes, es._base_held = engine, 0, False
+    es.engines, es.pushes, es._base_held = SimpleNamespace(engine=engine), 0, False
     es.pushes_adapters = True
     es.adapters = lambda: ({"lora_A": torch.zeros(4, 8), "lora_B": torch.zeros(8, 4)}, {"r": 4})
     es.channel = SimpleNamespace(gather=lambda mine: [mine], separate=False)

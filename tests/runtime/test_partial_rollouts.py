@@ -20,6 +20,7 @@ from hybridflow.preflight import check_async
 from hybridflow.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutBatch, RolloutSample, SamplingParams
 from hybridflow.rollout.tokens import pack_batch
 from hybridflow.runtime import replicas
+from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.exchange import meta_of, pack, unpack
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu.yaml")
@@ -244,7 +245,7 @@ def test_the_engine_ranks_buffer_advances_as_the_actor_trains_and_finishes_the_n
     from hybridflow.runtime import engine_ranks
 
     engine = ScriptedEngine(0)
-    buffer = engine_ranks._Buffer(_cfg(), engine_ranks._EngineRank(_cfg(), Path("."), 0, engine), Channel())
+    buffer = engine_ranks._Buffer(_cfg(), EngineClient(_cfg(), Path("."), 0, engine), Channel())
     buffer.start(2, PROMPTS, PARAMS, 11, 1, 0)  # step 0 of K=3: batches 2 and 3 started by version 0
     buffer.start(3, PROMPTS, PARAMS, 12, 1, 0)
     buffer.advance(0, 1)  # started by this very version: nothing to continue yet

@@ -13,8 +13,11 @@ from hybridflow.config import load_config
 from hybridflow.lowering import Stage
 from hybridflow.runtime import loop, report, state
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
+from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.model_dir import _mismatches, hf_overrides, rollout_model_dir
 from hybridflow.runtime.ops import NonFiniteStep, step_seed
+from hybridflow.runtime.session import Models, RunContext, RunData, Session
+from hybridflow.runtime.step import Inputs, Produced, Step, UndeclaredRead
 
 
 def test_response_views_round_trip() -> None:
@@ -161,40 +164,36 @@ def _fake_session(on_nan: str, steps: int = 3):
     cfg = load_config(
         "configs/quickstart_cpu.yaml", [f"run.on_nan={on_nan}", f"run.steps={steps}", "run.heldout_every=0"]
     )
-    return SimpleNamespace(
-        cfg=cfg,
-        state=state.RunState(),
-        is_driver=False,
-        tracker=_Tracker(),
-        step_metrics={},
-        prompt_batch=lambda step: [],
-        executed_stages=[],
-        mode=None,
-        engine=None,
-        actor=None,
-        critic=None,
-        algo=cfg.algorithm,
-        sync=None,
-        rank=0,
-        pipeline=None,
-        out_dir=Path("unused"),
-        shard=SimpleNamespace(group=None),
+    run = RunContext(
+        cfg=cfg, out_dir=Path("unused"), rank=1, state=state.RunState(), tracker=_Tracker(), shard=_NoRanks()
     )
+    data = RunData(tokenizer=None, train_prompts=[], heldout_prompts=[], sampler=SimpleNamespace(batch=lambda step: []))
+    models = Models(spec=None, algo=cfg.algorithm, kl_reward=None)
+    return Session(run=run, data=data, models=models, engines=EngineClient(cfg, Path("unused")))
+
+
+class _NoRanks:
+    group = None
+
+
+def _done(**extra) -> Produced:
+    """What the fake stages return: a step's responses and scores (the loop's metrics read them)."""
+    responses = SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2), seconds=1.0)
+    return Produced({"responses": responses, "scores": torch.ones(2), **extra})
 
 
 def _graph_raising_at(bad_step: int):
     calls = []
 
     def update(s, node, f, step):
-        calls.append(step)
-        if step == bad_step:
-            raise NonFiniteStep(f"step {step}: not finite")
-        return {
-            "responses": SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2), seconds=1.0),
-            "scores": torch.ones(2),
-        }
+        calls.append(step.index)
+        if step.index == bad_step:
+            raise NonFiniteStep(f"step {step.index}: not finite")
+        return _done()
 
-    node = SimpleNamespace(name="update_actor", op="fake_update", role="actor", outputs=("responses", "scores"))
+    node = SimpleNamespace(
+        name="update_actor", op="fake_update", role="actor", inputs=(), outputs=("responses", "scores")
+    )
     stage = Stage(node=node, pool="colocated", ranks=range(1), layout="megatron")
     return SimpleNamespace(stages=(stage,), start_mode=None), update, calls
 
@@ -208,7 +207,7 @@ def test_a_nan_step_stops_the_run_before_any_checkpoint(monkeypatch) -> None:
     s = _fake_session("stop")
     with pytest.raises(NonFiniteStep):
         loop.train_rl(s, graph, save=saved.append)
-    assert calls == [0, 1] and s.state.step == 1 and saved == []
+    assert calls == [0, 1] and s.run.state.step == 1 and saved == []
 
 
 @pytest.mark.claim("non-finite-never-applied")
@@ -219,8 +218,9 @@ def test_a_nan_step_is_skipped_when_configured(monkeypatch) -> None:
     saved = []
     s = _fake_session("skip")
     loop.train_rl(s, graph, save=saved.append)
-    assert calls == [0, 1, 2] and s.state.step == 3 and saved == [3]
-    assert s.state.history[1] == {"step": 2, "actor/skipped_step": 1.0, "actor/rolled_back": 0.0, "checks/failed": 0.0}
+    assert calls == [0, 1, 2] and s.run.state.step == 3 and saved == [3]
+    skipped = {"step": 2, "actor/skipped_step": 1.0, "actor/rolled_back": 0.0, "checks/failed": 0.0}
+    assert s.run.state.history[1] == skipped
 
 
 class _Role:
@@ -242,27 +242,24 @@ def test_a_skipped_step_rolls_back_every_update_it_made(monkeypatch) -> None:
     one is not finite: with run.on_nan=skip both are undone, and later steps train normally."""
 
     def critic_update(s, node, f, step):
-        s.undo.before_update(s.critic)
-        s.critic.updates += 1
-        return {"critic_done": True}
+        step.undo.before_update(s.models.critic)
+        s.models.critic.updates += 1
+        return Produced({"critic_done": True})
 
     def actor_update(s, node, f, step):
-        s.undo.before_update(s.actor)
-        s.actor.updates += 1
-        if step == 1:
-            raise NonFiniteStep(f"step {step}: mini-batch 2 not finite")
-        s.actor.updates += 1
-        return {
-            "responses": SimpleNamespace(lengths=torch.ones(2), truncated=torch.zeros(2), seconds=1.0),
-            "scores": torch.ones(2),
-        }
+        step.undo.before_update(s.models.actor)
+        s.models.actor.updates += 1
+        if step.index == 1:
+            raise NonFiniteStep(f"step {step.index}: mini-batch 2 not finite")
+        s.models.actor.updates += 1
+        return _done()
 
     monkeypatch.setitem(loop.OPS, "fake_critic", critic_update)
     monkeypatch.setitem(loop.OPS, "fake_actor", actor_update)
     monkeypatch.setattr(loop.dist, "barrier", lambda: None)
     stages = tuple(
         Stage(
-            node=SimpleNamespace(name=name, op=op, role=role, outputs=outputs),
+            node=SimpleNamespace(name=name, op=op, role=role, inputs=(), outputs=outputs),
             pool="colocated",
             ranks=range(1),
             layout="megatron",
@@ -273,10 +270,10 @@ def test_a_skipped_step_rolls_back_every_update_it_made(monkeypatch) -> None:
         )
     )
     s = _fake_session("skip")
-    s.actor, s.critic = _Role(), _Role()
+    s.models.actor, s.models.critic = _Role(), _Role()
     loop.train_rl(s, SimpleNamespace(stages=stages, start_mode=None), save=lambda step: None)
-    assert (s.actor.updates, s.critic.updates) == (4, 2)  # steps 0 and 2 only
-    assert s.state.history[1]["actor/rolled_back"] == 1.0
+    assert (s.models.actor.updates, s.models.critic.updates) == (4, 2)  # steps 0 and 2 only
+    assert s.run.state.history[1]["actor/rolled_back"] == 1.0
 
 
 class _Recorder:
@@ -305,13 +302,7 @@ def test_switches_execute_the_plans_values_in_order():
 
     cfg = load_config("configs/quickstart_cpu.yaml", ["algorithm.name=ppo", "critic.enabled=true"])
     calls = []
-    s = SimpleNamespace(
-        cfg=cfg,
-        mode=None,
-        actor=_Recorder("actor", calls),
-        critic=_Recorder("critic", calls),
-        engine=_Recorder("engine", calls),
-    )
+    s = _switched(cfg, calls, critic=True)
     plan = lower(cfg, with_reshard=False)
     switches.enter(s, plan.start_mode)  # from everything resident to the step's start (sync)
     for stage in plan.stages:
@@ -334,11 +325,19 @@ def test_switches_execute_the_plans_values_in_order():
     switches.enter(s, "generate")
     switches.enter(s, "sync")  # generating GPUs already hold what a sync needs
     assert calls == ["engine resume kv_cache+cuda_graph"]
-    separate = SimpleNamespace(
-        cfg=load_config("configs/quickstart_cpu.yaml", ["rollout.placement=separate"]), mode=None
-    )
+    separate = _switched(load_config("configs/quickstart_cpu.yaml", ["rollout.placement=separate"]), [])
     switches.enter(separate, "train")  # engines on their own GPUs: nothing moves
     assert separate.mode is None
+
+
+def _switched(cfg, calls: list, *, critic: bool = False, mode: str | None = None) -> SimpleNamespace:
+    """What a switch touches of a session (the models and the engine), recording its calls."""
+    return SimpleNamespace(
+        cfg=cfg,
+        mode=mode,
+        models=SimpleNamespace(actor=_Recorder("actor", calls), critic=_Recorder("critic", calls) if critic else None),
+        engines=SimpleNamespace(engine=_Recorder("engine", calls)),
+    )
 
 
 def test_an_op_returning_undeclared_fields_stops_the_step(monkeypatch) -> None:
@@ -346,20 +345,38 @@ def test_an_op_returning_undeclared_fields_stops_the_step(monkeypatch) -> None:
     graph.stages[0].node.outputs = ("responses",)  # the op also returns scores
     monkeypatch.setitem(loop.OPS, "fake_update", update)
     with pytest.raises(AssertionError, match=r"returned fields \['responses', 'scores'\]; the node declares"):
-        loop.run_step(_fake_session("stop"), graph.stages, 0)
+        loop.run_step(_fake_session("stop"), graph.stages, Step(0))
+
+
+@pytest.mark.claim("ops-read-only-edges")
+def test_an_op_reading_a_field_its_node_does_not_declare_stops_the_step(monkeypatch) -> None:
+    """Every value that passes between ops is an edge `hybridflow plan` prints: an op that reads
+    (or asks for) anything else fails at once, naming the field and the node."""
+
+    def peeking(s, node, f, step):
+        assert "prompts" in f and len(f["prompts"]) == 0  # declared: readable
+        return _done(weights=f["scores_of_another_op"])
+
+    node = SimpleNamespace(
+        name="peek", op="fake_peek", role="driver", inputs=("prompts",), outputs=("responses", "scores", "weights")
+    )
+    monkeypatch.setitem(loop.OPS, "fake_peek", peeking)
+    stages = (Stage(node=node, pool="colocated", ranks=range(1), layout="megatron"),)
+    with pytest.raises(UndeclaredRead, match=r"node 'peek' read field 'scores_of_another_op', which the node does not"):
+        loop.run_step(_fake_session("stop"), stages, Step(0))
+    view = Inputs(node, {"prompts": [], "answers": []})
+    assert list(view) == ["prompts"] and len(view) == 1
+    with pytest.raises(UndeclaredRead):
+        _ = "answers" in view  # asking is reading: an op cannot branch on a field it was not given
+    with pytest.raises(UndeclaredRead):
+        view.get("answers")
 
 
 def test_a_skipped_sync_still_brings_the_engine_in_for_the_next_generation():
     from hybridflow.runtime import switches
 
     calls = []
-    s = SimpleNamespace(
-        cfg=load_config("configs/quickstart_cpu.yaml"),
-        mode="train",  # the step stopped mid-way
-        actor=_Recorder("actor", calls),
-        critic=None,
-        engine=_Recorder("engine", calls),
-    )
+    s = _switched(load_config("configs/quickstart_cpu.yaml"), calls, mode="train")  # the step stopped mid-way
     switches.enter(s, "generate")  # what the loop does before the next step's generate stage
     assert calls == ["actor offload", "engine resume weights+kv_cache+cuda_graph"] and s.mode == "generate"
 

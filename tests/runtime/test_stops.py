@@ -57,7 +57,7 @@ def _loop_without_ranks(monkeypatch, tmp_path, steps: int):
     monkeypatch.setattr(loop.dist, "barrier", lambda: None)
     monkeypatch.setattr(loop.switches, "enter", lambda s, mode: None)
     s = _fake_session("stop", steps=steps)
-    s.is_driver, s.out_dir = True, tmp_path
+    s.run.rank, s.run.out_dir = 0, tmp_path
     return graph, s, calls
 
 
@@ -73,7 +73,7 @@ def test_a_checkpoint_request_saves_the_step_and_leaves_the_loop(monkeypatch, tm
 
     s.cfg.run.checkpoint_every = 2
     assert loop.train_rl(s, graph, save=save) is False
-    assert calls == [0, 1, 2] and saved == [2, 3] and s.state.step == 3
+    assert calls == [0, 1, 2] and saved == [2, 3] and s.run.state.step == 3
     assert not (tmp_path / REQUEST_FILE).exists()  # a resumed start must not stop again
 
 
