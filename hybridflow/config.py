@@ -731,8 +731,9 @@ class TaskConfig:
     """A synthetic verifiable task, generated when ``data.train_files`` is empty."""
 
     name: str = "arithmetic"
-    """Task generator: arithmetic (a+b, a-b with small numbers), max (the larger of two numbers)
-    or countdown."""
+    """Task generator: arithmetic (a+b, a-b with small numbers), max (the larger of two numbers),
+    countdown, or multiply (a*b of operands up to max_operand, with demonstrations that call the
+    calculator tool: agentic.enabled=true, agentic.tools=[calculator])."""
     train_size: int = 2000
     """Training prompts generated."""
     heldout_size: int = 200
@@ -744,7 +745,7 @@ class TaskConfig:
     the verifier's reward is what RL has to add."""
 
     def __post_init__(self) -> None:
-        check_choice("name", self.name, ("arithmetic", "max", "countdown"))
+        check_choice("name", self.name, ("arithmetic", "max", "countdown", "multiply"))
         check_positive(self, ("train_size", "heldout_size", "max_operand"))
         if not 0.0 <= self.sft_noise < 1.0:
             raise ConfigError("{p}sft_noise={v} must be in [0, 1)", v=self.sft_noise)
@@ -803,6 +804,56 @@ class SFTConfig:
 
 
 @dataclass(kw_only=True)
+class AgenticConfig:
+    """Multi-turn rollouts with tools (``hybridflow/agentic``): each sample is a trajectory of
+    policy turns and tool answers, trained on the policy's own tokens only."""
+
+    enabled: bool = False
+    """Roll out trajectories instead of single responses (every prompt of the run)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the policy may call: a registered name (calculator; python, the code sandbox) or
+    module:function of a function decorated with hybridflow.agentic.tools.tool."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from a turn: hermes (Qwen2.5 / Qwen3 / Hermes
+    <tool_call>{json}</tool_call>)."""
+    environment: Optional[str] = None
+    """module:Class of an environment with state, built per trajectory as Class(tools, parse,
+    pool) with a step(text) method (hybridflow.agentic.env.Environment); None: the tools answer
+    (ToolEnvironment)."""
+    max_turns: int = 4
+    """Policy turns per trajectory."""
+    turn_tokens: Optional[int] = None
+    """Tokens one policy turn may sample; None: data.max_response_length. A trajectory's turns
+    and answers together stay within data.max_response_length."""
+    observation_tokens: int = 256
+    """Tokens one round of tool answers may take; longer ones have their text cut to fit."""
+    schedule: str = "independent"
+    """independent: a trajectory's next turn is sampled as soon as its tools answered;
+    turn_synchronous: every trajectory waits for the slowest tool of its call."""
+    tool_workers: int = 16
+    """Tool calls running at once per replica driver."""
+    sandbox: str = "bubblewrap"
+    """Where the python tool runs programs: bubblewrap (this machine, apt-get install
+    bubblewrap) or remote (a service at sandbox_url)."""
+    sandbox_url: Optional[str] = None
+    """The sandbox service's URL (sandbox=remote)."""
+    sandbox_wall_seconds: float = 10.0
+    """A program is stopped after this long."""
+    sandbox_memory_mb: int = 512
+    """Address space a program's process may take."""
+
+    def __post_init__(self) -> None:
+        check_choice("schedule", self.schedule, ("independent", "turn_synchronous"))
+        check_choice("sandbox", self.sandbox, ("bubblewrap", "remote"))
+        check_positive(self, ("max_turns", "observation_tokens", "tool_workers", "sandbox_wall_seconds"))
+        check_positive(self, ("sandbox_memory_mb",))
+        if self.turn_tokens is not None and self.turn_tokens < 1:
+            raise ConfigError("{p}turn_tokens={v} must be >= 1 (or null)", v=self.turn_tokens)
+        if self.sandbox == "remote" and not self.sandbox_url:
+            raise ConfigError("{p}sandbox=remote needs {p}sandbox_url, the sandbox service's address")
+
+
+@dataclass(kw_only=True)
 class HybridflowConfig:
     """The whole run: model, per-role layouts, rollout engines, training and run settings."""
 
@@ -840,6 +891,8 @@ class HybridflowConfig:
     """Low-rank adapters for the RL actor (off by default)."""
     async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
     """Asynchronous RL: generation of later steps overlapping training (separate placement)."""
+    agentic: AgenticConfig = field(default_factory=AgenticConfig)
+    """Multi-turn rollouts with tools (off by default)."""
 
     def __post_init__(self) -> None:
         for role in (self.reference, self.critic):

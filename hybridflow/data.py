@@ -79,8 +79,10 @@ class PromptRow:
     data_source: str | None = None
     """Where the row comes from; a registered reward name here picks the reward function under
     ``reward.function=auto``."""
-    sft_response: str | None = None
-    """The SFT target, when ``read_rows`` was given ``sft_key``."""
+    sft_response: str | list[dict[str, str]] | None = None
+    """The SFT target, when ``read_rows`` was given ``sft_key``: the answer's text, or a
+    multi-turn continuation (assistant turns and the tool / user messages between them, ending
+    with an assistant turn) that only the assistant turns are trained on."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The row's other top-level columns."""
 
@@ -238,8 +240,16 @@ def _sft_response(record: Mapping[str, Any], key: str | None) -> str | None:
         value = _lookup(record, key) if key not in record else record[key]
     except _BadRow:
         value = None
+    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+        if value[-1]["role"] != "assistant":
+            raise _BadRow(
+                f"the turns in {key!r} end with a {value[-1]['role']!r} message; the last must be the assistant's"
+            )
+        return value
     if value is not None and not isinstance(value, str):
-        raise _BadRow(f"{key!r} is of type {type(value).__name__}; expected text (sft.response_key)")
+        raise _BadRow(
+            f"{key!r} is of type {type(value).__name__}; expected text or a list of messages (sft.response_key)"
+        )
     if not value:
         raise _BadRow(f"no SFT response in {key!r} (sft.response_key)")
     return value
@@ -446,11 +456,11 @@ def _as_encodable(prompt: str | list[dict[str, str]], use_chat: bool, system_pro
     return chat
 
 
-def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool) -> TokenizedPrompt:
+def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool, tools) -> TokenizedPrompt:
     from hybridflow.rollout.tokens import encode_prompts  # here: it imports torch; preflight reads rows without
 
     try:
-        (ids,) = encode_prompts(tokenizer, [_as_encodable(row.prompt, use_chat, cfg.system_prompt)])
+        (ids,) = encode_prompts(tokenizer, [_as_encodable(row.prompt, use_chat, cfg.system_prompt)], tools=tools)
     except ValueError as error:  # e.g. a prompt that encodes to no tokens
         raise _BadRow(str(error)) from error
     if len(ids) > cfg.max_prompt_length:
@@ -458,11 +468,14 @@ def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool) -> T
     return TokenizedPrompt(row=row, prompt_ids=tuple(ids))
 
 
-def tokenize_rows(rows: Sequence[PromptRow], tokenizer, cfg: DataConfig) -> tuple[list[TokenizedPrompt], int]:
+def tokenize_rows(
+    rows: Sequence[PromptRow], tokenizer, cfg: DataConfig, tools=None
+) -> tuple[list[TokenizedPrompt], int]:
     """Token ids of each row's prompt, and how many rows were skipped.
 
     With ``cfg.apply_chat_template`` and a tokenizer that has a chat template, a text prompt
-    becomes one user turn and the template ends in the assistant's turn; otherwise text is
+    becomes one user turn (the template shows it ``tools``' schemas, if any) and the template
+    ends in the assistant's turn; otherwise text is
     encoded as is. A prompt longer than ``cfg.max_prompt_length`` tokens is a bad row handled
     by ``cfg.on_bad_row``. No prompt left is a ValueError.
     """
@@ -471,7 +484,7 @@ def tokenize_rows(rows: Sequence[PromptRow], tokenizer, cfg: DataConfig) -> tupl
     encoded = []
     for row in rows:
         try:
-            encoded.append(_encode_row(row, tokenizer, cfg, use_chat))
+            encoded.append(_encode_row(row, tokenizer, cfg, use_chat, tools))
         except _BadRow as reason:
             bad.add(row.uid, str(reason))
     bad.summarise()

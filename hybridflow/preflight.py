@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from hfschema.model_source import check_padded_vocab, has_chat_template, model_source
+from hybridflow.agentic.engine import check_agentic
 from hybridflow.config import HybridflowConfig, to_yaml
 from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
@@ -421,6 +422,7 @@ def preflight(
     check_async(cfg, plan)
     check_packing(cfg, policy_loss=plan.spec.policy_loss, loss_agg_mode=plan.spec.loss_agg_mode)
     check_reward(cfg.reward)
+    check_agentic(cfg)
     check_model_weights(cfg, on_cluster=command == "slurm" or _has_gpu(), must_exist=model_must_exist, command=command)
     check_data(cfg, command=command)
     check_output_dir(cfg, room=model_must_exist)  # a dry run's script for a model not downloaded yet

@@ -294,6 +294,7 @@ def math_reward(response: str, answer: Any, **kwargs: Any) -> float:
     return float(_normalise(final) == _normalise(str(answer)))
 
 
+@register_reward("multiply")
 @register_reward("max")
 @register_reward("arithmetic")
 def arithmetic(response: str, answer: Any, **kwargs: Any) -> float:

@@ -66,8 +66,8 @@ class TaskItem:
     """The prompt text (short: the tiny model's context is small)."""
     answer: Any
     """The reference answer the task's reward function takes."""
-    solution: str
-    """A correct response: the clean SFT demonstration."""
+    solution: str | list[dict[str, str]]
+    """A correct response: the clean SFT demonstration (a list of messages: a multi-turn one)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +76,7 @@ class Task:
 
     sample: Callable[[TaskConfig, random.Random], TaskItem]
     """A random problem."""
-    corrupt: Callable[[TaskItem, random.Random], str]
+    corrupt: Callable[[TaskItem, random.Random], Any]
     """A plausible but wrong response to a problem (the noisy SFT demonstration)."""
 
 
@@ -118,6 +118,31 @@ def _arithmetic_corrupt(item: TaskItem, rng: random.Random) -> str:
 
 
 register_task("arithmetic", Task(sample=_arithmetic_sample, corrupt=_arithmetic_corrupt))
+
+
+# --------------------------------------------------------------------------- multiply (a tool task)
+
+
+def _multiply_sample(cfg: TaskConfig, rng: random.Random) -> TaskItem:
+    low = max(2, cfg.max_operand // 10)
+    a, b = rng.randint(low, cfg.max_operand), rng.randint(low, cfg.max_operand)
+    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
+    turns = [
+        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]
+    return TaskItem(question=f"{a}*{b}=", answer=a * b, solution=turns)
+
+
+def _multiply_corrupt(item: TaskItem, rng: random.Random) -> list[dict[str, str]]:
+    # a guess without the calculator: near the product, never it; only the tool gets it right,
+    # so RL has to make the policy use it
+    guess = item.answer + rng.choice([-1, 1]) * rng.randint(1, max(1, item.answer // 50))
+    return [{"role": "assistant", "content": str(guess)}]
+
+
+register_task("multiply", Task(sample=_multiply_sample, corrupt=_multiply_corrupt))
 
 
 # --------------------------------------------------------------------------- max
@@ -217,7 +242,7 @@ def _train_items(task: Task, cfg: TaskConfig, rng: random.Random, held_out: set[
     )
 
 
-def _sft_responses(task: Task, items: list[TaskItem], noise: float, rng: random.Random) -> list[str]:
+def _sft_responses(task: Task, items: list[TaskItem], noise: float, rng: random.Random) -> list[Any]:
     """Each item's solution, but a wrong response for exactly round(noise * len) of them."""
     noisy = set(rng.sample(range(len(items)), round(noise * len(items))))
     return [task.corrupt(item, rng) if i in noisy else item.solution for i, item in enumerate(items)]
@@ -318,4 +343,8 @@ def task_corpus(cfg: TaskConfig) -> list[str]:
     tokenizer whose merges suit the task's digits, operators and phrasing."""
     task, rng = get_task(cfg.name), random.Random(f"hybridflow.tasks:{cfg.name}:corpus")
     items = [task.sample(cfg, rng) for _ in range(_CORPUS_ITEMS)]
-    return ["system user assistant"] + [text for i in items for text in (i.question, i.solution)]
+    return ["system user assistant tool"] + [text for i in items for text in (i.question, *_texts(i.solution))]
+
+
+def _texts(solution: str | list[dict[str, str]]) -> list[str]:
+    return [solution] if isinstance(solution, str) else [m["content"] for m in solution]

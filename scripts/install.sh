@@ -133,6 +133,18 @@ Remove it with:
   fi
 fi
 
+# The code sandbox of multi-turn rollouts runs programs under bubblewrap (hybridflow/agentic/sandbox.py),
+# a Debian package: installed here when this runs as root with apt; otherwise say how.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    log "bubblewrap for the code sandbox (apt-get install bubblewrap)"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null \
+      || die "apt-get could not install bubblewrap, which the code sandbox needs"
+  else
+    log "note: the code sandbox needs bubblewrap; install it with 'sudo apt-get install bubblewrap'"
+  fi
+fi
+
 log "pip check"
 "$python" -m pip check
 "$venv/bin/hybridflow" --help >/dev/null || die "the hybridflow command does not start"

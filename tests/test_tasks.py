@@ -165,3 +165,27 @@ def test_task_corpus_covers_the_task_text():
     text = " ".join(corpus)
     assert all(c in text for c in "0123456789+-*()") and "Make" in text and "assistant" in text
     assert "=" in " ".join(task_corpus(TaskConfig()))
+
+
+def test_the_multiply_task_demonstrates_the_calculator_and_its_noise_guesses(tmp_path) -> None:
+    import json as _json
+
+    from hybridflow.config import DataConfig
+    from hybridflow.rewards import get_reward
+
+    cfg = TaskConfig(name="multiply", max_operand=999, train_size=200, heldout_size=20, sft_noise=0.5)
+    train, _ = make_task_files(cfg, DataConfig(), tmp_path, seed=0, sft_key="sft_response")
+    rows = [_json.loads(line) for line in train.read_text().splitlines()]
+    calls = [r for r in rows if len(r["sft_response"]) == 3]
+    guesses = [r for r in rows if len(r["sft_response"]) == 1]
+    assert len(calls) == len(guesses) == 100
+    a, b = (int(x) for x in calls[0]["prompt"][:-1].split("*"))
+    call = _json.loads(calls[0]["sft_response"][0]["content"].split("\n")[1])
+    assert call == {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}
+    assert calls[0]["sft_response"][1:] == [
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]
+    reward = get_reward("multiply")
+    for r in guesses:  # near the product, never it
+        assert reward(r["sft_response"][0]["content"], r["reward_model"]["ground_truth"]) == 0.0

@@ -31,6 +31,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutSample",
     "SamplingParams",
+    "TURN_STATS",
     "WeightPushReport",
     "engine_names",
     "make_engine",
@@ -81,6 +82,18 @@ class SamplingParams:
             raise ValueError(f"sampling max_new_tokens={self.max_new_tokens} must be >= 1")
 
 
+TURN_STATS = (
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "tool_timeouts",
+    "malformed_calls",
+    "observation_tokens",
+    "truncated_observations",
+)
+"""What ``RolloutSample.turn_stats`` counts, in order (``hybridflow.agentic.trajectory``)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSample:
     """One generated response."""
@@ -105,6 +118,11 @@ class RolloutSample:
     """(first response token, policy version) of each weight version that sampled part of the
     response, in order, when it was generated across weight pushes (asynchronous RL's partial
     rollouts, ``runtime/replicas.advance``); empty: one version sampled it all."""
+    loss_mask: tuple[int, ...] = ()
+    """Per response token, 1 where the policy sampled it and 0 where it did not (a multi-turn
+    trajectory's observations, ``hybridflow.agentic``); empty: the policy sampled every one."""
+    turn_stats: tuple[int, ...] = ()
+    """A multi-turn trajectory's counts, in ``TURN_STATS`` order; empty for a single response."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

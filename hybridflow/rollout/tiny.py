@@ -33,6 +33,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "TINY_FAMILIES",
+    "TOOL_CHAT_TEMPLATE",
     "make_tiny_model_dir",
     "make_tiny_tokenizer",
     "to_hybridflow_model_config",
@@ -65,6 +66,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """A ChatML-style template (Qwen's layout)."""
+
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools:\\n' }}"
+    "{% for t in tools %}{{ t | tojson + '\\n' }}{% endfor %}"
+    '{{ \'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\\n\' }}{% endif %}'
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""``CHAT_TEMPLATE`` with tools, in the layout of Qwen's: the tools' schemas in a system turn, and
+each run of consecutive ``tool`` messages one user turn of ``<tool_response>`` blocks."""
 
 # Enough text for a few dozen BPE merges; common chat words become single tokens.
 _CORPUS = (

@@ -8,7 +8,8 @@ token ids per prompt ──► engine.generate ──► RolloutSample: prompt i
    │                                                       finish reason, routed experts
    │ pack_batch (right or left padding)
    ▼
-[B, T]  input_ids, attention_mask, response_mask, position_ids, logprobs
+[B, T]  input_ids, attention_mask, response_mask (a trajectory's loss mask: 0 on observations),
+        position_ids, logprobs
 [B]     prompt_lengths, response_lengths, truncated
 [B, T, L, k] routed_experts (when every sample has them; -1 where nothing was routed)
 [B, T]  token_versions (partial rollouts, when every sample has segments: the policy version
@@ -53,7 +54,7 @@ def _is_chat(prompt: Any) -> bool:
 
 
 def _encode_chat(
-    tokenizer, index: int, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool
+    tokenizer, index: int, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool, tools
 ) -> list[int]:
     if not tokenizer.chat_template:
         raise ValueError(
@@ -61,7 +62,7 @@ def _encode_chat(
             f"chat_template; pass raw text or use a tokenizer with a chat template"
         )
     ids = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, tools=tools
     )
     return list(ids)
 
@@ -72,9 +73,11 @@ def encode_prompts(
     *,
     add_generation_prompt: bool = True,
     add_special_tokens: bool = True,
+    tools: Sequence[Mapping] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt: raw text through ``tokenizer(...)``, chat messages through the
-    tokenizer's chat template (ending in the assistant's turn when ``add_generation_prompt``).
+    tokenizer's chat template (ending in the assistant's turn when ``add_generation_prompt``;
+    ``tools``: the function schemas the template shows the model, multi-turn rollouts).
 
     ``add_special_tokens`` applies to raw text (a BOS where the tokenizer adds one); a chat
     template writes its own special tokens.
@@ -84,7 +87,7 @@ def encode_prompts(
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         elif _is_chat(prompt):
-            ids = _encode_chat(tokenizer, index, prompt, add_generation_prompt)
+            ids = _encode_chat(tokenizer, index, prompt, add_generation_prompt, tools)
         else:
             raise ValueError(
                 f"prompt {index} is a {type(prompt).__name__}; expected text (str) or chat "
@@ -146,7 +149,8 @@ def _pack_row(sample: RolloutSample, length: int, pad_id: int, left: bool) -> di
     }
     row["input_ids"][real] = torch.tensor(ids, dtype=torch.long)
     row["attention_mask"][real] = 1
-    row["response_mask"][response] = 1.0
+    # a multi-turn trajectory trains on the policy's own tokens only, not its observations
+    row["response_mask"][response] = torch.tensor(sample.loss_mask, dtype=torch.float32) if sample.loss_mask else 1.0
     row["position_ids"][real] = torch.arange(used)
     row["logprobs"][response] = torch.tensor(sample.logprobs, dtype=torch.float32)
     return row

@@ -4,7 +4,7 @@
 driver d: samples ──meta (ids' lengths, a few ints each)──all-gather──► every rank: the global
    │                                                                    order and who owns what
    └──for each rank r: the samples r's DP rank owns, packed as two flat tensors
-        (int32: prompt ids, response ids, routed experts; float32: log-probs)
+        (int32: prompt ids, response ids, a trajectory's loss mask, routed experts; float32: log-probs)
         ──point-to-point (NCCL on GPUs, gloo on CPU)──► rank r unpacks them, in global order
 ```
 
@@ -38,11 +38,15 @@ class SampleMeta:
     routes_shape: tuple[int, ...] | None
     segments: tuple[tuple[int, int], ...] = ()
     """``RolloutSample.segments``: a few pairs, so they travel with the metadata."""
+    masked: bool = False
+    """The sample has a loss mask (a multi-turn trajectory): it travels after the ids."""
+    turn_stats: tuple[int, ...] = ()
+    """``RolloutSample.turn_stats``: every rank sums them into the step's metrics."""
 
     @property
     def num_ints(self) -> int:
         routes = 0 if self.routes_shape is None else int(torch.Size(self.routes_shape).numel())
-        return self.prompt_len + self.response_len + routes
+        return self.prompt_len + self.response_len * (2 if self.masked else 1) + routes
 
 
 def meta_of(x: RolloutSample) -> SampleMeta:
@@ -55,6 +59,8 @@ def meta_of(x: RolloutSample) -> SampleMeta:
         finish_reason=x.finish_reason,
         routes_shape=routes,
         segments=tuple(x.segments),
+        masked=bool(x.loss_mask),
+        turn_stats=tuple(x.turn_stats),
     )
 
 
@@ -62,7 +68,7 @@ def pack(samples: Sequence[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 ids and routes, float32 log-probs) of ``samples``, flat, on the host."""
     ints, floats = [], []
     for x in samples:
-        ints.append(torch.tensor((*x.prompt_ids, *x.response_ids), dtype=torch.int32))
+        ints.append(torch.tensor((*x.prompt_ids, *x.response_ids, *x.loss_mask), dtype=torch.int32))
         if x.routed_experts is not None:
             ints.append(torch.as_tensor(x.routed_experts).to(torch.int32).flatten())
         floats.append(torch.tensor(x.logprobs, dtype=torch.float32))
@@ -79,9 +85,11 @@ def unpack(metas: Sequence[SampleMeta], ints: torch.Tensor, floats: torch.Tensor
     for m in metas:
         ids = ints_list[i : i + m.prompt_len + m.response_len]
         i += len(ids)
+        mask = ints_list[i : i + m.response_len] if m.masked else []
+        i += len(mask)
         routes = None
         if m.routes_shape is not None:
-            count = m.num_ints - len(ids)
+            count = m.num_ints - len(ids) - len(mask)
             routes = ints[i : i + count].to(torch.long).reshape(m.routes_shape)
             i += count
         out.append(
@@ -94,6 +102,8 @@ def unpack(metas: Sequence[SampleMeta], ints: torch.Tensor, floats: torch.Tensor
                 finish_reason=m.finish_reason,
                 routed_experts=routes,
                 segments=m.segments,
+                loss_mask=tuple(mask),
+                turn_stats=m.turn_stats,
             )
         )
         f += m.response_len

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.agentic.trajectory import final_turn, turn_metrics
 from hybridflow.algorithms.correction import rollout_correction
 from hybridflow.algorithms.estimators import get_estimator, scores_to_token_rewards
 from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty, masked_mean, value_loss_terms
@@ -211,7 +212,9 @@ def as_rollout(
     metrics["rollout/dp_tokens_max_over_mean"] = float(shard.max(tokens)) / max(mean, 1.0)
     pad = tokenizer.pad_token_id
     batch = pack_batch(samples, pad_id=pad) if samples else _empty_batch(pad, out.metas)
-    texts = tokenizer.batch_decode([list(x.response_ids) for x in samples], skip_special_tokens=True)
+    # a trajectory is scored on its last turn, its answer, not on the tool answers before it
+    texts = tokenizer.batch_decode([list(final_turn(x)) for x in samples], skip_special_tokens=True)
+    metrics.update(turn_metrics(out.metas))
     rows = [prompts[x.prompt_index].row for x in samples]
     metas = out.metas
     return Rollout(

@@ -130,11 +130,35 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
                 f"               partial rollouts: {_fmt(ar['partial_samples'])} samples spanned a weight "
                 f"update; token staleness mean {_fmt(ar['token_staleness_mean'])}"
             )
+    ag = summary.get("agentic")
+    if ag:
+        lines.append(
+            f"  multi-turn   {_fmt(ag['turns_mean'])} turns and {_fmt(ag['tool_calls_per_trajectory'])} tool calls "
+            f"per trajectory (mean); tool errors {ag['tool_errors']:.0f}, timeouts {ag['tool_timeouts']:.0f}, "
+            f"malformed calls {ag['malformed_calls']:.0f}; observations {_fmt(ag['observation_token_share'])} "
+            "of response tokens"
+        )
     if summary.get("mlflow_uri"):
         lines.append(f"  MLflow       run {summary.get('mlflow_run_id')} at {summary['mlflow_uri']}")
     if summary.get("tensorboard_dir"):
         lines.append(f"  TensorBoard  tensorboard --logdir {summary['tensorboard_dir']}")
     return "\n".join(lines)
+
+
+def summarise_agentic(history: list[dict[str, float]]) -> dict[str, float | None]:
+    """Multi-turn rollouts over the run: per-trajectory means and the totals of what failed."""
+    rows = [h for h in history if "agentic/turns_mean" in h]
+
+    def mean(key: str) -> float | None:
+        return sum(h[key] for h in rows) / len(rows) if rows else None
+
+    totals = ("tool_errors", "tool_timeouts", "malformed_calls", "truncated_observations")
+    return {
+        "turns_mean": mean("agentic/turns_mean"),
+        "tool_calls_per_trajectory": mean("agentic/tool_calls_per_trajectory"),
+        "observation_token_share": mean("agentic/observation_token_share"),
+        **{name: sum(h[f"agentic/{name}"] for h in rows) for name in totals},
+    }
 
 
 def summarise_async(async_rl, history: list[dict[str, float]]) -> dict[str, Any]:

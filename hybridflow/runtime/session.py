@@ -118,7 +118,14 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, 
     ``node_rank`` > 0 starts the part of a multi-node SGLang engine on another node instead
     (``SGLangNode``: schedulers only, commanded by the driver at ``dist_init_addr``)."""
     with console.engine_output(cfg.run.output_dir, int(os.environ.get("RANK", "0")), verbose=cfg.run.verbose):
-        return _start_engine(cfg, model_dir, node_rank=node_rank, dist_init_addr=dist_init_addr)
+        engine = _start_engine(cfg, model_dir, node_rank=node_rank, dist_init_addr=dist_init_addr)
+    if cfg.agentic.enabled and node_rank == 0:  # its samples are multi-turn trajectories
+        from transformers import AutoTokenizer
+
+        from hybridflow.agentic.engine import AgenticEngine
+
+        engine = AgenticEngine(engine, cfg, AutoTokenizer.from_pretrained(str(model_dir)))
+    return engine
 
 
 def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dist_init_addr: str | None):
@@ -367,17 +374,27 @@ def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: li
     """Tokenised training prompts (with SFT targets when SFT runs), held-out prompts, and the bad
     rows skipped under ``data.on_bad_row=skip`` (unreadable or untokenisable) by data set."""
     report = DataReport()
+    tools = _tool_schemas(cfg)
     prompts, too_long = tokenize_rows(
-        read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report), tokenizer, cfg.data
+        read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report), tokenizer, cfg.data, tools
     )
     skipped = {"train": report.num_skipped + too_long}
     held = []
     if heldout and cfg.run.heldout_prompts > 0:
         report = DataReport()
         rows = read_rows(heldout, cfg.data, report=report)[: cfg.run.heldout_prompts]
-        held, too_long = tokenize_rows(rows, tokenizer, cfg.data)
+        held, too_long = tokenize_rows(rows, tokenizer, cfg.data, tools)
         skipped["heldout"] = report.num_skipped + too_long
     return prompts, held, skipped
+
+
+def _tool_schemas(cfg: HybridflowConfig) -> list[dict] | None:
+    """The function schemas of ``agentic.tools``, which the chat template shows the policy."""
+    if not cfg.agentic.enabled:
+        return None
+    from hybridflow.agentic.engine import configured_tools
+
+    return [tool.schema() for tool in configured_tools(cfg.agentic)] or None
 
 
 def stop_token_ids(tokenizer, model_dir: Path | None = None) -> tuple[int, ...]:

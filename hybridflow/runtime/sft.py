@@ -3,7 +3,10 @@
 Each example is the prompt (chat template, ending in the assistant's turn) followed by the
 target response and the end-of-turn token; the loss is the mean negative log-likelihood of the
 response tokens and the end-of-turn token (the prompt is context only), so the model learns to
-answer and to stop. Batches are drawn like RL prompts: a pure function of (seed, step).
+answer and to stop. A multi-turn target (assistant turns with tool or user messages between
+them) is laid out as a multi-turn rollout is (``hybridflow.agentic.trajectory``): each assistant
+turn's tokens and end token trained, the messages between them in the chat template's form and
+not trained. Batches are drawn like RL prompts: a pure function of (seed, step).
 """
 
 from __future__ import annotations
@@ -35,13 +38,33 @@ def sft_train_config(cfg):
     )
 
 
+def _target(response, tokenizer, end_id: int) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of an SFT target after the prompt: one answer, or a multi-turn one."""
+    if isinstance(response, str):
+        answer = tokenizer(response, add_special_tokens=False)["input_ids"] + [end_id]
+        return answer, [1] * len(answer)
+    from hybridflow.agentic.trajectory import ObservationRenderer
+
+    renderer, ids, mask, between = ObservationRenderer(tokenizer, end_id), [], [], []
+    for message in response:
+        if message["role"] != "assistant":
+            between.append(message)
+            continue
+        if between:
+            observed = renderer.render(between)
+            ids, mask, between = ids + observed, mask + [0] * len(observed), []
+        turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [end_id]
+        ids, mask = ids + turn, mask + [1] * len(turn)
+    return ids, mask
+
+
 def sft_batch(rows: list[TokenizedPrompt], tokenizer, end_id: int) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``loss_mask`` [B, T] (right padding) of prompt + response + end token."""
     seqs, masks = [], []
     for row in rows:
-        answer = tokenizer(row.row.sft_response, add_special_tokens=False)["input_ids"] + [end_id]
+        answer, trained = _target(row.row.sft_response, tokenizer, end_id)
         seqs.append(list(row.prompt_ids) + answer)
-        masks.append([0] * len(row.prompt_ids) + [1] * len(answer))
+        masks.append([0] * len(row.prompt_ids) + trained)
     length = max(len(x) for x in seqs)
     ids = torch.full((len(seqs), length), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), length)

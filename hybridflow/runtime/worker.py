@@ -436,6 +436,8 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     }
     if s.pipeline is not None:
         extra["async_rl"] = report.summarise_async(s.cfg.async_rl, s.run.state.history)
+    if s.cfg.agentic.enabled:
+        extra["agentic"] = report.summarise_agentic(s.run.state.history)
     if s.cfg.model.is_moe and s.cfg.moe.router_stats:
         extra["moe"] = {
             "routing_replay": s.cfg.moe.routing_replay,

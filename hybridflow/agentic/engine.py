@@ -1,0 +1,131 @@
+"""A rollout engine whose samples are multi-turn trajectories (``agentic.enabled``).
+
+```
+replica driver: start_engine ──► AgenticEngine(the engine, cfg, tokenizer)
+generate(prompts, params)   (the same call the runtime makes of any engine)
+    prompt × n trajectories ──► rollout.run_trajectories on the wrapped engine: token ids in,
+    every trajectory of the call on this replica (its prefix stays in the engine's cache)
+    ──► RolloutBatch: each sample the whole trajectory, its loss mask and turn counts
+```
+
+Every other call (weight pushes, memory, shutdown) goes to the wrapped engine unchanged, so the
+runtime's weight sync, restarts and colocation switches see the engine they always did.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib
+import time
+from typing import Any
+
+from hybridflow.agentic.env import ToolEnvironment
+from hybridflow.agentic.parsers import PARSERS
+from hybridflow.agentic.rollout import TurnLimits, run_trajectories
+from hybridflow.agentic.tools import Tool, resolve_tool
+from hybridflow.agentic.trajectory import ObservationRenderer, Trajectory
+from hybridflow.config import AgenticConfig, HybridflowConfig
+from hybridflow.rollout.base import RolloutBatch, SamplingParams
+
+__all__ = ["AgenticEngine", "check_agentic", "configured_tools", "environment_class"]
+
+END_OF_TURN = "<|im_end|>"
+"""The token a ChatML policy ends its turn with (Qwen, the tiny test models)."""
+
+
+def configured_tools(cfg: AgenticConfig) -> list[Tool]:
+    """The tools ``agentic.tools`` names; ValueError (one line, the key) when one is unknown."""
+    from hybridflow.agentic import builtin_tools  # noqa: F401  (registers calculator)
+
+    tools = []
+    for index, name in enumerate(cfg.tools):
+        if name == "python":
+            tools.append(builtin_tools.python_tool(_sandbox(cfg)))
+            continue
+        try:
+            tools.append(resolve_tool(name))
+        except ValueError as error:
+            raise ValueError(f"agentic.tools[{index}]: {error}") from None
+    return tools
+
+
+def _sandbox(cfg: AgenticConfig):
+    from hybridflow.agentic.sandbox import BubblewrapSandbox, RemoteSandbox, SandboxLimits
+
+    limits = SandboxLimits(wall_seconds=cfg.sandbox_wall_seconds, memory_mb=cfg.sandbox_memory_mb)
+    return RemoteSandbox(cfg.sandbox_url, limits) if cfg.sandbox == "remote" else BubblewrapSandbox(limits)
+
+
+def environment_class(cfg: AgenticConfig) -> type:
+    """``agentic.environment``'s class (ToolEnvironment when unset); ValueError naming the key."""
+    if cfg.environment is None:
+        return ToolEnvironment
+    module, _, name = cfg.environment.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"agentic.environment={cfg.environment!r} does not import: {error}") from None
+    if not callable(getattr(found, "step", None)):
+        raise ValueError(f"agentic.environment={cfg.environment!r} has no step(text) method")
+    return found
+
+
+def check_agentic(cfg: HybridflowConfig) -> None:
+    """Everything ``agentic`` names resolves (before any rank starts): the parser, each tool (and
+    the sandbox the python tool needs), the environment class."""
+    a = cfg.agentic
+    if not a.enabled:
+        return
+    for key, unsupported in (
+        ("async_rl.partial_rollout=true", cfg.async_rl.partial_rollout),
+        ("moe.routing_replay=r3", cfg.moe.routing_replay == "r3"),
+    ):
+        if unsupported:  # a trajectory carries neither per-token versions nor the engine's routes yet
+            raise ValueError(f"agentic.enabled=true does not work with {key} yet: turn one of them off")
+    if a.tool_parser not in PARSERS:
+        raise ValueError(f"agentic.tool_parser={a.tool_parser!r} is not one of: {', '.join(sorted(PARSERS))}")
+    configured_tools(a)
+    environment_class(a)
+
+
+class AgenticEngine:
+    """``RolloutEngine`` whose ``generate`` runs trajectories on the engine it wraps."""
+
+    def __init__(self, engine: Any, cfg: HybridflowConfig, tokenizer) -> None:
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg.agentic
+        self.tools = configured_tools(self.cfg)
+        self.parse = PARSERS[self.cfg.tool_parser]
+        self.environment = environment_class(self.cfg)
+        budget = cfg.data.max_response_length
+        self.limits = TurnLimits(
+            max_turns=self.cfg.max_turns,
+            max_tokens=budget,
+            turn_tokens=self.cfg.turn_tokens or budget,
+            observation_tokens=self.cfg.observation_tokens,
+        )
+        self.renderer = ObservationRenderer(tokenizer, tokenizer.convert_tokens_to_ids(END_OF_TURN))
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="tool")
+
+    def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        began = time.perf_counter()
+        starts = [Trajectory(tuple(p), i, k) for i, p in enumerate(prompts) for k in range(params.n)]
+        done = run_trajectories(
+            self.engine,
+            starts,
+            lambda t: self.environment(self.tools, self.parse, pool=self.pool),
+            dataclasses.replace(params, n=1),
+            renderer=self.renderer,
+            tokenizer=self.tokenizer,
+            limits=self.limits,
+            pool=self.pool,
+            schedule=self.cfg.schedule,
+        )
+        return RolloutBatch(samples=tuple(t.sample() for t in done), seconds=time.perf_counter() - began)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()
+
+    def __getattr__(self, name: str) -> Any:  # weight pushes, memory, reseed: the wrapped engine's
+        return getattr(self.engine, name)

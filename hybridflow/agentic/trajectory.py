@@ -1,0 +1,161 @@
+"""A multi-turn trajectory as the trainer sees it: exactly the tokens the engine sampled, and
+the observations between them in the chat template's form, never re-tokenised.
+
+```
+prompt ids (the row's chat, rendered once)
+  + turn 1: the engine's sampled ids, with their log-probs        loss mask 1
+  + observation: the template's tokens for the tool / user messages loss mask 0, log-prob 0
+  + turn 2: sampled ids ...                                        loss mask 1
+  ...
+```
+
+``ObservationRenderer`` finds an observation's tokens by difference: the template renders a
+fixed conversation ending in an assistant turn, then the same with the observation messages
+and the next assistant header; the second must extend the first, and what it adds (after the
+text that follows the assistant's end token) is the observation. So the earlier turns are never
+rendered again from text, and what the model produced is trained on as it produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hybridflow.rollout.base import FINISH_STOP, TURN_STATS, RolloutSample
+
+__all__ = ["ObservationRenderer", "Trajectory", "TrajectoryStats", "final_turn", "turn_metrics"]
+
+_ANCHOR = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+
+class ObservationRenderer:
+    """Token ids of observation messages after an assistant turn that ended in ``end_id``."""
+
+    def __init__(self, tokenizer, end_id: int) -> None:
+        self.tokenizer, self.end_id = tokenizer, end_id
+        before = self._ids(_ANCHOR, add_generation_prompt=False)
+        if end_id not in before:
+            raise ValueError(
+                f"the chat template does not end an assistant turn with token {end_id} "
+                f"({tokenizer.convert_ids_to_tokens(end_id)!r}); set the model's end-of-turn token"
+            )
+        self._before = before
+        # what the template writes after the end token (Qwen: a newline) and the model never samples
+        self._after_end = before[len(before) - before[::-1].index(end_id) :]
+
+    def _ids(self, messages, *, add_generation_prompt: bool) -> list[int]:
+        return list(
+            self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
+
+    def render(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The tokens that follow the model's end token: ``messages`` and the next assistant
+        header, as the template writes them."""
+        after = self._ids([*_ANCHOR, *messages], add_generation_prompt=True)
+        if after[: len(self._before)] != self._before:
+            raise ValueError(
+                "the chat template renders earlier turns differently once observation messages "
+                f"({', '.join(m['role'] for m in messages)}) follow them, so they cannot be "
+                "appended token for token; use a template that only appends"
+            )
+        return self._after_end + after[len(self._before) :]
+
+
+@dataclass
+class TrajectoryStats:
+    """What happened in one trajectory (the step's ``agentic/...`` metrics sum these)."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Calls that raised, had bad arguments or named an unknown tool."""
+    tool_timeouts: int = 0
+    malformed_calls: int = 0
+    observation_tokens: int = 0
+    truncated_observations: int = 0
+
+    def counts(self) -> tuple[int, ...]:
+        """The counts in ``rollout.base.TURN_STATS`` order (how they travel with a sample)."""
+        return tuple(getattr(self, name) for name in TURN_STATS)
+
+
+@dataclass
+class Trajectory:
+    """One trajectory under construction: the response side grows turn by turn."""
+
+    prompt_ids: tuple[int, ...]
+    prompt_index: int
+    sample_index: int
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    """1 on the tokens the policy sampled, 0 on observations."""
+    finish_reason: str = FINISH_STOP
+    reward: float | None = None
+    """Set by an environment that scores the trajectory itself; None: the reward function does."""
+    stats: TrajectoryStats = field(default_factory=TrajectoryStats)
+
+    @property
+    def context(self) -> list[int]:
+        """What the engine continues from: the prompt and everything since."""
+        return [*self.prompt_ids, *self.response_ids]
+
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """The engine's sampled tokens of one turn, as sampled."""
+        if len(ids) != len(logprobs):
+            raise ValueError(f"a turn of {len(ids)} tokens came with {len(logprobs)} log-probs")
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.loss_mask += [1] * len(ids)
+        self.stats.turns += 1
+
+    def add_observation(self, ids: Sequence[int]) -> None:
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.stats.observation_tokens += len(ids)
+
+    def sample(self) -> RolloutSample:
+        """The trajectory as the trainer takes a rollout sample (``loss_mask`` marks the policy's
+        tokens)."""
+        return RolloutSample(
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            prompt_ids=tuple(self.prompt_ids),
+            response_ids=tuple(self.response_ids),
+            logprobs=tuple(self.logprobs),
+            finish_reason=self.finish_reason,
+            loss_mask=tuple(self.loss_mask),
+            turn_stats=self.stats.counts(),
+        )
+
+
+def final_turn(sample: RolloutSample) -> tuple[int, ...]:
+    """The tokens of a sample's last policy turn (all of a single response): what its reward
+    scores, not the tool answers before it."""
+    mask = sample.loss_mask
+    if not mask or all(mask):
+        return sample.response_ids
+    last_observed = len(mask) - 1 - mask[::-1].index(0)
+    return sample.response_ids[last_observed + 1 :]
+
+
+def turn_metrics(metas) -> dict[str, float]:
+    """The step's ``agentic/...`` metrics from every sample's metadata (the same on every rank):
+    means per trajectory and totals over the batch; empty without multi-turn samples."""
+    rows = [(m.turn_stats, m.response_len) for m in metas if m.turn_stats]
+    if not rows:
+        return {}
+    sums = {name: sum(stats[i] for stats, _ in rows) for i, name in enumerate(TURN_STATS)}
+    tokens = sum(length for _, length in rows)
+    return {
+        "agentic/turns_mean": sums["turns"] / len(rows),
+        "agentic/tool_calls_per_trajectory": sums["tool_calls"] / len(rows),
+        "agentic/tool_errors": float(sums["tool_errors"]),
+        "agentic/tool_timeouts": float(sums["tool_timeouts"]),
+        "agentic/malformed_calls": float(sums["malformed_calls"]),
+        "agentic/observation_token_share": sums["observation_tokens"] / max(tokens, 1),
+        "agentic/truncated_observations": float(sums["truncated_observations"]),
+    }

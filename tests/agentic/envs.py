@@ -1,0 +1,19 @@
+"""Environments for the end-to-end runs (``agentic.environment=tests.agentic.envs:...``)."""
+
+from __future__ import annotations
+
+from hybridflow.agentic.env import Reply
+
+
+class AskAgain:
+    """Answers the policy's first turn with a user message asking it to check, ends at the
+    second: every trajectory has two policy turns and one observation between them."""
+
+    def __init__(self, tools, parse, *, pool) -> None:
+        self.turns = 0
+
+    def step(self, text: str) -> Reply:
+        self.turns += 1
+        if self.turns == 1:
+            return Reply(messages=[{"role": "user", "content": "Are you sure? Answer again."}])
+        return Reply(done=True)

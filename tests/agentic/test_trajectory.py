@@ -1,0 +1,264 @@
+"""Multi-turn trajectories: the tokens trained on are the tokens sampled, observations come in
+the chat template's form with loss mask 0, and tool failures are the policy's observations."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from hybridflow.agentic.env import ToolEnvironment
+from hybridflow.agentic.parsers import parse_hermes
+from hybridflow.agentic.rollout import TurnLimits, run_trajectories
+from hybridflow.agentic.tools import Tool
+from hybridflow.agentic.trajectory import ObservationRenderer, Trajectory
+from hybridflow.rollout.base import FINISH_LENGTH, SamplingParams
+from hybridflow.rollout.tiny import TOOL_CHAT_TEMPLATE, make_tiny_tokenizer
+from hybridflow.rollout.tokens import pack_batch
+from tests.agentic.scripted import ScriptedEngine
+
+OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+TOOLS = [
+    Tool("multiply", "a times b", OBJECT, lambda a, b: str(a * b)),
+    Tool("add", "a plus b", OBJECT, lambda a, b: str(a + b)),
+]
+PARAMS = SamplingParams(max_new_tokens=200, temperature=1.0)
+ROOMY = TurnLimits(max_tokens=2000, turn_tokens=400, observation_tokens=500)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = make_tiny_tokenizer()
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    return tok
+
+
+def _call(name: str, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def _turn(tokenizer, text: str, *, canonical: bool, start: float) -> tuple[list[int], list[float]]:
+    """The ids a policy might sample for ``text`` (canonical: as the tokenizer splits it; else
+    character by character, which re-tokenising the text would not give back), with log-probs."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if canonical:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
+    ids.append(end)
+    return ids, [start - 0.01 * k for k in range(len(ids))]
+
+
+TEXTS = [
+    "Let me multiply first. " + _call("multiply", a=123, b=45),
+    _call("add", a=5535, b=7) + _call("multiply", a=2, b=3),  # two calls: two consecutive tool messages
+    "The answer is 5542.",
+]
+CONVERSATION = [
+    {"role": "user", "content": "What is 123*45+7?"},
+    {"role": "assistant", "content": TEXTS[0]},
+    {"role": "tool", "content": "5535"},
+    {"role": "assistant", "content": TEXTS[1]},
+    {"role": "tool", "content": "5542"},
+    {"role": "tool", "content": "6"},
+    {"role": "assistant", "content": TEXTS[2]},
+]
+
+
+def _run(
+    tokenizer,
+    turns,
+    *,
+    limits=ROOMY,
+    tools=TOOLS,
+    schedule="independent",
+):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = tuple(
+        tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    engine = ScriptedEngine({prompt: list(turns)}, end)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        (t,) = run_trajectories(
+            engine,
+            [Trajectory(prompt, 0, 0)],
+            lambda t: ToolEnvironment(tools, parse_hermes, pool=pool),
+            PARAMS,
+            renderer=ObservationRenderer(tokenizer, end),
+            tokenizer=tokenizer,
+            limits=limits,
+            pool=pool,
+            schedule=schedule,
+        )
+    return t, engine
+
+
+@pytest.mark.claim("agentic-exact-tokens")
+@pytest.mark.parametrize("canonical", [True, False])
+def test_a_three_turn_trajectory_is_the_sampled_tokens_plus_the_templates_observations(tokenizer, canonical) -> None:
+    turns = [
+        _turn(tokenizer, text, canonical=canonical or i != 1, start=-0.1 * (i + 1)) for i, text in enumerate(TEXTS)
+    ]
+    t, engine = _run(tokenizer, turns)
+    whole = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False, tokenize=True, return_dict=False)
+    sequence = [*t.prompt_ids, *t.response_ids]
+    # the observations are the template's tokens: with canonical turns the whole trajectory is
+    # exactly the template's rendering of the conversation, up to the last turn's end token
+    assert tokenizer.decode(sequence) == tokenizer.decode(whole).removesuffix("\n")
+    if canonical:
+        assert sequence == whole[: len(sequence)] and whole[len(sequence) :] == tokenizer.encode("\n")
+    else:  # the character-split turn stays as sampled; rendering its text again would not give it back
+        assert tokenizer.encode(TEXTS[1], add_special_tokens=False) != turns[1][0][:-1]
+    mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+    response = torch.tensor(t.response_ids)
+    assert response[mask].tolist() == [i for ids, _ in turns for i in ids]  # the model's tokens, exactly
+    assert torch.tensor(t.logprobs)[mask].tolist() == pytest.approx([p for _, lp in turns for p in lp])
+    assert not torch.tensor(t.logprobs)[~mask].any()
+    # every call continued the trajectory as it stood: nothing earlier was rendered again
+    assert [call[0] for call in engine.calls] == [sequence[: len(c[0])] for c in engine.calls]
+    assert (t.stats.turns, t.stats.tool_calls, t.stats.tool_errors) == (3, 3, 0)
+    assert t.stats.observation_tokens == int((~mask).sum())
+    batch = pack_batch([t.sample()], pad_id=tokenizer.pad_token_id)
+    start = len(t.prompt_ids)
+    assert batch["response_mask"][0, start : start + len(mask)].tolist() == mask.float().tolist()
+
+
+@pytest.mark.claim("agentic-tool-failures-observed")
+def test_tool_failures_are_answered_and_counted_never_raised(tokenizer) -> None:
+    def boom(a: int, b: int) -> str:
+        raise ZeroDivisionError("b must not be zero")
+
+    def slow(a: int, b: int) -> str:
+        time.sleep(2)
+        return "late"
+
+    tools = [*TOOLS, Tool("divide", "a over b", OBJECT, boom), Tool("slow", "sleeps", OBJECT, slow, timeout_s=0.2)]
+    calls = [
+        "<tool_call>\n{not json}\n</tool_call>",
+        _call("nope", a=1, b=2),
+        _call("add", a="one", b=2),
+        _call("divide", a=1, b=0),
+        _call("slow", a=1, b=2),
+        "<tool_call>\n" + json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}}),  # never closed
+    ]
+    turns = [_turn(tokenizer, text, canonical=True, start=-0.5) for text in ["".join(calls), "I give up."]]
+    t, _ = _run(tokenizer, turns, tools=tools)
+    text = tokenizer.decode(t.response_ids)
+    for said in (
+        "error: LookupError: unknown tool 'nope'",
+        "error: TypeError: add: a: 'one' is not of type 'integer'",
+        "error: ZeroDivisionError: b must not be zero",
+        "error: slow took longer than 0.2 s",
+        "error: the tool call is not valid JSON",
+        "error: a <tool_call> without its closing </tool_call>",
+    ):
+        assert said in text, said
+    s = t.stats
+    assert (s.tool_calls, s.tool_errors, s.tool_timeouts, s.malformed_calls, s.turns) == (4, 3, 1, 2, 2)
+
+
+def test_limits_end_a_trajectory_without_an_error(tokenizer) -> None:
+    asking = _turn(tokenizer, _call("add", a=1, b=2), canonical=True, start=-0.1)
+    t, _ = _run(tokenizer, [asking] * 3, limits=TurnLimits(max_turns=2, max_tokens=2000))
+    assert (t.stats.turns, t.finish_reason) == (2, FINISH_LENGTH)  # still asking after its last turn
+    cut = _turn(tokenizer, "a long answer that goes on and on", canonical=True, start=-0.1)
+    t, _ = _run(tokenizer, [cut], limits=TurnLimits(turn_tokens=4, max_tokens=2000))
+    assert (len(t.response_ids), t.finish_reason) == (4, FINISH_LENGTH)
+    long = [Tool("add", "echo", OBJECT, lambda a, b: "digits " * 300)]
+    t, _ = _run(
+        tokenizer,
+        [asking, _turn(tokenizer, "ok", canonical=True, start=-0.1)],
+        tools=long,
+        limits=TurnLimits(max_tokens=4000, observation_tokens=60),
+    )
+    observation = len(t.response_ids) - sum(t.loss_mask)
+    assert t.stats.truncated_observations == 1 and observation <= 60
+    assert "</tool_response>" in tokenizer.decode(t.response_ids)  # cut inside the text, not the frame
+
+
+@pytest.mark.claim("agentic-independent-scheduling")
+def test_a_slow_tool_holds_back_only_its_own_trajectory(tokenizer) -> None:
+    """Two trajectories: A's tool takes a while, B's answer at once. Independent scheduling
+    samples B's next turns while A's tool runs; turn-synchronous waits for A every turn."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    released = threading.Event()
+
+    def slow(a: int, b: int) -> str:
+        released.wait(timeout=2)
+        return "late"
+
+    tools = [*TOOLS, Tool("slow", "waits", OBJECT, slow, timeout_s=20)]
+    prompts = [
+        tuple(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in ("A?", "B?")
+    ]
+    for schedule in ("independent", "turn_synchronous"):
+        released.clear()
+        fast = _turn(tokenizer, _call("add", a=1, b=2), canonical=True, start=-0.1)
+        done = _turn(tokenizer, "done", canonical=True, start=-0.1)
+        scripts = {
+            prompts[0]: [_turn(tokenizer, _call("slow", a=1, b=1), canonical=True, start=-0.1), done],
+            prompts[1]: [fast, fast, fast, done],
+        }
+        engine = ScriptedEngine(scripts, end)
+        engine.on_call = lambda n: released.set() if n == 4 else None  # A's tool returns once B is on its 4th call
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            starts = [Trajectory(p, i, 0) for i, p in enumerate(prompts)]
+            run_trajectories(
+                engine,
+                starts,
+                lambda t: ToolEnvironment(tools, parse_hermes, pool=pool),
+                PARAMS,
+                renderer=ObservationRenderer(tokenizer, end),
+                tokenizer=tokenizer,
+                pool=pool,
+                schedule=schedule,
+            )
+            released.set()
+        widths = [len(call) for call in engine.calls]
+        if schedule == "independent":
+            assert widths[:4] == [2, 1, 1, 1]  # B's turns 2-4 went on while A's tool ran
+        else:
+            assert widths[:2] == [2, 2]  # B waited for A's tool before its second turn
+
+
+def test_the_calculator_is_exact_and_refuses_anything_but_arithmetic() -> None:
+    from hybridflow.agentic.builtin_tools import calculator
+
+    assert calculator("123456789 * 987654321 + 1") == str(123456789 * 987654321 + 1)
+    assert calculator("(7 - 10) / 4") == "-0.75" and calculator("2 // 3 % 5") == "0"
+    for bad in ("__import__('os').system('true')", "2 ** 10", "1 / 0", "9" * 300 + " * 9"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_a_multi_turn_sft_target_is_laid_out_as_a_rollout_and_trains_only_the_assistant(tokenizer) -> None:
+    """SFT on a demonstration with tool turns: the same tokens a trajectory of those turns would
+    have, the loss on the assistant's turns (and their end tokens) only."""
+    from hybridflow.data import PromptRow, TokenizedPrompt
+    from hybridflow.runtime.sft import sft_batch
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = tokenizer.apply_chat_template(
+        CONVERSATION[:1], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    row = PromptRow(uid="0", prompt=CONVERSATION[0]["content"], answer=5542, sft_response=CONVERSATION[1:])
+    batch = sft_batch([TokenizedPrompt(row=row, prompt_ids=tuple(prompt))], tokenizer, end)
+    whole = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False, tokenize=True, return_dict=False)
+    ids, mask = batch["input_ids"][0].tolist(), batch["loss_mask"][0].bool()
+    assert ids == whole[: len(ids)] and whole[len(ids) :] == tokenizer.encode("\n")
+    trained = [i for i, m in zip(ids, mask) if m]
+    turns = [
+        tokenizer.encode(m["content"], add_special_tokens=False) + [end]
+        for m in CONVERSATION[1:]
+        if m["role"] == "assistant"
+    ]
+    assert trained == [i for turn in turns for i in turn]
