@@ -20,7 +20,6 @@ engine's time is real, the tool's is the drawn latency.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import random
@@ -90,18 +89,16 @@ def _measure(engine, tokenizer, prompts, latencies, args, schedule: str) -> dict
     envs = {i: _SlowTool(lat) for i, lat in enumerate(latencies)}
     limits = TurnLimits(max_turns=args.turns + 1, max_tokens=10_000, turn_tokens=args.turn_tokens)
     began = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        done = run_trajectories(
-            _ClosedTurns(engine, end),
-            starts,
-            lambda t: envs[t.prompt_index],
-            params,
-            renderer=renderer,
-            tokenizer=tokenizer,
-            limits=limits,
-            pool=pool,
-            schedule=schedule,
-        )
+    done = run_trajectories(
+        _ClosedTurns(engine, end),
+        starts,
+        lambda t: envs[t.prompt_index],
+        params,
+        renderer=renderer,
+        tokenizer=tokenizer,
+        limits=limits,
+        schedule=schedule,
+    )
     seconds = time.perf_counter() - began
     assert all(t.stats.turns == args.turns + 1 for t in done), [t.stats for t in done]
     return {"seconds": seconds, "sampled_tokens": sum(sum(t.loss_mask) for t in done)}

@@ -818,8 +818,12 @@ class AgenticConfig:
     <tool_call>{json}</tool_call>)."""
     environment: Optional[str] = None
     """module:Class of an environment with state, built per trajectory as Class(tools, parse,
-    pool) with a step(text) method (hybridflow.agentic.env.Environment); None: the tools answer
-    (ToolEnvironment)."""
+    pool=, row=) (row: the trajectory's hybridflow.data.PromptRow) with a step(text) method
+    (hybridflow.agentic.env.Environment); None: the tools answer (ToolEnvironment). Rows whose
+    data_source environments names take that one instead."""
+    environments: dict[str, str] = field(default_factory=dict)
+    """data_source -> module:Class: the environment of that source's rows (a run mixing a
+    search task and a coding task gives each its own); other rows take environment."""
     max_turns: int = 4
     """Policy turns per trajectory."""
     turn_tokens: Optional[int] = None

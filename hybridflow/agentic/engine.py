@@ -20,7 +20,7 @@ import importlib
 import time
 from typing import Any
 
-from hybridflow.agentic.env import ToolEnvironment
+from hybridflow.agentic.env import Environment, ToolEnvironment
 from hybridflow.agentic.parsers import PARSERS
 from hybridflow.agentic.rollout import TurnLimits, run_trajectories
 from hybridflow.agentic.tools import Tool, resolve_tool
@@ -57,17 +57,24 @@ def _sandbox(cfg: AgenticConfig):
     return RemoteSandbox(cfg.sandbox_url, limits) if cfg.sandbox == "remote" else BubblewrapSandbox(limits)
 
 
-def environment_class(cfg: AgenticConfig) -> type:
-    """``agentic.environment``'s class (ToolEnvironment when unset); ValueError naming the key."""
+def environment_class(cfg: AgenticConfig, data_source: str | None = None) -> type:
+    """The environment class of ``data_source``'s rows: ``agentic.environments[data_source]``,
+    else ``agentic.environment``, else ToolEnvironment; ValueError naming the key."""
+    if data_source in cfg.environments:
+        return _import_environment(f"agentic.environments.{data_source}", cfg.environments[data_source])
     if cfg.environment is None:
         return ToolEnvironment
-    module, _, name = cfg.environment.partition(":")
+    return _import_environment("agentic.environment", cfg.environment)
+
+
+def _import_environment(key: str, spec: str) -> type:
+    module, _, name = spec.partition(":")
     try:
         found = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"agentic.environment={cfg.environment!r} does not import: {error}") from None
+        raise ValueError(f"{key}={spec!r} does not import: {error}") from None
     if not callable(getattr(found, "step", None)):
-        raise ValueError(f"agentic.environment={cfg.environment!r} has no step(text) method")
+        raise ValueError(f"{key}={spec!r} has no step(text) method")
     return found
 
 
@@ -86,7 +93,8 @@ def check_agentic(cfg: HybridflowConfig) -> None:
     if a.tool_parser not in PARSERS:
         raise ValueError(f"agentic.tool_parser={a.tool_parser!r} is not one of: {', '.join(sorted(PARSERS))}")
     configured_tools(a)
-    environment_class(a)
+    for source in [None, *a.environments]:
+        environment_class(a, source)
 
 
 class AgenticEngine:
@@ -96,7 +104,8 @@ class AgenticEngine:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg.agentic
         self.tools = configured_tools(self.cfg)
         self.parse = PARSERS[self.cfg.tool_parser]
-        self.environment = environment_class(self.cfg)
+        self.environments = {None: environment_class(self.cfg)}
+        self.environments.update({k: environment_class(self.cfg, k) for k in self.cfg.environments})
         budget = cfg.data.max_response_length
         self.limits = TurnLimits(
             max_turns=self.cfg.max_turns,
@@ -110,18 +119,23 @@ class AgenticEngine:
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
         began = time.perf_counter()
         starts = [Trajectory(tuple(p), i, k) for i, p in enumerate(prompts) for k in range(params.n)]
+        rows = [getattr(p, "row", None) for p in prompts]  # rollout.base.Prompt carries its row
         done = run_trajectories(
             self.engine,
             starts,
-            lambda t: self.environment(self.tools, self.parse, pool=self.pool),
+            lambda t: self._environment(rows[t.prompt_index]),
             dataclasses.replace(params, n=1),
             renderer=self.renderer,
             tokenizer=self.tokenizer,
             limits=self.limits,
-            pool=self.pool,
             schedule=self.cfg.schedule,
         )
         return RolloutBatch(samples=tuple(t.sample() for t in done), seconds=time.perf_counter() - began)
+
+    def _environment(self, row) -> Environment:
+        source = getattr(row, "data_source", None)
+        cls = self.environments.get(source, self.environments[None])
+        return cls(self.tools, self.parse, pool=self.pool, row=row)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

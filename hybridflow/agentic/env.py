@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +26,11 @@ from typing import Any, Protocol
 from hybridflow.agentic.parsers import ParsedTurn, ToolCall
 from hybridflow.agentic.tools import Tool
 
-__all__ = ["Environment", "Reply", "ToolEnvironment", "ToolOutcome"]
+__all__ = ["QUEUE_WAIT_S", "Environment", "Reply", "ToolEnvironment", "ToolOutcome"]
+
+QUEUE_WAIT_S = 60.0
+"""How long a tool call may wait for a free worker (``agentic.tool_workers``) before it is
+answered with an error; tools that hang hold their workers (a Python thread cannot be stopped)."""
 
 
 @dataclass
@@ -75,12 +80,16 @@ class ToolEnvironment:
             return Reply(done=True)
         outcome = ToolOutcome(calls=len(turn.calls), malformed=len(turn.malformed))
         # parallel calls run together; their answers come back in the calls' order
-        futures = [(call, self.pool.submit(self._call, call)) for call in turn.calls]
-        messages = [self._answer(call, future, outcome) for call, future in futures]
+        runs = []
+        for call in turn.calls:
+            started = threading.Event()
+            runs.append((call, started, self.pool.submit(self._call, call, started)))
+        messages = [self._answer(*run, outcome) for run in runs]
         messages += [{"role": "tool", "content": f"error: {why}"} for why in turn.malformed]
         return Reply(messages=messages, outcome=outcome)
 
-    def _call(self, call: ToolCall) -> str:
+    def _call(self, call: ToolCall, started: threading.Event) -> str:
+        started.set()
         found = self.tools.get(call.name)
         if found is None:
             raise LookupError(f"unknown tool {call.name!r}; the tools are {', '.join(sorted(self.tools))}")
@@ -90,13 +99,20 @@ class ToolEnvironment:
         result = found.fn(**call.arguments)
         return result if isinstance(result, str) else json.dumps(result)
 
-    def _answer(self, call: ToolCall, future: concurrent.futures.Future, outcome: ToolOutcome) -> dict[str, str]:
+    def _answer(
+        self, call: ToolCall, started: threading.Event, future: concurrent.futures.Future, outcome: ToolOutcome
+    ) -> dict[str, str]:
         timeout = self.tools[call.name].timeout_s if call.name in self.tools else None
         try:
+            # the timeout is the tool's own time: waiting for a free worker does not count
+            if not started.wait(QUEUE_WAIT_S):
+                raise concurrent.futures.TimeoutError
             return {"role": "tool", "content": future.result(timeout=timeout)}
         except concurrent.futures.TimeoutError:
             outcome.timeouts += 1
             future.cancel()  # a running Python function cannot be stopped; its answer is dropped
+            if not started.is_set():
+                return {"role": "tool", "content": f"error: no tool worker was free for {QUEUE_WAIT_S:g} s"}
             return {"role": "tool", "content": f"error: {call.name} took longer than {timeout:g} s"}
         except Exception as error:  # a tool's own failure is the policy's observation
             outcome.errors += 1

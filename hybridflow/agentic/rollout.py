@@ -4,7 +4,7 @@
 ready: trajectories whose next turn can be sampled
 loop:
     engine.generate(every ready trajectory's context, token ids in)    one batched call
-    each new turn ──► its environment's step, in the tool pool (runs while the engine works)
+    each new turn ──► its environment's step, in a thread of its own (runs while the engine works)
     replies that came back ──► observation tokens appended ──► ready again, or finished
 ```
 
@@ -15,6 +15,10 @@ engine call instead of one call each (an engine call costs about the same for on
 as for many of them). ``"turn_synchronous"`` waits
 for every reply before the next call, as a step-by-step loop over the batch would (the
 baseline of ``benchmarks/agentic_rollout.py``).
+
+Environment steps run in threads of this call, one per trajectory in flight; the tools they
+call run in the environment's own pool. Sharing one pool deadlocks: steps that wait on their
+tools' answers fill every worker, and the tools queue behind them until they time out.
 
 Limits end a trajectory without an error: ``max_turns`` policy turns, ``max_tokens`` response
 tokens (turns and observations), a turn that hit its token budget without the end token. An
@@ -53,10 +57,10 @@ class TurnLimits:
 class _Run:
     """The state of one ``run_trajectories`` call."""
 
-    def __init__(self, engine, params, renderer, tokenizer, limits, pool, make_env, gather_s: float) -> None:
+    def __init__(self, engine, params, renderer, tokenizer, limits, steps, make_env, gather_s: float) -> None:
         self.gather_s = gather_s
         self.engine, self.params, self.renderer = engine, params, renderer
-        self.tokenizer, self.limits, self.pool = tokenizer, limits, pool
+        self.tokenizer, self.limits, self.steps = tokenizer, limits, steps
         self.make_env = make_env
         self.envs: dict[int, Environment] = {}
         self.waiting: dict[concurrent.futures.Future, Trajectory] = {}
@@ -84,6 +88,7 @@ class _Run:
         t.add_turn(ids, sample.logprobs)
         if sample.finish_reason == FINISH_LENGTH or not ids:
             t.finish_reason = FINISH_LENGTH  # cut mid-turn: nothing to answer
+            t.stats.truncated_turns += bool(ids)
             return
         if ids[-1] != end and ids[-1] in self.params.stop_token_ids:
             return  # it stopped at end-of-text, not end-of-turn: the trajectory is over
@@ -91,7 +96,7 @@ class _Run:
         self.closing[id(t)] = [] if ids[-1] == end else [end]
         text = self.tokenizer.decode(ids[:-1] if ids[-1] == end else ids, skip_special_tokens=False)
         env = self.envs.setdefault(id(t), self.make_env(t))
-        self.waiting[self.pool.submit(env.step, text)] = t
+        self.waiting[self.steps.submit(env.step, text)] = t
 
     def collect(self, *, wait_all: bool) -> None:
         """Apply the replies that came back (all of them with ``wait_all``; at least one when
@@ -148,7 +153,6 @@ def run_trajectories(
     renderer: ObservationRenderer,
     tokenizer,
     limits: TurnLimits = TurnLimits(),
-    pool: concurrent.futures.Executor,
     schedule: str = "independent",
     gather_s: float = 0.05,
 ) -> list[Trajectory]:
@@ -156,10 +160,11 @@ def run_trajectories(
     them, filled in, in the same order."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; one of {', '.join(SCHEDULES)}")
-    run = _Run(engine, params, renderer, tokenizer, limits, pool, make_env, gather_s)
-    run.ready = list(starts)
-    while run.ready or run.waiting:
-        if run.ready:
-            run.generate()
-        run.collect(wait_all=schedule == "turn_synchronous")
+    with concurrent.futures.ThreadPoolExecutor(max(len(starts), 1), thread_name_prefix="env") as steps:
+        run = _Run(engine, params, renderer, tokenizer, limits, steps, make_env, gather_s)
+        run.ready = list(starts)
+        while run.ready or run.waiting:
+            if run.ready:
+                run.generate()
+            run.collect(wait_all=schedule == "turn_synchronous")
     return list(starts)

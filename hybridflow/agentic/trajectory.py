@@ -75,6 +75,8 @@ class TrajectoryStats:
     malformed_calls: int = 0
     observation_tokens: int = 0
     truncated_observations: int = 0
+    truncated_turns: int = 0
+    """Policy turns cut at their token budget before the end token (a tool call cut there is lost)."""
 
     def counts(self) -> tuple[int, ...]:
         """The counts in ``rollout.base.TURN_STATS`` order (how they travel with a sample)."""
@@ -158,4 +160,5 @@ def turn_metrics(metas) -> dict[str, float]:
         "agentic/malformed_calls": float(sums["malformed_calls"]),
         "agentic/observation_token_share": sums["observation_tokens"] / max(tokens, 1),
         "agentic/truncated_observations": float(sums["truncated_observations"]),
+        "agentic/truncated_turns": float(sums["truncated_turns"]),
     }

@@ -27,6 +27,7 @@ __all__ = [
     "FINISH_LENGTH",
     "FINISH_STOP",
     "MEMORY_TAGS",
+    "Prompt",
     "RolloutBatch",
     "RolloutEngine",
     "RolloutSample",
@@ -43,6 +44,20 @@ FINISH_STOP = "stop"
 """The response ended with EOS or a stop token."""
 FINISH_LENGTH = "length"
 """The response hit ``max_new_tokens`` (truncated; RL recipes may shape or mask it)."""
+
+
+class Prompt(tuple):
+    """A prompt's token ids (a tuple of ints: all an engine reads) and the data row they come
+    from, which a multi-turn rollout builds the trajectory's environment from
+    (``hybridflow.agentic``); ``row`` is None where no row is known."""
+
+    def __new__(cls, ids, row: Any = None) -> "Prompt":
+        prompt = super().__new__(cls, ids)
+        prompt.row = row
+        return prompt
+
+    def __reduce__(self):  # pickled to the engine ranks with its row
+        return (Prompt, (tuple(self), self.row))
 
 
 class EngineLost(RuntimeError):
@@ -90,6 +105,7 @@ TURN_STATS = (
     "malformed_calls",
     "observation_tokens",
     "truncated_observations",
+    "truncated_turns",
 )
 """What ``RolloutSample.turn_stats`` counts, in order (``hybridflow.agentic.trajectory``)."""
 

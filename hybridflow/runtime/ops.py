@@ -32,7 +32,7 @@ from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty,
 from hybridflow.algorithms.shaping import filter_groups, kl_in_reward, overlong_penalty, pf_ppo_resample
 from hybridflow.config import HybridflowConfig
 from hybridflow.rewards import score_responses
-from hybridflow.rollout.base import FINISH_LENGTH, RolloutSample, SamplingParams
+from hybridflow.rollout.base import FINISH_LENGTH, Prompt, RolloutSample, SamplingParams
 from hybridflow.rollout.tokens import pack_batch
 from hybridflow.runtime import replicas, switches
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
@@ -179,7 +179,7 @@ def rollout(
         raise AssertionError(f"rollout in mode {s.mode!r}: the plan's switches did not bring the engine in")
     run, engines = s.run, s.engines
     engines.calls += 1
-    ids = [p.prompt_ids for p in prompts]
+    ids = [Prompt(p.prompt_ids, p.row) for p in prompts]  # the rows: multi-turn environments start from them
     run.channel.announce(("generate", ids, params, seed, engines.calls))  # separate: the engine ranks follow
     out = replicas.generate(
         s.cfg,

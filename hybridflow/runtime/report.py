@@ -135,8 +135,8 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
         lines.append(
             f"  multi-turn   {_fmt(ag['turns_mean'])} turns and {_fmt(ag['tool_calls_per_trajectory'])} tool calls "
             f"per trajectory (mean); tool errors {ag['tool_errors']:.0f}, timeouts {ag['tool_timeouts']:.0f}, "
-            f"malformed calls {ag['malformed_calls']:.0f}; observations {_fmt(ag['observation_token_share'])} "
-            "of response tokens"
+            f"malformed calls {ag['malformed_calls']:.0f}, turns cut at their budget {ag['truncated_turns']:.0f}; "
+            f"observations {_fmt(ag['observation_token_share'])} of response tokens"
         )
     if summary.get("mlflow_uri"):
         lines.append(f"  MLflow       run {summary.get('mlflow_run_id')} at {summary['mlflow_uri']}")
@@ -152,7 +152,7 @@ def summarise_agentic(history: list[dict[str, float]]) -> dict[str, float | None
     def mean(key: str) -> float | None:
         return sum(h[key] for h in rows) / len(rows) if rows else None
 
-    totals = ("tool_errors", "tool_timeouts", "malformed_calls", "truncated_observations")
+    totals = ("tool_errors", "tool_timeouts", "malformed_calls", "truncated_observations", "truncated_turns")
     return {
         "turns_mean": mean("agentic/turns_mean"),
         "tool_calls_per_trajectory": mean("agentic/tool_calls_per_trajectory"),

@@ -18,6 +18,9 @@ class ScriptedEngine:
         self.on_call: Callable[[int], None] | None = None
         self._lock = threading.Lock()
 
+    def shutdown(self) -> None:
+        pass
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         with self._lock:
             self.calls.append([list(p) for p in prompts])

@@ -24,6 +24,10 @@ QUICKSTART = "configs/quickstart_cpu.yaml"
             ["agentic.environment=tests.agentic.envs:Missing"],
             "agentic.environment='tests.agentic.envs:Missing' does not",
         ),
+        (
+            ["agentic.environments={search: tests.agentic.envs:Gone}"],
+            "agentic.environments.search='tests.agentic.envs:Gone' does not import",
+        ),
         (["agentic.tool_parser=xml"], "agentic.tool_parser='xml' is not one of: hermes, qwen"),
         (["agentic.schedule=eager"], "agentic.schedule='eager' is not one of: independent, turn_synchronous"),
         (["agentic.sandbox=remote"], "agentic.sandbox=remote needs agentic.sandbox_url"),

@@ -91,7 +91,6 @@ def _run(
             renderer=ObservationRenderer(tokenizer, end),
             tokenizer=tokenizer,
             limits=limits,
-            pool=pool,
             schedule=schedule,
         )
     return t, engine
@@ -167,7 +166,7 @@ def test_limits_end_a_trajectory_without_an_error(tokenizer) -> None:
     assert (t.stats.turns, t.finish_reason) == (2, FINISH_LENGTH)  # still asking after its last turn
     cut = _turn(tokenizer, "a long answer that goes on and on", canonical=True, start=-0.1)
     t, _ = _run(tokenizer, [cut], limits=TurnLimits(turn_tokens=4, max_tokens=2000))
-    assert (len(t.response_ids), t.finish_reason) == (4, FINISH_LENGTH)
+    assert (len(t.response_ids), t.finish_reason, t.stats.truncated_turns) == (4, FINISH_LENGTH, 1)
     long = [Tool("add", "echo", OBJECT, lambda a, b: "digits " * 300)]
     t, _ = _run(
         tokenizer,
@@ -219,7 +218,6 @@ def test_a_slow_tool_holds_back_only_its_own_trajectory(tokenizer) -> None:
                 PARAMS,
                 renderer=ObservationRenderer(tokenizer, end),
                 tokenizer=tokenizer,
-                pool=pool,
                 schedule=schedule,
             )
             released.set()
@@ -228,6 +226,45 @@ def test_a_slow_tool_holds_back_only_its_own_trajectory(tokenizer) -> None:
             assert widths[:4] == [2, 1, 1, 1]  # B's turns 2-4 went on while A's tool ran
         else:
             assert widths[:2] == [2, 2]  # B waited for A's tool before its second turn
+
+
+def test_many_trajectories_calling_tools_at_once_do_not_starve_the_tool_workers(tokenizer) -> None:
+    """More trajectories than tool workers, all calling a tool in the same round: none times out.
+    (Environment steps once shared the tools' pool: the waiting steps filled every worker and
+    the tools queued behind them until their timeouts, which RL then trained on.) The timeout
+    is the tool's own run time, not its wait for a worker."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def steady(a: int, b: int) -> str:
+        time.sleep(0.05)
+        return str(a * b)
+
+    tools = [Tool("multiply", "a times b", OBJECT, steady, timeout_s=0.5)]
+    prompts = [
+        tuple(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"{k}*3?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for k in range(24)
+    ]
+    done = _turn(tokenizer, "done", canonical=True, start=-0.1)
+    scripts = {
+        p: [_turn(tokenizer, _call("multiply", a=k, b=3), canonical=True, start=-0.1), done]
+        for k, p in enumerate(prompts)
+    }
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # 24 calls x 0.05 s on 2 workers: 0.6 s of queue
+        finished = run_trajectories(
+            ScriptedEngine(scripts, end),
+            [Trajectory(p, i, 0) for i, p in enumerate(prompts)],
+            lambda t: ToolEnvironment(tools, parse_hermes, pool=pool),
+            PARAMS,
+            renderer=ObservationRenderer(tokenizer, end),
+            tokenizer=tokenizer,
+        )
+    assert [(t.stats.tool_calls, t.stats.tool_timeouts, t.stats.tool_errors) for t in finished] == [(1, 0, 0)] * 24
+    for k, t in enumerate(finished):
+        assert f"<tool_response>\n{3 * k}\n</tool_response>" in tokenizer.decode(t.response_ids)
 
 
 def test_the_calculator_is_exact_and_refuses_anything_but_arithmetic() -> None:
@@ -262,3 +299,49 @@ def test_a_multi_turn_sft_target_is_laid_out_as_a_rollout_and_trains_only_the_as
         if m["role"] == "assistant"
     ]
     assert trained == [i for turn in turns for i in turn]
+
+
+def test_each_row_gets_the_environment_its_data_source_names_and_reads_its_row(tokenizer) -> None:
+    """``agentic.environments`` picks a row's environment by its data_source (others take
+    ``agentic.environment``); the environment is built with the row, which travels with the
+    prompt's ids (``rollout.base.Prompt``, pickled to engine ranks)."""
+    import pickle
+
+    from hybridflow.agentic.engine import AgenticEngine
+    from hybridflow.config import load_config
+    from hybridflow.data import PromptRow
+    from hybridflow.rollout.base import Prompt
+
+    cfg = load_config(
+        "configs/quickstart_cpu.yaml",
+        [
+            "agentic.enabled=true",
+            "agentic.environment=tests.agentic.envs:AskAgain",
+            "agentic.environments={hinted: tests.agentic.envs:RevealAnswer}",
+            "data.max_response_length=128",
+        ],
+    )
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows = [
+        PromptRow(uid=f"r{k}", prompt=q, answer=a, data_source=s)
+        for k, (q, a, s) in enumerate([("6*7?", 42, "hinted"), ("2+2?", 4, "plain")])
+    ]
+    prompts = [
+        Prompt(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": r.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            ),
+            r,
+        )
+        for r in rows
+    ]
+    assert pickle.loads(pickle.dumps(prompts[0])).row == rows[0] and tuple(prompts[0]) == tuple(prompts[0])
+    turn = _turn(tokenizer, "hm", canonical=True, start=-0.1)
+    engine = AgenticEngine(ScriptedEngine({tuple(p): [turn, turn] for p in prompts}, end), cfg, tokenizer)
+    try:
+        batch = engine.generate(prompts, PARAMS)
+    finally:
+        engine.shutdown()
+    hinted, plain = (tokenizer.decode(x.response_ids) for x in batch.samples)
+    assert "hint: 42" in hinted and "Are you sure?" not in hinted
+    assert "Are you sure? Answer again." in plain and "hint" not in plain
