@@ -44,6 +44,7 @@ __all__ = [
     "NonFiniteStep",
     "Rollout",
     "as_rollout",
+    "engine_prompts",
     "heldout_reward",
     "kept_rollout",
     "kept_scores",
@@ -167,6 +168,12 @@ def sampling(cfg: HybridflowConfig, stop_ids: tuple[int, ...], *, greedy: bool =
     )
 
 
+def engine_prompts(prompts) -> list[Prompt]:
+    """What an engine is asked to continue: each prompt's ids, with its row (a multi-turn
+    rollout builds the trajectory's environment from it, on whichever rank drives the engine)."""
+    return [Prompt(p.prompt_ids, p.row) for p in prompts]
+
+
 def rollout(
     s: Session, prompts, params: SamplingParams, seed: int, group_offset: int = 0
 ) -> tuple[Rollout, dict[str, float]]:
@@ -179,7 +186,7 @@ def rollout(
         raise AssertionError(f"rollout in mode {s.mode!r}: the plan's switches did not bring the engine in")
     run, engines = s.run, s.engines
     engines.calls += 1
-    ids = [Prompt(p.prompt_ids, p.row) for p in prompts]  # the rows: multi-turn environments start from them
+    ids = engine_prompts(prompts)
     run.channel.announce(("generate", ids, params, seed, engines.calls))  # separate: the engine ranks follow
     out = replicas.generate(
         s.cfg,

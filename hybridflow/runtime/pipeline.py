@@ -73,10 +73,10 @@ class Pipeline:
             )
 
     def _start(self, batch: int, version: int) -> None:
-        from hybridflow.runtime.ops import sampling, step_seed
+        from hybridflow.runtime.ops import engine_prompts, sampling, step_seed
 
         cfg = self.run.cfg
-        ids = [p.prompt_ids for p in self.data.prompt_batch(batch)]
+        ids = engine_prompts(self.data.prompt_batch(batch))
         partial = self.cfg.partial_rollout
         # a batch trained before the next push is generated whole
         segment = self.cfg.segment_tokens if partial and batch > version else None
