@@ -84,12 +84,10 @@ def check_agentic(cfg: HybridflowConfig) -> None:
     a = cfg.agentic
     if not a.enabled:
         return
-    for key, unsupported in (
-        ("async_rl.partial_rollout=true", cfg.async_rl.partial_rollout),
-        ("moe.routing_replay=r3", cfg.moe.routing_replay == "r3"),
-    ):
-        if unsupported:  # a trajectory carries neither per-token versions nor the engine's routes yet
-            raise ValueError(f"agentic.enabled=true does not work with {key} yet: turn one of them off")
+    if cfg.async_rl.partial_rollout:  # a trajectory is not carried across a weight push yet
+        raise ValueError(
+            "agentic.enabled=true does not work with async_rl.partial_rollout=true yet: turn one of them off"
+        )
     if a.tool_parser not in PARSERS:
         raise ValueError(f"agentic.tool_parser={a.tool_parser!r} is not one of: {', '.join(sorted(PARSERS))}")
     configured_tools(a)

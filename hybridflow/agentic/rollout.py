@@ -85,7 +85,7 @@ class _Run:
 
     def _turn(self, t: Trajectory, sample) -> None:
         ids, end = list(sample.response_ids), self.renderer.end_id
-        t.add_turn(ids, sample.logprobs)
+        t.add_turn(ids, sample.logprobs, sample.routed_experts)
         if sample.finish_reason == FINISH_LENGTH or not ids:
             t.finish_reason = FINISH_LENGTH  # cut mid-turn: nothing to answer
             t.stats.truncated_turns += bool(ids)

@@ -3,7 +3,7 @@
 ```
 BubblewrapSandbox.run(code)
    scratch folder (fresh, empty, removed after)            ── the only writable place: /work
-   Popen as an unprivileged uid (root: nobody; else the caller's own)
+   Popen as an unprivileged uid (root: a fresh one per run; else the caller's own)
      rlimits: CPU seconds, address space, processes, file size, no core files
      bwrap: new user / pid / net / ipc / uts / cgroup namespaces (no network at all),
             / is empty but for /usr read-only, /proc, /dev, a private /tmp, /work;
@@ -23,8 +23,10 @@ bubblewrap on its nodes points ``RemoteSandbox`` at a sandbox service instead: b
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import random
 import resource
 import shutil
 import signal
@@ -46,8 +48,11 @@ __all__ = [
     "check_bubblewrap",
 ]
 
-NOBODY = 65534
-"""The uid and gid code runs as when the trainer is root."""
+RUN_UIDS = range(1_500_000_000, 1_600_000_000)
+"""Uids a root trainer runs programs as, one drawn per run (no passwd entry needed).
+RLIMIT_NPROC counts a uid's processes machine-wide: programs sharing one uid (nobody) would share
+one process budget, and a fork bomb, or just many tool calls at once, would refuse the others'
+processes."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -122,15 +127,16 @@ class BubblewrapSandbox:
         self.bwrap = check_bubblewrap()
         if not Path(python).is_file():
             raise SandboxUnavailable(f"the sandbox's interpreter {python} does not exist: install python3 there")
-        self.uid = NOBODY if os.geteuid() == 0 else os.geteuid()
+        self._draw = random.SystemRandom()
 
     def run(self, code: str) -> SandboxResult:
+        uid = self._draw.choice(RUN_UIDS) if os.geteuid() == 0 else os.geteuid()
         scratch = Path(tempfile.mkdtemp(prefix="hybridflow-sandbox-"))
         try:
             (scratch / "main.py").write_text(code)
-            if self.uid != os.geteuid():
-                os.chown(scratch, self.uid, self.uid)
-            return self._run(scratch)
+            if uid != os.geteuid():
+                os.chown(scratch, uid, uid)
+            return self._run(scratch, uid)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -162,11 +168,11 @@ class BubblewrapSandbox:
             "main.py",
         ]
 
-    def _limit(self) -> None:
+    def _limit(self, uid: int) -> None:
         """In the child before exec (still the trainer's uid): the rlimits every process under
         it inherits."""
         lim = self.limits
-        own = 0 if self.uid == NOBODY else _processes_of(self.uid)  # a user's other processes count too
+        own = 0 if uid in RUN_UIDS else _processes_of(uid)  # the caller's other processes count too
         for kind, value in (
             (resource.RLIMIT_CPU, lim.cpu_seconds),
             (resource.RLIMIT_AS, lim.memory_mb << 20),
@@ -176,17 +182,17 @@ class BubblewrapSandbox:
         ):
             resource.setrlimit(kind, (value, value))
 
-    def _run(self, scratch: Path) -> SandboxResult:
-        as_other = self.uid != os.geteuid()
+    def _run(self, scratch: Path, uid: int) -> SandboxResult:
+        as_other = uid != os.geteuid()
         process = subprocess.Popen(
             self._command(scratch),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            preexec_fn=self._limit,
+            preexec_fn=functools.partial(self._limit, uid),
             start_new_session=True,
-            user=self.uid if as_other else None,
-            group=self.uid if as_other else None,
+            user=uid if as_other else None,
+            group=uid if as_other else None,
             extra_groups=[] if as_other else None,
         )
         reader = _CappedReader(process, self.limits.output_bytes)

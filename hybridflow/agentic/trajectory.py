@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridflow.rollout.base import FINISH_STOP, TURN_STATS, RolloutSample
 
@@ -98,22 +99,28 @@ class Trajectory:
     reward: float | None = None
     """Set by an environment that scores the trajectory itself; None: the reward function does."""
     stats: TrajectoryStats = field(default_factory=TrajectoryStats)
+    routed_experts: Any = None
+    """The experts the engine routed every token to, from the last turn's call (``RolloutSample.
+    routed_experts``); that call was fed the whole trajectory, so its routes cover every token
+    but the last, the earlier turns' as the engine prefilled them; None without routing replay."""
 
     @property
     def context(self) -> list[int]:
         """What the engine continues from: the prompt and everything since."""
         return [*self.prompt_ids, *self.response_ids]
 
-    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """The engine's sampled tokens of one turn, as sampled."""
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], routed_experts: Any = None) -> None:
+        """The engine's sampled tokens of one turn, as sampled (and the routes of its call)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"a turn of {len(ids)} tokens came with {len(logprobs)} log-probs")
+        self.routed_experts = routed_experts
         self.response_ids += ids
         self.logprobs += logprobs
         self.loss_mask += [1] * len(ids)
         self.stats.turns += 1
 
     def add_observation(self, ids: Sequence[int]) -> None:
+        self.routed_experts = None  # the next turn's call brings routes that cover these
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [0] * len(ids)
@@ -131,6 +138,7 @@ class Trajectory:
             finish_reason=self.finish_reason,
             loss_mask=tuple(self.loss_mask),
             turn_stats=self.stats.counts(),
+            routed_experts=self.routed_experts,
         )
 
 

@@ -31,7 +31,16 @@ QUICKSTART = "configs/quickstart_cpu.yaml"
         (["agentic.tool_parser=xml"], "agentic.tool_parser='xml' is not one of: hermes, qwen"),
         (["agentic.schedule=eager"], "agentic.schedule='eager' is not one of: independent, turn_synchronous"),
         (["agentic.sandbox=remote"], "agentic.sandbox=remote needs agentic.sandbox_url"),
-        (["moe.routing_replay=r3"], "agentic.enabled=true does not work with moe.routing_replay=r3 yet"),
+        (
+            [
+                "async_rl.partial_rollout=true",
+                "rollout.placement=separate",
+                "async_rl.mode=async",
+                "async_rl.max_staleness=2",
+                "async_rl.segment_tokens=1",
+            ],
+            "agentic.enabled=true does not work with async_rl.partial_rollout=true yet",
+        ),
     ],
 )
 def test_a_mistake_in_the_agentic_section_is_one_line_before_any_rank(capsys, tmp_path, overrides, said) -> None:

@@ -156,3 +156,26 @@ def test_hostile_code_through_the_python_tool_is_a_tool_error_and_the_trajectory
     assert "MemoryError" in hostile.messages[0]["content"]
     assert "Resource temporarily unavailable" in hostile.messages[1]["content"]  # fork refused: the process limit
     assert fine.messages == [{"role": "tool", "content": "45\n"}] and fine.outcome.errors == 0
+
+
+def test_programs_running_at_once_do_not_share_one_process_budget(sandbox) -> None:
+    """Four programs at once, each with 10 children under a limit of 16: each has its own budget
+    (as root every run gets a uid of its own; sharing one, 44 processes would meet one limit)."""
+    import concurrent.futures
+
+    code = (
+        "import os, time\n"
+        "kids = []\n"
+        "for _ in range(10):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        time.sleep(1.5)\n"
+        "        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "for pid in kids:\n"
+        "    os.waitpid(pid, 0)\n"
+        "print('forked', len(kids))\n"
+    )
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(sandbox.run, [code] * 4))
+    assert [(r.ok, r.stdout) for r in results] == [(True, "forked 10\n")] * 4, results

@@ -76,12 +76,13 @@ def _run(
     limits=ROOMY,
     tools=TOOLS,
     schedule="independent",
+    routes=False,
 ):
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     prompt = tuple(
         tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
     )
-    engine = ScriptedEngine({prompt: list(turns)}, end)
+    engine = ScriptedEngine({prompt: list(turns)}, end, routes=routes)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         (t,) = run_trajectories(
             engine,
@@ -124,6 +125,21 @@ def test_a_three_turn_trajectory_is_the_sampled_tokens_plus_the_templates_observ
     batch = pack_batch([t.sample()], pad_id=tokenizer.pad_token_id)
     start = len(t.prompt_ids)
     assert batch["response_mask"][0, start : start + len(mask)].tolist() == mask.float().tolist()
+
+
+@pytest.mark.claim("agentic-r3-routes")
+def test_a_trajectorys_routes_for_r3_cover_every_token_it_trains_on(tokenizer) -> None:
+    """Routing replay (R3) of a trajectory: the last turn's engine call was fed the whole
+    trajectory, so its routes cover every token but the last, observations included, in the
+    layout pack_batch aligns with the input ids (``[P + R - 1, layers, k]``)."""
+    turns = [_turn(tokenizer, text, canonical=True, start=-0.1) for text in TEXTS]
+    t, engine = _run(tokenizer, turns, routes=True)
+    sample = t.sample()
+    fed = [*sample.prompt_ids, *sample.response_ids]
+    assert sample.routed_experts.shape == (len(fed) - 1, 2, 2)
+    assert sample.routed_experts[:, 0, 0].tolist() == [i % 4 for i in fed[:-1]]  # position by position
+    batch = pack_batch([sample], pad_id=tokenizer.pad_token_id)
+    assert batch["routed_experts"].shape[:2] == batch["input_ids"].shape
 
 
 @pytest.mark.claim("agentic-tool-failures-observed")
