@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib
+import logging
 import time
 from typing import Any
 
@@ -29,6 +30,12 @@ from hybridflow.config import AgenticConfig, HybridflowConfig
 from hybridflow.rollout.base import RolloutBatch, SamplingParams
 
 __all__ = ["AgenticEngine", "check_agentic", "configured_tools", "environment_class"]
+
+logger = logging.getLogger(__name__)
+
+CUT_TURNS_WARNING = 0.2
+"""The share of a call's trajectories with a turn cut at ``agentic.turn_tokens`` that earns the
+run's one warning (a tool call cut there never runs, so RL cannot learn to make it)."""
 
 END_OF_TURN = "<|im_end|>"
 """The token a ChatML policy ends its turn with (Qwen, the tiny test models)."""
@@ -113,6 +120,7 @@ class AgenticEngine:
         )
         self.renderer = ObservationRenderer(tokenizer, tokenizer.convert_tokens_to_ids(END_OF_TURN))
         self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="tool")
+        self._warned_cut = False
 
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
         began = time.perf_counter()
@@ -128,7 +136,21 @@ class AgenticEngine:
             limits=self.limits,
             schedule=self.cfg.schedule,
         )
+        self._warn_if_cut(done)
         return RolloutBatch(samples=tuple(t.sample() for t in done), seconds=time.perf_counter() - began)
+
+    def _warn_if_cut(self, done: list[Trajectory]) -> None:
+        cut = sum(1 for t in done if t.stats.truncated_turns)
+        if self._warned_cut or cut < CUT_TURNS_WARNING * len(done):
+            return
+        self._warned_cut = True
+        logger.warning(
+            "%d of %d trajectories had a turn cut at agentic.turn_tokens=%d before its end token; a tool "
+            "call cut there never runs: raise agentic.turn_tokens (agentic/truncated_turns counts them)",
+            cut,
+            len(done),
+            self.limits.turn_tokens,
+        )
 
     def _environment(self, row) -> Environment:
         source = getattr(row, "data_source", None)

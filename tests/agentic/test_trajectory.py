@@ -361,3 +361,30 @@ def test_each_row_gets_the_environment_its_data_source_names_and_reads_its_row(t
     hinted, plain = (tokenizer.decode(x.response_ids) for x in batch.samples)
     assert "hint: 42" in hinted and "Are you sure?" not in hinted
     assert "Are you sure? Answer again." in plain and "hint" not in plain
+
+
+def test_turns_cut_at_their_budget_are_warned_about_once(tokenizer, caplog) -> None:
+    """A turn budget shorter than the tool call (the mistake configs/agentic_cpu.yaml once made:
+    nothing is learnt, no error) earns one warning naming the key, however many calls cut."""
+    from hybridflow.agentic.engine import AgenticEngine
+    from hybridflow.config import load_config
+
+    cfg = load_config(
+        "configs/quickstart_cpu.yaml",
+        ["agentic.enabled=true", "agentic.turn_tokens=6", "data.max_response_length=128"],
+    )
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = tuple(
+        tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    call = _turn(tokenizer, _call("multiply", a=123, b=45), canonical=True, start=-0.1)
+    engine = AgenticEngine(ScriptedEngine({prompt: [call, call]}, end), cfg, tokenizer)
+    try:
+        with caplog.at_level("WARNING", logger="hybridflow.agentic.engine"):
+            for _ in range(2):
+                (sample,) = engine.generate([prompt], PARAMS).samples
+                assert len(sample.response_ids) == 6 and sample.turn_stats[-1] == 1  # cut, counted
+    finally:
+        engine.shutdown()
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "agentic.turn_tokens=6" in warned[0], warned
