@@ -16,6 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
+def _train(config: str, out: Path, *overrides: str, threads: int | None = None) -> subprocess.CompletedProcess:
+    """``hybridflow train config`` into ``out`` (``threads``: OMP threads per process; None:
+    torch's default, as a user's run has it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    return subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "train", config, f"run.output_dir={out}", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=850,
+        env=env,
+    )
+
+
 @pytest.mark.claim("agentic-train-runs")
 @pytest.mark.claim("agentic-async-and-sources")
 def test_a_multi_turn_run_trains_on_the_policys_tokens_and_reports_its_turns(tmp_path: Path) -> None:
@@ -24,33 +38,23 @@ def test_a_multi_turn_run_trains_on_the_policys_tokens_and_reports_its_turns(tmp
     row reaches the engine rank with the prompt: without it the default environment would end
     every trajectory after one turn)."""
     out = tmp_path / "run"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hybridflow.cli",
-            "train",
-            "configs/quickstart_cpu.yaml",
-            f"run.output_dir={out}",
-            "rollout.placement=separate",
-            "rollout.tp=1",
-            "async_rl.mode=async",
-            "async_rl.max_staleness=1",
-            "sft.steps=200",
-            "run.steps=3",
-            "run.heldout_prompts=8",
-            "agentic.enabled=true",
-            "agentic.tools=[calculator]",
-            "agentic.environments={max: tests.agentic.envs:AskAgain}",
-            "agentic.max_turns=2",
-            "agentic.turn_tokens=8",
-            "data.max_response_length=48",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=850,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    done = _train(
+        "configs/quickstart_cpu.yaml",
+        out,
+        "rollout.placement=separate",
+        "rollout.tp=1",
+        "async_rl.mode=async",
+        "async_rl.max_staleness=1",
+        "sft.steps=200",
+        "run.steps=3",
+        "run.heldout_prompts=8",
+        "agentic.enabled=true",
+        "agentic.tools=[calculator]",
+        "agentic.environments={max: tests.agentic.envs:AskAgain}",
+        "agentic.max_turns=2",
+        "agentic.turn_tokens=8",
+        "data.max_response_length=48",
+        threads=1,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     history = json.loads((out / "checkpoints" / "step_000003" / "state.json").read_text())["history"]
@@ -76,18 +80,11 @@ def test_rl_with_the_calculator_beats_the_warm_up_on_a_task_only_the_tool_solves
     otherwise; RL on the verifier's reward must make it call the tool and beat the warm-up on
     held-out prompts (greedy)."""
     out = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "train", "configs/agentic_cpu.yaml", f"run.output_dir={out}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=850,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = _train("configs/agentic_cpu.yaml", out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"] + 0.2, summary
-    history = json.loads((out / "checkpoints" / "step_000020" / "state.json").read_text())["history"]
+    history = json.loads((out / "checkpoints" / "step_000010" / "state.json").read_text())["history"]
     calls = [h["agentic/tool_calls_per_trajectory"] for h in history]
     assert sum(calls[-5:]) / 5 > calls[0] + 0.2, calls  # it learnt to reach for the tool
     assert summary["agentic"]["tool_timeouts"] == 0, summary["agentic"]

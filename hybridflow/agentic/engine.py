@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import importlib
 import logging
 import time
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from hybridflow.agentic.env import Environment, ToolEnvironment
 from hybridflow.agentic.parsers import PARSERS
 from hybridflow.agentic.rollout import TurnLimits, run_trajectories
-from hybridflow.agentic.tools import Tool, resolve_tool
+from hybridflow.agentic.tools import Tool, import_named, resolve_tool
 from hybridflow.agentic.trajectory import ObservationRenderer, Trajectory
 from hybridflow.config import AgenticConfig, HybridflowConfig
 from hybridflow.rollout.base import RolloutBatch, SamplingParams
@@ -75,10 +74,9 @@ def environment_class(cfg: AgenticConfig, data_source: str | None = None) -> typ
 
 
 def _import_environment(key: str, spec: str) -> type:
-    module, _, name = spec.partition(":")
     try:
-        found = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as error:
+        found = import_named(spec)
+    except LookupError as error:
         raise ValueError(f"{key}={spec!r} does not import: {error}") from None
     if not callable(getattr(found, "step", None)):
         raise ValueError(f"{key}={spec!r} has no step(text) method")

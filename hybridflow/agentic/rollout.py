@@ -112,13 +112,11 @@ class _Run:
             self._reply(self.waiting.pop(future), future.result())
 
     def _reply(self, t: Trajectory, reply: Reply) -> None:
-        s, o = t.stats, reply.outcome
-        s.tool_calls, s.tool_errors = s.tool_calls + o.calls, s.tool_errors + o.errors
-        s.tool_timeouts, s.malformed_calls = s.tool_timeouts + o.timeouts, s.malformed_calls + o.malformed
+        t.stats.add(reply.outcome)
         if reply.done:
             t.reward = reply.reward
             return
-        if s.turns >= self.limits.max_turns:
+        if t.stats.turns >= self.limits.max_turns:
             t.finish_reason = FINISH_LENGTH  # it asked for more than the turns allow
             return
         ids = self.closing.pop(id(t), []) + self._observation(t, reply.messages)

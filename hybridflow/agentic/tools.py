@@ -24,7 +24,7 @@ from typing import Any
 
 import jsonschema
 
-__all__ = ["TOOLS", "Tool", "check_parameters_schema", "resolve_tool", "tool"]
+__all__ = ["TOOLS", "Tool", "check_parameters_schema", "import_named", "resolve_tool", "tool"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,16 @@ def tool(
     return add
 
 
+def import_named(spec: str) -> Any:
+    """What ``module:name`` names (a tool's function, an environment class); LookupError saying
+    why it does not import."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise LookupError(str(error)) from None
+
+
 def resolve_tool(spec: str) -> Tool:
     """A tool by its registered name, or ``module:function`` for one registered on import (the
     module is imported and the function's registration looked up). ValueError in one line when
@@ -98,8 +108,8 @@ def resolve_tool(spec: str) -> Tool:
         known = ", ".join(sorted(TOOLS)) or "none"
         raise ValueError(f"unknown tool {spec!r}: registered tools are {known}; or name one as module:function")
     try:
-        fn = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
+        fn = import_named(spec)
+    except LookupError as error:
         raise ValueError(f"tool {spec!r} does not import: {error}") from None
     found = [t for t in TOOLS.values() if t.fn is fn]
     if not found:

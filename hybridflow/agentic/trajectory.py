@@ -79,6 +79,13 @@ class TrajectoryStats:
     truncated_turns: int = 0
     """Policy turns cut at their token budget before the end token (a tool call cut there is lost)."""
 
+    def add(self, outcome) -> None:
+        """Count one reply's tool calls (``env.ToolOutcome``)."""
+        self.tool_calls += outcome.calls
+        self.tool_errors += outcome.errors
+        self.tool_timeouts += outcome.timeouts
+        self.malformed_calls += outcome.malformed
+
     def counts(self) -> tuple[int, ...]:
         """The counts in ``rollout.base.TURN_STATS`` order (how they travel with a sample)."""
         return tuple(getattr(self, name) for name in TURN_STATS)
