@@ -84,10 +84,11 @@ def _latencies(args) -> list[list[float]]:
 def _measure(engine, tokenizer, prompts, latencies, args, schedule: str) -> dict:
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     renderer = ObservationRenderer(tokenizer, end)
-    params = SamplingParams(max_new_tokens=args.turn_tokens, temperature=1.0, seed=args.seed)
+    limits = TurnLimits(max_turns=args.turns + 1, max_tokens=10_000, turn_tokens=args.turn_tokens)
+    # the call's budget is the whole trajectory (a smaller one would pause them: partial rollouts)
+    params = SamplingParams(max_new_tokens=limits.max_tokens, temperature=1.0, seed=args.seed)
     starts = [Trajectory(tuple(p), i, 0) for i, p in enumerate(prompts)]
     envs = {i: _SlowTool(lat) for i, lat in enumerate(latencies)}
-    limits = TurnLimits(max_turns=args.turns + 1, max_tokens=10_000, turn_tokens=args.turn_tokens)
     began = time.perf_counter()
     done = run_trajectories(
         _ClosedTurns(engine, end),

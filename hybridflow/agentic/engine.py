@@ -26,7 +26,7 @@ from hybridflow.agentic.rollout import TurnLimits, run_trajectories
 from hybridflow.agentic.tools import Tool, import_named, resolve_tool
 from hybridflow.agentic.trajectory import ObservationRenderer, Trajectory
 from hybridflow.config import AgenticConfig, HybridflowConfig
-from hybridflow.rollout.base import RolloutBatch, SamplingParams
+from hybridflow.rollout.base import FINISH_PAUSED, RolloutBatch, SamplingParams
 
 __all__ = ["AgenticEngine", "check_agentic", "configured_tools", "environment_class"]
 
@@ -89,9 +89,11 @@ def check_agentic(cfg: HybridflowConfig) -> None:
     a = cfg.agentic
     if not a.enabled:
         return
-    if cfg.async_rl.partial_rollout:  # a trajectory is not carried across a weight push yet
+    if cfg.async_rl.partial_rollout and cfg.async_rl.resume == "checkpoint":  # live environments
         raise ValueError(
-            "agentic.enabled=true does not work with async_rl.partial_rollout=true yet: turn one of them off"
+            "agentic.enabled=true with async_rl.partial_rollout=true: a paused trajectory's environment "
+            "lives in its engine and cannot be saved with a checkpoint; set async_rl.resume=drop (a "
+            "resumed run regenerates the batches started ahead)"
         )
     if a.tool_parser not in PARSERS:
         raise ValueError(f"agentic.tool_parser={a.tool_parser!r} is not one of: {', '.join(sorted(PARSERS))}")
@@ -119,10 +121,21 @@ class AgenticEngine:
         self.renderer = ObservationRenderer(tokenizer, tokenizer.convert_tokens_to_ids(END_OF_TURN))
         self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="tool")
         self._warned_cut = False
+        self.paused: dict[tuple[int, ...], list[Trajectory]] = {}
+        """Trajectories paused between a partial rollout's segments, by their context so far."""
 
     def generate(self, prompts, params: SamplingParams) -> RolloutBatch:
+        """Each prompt's ``params.n`` trajectories, run to their end or paused at
+        ``params.max_new_tokens`` response tokens; a prompt that is a paused trajectory's whole
+        context (``runtime.replicas.advance``) continues that trajectory, and its sample is the
+        part this call added."""
         began = time.perf_counter()
-        starts = [Trajectory(tuple(p), i, k) for i, p in enumerate(prompts) for k in range(params.n)]
+        starts, since = [], []
+        for i, p in enumerate(prompts):
+            for k in range(params.n):
+                t = self._paused_or_new(p, i, k)
+                starts.append(t)
+                since.append(len(t.response_ids))
         rows = [getattr(p, "row", None) for p in prompts]  # rollout.base.Prompt carries its row
         done = run_trajectories(
             self.engine,
@@ -134,8 +147,23 @@ class AgenticEngine:
             limits=self.limits,
             schedule=self.cfg.schedule,
         )
-        self._warn_if_cut(done)
-        return RolloutBatch(samples=tuple(t.sample() for t in done), seconds=time.perf_counter() - began)
+        for t in done:
+            if t.finish_reason == FINISH_PAUSED:
+                self.paused.setdefault(tuple(t.context), []).append(t)
+        self._warn_if_cut([t for t in done if t.finish_reason != FINISH_PAUSED])
+        samples = tuple(t.sample(mark) for t, mark in zip(done, since))
+        return RolloutBatch(samples=samples, seconds=time.perf_counter() - began)
+
+    def _paused_or_new(self, prompt, index: int, sample: int) -> Trajectory:
+        """The paused trajectory whose context ``prompt`` is (numbered as this call's), or a new one."""
+        waiting = self.paused.get(tuple(prompt))
+        if not waiting:
+            return Trajectory(tuple(prompt), index, sample)
+        t = waiting.pop()  # trajectories with the same tokens so far are interchangeable
+        if not waiting:
+            del self.paused[tuple(prompt)]
+        t.prompt_index, t.sample_index = index, sample
+        return t
 
     def _warn_if_cut(self, done: list[Trajectory]) -> None:
         cut = sum(1 for t in done if t.stats.truncated_turns)

@@ -23,6 +23,11 @@ tools' answers fill every worker, and the tools queue behind them until they tim
 Limits end a trajectory without an error: ``max_turns`` policy turns, ``max_tokens`` response
 tokens (turns and observations), a turn that hit its token budget without the end token. An
 observation longer than ``observation_tokens`` has its messages' text cut to fit (counted).
+
+The call's ``params.max_new_tokens`` is its budget of response tokens per trajectory (partial
+rollouts' segment): a trajectory that spent it pauses before its next turn (``FINISH_PAUSED``),
+its environment kept on it, and a later call given the trajectory continues it. A turn is never
+split, so each is sampled by one policy version and its tool call sees the whole of it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 
 from hybridflow.agentic.env import Environment, Reply
 from hybridflow.agentic.trajectory import ObservationRenderer, Trajectory
-from hybridflow.rollout.base import FINISH_LENGTH, RolloutEngine, SamplingParams
+from hybridflow.rollout.base import FINISH_LENGTH, FINISH_PAUSED, FINISH_STOP, RolloutEngine, SamplingParams
 
 __all__ = ["SCHEDULES", "TurnLimits", "run_trajectories"]
 
@@ -62,7 +67,8 @@ class _Run:
         self.engine, self.params, self.renderer = engine, params, renderer
         self.tokenizer, self.limits, self.steps = tokenizer, limits, steps
         self.make_env = make_env
-        self.envs: dict[int, Environment] = {}
+        self.marks: dict[int, int] = {}
+        """Each trajectory's response length when this call took it (its budget counts from there)."""
         self.waiting: dict[concurrent.futures.Future, Trajectory] = {}
         self.ready: list[Trajectory] = []
         self.closing: dict[int, list[int]] = {}
@@ -95,8 +101,9 @@ class _Run:
         # an engine that stops at the end token without returning it: the template still needs it
         self.closing[id(t)] = [] if ids[-1] == end else [end]
         text = self.tokenizer.decode(ids[:-1] if ids[-1] == end else ids, skip_special_tokens=False)
-        env = self.envs.setdefault(id(t), self.make_env(t))
-        self.waiting[self.steps.submit(env.step, text)] = t
+        if t.env is None:
+            t.env = self.make_env(t)
+        self.waiting[self.steps.submit(t.env.step, text)] = t
 
     def collect(self, *, wait_all: bool) -> None:
         """Apply the replies that came back (all of them with ``wait_all``; at least one when
@@ -124,6 +131,9 @@ class _Run:
             t.finish_reason = FINISH_LENGTH  # no room left for the answer and another turn
             return
         t.add_observation(ids)
+        if len(t.response_ids) - self.marks[id(t)] >= self.params.max_new_tokens:
+            t.finish_reason = FINISH_PAUSED  # this call's budget is spent: the next turn is a later call's
+            return
         self.ready.append(t)
 
     def _observation(self, t: Trajectory, messages: list[dict]) -> list[int]:
@@ -154,13 +164,17 @@ def run_trajectories(
     schedule: str = "independent",
     gather_s: float = 0.05,
 ) -> list[Trajectory]:
-    """Run every trajectory of ``starts`` to its end on ``engine`` (see the module doc); returns
-    them, filled in, in the same order."""
+    """Run every trajectory of ``starts`` to its end, or to its pause at ``params.max_new_tokens``,
+    on ``engine`` (see the module doc); returns them, filled in, in the same order. A paused
+    trajectory among ``starts`` continues where it stopped."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; one of {', '.join(SCHEDULES)}")
     with concurrent.futures.ThreadPoolExecutor(max(len(starts), 1), thread_name_prefix="env") as steps:
         run = _Run(engine, params, renderer, tokenizer, limits, steps, make_env, gather_s)
         run.ready = list(starts)
+        for t in starts:
+            run.marks[id(t)] = len(t.response_ids)
+            t.finish_reason = FINISH_STOP
         while run.ready or run.waiting:
             if run.ready:
                 run.generate()

@@ -110,6 +110,8 @@ class Trajectory:
     """The experts the engine routed every token to, from the last turn's call (``RolloutSample.
     routed_experts``); that call was fed the whole trajectory, so its routes cover every token
     but the last, the earlier turns' as the engine prefilled them; None without routing replay."""
+    env: Any = None
+    """Its environment, made at its first reply and kept with it (a paused trajectory's state)."""
 
     @property
     def context(self) -> list[int]:
@@ -133,17 +135,18 @@ class Trajectory:
         self.loss_mask += [0] * len(ids)
         self.stats.observation_tokens += len(ids)
 
-    def sample(self) -> RolloutSample:
+    def sample(self, since: int = 0) -> RolloutSample:
         """The trajectory as the trainer takes a rollout sample (``loss_mask`` marks the policy's
-        tokens)."""
+        tokens); ``since``: only the response from there on, the rest as its prompt (a paused
+        trajectory's continuation, which ``runtime.replicas`` appends to what it has)."""
         return RolloutSample(
             prompt_index=self.prompt_index,
             sample_index=self.sample_index,
-            prompt_ids=tuple(self.prompt_ids),
-            response_ids=tuple(self.response_ids),
-            logprobs=tuple(self.logprobs),
+            prompt_ids=(*self.prompt_ids, *self.response_ids[:since]),
+            response_ids=tuple(self.response_ids[since:]),
+            logprobs=tuple(self.logprobs[since:]),
             finish_reason=self.finish_reason,
-            loss_mask=tuple(self.loss_mask),
+            loss_mask=tuple(self.loss_mask[since:]),
             turn_stats=self.stats.counts(),
             routed_experts=self.routed_experts,
         )

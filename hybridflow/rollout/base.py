@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "EngineLost",
     "FINISH_LENGTH",
+    "FINISH_PAUSED",
     "FINISH_STOP",
     "MEMORY_TAGS",
     "Prompt",
@@ -44,6 +45,10 @@ FINISH_STOP = "stop"
 """The response ended with EOS or a stop token."""
 FINISH_LENGTH = "length"
 """The response hit ``max_new_tokens`` (truncated; RL recipes may shape or mask it)."""
+FINISH_PAUSED = "paused"
+"""A multi-turn trajectory stopped between two turns at the call's ``max_new_tokens`` (a
+partial rollout's segment), its environment kept by the engine for the call that continues it;
+never trained on: the last segment runs every trajectory to its end."""
 
 
 class Prompt(tuple):
@@ -125,7 +130,7 @@ class RolloutSample:
     logprobs: tuple[float, ...]
     """Log-probability of each response token under the engine's (unscaled) distribution."""
     finish_reason: str
-    """``FINISH_STOP`` or ``FINISH_LENGTH``."""
+    """``FINISH_STOP`` or ``FINISH_LENGTH`` (``FINISH_PAUSED`` only between partial rollouts' segments)."""
     routed_experts: Any = None
     """The experts each MoE layer chose for every token fed to the model — the prompt's and
     the response's but the last, SGLang's ``return_routed_experts`` layout: ``[P + R - 1, L, k]``

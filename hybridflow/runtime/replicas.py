@@ -51,7 +51,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from hybridflow.config import HybridflowConfig
-from hybridflow.rollout.base import FINISH_LENGTH, EngineLost, RolloutSample, SamplingParams
+from hybridflow.rollout.base import FINISH_LENGTH, FINISH_PAUSED, EngineLost, RolloutSample, SamplingParams
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.exchange import SampleMeta, deliver, meta_of
 from hybridflow.runtime.shares import Shard, balanced_owners, owner
@@ -312,8 +312,12 @@ class Started:
         if self.params is None or self.report.error is not None:
             return []
         limit = self.params.max_new_tokens
+        # a trajectory says itself when it paused: one cut by its own limits ended
         return [
-            i for i, x in enumerate(self.samples) if x.finish_reason == FINISH_LENGTH and len(x.response_ids) < limit
+            i
+            for i, x in enumerate(self.samples)
+            if x.finish_reason == FINISH_PAUSED
+            or (x.finish_reason == FINISH_LENGTH and not x.turn_stats and len(x.response_ids) < limit)
         ]
 
 
@@ -395,9 +399,12 @@ def advance(engine, started: Started, version: int, *, segment: int | None) -> t
 def _continued(x: RolloutSample, more: RolloutSample, version: int) -> RolloutSample:
     """``x`` followed by ``more``, a continuation whose prompt was x's prompt and response: the
     new tokens tagged ``version``; routed experts kept as each token was first fed (the new
-    call's rows for x's tokens re-read them under the new weights)."""
+    call's rows for x's tokens re-read them under the new weights). A trajectory's continuation
+    brings its loss mask's next part and its counts so far."""
     routes = x.routed_experts
-    if routes is not None and more.routed_experts is not None:
+    if routes is None:  # a trajectory paused after an observation: the next turn's call covers all
+        routes = more.routed_experts
+    elif more.routed_experts is not None:
         routes = torch.as_tensor(routes)
         routes = torch.cat([routes, torch.as_tensor(more.routed_experts)[len(routes) :]])
     return dataclasses.replace(
@@ -407,6 +414,8 @@ def _continued(x: RolloutSample, more: RolloutSample, version: int) -> RolloutSa
         finish_reason=more.finish_reason,
         routed_experts=routes,
         segments=x.segments + ((len(x.response_ids), version),),
+        loss_mask=x.loss_mask + more.loss_mask,
+        turn_stats=more.turn_stats or x.turn_stats,
     )
 
 

@@ -31,3 +31,17 @@ class RevealAnswer:
         if self.turns == 1:
             return Reply(messages=[{"role": "user", "content": f"hint: {self.row.answer}"}])
         return Reply(done=True)
+
+
+class AskTwice:
+    """Asks the policy to check its first two turns and scores the third 1.0: a trajectory of
+    three turns whose environment must be the same object throughout (it counts)."""
+
+    def __init__(self, tools, parse, *, pool, row) -> None:
+        self.turns = 0
+
+    def step(self, text: str) -> Reply:
+        self.turns += 1
+        if self.turns < 3:
+            return Reply(messages=[{"role": "user", "content": f"Check {self.turns}."}])
+        return Reply(done=True, reward=1.0)

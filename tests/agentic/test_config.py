@@ -39,7 +39,7 @@ QUICKSTART = "configs/quickstart_cpu.yaml"
                 "async_rl.max_staleness=2",
                 "async_rl.segment_tokens=1",
             ],
-            "agentic.enabled=true does not work with async_rl.partial_rollout=true yet",
+            "cannot be saved with a checkpoint; set async_rl.resume=drop",
         ),
     ],
 )

@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ TOOLS = [
     Tool("multiply", "a times b", OBJECT, lambda a, b: str(a * b)),
     Tool("add", "a plus b", OBJECT, lambda a, b: str(a + b)),
 ]
-PARAMS = SamplingParams(max_new_tokens=200, temperature=1.0)
+PARAMS = SamplingParams(max_new_tokens=2000, temperature=1.0)  # the whole trajectory: no pause
 ROOMY = TurnLimits(max_tokens=2000, turn_tokens=400, observation_tokens=500)
 
 
@@ -388,3 +389,69 @@ def test_turns_cut_at_their_budget_are_warned_about_once(tokenizer, caplog) -> N
         engine.shutdown()
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "agentic.turn_tokens=6" in warned[0], warned
+
+
+@pytest.mark.claim("agentic-partial-rollouts")
+def test_a_trajectory_paused_across_weight_pushes_is_the_trajectory_run_whole_with_each_turns_version(
+    tokenizer,
+) -> None:
+    """Partial rollouts: a call whose budget (``max_new_tokens``, the segment) is spent pauses a
+    trajectory before its next turn, its environment kept; ``runtime.replicas.advance`` gives
+    the context back after each push and appends what comes. Pieced together, the sample is the
+    one an uninterrupted run gives, token for token, with each turn tagged with the version that
+    sampled it; only paused trajectories count as unfinished, not ones their limits ended."""
+    import dataclasses
+
+    from hybridflow.agentic.engine import AgenticEngine
+    from hybridflow.config import load_config
+    from hybridflow.rollout.base import FINISH_PAUSED, FINISH_STOP
+    from hybridflow.runtime.replicas import Started, _continued
+
+    cfg = load_config(
+        "configs/quickstart_cpu.yaml",
+        [
+            "agentic.enabled=true",
+            "agentic.environment=tests.agentic.envs:AskTwice",
+            "agentic.max_turns=4",
+            "data.max_response_length=400",
+        ],
+    )
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = tuple(
+        tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    turns = [_turn(tokenizer, text, canonical=True, start=-0.1 * (i + 1)) for i, text in enumerate(TEXTS)]
+
+    def engine() -> AgenticEngine:
+        return AgenticEngine(ScriptedEngine({prompt: list(turns)}, end), cfg, tokenizer)
+
+    whole_engine, paused_engine = engine(), engine()
+    try:
+        (whole,) = whole_engine.generate([prompt], PARAMS).samples
+        segment = dataclasses.replace(PARAMS, max_new_tokens=1)  # every call pauses after one turn
+        (part,) = paused_engine.generate([prompt], segment).samples
+        pieced, lengths = dataclasses.replace(part, segments=((0, 0),)), [len(part.response_ids)]
+        for version in (1, 2):
+            assert pieced.finish_reason == FINISH_PAUSED and len(paused_engine.paused) == 1
+            last = version == 2  # the step before collection runs it to its end
+            params = PARAMS if last else segment
+            (more,) = paused_engine.generate([pieced.prompt_ids + pieced.response_ids], params).samples
+            assert more.prompt_ids == pieced.prompt_ids + pieced.response_ids
+            pieced = _continued(pieced, more, version)
+            lengths.append(len(pieced.response_ids))
+    finally:
+        whole_engine.shutdown()
+        paused_engine.shutdown()
+    assert whole.finish_reason == pieced.finish_reason == FINISH_STOP and not paused_engine.paused
+    for field in ("response_ids", "logprobs", "loss_mask", "turn_stats"):
+        assert getattr(pieced, field) == getattr(whole, field), field
+    assert whole.turn_stats[0] == 3  # three turns, the same AskTwice throughout (it counted them)
+    # each turn, and the observation after it, sampled / rendered under one version
+    first_turn = len(turns[0][0])
+    assert pieced.segments == ((0, 0), (lengths[0], 1), (lengths[1], 2)) and lengths[0] > first_turn
+    assert pieced.loss_mask[lengths[0]] == 1 and pieced.loss_mask[lengths[0] - 1] == 0
+    # unfinished: a paused trajectory yes; one that its own limits ended (FINISH_LENGTH) no
+    ended = dataclasses.replace(part, finish_reason=FINISH_LENGTH)
+    report = SimpleNamespace(error=None)
+    started = Started([part, ended], report, params=PARAMS)
+    assert started.unfinished() == [0]
