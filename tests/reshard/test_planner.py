@@ -327,3 +327,20 @@ def test_per_rank_views_for_an_executor():
             assert all(0 <= a < b <= n for (a, b), n in zip(h.param_region, shape))
     with pytest.raises(ValueError, match="sglang rank 99 does not exist"):
         destination.holdings(99)
+
+
+@pytest.mark.parametrize("case", CASES[::4], ids=lambda c: c.name)
+def test_the_planners_heaps_choose_what_scanning_every_candidate_chooses(case):
+    """The planner keeps its candidates in heaps updated lazily; the rule, scanning them all
+    (tests/reshard/greedy_reference.py), must give the same routes, in the same order."""
+    from tests.reshard.greedy_reference import reference_routes
+
+    source, destination = case.build()
+    for relays in (8, 1):
+        plan = plan_reshard(source, destination, case.topology, max_relays=relays, part_bytes=4096)
+        src, relay, dst, kind, hop, bundle = reference_routes(
+            source, destination, case.topology, max_relays=relays, part_bytes=4096
+        )
+        assert np.array_equal(plan.route_src, src) and np.array_equal(plan.route_dst, dst)
+        assert np.array_equal(plan.route_kind, kind) and np.array_equal(plan.route_relay, relay)
+        assert np.array_equal(plan.route_hop, hop) and np.array_equal(plan.route_bundle, bundle)
