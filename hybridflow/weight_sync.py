@@ -3,17 +3,19 @@
     cfg.model + cfg.actor.parallel  --> megatron_layout()  (who holds what)  --+
     cfg.model + cfg.rollout         --> sglang_layout()    (who needs what)  --+--> plan_reshard()
     cfg.rollout.placement           --> Topology (device of every rank)      --+        |
-                                                                        plan_stats() <--+
+                                                       plan_stats(), when asked <--+
 
-Nothing here allocates a weight, so ``hybridflow plan`` reports the sync of a 671B model in
-about a second on one core. An hf rollout replica loads every tensor whole, which is what an
-SGLang tp=1 engine needs, so it is planned as one.
+Nothing here allocates a weight: a 671B model's sync is planned from shapes on one core
+(``benchmarks/reshard_plan.py`` times it); the runtime's ranks build the plan, and only
+``hybridflow plan`` and the benchmarks compute its statistics. An hf rollout replica loads
+every tensor whole, which is what an SGLang tp=1 engine needs, so it is planned as one.
 
 ``route="full"`` plans the baseline push instead: every tensor whole, under its Hugging Face
 name, on the process driving the engine (``reshard.hf.hf_layout``).
 """
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -23,7 +25,7 @@ from reshard.layouts import TensorLayout
 from reshard.megatron import megatron_layout
 from reshard.planner import Plan, plan_reshard
 from reshard.sglang import sglang_layout
-from reshard.stats import PlanStats, plan_stats
+from reshard.stats import Bandwidth, PlanStats, plan_stats
 from reshard.topology import Topology
 
 __all__ = ["WeightSyncPlan", "describe_weight_sync", "plan_weight_sync", "weight_sync_topology"]
@@ -33,12 +35,19 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class WeightSyncPlan:
-    """A run's weight sync: both layouts, the plan between them and its stats."""
+    """A run's weight sync: both layouts, the plan between them and (on demand) its stats."""
 
     source: TensorLayout
     destination: TensorLayout
     plan: Plan
-    stats: PlanStats
+    bandwidth: Bandwidth
+
+    @functools.cached_property
+    def stats(self) -> PlanStats:
+        """Bytes, bounds and simulated time (``hybridflow plan``, the benchmarks). Computed when
+        asked, not at start: the runtime's ranks never read them, and for DeepSeek-V3 on 1,024
+        GPUs they cost each rank 29 CPU s more than the plan."""
+        return plan_stats(self.plan, bandwidth=self.bandwidth)
 
 
 def weight_sync_topology(cfg: HybridflowConfig, *, num_destination: int | None = None) -> Topology:
@@ -67,9 +76,7 @@ def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None) -> Weig
     else:
         raise ValueError(f"weight sync route={route!r}: choose sliced or full")
     plan = plan_reshard(source, destination, weight_sync_topology(cfg, num_destination=destination.num_ranks))
-    return WeightSyncPlan(
-        source=source, destination=destination, plan=plan, stats=plan_stats(plan, bandwidth=cfg.rollout.bandwidth())
-    )
+    return WeightSyncPlan(source=source, destination=destination, plan=plan, bandwidth=cfg.rollout.bandwidth())
 
 
 def describe_weight_sync(cfg: HybridflowConfig) -> list[str]:

@@ -56,15 +56,15 @@ def block_cuda_only_imports() -> None:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]
     _quiet_gpu_extra_fallback_warnings()
-    with _absent_while_megatron_imports(GPU_KERNEL_PACKAGES):
+    with absent_while_importing(GPU_KERNEL_PACKAGES):
         _disable_jit_fuser()  # imports megatron.core
 
 
 @contextlib.contextmanager
-def _absent_while_megatron_imports(names: tuple[str, ...]):
-    """``names`` raise ImportError inside the block (megatron's guards then take their no-kernel
-    branch), and import normally after it: SGLang, in the same rank process, imports some of
-    them without a guard."""
+def absent_while_importing(names: tuple[str, ...]):
+    """``names`` raise ImportError inside the block (megatron's and SGLang's guards then take
+    their no-kernel branch), and import normally after it: some of SGLang's later imports have
+    no guard."""
     blocked = [name for name in names if name not in sys.modules]
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]

@@ -32,9 +32,10 @@ it received, from its own buffer. Each element crosses into each destination nod
 the network carries the node-level bound exactly. Loads are counted per device, so colocated
 ranks of the two sides share their device's NIC and NVLink.
 No torch, no process groups, no weights: a 671B plan is shapes only.
-Routes are compact on purpose: a 1,024-rank DeepSeek-V3 plan has millions of
-(slice, destination) pairs but a few hundred thousand routes; statistics are computed from the
-routes exactly.
+Routes are compact on purpose: a 1,024-rank DeepSeek-V3 plan has 6.9 million transfers but
+3.3 million routes; statistics are computed from the routes exactly. "Least loaded" is a heap per
+bundle (and per node for the fan-out), not a scan: that plan costs 7.5 CPU s
+(``benchmarks/reshard_plan.py``).
 """
 
 from __future__ import annotations
@@ -536,7 +537,9 @@ def _plan(
     order = sorted(range(len(bundles)), key=lambda i: (-bundles[i].nbytes, i))
     bundles = [bundles[i] for i in order]
     # two greedy passes: the second knows, per device, the NIC sends the first made for the
-    # bundles still to come (a device whose own shards must leave it later is spared now)
+    # bundles still to come (a device whose own shards must leave it later is spared now).
+    # One pass would halve the CPU (DeepSeek-V3, 1,024 GPUs: 4.2 instead of 7.5 s) but misses
+    # the time bound by 16% (Mixtral-8x22B TP8 PP4 EP8 -> TP8 x 8, colocated: 1.165x; 1.036x here)
     rough = _Chooser(topology, max_relays=max_relays)
     first = [rough.route(b.holders, b.needers, b.nbytes) for b in bundles]
     chooser = _Chooser(topology, max_relays=max_relays)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
-from hybridflow.runtime import gates, stops, switches
+from hybridflow.runtime import gates, startup_clock, stops, switches
 from hybridflow.runtime.ops import OPS, NonFiniteStep, heldout_reward
 from hybridflow.runtime.progress import write_progress
 from hybridflow.runtime.recovery import METRIC as RESTARTS
@@ -148,6 +148,7 @@ def train_rl(s: Session, plan, *, save) -> bool:
     )
     if run.is_driver:
         write_progress(run.out_dir, phase="rl", done=state.step, total=cfg.run.steps)
+    started = state.step
     for step in bar:
         undo = StepUndo(cfg.run.on_nan == "skip" and s.models.updates_per_step() > 1)
         try:
@@ -170,6 +171,9 @@ def train_rl(s: Session, plan, *, save) -> bool:
         bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
         if run.is_driver:
             write_progress(run.out_dir, phase="rl", done=done, total=cfg.run.steps)
+            if done == started + 1:  # this start's first RL step (benchmarks/startup.py)
+                startup_clock.mark("first_step")
+                startup_clock.write(run.out_dir)
         saved = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps
         requested = done < cfg.run.steps and stops.checkpoint_requested(
             run.out_dir, is_driver=run.is_driver, group=run.shard.group

@@ -120,7 +120,7 @@ class EngineSync:
         self.device = device
         self.route = cfg.rollout.sync_route
         self.sync: WeightSyncPlan = plan_weight_sync(cfg)
-        self.plan, self.stats = self.sync.plan, self.sync.stats
+        self.plan = self.sync.plan
         actors = cfg.actor.parallel.world_size
         # colocated: destination rank r shares actor rank r's device (the config checked r < world);
         # separate: destination rank r is joint rank actors + r, a process of its own

@@ -35,7 +35,7 @@ from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, load_config, to_yaml
 from hybridflow.data import PromptSampler
 from hybridflow.lowering import lower
-from hybridflow.runtime import checksums, console, determinism, disk_full, report, stops
+from hybridflow.runtime import checksums, console, determinism, disk_full, report, startup_clock, stops
 from hybridflow.runtime import state as run_state
 from hybridflow.runtime.channel import Channel, colocated, join
 from hybridflow.runtime.engine_client import EngineClient
@@ -312,7 +312,9 @@ def _start_rollout(s: Session) -> None:
         adapters=(lambda: adapter_push(s.models.actor)) if adapters else None,
     )
     engines.sync.restarts = engines.restarts
+    startup_clock.mark("engines")  # with the sync's plan, and separate: the engine ranks' start
     engines.sync.push()
+    startup_clock.mark("first_push")
 
 
 def _start_parts(s: Session, replicas: set[int] | None) -> None:
@@ -521,6 +523,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         write_atomic(out_dir / "config.yaml", to_yaml(cfg))
     pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     s = _session(cfg, out_dir, resume_from, pg, channel or colocated())
+    startup_clock.mark("session")
     if changes:  # the summary says what this start changed, and from which step
         s.run.state.changes.append({"step": s.run.state.step, "changed": changes})
     s.run.tracker.log_params(
@@ -536,12 +539,14 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         with out_of_memory_hint(cfg, "the SFT warm-up"):
             if not _warm_up(s, resume_from):  # checkpointed on request: a later start goes on from there
                 return _stopped_on_request(s)
+        startup_clock.mark("warm_up")
         if cfg.run.mode == "sft":
             summary = _finish(s, None)
             _stop_engines(s, in_order=True)
             return summary
         with out_of_memory_hint(cfg, "building the actor and the engine"):
             _load_actor(s, resume_from)
+            startup_clock.mark("models")
             _start_rollout(s)
         _freeze_startup_objects()
         if cfg.async_rl.mode != "sync":
@@ -587,6 +592,7 @@ def _stopped_on_request(s: Session) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from megatron_adapters import parallel
 
+    startup_clock.mark("imports")
     argv = list(sys.argv[1:] if argv is None else argv)
     stops.install()
     cfg = load_config(argv[0], argv[1:])
@@ -601,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         parallel.init_default_group(minutes, store=dist.PrefixStore(prefix, store), rank=own_rank, world_size=own_size)
     else:
         parallel.init_default_group(timeout_minutes=minutes)
+    startup_clock.mark("rendezvous")
     console.configure(
         cfg.run.output_dir,
         rank=int(os.environ.get("RANK", "0")),

@@ -122,3 +122,33 @@ def test_user_mistakes_table_prints_every_row(tmp_path) -> None:
     for row in rows:
         assert row["last_lines"] and isinstance(row["exit"], int), row  # what the user saw, and how it ended
         assert row["left"] == [], row  # no process of the job outlives it
+
+
+@pytest.mark.claim("startup-benchmark")
+def test_startup_benchmark_splits_the_time_to_the_first_step_into_phases(tmp_path) -> None:
+    result = _run("benchmarks/startup.py", tmp_path, "--shapes", "colocated")
+    (case,) = result["cases"]
+    phases = case["phases"]
+    assert case["shape"] == "colocated" and list(phases) == [
+        "launcher",
+        "imports",
+        "rendezvous",
+        "session",
+        "warm_up",
+        "models",
+        "engines",
+        "first_push",
+        "first_step",
+    ]
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert abs(sum(phases.values()) - case["seconds_to_first_step"]) < 0.1
+
+
+@pytest.mark.claim("train-step-benchmark")
+def test_train_step_benchmark_times_both_trainers_on_the_same_batches(tmp_path) -> None:
+    result = _run("benchmarks/train_step.py", tmp_path, "--steps", "2", "--warmup", "1", "--seq", "64")
+    assert result["policy_step_seconds"] > 0 and result["plain_loop_step_seconds"] > 0
+    assert len(result["policy_seconds"]) == len(result["plain_loop_seconds"]) == 2
+    assert result["policy_over_plain"] == pytest.approx(
+        result["policy_step_seconds"] / result["plain_loop_step_seconds"], rel=1e-2
+    )

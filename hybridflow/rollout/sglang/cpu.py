@@ -59,6 +59,7 @@ __all__ = [
     "apply_cpu_environment",
     "cpu_environment",
     "forked_engine_processes",
+    "gpu_kernels_absent",
     "has_cuda_gpu",
     "omp_threads_bind",
     "register_architectures",
@@ -189,6 +190,17 @@ def apply_cpu_environment(tp: int, *, architectures: Sequence[str] = ()) -> bool
     sys.path[:] = [str(STUB_PATH)] + [p for p in sys.path if p != str(STUB_PATH)]
     logger.info("no CUDA GPU: SGLang CPU engine environment set (tp=%d, sgl_kernel stand-in)", tp)
     return True
+
+
+def gpu_kernels_absent():
+    """A block in which GPU kernel packages SGLang reaches through guarded imports are absent
+    (``megatron_adapters.cpu_compat.GPU_KERNEL_PACKAGES``): importing SGLang's engine on a CPU
+    then skips flashinfer's FP4 quantization and its CUTLASS DSL, 1.2-1.8 CPU s of the 6-8 s import
+    in every rank that starts an engine, for kernels a CPU never runs. They import normally after
+    the block, before the engine forks its processes."""
+    from megatron_adapters.cpu_compat import GPU_KERNEL_PACKAGES, absent_while_importing
+
+    return absent_while_importing(GPU_KERNEL_PACKAGES)
 
 
 def _drop_cuda_sgl_kernel() -> None:

@@ -188,7 +188,9 @@ def _launch(
         args["mem_fraction_static"] = mem_fraction_static
     _check_layout_overrides(engine_kwargs, on_cpu=on_cpu)
     args.update(engine_kwargs)
-    import sglang
+    with cpu.gpu_kernels_absent() if on_cpu else contextlib.nullcontext():
+        import sglang
+        import sglang.srt.entrypoints.engine  # noqa: F401  (the heavy part, while they are absent)
 
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     contexts_before = _zmq_context_ids()

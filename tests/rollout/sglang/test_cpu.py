@@ -223,3 +223,28 @@ def test_a_rank_forks_a_tp2_engines_processes_and_keeps_its_process_group(tmp_pa
     assert "Ignore import error" not in done.stdout + done.stderr, done.stderr[-2000:]
     diff = float(done.stdout.split("LOGPROB_DIFF ")[1].split()[0])
     assert diff < 1e-4, done.stdout[-2000:]  # fp32 CPU kernels; observed ~2e-6
+
+
+def test_sglangs_engine_imports_without_the_gpu_kernel_packages_which_import_again_after():
+    """``gpu_kernels_absent``: SGLang's engine module imports on a CPU without flashinfer (its
+    guarded imports take their no-kernel branch), and the package is importable again after the
+    block, as the engine's later imports may need."""
+    code = """
+        import importlib.util, sys
+        import megatron_adapters
+        from hybridflow.rollout.sglang import cpu
+        cpu.apply_cpu_environment(1)
+        with cpu.gpu_kernels_absent():
+            import sglang.srt.entrypoints.engine
+        print("IMPORTED", "flashinfer" in sys.modules, importlib.util.find_spec("flashinfer") is not None)
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.getcwd(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "IMPORTED False True" in done.stdout, done.stdout[-2000:]
