@@ -31,9 +31,11 @@ import psutil
 
 from hfschema.files import write_atomic
 
-__all__ = ["STARTUP_FILE", "mark", "write"]
+__all__ = ["PHASES", "STARTUP_FILE", "mark", "write"]
 
 STARTUP_FILE = Path("logs") / "startup.json"
+PHASES = ("process", "imports", "rendezvous", "session", "warm_up", "models", "engines", "first_push", "first_step")
+"""The marks of a start, in the order they end (``process``: when the worker was created)."""
 
 _marks: list[tuple[str, float]] = [("process", psutil.Process().create_time())]
 
