@@ -152,17 +152,28 @@ class _Progress:
 
     def __init__(self, output_dir: Path) -> None:
         self.output_dir, self.driver_pid = output_dir, None
+        self.seen: dict[int, float] = {}
+        """Steps done -> when the driver recorded it (this start's records that were read)."""
 
     def follow(self, driver_pid: int) -> None:
         """From now on, the start whose rank 0 is ``driver_pid``."""
-        self.driver_pid = driver_pid
+        self.driver_pid, self.seen = driver_pid, {}
 
     def current(self) -> int | None:
         """RL steps completed by the workers of this start, once its RL loop has begun."""
         progress = read_progress(self.output_dir)
         if progress is None or progress.get("pid") != self.driver_pid or progress.get("phase") != "rl":
             return None
-        return int(progress["done"])
+        done = int(progress["done"])
+        self.seen.setdefault(done, float(progress.get("time", 0.0)))
+        return done
+
+    def step_seconds(self) -> float | None:
+        """How long one RL step of this start took, from the two latest records read; None before."""
+        if len(self.seen) < 2:
+            return None
+        (a, t_a), (b, t_b) = sorted(self.seen.items())[-2:]
+        return max(t_b - t_a, 0.0) / (b - a)
 
 
 def _kill_marked(marker: str) -> list[str]:
@@ -287,9 +298,12 @@ class FaultHarness:
 
     def _kill_during(self, step: int, workers: dict[int, psutil.Process], progress: _Progress, child) -> None:
         rank = self.rng.randrange(self.nproc)
-        delay = self.rng.uniform(0.0, self.max_delay_s)
+        fraction = self.rng.random()
         if self._wait_for(lambda: True if (progress.current() or 0) >= step else None, child) is None:
             return
+        # a random part of a step in, at most max_delay_s: a delay longer than a whole step (a fast
+        # machine's: 1 s per step, the delay up to 2 s) let the final step end before the kill
+        delay = fraction * min(self.max_delay_s, progress.step_seconds() or self.max_delay_s / 4)
         time.sleep(delay)
         kill = Kill(
             rank=rank,
