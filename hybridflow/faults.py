@@ -301,9 +301,11 @@ class FaultHarness:
         fraction = self.rng.random()
         if self._wait_for(lambda: True if (progress.current() or 0) >= step else None, child) is None:
             return
-        # a random part of a step in, at most max_delay_s: a delay longer than a whole step (a fast
-        # machine's: 1 s per step, the delay up to 2 s) let the final step end before the kill
-        delay = fraction * min(self.max_delay_s, progress.step_seconds() or self.max_delay_s / 4)
+        # a random point in the first half of the next step, at most max_delay_s in: a flat delay of
+        # up to 2 s outlasted a fast machine's 1 s steps, and the run had ended before the kill
+        # (CI: aimed at the final step, 1.7 s late); half a step leaves the rest of it as margin
+        half_step = (progress.step_seconds() or self.max_delay_s / 2) / 2
+        delay = fraction * min(self.max_delay_s, half_step)
         time.sleep(delay)
         kill = Kill(
             rank=rank,
