@@ -25,7 +25,7 @@ from typing import Any
 
 from hfschema.families import FAMILIES, ConfigKeys
 from hfschema.layout import ConfigError
-from hfschema.model import ModelConfig
+from hfschema.model import ModelConfig, ScoreModelConfig
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
@@ -38,6 +38,7 @@ __all__ = [
     "is_ignored_tensor",
     "read_hf_config",
     "read_model_config",
+    "SCORE_SUFFIX",
     "side_files",
 ]
 
@@ -77,13 +78,32 @@ def read_model_config(directory: str | Path) -> ModelConfig:
     for key, value, why in HF_FIXED[model_type]:
         if keys.get(key, value) != value:
             keys.refuse(key, f"{why}; only {key}={value!r} maps")
+    kind = ScoreModelConfig if _is_score_model(config, where) else ModelConfig
     try:
         fields = HF_CONFIG_READERS[model_type](keys)
-        return ModelConfig(family=model_type, **fields)
+        return kind(family=model_type, **fields)
     except KeyError as error:
         raise ValueError(f"{where}: required key {error.args[0]!r} is missing") from None
     except ConfigError as error:  # a value ModelConfig refuses (e.g. FAMILY_FIXED): name the file
         raise ValueError(f"{where}: {error}") from None
+
+
+SCORE_SUFFIX = "ForSequenceClassification"
+"""transformers' class-name suffix of a model ending in a score head (a reward model)."""
+
+
+def _is_score_model(config: dict[str, Any], where: Path) -> bool:
+    """Whether ``architectures`` names a sequence-classification class; only one label maps (a
+    reward model's single score)."""
+    if not any(str(a).endswith(SCORE_SUFFIX) for a in config.get("architectures") or ()):
+        return False
+    labels = config.get("num_labels", len(config.get("id2label") or {0: None}))
+    if labels != 1:
+        raise ValueError(
+            f"{where}: a sequence-classification model with {labels} labels; a reward model has "
+            "one score (num_labels=1, id2label with one entry)"
+        )
+    return True
 
 
 def side_files(directory: str | Path) -> list[Path]:

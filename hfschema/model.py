@@ -7,6 +7,7 @@ tensor shapes from it, ``megatron_adapters`` builds megatron-core models from it
 and raises ``ConfigError`` with keys relative to itself.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,6 +24,8 @@ __all__ = [
     "ModelConfig",
     "RopeScalingConfig",
     "RouterRule",
+    "ScoreModelConfig",
+    "as_score_model",
 ]
 
 MODEL_FAMILIES = tuple(FAMILIES)
@@ -296,6 +299,13 @@ class ModelConfig:
             )
 
     @property
+    def head(self) -> str:
+        """What the last stage ends in: ``lm`` (a causal LM's vocabulary projection) or ``score``
+        (a one-label sequence-classification head: ``ScoreModelConfig``). Not a config key: the
+        model directory's class says it."""
+        return "lm"
+
+    @property
     def is_moe(self) -> bool:
         """Whether the model has routed experts."""
         return self.num_experts > 0
@@ -311,3 +321,20 @@ class ModelConfig:
         if self.head_dim is not None:
             return self.head_dim
         return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(kw_only=True)
+class ScoreModelConfig(ModelConfig):
+    """The same architecture ending in a one-label score head (``score.weight`` ``[1, H]``), as
+    transformers' ``*ForSequenceClassification`` with ``num_labels=1``: a reward model. Its
+    megatron-core model is the critic's (``megatron_adapters.critic``), always built untied."""
+
+    @property
+    def head(self) -> str:
+        return "score"
+
+
+def as_score_model(model: ModelConfig) -> ScoreModelConfig:
+    """``model``'s architecture under a score head (a reward model trained from a causal LM)."""
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)}
+    return ScoreModelConfig(**fields)

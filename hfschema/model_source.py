@@ -51,23 +51,25 @@ class ModelSource:
     """The directory holding config.json, the tokenizer and the chat template."""
 
 
-def model_source(path: str | Path) -> ModelSource:
-    """The source at ``path``; ValueError naming the file and the fix for anything missing."""
+def model_source(path: str | Path, *, key: str = "model.path") -> ModelSource:
+    """The source at ``path`` (the config key ``key`` names it); ValueError naming the file and
+    the fix for anything missing."""
     directory = Path(path).expanduser()
+    fix = _FIX.replace("model.path", key)
     if not directory.is_dir():
-        raise ValueError(f"model.path={path}: no such directory; {_FIX}")
+        raise ValueError(f"{key}={path}: no such directory; {fix}")
     if (directory / CHECKPOINT_META).is_file():
-        source = ModelSource(kind="mcore", weights=directory, files=_checkpoint_files(directory))
+        source = ModelSource(kind="mcore", weights=directory, files=_checkpoint_files(directory, key))
     elif (directory / "config.json").is_file():
-        _check_weights(directory)
+        _check_weights(directory, key, fix)
         source = ModelSource(kind="hf", weights=directory, files=directory)
     else:
-        raise ValueError(f"model.path={path}: neither config.json nor {CHECKPOINT_META} is there; {_FIX}")
+        raise ValueError(f"{key}={path}: neither config.json nor {CHECKPOINT_META} is there; {fix}")
     _check_tokenizer(source.files)
     return source
 
 
-def _checkpoint_files(directory: Path) -> Path:
+def _checkpoint_files(directory: Path, key: str) -> Path:
     """hf-to-mcore keeps the HF side files in ``hf_files``; a run's checkpoint has ``<run>/model``."""
     beside = directory / SIDE_FILE_DIR
     if (beside / "config.json").is_file():
@@ -76,13 +78,13 @@ def _checkpoint_files(directory: Path) -> Path:
     if directory.resolve().parent.parent.name == "checkpoints" and (run_model / "config.json").is_file():
         return run_model
     raise ValueError(
-        f"model.path={directory}: a megatron checkpoint without {SIDE_FILE_DIR}/config.json "
+        f"{key}={directory}: a megatron checkpoint without {SIDE_FILE_DIR}/config.json "
         "and not inside a run directory; convert the model with `hybridflow convert "
         "hf-to-mcore`, which keeps its config and tokenizer beside the weights"
     )
 
 
-def _check_weights(directory: Path) -> None:
+def _check_weights(directory: Path, key: str, fix: str) -> None:
     index = directory / WEIGHT_INDEX
     if index.is_file():
         try:
@@ -98,7 +100,7 @@ def _check_weights(directory: Path) -> None:
     elif not any(directory.glob("*.safetensors")):
         other = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         hint = f" ({', '.join(other[:3])} are not read: save the model with safe_serialization=True)" if other else ""
-        raise ValueError(f"model.path={directory}: config.json but no *.safetensors weights{hint}; {_FIX}")
+        raise ValueError(f"{key}={directory}: config.json but no *.safetensors weights{hint}; {fix}")
 
 
 def _check_tokenizer(files: Path) -> None:
@@ -144,8 +146,14 @@ def architecture(source: ModelSource, explicit: Mapping[str, Any]) -> dict[str, 
     that the ``model.*`` keys a user set (``explicit``) agree with it: a recipe may restate the
     shape it expects, never a different one."""
     model = read_model_config(source.files)
-    values = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)}
     where = source.files / "config.json"
+    if model.head != "lm":  # a reward model given as the policy: the class of config.json says so
+        raise ValueError(
+            f"model.path={source.weights}: {where} describes a sequence-classification model (a "
+            "score head, a reward model), not a causal LM a policy samples from; set model.path to "
+            "a *ForCausalLM directory and the reward model as reward_model.path"
+        )
+    values = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)}
     for key, value in explicit.items():
         if key not in values:
             continue

@@ -167,6 +167,12 @@ def _q_head(m: ModelConfig) -> int:
 # ------------------------------------------------------------------- tensor groups
 
 
+def _tied_head(m: ModelConfig) -> bool:
+    """The LM head is the word embeddings. A score model's megatron model is built untied
+    whatever config.json says (its head is no copy of the embeddings)."""
+    return m.head == "lm" and m.tie_word_embeddings
+
+
 def _global_tensors() -> tuple[TensorSpec, ...]:
     """Embedding, final norm and LM head (tied: one tensor held by embedding and output layer)."""
     embed_megatron = (
@@ -180,7 +186,7 @@ def _global_tensors() -> tuple[TensorSpec, ...]:
             scope="model",
             megatron=embed_megatron[:1],
             sglang=Placement(param="model.embed_tokens.weight", rule="vocab", axis="attn_tp"),
-            when=lambda m: not m.tie_word_embeddings,
+            when=lambda m: not _tied_head(m),
         ),
         # Tied: megatron keeps a synchronised copy as output_layer.weight on the last stage
         # when pp > 1 (GPTModel.shared_embedding_or_output_weight); SGLang's lm_head is the
@@ -191,7 +197,7 @@ def _global_tensors() -> tuple[TensorSpec, ...]:
             scope="model",
             megatron=embed_megatron,
             sglang=Placement(param="model.embed_tokens.weight", rule="vocab", axis="attn_tp"),
-            when=lambda m: m.tie_word_embeddings,
+            when=_tied_head,
         ),
         TensorSpec(
             hf="model.norm.weight",
@@ -206,7 +212,16 @@ def _global_tensors() -> tuple[TensorSpec, ...]:
             scope="model",
             megatron=(Placement(param="output_layer.weight", rule="vocab", stage="last"),),
             sglang=Placement(param="lm_head.weight", rule="vocab", axis="lm_head"),
-            when=lambda m: not m.tie_word_embeddings,
+            when=lambda m: m.head == "lm" and not m.tie_word_embeddings,
+        ),
+        # A reward model's one-label head: the critic's value head, whole on every TP rank.
+        TensorSpec(
+            hf="score.weight",
+            shape=lambda m: (1, m.hidden_size),
+            scope="model",
+            megatron=(Placement(param="output_layer.weight", rule="replicated", stage="last"),),
+            sglang=Placement(param="score.weight", rule="replicated"),
+            when=lambda m: m.head == "score",
         ),
     )
 

@@ -1,0 +1,128 @@
+"""A reward model: the critic's megatron-core model, read at each sequence's last token.
+
+```
+HF *ForSequenceClassification dir ── read_model_config ──► ScoreModelConfig (head "score")
+   (score.weight [1, H], num_labels=1)      load_hf_weights: the canonical mapping, score.weight ──►
+                                            output_layer.weight (the critic's value head, whole on
+                                            every TP rank), each rank its own slices
+a run.mode=rm checkpoint / hf-to-mcore ──── checkpoint.load (any layout)
+        ids [B, T] ──► values [B, T] (unshifted: t = after reading token t) ──► pool_last ──► [B]
+```
+
+Pooling is transformers': the score of a row is the value at its last token that is not the
+padding id (``pad_token_id`` of the model's config.json), so a reward model trained with
+transformers scores the same sequences the same way here, whatever layout holds it. Training
+(``run.mode=rm``, ``hybridflow.runtime.rm_train``) uses the Bradley-Terry loss below on pairs laid
+out chosen, rejected, chosen, ... so that both rows of a pair sit in one micro-batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hfschema.hf_config import SCORE_SUFFIX, read_hf_config, read_model_config
+from hfschema.model import ScoreModelConfig
+from hfschema.model_source import ModelSource, model_source
+
+from .critic import MegatronCritic
+
+__all__ = [
+    "LAST_KEY",
+    "MegatronRewardModel",
+    "bradley_terry_loss",
+    "last_token_mask",
+    "load_reward_model",
+    "reward_model_source",
+]
+
+LAST_KEY = "last_token"
+"""Batch key of a ``[B, T]`` one-hot marking each row's pooled token (training batches)."""
+
+
+class MegatronRewardModel(MegatronCritic):
+    """A sequence-classification model under any layout: ``forward_scores`` and, trainable,
+    ``train_step`` with ``bradley_terry_loss``."""
+
+    def _scores(self, logits_BS1: torch.Tensor, micro, with_entropy: bool):
+        values_BS = logits_BS1[..., 0].float()  # not shifted: the score reads the whole sequence
+        return values_BS, torch.zeros_like(values_BS)
+
+    def forward_scores(self, batch, pad_id: int | None, *, local_rows: bool = False) -> torch.Tensor:
+        """Score ``[B]`` of each row of ``batch`` (``input_ids`` right-padded with ``pad_id``, or
+        cut at ``lengths`` [B] when the batch has them), on the host."""
+        lengths = batch.get("lengths")
+        inputs = {"input_ids": batch["input_ids"]}
+        values, _ = self.forward_logprobs(inputs, local_rows=local_rows)
+        mask = last_token_mask(batch["input_ids"], pad_id, lengths)
+        return (values * mask).sum(dim=1)
+
+
+def last_token_mask(ids_BT: torch.Tensor, pad_id: int | None, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T]`` one-hot of the token each row is scored at: the last one within ``lengths``
+    (all columns when None) whose id is not ``pad_id``, as transformers' sequence classification
+    pools (its last column when the row is all padding)."""
+    rows, cols = ids_BT.shape
+    positions = torch.arange(cols).expand(rows, cols)
+    real = torch.ones_like(ids_BT, dtype=torch.bool) if pad_id is None else ids_BT != pad_id
+    if lengths is not None:
+        real &= positions < lengths.view(-1, 1)
+    last = torch.where(real, positions, -1).amax(dim=1)
+    last = torch.where(last < 0, cols - 1, last)
+    return F.one_hot(last, cols).float()
+
+
+def bradley_terry_loss(values_BT: torch.Tensor, _unused, micro) -> tuple:
+    """-log sigmoid(r_chosen - r_rejected) summed over the micro-batch's pairs (rows 2i, 2i+1),
+    averaged over pairs by the trainer; metrics: pair accuracy and the mean margin."""
+    scores = (values_BT * micro[LAST_KEY]).sum(dim=1)
+    margin = scores[0::2] - scores[1::2]
+    pairs = torch.tensor(margin.numel(), device=margin.device)
+    metrics = {"accuracy": (margin > 0).float().mean(), "margin": margin.mean(), "weight": pairs}
+    return -F.logsigmoid(margin).sum(), pairs, metrics
+
+
+def reward_model_source(path: str | Path, key: str = "reward_model.path") -> tuple[ModelSource, ScoreModelConfig]:
+    """The reward model at ``path`` and its architecture, checked without torch: a directory
+    whose config.json is not a one-label sequence-classification model, or whose weights lack
+    ``score.weight``, is refused in one line naming the key."""
+    source = model_source(path, key=key)
+    config = read_hf_config(source.files)
+    model = read_model_config(source.files)
+    if model.head != "score":
+        classes = ", ".join(config.get("architectures") or ["none"])
+        raise ValueError(
+            f"{key}={path}: {source.files / 'config.json'} names {classes}, a model without a score "
+            f"head; a reward model is a *{SCORE_SUFFIX} directory with num_labels=1 (or the export "
+            "of `hybridflow train run.mode=rm`)"
+        )
+    if source.kind == "hf":
+        from .safetensors_stream import SafetensorsReader
+
+        reader = SafetensorsReader(source.weights)
+        try:
+            shape = reader.tensors["score.weight"].shape if "score.weight" in reader.tensors else None
+        finally:
+            reader.close()
+        if shape is None or tuple(shape) != (1, model.hidden_size):
+            found = "is missing" if shape is None else f"has shape {list(shape)}"
+            raise ValueError(
+                f"{key}={path}: the score head's tensor score.weight {found} in the safetensors "
+                f"files (a reward model's is [1, {model.hidden_size}]); the weights are not those "
+                "of the sequence-classification model config.json describes"
+            )
+    return source, model  # type: ignore[return-value]
+
+
+def load_reward_model(rm: MegatronRewardModel, source: ModelSource) -> None:
+    """Fill ``rm`` from a checked source (``reward_model_source``): each rank its own slices."""
+    if source.kind == "mcore":
+        from . import checkpoint
+
+        checkpoint.load(rm, source.weights)
+        return
+    from .pretrained import load_hf_weights
+
+    load_hf_weights(rm, source.weights)
