@@ -24,10 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hfschema.hf_config import SIDE_FILE_DIR, WEIGHT_INDEX, read_model_config
+from hfschema.hf_config import SCORE_SUFFIX, SIDE_FILE_DIR, WEIGHT_INDEX, read_hf_config, read_model_config
 from hfschema.model import ModelConfig
 
-__all__ = ["CHECKPOINT_META", "ModelSource", "architecture", "check_padded_vocab", "has_chat_template", "model_source"]
+__all__ = [
+    "CHECKPOINT_META",
+    "ModelSource",
+    "architecture",
+    "check_padded_vocab",
+    "has_chat_template",
+    "model_source",
+    "reward_model_source",
+]
 
 CHECKPOINT_META = "hybridflow.json"
 """The metadata file of every megatron checkpoint the project writes (``checkpoint.META_FILE``)."""
@@ -166,3 +174,40 @@ def architecture(source: ModelSource, explicit: Mapping[str, Any]) -> dict[str, 
                 "model.path sets the architecture"
             )
     return values
+
+
+def reward_model_source(path: str | Path, key: str = "reward_model.path") -> tuple[ModelSource, ModelConfig]:
+    """The reward model at ``path`` and its architecture (a ``ScoreModelConfig``), checked
+    without torch: a directory whose config.json is not a one-label sequence-classification
+    model, or whose weights lack the ``score.weight`` head, is refused in one line naming ``key``."""
+    source = model_source(path, key=key)
+    where = source.files / "config.json"
+    model = read_model_config(source.files)
+    if model.head != "score":
+        classes = ", ".join(read_hf_config(source.files).get("architectures") or ["none"])
+        raise ValueError(
+            f"{key}={path}: {where} names {classes}, a model without a score head; a reward model "
+            f"is a *{SCORE_SUFFIX} directory with num_labels=1 (or the export of "
+            "`hybridflow train run.mode=rm`)"
+        )
+    if source.kind == "hf":
+        shape = _stored_shapes(source.weights).get("score.weight")
+        if shape != [1, model.hidden_size]:
+            found = "is missing" if shape is None else f"has shape {shape}"
+            raise ValueError(
+                f"{key}={path}: the score head's tensor score.weight {found} in the safetensors files "
+                f"(a reward model's is [1, {model.hidden_size}]); they are not the weights of the "
+                f"sequence-classification model {where} describes"
+            )
+    return source, model
+
+
+def _stored_shapes(directory: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from the safetensors files' headers (nothing else is read)."""
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        shapes.update({name: entry["shape"] for name, entry in header.items() if name != "__metadata__"})
+    return shapes

@@ -64,6 +64,8 @@ __all__ = [
     "TaskConfig",
     "RewardConfig",
     "SFTConfig",
+    "RMConfig",
+    "RewardModelConfig",
     "enabled_roles",
     "load_config",
     "to_yaml",
@@ -268,7 +270,9 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Metrics tracking."""
     mode: str = "rl"
-    """rl: SFT warm-up (if sft.steps > 0) then the algorithm; sft: SFT only."""
+    """rl: SFT warm-up (if sft.steps > 0) then the algorithm; sft: SFT only; rm: train a
+    reward model on preference pairs (the ``rm`` section; after the SFT warm-up, if any, whose
+    model it starts from) and export it for ``reward_model.path``."""
     steps: int = 20
     """RL steps (one generation + update each)."""
     prompts_per_step: int = 16
@@ -306,7 +310,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("{p}name must not be empty")
-        check_choice("mode", self.mode, ("rl", "sft"))
+        check_choice("mode", self.mode, ("rl", "sft", "rm"))
         check_choice("resume", self.resume, ("auto", "never"))
         check_choice("resume_fallback", self.resume_fallback, ("previous", "stop"))
         check_choice("on_nan", self.on_nan, ("stop", "skip"))
@@ -804,6 +808,68 @@ class SFTConfig:
 
 
 @dataclass(kw_only=True)
+class RMConfig:
+    """Reward-model training (``run.mode=rm``): a Bradley-Terry loss on preference pairs, the
+    model the actor's architecture under a one-label score head, on the actor's layout."""
+
+    steps: int = 200
+    """Optimizer steps."""
+    lr: float = 1e-3
+    """Learning rate (constant)."""
+    batch_size: int = 32
+    """Preference pairs per step."""
+    chosen_key: str = "chosen"
+    """Column of the preferred response: text, or a chat ending in the assistant's turn (whose
+    earlier turns are the prompt)."""
+    rejected_key: str = "rejected"
+    """Column of the other response, in the same form."""
+    heldout_pairs: int = 200
+    """Held-out pairs (``data.heldout_files``, or the task's held-out split) whose accuracy is
+    measured before and after training; 0 = none."""
+
+    def __post_init__(self) -> None:
+        check_positive(self, ("steps", "lr", "batch_size"))
+        check_non_negative(self, ("heldout_pairs",))
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig:
+    """A frozen reward model scoring the rollouts (a node of the graph, placed on the actor's
+    GPUs under the actor's layout), its score mixed with the rule-based reward."""
+
+    path: Optional[str] = None
+    """A Hugging Face ``*ForSequenceClassification`` directory (num_labels=1), a
+    ``hybridflow convert hf-to-mcore`` checkpoint of one, or a ``run.mode=rm`` export; None: no
+    reward model."""
+    weight: float = 1.0
+    """Weight of the reward model's score in a sample's reward."""
+    rule_weight: float = 0.0
+    """Weight of ``reward.function``'s score beside it (0: the reward model alone, and the rule
+    is not called)."""
+    source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per ``data_source``: ``{model: w, rule: w}`` in place of weight and rule_weight for its
+    rows (a mix of verifiable math and open-ended chat gives each its own)."""
+    offload: bool = False
+    """Keep the reward model's parameters on the host between its uses (its GPU memory is free
+    for generation and training; each use copies them in)."""
+
+    def __post_init__(self) -> None:
+        for source, weights in self.source_weights.items():
+            unknown = sorted(set(weights) - {"model", "rule"})
+            if unknown:
+                raise ConfigError(
+                    "{p}source_weights[{s}] has {u}; each source takes model and rule weights only",
+                    s=source,
+                    u=unknown[0],
+                )
+
+    def weights(self, source: str | None) -> tuple[float, float]:
+        """(model, rule) weights of a row from ``source``."""
+        given = self.source_weights.get(source or "", {})
+        return given.get("model", self.weight), given.get("rule", self.rule_weight)
+
+
+@dataclass(kw_only=True)
 class AgenticConfig:
     """Multi-turn rollouts with tools (``hybridflow/agentic``): each sample is a trajectory of
     policy turns and tool answers, trained on the policy's own tokens only."""
@@ -885,6 +951,10 @@ class HybridflowConfig:
     """Reward function."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm-up / SFT mode."""
+    rm: RMConfig = field(default_factory=RMConfig)
+    """Reward-model training (``run.mode=rm``)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model scoring rollouts (off unless ``reward_model.path`` is set)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """MoE RL stability: routing replay, router statistics, router freezing and losses."""
     packing: PackingConfig = field(default_factory=PackingConfig)

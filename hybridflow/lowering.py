@@ -51,11 +51,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hfschema.model import ModelConfig
 from hybridflow.config import HybridflowConfig, enabled_roles
 from hybridflow.graph import DRIVER, Graph, Node
 from hybridflow.memory import MemoryEstimate, engine_keeps_weights, pool_memory
+from hybridflow.model_size import count_parameters
 
 if TYPE_CHECKING:
     from hybridflow.algorithms.recipes import AlgorithmSpec
@@ -63,6 +66,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ExecutionPlan",
+    "FrozenModel",
+    "frozen_models",
     "Placement",
     "ResourcePool",
     "Stage",
@@ -80,7 +85,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COLOCATED, ACTOR_POOL, ROLLOUT_POOL = "colocated", "actor", "rollout"
-MODEL_ROLES = ("actor", "reference", "critic")
+MODEL_ROLES = ("actor", "reference", "critic", "reward_model")
 CPU_ROLES = ("reward", DRIVER)
 GENERATE_OPS = ("generate", "generate_greedy")
 SYNC_OP = "sync_weights"
@@ -195,10 +200,10 @@ def _check_fits(cfg: HybridflowConfig, role: str, pool: str, pool_size: int) -> 
 def place(cfg: HybridflowConfig) -> Placement:
     """Pools and roles from ``cfg.rollout.placement``; ValueError naming the key that does
     not fit (see the module docstring for the rules)."""
-    models = tuple(enabled_roles(cfg))
+    models = tuple(enabled_roles(cfg)) + (("reward_model",) if cfg.reward_model.path else ())
     world = cfg.actor.parallel.world_size
     colocated = cfg.rollout.placement == COLOCATED
-    for role in models:
+    for role in enabled_roles(cfg):
         _check_fits(cfg, role, COLOCATED if colocated else ACTOR_POOL, world)
     per_node, ranks = cfg.rollout.gpus_per_node, cfg.rollout.num_ranks
     if colocated:
@@ -217,6 +222,75 @@ def place(cfg: HybridflowConfig) -> Placement:
         (role, layout.world_size) for role, layout in enabled_roles(cfg).items() if layout.world_size < world
     )
     return Placement(mode=cfg.rollout.placement, pools=pools, rollout_ranks=ranks, role_ranks=smaller)
+
+
+# ----------------------------------------------------------------------- frozen models
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrozenModel:
+    """A model the graph calls without training it: the reference policy, a reward model."""
+
+    role: str
+    """Its graph role: reference or reward_model."""
+    model: ModelConfig
+    """Its architecture (a reward model's, from its directory's config.json)."""
+    source: str
+    """Where its weights come from, in words."""
+    layout: str
+    """The layout it runs under, as a line."""
+    offload: bool = False
+    """On the host between its uses (its memory free for generation and training)."""
+
+    def describe(self) -> str:
+        """``reward_model: qwen3 score head, 0.6B parameters, from DIR; megatron ...; resident``."""
+        head = "score head" if self.model.head == "score" else "LM head"
+        params = count_parameters(self.model)["total"]
+        where = "on the host between uses" if self.offload else "resident"
+        what = f"{self.model.family} ({head}, {_count_text(params)} parameters)"
+        return f"{self.role}: {what} from {self.source}; {self.layout}; {where}"
+
+
+def _count_text(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
+    """The frozen models ``cfg`` runs. A reward model's architecture is read from its
+    directory's config.json; one not there yet (a recipe planned before the download) is taken
+    to be the actor's under a score head, with a warning."""
+    out = []
+    layout = f"megatron {cfg.actor.parallel.describe()} (the actor's)"
+    if cfg.reference.enabled:
+        source = "the actor's starting weights (the SFT warm-up's, or model.path)"
+        out.append(FrozenModel(role="reference", model=cfg.model.architecture, source=source, layout=layout))
+    if cfg.reward_model.path:
+        out.append(
+            FrozenModel(
+                role="reward_model",
+                model=_reward_model_architecture(cfg),
+                source=cfg.reward_model.path,
+                layout=layout,
+                offload=cfg.reward_model.offload,
+            )
+        )
+    return tuple(out)
+
+
+def _reward_model_architecture(cfg: HybridflowConfig) -> ModelConfig:
+    from hfschema.model import as_score_model
+    from hfschema.model_source import reward_model_source
+
+    path = Path(cfg.reward_model.path).expanduser()
+    if not path.exists():
+        logger.warning(
+            "reward_model.path=%s does not exist here: planned as the actor's architecture under a score head", path
+        )
+        return as_score_model(cfg.model.architecture)
+    return reward_model_source(path)[1]  # refused in one line when it is no reward model
 
 
 # ----------------------------------------------------------------------- stages
@@ -254,6 +328,7 @@ def _engine_text(cfg: HybridflowConfig) -> str:
 
 def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
     layouts = {role: f"megatron {layout.describe()}" for role, layout in enabled_roles(cfg).items()}
+    layouts["reward_model"] = f"megatron {cfg.actor.parallel.describe()}"
     layouts["rollout"] = _engine_text(cfg)
     for role in CPU_ROLES:
         layouts[role] = "CPU, on each of its ranks"
@@ -453,6 +528,8 @@ class ExecutionPlan:
     """Every sync_weights node with the reshard plan's statistics."""
     memory: tuple[MemoryEstimate, ...]
     """Per-GPU memory of each pool, per phase."""
+    frozen: tuple[FrozenModel, ...] = ()
+    """The models the graph calls without training them (reference, reward model)."""
 
     @property
     def start_mode(self) -> str | None:
@@ -476,6 +553,9 @@ class ExecutionPlan:
         ]
         lines += [f"  {line}" for line in self.graph.to_text().splitlines()]
         lines += self.placement.describe()
+        if self.frozen:
+            lines.append("frozen models:")
+            lines += [f"  {model.describe()}" for model in self.frozen]
         lines.append("stages:")
         for i, stage in enumerate(self.stages, 1):
             lines += [f"  {line}" for line in stage.describe(i)]
@@ -495,8 +575,11 @@ def lower(cfg: HybridflowConfig, *, with_reshard: bool = True, device_memory_gib
     spec = algorithm_spec(cfg)
     placement = place(cfg)
     graph.validate(placement.roles)  # every node's role has a pool
+    frozen = frozen_models(cfg)
+    architectures = {m.role: m.model for m in frozen if m.role != "reference"}  # the reference is the actor's
     memory = tuple(
-        pool_memory(cfg, pool.roles, pool=pool.name, device_memory_gib=device_memory_gib) for pool in placement.pools
+        pool_memory(cfg, pool.roles, pool=pool.name, device_memory_gib=device_memory_gib, frozen=architectures)
+        for pool in placement.pools
     )
     for estimate in memory:
         if not estimate.fits:
@@ -508,4 +591,5 @@ def lower(cfg: HybridflowConfig, *, with_reshard: bool = True, device_memory_gib
         stages=_stages(cfg, placement, graph),
         weight_syncs=_weight_syncs(cfg, graph, with_reshard),
         memory=memory,
+        frozen=frozen,
     )

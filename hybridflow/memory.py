@@ -63,7 +63,7 @@ estimate errs high.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -250,6 +250,15 @@ def _head_rows(cfg: HybridflowConfig, role: str) -> int:
     return 1 if role == "critic" else getattr(cfg, role).parallel.padded_vocab_size(cfg.model)
 
 
+def frozen_param_bytes(model: ModelConfig, layout: ParallelLayout) -> int:
+    """bf16 parameters of a frozen model (a reward model, a teacher) at its heaviest pipeline
+    stage under ``layout``: it has no grads or optimizer state, and its forward holds one layer
+    at a time (as the reference's)."""
+    rows = 1 if model.head == "score" else layout.padded_vocab_size(model)
+    stages = [_stage_params(model, layout, s, head_rows=rows) for s in range(layout.pp)]
+    return max(p.dense + p.experts for p in stages) * TRAIN_PARAM_BYTES
+
+
 def _adapter_params(cfg: HybridflowConfig, layout: ParallelLayout, stage: int) -> _RankParams:
     """LoRA adapter parameters one rank of pipeline stage ``stage`` holds."""
     dense = experts = 0
@@ -428,8 +437,10 @@ def pool_memory(
     pool: str,
     device_memory_gib: float = 80.0,
     full_recompute: bool = True,
+    frozen: Mapping[str, ModelConfig] | None = None,
 ) -> MemoryEstimate:
-    """Per-GPU memory of a pool holding ``roles`` (actor, reference, critic, rollout).
+    """Per-GPU memory of a pool holding ``roles`` (actor, reference, critic, rollout, and the
+    frozen models of ``frozen``: role -> its architecture, under the actor's layout).
 
     Phases: ``generation`` if the rollout engines are on the pool, ``training`` if a model
     role is; a colocated pool has both (see the module docstring for what each holds).
@@ -441,12 +452,20 @@ def pool_memory(
         components.update(parts)
         if getattr(cfg, role).parallel.pp > 1:
             notes.append(f"{role}: pipeline stage {stage} (the heaviest)")
+    offloaded = set()
+    for role, model in (frozen or {}).items():
+        if role in roles:
+            models.append(role)
+            components[f"{role} params"] = frozen_param_bytes(model, cfg.actor.parallel)
+            if cfg.reward_model.offload and role == "reward_model":
+                offloaded.add(f"{role} params")
+                notes.append(f"{role}: on the host between uses (reward_model.offload)")
     if models and "actor" in models:
         notes.append("activations with full recomputation" if full_recompute else "activations without recomputation")
     phases: dict[str, dict[str, int]] = {}
     if "rollout" in roles:
         # what the switch to generation leaves (hybridflow.lowering.switch): every role's params
-        resident = {k: v for k, v in components.items() if k.endswith(" params")}
+        resident = {k: v for k, v in components.items() if k.endswith(" params") and k not in offloaded}
         phases[GENERATION] = {**engine_components(cfg), **resident}
     if models:
         kept = engine_components(cfg) if "rollout" in roles and engine_keeps_weights(cfg) else {}

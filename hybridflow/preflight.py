@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from hfschema.model_source import check_padded_vocab, has_chat_template, model_source
+from hfschema.model_source import check_padded_vocab, has_chat_template, model_source, reward_model_source
 from hybridflow.agentic.engine import check_agentic
 from hybridflow.config import HybridflowConfig, to_yaml
 from hybridflow.data import preview_files, sft_key
@@ -335,6 +335,32 @@ def check_model_weights(
         )
 
 
+def check_frozen_models(cfg: HybridflowConfig, *, must_exist: bool = True, command: str = "train") -> None:
+    """A reward model that is not one (no score head, several labels), or whose shape the actor's
+    layout cannot split, is refused in one line before any rank starts."""
+    path = cfg.reward_model.path
+    if not path:
+        return
+    if not must_exist and not os.path.exists(os.path.expanduser(path)):
+        _say(
+            command,
+            f"reward_model.path={path} does not exist here; the job fails unless it does on the nodes",
+            warning=True,
+        )
+        return
+    _, model = reward_model_source(path)
+    cfg.actor.parallel.check_model(model, prefix="actor.parallel (the reward model's layout)")
+
+
+def check_rm_mode(cfg: HybridflowConfig) -> None:
+    """``run.mode=rm`` with preference files has no prompt rows for an SFT warm-up."""
+    if cfg.run.mode == "rm" and cfg.data.train_files and cfg.sft.steps:
+        raise ValueError(
+            f"run.mode=rm with data.train_files: the files hold preference pairs, and sft.steps={cfg.sft.steps} "
+            "needs prompt rows with SFT targets; set sft.steps=0 (the reward model starts from model.path)"
+        )
+
+
 def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
     """What the rollout engine refuses on this machine, said before the SFT warm-up instead of
     at the engine's start after it."""
@@ -424,7 +450,10 @@ def preflight(
     check_reward(cfg.reward)
     check_agentic(cfg)
     check_model_weights(cfg, on_cluster=command == "slurm" or _has_gpu(), must_exist=model_must_exist, command=command)
-    check_data(cfg, command=command)
+    check_frozen_models(cfg, must_exist=model_must_exist, command=command)
+    check_rm_mode(cfg)
+    if not (cfg.run.mode == "rm" and cfg.data.train_files):  # preference pairs: no prompt rows to preview
+        check_data(cfg, command=command)
     check_output_dir(cfg, room=model_must_exist)  # a dry run's script for a model not downloaded yet
     if command != "slurm":  # this machine runs the ranks (a Slurm login node may have no GPU)
         import torch

@@ -61,12 +61,15 @@ def load_pretrained(policy, source: ModelSource, *, buffer_bytes: int = DEFAULT_
     return load_hf_weights(policy, source.weights, buffer_bytes=buffer_bytes)
 
 
-def load_hf_weights(policy, directory, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> LoadReport:
-    """Copy this rank's boxes of every HF tensor in ``directory`` into ``policy``."""
+def load_hf_weights(
+    policy, directory, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES, skip: tuple[str, ...] = ()
+) -> LoadReport:
+    """Copy this rank's boxes of every HF tensor in ``directory`` into ``policy``, but those
+    named in ``skip`` (a reward model's fresh score head over a causal LM's body)."""
     started = time.perf_counter()
     rank = dist.get_rank() if dist.is_initialized() else 0
     layout = megatron_layout(policy.model_config, policy.layout, dtype="float32")
-    held = layout.holdings(rank).holdings
+    held = [h for h in layout.holdings(rank).holdings if h.tensor not in skip]
     params = global_named_parameters(policy, merge_adapters=False)
     reader = SafetensorsReader(directory)
     # one block reused for every read: freed and re-allocated blocks would stay in the allocator

@@ -18,14 +18,10 @@ out chosen, rejected, chosen, ... so that both rows of a pair sit in one micro-b
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from hfschema.hf_config import SCORE_SUFFIX, read_hf_config, read_model_config
-from hfschema.model import ScoreModelConfig
-from hfschema.model_source import ModelSource, model_source
+from hfschema.model_source import ModelSource
 
 from .critic import MegatronCritic
 
@@ -35,10 +31,9 @@ __all__ = [
     "bradley_terry_loss",
     "last_token_mask",
     "load_reward_model",
-    "reward_model_source",
 ]
 
-LAST_KEY = "last_token"
+LAST_KEY = "last_token_mask"
 """Batch key of a ``[B, T]`` one-hot marking each row's pooled token (training batches)."""
 
 
@@ -84,40 +79,9 @@ def bradley_terry_loss(values_BT: torch.Tensor, _unused, micro) -> tuple:
     return -F.logsigmoid(margin).sum(), pairs, metrics
 
 
-def reward_model_source(path: str | Path, key: str = "reward_model.path") -> tuple[ModelSource, ScoreModelConfig]:
-    """The reward model at ``path`` and its architecture, checked without torch: a directory
-    whose config.json is not a one-label sequence-classification model, or whose weights lack
-    ``score.weight``, is refused in one line naming the key."""
-    source = model_source(path, key=key)
-    config = read_hf_config(source.files)
-    model = read_model_config(source.files)
-    if model.head != "score":
-        classes = ", ".join(config.get("architectures") or ["none"])
-        raise ValueError(
-            f"{key}={path}: {source.files / 'config.json'} names {classes}, a model without a score "
-            f"head; a reward model is a *{SCORE_SUFFIX} directory with num_labels=1 (or the export "
-            "of `hybridflow train run.mode=rm`)"
-        )
-    if source.kind == "hf":
-        from .safetensors_stream import SafetensorsReader
-
-        reader = SafetensorsReader(source.weights)
-        try:
-            shape = reader.tensors["score.weight"].shape if "score.weight" in reader.tensors else None
-        finally:
-            reader.close()
-        if shape is None or tuple(shape) != (1, model.hidden_size):
-            found = "is missing" if shape is None else f"has shape {list(shape)}"
-            raise ValueError(
-                f"{key}={path}: the score head's tensor score.weight {found} in the safetensors "
-                f"files (a reward model's is [1, {model.hidden_size}]); the weights are not those "
-                "of the sequence-classification model config.json describes"
-            )
-    return source, model  # type: ignore[return-value]
-
-
 def load_reward_model(rm: MegatronRewardModel, source: ModelSource) -> None:
-    """Fill ``rm`` from a checked source (``reward_model_source``): each rank its own slices."""
+    """Fill ``rm`` from a checked source (``hfschema.model_source.reward_model_source``): each
+    rank reads its own slices."""
     if source.kind == "mcore":
         from . import checkpoint
 

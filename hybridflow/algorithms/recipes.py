@@ -519,8 +519,10 @@ def _cispo(cfg: HybridflowConfig) -> AlgorithmSpec:
 
 
 def placed_roles(cfg: HybridflowConfig) -> frozenset[str]:
-    """Roles this config runs: the enabled model roles, and rollout, reward and driver."""
-    return frozenset(enabled_roles(cfg)) | {"rollout", "reward", DRIVER}
+    """Roles this config runs: the enabled model roles (a reward model's with
+    ``reward_model.path``), and rollout, reward and driver."""
+    frozen = {"reward_model"} if cfg.reward_model.path else set()
+    return frozenset(enabled_roles(cfg)) | frozen | {"rollout", "reward", DRIVER}
 
 
 def check_roles(cfg: HybridflowConfig, spec: AlgorithmSpec) -> None:
@@ -648,8 +650,38 @@ def build_graph(cfg: HybridflowConfig) -> Graph:
     graph = with_staleness_weights(
         graph, downweights=cfg.async_rl.mode != "sync" and cfg.async_rl.on_stale == "downweight"
     )
+    graph = with_reward_model(graph, scored=bool(cfg.reward_model.path))
     graph.validate(placed_roles(cfg))
     return graph
+
+
+def with_reward_model(graph: Graph, *, scored: bool) -> Graph:
+    """``reward_model.path`` set: before each ``reward`` node an ``rm_score`` node (the frozen
+    reward model, on the actor's layout) scores the same responses, and the reward node mixes
+    its scores with the rule's (``reward_model.weight`` / ``rule_weight`` / ``source_weights``)."""
+    if not scored:
+        return graph
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        if node.op == "reward":
+            responses, scores = node.option("responses_field"), node.option("scores_field")
+            field = f"model_{scores}"
+            nodes.append(
+                Node(
+                    name=node.name.replace("reward", "rm_score"),
+                    role="reward_model",
+                    op="rm_score",
+                    inputs=(responses,),
+                    outputs=(field,),
+                    options={"responses_field": responses, "scores_field": field},
+                    doc="the frozen reward model's score of each response",
+                )
+            )
+            node = dataclasses.replace(
+                node, inputs=(*node.inputs, field), options=(*node.options, ("model_scores_field", field))
+            )
+        nodes.append(node)
+    return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
 def with_staleness_weights(graph: Graph, *, downweights: bool) -> Graph:

@@ -87,6 +87,9 @@ class Rollout:
     """Decoded responses of this rank's rows."""
     answers: list[Any]
     """Reference answer of each of this rank's rows' prompts."""
+    prompts: list[Any]
+    """The prompt of each of this rank's rows as its data row has it (text or chat): a reward
+    model with another tokenizer renders prompt and response in its own template."""
     sources: list[Any]
     """``data_source`` of each of this rank's rows' prompts."""
     extra_infos: list[Any]
@@ -139,6 +142,7 @@ class Rollout:
             batch={k: v[pick] for k, v in self.batch.items()},
             texts=[self.texts[i] for i in picked],
             answers=[self.answers[i] for i in picked],
+            prompts=[self.prompts[i] for i in picked],
             sources=[self.sources[i] for i in picked],
             extra_infos=[self.extra_infos[i] for i in picked],
             rows=mine,
@@ -228,6 +232,7 @@ def as_rollout(
         batch=batch,
         texts=texts,
         answers=[r.answer for r in rows],
+        prompts=[r.prompt for r in rows],
         sources=[r.data_source for r in rows],
         extra_infos=[r.extra.get("extra_info") for r in rows],
         rows=torch.tensor(out.positions, dtype=torch.long),
@@ -254,16 +259,31 @@ def _empty_batch(pad_id: int, metas) -> dict[str, torch.Tensor]:
     return {k: v[:0] for k, v in pack_batch([dummy], pad_id=pad_id).items()}
 
 
-def score(s: Session, ro: Rollout) -> tuple[torch.Tensor, int]:
+def score(s: Session, ro: Rollout, model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """[N] rewards of every sample, on every rank, and the reward calls that raised (scored 0)
     over every rank: each DP rank's leader scores its own rows (in parallel; errors logged
-    there), and only the scores are shared."""
+    there), and only the scores are shared. With a reward model's ``model_scores`` [N], a row's
+    reward is model weight x its score + rule weight x the rule's (``reward_model.weights``:
+    by data_source), and the rule is not called for rows whose rule weight is 0."""
     shard = s.run.shard
     local = torch.zeros(len(ro.texts), dtype=torch.float32)
     errors = 0
     if shard.leader and ro.texts:
-        scores, failures = score_responses(ro.texts, ro.answers, ro.sources, s.cfg.reward, ro.extra_infos)
-        local, errors = torch.tensor(scores, dtype=torch.float32), len(failures)
+        if model_scores is None:
+            weights = torch.tensor([[0.0, 1.0]] * len(ro.texts))
+        else:
+            weights = torch.tensor([s.cfg.reward_model.weights(source) for source in ro.sources])
+        ruled = weights[:, 1].nonzero().flatten().tolist()
+        rule = torch.zeros(len(ro.texts), dtype=torch.float32)
+        if ruled:
+            pick = lambda xs: [xs[i] for i in ruled]  # noqa: E731
+            scores, failures = score_responses(
+                pick(ro.texts), pick(ro.answers), pick(ro.sources), s.cfg.reward, pick(ro.extra_infos)
+            )
+            rule[ruled], errors = torch.tensor(scores, dtype=torch.float32), len(failures)
+        local = weights[:, 1] * rule
+        if model_scores is not None:
+            local += weights[:, 0] * model_scores[ro.rows].float()
     return shard.gather(ro.rows, local, ro.total), int(shard.sum(torch.tensor([errors]))[0])
 
 
@@ -333,8 +353,26 @@ def generate_greedy(s: Session, node, f: Inputs, step: Step) -> Produced:
 @op("reward")
 def reward(s: Session, node, f: Inputs, step: Step) -> Produced:
     source, target = node.option("responses_field"), node.option("scores_field")
-    scores, errors = score(s, f[source])
+    model = dict(node.options).get("model_scores_field")  # a reward model's scores, to mix in
+    scores, errors = score(s, f[source], None if model is None else f[model])
     return Produced({target: scores}, reward_errors=errors)
+
+
+@op("rm_score")
+def rm_score(s: Session, node, f: Inputs, step: Step) -> Produced:
+    """The frozen reward model's score [N] of every sample (each DP rank scores its own rows
+    under the actor's layout; the scores are shared), in the reward model's tokens."""
+    from hybridflow.runtime import frozen
+
+    ro, rm = f[node.option("responses_field")], s.models.reward_model
+    with frozen.on_device(rm):
+        ids, lengths = rm.tokens(ro)
+        inputs, rows = _padded(s, {"input_ids": ids, "lengths": lengths})
+        local = rm.model.forward_scores(inputs, rm.pad_id, local_rows=True)[:rows]
+    scores = s.run.shard.gather(ro.rows, local.float(), ro.total)
+    name = node.option("scores_field")
+    metrics = {f"{name}/mean": float(scores.mean()), f"{name}/std": float(scores.std())} if ro.total > 1 else {}
+    return Produced({name: scores}, metrics)
 
 
 @op("filter_groups")
@@ -378,6 +416,7 @@ def _concat(parts: list[Rollout]) -> Rollout:
         batch={k: torch.cat(v) for k, v in batch.items()},
         texts=sum((p.texts for p in parts), []),
         answers=sum((p.answers for p in parts), []),
+        prompts=sum((p.prompts for p in parts), []),
         sources=sum((p.sources for p in parts), []),
         extra_infos=sum((p.extra_infos for p in parts), []),
         rows=torch.cat([p.rows + o for p, o in zip(parts, offsets)]),

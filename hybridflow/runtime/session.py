@@ -326,6 +326,8 @@ class Models:
     reference: ModelRole | None = None
     critic: ModelRole | None = None
     """The critic also has ``forward_values`` (``megatron_adapters.critic.MegatronCritic``)."""
+    reward_model: Any = None
+    """The frozen reward model (``runtime.frozen.RewardModel``) with ``reward_model.path``."""
 
     def updates_per_step(self) -> int:
         """Optimizer updates one RL step makes (every trained role, every epoch and mini-batch)."""

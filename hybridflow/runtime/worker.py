@@ -239,6 +239,10 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
             skipped = _copy_weights(s.models.actor, s.models.critic)
             if any(not name.startswith("output_layer.") for name in skipped):
                 raise AssertionError(f"the critic differs from the actor beyond its value head: {skipped}")
+    if s.cfg.reward_model.path:
+        from hybridflow.runtime.frozen import build_reward_model
+
+        s.models.reward_model = build_reward_model(s.cfg, s.models.pg, s.data.tokenizer)
     if s.models.spec.uses_reference:
         s.models.reference = build_policy(s.cfg, s.cfg.train, s.models.pg, trainable=False)
         if (sft / "actor").is_dir():
@@ -387,7 +391,10 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
 
     train, heldout, model_dir = prepare_files(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts, held, skipped = load_prompts(cfg, tokenizer, train, heldout)
+    if cfg.run.mode == "rm" and cfg.data.train_files:  # preference pairs, read by runtime.rm_train
+        prompts, held, skipped = [], [], {}
+    else:
+        prompts, held, skipped = load_prompts(cfg, tokenizer, train, heldout)
     state = run_state.read_state(resume_from) if resume_from else run_state.RunState()
     rank = dist.get_rank()
     run = RunContext(
@@ -542,6 +549,14 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         startup_clock.mark("warm_up")
         if cfg.run.mode == "sft":
             summary = _finish(s, None)
+            _stop_engines(s, in_order=True)
+            return summary
+        if cfg.run.mode == "rm":
+            from hybridflow.runtime.rm_train import train_reward_model
+
+            sft_export = run_state.sft_checkpoint(out_dir) / run_state.HF_EXPORT
+            summary = train_reward_model(s, sft_export if s.run.state.sft_done and sft_export.is_dir() else None)
+            s.run.tracker.close()
             _stop_engines(s, in_order=True)
             return summary
         with out_of_memory_hint(cfg, "building the actor and the engine"):

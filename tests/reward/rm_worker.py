@@ -27,7 +27,8 @@ from worker import layout_for  # noqa: E402
 from hfschema.hf_config import SIDE_FILE_DIR, read_hf_config  # noqa: E402
 from hfschema.train import TrainConfig  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
-from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model, reward_model_source  # noqa: E402
+from hfschema.model_source import reward_model_source  # noqa: E402
+from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model  # noqa: E402
 
 
 def _weights(folder, names):

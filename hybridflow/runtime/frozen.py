@@ -1,0 +1,125 @@
+"""Frozen models the graph calls without training them: the reward model (``reward_model.path``).
+
+```
+reward_model.path ── reward_model_source (checked: a score head) ──► MegatronRewardModel under the
+                     actor's layout and process groups, each rank reading its own slices
+rollout rows ── tokens(): the policy's ids as they are when the reward model's tokenizer and chat
+                template are the policy's; else prompt (as its data row has it) + response text
+                rendered in the reward model's own template ──► ids [b, T], lengths [b]
+on_device(): with reward_model.offload the parameters live on the host and come to the device
+             for each use
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hfschema.hf_config import read_hf_config
+
+__all__ = ["RewardModel", "build_reward_model", "on_device"]
+
+
+@dataclass
+class RewardModel:
+    """A loaded reward model and how rollout rows become its input."""
+
+    model: Any
+    """``megatron_adapters.reward_model.MegatronRewardModel``."""
+    pad_id: int | None
+    """Its config.json's ``pad_token_id``: the pooled token is the last one that is not padding."""
+    tokenizer: Any | None
+    """Its own tokenizer when it differs from the policy's (texts are rendered again); None:
+    the policy's token ids serve as they are."""
+    end_id: int | None = None
+    """The token it expects after a response (its chat's end of turn, else end of text)."""
+    use_chat: bool = True
+    """Whether its tokenizer has a chat template to render the prompt in."""
+    offload: bool = False
+    """Parameters on the host between uses."""
+
+    def tokens(self, ro) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` [b, T] (right-padded) and lengths [b] of this rank's rows of rollout ``ro``."""
+        if self.tokenizer is None:
+            ids = ro.batch["input_ids"]
+            return ids, ro.batch["attention_mask"].sum(dim=1).long()
+        from hybridflow.data import _as_encodable
+        from hybridflow.rollout.tokens import encode_prompts
+
+        rows = []
+        for prompt, text in zip(ro.prompts, ro.texts):
+            (prompt_ids,) = encode_prompts(self.tokenizer, [_as_encodable(prompt, self.use_chat)])
+            rows.append(list(prompt_ids) + self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.end_id])
+        width = max((len(r) for r in rows), default=1)
+        pad = self.pad_id if self.pad_id is not None else 0
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+        return ids, torch.tensor([len(r) for r in rows], dtype=torch.long)
+
+
+def _same_tokens(theirs, ours) -> bool:
+    """Whether two tokenizers map text to the same ids in the same chat template."""
+    return theirs.get_vocab() == ours.get_vocab() and getattr(theirs, "chat_template", None) == getattr(
+        ours, "chat_template", None
+    )
+
+
+def build_reward_model(cfg, pg, policy_tokenizer) -> RewardModel:
+    """``reward_model.path`` under the actor's layout (every rank of it), loaded and frozen."""
+    from transformers import AutoTokenizer
+
+    from hfschema.model_source import reward_model_source
+    from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
+
+    source, architecture = reward_model_source(cfg.reward_model.path)
+    model = MegatronRewardModel(
+        architecture,
+        cfg.actor.parallel,
+        cfg.train,
+        pg_collection=pg,
+        trainable=False,
+        packing_config=cfg.packing,
+        initialize=False,
+    )
+    load_reward_model(model, source)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.files))
+    own = not _same_tokens(tokenizer, policy_tokenizer)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>") if chat else tokenizer.eos_token_id
+    rm = RewardModel(
+        model=model,
+        pad_id=read_hf_config(source.files).get("pad_token_id"),
+        tokenizer=tokenizer if own else None,
+        end_id=end,
+        use_chat=chat,
+        offload=cfg.reward_model.offload,
+    )
+    if rm.offload:
+        _move(model, torch.device("cpu"))
+    return rm
+
+
+def _move(model, device: torch.device) -> None:
+    for chunk in model.chunks:
+        for tensor in [*chunk.parameters(), *chunk.buffers()]:
+            tensor.data = tensor.data.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def on_device(rm: RewardModel) -> Iterator[None]:
+    """The reward model's parameters on its device for the block (moved in and back out when
+    offloaded; on a CPU-only rank both are the host and nothing moves)."""
+    if not rm.offload:
+        yield
+        return
+    _move(rm.model, rm.model.device)
+    try:
+        yield
+    finally:
+        _move(rm.model, torch.device("cpu"))

@@ -1,0 +1,217 @@
+"""Reward models without a process group: pooling, the Bradley-Terry loss, preference rows in
+the layouts users bring, the mix with rule rewards, re-rendering for another tokenizer, the graph
+and plan a reward model adds, and the one-line refusals of what is not a reward model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hfschema.hf_config import read_model_config
+from hfschema.model_source import architecture, model_source, reward_model_source
+from hybridflow.config import load_config
+from hybridflow.data import _BadRow, write_jsonl, write_parquet
+from hybridflow.lowering import lower
+from hybridflow.preferences import encode_pair, read_pairs
+from hybridflow.rollout.tiny import make_tiny_model_dir, make_tiny_tokenizer
+from hybridflow.rollout.tokens import encode_prompts
+from hybridflow.runtime.frozen import RewardModel
+from hybridflow.runtime.ops import Rollout, score
+from hybridflow.runtime.shares import single_process
+from megatron_adapters.reward_model import LAST_KEY, bradley_terry_loss, last_token_mask
+
+QUICKSTART = "configs/quickstart_cpu.yaml"
+
+
+# ---------------------------------------------------------------- pooling and loss
+
+
+def test_the_pooled_token_is_the_last_real_one_as_transformers_pools():
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 0, 6, 0, 0], [0, 0, 0, 0, 0]])
+    mask = last_token_mask(ids, pad_id=0)
+    assert mask.argmax(dim=1).tolist() == [2, 2, 4]  # all padding: the last column (transformers' -1)
+    # lengths cut a row whatever follows (a concatenated batch pads with zeros that are real ids)
+    cut = last_token_mask(torch.tensor([[5, 6, 7, 8, 9]]), pad_id=None, lengths=torch.tensor([3]))
+    assert cut.argmax(dim=1).tolist() == [2]
+
+
+def test_bradley_terry_loss_is_minus_log_sigmoid_of_the_margin():
+    values = torch.tensor([[0.0, 2.0], [0.0, 1.0], [0.0, -1.0], [0.0, 0.5]])
+    last = torch.tensor([[0.0, 1.0]] * 4)
+    loss, pairs, metrics = bradley_terry_loss(values, None, {LAST_KEY: last})
+    expected = -math.log(1 / (1 + math.exp(-1.0))) - math.log(1 / (1 + math.exp(1.5)))
+    assert int(pairs) == 2 and loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["accuracy"].item() == 0.5 and metrics["margin"].item() == pytest.approx(-0.25)
+
+
+# ---------------------------------------------------------------- preference rows
+
+
+def _data_cfg(tmp_path, **overrides):
+    return load_config(QUICKSTART, [f"run.output_dir={tmp_path}", *[f"{k}={v}" for k, v in overrides.items()]]).data
+
+
+def test_preference_rows_in_the_layouts_users_bring(tmp_path):
+    verl = tmp_path / "verl.parquet"  # verl / OpenRLHF: prompt text, chosen and rejected texts
+    write_parquet(verl, [{"prompt": "max(3,7)=", "chosen": "7", "rejected": "3", "data_source": "max"}])
+    hf = tmp_path / "ultrafeedback.jsonl"  # HF binarized sets: the prompt turns inside each chat
+    chat = [{"role": "user", "content": "Say hi"}]
+    write_jsonl(
+        hf,
+        [
+            {
+                "prompt": "Say hi",
+                "chosen": chat + [{"role": "assistant", "content": "Hi!"}],
+                "rejected": chat + [{"role": "assistant", "content": "No."}],
+            }
+        ],
+    )
+    hh = tmp_path / "hh.jsonl"  # hh-rlhf: whole dialogues as text, no prompt column
+    write_jsonl(hh, [{"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go"}])
+    pairs = read_pairs([str(verl), str(hf), str(hh)], _data_cfg(tmp_path), chosen_key="chosen", rejected_key="rejected")
+    assert [(p.prompt, p.chosen, p.rejected, p.data_source) for p in pairs] == [
+        ("max(3,7)=", "7", "3", "max"),
+        (chat, "Hi!", "No.", None),
+        (None, "\n\nHuman: hi\n\nAssistant: hello", "\n\nHuman: hi\n\nAssistant: go", None),
+    ]
+    tokenizer = make_tiny_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    chosen, rejected = encode_pair(pairs[1], tokenizer, _data_cfg(tmp_path), end, use_chat=True)
+    (prompt,) = encode_prompts(tokenizer, [chat])
+    assert chosen == list(prompt) + tokenizer("Hi!", add_special_tokens=False)["input_ids"] + [end]
+    assert rejected[: len(prompt)] == list(prompt) and rejected[-1] == end
+
+
+def test_bad_preference_rows_name_file_and_row(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    write_jsonl(
+        path,
+        [
+            {"prompt": "q", "chosen": "a"},  # no rejected
+            {
+                "chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "user", "content": "y"}, {"role": "assistant", "content": "b"}],
+            },
+            {"prompt": "q", "chosen": "a", "rejected": "b"},
+        ],
+    )
+    cfg = _data_cfg(tmp_path)
+    pairs = read_pairs([str(path)], cfg, chosen_key="chosen", rejected_key="rejected")
+    assert [p.uid for p in pairs] == [f"{path}:3"]
+    strict = _data_cfg(tmp_path, **{"data.on_bad_row": "fail"})
+    with pytest.raises(ValueError, match=r"pairs.jsonl line 1 \(1-based\): no column 'rejected'"):
+        read_pairs([str(path)], strict, chosen_key="chosen", rejected_key="rejected")
+    write_jsonl(path, [{"prompt": "q", "chosen": "a", "rejected": "b"}])
+    with pytest.raises(_BadRow, match="more than data.max_prompt_length"):
+        encode_pair(
+            pairs[0],
+            make_tiny_tokenizer(),
+            _data_cfg(tmp_path, **{"data.max_prompt_length": 2, "data.max_response_length": 1}),
+            1,
+            True,
+        )
+
+
+# ---------------------------------------------------------------- the mix and the tokens
+
+
+def _rollout(texts, sources, answers, batch=None) -> Rollout:
+    n = len(texts)
+    return Rollout(
+        batch=batch or {},
+        texts=texts,
+        answers=answers,
+        prompts=["max(3,7)="] * n,
+        sources=sources,
+        extra_infos=[None] * n,
+        rows=torch.arange(n),
+        groups=torch.zeros(n, dtype=torch.long),
+        lengths=torch.ones(n, dtype=torch.long),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        seconds=0.0,
+    )
+
+
+def test_rewards_mix_model_and_rule_by_data_source(tmp_path):
+    cfg = load_config(
+        QUICKSTART,
+        [
+            f"run.output_dir={tmp_path}",
+            "reward_model.path=unused",
+            "reward_model.weight=0.5",
+            "reward_model.source_weights={max: {model: 0.0, rule: 1.0}}",
+        ],
+    )
+    session = SimpleNamespace(run=SimpleNamespace(shard=single_process()), cfg=cfg)
+    ro = _rollout(["7", "3", "whatever"], ["max", "max", "chat"], [7, 7, None])
+    scores, errors = score(session, ro, torch.tensor([9.0, 9.0, 4.0]))
+    # max rows: the rule alone (right, wrong); the chat row: 0.5 x its model score, no rule call
+    assert scores.tolist() == [1.0, 0.0, 2.0] and errors == 0
+
+
+def test_a_reward_model_with_its_own_tokenizer_reads_prompt_and_response_in_its_template():
+    theirs = make_tiny_tokenizer(300)
+    rm = RewardModel(model=None, pad_id=0, tokenizer=theirs, end_id=theirs.convert_tokens_to_ids("<|im_end|>"))
+    ids, lengths = rm.tokens(_rollout(["7", "10"], ["max", "max"], [7, 7]))
+    (prompt,) = encode_prompts(theirs, [[{"role": "user", "content": "max(3,7)="}]])
+    first = list(prompt) + theirs("7", add_special_tokens=False)["input_ids"] + [rm.end_id]
+    assert ids[0, : lengths[0]].tolist() == first and int(lengths[1]) > int(lengths[0])
+    assert (ids[0, lengths[0] :] == 0).all()  # right-padded with its pad id
+
+
+# ---------------------------------------------------------------- directories and the plan
+
+
+def _reward_dir(tmp_path: Path) -> Path:
+    from tests.reward.rm_models import make_rm_dir
+
+    return make_rm_dir(tmp_path, "qwen3")
+
+
+def test_what_is_not_a_reward_model_is_refused_in_one_line(tmp_path):
+    causal = make_tiny_model_dir(tmp_path / "causal", "qwen3")
+    with pytest.raises(ValueError, match=r"names Qwen3ForCausalLM, a model without a score head") as e:
+        reward_model_source(causal)
+    assert "\n" not in str(e.value)
+    rm = _reward_dir(tmp_path)
+    config = json.loads((rm / "config.json").read_text())
+    two = tmp_path / "two_labels"
+    two.mkdir()
+    for f in rm.iterdir():
+        (two / f.name).write_bytes(f.read_bytes())
+    (two / "config.json").write_text(json.dumps({**config, "id2label": {"0": "a", "1": "b"}, "num_labels": 2}))
+    with pytest.raises(ValueError, match="with 2 labels; a reward model has one score"):
+        reward_model_source(two)
+    headless = tmp_path / "headless"  # a seq-cls config.json over a causal LM's weights
+    headless.mkdir()
+    for f in causal.iterdir():
+        (headless / f.name).write_bytes(f.read_bytes())
+    (headless / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="score.weight is missing in the safetensors files"):
+        reward_model_source(headless)
+    with pytest.raises(ValueError, match="not a causal LM a policy samples from; .* reward_model.path"):
+        architecture(model_source(rm), {})
+    assert read_model_config(rm).head == "score"
+
+
+def test_plan_prints_the_reward_model_node_its_placement_and_memory(tmp_path):
+    rm = _reward_dir(tmp_path)
+    cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"reward_model.path={rm}"])
+    text = "\n".join(lower(cfg, with_reshard=False).describe())
+    assert "rm_score [reward_model] rm_score: responses -> model_scores" in text
+    assert "reward [reward] reward: responses, answers, model_scores -> scores" in text
+    assert "reward_model: qwen3 (score head" in text and f"from {rm}" in text and "resident" in text
+    memory = lower(cfg, with_reshard=False).memory[0]
+    assert memory.phases["training"]["reward_model params"] > 0
+    assert memory.phases["generation"]["reward_model params"] > 0
+    off = load_config(
+        QUICKSTART, [f"run.output_dir={tmp_path}", f"reward_model.path={rm}", "reward_model.offload=true"]
+    )
+    plan = lower(off, with_reshard=False)
+    assert "reward_model params" not in plan.memory[0].phases["generation"]
+    assert "on the host between uses" in "\n".join(plan.describe())
