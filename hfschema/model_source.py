@@ -35,6 +35,7 @@ __all__ = [
     "has_chat_template",
     "model_source",
     "reward_model_source",
+    "teacher_source",
 ]
 
 CHECKPOINT_META = "hybridflow.json"
@@ -211,3 +212,25 @@ def _stored_shapes(directory: Path) -> dict[str, list[int]]:
             header = json.loads(f.read(size))
         shapes.update({name: entry["shape"] for name, entry in header.items() if name != "__metadata__"})
     return shapes
+
+
+def teacher_source(
+    path: str | Path, vocab_size: int, key: str = "distillation.teacher_path"
+) -> tuple[ModelSource, ModelConfig]:
+    """The distillation teacher at ``path`` and its architecture, checked without torch: a model
+    without an LM head, or with another vocabulary than the student's ``vocab_size`` (the
+    log-probs are compared token by token), is refused in one line naming ``key``."""
+    source = model_source(path, key=key)
+    model = read_model_config(source.files)
+    if model.head != "lm":
+        raise ValueError(
+            f"{key}={path}: {source.files / 'config.json'} describes a sequence-classification model; "
+            "a teacher is a causal LM whose log-probs the student matches"
+        )
+    if model.vocab_size != vocab_size:
+        raise ValueError(
+            f"{key}={path}: the teacher's vocabulary has {model.vocab_size} tokens, the student's "
+            f"{vocab_size}; on-policy distillation compares their log-probs token by token, so the "
+            "teacher must share the student's tokenizer"
+        )
+    return source, model

@@ -66,6 +66,7 @@ __all__ = [
     "SFTConfig",
     "RMConfig",
     "RewardModelConfig",
+    "DistillationConfig",
     "enabled_roles",
     "load_config",
     "to_yaml",
@@ -870,6 +871,24 @@ class RewardModelConfig:
 
 
 @dataclass(kw_only=True)
+class DistillationConfig:
+    """On-policy distillation (slime's OPD, Thinking Machines' on-policy distillation): a frozen
+    teacher's log-probs of the student's own sampled tokens; each response token's advantage
+    loses ``coef`` x (log p_student - log p_teacher), the per-token reverse-KL estimate, after the
+    algorithm's estimator. With every sample's reward equal (a group-normalised estimator then
+    gives 0), the teacher alone trains the student."""
+
+    teacher_path: Optional[str] = None
+    """The teacher: a Hugging Face causal LM directory or a converted checkpoint, with the
+    student's tokenizer (the same vocabulary); None: no distillation."""
+    coef: float = 1.0
+    """Weight of the reverse-KL term in each token's advantage."""
+
+    def __post_init__(self) -> None:
+        check_positive(self, ("coef",))
+
+
+@dataclass(kw_only=True)
 class AgenticConfig:
     """Multi-turn rollouts with tools (``hybridflow/agentic``): each sample is a trajectory of
     policy turns and tool answers, trained on the policy's own tokens only."""
@@ -955,6 +974,8 @@ class HybridflowConfig:
     """Reward-model training (``run.mode=rm``)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A reward model scoring rollouts (off unless ``reward_model.path`` is set)."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from a teacher (off unless ``distillation.teacher_path`` is set)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """MoE RL stability: routing replay, router statistics, router freezing and losses."""
     packing: PackingConfig = field(default_factory=PackingConfig)

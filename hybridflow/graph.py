@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 __all__ = ["DRIVER", "Edge", "Graph", "GraphError", "Node", "ROLES", "ROLE_SWITCHES"]
 
 DRIVER = "driver"
-ROLES = ("actor", "reference", "critic", "reward_model", "rollout", "reward", DRIVER)
+ROLES = ("actor", "reference", "critic", "reward_model", "teacher", "rollout", "reward", DRIVER)
 """Where a node runs. ``driver`` is CPU-side bookkeeping that every rank does for itself."""
 
 ROLE_SWITCHES = {
@@ -39,6 +39,7 @@ ROLE_SWITCHES = {
     "reference": "set reference.enabled=true (it takes the actor's layout)",
     "critic": "set critic.enabled=true or leave it unset (it takes the actor's layout)",
     "reward_model": "set reward_model.path (it takes the actor's layout)",
+    "teacher": "set distillation.teacher_path (it takes the actor's layout)",
     "rollout": "configure the rollout section",
     "reward": "configure the reward section",
     DRIVER: "the driver runs on every rank",

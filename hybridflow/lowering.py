@@ -85,7 +85,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COLOCATED, ACTOR_POOL, ROLLOUT_POOL = "colocated", "actor", "rollout"
-MODEL_ROLES = ("actor", "reference", "critic", "reward_model")
+MODEL_ROLES = ("actor", "reference", "critic", "reward_model", "teacher")
 CPU_ROLES = ("reward", DRIVER)
 GENERATE_OPS = ("generate", "generate_greedy")
 SYNC_OP = "sync_weights"
@@ -200,7 +200,10 @@ def _check_fits(cfg: HybridflowConfig, role: str, pool: str, pool_size: int) -> 
 def place(cfg: HybridflowConfig) -> Placement:
     """Pools and roles from ``cfg.rollout.placement``; ValueError naming the key that does
     not fit (see the module docstring for the rules)."""
-    models = tuple(enabled_roles(cfg)) + (("reward_model",) if cfg.reward_model.path else ())
+    frozen = (("reward_model",) if cfg.reward_model.path else ()) + (
+        ("teacher",) if cfg.distillation.teacher_path else ()
+    )
+    models = tuple(enabled_roles(cfg)) + frozen
     world = cfg.actor.parallel.world_size
     colocated = cfg.rollout.placement == COLOCATED
     for role in enabled_roles(cfg):
@@ -277,7 +280,26 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
                 offload=cfg.reward_model.offload,
             )
         )
+    if cfg.distillation.teacher_path:
+        out.append(
+            FrozenModel(
+                role="teacher",
+                model=_teacher_architecture(cfg),
+                source=cfg.distillation.teacher_path,
+                layout=layout,
+            )
+        )
     return tuple(out)
+
+
+def _teacher_architecture(cfg: HybridflowConfig) -> ModelConfig:
+    from hfschema.model_source import teacher_source
+
+    path = Path(cfg.distillation.teacher_path).expanduser()
+    if not path.exists():
+        logger.warning("distillation.teacher_path=%s does not exist here: planned as the actor's architecture", path)
+        return cfg.model.architecture
+    return teacher_source(path, cfg.model.vocab_size)[1]  # refused in one line when it cannot teach
 
 
 def _reward_model_architecture(cfg: HybridflowConfig) -> ModelConfig:
@@ -328,7 +350,7 @@ def _engine_text(cfg: HybridflowConfig) -> str:
 
 def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
     layouts = {role: f"megatron {layout.describe()}" for role, layout in enabled_roles(cfg).items()}
-    layouts["reward_model"] = f"megatron {cfg.actor.parallel.describe()}"
+    layouts["reward_model"] = layouts["teacher"] = f"megatron {cfg.actor.parallel.describe()}"
     layouts["rollout"] = _engine_text(cfg)
     for role in CPU_ROLES:
         layouts[role] = "CPU, on each of its ranks"

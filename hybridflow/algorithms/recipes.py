@@ -522,6 +522,7 @@ def placed_roles(cfg: HybridflowConfig) -> frozenset[str]:
     """Roles this config runs: the enabled model roles (a reward model's with
     ``reward_model.path``), and rollout, reward and driver."""
     frozen = {"reward_model"} if cfg.reward_model.path else set()
+    frozen |= {"teacher"} if cfg.distillation.teacher_path else set()
     return frozenset(enabled_roles(cfg)) | frozen | {"rollout", "reward", DRIVER}
 
 
@@ -651,8 +652,37 @@ def build_graph(cfg: HybridflowConfig) -> Graph:
         graph, downweights=cfg.async_rl.mode != "sync" and cfg.async_rl.on_stale == "downweight"
     )
     graph = with_reward_model(graph, scored=bool(cfg.reward_model.path))
+    graph = with_distillation(graph, coef=cfg.distillation.coef if cfg.distillation.teacher_path else None)
     graph.validate(placed_roles(cfg))
     return graph
+
+
+def with_distillation(graph: Graph, *, coef: float | None) -> Graph:
+    """``distillation.teacher_path`` set: a ``teacher_logprob`` node (the frozen teacher, on the
+    actor's layout) scores the responses the actor scores, and ``advantages`` subtracts ``coef``
+    x (old log-prob - teacher log-prob) from each response token's advantage."""
+    if coef is None:
+        return graph
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        if node.op == "old_logprob":
+            nodes.append(
+                Node(
+                    name="teacher_logprob",
+                    role="teacher",
+                    op="teacher_logprob",
+                    inputs=tuple(f for f in node.inputs if f in ("responses", "kept")),
+                    outputs=("teacher_logprobs",),
+                    doc="log-probs of the responses under the frozen teacher",
+                )
+            )
+        if node.op == "advantages":
+            reads = tuple(f for f in ("old_logprobs", "teacher_logprobs") if f not in node.inputs)
+            node = dataclasses.replace(
+                node, inputs=(*node.inputs, *reads), options=(*node.options, ("distill_coef", coef))
+            )
+        nodes.append(node)
+    return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
 def with_reward_model(graph: Graph, *, scored: bool) -> Graph:

@@ -22,7 +22,7 @@ import torch
 
 from hfschema.hf_config import read_hf_config
 
-__all__ = ["RewardModel", "build_reward_model", "on_device"]
+__all__ = ["RewardModel", "build_reward_model", "build_teacher", "on_device"]
 
 
 @dataclass
@@ -103,6 +103,35 @@ def build_reward_model(cfg, pg, policy_tokenizer) -> RewardModel:
     if rm.offload:
         _move(model, torch.device("cpu"))
     return rm
+
+
+def build_teacher(cfg, pg, policy_tokenizer):
+    """``distillation.teacher_path`` as a frozen policy under the actor's layout, loaded; its
+    tokenizer must map text as the student's does (its log-probs are read at the student's ids)."""
+    from transformers import AutoTokenizer
+
+    from hfschema.model_source import teacher_source
+    from megatron_adapters.policy import MegatronPolicy
+    from megatron_adapters.pretrained import load_pretrained
+
+    key = "distillation.teacher_path"
+    source, architecture = teacher_source(cfg.distillation.teacher_path, cfg.model.vocab_size, key=key)
+    if AutoTokenizer.from_pretrained(str(source.files)).get_vocab() != policy_tokenizer.get_vocab():
+        raise ValueError(
+            f"{key}={cfg.distillation.teacher_path}: the teacher's tokenizer maps tokens to other ids than "
+            "the student's; on-policy distillation needs the student's tokenizer"
+        )
+    teacher = MegatronPolicy(
+        architecture,
+        cfg.actor.parallel,
+        cfg.train,
+        pg_collection=pg,
+        trainable=False,
+        packing_config=cfg.packing,
+        initialize=False,
+    )
+    load_pretrained(teacher, source)
+    return teacher
 
 
 def _move(model, device: torch.device) -> None:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
 from hybridflow.runtime import gates, startup_clock, stops, switches
-from hybridflow.runtime.ops import OPS, NonFiniteStep, heldout_reward
+from hybridflow.runtime.ops import OPS, NonFiniteStep, heldout_reward, heldout_teacher_kl
 from hybridflow.runtime.progress import write_progress
 from hybridflow.runtime.recovery import METRIC as RESTARTS
 from hybridflow.runtime.session import Session
@@ -123,11 +123,16 @@ def _skip(s: Session, error: NonFiniteStep, undo: StepUndo) -> dict[str, float]:
     return {"actor/skipped_step": 1.0, "actor/rolled_back": float(undone)}
 
 
-def heldout(s: Session) -> float | None:
+def heldout(s: Session, step: int) -> float | None:
     """The held-out score with the engines' current weights (None: no held-out prompts); its
-    reward errors join the run's count."""
+    reward errors join the run's count. With a distillation teacher, the held-out KL to it is
+    recorded too (``state.heldout_teacher_kl``, ``heldout/teacher_kl``)."""
     reward, errors = heldout_reward(s)
     s.run.state.reward_errors += errors
+    kl = heldout_teacher_kl(s)
+    if kl is not None:
+        s.run.state.heldout_teacher_kl.append((step, kl))
+        s.run.tracker.log_metrics({"heldout/teacher_kl": kl}, step=step)
     return reward
 
 
@@ -161,7 +166,7 @@ def train_rl(s: Session, plan, *, save) -> bool:
         metrics.update(gates.apply(cfg.checks, metrics, step))  # before this step's checkpoint
         done = step + 1
         if cfg.run.heldout_every and done % cfg.run.heldout_every == 0 and done < cfg.run.steps:
-            reward = heldout(s)
+            reward = heldout(s, done)
             metrics["heldout/reward"] = reward
             state.heldout.append((done, reward))
         state.reward_errors += int(metrics.get("reward/errors", 0))

@@ -46,6 +46,7 @@ __all__ = [
     "as_rollout",
     "engine_prompts",
     "heldout_reward",
+    "heldout_teacher_kl",
     "kept_rollout",
     "kept_scores",
     "sampling",
@@ -527,6 +528,21 @@ def ref_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
     return Produced({"ref_logprobs": logp})
 
 
+@op("teacher_logprob")
+def teacher_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
+    logp, _ = _logprobs(s, s.models.teacher, kept_rollout(node, f), with_entropy=False)
+    return Produced({"teacher_logprobs": logp})
+
+
+def reverse_kl(s: Session, ro: Rollout, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per-token log p_student - log p_teacher ``[b, R]`` of the sampled tokens (0 off the
+    response) and its mean over every rank's response tokens."""
+    mask_BR = _response_view(ro, ro.batch["response_mask"]).float()
+    kl_BR = _response_view(ro, student - teacher) * mask_BR
+    total, count = s.run.shard.sum(torch.tensor([float(kl_BR.sum()), float(mask_BR.sum())], dtype=torch.float64))
+    return kl_BR, float(total / max(count, 1.0))
+
+
 @op("values")
 def values(s: Session, node, f: Inputs, step: Step) -> Produced:
     ro = kept_rollout(node, f)
@@ -594,13 +610,18 @@ def advantages(s: Session, node, f: Inputs, step: Step) -> Produced:
     adv_BR, ret_BR = estimator(
         f["token_rewards"], mask_BR, index=ro.index, cfg=cfg, values=values_BR, baseline=baseline, split=s.run.shard
     )
+    metrics = {}
+    coef = dict(node.options).get("distill_coef")
+    if coef is not None:  # on-policy distillation: each token's advantage loses coef x its reverse KL
+        kl_BR, metrics["distill/reverse_kl"] = reverse_kl(s, ro, f["old_logprobs"], f["teacher_logprobs"])
+        adv_BR = adv_BR - coef * kl_BR.to(adv_BR.dtype)
     weights = f["staleness_weights"] if "staleness_weights" in node.inputs else None
     if weights is not None:  # async_rl.on_stale=downweight: a scaled advantage scales the policy loss
         adv_BR = adv_BR * weights[ro.rows][:, None]
     length = ro.batch["input_ids"].shape[1]
     lengths = ro.batch["prompt_lengths"]
     fields = {"advantages": from_response(adv_BR, lengths, length), "returns": from_response(ret_BR, lengths, length)}
-    return Produced(fields)
+    return Produced(fields, metrics)
 
 
 # --------------------------------------------------------------------------- updates
@@ -793,3 +814,19 @@ def heldout_reward(s: Session) -> tuple[float | None, int]:
     ro, _ = rollout(s, s.data.heldout_prompts, sampling(s.cfg, s.data.stop_ids, greedy=True), 0)
     scores, errors = score(s, ro)
     return float(scores.mean()), errors
+
+
+def heldout_teacher_kl(s: Session) -> float | None:
+    """KL(student || teacher) per response token on the held-out prompts (None without a
+    teacher): rollout.n responses sampled from the student at temperature 1 (the engine's current
+    weights), log p_student - log p_teacher of each sampled token averaged, the Monte-Carlo
+    estimate that is unbiased for samples drawn from the student."""
+    if s.models.teacher is None or not s.data.heldout_prompts:
+        return None
+    switches.enter(s, "generate")
+    params = replace(sampling(s.cfg, s.data.stop_ids), temperature=1.0, top_p=1.0, top_k=-1)
+    ro, _ = rollout(s, s.data.heldout_prompts, params, step_seed(s.cfg.run.seed, -1))
+    switches.enter(s, "train")
+    student, _ = _logprobs(s, s.models.actor, ro, with_entropy=False)
+    teacher, _ = _logprobs(s, s.models.teacher, ro, with_entropy=False)
+    return reverse_kl(s, ro, student, teacher)[1]

@@ -328,6 +328,8 @@ class Models:
     """The critic also has ``forward_values`` (``megatron_adapters.critic.MegatronCritic``)."""
     reward_model: Any = None
     """The frozen reward model (``runtime.frozen.RewardModel``) with ``reward_model.path``."""
+    teacher: ModelRole | None = None
+    """The frozen distillation teacher with ``distillation.teacher_path``."""
 
     def updates_per_step(self) -> int:
         """Optimizer updates one RL step makes (every trained role, every epoch and mini-batch)."""

