@@ -91,11 +91,14 @@ class Node:
         pairs = self.options.items() if isinstance(self.options, Mapping) else self.options
         object.__setattr__(self, "options", tuple((str(k), v) for k, v in pairs))
 
-    def option(self, key: str) -> Any:
-        """The value of option ``key``; KeyError naming the options the node has."""
+    def option(self, key: str, default: Any = KeyError) -> Any:
+        """The value of option ``key``; ``default`` when the node has none, given one (options a
+        graph transform adds to some graphs only), else KeyError naming the options it has."""
         for name, value in self.options:
             if name == key:
                 return value
+        if default is not KeyError:
+            return default
         have = ", ".join(name for name, _ in self.options) or "none"
         raise KeyError(f"node {self.name!r} has no option {key!r}; it has: {have}")
 

@@ -31,6 +31,8 @@ Placement rules:
   role's ``parallel`` keys otherwise). The actor fills its pool by construction; a reference
   or critic with a smaller layout runs on the pool's first ``world_size`` ranks, and the
   other ranks skip its nodes.
+- Frozen models (``reward_model``, ``teacher``) run on the actor's pool under the actor's layout;
+  ``frozen_models`` describes them (a reward model's architecture is read from its directory).
 - ``reward`` and ``driver`` run on the CPU of every rank of the actor's pool.
 
 Colocation switches (3D-HybridEngine). On a colocated pool each GPU node needs one of three

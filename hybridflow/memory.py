@@ -46,6 +46,9 @@ Formulas (bytes per GPU; ``T = micro_batch_size * (max_prompt_length + max_respo
   and optimizer state for the adapters only (column layers: A whole, B / tp; row layers: A / tp,
   B whole; routed experts' adapters / (ep * etp)).
 - reference: bf16 parameters only (its forward holds one layer at a time).
+- frozen models (a reward model, a distillation teacher): bf16 parameters of their own
+  architecture under the actor's layout, a score head's one row or the padded vocabulary; with
+  ``reward_model.offload`` the reward model's are on the host in generation.
 - rollout engine rank, weights in ``rollout.dtype``: attention / attn_tp (attn_tp = tp /
   dp_size with DP attention; MLA down-projections replicated), embedding / attn_tp, LM head,
   dense MLP and shared experts / tp, routed experts / (ep * moe_tp), everything on every rank

@@ -354,7 +354,7 @@ def generate_greedy(s: Session, node, f: Inputs, step: Step) -> Produced:
 @op("reward")
 def reward(s: Session, node, f: Inputs, step: Step) -> Produced:
     source, target = node.option("responses_field"), node.option("scores_field")
-    model = dict(node.options).get("model_scores_field")  # a reward model's scores, to mix in
+    model = node.option("model_scores_field", None)  # a reward model's scores, to mix in
     scores, errors = score(s, f[source], None if model is None else f[model])
     return Produced({target: scores}, reward_errors=errors)
 
@@ -611,7 +611,7 @@ def advantages(s: Session, node, f: Inputs, step: Step) -> Produced:
         f["token_rewards"], mask_BR, index=ro.index, cfg=cfg, values=values_BR, baseline=baseline, split=s.run.shard
     )
     metrics = {}
-    coef = dict(node.options).get("distill_coef")
+    coef = node.option("distill_coef", None)
     if coef is not None:  # on-policy distillation: each token's advantage loses coef x its reverse KL
         kl_BR, metrics["distill/reverse_kl"] = reverse_kl(s, ro, f["old_logprobs"], f["teacher_logprobs"])
         adv_BR = adv_BR - coef * kl_BR.to(adv_BR.dtype)

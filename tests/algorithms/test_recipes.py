@@ -471,7 +471,12 @@ def test_ops_take_their_settings_from_the_graph_they_run():
     reads = _options_each_op_reads()
     written: dict[str, set[str]] = {op: set() for op in reads}
     for name in algorithm_names():
-        for extra in ((), ("moe.routing_replay=r2",), ("algorithm.kl_reward_coef=0.01", "reference.enabled=true")):
+        for extra in (
+            (),
+            ("moe.routing_replay=r2",),
+            ("algorithm.kl_reward_coef=0.01", "reference.enabled=true"),
+            ("reward_model.path=rm", "distillation.teacher_path=teacher"),
+        ):
             for node in _graph(name, *extra).nodes:
                 keys = {key for key, _ in node.options}
                 assert keys <= reads[node.op], (name, node.name, keys - reads[node.op])

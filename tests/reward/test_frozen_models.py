@@ -173,6 +173,7 @@ def _reward_dir(tmp_path: Path) -> Path:
     return make_rm_dir(tmp_path, "qwen3")
 
 
+@pytest.mark.claim("reward-model-errors")
 def test_what_is_not_a_reward_model_is_refused_in_one_line(tmp_path):
     causal = make_tiny_model_dir(tmp_path / "causal", "qwen3")
     with pytest.raises(ValueError, match=r"names Qwen3ForCausalLM, a model without a score head") as e:
@@ -199,6 +200,7 @@ def test_what_is_not_a_reward_model_is_refused_in_one_line(tmp_path):
     assert read_model_config(rm).head == "score"
 
 
+@pytest.mark.claim("frozen-models-in-plan")
 def test_plan_prints_the_reward_model_node_its_placement_and_memory(tmp_path):
     rm = _reward_dir(tmp_path)
     cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"reward_model.path={rm}"])
@@ -220,6 +222,7 @@ def test_plan_prints_the_reward_model_node_its_placement_and_memory(tmp_path):
 # ---------------------------------------------------------------- the distillation teacher
 
 
+@pytest.mark.claim("teacher-errors")
 def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):
     from hfschema.model_source import teacher_source
 
@@ -236,6 +239,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):
         lower(cfg, with_reshard=False)
 
 
+@pytest.mark.claim("frozen-models-in-plan")
 def test_plan_prints_the_teacher_node_and_the_advantages_it_feeds(tmp_path):
     teacher = make_tiny_model_dir(tmp_path / "teacher", "qwen3_moe")
     cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"distillation.teacher_path={teacher}"])
