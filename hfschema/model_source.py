@@ -36,6 +36,7 @@ __all__ = [
     "model_source",
     "reward_model_source",
     "teacher_source",
+    "judge_source",
 ]
 
 CHECKPOINT_META = "hybridflow.json"
@@ -233,4 +234,21 @@ def teacher_source(
             f"{vocab_size}; on-policy distillation compares their log-probs token by token, so the "
             "teacher must share the student's tokenizer"
         )
+    return source, model
+
+
+def judge_source(path: str | Path, tp: int, key: str = "judge.path") -> tuple[ModelSource, ModelConfig]:
+    """The generative judge at ``path`` and its architecture: a causal LM (a Hugging Face
+    directory its engine reads) whose attention heads split over ``tp``; one line naming ``key``
+    otherwise."""
+    source = model_source(path, key=key)
+    model = read_model_config(source.files)
+    if source.kind != "hf":
+        raise ValueError(f"{key}={path}: a judge's engine reads a Hugging Face directory; convert it with mcore-to-hf")
+    if model.head != "lm":
+        raise ValueError(
+            f"{key}={path}: a sequence-classification model cannot answer a judging prompt; set reward_model.path"
+        )
+    if model.num_attention_heads % tp:
+        raise ValueError(f"{key}={path}: judge.tp={tp} does not divide its {model.num_attention_heads} attention heads")
     return source, model

@@ -67,7 +67,9 @@ __all__ = [
     "RMConfig",
     "RewardModelConfig",
     "DistillationConfig",
+    "JudgeConfig",
     "enabled_roles",
+    "reward_weights",
     "load_config",
     "to_yaml",
 ]
@@ -770,6 +772,13 @@ class RewardConfig:
     """Extra keyword arguments of the reward function."""
     on_error: str = "zero"
     """A reward function that raises: zero (reward 0, logged with the sample) or fail."""
+    rule_weight: Optional[float] = None
+    """Weight of ``function``'s score in a sample's reward; None: 1, or 0 when a reward model or a
+    judge scores the samples (set it to mix the rule with them; 0: the rule is not called)."""
+    source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per ``data_source``: ``{rule: w, model: w, judge: w}`` in place of ``rule_weight``,
+    ``reward_model.weight`` and ``judge.weight`` for its rows (a mix of verifiable math and
+    open-ended chat gives each its own)."""
     math_equivalence: str = "verl"
     """How ``auto`` scores rows of verl's math data sources (openai/gsm8k, lighteval/MATH, math_dapo,
     aime*): verl (their own checks, as verl scores them: comparable reward curves) or math_verify
@@ -777,6 +786,14 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         check_choice("on_error", self.on_error, ("zero", "fail"))
+        for source, weights in self.source_weights.items():
+            unknown = sorted(set(weights) - {"rule", "model", "judge"})
+            if unknown:
+                raise ConfigError(
+                    "{p}source_weights[{s}] has {u}; a source weighs rule, model and judge only",
+                    s=source,
+                    u=unknown[0],
+                )
         check_choice("math_equivalence", self.math_equivalence, ("verl", "math_verify"))
 
 
@@ -843,31 +860,61 @@ class RewardModelConfig:
     ``hybridflow convert hf-to-mcore`` checkpoint of one, or a ``run.mode=rm`` export; None: no
     reward model."""
     weight: float = 1.0
-    """Weight of the reward model's score in a sample's reward."""
-    rule_weight: float = 0.0
-    """Weight of ``reward.function``'s score beside it (0: the reward model alone, and the rule
-    is not called)."""
-    source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per ``data_source``: ``{model: w, rule: w}`` in place of weight and rule_weight for its
-    rows (a mix of verifiable math and open-ended chat gives each its own)."""
+    """Weight of the reward model's score in a sample's reward (``reward.rule_weight`` and
+    ``reward.source_weights`` set the rest of the mix)."""
     offload: bool = False
     """Keep the reward model's parameters on the host between its uses (its GPU memory is free
     for generation and training; each use copies them in)."""
 
-    def __post_init__(self) -> None:
-        for source, weights in self.source_weights.items():
-            unknown = sorted(set(weights) - {"model", "rule"})
-            if unknown:
-                raise ConfigError(
-                    "{p}source_weights[{s}] has {u}; each source takes model and rule weights only",
-                    s=source,
-                    u=unknown[0],
-                )
 
-    def weights(self, source: str | None) -> tuple[float, float]:
-        """(model, rule) weights of a row from ``source``."""
-        given = self.source_weights.get(source or "", {})
-        return given.get("model", self.weight), given.get("rule", self.rule_weight)
+@dataclass(kw_only=True)
+class JudgeConfig:
+    """A generative judge: a frozen causal LM on an engine of its own (on the first ``tp`` ranks
+    of the actor's GPUs, driven by rank 0) answers a judging prompt per sample; the number its
+    reply holds is the sample's judge score, mixed into the reward with ``weight``."""
+
+    path: Optional[str] = None
+    """The judge: a Hugging Face causal LM directory (weights read by the engine); None: no judge."""
+    engine: str = "sglang"
+    """sglang, or hf (transformers in the driver's process: small judges, machines without SGLang)."""
+    tp: int = 1
+    """Tensor-parallel ranks of the judge's engine."""
+    dtype: str = "bfloat16"
+    """The judge engine's weights and activations: bfloat16, float16 or float32."""
+    template: str = (
+        "Question: {prompt}\nReference answer: {answer}\nResponse: {response}\n"
+        "Rate the response from 0 to 10. Reply with the number only."
+    )
+    """The judging request, sent as the judge's user turn: ``{response}`` (required), ``{prompt}``
+    (the prompt's text, a chat's last user turn) and ``{answer}`` (the row's answer)."""
+    pattern: str = r"(-?\d+(?:\.\d+)?)"
+    """Regular expression whose first group is the score in the judge's reply (the first number)."""
+    scale: float = 0.1
+    """Multiplier of the parsed number (0-10 -> 0-1)."""
+    on_unparsable: float = 0.0
+    """Score of a reply the pattern finds no number in (counted in ``judge/unparsable``)."""
+    max_tokens: int = 16
+    """Tokens the judge may reply with."""
+    weight: float = 1.0
+    """Weight of the judge's score in a sample's reward."""
+    max_total_tokens: int = 4096
+    """The judge engine's KV-cache tokens (SGLang)."""
+
+    def __post_init__(self) -> None:
+        from hybridflow.judge import template_problem
+
+        check_choice("engine", self.engine, ("sglang", "hf"))
+        check_choice("dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        check_positive(self, ("tp", "max_tokens", "max_total_tokens"))
+        problem = template_problem(self.template)
+        if problem is not None:
+            raise ConfigError("{p}template {why}", why=problem)
+        try:
+            re.compile(self.pattern)
+        except re.error as error:
+            raise ConfigError("{p}pattern={v} is not a regular expression ({e})", v=self.pattern, e=error) from None
+        if re.compile(self.pattern).groups < 1:
+            raise ConfigError("{p}pattern={v} has no group; its first group is the score", v=self.pattern)
 
 
 @dataclass(kw_only=True)
@@ -974,6 +1021,8 @@ class HybridflowConfig:
     """Reward-model training (``run.mode=rm``)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A reward model scoring rollouts (off unless ``reward_model.path`` is set)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A generative judge scoring rollouts (off unless ``judge.path`` is set)."""
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     """On-policy distillation from a teacher (off unless ``distillation.teacher_path`` is set)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -1046,6 +1095,17 @@ class HybridflowConfig:
                 "or the waiting ranks fail before a hung engine is caught; lower the first or raise "
                 "the second"
             )
+
+
+def reward_weights(cfg: HybridflowConfig, source: str | None) -> dict[str, float]:
+    """The weight of each score in the reward of a row from ``source``: rule, and model / judge
+    when a reward model / judge scores (``reward.source_weights`` first)."""
+    scorers = {"model": cfg.reward_model.weight} if cfg.reward_model.path else {}
+    scorers |= {"judge": cfg.judge.weight} if cfg.judge.path else {}
+    rule = cfg.reward.rule_weight if cfg.reward.rule_weight is not None else (0.0 if scorers else 1.0)
+    weights = {"rule": rule, **scorers}
+    given = cfg.reward.source_weights.get(source or "", {})
+    return {name: given.get(name, w) for name, w in weights.items()}
 
 
 def enabled_roles(cfg: HybridflowConfig) -> dict[str, ParallelLayout]:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 __all__ = ["DRIVER", "Edge", "Graph", "GraphError", "Node", "ROLES", "ROLE_SWITCHES"]
 
 DRIVER = "driver"
-ROLES = ("actor", "reference", "critic", "reward_model", "teacher", "rollout", "reward", DRIVER)
+ROLES = ("actor", "reference", "critic", "reward_model", "teacher", "rollout", "judge", "reward", DRIVER)
 """Where a node runs. ``driver`` is CPU-side bookkeeping that every rank does for itself."""
 
 ROLE_SWITCHES = {
@@ -40,6 +40,7 @@ ROLE_SWITCHES = {
     "critic": "set critic.enabled=true or leave it unset (it takes the actor's layout)",
     "reward_model": "set reward_model.path (it takes the actor's layout)",
     "teacher": "set distillation.teacher_path (it takes the actor's layout)",
+    "judge": "set judge.path (its engine runs on the actor's first judge.tp GPUs)",
     "rollout": "configure the rollout section",
     "reward": "configure the reward section",
     DRIVER: "the driver runs on every rank",

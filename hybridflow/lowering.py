@@ -202,10 +202,8 @@ def _check_fits(cfg: HybridflowConfig, role: str, pool: str, pool_size: int) -> 
 def place(cfg: HybridflowConfig) -> Placement:
     """Pools and roles from ``cfg.rollout.placement``; ValueError naming the key that does
     not fit (see the module docstring for the rules)."""
-    frozen = (("reward_model",) if cfg.reward_model.path else ()) + (
-        ("teacher",) if cfg.distillation.teacher_path else ()
-    )
-    models = tuple(enabled_roles(cfg)) + frozen
+    frozen = {"reward_model": cfg.reward_model.path, "teacher": cfg.distillation.teacher_path, "judge": cfg.judge.path}
+    models = tuple(enabled_roles(cfg)) + tuple(role for role, path in frozen.items() if path)
     world = cfg.actor.parallel.world_size
     colocated = cfg.rollout.placement == COLOCATED
     for role in enabled_roles(cfg):
@@ -282,6 +280,15 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
                 offload=cfg.reward_model.offload,
             )
         )
+    if cfg.judge.path:
+        out.append(
+            FrozenModel(
+                role="judge",
+                model=_judge_architecture(cfg),
+                source=cfg.judge.path,
+                layout=f"{cfg.judge.engine} engine, tp={cfg.judge.tp}, {cfg.judge.dtype}",
+            )
+        )
     if cfg.distillation.teacher_path:
         out.append(
             FrozenModel(
@@ -292,6 +299,16 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
             )
         )
     return tuple(out)
+
+
+def _judge_architecture(cfg: HybridflowConfig) -> ModelConfig:
+    from hfschema.model_source import judge_source
+
+    path = Path(cfg.judge.path).expanduser()
+    if not path.exists():
+        logger.warning("judge.path=%s does not exist here: planned as the actor's architecture", path)
+        return cfg.model.architecture
+    return judge_source(path, cfg.judge.tp)[1]  # refused in one line when it cannot judge
 
 
 def _teacher_architecture(cfg: HybridflowConfig) -> ModelConfig:
@@ -353,6 +370,7 @@ def _engine_text(cfg: HybridflowConfig) -> str:
 def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
     layouts = {role: f"megatron {layout.describe()}" for role, layout in enabled_roles(cfg).items()}
     layouts["reward_model"] = layouts["teacher"] = f"megatron {cfg.actor.parallel.describe()}"
+    layouts["judge"] = f"{cfg.judge.engine} tp={cfg.judge.tp} engine of its own, driven by rank 0"
     layouts["rollout"] = _engine_text(cfg)
     for role in CPU_ROLES:
         layouts[role] = "CPU, on each of its ranks"

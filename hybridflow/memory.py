@@ -262,6 +262,19 @@ def frozen_param_bytes(model: ModelConfig, layout: ParallelLayout) -> int:
     return max(p.dense + p.experts for p in stages) * TRAIN_PARAM_BYTES
 
 
+def judge_components(cfg: HybridflowConfig, model: ModelConfig) -> dict[str, int]:
+    """One GPU of the judge's engine: its weights over ``judge.tp`` in ``judge.dtype`` and its KV
+    cache (``judge.max_total_tokens``), as a rollout engine rank counts them."""
+    judge, dtype = cfg.judge, DTYPE_BYTES[cfg.judge.dtype]
+    per_token = (
+        (model.kv_lora_rank + model.qk_rope_head_dim) if model.is_mla else 2 * model.num_kv_heads * model.kv_channels
+    )
+    return {
+        "judge weights": count_parameters(model)["total"] // judge.tp * dtype,
+        "judge KV cache": judge.max_total_tokens * per_token * model.num_layers * dtype // judge.tp,
+    }
+
+
 def _adapter_params(cfg: HybridflowConfig, layout: ParallelLayout, stage: int) -> _RankParams:
     """LoRA adapter parameters one rank of pipeline stage ``stage`` holds."""
     dense = experts = 0
@@ -457,7 +470,10 @@ def pool_memory(
             notes.append(f"{role}: pipeline stage {stage} (the heaviest)")
     offloaded = set()
     for role, model in (frozen or {}).items():
-        if role in roles:
+        if role == "judge" and role in roles:  # an engine of its own, resident in every phase
+            components.update(judge_components(cfg, model))
+            models.append(role)
+        elif role in roles:
             models.append(role)
             components[f"{role} params"] = frozen_param_bytes(model, cfg.actor.parallel)
             if cfg.reward_model.offload and role == "reward_model":
@@ -468,7 +484,11 @@ def pool_memory(
     phases: dict[str, dict[str, int]] = {}
     if "rollout" in roles:
         # what the switch to generation leaves (hybridflow.lowering.switch): every role's params
-        resident = {k: v for k, v in components.items() if k.endswith(" params") and k not in offloaded}
+        resident = {
+            k: v
+            for k, v in components.items()
+            if (k.endswith(" params") or k.startswith("judge ")) and k not in offloaded
+        }
         phases[GENERATION] = {**engine_components(cfg), **resident}
     if models:
         kept = engine_components(cfg) if "rollout" in roles and engine_keeps_weights(cfg) else {}

@@ -128,10 +128,10 @@ def test_node_names_must_be_identifiers():
 
 
 def test_an_unknown_role_lists_the_roles():
-    graph = Graph(name="g", nodes=(_node("a", role="judge"),))
+    graph = Graph(name="g", nodes=(_node("a", role="oracle"),))
     with pytest.raises(GraphError) as error:
         graph.validate()
-    assert "node 'a' has unknown role 'judge'" in str(error.value)
+    assert "node 'a' has unknown role 'oracle'" in str(error.value)
     assert ", ".join(ROLES) in str(error.value)
 
 

@@ -5,7 +5,7 @@ one and whose rejected one is the smaller operand or another answer; the reward 
 quickstart's MoE under a score head, EP=2) must rank the right answer of each held-out question
 above every other answer (160 pairs of 20 questions it never saw) at least 90% of the time. Its
 export is a transformers directory that ranks the same pairs the same way. Then GRPO with
-``reward_model.path`` at that export and no rule reward (``reward_model.rule_weight=0``) raises
+``reward_model.path`` at that export and no rule reward (``reward.rule_weight=0``) raises
 the held-out rate of right answers, which only the rule measures.
 """
 
@@ -79,7 +79,7 @@ def test_the_reward_model_ranks_held_out_answers_and_transformers_loads_it(rm_ru
 def test_rl_against_the_exported_reward_model_raises_the_right_answers(rm_run: Path, tmp_path: Path, seeded) -> None:
     out = seeded(tmp_path / "rl")  # after the shared SFT warm-up (tests/conftest.py)
     rm = rm_run / "reward_model" / "hf"
-    _train(out, WARM_UP, f"reward_model.path={rm}", "reward_model.rule_weight=0", "run.steps=10", "run.heldout_every=0")
+    _train(out, WARM_UP, f"reward_model.path={rm}", "reward.rule_weight=0", "run.steps=10", "run.heldout_every=0")
     summary = json.loads((out / "summary.json").read_text())
     after_sft, after_rl = summary["heldout_reward_after_sft"], summary["heldout_reward_after_rl"]
     print(f"\nheld-out right answers (the rule's): after SFT {after_sft}, after RL against the reward model {after_rl}")

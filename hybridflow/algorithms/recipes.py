@@ -523,6 +523,7 @@ def placed_roles(cfg: HybridflowConfig) -> frozenset[str]:
     ``reward_model.path``), and rollout, reward and driver."""
     frozen = {"reward_model"} if cfg.reward_model.path else set()
     frozen |= {"teacher"} if cfg.distillation.teacher_path else set()
+    frozen |= {"judge"} if cfg.judge.path else set()
     return frozenset(enabled_roles(cfg)) | frozen | {"rollout", "reward", DRIVER}
 
 
@@ -652,6 +653,7 @@ def build_graph(cfg: HybridflowConfig) -> Graph:
         graph, downweights=cfg.async_rl.mode != "sync" and cfg.async_rl.on_stale == "downweight"
     )
     graph = with_reward_model(graph, scored=bool(cfg.reward_model.path))
+    graph = with_judge(graph, judged=bool(cfg.judge.path))
     graph = with_distillation(graph, coef=cfg.distillation.coef if cfg.distillation.teacher_path else None)
     graph.validate(placed_roles(cfg))
     return graph
@@ -688,28 +690,42 @@ def with_distillation(graph: Graph, *, coef: float | None) -> Graph:
 def with_reward_model(graph: Graph, *, scored: bool) -> Graph:
     """``reward_model.path`` set: before each ``reward`` node an ``rm_score`` node (the frozen
     reward model, on the actor's layout) scores the same responses, and the reward node mixes
-    its scores with the rule's (``reward_model.weight`` / ``rule_weight`` / ``source_weights``)."""
+    its scores with the rule's (``config.reward_weights``)."""
     if not scored:
         return graph
+    return _scored_by(graph, role="reward_model", op="rm_score", prefix="model", doc="the reward model's score")
+
+
+def with_judge(graph: Graph, *, judged: bool) -> Graph:
+    """``judge.path`` set: before each ``reward`` node a ``judge`` node (the judge's engine,
+    driven by rank 0) answers the judging prompt for each response, and the reward node mixes the
+    parsed scores in."""
+    if not judged:
+        return graph
+    return _scored_by(graph, role="judge", op="judge", prefix="judge", doc="the generative judge's parsed score")
+
+
+def _scored_by(graph: Graph, *, role: str, op: str, prefix: str, doc: str) -> Graph:
+    """A ``role``/``op`` node before each reward node, scoring its responses into
+    ``<prefix>_<scores field>``, which the reward node reads (option ``<prefix>_scores_field``)."""
     nodes: list[Node] = []
     for node in graph.nodes:
         if node.op == "reward":
             responses, scores = node.option("responses_field"), node.option("scores_field")
-            field = f"model_{scores}"
+            field = f"{prefix}_{scores}"
             nodes.append(
                 Node(
-                    name=node.name.replace("reward", "rm_score"),
-                    role="reward_model",
-                    op="rm_score",
+                    name=node.name.replace("reward", "judge_score" if op == "judge" else op),
+                    role=role,
+                    op=op,
                     inputs=(responses,),
                     outputs=(field,),
                     options={"responses_field": responses, "scores_field": field},
-                    doc="the frozen reward model's score of each response",
+                    doc=f"{doc} of each response",
                 )
             )
-            node = dataclasses.replace(
-                node, inputs=(*node.inputs, field), options=(*node.options, ("model_scores_field", field))
-            )
+            option = (f"{prefix}_scores_field", field)
+            node = dataclasses.replace(node, inputs=(*node.inputs, field), options=(*node.options, option))
         nodes.append(node)
     return dataclasses.replace(graph, nodes=tuple(nodes))
 

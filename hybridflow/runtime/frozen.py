@@ -1,4 +1,5 @@
-"""Frozen models the graph calls without training them: the reward model (``reward_model.path``).
+"""Frozen models the graph calls without training them: the reward model (``reward_model.path``),
+the distillation teacher (``distillation.teacher_path``) and the generative judge (``judge.path``).
 
 ```
 reward_model.path ── reward_model_source (checked: a score head) ──► MegatronRewardModel under the
@@ -8,6 +9,10 @@ rollout rows ── tokens(): the policy's ids as they are when the reward model
                 rendered in the reward model's own template ──► ids [b, T], lengths [b]
 on_device(): with reward_model.offload the parameters live on the host and come to the device
              for each use
+judge.path ── an engine of its own on rank 0 (real weights, no pushes) ── Judge.score(): each DP
+             leader's rows to rank 0, one judging request each (judge.template in the judge's chat
+             template), greedy replies parsed (judge.pattern x judge.scale, judge.on_unparsable),
+             the scores [N] and the unparsable count back to every rank
 ```
 """
 
@@ -22,7 +27,7 @@ import torch
 
 from hfschema.hf_config import read_hf_config
 
-__all__ = ["RewardModel", "build_reward_model", "build_teacher", "on_device"]
+__all__ = ["Judge", "RewardModel", "build_reward_model", "build_teacher", "on_device", "start_judge"]
 
 
 @dataclass
@@ -152,3 +157,61 @@ def on_device(rm: RewardModel) -> Iterator[None]:
         yield
     finally:
         _move(rm.model, torch.device("cpu"))
+
+
+@dataclass
+class Judge:
+    """A generative judge's engine (rank 0 only) and how a sample becomes its request."""
+
+    engine: Any
+    """A ``RolloutEngine`` with the judge's own weights."""
+    tokenizer: Any
+    stop_ids: tuple[int, ...]
+
+    def replies(self, cfg, items: list[tuple[Any, str, Any]]) -> list[str]:
+        """The judge's greedy reply to each (prompt, response, answer)."""
+        from hybridflow.judge import render
+        from hybridflow.rollout.base import SamplingParams
+        from hybridflow.rollout.tokens import encode_prompts
+
+        chat = bool(getattr(self.tokenizer, "chat_template", None))
+        requests = [render(cfg.judge.template, prompt=p, response=r, answer=a) for p, r, a in items]
+        ids = encode_prompts(self.tokenizer, [[{"role": "user", "content": q}] if chat else q for q in requests])
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.judge.max_tokens, stop_token_ids=self.stop_ids)
+        out = self.engine.generate(ids, params)
+        texts = [""] * len(items)
+        for sample in out.samples:
+            texts[sample.prompt_index] = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        return texts
+
+
+def start_judge(cfg) -> Judge:
+    """The judge's engine, started from ``judge.path``'s own weights (rank 0 calls it)."""
+    from transformers import AutoTokenizer
+
+    from hfschema.model_source import judge_source
+    from hybridflow.rollout import make_engine
+    from hybridflow.runtime import console
+    from hybridflow.runtime.session import plain_engine_env, stop_token_ids
+
+    source, _ = judge_source(cfg.judge.path, cfg.judge.tp)
+    judge = cfg.judge
+    with console.engine_output(cfg.run.output_dir, 0, verbose=cfg.run.verbose), plain_engine_env():
+        if judge.engine == "hf":
+            from megatron_adapters.parallel import device
+
+            engine = make_engine(
+                "hf", model_path=str(source.weights), dtype=judge.dtype, seed=cfg.run.seed, device=str(device())
+            )
+        else:
+            engine = make_engine(
+                "sglang",
+                model_path=str(source.weights),
+                tp=judge.tp,
+                dtype=judge.dtype,
+                max_total_tokens=judge.max_total_tokens,
+                seed=cfg.run.seed,
+                generate_timeout_s=cfg.rollout.generate_timeout_s,
+            )
+    tokenizer = AutoTokenizer.from_pretrained(str(source.files))
+    return Judge(engine=engine, tokenizer=tokenizer, stop_ids=stop_token_ids(tokenizer, source.files))

@@ -24,19 +24,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.agentic.trajectory import final_turn, turn_metrics
 from hybridflow.algorithms.correction import rollout_correction
 from hybridflow.algorithms.estimators import get_estimator, scores_to_token_rewards
 from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty, masked_mean, value_loss_terms
 from hybridflow.algorithms.shaping import filter_groups, kl_in_reward, overlong_penalty, pf_ppo_resample
-from hybridflow.config import HybridflowConfig
+from hybridflow.config import HybridflowConfig, reward_weights
 from hybridflow.rewards import score_responses
 from hybridflow.rollout.base import FINISH_LENGTH, Prompt, RolloutSample, SamplingParams
 from hybridflow.rollout.tokens import pack_batch
 from hybridflow.runtime import replicas, switches
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
-from hybridflow.runtime.session import Session
+from hybridflow.runtime.session import DRIVER, Session, broadcast
 from hybridflow.runtime.step import Inputs, Produced, Step
 
 __all__ = [
@@ -260,21 +261,19 @@ def _empty_batch(pad_id: int, metas) -> dict[str, torch.Tensor]:
     return {k: v[:0] for k, v in pack_batch([dummy], pad_id=pad_id).items()}
 
 
-def score(s: Session, ro: Rollout, model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+def score(s: Session, ro: Rollout, scorers: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """[N] rewards of every sample, on every rank, and the reward calls that raised (scored 0)
     over every rank: each DP rank's leader scores its own rows (in parallel; errors logged
-    there), and only the scores are shared. With a reward model's ``model_scores`` [N], a row's
-    reward is model weight x its score + rule weight x the rule's (``reward_model.weights``:
-    by data_source), and the rule is not called for rows whose rule weight is 0."""
-    shard = s.run.shard
+    there), and only the scores are shared. ``scorers``: a reward model's / judge's scores [N]
+    by name (model, judge); a row's reward is the weighted sum of the rule's and theirs
+    (``config.reward_weights``: by data_source), and the rule is not called for rows whose rule
+    weight is 0."""
+    shard, scorers = s.run.shard, scorers or {}
     local = torch.zeros(len(ro.texts), dtype=torch.float32)
     errors = 0
     if shard.leader and ro.texts:
-        if model_scores is None:
-            weights = torch.tensor([[0.0, 1.0]] * len(ro.texts))
-        else:
-            weights = torch.tensor([s.cfg.reward_model.weights(source) for source in ro.sources])
-        ruled = weights[:, 1].nonzero().flatten().tolist()
+        weights = [reward_weights(s.cfg, source) for source in ro.sources]
+        ruled = [i for i, w in enumerate(weights) if w["rule"]]
         rule = torch.zeros(len(ro.texts), dtype=torch.float32)
         if ruled:
             pick = lambda xs: [xs[i] for i in ruled]  # noqa: E731
@@ -282,9 +281,9 @@ def score(s: Session, ro: Rollout, model_scores: torch.Tensor | None = None) -> 
                 pick(ro.texts), pick(ro.answers), pick(ro.sources), s.cfg.reward, pick(ro.extra_infos)
             )
             rule[ruled], errors = torch.tensor(scores, dtype=torch.float32), len(failures)
-        local = weights[:, 1] * rule
-        if model_scores is not None:
-            local += weights[:, 0] * model_scores[ro.rows].float()
+        local = torch.tensor([w["rule"] for w in weights]) * rule
+        for name, values in scorers.items():
+            local += torch.tensor([w[name] for w in weights]) * values[ro.rows].float()
     return shard.gather(ro.rows, local, ro.total), int(shard.sum(torch.tensor([errors]))[0])
 
 
@@ -354,9 +353,47 @@ def generate_greedy(s: Session, node, f: Inputs, step: Step) -> Produced:
 @op("reward")
 def reward(s: Session, node, f: Inputs, step: Step) -> Produced:
     source, target = node.option("responses_field"), node.option("scores_field")
-    model = node.option("model_scores_field", None)  # a reward model's scores, to mix in
-    scores, errors = score(s, f[source], None if model is None else f[model])
+    scorers = {  # a reward model's and a judge's scores, to mix in
+        name: f[field]
+        for name, field in (
+            ("model", node.option("model_scores_field", None)),
+            ("judge", node.option("judge_scores_field", None)),
+        )
+        if field is not None
+    }
+    scores, errors = score(s, f[source], scorers)
     return Produced({target: scores}, reward_errors=errors)
+
+
+@op("judge")
+def judge(s: Session, node, f: Inputs, step: Step) -> Produced:
+    """The generative judge's score [N] of every sample: each DP rank's leader sends its rows'
+    (prompt, response, answer) to rank 0, whose judge engine replies to one judging request each;
+    a reply without a score counts as unparsable and scores ``judge.on_unparsable``."""
+    from hybridflow.judge import parse_score
+
+    ro, shard, cfg = f[node.option("responses_field")], s.run.shard, s.cfg.judge
+    mine = (ro.rows.tolist(), list(zip(ro.prompts, ro.texts, ro.answers))) if shard.leader else ([], [])
+    together = dist.is_initialized() and dist.get_world_size() > 1
+    driver = not together or dist.get_rank() == DRIVER
+    parts = [mine]
+    if together:
+        parts = [None] * dist.get_world_size() if driver else None
+        dist.gather_object(mine, parts, dst=DRIVER, group=shard.group)
+    verdict = None
+    if driver:
+        rows = [row for part in parts for row in part[0]]
+        items = [item for part in parts for item in part[1]]
+        scores = [parse_score(reply, cfg.pattern, cfg.scale) for reply in s.models.judge.replies(s.cfg, items)]
+        out = torch.full((ro.total,), float(cfg.on_unparsable))
+        for row, value in zip(rows, scores):
+            if value is not None:
+                out[row] = value
+        verdict = (out, sum(v is None for v in scores))
+    scores, unparsable = broadcast(verdict) if together else verdict
+    name = node.option("scores_field")
+    metrics = {f"{name}/mean": float(scores.mean()), "judge/unparsable": float(unparsable)}
+    return Produced({name: scores}, metrics)
 
 
 @op("rm_score")

@@ -22,9 +22,11 @@ calls on the trainer roles, the engine and the tracker is typed by small Protoco
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -126,6 +128,17 @@ def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, 
 
         engine = AgenticEngine(engine, cfg, AutoTokenizer.from_pretrained(str(model_dir)))
     return engine
+
+
+@contextlib.contextmanager
+def plain_engine_env() -> Iterator[None]:
+    """torchrun's variables out of the environment while an engine starts (SGLang would read
+    them as its own), put back after."""
+    saved = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dist_init_addr: str | None):
@@ -330,6 +343,8 @@ class Models:
     """The frozen reward model (``runtime.frozen.RewardModel``) with ``reward_model.path``."""
     teacher: ModelRole | None = None
     """The frozen distillation teacher with ``distillation.teacher_path``."""
+    judge: Any = None
+    """The generative judge's engine (``runtime.frozen.Judge``), on rank 0 with ``judge.path``."""
 
     def updates_per_step(self) -> int:
         """Optimizer updates one RL step makes (every trained role, every epoch and mini-batch)."""

@@ -243,6 +243,10 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         from hybridflow.runtime.frozen import build_reward_model
 
         s.models.reward_model = build_reward_model(s.cfg, s.models.pg, s.data.tokenizer)
+    if s.cfg.judge.path and s.run.is_driver:
+        from hybridflow.runtime.frozen import start_judge
+
+        s.models.judge = start_judge(s.cfg)
     if s.cfg.distillation.teacher_path:
         from hybridflow.runtime.frozen import build_teacher
 
@@ -365,6 +369,8 @@ def _engine_addresses(s: Session) -> list[str | None]:
 def _stop_engines(s: Session, *, in_order: bool) -> None:
     """Drivers shut their engines down first (that stops every node's schedulers), then each
     node reaps its own; after a failure, each rank cleans up what it has at once."""
+    if s.models.judge is not None:  # rank 0's own engine, whatever the placement
+        s.models.judge.engine.shutdown()
     if s.run.channel is not None and s.run.channel.separate:
         if in_order:  # the engine ranks stop theirs (serve); after a failure torchrun stops them
             # before the rollout started (run.mode=sft, a stop during SFT) they wait for its directory

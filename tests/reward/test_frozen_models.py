@@ -137,21 +137,47 @@ def _rollout(texts, sources, answers, batch=None) -> Rollout:
     )
 
 
-def test_rewards_mix_model_and_rule_by_data_source(tmp_path):
+@pytest.mark.claim("reward-mix")
+def test_rewards_mix_rule_model_and_judge_by_data_source(tmp_path):
     cfg = load_config(
         QUICKSTART,
         [
             f"run.output_dir={tmp_path}",
             "reward_model.path=unused",
             "reward_model.weight=0.5",
-            "reward_model.source_weights={max: {model: 0.0, rule: 1.0}}",
+            "judge.path=unused",
+            "reward.source_weights={max: {model: 0.0, rule: 1.0, judge: 0.0}}",
         ],
     )
     session = SimpleNamespace(run=SimpleNamespace(shard=single_process()), cfg=cfg)
     ro = _rollout(["7", "3", "whatever"], ["max", "max", "chat"], [7, 7, None])
-    scores, errors = score(session, ro, torch.tensor([9.0, 9.0, 4.0]))
-    # max rows: the rule alone (right, wrong); the chat row: 0.5 x its model score, no rule call
-    assert scores.tolist() == [1.0, 0.0, 2.0] and errors == 0
+    model, judge = torch.tensor([9.0, 9.0, 4.0]), torch.tensor([0.3, 0.3, 0.25])
+    scores, errors = score(session, ro, {"model": model, "judge": judge})
+    # max rows: the rule alone (right, wrong); the chat row: 0.5 x model + 1 x judge, and no rule
+    # call (the rule's default weight is 0 beside a reward model or a judge): no reward error
+    assert scores.tolist() == [1.0, 0.0, 2.25] and errors == 0
+    with pytest.raises(ValueError, match=r"reward.source_weights\[max\] has critic; a source weighs rule"):
+        load_config(QUICKSTART, ["reward.source_weights={max: {critic: 1.0}}"])
+
+
+def test_judging_templates_and_replies():
+    from hybridflow.judge import parse_score, render, template_problem
+
+    assert template_problem("Q: {prompt} A: {response} ref {answer}") is None
+    with pytest.raises(ValueError, match=r"judge.template has no \{response\} placeholder"):
+        load_config(QUICKSTART, ["judge.template=Rate {prompt}"])
+    with pytest.raises(ValueError, match=r"judge.template names \{score\}"):
+        load_config(QUICKSTART, ['judge.template="Rate {response} as {score}"'])
+    with pytest.raises(ValueError, match="judge.pattern=.* has no group"):
+        load_config(QUICKSTART, [r"judge.pattern=\d+"])
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"}]
+    assert render("{prompt}|{response}|{answer}", prompt=chat, response="4", answer=None) == "2+2?|4|"
+    pattern = r"(-?\d+(?:\.\d+)?)"
+    assert parse_score("I'd say 7/10.", pattern, 0.1) == pytest.approx(0.7)
+    assert parse_score("no idea", pattern, 0.1) is None
+    assert (
+        parse_score("Score: 3", r"Score: (\w+)", 1.0) == 3.0 and parse_score("Score: x", r"Score: (\w+)", 1.0) is None
+    )
 
 
 def test_a_reward_model_with_its_own_tokenizer_reads_prompt_and_response_in_its_template():
@@ -249,3 +275,16 @@ def test_plan_prints_the_teacher_node_and_the_advantages_it_feeds(tmp_path):
     assert "advantages: token_rewards, responses, old_logprobs, teacher_logprobs -> advantages" in text
     assert "distill_coef=1.0" in text and "teacher: qwen3_moe (LM head" in text
     assert plan.memory[0].phases["training"]["teacher params"] > 0
+
+
+@pytest.mark.claim("frozen-models-in-plan")
+def test_plan_prints_the_judge_engine(tmp_path):
+    judge = make_tiny_model_dir(tmp_path / "judge", "qwen3")
+    cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"judge.path={judge}"])
+    plan = lower(cfg, with_reshard=False)
+    text = "\n".join(plan.describe())
+    assert "judge_score [judge] judge: responses -> judge_scores" in text
+    assert "judge: qwen3 (LM head" in text and "sglang engine, tp=1, bfloat16" in text
+    assert plan.memory[0].phases["generation"]["judge weights"] > 0
+    with pytest.raises(ValueError, match="judge.path=.* a sequence-classification model cannot answer"):
+        lower(load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"judge.path={_reward_dir(tmp_path)}"]))

@@ -1,0 +1,64 @@
+"""A generative judge on CPU: a second SGLang engine with a small judge model scores the rollouts.
+
+The judge is the learning runs' shared SFT warm-up itself, exported as a Hugging Face directory:
+a model that answers ``max(a,b)=``. The judging template asks it ``max({response},{answer})=``,
+and the pattern ``^([0-4])$`` accepts only replies 0-4, so a reply of 5-9 (or anything else) is
+unparsable: it scores ``judge.on_unparsable`` and is counted, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import WARM_UP
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
+
+
+@pytest.mark.claim("generative-judge")
+def test_a_judge_engine_scores_the_rollouts_and_counts_what_it_cannot_parse(
+    tmp_path: Path, seeded, sft_warm_up
+) -> None:
+    out = seeded(tmp_path / "run")
+    overrides = [
+        WARM_UP,
+        f"judge.path={sft_warm_up / 'checkpoints' / 'sft' / 'hf'}",
+        "judge.dtype=float32",
+        "judge.template=max({response},{answer})=",
+        "judge.pattern=^([0-4])$",
+        "judge.scale=1.0",
+        "judge.on_unparsable=-1.0",
+        "judge.max_tokens=4",
+        "run.steps=2",
+        "run.heldout_every=0",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "train", str(QUICKSTART), f"run.output_dir={out}", *overrides],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    history = json.loads((out / "checkpoints" / "step_000002" / "state.json").read_text())["history"]
+    unparsable = [h["judge/unparsable"] for h in history]
+    means = [h["judge_scores/mean"] for h in history]
+    print(f"\njudge: unparsable replies per step {unparsable}, mean judge score {means}")
+    samples = 16 * 8
+    assert all(0 < n < samples for n in unparsable)  # both kinds of reply, none crashed the run
+    # the reward is the judge's alone (no rule weight with a judge): parsed 0-4, or -1
+    for h, n in zip(history, unparsable):
+        assert h["reward/mean"] == pytest.approx(h["judge_scores/mean"])
+        assert -1.0 <= h["judge_scores/mean"] <= (4 * (samples - n) - n) / samples
+    summary = json.loads((out / "summary.json").read_text())
+    assert any(" judge_score [judge] judge " in line for line in summary["executed_stages"])
