@@ -301,37 +301,34 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
     return tuple(out)
 
 
+def _architecture(key: str, path: str, planned: ModelConfig, check) -> ModelConfig:
+    """The architecture of the frozen model at ``path`` (``check(path)`` refuses in one line what
+    cannot serve), or ``planned`` with a warning where it is not downloaded yet."""
+    if not Path(path).expanduser().exists():
+        logger.warning("%s=%s does not exist here: planned as the actor's architecture", key, path)
+        return planned
+    return check(Path(path).expanduser())[1]
+
+
 def _judge_architecture(cfg: HybridflowConfig) -> ModelConfig:
     from hfschema.model_source import judge_source
 
-    path = Path(cfg.judge.path).expanduser()
-    if not path.exists():
-        logger.warning("judge.path=%s does not exist here: planned as the actor's architecture", path)
-        return cfg.model.architecture
-    return judge_source(path, cfg.judge.tp)[1]  # refused in one line when it cannot judge
+    return _architecture("judge.path", cfg.judge.path, cfg.model.architecture, lambda p: judge_source(p, cfg.judge.tp))
 
 
 def _teacher_architecture(cfg: HybridflowConfig) -> ModelConfig:
     from hfschema.model_source import teacher_source
 
-    path = Path(cfg.distillation.teacher_path).expanduser()
-    if not path.exists():
-        logger.warning("distillation.teacher_path=%s does not exist here: planned as the actor's architecture", path)
-        return cfg.model.architecture
-    return teacher_source(path, cfg.model.vocab_size)[1]  # refused in one line when it cannot teach
+    check = lambda p: teacher_source(p, cfg.model.vocab_size)  # noqa: E731
+    return _architecture("distillation.teacher_path", cfg.distillation.teacher_path, cfg.model.architecture, check)
 
 
 def _reward_model_architecture(cfg: HybridflowConfig) -> ModelConfig:
     from hfschema.model import as_score_model
     from hfschema.model_source import reward_model_source
 
-    path = Path(cfg.reward_model.path).expanduser()
-    if not path.exists():
-        logger.warning(
-            "reward_model.path=%s does not exist here: planned as the actor's architecture under a score head", path
-        )
-        return as_score_model(cfg.model.architecture)
-    return reward_model_source(path)[1]  # refused in one line when it is no reward model
+    planned = as_score_model(cfg.model.architecture)  # the actor's under a score head
+    return _architecture("reward_model.path", cfg.reward_model.path, planned, reward_model_source)
 
 
 # ----------------------------------------------------------------------- stages

@@ -12,38 +12,20 @@ responses sampled from the student, must fall to under half of where it started 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.reward.runs import train_quickstart
 from tests.test_train import WARM_UP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
-
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
-
-
-def _train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "train", str(QUICKSTART), f"run.output_dir={out}", *overrides],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
 
 
 @pytest.mark.claim("on-policy-distillation")
 def test_the_student_moves_towards_the_teacher(tmp_path: Path, seeded) -> None:
     teacher = tmp_path / "teacher"
-    _train(
+    train_quickstart(
         teacher,
         "run.mode=sft",
         "sft.steps=150",
@@ -52,7 +34,7 @@ def test_the_student_moves_towards_the_teacher(tmp_path: Path, seeded) -> None:
         "run.tracking.backend=none",
     )
     student = seeded(tmp_path / "student")
-    _train(
+    train_quickstart(
         student,
         WARM_UP,
         f"distillation.teacher_path={teacher / 'checkpoints' / 'sft' / 'hf'}",

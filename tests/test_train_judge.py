@@ -9,19 +9,14 @@ unparsable: it scores ``judge.on_unparsable`` and is counted, and the run goes o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.reward.runs import train_quickstart
 from tests.test_train import WARM_UP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
-
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
 
 
 @pytest.mark.claim("generative-judge")
@@ -41,15 +36,7 @@ def test_a_judge_engine_scores_the_rollouts_and_counts_what_it_cannot_parse(
         "run.steps=2",
         "run.heldout_every=0",
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "train", str(QUICKSTART), f"run.output_dir={out}", *overrides],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    train_quickstart(out, *overrides)
     history = json.loads((out / "checkpoints" / "step_000002" / "state.json").read_text())["history"]
     unparsable = [h["judge/unparsable"] for h in history]
     means = [h["judge_scores/mean"] for h in history]

@@ -12,38 +12,21 @@ the held-out rate of right answers, which only the rule measures.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.reward.runs import QUICKSTART, train_quickstart
 from tests.test_train import WARM_UP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
-
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
-
-
-def _train(out: Path, *overrides: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "train", str(QUICKSTART), f"run.output_dir={out}", *overrides],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
 def rm_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rm") / "run"
-    _train(out, "run.mode=rm", "sft.steps=0", "rm.steps=300")
+    train_quickstart(out, "run.mode=rm", "sft.steps=0", "rm.steps=300")
     return out
 
 
@@ -79,7 +62,9 @@ def test_the_reward_model_ranks_held_out_answers_and_transformers_loads_it(rm_ru
 def test_rl_against_the_exported_reward_model_raises_the_right_answers(rm_run: Path, tmp_path: Path, seeded) -> None:
     out = seeded(tmp_path / "rl")  # after the shared SFT warm-up (tests/conftest.py)
     rm = rm_run / "reward_model" / "hf"
-    _train(out, WARM_UP, f"reward_model.path={rm}", "reward.rule_weight=0", "run.steps=10", "run.heldout_every=0")
+    train_quickstart(
+        out, WARM_UP, f"reward_model.path={rm}", "reward.rule_weight=0", "run.steps=10", "run.heldout_every=0"
+    )
     summary = json.loads((out / "summary.json").read_text())
     after_sft, after_rl = summary["heldout_reward_after_sft"], summary["heldout_reward_after_rl"]
     print(f"\nheld-out right answers (the rule's): after SFT {after_sft}, after RL against the reward model {after_rl}")

@@ -53,6 +53,14 @@ node declares (``runtime/step.Inputs`` refuses the rest), so this table is all t
                                    lm_loss_coef, pf_ppo, start_step}
     sync_weights     actor      actor_metrics [+ critic_metrics: with a critic] -> rollout_weights
 
+Graph transforms add the frozen models' nodes (``with_reward_model``, ``with_judge``,
+``with_distillation``; docs/frozen-models.md):
+
+    rm_score         reward_model  responses -> model_scores (read by reward: the mix)
+    judge            judge      responses -> judge_scores (read by reward: the mix)
+    teacher_logprob  teacher    responses [+ kept] -> teacher_logprobs (read by advantages, with
+                                  old_logprobs: each token's advantage loses distill_coef x KL)
+
 Conventions the runtime keeps:
 
 - ``kept`` (DAPO dynamic sampling): ``filter_groups`` drops the prompt groups whose scores are

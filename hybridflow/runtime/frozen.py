@@ -83,15 +83,7 @@ def build_reward_model(cfg, pg, policy_tokenizer) -> RewardModel:
     from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
 
     source, architecture = reward_model_source(cfg.reward_model.path)
-    model = MegatronRewardModel(
-        architecture,
-        cfg.actor.parallel,
-        cfg.train,
-        pg_collection=pg,
-        trainable=False,
-        packing_config=cfg.packing,
-        initialize=False,
-    )
+    model = _frozen(MegatronRewardModel, architecture, cfg, pg)
     load_reward_model(model, source)
     tokenizer = AutoTokenizer.from_pretrained(str(source.files))
     own = not _same_tokens(tokenizer, policy_tokenizer)
@@ -126,7 +118,15 @@ def build_teacher(cfg, pg, policy_tokenizer):
             f"{key}={cfg.distillation.teacher_path}: the teacher's tokenizer maps tokens to other ids than "
             "the student's; on-policy distillation needs the student's tokenizer"
         )
-    teacher = MegatronPolicy(
+    teacher = _frozen(MegatronPolicy, architecture, cfg, pg)
+    load_pretrained(teacher, source)
+    return teacher
+
+
+def _frozen(kind, architecture, cfg, pg):
+    """A ``kind`` (a MegatronPolicy class) of ``architecture`` under the actor's layout and process
+    groups, without gradients or optimizer, its weights left for the loader."""
+    return kind(
         architecture,
         cfg.actor.parallel,
         cfg.train,
@@ -135,8 +135,6 @@ def build_teacher(cfg, pg, policy_tokenizer):
         packing_config=cfg.packing,
         initialize=False,
     )
-    load_pretrained(teacher, source)
-    return teacher
 
 
 def _move(model, device: torch.device) -> None:
