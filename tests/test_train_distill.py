@@ -22,7 +22,7 @@ from tests.test_train import WARM_UP
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
-@pytest.mark.claim("on-policy-distillation")
+@pytest.mark.claim("on-policy-distillation", "frozen-models-overview")
 def test_the_student_moves_towards_the_teacher(tmp_path: Path, seeded) -> None:
     teacher = tmp_path / "teacher"
     train_quickstart(

@@ -19,7 +19,7 @@ from tests.test_train import WARM_UP
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
-@pytest.mark.claim("generative-judge")
+@pytest.mark.claim("generative-judge", "frozen-models-overview")
 def test_a_judge_engine_scores_the_rollouts_and_counts_what_it_cannot_parse(
     tmp_path: Path, seeded, sft_warm_up
 ) -> None:

@@ -58,7 +58,7 @@ def test_the_reward_model_ranks_held_out_answers_and_transformers_loads_it(rm_ru
     assert wins / len(pairs) == pytest.approx(summary["heldout_pair_accuracy_after"])
 
 
-@pytest.mark.claim("rl-against-a-reward-model")
+@pytest.mark.claim("rl-against-a-reward-model", "frozen-models-overview")
 def test_rl_against_the_exported_reward_model_raises_the_right_answers(rm_run: Path, tmp_path: Path, seeded) -> None:
     out = seeded(tmp_path / "rl")  # after the shared SFT warm-up (tests/conftest.py)
     rm = rm_run / "reward_model" / "hf"

@@ -264,15 +264,18 @@ def _empty_batch(pad_id: int, metas) -> dict[str, torch.Tensor]:
 def score(s: Session, ro: Rollout, scorers: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """[N] rewards of every sample, on every rank, and the reward calls that raised (scored 0)
     over every rank: each DP rank's leader scores its own rows (in parallel; errors logged
-    there), and only the scores are shared. ``scorers``: a reward model's / judge's scores [N]
-    by name (model, judge); a row's reward is the weighted sum of the rule's and theirs
-    (``config.reward_weights``: by data_source), and the rule is not called for rows whose rule
-    weight is 0."""
-    shard, scorers = s.run.shard, scorers or {}
+    there), and only the scores are shared. ``scorers``: the step's reward, the mix of the rule
+    and a reward model's / judge's scores [N] by name (model, judge), weighted as
+    ``config.reward_weights`` says by data_source (the rule is not called for rows whose rule
+    weight is 0); None: the verifier's score alone (held-out evaluation)."""
+    shard = s.run.shard
     local = torch.zeros(len(ro.texts), dtype=torch.float32)
     errors = 0
     if shard.leader and ro.texts:
-        weights = [reward_weights(s.cfg, source) for source in ro.sources]
+        if scorers is None:
+            weights, scorers = [{"rule": 1.0}] * len(ro.texts), {}
+        else:
+            weights = [reward_weights(s.cfg, source) for source in ro.sources]
         ruled = [i for i, w in enumerate(weights) if w["rule"]]
         rule = torch.zeros(len(ro.texts), dtype=torch.float32)
         if ruled:

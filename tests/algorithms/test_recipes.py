@@ -475,7 +475,12 @@ def test_ops_take_their_settings_from_the_graph_they_run():
             (),
             ("moe.routing_replay=r2",),
             ("algorithm.kl_reward_coef=0.01", "reference.enabled=true"),
-            ("reward_model.path=rm", "distillation.teacher_path=teacher", "judge.path=judge"),
+            (
+                "reward_model.path=rm",
+                "distillation.teacher_path=teacher",
+                "judge.path=judge",
+                "algorithm.dynamic_sampling=false",
+            ),
         ):
             for node in _graph(name, *extra).nodes:
                 keys = {key for key, _ in node.options}

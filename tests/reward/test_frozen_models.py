@@ -160,6 +160,12 @@ def test_rewards_mix_rule_model_and_judge_by_data_source(tmp_path):
         load_config(QUICKSTART, ["reward.source_weights={max: {critic: 1.0}}"])
 
 
+def test_dynamic_sampling_with_a_model_scorer_is_refused(tmp_path):
+    cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", "algorithm.name=dapo", "judge.path=unused"])
+    with pytest.raises(ValueError, match=r"judge.path with dynamic sampling \(dapo\): .*dynamic_sampling=false"):
+        lower(cfg, with_reshard=False)
+
+
 def test_judging_templates_and_replies():
     from hybridflow.judge import parse_score, render, template_problem
 
