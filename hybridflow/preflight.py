@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from hfschema.model_source import check_padded_vocab, has_chat_template, model_source, reward_model_source
+from hfschema.model_source import (
+    check_padded_vocab,
+    has_chat_template,
+    model_source,
+    reward_model_source,
+    teacher_source,
+)
 from hybridflow.agentic.engine import check_agentic
 from hybridflow.config import HybridflowConfig, to_yaml
 from hybridflow.data import preview_files, sft_key
@@ -336,20 +342,21 @@ def check_model_weights(
 
 
 def check_frozen_models(cfg: HybridflowConfig, *, must_exist: bool = True, command: str = "train") -> None:
-    """A reward model that is not one (no score head, several labels), or whose shape the actor's
-    layout cannot split, is refused in one line before any rank starts."""
-    path = cfg.reward_model.path
-    if not path:
-        return
-    if not must_exist and not os.path.exists(os.path.expanduser(path)):
-        _say(
-            command,
-            f"reward_model.path={path} does not exist here; the job fails unless it does on the nodes",
-            warning=True,
-        )
-        return
-    _, model = reward_model_source(path)
-    cfg.actor.parallel.check_model(model, prefix="actor.parallel (the reward model's layout)")
+    """A reward model that is not one (no score head, several labels), a teacher with another
+    vocabulary, or either with a shape the actor's layout cannot split, is refused in one line
+    before any rank starts."""
+    checks = {
+        "reward_model.path": (cfg.reward_model.path, reward_model_source),
+        "distillation.teacher_path": (cfg.distillation.teacher_path, lambda p: teacher_source(p, cfg.model.vocab_size)),
+    }
+    for key, (path, source) in checks.items():
+        if not path:
+            continue
+        if not must_exist and not os.path.exists(os.path.expanduser(path)):
+            _say(command, f"{key}={path} does not exist here; the job fails unless it does on the nodes", warning=True)
+            continue
+        _, model = source(path)
+        cfg.actor.parallel.check_model(model, prefix=f"actor.parallel ({key}'s layout)")
 
 
 def check_rm_mode(cfg: HybridflowConfig) -> None:

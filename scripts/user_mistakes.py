@@ -71,6 +71,20 @@ def _write(name: str, text: str) -> Callable[[Path, Path], None]:
     return setup
 
 
+def _model_dir(name: str, kind: str, **overrides) -> Callable[[Path, Path], None]:
+    """A tiny qwen3 directory ``{work}/<name>``: a causal LM, or transformers' reward model of one."""
+    def setup(run: Path, work: Path) -> None:
+        if kind == "reward":
+            from tests.reward.rm_models import make_rm_dir
+
+            make_rm_dir(work / name, "qwen3").rename(work / name / "rm")
+        else:
+            from hybridflow.rollout.tiny import make_tiny_model_dir
+
+            make_tiny_model_dir(work / name, "qwen3", **overrides)
+    return setup
+
+
 def _newest(run: Path) -> Path:
     return sorted((run / "checkpoints").glob("step_*"))[-1]
 
@@ -170,6 +184,13 @@ CASES = [
     Case("config", "`packing.max_tokens_per_micro_batch=16` (below one sample's 32 + 4 tokens)",
          _train("packing.enabled=true", "packing.max_tokens_per_micro_batch=16")),
     Case("config", "`async_rl.mode=async` with colocated placement", _train("async_rl.mode=async")),
+    Case("frozen models", "`reward_model.path` at a causal LM (no score head)",
+         _train("reward_model.path={work}/causal"), setup=_model_dir("causal", "causal")),
+    Case("frozen models", "`model.path` at a reward model", _train("model.path={work}/rmdir/rm", "model.init=null"),
+         setup=_model_dir("rmdir", "reward")),
+    Case("frozen models", "`judge.template` without `{response}`", _train('judge.template="Rate {prompt}"')),
+    Case("frozen models", "`distillation.teacher_path` with another vocabulary",
+         _train("distillation.teacher_path={work}/teacher"), setup=_model_dir("teacher", "causal", vocab_size=300)),
     Case("launch", "`slurm --nodes 1 --gpus-per-node 1` for a 2-rank layout",
          ["slurm", "--nodes", "1", "--gpus-per-node", "1", CONFIG, "run.output_dir={run}"]),
     Case("launch", "`launch --node-rank 2 --nnodes 2`",
