@@ -144,3 +144,10 @@ def test_train_step_benchmark_times_both_trainers_on_the_same_batches(tmp_path) 
     assert result["policy_over_plain"] == pytest.approx(
         result["policy_step_seconds"] / result["plain_loop_step_seconds"], rel=1e-2
     )
+
+
+@pytest.mark.claim("reward-scoring-benchmark")
+def test_reward_scoring_benchmark_scores_like_transformers(tmp_path) -> None:
+    result = _run("benchmarks/reward_scoring.py", tmp_path, "--rows", "32", "--longest", "64", "--passes", "1")
+    assert result["max_abs_score_diff"] < 1e-4  # the same scores, so the times compare like for like
+    assert result["node_samples_per_s"] > 0 and result["transformers_samples_per_s"] > 0
