@@ -434,6 +434,12 @@ def _gib_cell(n: int | None) -> str:
 def _knob(component: str) -> str | None:
     """The config knob that shrinks ``component`` (None: a fixed margin)."""
     role, _, kind = component.partition(" ")
+    if role == "judge":
+        return {"weights": "raise judge.tp (or judge a smaller model)", "KV cache": "lower judge.max_total_tokens"}.get(
+            kind
+        )
+    if role in ("reward_model", "teacher"):
+        return f"raise actor.parallel.tp / pp / ep (the {role} takes the actor's layout)"
     if role == "engine":
         return {
             "weights": "raise rollout.tp / rollout.ep (more ranks per engine)",
