@@ -430,7 +430,7 @@ def filter_groups_op(s: Session, node, f: Inputs, step: Step) -> Produced:
         prompts = s.data.prompt_batch(step.index, offset=rounds)
         seeded = step_seed(seed, step.index, rounds)
         extra, metrics = rollout(s, prompts, sampling(s.cfg, s.data.stop_ids), seeded, group_offset=rounds * want)
-        extra_scores, failed = score(s, extra)
+        extra_scores, failed = score(s, extra, {})  # the step's mix (model scorers are refused here)
         keep = filter_groups(extra_scores, extra.groups)
         kept.append(extra.select(keep))
         kept_scores.append(extra_scores[keep])
