@@ -40,14 +40,15 @@ SIZES = dict(  # a small Qwen3-style MoE (benchmarks/train_step.py's)
 )
 
 
-def _reward_dir(root: Path) -> Path:
-    """A transformers reward model (the MoE above under a one-label score head)."""
+def _reward_dir(root: Path, family: str) -> Path:
+    """A transformers reward model (the sizes above, ``family``'s, under a one-label score head)."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
     from hybridflow.rollout.tiny import make_tiny_model_dir
 
-    causal = make_tiny_model_dir(root / "causal", "qwen3_moe", vocab_size=4096, **SIZES)
+    sizes = SIZES if family == "qwen3_moe" else {k: v for k, v in SIZES.items() if "expert" not in k and "moe" not in k}
+    causal = make_tiny_model_dir(root / "causal", family, vocab_size=4096, **sizes)
     net = AutoModelForSequenceClassification.from_pretrained(str(causal), num_labels=1, dtype=torch.float32)
     net.save_pretrained(str(root / "rm"))
     for f in causal.iterdir():
@@ -68,7 +69,7 @@ def _rows(count: int, longest: int, vocab: int, pad: int):
     return ids, lengths
 
 
-def measure(rows: int, longest: int, micro: int, passes: int) -> dict:
+def measure(rows: int, longest: int, micro: int, passes: int, family: str = "qwen3_moe") -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -79,7 +80,7 @@ def measure(rows: int, longest: int, micro: int, passes: int) -> dict:
     from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
 
     with tempfile.TemporaryDirectory(prefix="reward_scoring-") as tmp:
-        directory = _reward_dir(Path(tmp))
+        directory = _reward_dir(Path(tmp), family)
         source, model = reward_model_source(directory)
         layout = ParallelLayout()
         parallel.init_default_group()
@@ -112,6 +113,7 @@ def measure(rows: int, longest: int, micro: int, passes: int) -> dict:
         "transformers_samples_per_s": round(rows / hf_s, 2),
         "node_over_transformers": round(hf_s / node_s, 3),
         "max_abs_score_diff": float((scores["node"] - scores["transformers"]).abs().max()),
+        "family": family,
         "rows": rows,
         "longest": longest,
         "micro_batch": micro,
@@ -128,8 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--longest", type=int, default=256, help="tokens of the longest sample (the shortest: half)")
     parser.add_argument("--micro", type=int, default=16, help="samples per forward (both sides)")
     parser.add_argument("--passes", type=int, default=3, help="timed passes of each")
+    parser.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "qwen3"), help="MoE or dense")
     args = parser.parse_args(argv)
-    result = measure(args.rows, args.longest, args.micro, args.passes)
+    result = measure(args.rows, args.longest, args.micro, args.passes, args.family)
     emit(result, args.json)
     return result
 
