@@ -157,9 +157,8 @@ def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dis
             return_routed_experts=cfg.moe.routing_replay == "r3",
             load_format="dummy",
         )
-    saved = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
     placement = {**engine_parallel_args(cfg), **_node_args(cfg, node_rank, dist_init_addr)}
-    try:
+    with plain_engine_env():
         if node_rank > 0:
             from hybridflow.rollout.sglang.engine import start_node
 
@@ -189,8 +188,6 @@ def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dis
             **placement,
             **_adapter_slots(cfg),
         )
-    finally:
-        os.environ.update(saved)
 
 
 def _adapter_slots(cfg: HybridflowConfig) -> dict:
