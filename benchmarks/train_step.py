@@ -7,9 +7,10 @@ comparison on a GPU).
     PYTHONPATH=. .venv/bin/python benchmarks/train_step.py [--json PATH] [--steps 6]
 
 The two trainers step in turns, batch by batch, so a slower phase of the machine costs both
-alike; each median leaves out the warm-up steps. The policy's extra work per step: per-token
-log-probs and entropy (a vocab-parallel log-softmax pass instead of the fused cross entropy),
-the metric reductions, the finite-gradient check.
+alike; each median leaves out the warm-up steps. The policy's extra work per step: the entropy
+beside the per-token log-probs (``megatron_adapters/logprobs.py``: both from one softmax, where
+the plain loop takes megatron-core's cross entropy alone), the metric reductions, the
+finite-gradient check.
 
 Prints ``{"policy_step_seconds", "plain_loop_step_seconds", "policy_over_plain", ...}``; ``--json``
 also writes it.

@@ -39,8 +39,8 @@ Formulas (bytes per GPU; ``T = micro_batch_size * (max_prompt_length + max_respo
   recomputation (the default) a layer keeps only its input, ``h / tp``, and one layer's full
   set is live while it is recomputed. 1F1B keeps ``pp - stage`` micro-batches in flight
   (interleaved: ``2 (pp - stage - 1) + (vpp - 1) pp + 1`` chunks of ``L / (pp vpp)`` layers).
-- logits (last stage): two fp32 copies of ``[T, Vp / tp]``, the cast that log-probs and
-  entropy read and the copy megatron's cross-entropy kernel writes into
+- logits (last stage): two fp32 copies of ``[T, Vp / tp]``, the shifted logits the log-probs
+  and entropy are computed from (kept for the entropy's gradient) and the probabilities
   (``megatron_adapters/logprobs.py``). The critic's value head has one column instead of Vp.
 - LoRA (``lora.enabled``, the actor): the adapters' parameters beside the frozen base; gradients
   and optimizer state for the adapters only (column layers: A whole, B / tp; row layers: A / tp,

@@ -50,7 +50,7 @@ from hfschema.train import MoEConfig, TrainConfig
 from moe.routes import UNROUTED
 
 from . import device_guard, packing
-from .logprobs import token_entropy, token_logprobs
+from .logprobs import token_scores
 from .lora import apply_lora, dropout_step
 from .model import build_model_chunks
 from .packing import FIRST_KEY, POSITIONS_KEY, SEGMENTS_KEY, PackPlan, uses_te_attention
@@ -418,12 +418,11 @@ class MegatronPolicy:
         tp_group = self.pg.tp
         vocab = self.model_config.vocab_size
         labels_BS = torch.roll(micro["input_ids"], shifts=-1, dims=1)
-        logp_BS = token_logprobs(logits_BSv, labels_BS, vocab_size=vocab, tp_group=tp_group)
+        logp_BS, ent_BS = token_scores(
+            logits_BSv, labels_BS, vocab_size=vocab, tp_group=tp_group, with_entropy=with_entropy
+        )
         logp_BS = _shift_right(logp_BS)
-        if not with_entropy:
-            return logp_BS, torch.zeros_like(logp_BS)
-        ent_BS = _shift_right(token_entropy(logits_BSv, vocab_size=vocab, tp_group=tp_group))
-        return logp_BS, ent_BS
+        return logp_BS, (_shift_right(ent_BS) if with_entropy else torch.zeros_like(logp_BS))
 
     def _score(self, logits_BSv: torch.Tensor, micro: Batch, with_entropy: bool):
         """``_scores``, with a packed row's sample starts and padding at 0 (no context there)."""

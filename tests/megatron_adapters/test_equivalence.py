@@ -79,6 +79,7 @@ def _pool_tasks(runs: Runs) -> list[tuple[int, list[dict]]]:
     pool2 = [eq(*case) for case in _cases(TWO_PROC)] + [
         eq(q, "pp2vpp2", {"pp": 2, "vpp": 2}),
         {"kind": "global_layers", "family": q, "spec": {"pp": 2, "vpp": 2}, "out": runs.out("global_layers_pp2vpp2")},
+        {"kind": "fused_scores", "seed": 0, "out": runs.out("fused_scores_tp2")},
         {"kind": "train_and_save", "family": q, "spec": {"ep": 2}, "init_dir": runs.init(q), "save_dir": runs.ckpt("q_ep2"), "steps": 2, "more": 2, "out": runs.out("save_q_ep2")},
         {"kind": "train_and_save", "family": ll, "spec": {"tp": 2}, "init_dir": runs.init(ll), "save_dir": runs.ckpt("l_tp2"), "steps": 2, "more": 2, "out": runs.out("save_l_tp2")},
     ]
@@ -178,3 +179,18 @@ def test_export_names_use_global_layer_numbers(runs: Runs) -> None:
     assert got["layers"] == [0, 2]
     assert "embedding.word_embeddings.weight" in got["names"]
     assert "decoder.layers.2.mlp.router.weight" in got["names"]
+
+
+@pytest.mark.claim("megatron-families-equal-one-process")
+def test_the_vocabulary_split_over_two_ranks_gives_the_same_scores_and_gradient(runs) -> None:
+    """The equivalence pool's two-rank task (``worker.fused_scores``): three reductions over the
+    TP group give each rank the whole vocabulary's numbers, and each its own slice's gradient."""
+    got = runs["fused_scores_tp2"]
+    from tests.megatron_adapters.test_logprobs import case, reference
+
+    logits, labels, weight_logp, weight_entropy = case(0)
+    theirs = logits.clone().requires_grad_(True)
+    ref_logp, ref_entropy = reference(theirs, labels)
+    (ref_logp * weight_logp + ref_entropy * weight_entropy).sum().backward()
+    assert torch.allclose(got["logp"], ref_logp, atol=1e-5) and torch.allclose(got["entropy"], ref_entropy, atol=1e-5)
+    assert torch.allclose(got["grad"], theirs.grad, atol=1e-5)

@@ -162,9 +162,38 @@ def global_layers(family: str, spec: dict) -> dict:
     }
 
 
+def fused_scores(seed: int) -> dict:
+    """``token_scores`` with the vocabulary split over every rank (the TP group is the world):
+    each rank's log-probs and entropy, and the gradient of a loss weighing both gathered over the
+    vocabulary, beside the same computed in one piece (``tests/megatron_adapters/test_logprobs.py``)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_logprobs import case  # the single-process test's inputs and reference
+
+    from megatron_adapters.logprobs import token_scores
+
+    logits, labels, weight_logp, weight_entropy = (t.to(parallel.device()) for t in case(seed))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = logits.shape[-1] // world
+    mine = logits[..., rank * local : (rank + 1) * local].clone().requires_grad_(True)
+    logp, entropy = token_scores(mine, labels, vocab_size=250, tp_group=dist.group.WORLD, with_entropy=True)
+    (logp * weight_logp + entropy * weight_entropy).sum().backward()
+    grads = [torch.empty_like(mine.grad) for _ in range(world)]
+    dist.all_gather(grads, mine.grad)
+    return {"logp": logp.detach(), "entropy": entropy.detach(), "grad": torch.cat(grads, dim=-1)}
+
+
 TASKS = {
     f.__name__: f
-    for f in (reference, equivalence, train_and_save, resume, load_weights, load_optimizer_error, global_layers)
+    for f in (
+        reference,
+        equivalence,
+        train_and_save,
+        resume,
+        load_weights,
+        load_optimizer_error,
+        global_layers,
+        fused_scores,
+    )
 }
 
 
