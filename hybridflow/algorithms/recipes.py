@@ -720,12 +720,44 @@ def with_reward_model(graph: Graph, *, scored: bool) -> Graph:
 
 
 def with_judge(graph: Graph, *, judged: bool) -> Graph:
-    """``judge.path`` set: before each ``reward`` node a ``judge`` node (the judge's engine,
-    driven by rank 0) answers the judging prompt for each response, and the reward node mixes the
-    parsed scores in."""
+    """``judge.path`` set: for each ``reward`` node, a ``judge_request`` node where the reward node
+    was (rank 0 hands the judging requests to the judge's engine and goes on), and the ``judge``
+    node that collects and parses the replies, moved with the reward node, which mixes the scores
+    in, down to just before the first node that reads the reward: the log-prob and value stages
+    between them run while the judge generates."""
     if not judged:
         return graph
-    return _scored_by(graph, role="judge", op="judge", prefix="judge", doc="the generative judge's parsed score")
+    graph = _scored_by(graph, role="judge", op="judge", prefix="judge", doc="the generative judge's parsed score")
+    nodes = list(graph.nodes)
+    for collect in [n for n in graph.nodes if n.op == "judge"]:
+        responses, pending = collect.option("responses_field"), f"{collect.option('scores_field')}_pending"
+        request = Node(
+            name=collect.name.replace("judge_score", "judge_request"),
+            role="judge",
+            op="judge_request",
+            inputs=(responses,),
+            outputs=(pending,),
+            options={"responses_field": responses, "pending_field": pending},
+            doc="the judging requests of each response, handed to the judge's engine",
+        )
+        index = nodes.index(collect)
+        collected = dataclasses.replace(
+            collect, inputs=(*collect.inputs, pending), options=(*collect.options, ("pending_field", pending))
+        )
+        nodes[index : index + 1] = [request, collected]
+        nodes = _later(nodes, [collected, nodes[index + 2]])  # the judge node and its reward node
+    return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def _later(nodes: list[Node], block: list[Node]) -> list[Node]:
+    """``nodes`` with ``block`` (consecutive, in order) moved down to just before the first later
+    node that reads one of its outputs (the end if none): what it produces is still produced
+    before it is read, and the nodes it passes run before it."""
+    start = nodes.index(block[0])
+    rest = nodes[:start] + nodes[start + len(block) :]
+    made = {field for node in block for field in node.outputs}
+    at = next((i for i in range(start, len(rest)) if made & set(rest[i].inputs)), len(rest))
+    return rest[:at] + block + rest[at:]
 
 
 def _scored_by(graph: Graph, *, role: str, op: str, prefix: str, doc: str) -> Graph:

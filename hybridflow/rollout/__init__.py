@@ -9,6 +9,8 @@ from .base import (  # noqa: F401
     FINISH_LENGTH,
     FINISH_STOP,
     AdapterReceiver,
+    BackgroundGenerator,
+    PendingBatch,
     RolloutBatch,
     RolloutEngine,
     RolloutSample,
@@ -19,4 +21,5 @@ from .base import (  # noqa: F401
     make_engine,
     register_engine,
     require,
+    submit,
 )

@@ -23,11 +23,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "BackgroundGenerator",
     "EngineLost",
     "FINISH_LENGTH",
     "FINISH_PAUSED",
     "FINISH_STOP",
     "MEMORY_TAGS",
+    "Finished",
+    "PendingBatch",
     "Prompt",
     "RolloutBatch",
     "RolloutEngine",
@@ -39,6 +42,7 @@ __all__ = [
     "make_engine",
     "memory_tags",
     "register_engine",
+    "submit",
 ]
 
 FINISH_STOP = "stop"
@@ -257,7 +261,44 @@ class AdapterReceiver(Protocol):
         ...
 
 
-ENGINE_PROTOCOLS = (RolloutEngine, SlicedWeightReceiver, AdapterReceiver)
+class PendingBatch(Protocol):
+    """A generate call started and not yet collected (``submit``)."""
+
+    def result(self) -> RolloutBatch:
+        """The batch, waiting for it if need be (once)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A ``PendingBatch`` already generated: what ``submit`` returns for an engine that cannot
+    generate in the background."""
+
+    batch: RolloutBatch
+
+    def result(self) -> RolloutBatch:
+        return self.batch
+
+
+@runtime_checkable
+class BackgroundGenerator(Protocol):
+    """An engine that generates while its caller does other work (SGLang: its schedulers are
+    processes of their own)."""
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingBatch:
+        """Start ``generate(prompts, params)``; returns once the engine has every request."""
+        ...
+
+
+def submit(engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingBatch:
+    """``engine``'s batch started in the background where it can be (``BackgroundGenerator``),
+    else generated now."""
+    if isinstance(engine, BackgroundGenerator):
+        return engine.submit(prompts, params)
+    return Finished(engine.generate(prompts, params))
+
+
+ENGINE_PROTOCOLS = (RolloutEngine, SlicedWeightReceiver, AdapterReceiver, BackgroundGenerator)
 """Everything the runtime asks of an engine (``tests/rollout/test_engine_protocol.py`` holds it to
 that): every engine implements ``RolloutEngine``; the two others are what a route needs."""
 

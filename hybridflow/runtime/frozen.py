@@ -9,10 +9,11 @@ rollout rows ── tokens(): the policy's ids as they are when the reward model
                 rendered in the reward model's own template ──► ids [b, T], lengths [b]
 on_device(): with reward_model.offload the parameters live on the host and come to the device
              for each use
-judge.path ── an engine of its own on rank 0 (real weights, no pushes) ── Judge.score(): each DP
+judge.path ── an engine of its own on rank 0 (real weights, no pushes) ── judge_request: each DP
              leader's rows to rank 0, one judging request each (judge.template in the judge's chat
-             template), greedy replies parsed (judge.pattern x judge.scale, judge.on_unparsable),
-             the scores [N] and the unparsable count back to every rank
+             template), submitted; the engine generates while the trainer computes log-probs
+             ── judge: the greedy replies collected and parsed (judge.pattern x judge.scale,
+             judge.on_unparsable), the scores [N] and the unparsable count back to every rank
 ```
 """
 
@@ -27,7 +28,16 @@ import torch
 
 from hfschema.hf_config import read_hf_config
 
-__all__ = ["Judge", "RewardModel", "build_reward_model", "build_teacher", "on_device", "start_judge"]
+__all__ = [
+    "Judge",
+    "PendingReplies",
+    "RewardModel",
+    "build_reference",
+    "build_reward_model",
+    "build_teacher",
+    "on_device",
+    "start_judge",
+]
 
 
 @dataclass
@@ -53,12 +63,12 @@ class RewardModel:
         if self.tokenizer is None:
             ids = ro.batch["input_ids"]
             return ids, ro.batch["attention_mask"].sum(dim=1).long()
-        from hybridflow.data import _as_encodable
+        from hybridflow.data import as_encodable
         from hybridflow.rollout.tokens import encode_prompts
 
         rows = []
         for prompt, text in zip(ro.prompts, ro.texts):
-            (prompt_ids,) = encode_prompts(self.tokenizer, [_as_encodable(prompt, self.use_chat)])
+            (prompt_ids,) = encode_prompts(self.tokenizer, [as_encodable(prompt, self.use_chat)])
             rows.append(list(prompt_ids) + self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.end_id])
         width = max((len(r) for r in rows), default=1)
         pad = self.pad_id if self.pad_id is not None else 0
@@ -123,6 +133,17 @@ def build_teacher(cfg, pg, policy_tokenizer):
     return teacher
 
 
+def build_reference(cfg, pg, *, load) -> Any:
+    """The reference policy: the frozen model of the actor's own architecture under its layout;
+    ``load(model)`` gives it its weights (the SFT warm-up's, ``model.path``'s, or the initial
+    actor's), which the caller knows."""
+    from megatron_adapters.policy import MegatronPolicy
+
+    reference = _frozen(MegatronPolicy, cfg.model, cfg, pg)
+    load(reference)
+    return reference
+
+
 def _frozen(kind, architecture, cfg, pg):
     """A ``kind`` (a MegatronPolicy class) of ``architecture`` under the actor's layout and process
     groups, without gradients or optimizer, its weights left for the loader."""
@@ -166,19 +187,33 @@ class Judge:
     tokenizer: Any
     stop_ids: tuple[int, ...]
 
-    def replies(self, cfg, items: list[tuple[Any, str, Any]]) -> list[str]:
-        """The judge's greedy reply to each (prompt, response, answer)."""
+    def request(self, cfg, items: list[tuple[Any, str, Any]]) -> "PendingReplies":
+        """The judge's greedy replies to each (prompt, response, answer), started: an SGLang
+        judge generates while the trainer goes on (``PendingReplies.texts`` collects them)."""
         from hybridflow.judge import render
-        from hybridflow.rollout.base import SamplingParams
+        from hybridflow.rollout.base import SamplingParams, submit
         from hybridflow.rollout.tokens import encode_prompts
 
         chat = bool(getattr(self.tokenizer, "chat_template", None))
         requests = [render(cfg.judge.template, prompt=p, response=r, answer=a) for p, r, a in items]
         ids = encode_prompts(self.tokenizer, [[{"role": "user", "content": q}] if chat else q for q in requests])
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.judge.max_tokens, stop_token_ids=self.stop_ids)
-        out = self.engine.generate(ids, params)
-        texts = [""] * len(items)
-        for sample in out.samples:
+        return PendingReplies(submit(self.engine, ids, params), self.tokenizer, len(items))
+
+
+@dataclass
+class PendingReplies:
+    """The judge's replies, being generated."""
+
+    pending: Any
+    """``rollout.base.PendingBatch``."""
+    tokenizer: Any
+    count: int
+
+    def texts(self) -> list[str]:
+        """Each request's reply text, in request order (waits for the engine)."""
+        texts = [""] * self.count
+        for sample in self.pending.result().samples:
             texts[sample.prompt_index] = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         return texts
 

@@ -368,31 +368,45 @@ def reward(s: Session, node, f: Inputs, step: Step) -> Produced:
     return Produced({target: scores}, reward_errors=errors)
 
 
-@op("judge")
-def judge(s: Session, node, f: Inputs, step: Step) -> Produced:
-    """The generative judge's score [N] of every sample: each DP rank's leader sends its rows'
-    (prompt, response, answer) to rank 0, whose judge engine replies to one judging request each;
-    a reply without a score counts as unparsable and scores ``judge.on_unparsable``."""
-    from hybridflow.judge import parse_score
-
-    ro, shard, cfg = f[node.option("responses_field")], s.run.shard, s.cfg.judge
+@op("judge_request")
+def judge_request(s: Session, node, f: Inputs, step: Step) -> Produced:
+    """The judging requests of every sample, started: each DP rank's leader sends its rows'
+    (prompt, response, answer) to rank 0, which hands them to the judge's engine and goes on; the
+    engine generates the replies while the stages up to ``judge`` run. The field holds rank 0's
+    rows and pending replies (None on the other ranks)."""
+    ro, shard = f[node.option("responses_field")], s.run.shard
     mine = (ro.rows.tolist(), list(zip(ro.prompts, ro.texts, ro.answers))) if shard.leader else ([], [])
     together = dist.is_initialized() and dist.get_world_size() > 1
-    driver = not together or dist.get_rank() == DRIVER
     parts = [mine]
     if together:
-        parts = [None] * dist.get_world_size() if driver else None
+        parts = [None] * dist.get_world_size() if dist.get_rank() == DRIVER else None
         dist.gather_object(mine, parts, dst=DRIVER, group=shard.group)
-    verdict = None
-    if driver:
+    pending = None
+    if not together or dist.get_rank() == DRIVER:
         rows = [row for part in parts for row in part[0]]
-        items = [item for part in parts for item in part[1]]
-        scores = [parse_score(reply, cfg.pattern, cfg.scale) for reply in s.models.judge.replies(s.cfg, items)]
+        pending = (rows, s.models.judge.request(s.cfg, [item for part in parts for item in part[1]]))
+    return Produced({node.option("pending_field"): pending})
+
+
+@op("judge")
+def judge(s: Session, node, f: Inputs, step: Step) -> Produced:
+    """The generative judge's score [N] of every sample, from the replies ``judge_request``
+    started (rank 0 waits for any still being generated); a reply without a score counts as
+    unparsable and scores ``judge.on_unparsable``."""
+    from hybridflow.judge import parse_score
+
+    ro, cfg = f[node.option("responses_field")], s.cfg.judge
+    pending = f[node.option("pending_field")]
+    verdict = None
+    if pending is not None:  # rank 0
+        rows, replies = pending
+        scores = [parse_score(reply, cfg.pattern, cfg.scale) for reply in replies.texts()]
         out = torch.full((ro.total,), float(cfg.on_unparsable))
         for row, value in zip(rows, scores):
             if value is not None:
                 out[row] = value
         verdict = (out, sum(v is None for v in scores))
+    together = dist.is_initialized() and dist.get_world_size() > 1
     scores, unparsable = broadcast(verdict) if together else verdict
     name = node.option("scores_field")
     metrics = {f"{name}/mean": float(scores.mean()), "judge/unparsable": float(unparsable)}

@@ -252,13 +252,18 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
 
         s.models.teacher = build_teacher(s.cfg, s.models.pg, s.data.tokenizer)
     if s.models.spec.uses_reference:
-        s.models.reference = build_policy(s.cfg, s.cfg.train, s.models.pg, trainable=False)
-        if (sft / "actor").is_dir():
-            _load_sft(s.models.reference, sft)
-        elif s.cfg.model.pretrained:  # read again: a resumed actor has moved away from it
-            _load_starting_weights(s, s.models.reference)
-        else:  # no SFT: the reference is the initial actor, which this run's seed rebuilt
-            _copy_weights(s.models.actor, s.models.reference)
+        from hybridflow.runtime.frozen import build_reference
+
+        s.models.reference = build_reference(s.cfg, s.models.pg, load=lambda ref: _reference_weights(s, sft, ref))
+
+
+def _reference_weights(s: Session, sft: Path, reference) -> None:
+    if (sft / "actor").is_dir():
+        _load_sft(reference, sft)
+    elif s.cfg.model.pretrained:  # read again: a resumed actor has moved away from it
+        _load_starting_weights(s, reference)
+    else:  # no SFT: the reference is the initial actor, which this run's seed rebuilt
+        _copy_weights(s.models.actor, reference)
 
 
 def _load_sft(policy, sft: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 from hfschema.hf_config import read_model_config
 from hfschema.model_source import architecture, model_source, reward_model_source
 from hybridflow.config import load_config
-from hybridflow.data import _BadRow, write_jsonl, write_parquet
+from hybridflow.data import BadRow, write_jsonl, write_parquet
 from hybridflow.lowering import lower
 from hybridflow.preferences import encode_pair, read_pairs
 from hybridflow.rollout.tiny import make_tiny_model_dir, make_tiny_tokenizer
@@ -107,7 +107,7 @@ def test_bad_preference_rows_name_file_and_row(tmp_path):
     with pytest.raises(ValueError, match=r"pairs.jsonl line 1 \(1-based\): no column 'rejected'"):
         read_pairs([str(path)], strict, chosen_key="chosen", rejected_key="rejected")
     write_jsonl(path, [{"prompt": "q", "chosen": "a", "rejected": "b"}])
-    with pytest.raises(_BadRow, match="more than data.max_prompt_length"):
+    with pytest.raises(BadRow, match="more than data.max_prompt_length"):
         encode_pair(
             pairs[0],
             make_tiny_tokenizer(),
@@ -283,13 +283,17 @@ def test_plan_prints_the_teacher_node_and_the_advantages_it_feeds(tmp_path):
     assert plan.memory[0].phases["training"]["teacher params"] > 0
 
 
-@pytest.mark.claim("frozen-models-in-plan")
+@pytest.mark.claim("frozen-models-in-plan", "judge-overlaps-the-step")
 def test_plan_prints_the_judge_engine(tmp_path):
     judge = make_tiny_model_dir(tmp_path / "judge", "qwen3")
     cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"judge.path={judge}"])
     plan = lower(cfg, with_reshard=False)
     text = "\n".join(plan.describe())
-    assert "judge_score [judge] judge: responses -> judge_scores" in text
+    assert "judge_request [judge] judge_request: responses -> judge_scores_pending" in text
+    assert "judge_score [judge] judge: responses, judge_scores_pending -> judge_scores" in text
+    # the judge generates while the actor's log-probs are computed: the reward waits until it is read
+    order = [stage.node.name for stage in plan.stages]
+    assert order[:6] == ["generate", "judge_request", "old_logprob", "judge_score", "reward", "token_rewards"]
     assert "judge: qwen3 (LM head" in text and "sglang engine, tp=1, bfloat16" in text
     assert plan.memory[0].phases["generation"]["judge weights"] > 0
     with pytest.raises(ValueError, match="judge.path=.* a sequence-classification model cannot answer"):

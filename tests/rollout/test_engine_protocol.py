@@ -22,6 +22,7 @@ import pytest
 from hybridflow.rollout.base import (
     ENGINE_PROTOCOLS,
     AdapterReceiver,
+    BackgroundGenerator,
     RolloutEngine,
     SlicedWeightReceiver,
     protocol_methods,
@@ -64,7 +65,10 @@ def test_each_built_in_engine_class_implements_the_protocols_of_its_routes() -> 
         return all(callable(getattr(cls, name, None)) for name in protocol_methods(protocol))
 
     assert has(HFEngine, RolloutEngine) and not has(HFEngine, SlicedWeightReceiver)
-    assert all(has(SGLangEngine, p) for p in (RolloutEngine, SlicedWeightReceiver, AdapterReceiver))
+    assert not has(HFEngine, BackgroundGenerator)  # generates in this process: submit() generates at once
+    assert all(
+        has(SGLangEngine, p) for p in (RolloutEngine, SlicedWeightReceiver, AdapterReceiver, BackgroundGenerator)
+    )
 
 
 def test_a_route_the_engine_cannot_take_is_named() -> None:

@@ -29,6 +29,7 @@ default divides the logits by the temperature first).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -39,6 +40,7 @@ import os
 import signal
 import tempfile
 import time
+import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -53,6 +55,8 @@ from hybridflow.config import RolloutConfig
 from hybridflow.rollout.base import (
     FINISH_LENGTH,
     FINISH_STOP,
+    Finished,
+    PendingBatch,
     RolloutBatch,
     RolloutSample,
     SamplingParams,
@@ -494,28 +498,56 @@ class SGLangEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """Sample ``params.n`` responses per prompt; samples come prompt-major, then sample index."""
+        input_ids, requests = self._requests(prompts, params)
+        if not input_ids:
+            return RolloutBatch(samples=(), seconds=0.0)
+        started = time.perf_counter()
+        outputs = self._watched(lambda: self._engine.generate(input_ids=input_ids, **requests), "generate")
+        return self._batch(outputs, input_ids, params.n, started)
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingBatch:
+        """``generate``'s batch, started: returns once every request is with the schedulers, which
+        generate while the caller does other work; ``result()`` collects the batch.
+
+        One thread drives the engine's asyncio loop: the requests go in as a task on it, the loop
+        runs until each is dispatched (SGLang's ``ReqState.dispatched``), and the replies queue on
+        the detokenizer's socket until ``result()`` runs the loop again. Other calls on the loop
+        in between (a colocated engine's memory release) only move the task along."""
+        input_ids, requests = self._requests(prompts, params)
+        if not input_ids:
+            return Finished(RolloutBatch(samples=(), seconds=0.0))
+        started = time.perf_counter()
+        rids = [uuid.uuid4().hex for _ in input_ids]
+        loop = self._engine.loop
+        task = loop.create_task(self._engine.async_generate(input_ids=input_ids, rid=rids, **requests))
+        states = self._engine.tokenizer_manager.rid_to_state
+
+        async def dispatched() -> None:
+            while not task.done() and not all(r in states and states[r].dispatched for r in rids):
+                await asyncio.sleep(0)
+
+        self._watched(lambda: loop.run_until_complete(dispatched()), "submit")
+        return _SGLangPending(self, task, input_ids, params.n, started)
+
+    def _requests(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[list[list[int]], dict]:
+        """The engine's input ids (each prompt ``params.n`` times) and the rest of its request."""
         self._check_open()
         self._check_servable()
         prompts = [[int(t) for t in p] for p in prompts]
         self._check_prompts(prompts, params)
         input_ids = [p for p in prompts for _ in range(params.n)]
-        if not input_ids:
-            return RolloutBatch(samples=(), seconds=0.0)
-        started = time.perf_counter()
-        sampling = [self._sampling(params, i) for i in range(len(input_ids))]
         served = {"lora_path": [self._adapter] * len(input_ids)} if self._adapter is not None else {}
-        outputs = self._watched(
-            lambda: self._engine.generate(
-                input_ids=input_ids,
-                sampling_params=sampling,
-                return_logprob=True,
-                return_routed_experts=self._routed_experts,
-                **served,
-            ),
-            "generate",
-        )
+        requests = {
+            "sampling_params": [self._sampling(params, i) for i in range(len(input_ids))],
+            "return_logprob": True,
+            "return_routed_experts": self._routed_experts,
+            **served,
+        }
+        return input_ids, requests
+
+    def _batch(self, outputs: list[dict], input_ids: list[list[int]], n: int, started: float) -> RolloutBatch:
         seconds = time.perf_counter() - started
-        samples = tuple(self._sample(out, i // params.n, i % params.n, input_ids[i]) for i, out in enumerate(outputs))
+        samples = tuple(self._sample(out, i // n, i % n, input_ids[i]) for i, out in enumerate(outputs))
         return RolloutBatch(samples=samples, seconds=seconds)
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -865,6 +897,24 @@ class SGLangEngine:
     def _run(self, coroutine: Any) -> Any:
         self._check_open()
         return self._watched(lambda: self._engine.loop.run_until_complete(coroutine), "pause / continue")
+
+
+@dataclasses.dataclass
+class _SGLangPending:
+    """A batch ``SGLangEngine.submit`` started: its task on the engine's loop."""
+
+    engine: SGLangEngine
+    task: Any
+    input_ids: list[list[int]]
+    n: int
+    started: float
+
+    def result(self) -> RolloutBatch:
+        """The batch, once generated (``seconds`` from the submit); EngineLost as ``generate``."""
+        engine, loop = self.engine, self.engine._engine.loop
+        engine._check_open()
+        outputs = engine._watched(lambda: loop.run_until_complete(self.task), "generate")
+        return engine._batch(outputs, self.input_ids, self.n, self.started)
 
 
 def _shutdown(engine: Any, own: frozenset[int]) -> None:

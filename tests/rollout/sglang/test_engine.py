@@ -107,6 +107,27 @@ def test_greedy_matches_transformers_and_the_hf_engine(case):
     assert all(s.routed_experts is None for s in batch.samples)  # SGLang cannot on CPU
 
 
+@pytest.mark.claim("judge-overlaps-the-step")
+def test_a_submitted_batch_is_generated_while_the_caller_does_other_work(case):
+    """``submit`` returns once the schedulers have the requests; they generate while this process
+    sleeps (as the trainer computes log-probs while a judge generates), so collecting takes a
+    fraction of a whole ``generate``, and the batch is the same."""
+    prompts, params = _prompts(seed=3, count=8), dataclasses.replace(GREEDY, max_new_tokens=24)
+    started = time.perf_counter()
+    whole = case.engine.generate(prompts, params)
+    generate_s = time.perf_counter() - started
+    pending = case.engine.submit(prompts, params)
+    time.sleep(1.5 * generate_s)
+    started = time.perf_counter()
+    collected = pending.result()
+    collect_s = time.perf_counter() - started
+    print(f"\n[{case.family} tp={case.tp}] generate {generate_s:.2f} s; collect after the work {collect_s:.3f} s")
+    assert _response_ids(collected) == _response_ids(whole)
+    got, expected = ([lp for s in batch.samples for lp in s.logprobs] for batch in (collected, whole))
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert collect_s < 0.25 * generate_s
+
+
 def test_greedy_logprobs_match_teacher_forced_forward(case):
     batch = case.engine.generate(PROMPTS, GREEDY)
     worst = 0.0
