@@ -13,9 +13,14 @@ run adds a new event file there, which TensorBoard reads as the same run.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,54 +40,91 @@ _FROM_STEP = ".from_step_"
 """A setting changed on a resume is logged as ``<key>.from_step_<step>`` (``Tracker.log_params``)."""
 
 
+class _Background:
+    """``fn()`` running in a thread of its own; ``result()`` waits for it (and raises its error)."""
+
+    def __init__(self, fn, name: str) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._value = fn()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread by result()
+            self._error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@dataclass(frozen=True)
+class _MlflowRun:
+    client: Any
+    """An ``mlflow.MlflowClient`` of the store: every call names the run (no process-wide active
+    run, so the run may be started in one thread and logged to from another)."""
+    run_id: str
+    uri: str
+
+
 class Tracker:
-    """Logs params, metrics and artifacts of one run; inert on ranks other than 0."""
+    """Logs params, metrics and artifacts of one run; inert on ranks other than 0.
+
+    The MLflow run starts in a thread (importing MLflow and creating the SQLite store cost about
+    3.5 s here), so it overlaps the models' build and the engines' start; what is logged before it
+    is ready waits, in order, and goes in at the next call after it is (or at ``run_id`` /
+    ``close``). An error of the start is raised by the first of those."""
 
     def __init__(
         self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None, history: list[dict[str, float]] = ()
     ) -> None:
-        self.run_id: str | None = None
-        self.uri: str | None = None
         self.tensorboard_dir: str | None = None
-        self._mlflow = None
+        self._mlflow: _MlflowRun | None = None
+        self._closed = False
+        self._starting: _Background | None = None
+        self._waiting: list[Callable[[_MlflowRun], None]] = []
         self._tensorboard = None
         if not active:
             return
         if cfg.run.tracking.backend == "mlflow":
-            self._start_mlflow(cfg, run_id, history)
+            start = functools.partial(_start_mlflow, cfg, run_id, list(history))
+            self._starting = _Background(start, "hybridflow-mlflow-start")
         if cfg.run.tracking.tensorboard:
             self._start_tensorboard(Path(cfg.run.output_dir).resolve() / "tensorboard")
 
-    def _start_mlflow(self, cfg: HybridflowConfig, run_id: str | None, history: list[dict[str, float]]) -> None:
-        import mlflow
+    @property
+    def run_id(self) -> str | None:
+        run = self._ready()
+        return run.run_id if run is not None else None
 
-        uri = cfg.run.tracking.uri or default_tracking_uri(cfg.run.output_dir)
-        mlflow.set_tracking_uri(uri)
-        artifacts = Path(cfg.run.output_dir).resolve() / "mlartifacts"
-        name = cfg.run.tracking.experiment
-        if mlflow.get_experiment_by_name(name) is None:
-            # artifacts beside the local store, not under the current directory
-            location = artifacts.as_uri() if cfg.run.tracking.uri is None else None
-            mlflow.create_experiment(name, artifact_location=location)
-        mlflow.set_experiment(name)
-        if run_id and not _store_holds(mlflow, run_id):
-            logger.warning(
-                "the checkpoint's MLflow run %s is not in %s (a checkpoint from another run directory, or "
-                "the store removed): starting a new MLflow run with the checkpoint's %d steps so far",
-                run_id,
-                uri,
-                len(history),
-            )
-            run_id = None
-        else:
-            history = ()
-        run = mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run(run_name=cfg.run.name)
-        self._mlflow = mlflow
-        self.run_id = run.info.run_id
-        self.uri = uri
-        logger.info("MLflow run %s at %s (artifacts under %s)", self.run_id, uri, artifacts)
-        for entry in history:
-            self.log_metrics(entry, step=int(entry["step"]))
+    @property
+    def uri(self) -> str | None:
+        run = self._ready()
+        return run.uri if run is not None else None
+
+    def _ready(self) -> _MlflowRun | None:
+        """The MLflow run, waiting for its start (and logging what waited) if need be."""
+        if self._starting is not None:
+            self._mlflow, self._starting = self._starting.result(), None
+            waiting, self._waiting = self._waiting, []
+            for call in waiting:
+                call(self._mlflow)
+        return self._mlflow
+
+    def _to_mlflow(self, call: Callable[[_MlflowRun], None]) -> None:
+        if self._closed:
+            return
+        if self._starting is not None and not self._starting.done():
+            self._waiting.append(call)
+        elif (run := self._ready()) is not None:
+            call(run)
 
     def _start_tensorboard(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -97,27 +139,15 @@ class Tracker:
 
         MLflow refuses to change a logged param. The resumed run stays one MLflow run, so its
         curves go on as one line, with the first values kept and each change dated by its step."""
-        if self._mlflow is not None:
-            values = {k: str(v)[:500] for k, v in params.items()}
-            logged = self._mlflow.get_run(self.run_id).data.params
-            latest = _latest_values(logged)
-            changed = {f"{k}{_FROM_STEP}{step}": v for k, v in values.items() if k in latest and latest[k] != v}
-            if changed:
-                logger.info(
-                    "settings changed since the MLflow run began, logged as of step %d: %s",
-                    step,
-                    ", ".join(f"{k}={v}" for k, v in changed.items()),
-                )
-            fresh = {k: v for k, v in {**values, **changed}.items() if k not in logged}
-            self._mlflow.log_params(fresh)
+        values = {k: str(v)[:500] for k, v in params.items()}
+        self._to_mlflow(functools.partial(_log_params, values, step))
         if self._tensorboard is not None:
             table = "\n".join(f"| {k} | {v} |" for k, v in params.items())
             self._tensorboard.add_text("params", f"| param | value |\n|---|---|\n{table}")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         finite = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        if self._mlflow is not None:
-            self._mlflow.log_metrics(finite, step=step)
+        self._to_mlflow(functools.partial(_log_metrics, finite, step))
         if self._tensorboard is not None:
             for name, value in finite.items():
                 self._tensorboard.add_scalar(name, value, global_step=step)
@@ -126,16 +156,87 @@ class Tracker:
             self._tensorboard.flush()
 
     def log_artifact(self, path: str | os.PathLike) -> None:
-        if self._mlflow is not None:
-            self._mlflow.log_artifact(str(path))
+        self._to_mlflow(lambda run: run.client.log_artifact(run.run_id, str(path)))
 
     def close(self, status: str = "FINISHED") -> None:
-        if self._mlflow is not None:
-            self._mlflow.end_run(status=status)
-            self._mlflow = None
+        """End the MLflow run with ``status``. A run that ends otherwise than FINISHED already
+        failed for a reason of its own: an MLflow start that failed too is logged, not raised."""
+        try:
+            run = self._ready()
+        except Exception:
+            if status == "FINISHED":
+                raise
+            logger.exception("the MLflow run did not start")
+            run, self._starting = None, None
+        if run is not None and not self._closed:
+            run.client.set_terminated(run.run_id, status=status)
+        self._closed = True
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def _start_mlflow(cfg: HybridflowConfig, run_id: str | None, history: list[dict[str, float]]) -> _MlflowRun:
+    """The run's MLflow run in its store: the checkpoint's (reopened) or a new one."""
+    from mlflow import MlflowClient
+
+    uri = cfg.run.tracking.uri or default_tracking_uri(cfg.run.output_dir)
+    client = MlflowClient(tracking_uri=uri)
+    artifacts = Path(cfg.run.output_dir).resolve() / "mlartifacts"
+    name = cfg.run.tracking.experiment
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        # artifacts beside the local store, not under the current directory
+        location = artifacts.as_uri() if cfg.run.tracking.uri is None else None
+        experiment_id = client.create_experiment(name, artifact_location=location)
+    else:
+        experiment_id = experiment.experiment_id
+    if run_id and not _store_holds(client, run_id):
+        logger.warning(
+            "the checkpoint's MLflow run %s is not in %s (a checkpoint from another run directory, or "
+            "the store removed): starting a new MLflow run with the checkpoint's %d steps so far",
+            run_id,
+            uri,
+            len(history),
+        )
+        run_id = None
+    else:
+        history = []
+    if run_id:
+        client.update_run(run_id, status="RUNNING")
+    else:
+        # the tags a run started by mlflow.start_run has (user, source, git commit): the UI shows them
+        from mlflow.tracking.context.registry import resolve_tags
+
+        run_id = client.create_run(experiment_id, run_name=cfg.run.name, tags=resolve_tags()).info.run_id
+    run = _MlflowRun(client=client, run_id=run_id, uri=uri)
+    logger.info("MLflow run %s at %s (artifacts under %s)", run_id, uri, artifacts)
+    for entry in history:
+        _log_metrics({k: float(v) for k, v in entry.items() if math.isfinite(v)}, int(entry["step"]), run)
+    return run
+
+
+def _log_params(values: dict[str, str], step: int, run: _MlflowRun) -> None:
+    from mlflow.entities import Param
+
+    logged = run.client.get_run(run.run_id).data.params
+    latest = _latest_values(logged)
+    changed = {f"{k}{_FROM_STEP}{step}": v for k, v in values.items() if k in latest and latest[k] != v}
+    if changed:
+        logger.info(
+            "settings changed since the MLflow run began, logged as of step %d: %s",
+            step,
+            ", ".join(f"{k}={v}" for k, v in changed.items()),
+        )
+    fresh = [Param(k, v) for k, v in {**values, **changed}.items() if k not in logged]
+    run.client.log_batch(run.run_id, params=fresh)
+
+
+def _log_metrics(values: dict[str, float], step: int, run: _MlflowRun) -> None:
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    run.client.log_batch(run.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
 
 def _latest_values(logged: dict[str, str]) -> dict[str, str]:
@@ -146,11 +247,11 @@ def _latest_values(logged: dict[str, str]) -> dict[str, str]:
     return latest
 
 
-def _store_holds(mlflow, run_id: str) -> bool:
+def _store_holds(client, run_id: str) -> bool:
     from mlflow.exceptions import MlflowException
 
     try:
-        mlflow.tracking.MlflowClient().get_run(run_id)
+        client.get_run(run_id)
     except MlflowException:
         return False
     return True
