@@ -39,12 +39,19 @@ from hybridflow.config import DataConfig, HybridflowConfig
 
 __all__ = [
     "DATA_SOURCE_KEY",
+    "BadRow",
+    "BadRows",
     "DataReport",
     "PromptRow",
     "PromptSampler",
     "TokenizedPrompt",
+    "as_encodable",
+    "check_prompt",
+    "is_message",
+    "optional_str",
     "preview_files",
     "read_rows",
+    "reader_for",
     "sft_key",
     "tokenize_rows",
     "write_jsonl",
@@ -112,7 +119,7 @@ class DataReport:
         return sum(self.skipped.values())
 
 
-class _BadRow(Exception):
+class BadRow(Exception):
     """A row check failed; the message is the reason, without the file and row."""
 
 
@@ -122,7 +129,7 @@ class _BadRow(Exception):
 @dataclass(frozen=True)
 class _Reader:
     rows: Callable[[Path], Iterator[tuple[int, Any]]]
-    """(number, decoded row or _BadRow) for each row of the file."""
+    """(number, decoded row or BadRow) for each row of the file."""
     unit: str
     """How a row is named in messages, e.g. "line 3 (1-based)"."""
 
@@ -135,7 +142,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
             except UnicodeDecodeError as error:
                 yield (
                     number,
-                    _BadRow(
+                    BadRow(
                         f"not UTF-8 text (byte 0x{raw[error.start]:02x} at byte {error.start + 1} "
                         "of the line); re-encode the file as UTF-8"
                     ),
@@ -146,7 +153,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as error:
-                yield number, _BadRow(f"invalid JSON ({error.msg} at column {error.colno})")
+                yield number, BadRow(f"invalid JSON ({error.msg} at column {error.colno})")
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -170,7 +177,9 @@ _READERS: dict[str, _Reader] = {
 """Row readers by file extension."""
 
 
-def _reader(path: Path) -> _Reader:
+def reader_for(path: Path) -> _Reader:
+    """The row reader of ``path``'s format (by extension); ValueError naming the file when it is
+    missing or of a format none reads."""
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
         raise ValueError(f"{path}: unsupported data file extension {path.suffix!r}; use one of: {', '.join(_READERS)}")
@@ -191,17 +200,18 @@ def _where(uid: str) -> str:
 
 
 def _lookup(record: Mapping[str, Any], dotted: str) -> Any:
-    """The value under ``a.b.c`` (nested mappings); _BadRow when a level is missing or null."""
+    """The value under ``a.b.c`` (nested mappings); BadRow when a level is missing or null."""
     value: Any = record
     for depth, part in enumerate(dotted.split(".")):
         if not isinstance(value, Mapping) or value.get(part) is None:
             missing = ".".join(dotted.split(".")[: depth + 1])
-            raise _BadRow(f"no value under {missing!r} (reading {dotted!r})")
+            raise BadRow(f"no value under {missing!r} (reading {dotted!r})")
         value = value[part]
     return value
 
 
-def _is_message(message: Any) -> bool:
+def is_message(message: Any) -> bool:
+    """Whether ``message`` is one chat turn: a mapping with text ``role`` and ``content``."""
     return (
         isinstance(message, Mapping)
         and isinstance(message.get("role"), str)
@@ -209,25 +219,27 @@ def _is_message(message: Any) -> bool:
     )
 
 
-def _check_prompt(prompt: Any, key: str) -> str | list[dict[str, str]]:
+def check_prompt(prompt: Any, key: str) -> str | list[dict[str, str]]:
+    """``prompt`` (column ``key``) as text or a chat of turns; BadRow when it is neither or empty."""
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise _BadRow(f"empty prompt in {key!r}")
+            raise BadRow(f"empty prompt in {key!r}")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
+    if isinstance(prompt, list) and prompt and all(is_message(m) for m in prompt):
         if not any(m["content"].strip() for m in prompt):
-            raise _BadRow(f"chat prompt in {key!r} has only empty messages")
+            raise BadRow(f"chat prompt in {key!r} has only empty messages")
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
-    raise _BadRow(
+    raise BadRow(
         f"{key!r} is of type {type(prompt).__name__}; expected text or a non-empty list of "
         f"{{'role': str, 'content': str}} messages"
     )
 
 
-def _optional_str(record: Mapping[str, Any], key: str) -> str | None:
+def optional_str(record: Mapping[str, Any], key: str) -> str | None:
+    """``record[key]`` if present (text), else None; BadRow when it is not text."""
     value = record.get(key)
     if value is not None and not isinstance(value, str):
-        raise _BadRow(f"{key!r} is of type {type(value).__name__}; expected text")
+        raise BadRow(f"{key!r} is of type {type(value).__name__}; expected text")
     return value
 
 
@@ -238,20 +250,20 @@ def _sft_response(record: Mapping[str, Any], key: str | None) -> str | None:
         return None
     try:
         value = _lookup(record, key) if key not in record else record[key]
-    except _BadRow:
+    except BadRow:
         value = None
-    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+    if isinstance(value, list) and value and all(is_message(m) for m in value):
         if value[-1]["role"] != "assistant":
-            raise _BadRow(
+            raise BadRow(
                 f"the turns in {key!r} end with a {value[-1]['role']!r} message; the last must be the assistant's"
             )
         return value
     if value is not None and not isinstance(value, str):
-        raise _BadRow(
+        raise BadRow(
             f"{key!r} is of type {type(value).__name__}; expected text or a list of messages (sft.response_key)"
         )
     if not value:
-        raise _BadRow(f"no SFT response in {key!r} (sft.response_key)")
+        raise BadRow(f"no SFT response in {key!r} (sft.response_key)")
     return value
 
 
@@ -262,8 +274,8 @@ def _from_messages(record: Mapping[str, Any], cfg: DataConfig, sft_key: str | No
     if cfg.prompt_key != DEFAULT_PROMPT_KEY or DEFAULT_PROMPT_KEY in record or MESSAGES_KEY not in record:
         return record
     messages = record[MESSAGES_KEY]
-    if not (isinstance(messages, list) and messages and all(_is_message(m) for m in messages)):
-        return record  # _check_prompt names what is wrong with it
+    if not (isinstance(messages, list) and messages and all(is_message(m) for m in messages)):
+        return record  # check_prompt names what is wrong with it
     last = messages[-1]
     turns = messages[:-1] if last["role"] == "assistant" and len(messages) > 1 else messages
     row = {**record, DEFAULT_PROMPT_KEY: turns}
@@ -273,21 +285,21 @@ def _from_messages(record: Mapping[str, Any], cfg: DataConfig, sft_key: str | No
 
 
 def _make_row(uid: str, record: Any, cfg: DataConfig, sft_key: str | None) -> PromptRow:
-    if isinstance(record, _BadRow):
+    if isinstance(record, BadRow):
         raise record
     if not isinstance(record, Mapping):
-        raise _BadRow(f"a row must be an object of columns, not of type {type(record).__name__}")
+        raise BadRow(f"a row must be an object of columns, not of type {type(record).__name__}")
     record = _from_messages(record, cfg, sft_key)
     if record.get(cfg.prompt_key) is None:
-        raise _BadRow(f"no prompt column {cfg.prompt_key!r} (data.prompt_key)")
-    prompt = _check_prompt(record[cfg.prompt_key], cfg.prompt_key)
+        raise BadRow(f"no prompt column {cfg.prompt_key!r} (data.prompt_key)")
+    prompt = check_prompt(record[cfg.prompt_key], cfg.prompt_key)
     answer = _lookup(record, cfg.answer_key)
     used = {cfg.prompt_key, MESSAGES_KEY, cfg.answer_key.split(".")[0], DATA_SOURCE_KEY, sft_key}
     return PromptRow(
         uid=uid,
         prompt=prompt,
         answer=answer,
-        data_source=_optional_str(record, DATA_SOURCE_KEY),
+        data_source=optional_str(record, DATA_SOURCE_KEY),
         sft_response=_sft_response(record, sft_key),
         extra={k: v for k, v in record.items() if k not in used},
     )
@@ -296,7 +308,7 @@ def _make_row(uid: str, record: Any, cfg: DataConfig, sft_key: str | None) -> Pr
 # --------------------------------------------------------------------------- bad rows
 
 
-class _BadRows:
+class BadRows:
     """Applies ``data.on_bad_row`` to the bad rows of one file: log and count, or raise."""
 
     def __init__(self, source: str, cfg: DataConfig, fix: str) -> None:
@@ -320,14 +332,14 @@ class _BadRows:
 
 def _read_file(path_text: str, cfg: DataConfig, sft_key: str | None, report: DataReport) -> list[PromptRow]:
     path = Path(path_text)
-    reader = _reader(path)
-    bad = _BadRows(path_text, cfg, "fix the row")
+    reader = reader_for(path)
+    bad = BadRows(path_text, cfg, "fix the row")
     rows = []
     for number, record in reader.rows(path):
         uid = f"{path_text}:{number}"
         try:
             rows.append(_make_row(uid, record, cfg, sft_key))
-        except _BadRow as reason:
+        except BadRow as reason:
             bad.add(uid, str(reason))
     bad.summarise()
     report.kept[path_text], report.skipped[path_text] = len(rows), bad.count
@@ -393,7 +405,7 @@ def _preview_file(
     for number, record in records:
         try:
             row = _make_row(f"{path_text}:{number}", record, cfg, sft_key)
-        except _BadRow as reason:
+        except BadRow as reason:
             if cfg.on_bad_row == "fail":  # what the run would stop at, said now
                 raise ValueError(
                     f"{where}: {reader.unit.format(n=number)}: {reason}; fix the row, or set "
@@ -441,12 +453,12 @@ def preview_files(
 # --------------------------------------------------------------------------- tokenising
 
 
-def _as_encodable(prompt: str | list[dict[str, str]], use_chat: bool, system_prompt: str | None = None) -> Any:
+def as_encodable(prompt: str | list[dict[str, str]], use_chat: bool, system_prompt: str | None = None) -> Any:
     """What ``encode_prompts`` takes: a chat when templating (``system_prompt`` first unless the
     chat has a system turn), else raw text."""
     if not use_chat:
         if not isinstance(prompt, str):
-            raise _BadRow(
+            raise BadRow(
                 "a chat prompt needs a chat template, but data.apply_chat_template is off or the tokenizer has none"
             )
         return prompt
@@ -460,11 +472,11 @@ def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool, tool
     from hybridflow.rollout.tokens import encode_prompts  # here: it imports torch; preflight reads rows without
 
     try:
-        (ids,) = encode_prompts(tokenizer, [_as_encodable(row.prompt, use_chat, cfg.system_prompt)], tools=tools)
+        (ids,) = encode_prompts(tokenizer, [as_encodable(row.prompt, use_chat, cfg.system_prompt)], tools=tools)
     except ValueError as error:  # e.g. a prompt that encodes to no tokens
-        raise _BadRow(str(error)) from error
+        raise BadRow(str(error)) from error
     if len(ids) > cfg.max_prompt_length:
-        raise _BadRow(f"the prompt has {len(ids)} tokens, more than data.max_prompt_length={cfg.max_prompt_length}")
+        raise BadRow(f"the prompt has {len(ids)} tokens, more than data.max_prompt_length={cfg.max_prompt_length}")
     return TokenizedPrompt(row=row, prompt_ids=tuple(ids))
 
 
@@ -480,12 +492,12 @@ def tokenize_rows(
     by ``cfg.on_bad_row``. No prompt left is a ValueError.
     """
     use_chat = cfg.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
-    bad = _BadRows("prompts", cfg, "raise data.max_prompt_length or fix the row")
+    bad = BadRows("prompts", cfg, "raise data.max_prompt_length or fix the row")
     encoded = []
     for row in rows:
         try:
             encoded.append(_encode_row(row, tokenizer, cfg, use_chat, tools))
-        except _BadRow as reason:
+        except BadRow as reason:
             bad.add(row.uid, str(reason))
     bad.summarise()
     if rows and not encoded:

@@ -28,13 +28,13 @@ from typing import Any
 from hybridflow.config import DataConfig
 from hybridflow.data import (
     DATA_SOURCE_KEY,
-    _as_encodable,
-    _BadRow,
-    _BadRows,
-    _check_prompt,
-    _is_message,
-    _optional_str,
-    _reader,
+    BadRow,
+    BadRows,
+    as_encodable,
+    check_prompt,
+    is_message,
+    optional_str,
+    reader_for,
     write_jsonl,
 )
 
@@ -60,35 +60,35 @@ def _response(value: Any, key: str) -> tuple[list[dict[str, str]] | None, str]:
     """(the turns before it, or None for text; the response text) of a chosen / rejected cell."""
     if isinstance(value, str):
         if not value.strip():
-            raise _BadRow(f"empty response in {key!r}")
+            raise BadRow(f"empty response in {key!r}")
         return None, value
-    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+    if isinstance(value, list) and value and all(is_message(m) for m in value):
         if value[-1]["role"] != "assistant":
-            raise _BadRow(f"the chat in {key!r} ends with a {value[-1]['role']!r} turn, not the assistant's response")
+            raise BadRow(f"the chat in {key!r} ends with a {value[-1]['role']!r} turn, not the assistant's response")
         before = [{"role": m["role"], "content": m["content"]} for m in value[:-1]]
         return before, value[-1]["content"]
-    raise _BadRow(f"{key!r} is of type {type(value).__name__}; expected text or a chat ending in the assistant's turn")
+    raise BadRow(f"{key!r} is of type {type(value).__name__}; expected text or a chat ending in the assistant's turn")
 
 
 def _make_pair(uid: str, record: Any, cfg: DataConfig, chosen_key: str, rejected_key: str) -> PreferencePair:
-    if isinstance(record, _BadRow):
+    if isinstance(record, BadRow):
         raise record
     if not isinstance(record, Mapping):
-        raise _BadRow(f"a row must be an object of columns, not of type {type(record).__name__}")
+        raise BadRow(f"a row must be an object of columns, not of type {type(record).__name__}")
     for key in (chosen_key, rejected_key):
         if record.get(key) is None:
-            raise _BadRow(f"no column {key!r} (rm.chosen_key / rm.rejected_key)")
+            raise BadRow(f"no column {key!r} (rm.chosen_key / rm.rejected_key)")
     turns_c, chosen = _response(record[chosen_key], chosen_key)
     turns_r, rejected = _response(record[rejected_key], rejected_key)
     if turns_c != turns_r:
-        raise _BadRow(f"{chosen_key!r} and {rejected_key!r} answer different conversations (their turns before differ)")
+        raise BadRow(f"{chosen_key!r} and {rejected_key!r} answer different conversations (their turns before differ)")
     prompt = record.get(cfg.prompt_key)
     if prompt is not None:
-        prompt = _check_prompt(prompt, cfg.prompt_key)
+        prompt = check_prompt(prompt, cfg.prompt_key)
     if turns_c:  # the chat carries its own prompt turns (a prompt column beside them repeats them)
         prompt = turns_c
     return PreferencePair(
-        uid=uid, prompt=prompt, chosen=chosen, rejected=rejected, data_source=_optional_str(record, DATA_SOURCE_KEY)
+        uid=uid, prompt=prompt, chosen=chosen, rejected=rejected, data_source=optional_str(record, DATA_SOURCE_KEY)
     )
 
 
@@ -100,14 +100,14 @@ def read_pairs(paths: Sequence[str], cfg: DataConfig, *, chosen_key: str, reject
     pairs: list[PreferencePair] = []
     for path_text in paths:
         path = Path(path_text)
-        bad = _BadRows(path_text, cfg, "fix the row")
+        bad = BadRows(path_text, cfg, "fix the row")
         kept = 0
-        for number, record in _reader(path).rows(path):
+        for number, record in reader_for(path).rows(path):
             uid = f"{path_text}:{number}"
             try:
                 pairs.append(_make_pair(uid, record, cfg, chosen_key, rejected_key))
                 kept += 1
-            except _BadRow as reason:
+            except BadRow as reason:
                 bad.add(uid, str(reason))
         bad.summarise()
         if not kept:
@@ -120,18 +120,18 @@ def read_pairs(paths: Sequence[str], cfg: DataConfig, *, chosen_key: str, reject
 
 def encode_pair(pair: PreferencePair, tokenizer, cfg: DataConfig, end_id: int, use_chat: bool) -> tuple[list, list]:
     """Token ids of (prompt + chosen, prompt + rejected), each response followed by ``end_id``;
-    ``_BadRow`` when one is longer than data.max_prompt_length + data.max_response_length."""
+    ``BadRow`` when one is longer than data.max_prompt_length + data.max_response_length."""
     from hybridflow.rollout.tokens import encode_prompts
 
     prompt_ids: list[int] = []
     if pair.prompt is not None:
-        (prompt_ids,) = encode_prompts(tokenizer, [_as_encodable(pair.prompt, use_chat, cfg.system_prompt)])
+        (prompt_ids,) = encode_prompts(tokenizer, [as_encodable(pair.prompt, use_chat, cfg.system_prompt)])
     limit = cfg.max_prompt_length + cfg.max_response_length
     out = []
     for response in (pair.chosen, pair.rejected):
         ids = list(prompt_ids) + tokenizer(response, add_special_tokens=False)["input_ids"] + [end_id]
         if len(ids) > limit:
-            raise _BadRow(
+            raise BadRow(
                 f"{len(ids)} tokens with the response, more than data.max_prompt_length + "
                 f"data.max_response_length = {limit}"
             )

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from hfschema.files import publish_directory, write_atomic
 from hfschema.hf_config import SCORE_SUFFIX, SIDE_FILE_DIR, side_files
 from hfschema.model import as_score_model
-from hybridflow.data import PromptSampler, _BadRow, _BadRows
+from hybridflow.data import BadRow, BadRows, PromptSampler
 from hybridflow.preferences import PreferencePair, encode_pair, make_task_pairs, read_pairs
 from hybridflow.runtime import report
 from hybridflow.runtime.session import DRIVER, Session, broadcast
@@ -61,12 +61,12 @@ def _encode(pairs: list[PreferencePair], s: Session, end_id: int, label: str) ->
     """Each pair's token ids; a pair too long is a bad row (``data.on_bad_row``)."""
     tokenizer, data = s.data.tokenizer, s.cfg.data
     use_chat = data.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
-    bad = _BadRows(label, data, "shorten the row or raise data.max_response_length")
+    bad = BadRows(label, data, "shorten the row or raise data.max_response_length")
     out = []
     for pair in pairs:
         try:
             out.append(encode_pair(pair, tokenizer, data, end_id, use_chat))
-        except _BadRow as reason:
+        except BadRow as reason:
             bad.add(pair.uid, str(reason))
     bad.summarise()
     return out
