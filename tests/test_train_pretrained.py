@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGPROB_TOL = 1e-4
-RL_STEPS = 12
+RL_STEPS = 8
 HELDOUT = 20
 SFT_NOISE = 0.6
 
@@ -88,7 +88,7 @@ def _config(model: Path, train: Path, test: Path) -> dict:
             "max_prompt_length": 48,
             "max_response_length": 8,
         },
-        "sft": {"steps": 200, "lr": 3.0e-3, "batch_size": 64, "response_key": "extra_info.answer"},
+        "sft": {"steps": 100, "lr": 3.0e-3, "batch_size": 64, "response_key": "extra_info.answer"},
         "algorithm": {"name": "grpo", "mini_batches": 4},
         "train": {"lr": 1.0e-3, "micro_batch_size": 16, "global_batch_size": 128, "clip_grad": 1.0},
         "run": {
