@@ -10,7 +10,7 @@ phase ended (``hybridflow/runtime/startup_clock.py``); this script started the c
     launcher    the command until torchrun's worker exists (the CLI's imports, preflight, torchrun)
     imports     the worker's modules
     rendezvous  the process groups
-    session     the data files, tokenizer and prompts (the MLflow run starts here, in a thread)
+    session     the data files, tokenizer and prompts, the MLflow run
     warm_up     the SFT warm-up (none here)
     models      the actor and reference built (megatron-core), their weights loaded
     engines     the rollout engines started, with the weight sync's plan (separate placement:

@@ -57,7 +57,9 @@ Graph transforms add the frozen models' nodes (``with_reward_model``, ``with_jud
 ``with_distillation``; docs/frozen-models.md):
 
     rm_score         reward_model  responses -> model_scores (read by reward: the mix)
-    judge            judge      responses -> judge_scores (read by reward: the mix)
+    judge_request    judge      responses -> judge_scores_pending (rank 0's engine generates ...)
+    judge            judge      responses, judge_scores_pending -> judge_scores (... collected here,
+                                  with reward, just before the reward is read: the mix)
     teacher_logprob  teacher    responses [+ kept] -> teacher_logprobs (read by advantages, with
                                   old_logprobs: each token's advantage loses distill_coef x KL)
 

@@ -17,7 +17,6 @@ import functools
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,36 +39,10 @@ _FROM_STEP = ".from_step_"
 """A setting changed on a resume is logged as ``<key>.from_step_<step>`` (``Tracker.log_params``)."""
 
 
-class _Background:
-    """``fn()`` running in a thread of its own; ``result()`` waits for it (and raises its error)."""
-
-    def __init__(self, fn, name: str) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._value = fn()
-        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread by result()
-            self._error = error
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 @dataclass(frozen=True)
 class _MlflowRun:
     client: Any
-    """An ``mlflow.MlflowClient`` of the store: every call names the run (no process-wide active
-    run, so the run may be started in one thread and logged to from another)."""
+    """An ``mlflow.MlflowClient`` of the store: every call names the run (no process-wide state)."""
     run_id: str
     uri: str
 
@@ -77,10 +50,9 @@ class _MlflowRun:
 class Tracker:
     """Logs params, metrics and artifacts of one run; inert on ranks other than 0.
 
-    The MLflow run starts in a thread (importing MLflow and creating the SQLite store cost about
-    3.5 s here), so it overlaps the models' build and the engines' start; what is logged before it
-    is ready waits, in order, and goes in at the next call after it is (or at ``run_id`` /
-    ``close``). An error of the start is raised by the first of those."""
+    MLflow is called through an ``MlflowClient`` naming the run in every call (no process-wide
+    active run). The run starts here, in the caller's thread: a start in a thread of its own
+    hung the suite, see docs/speed.md."""
 
     def __init__(
         self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None, history: list[dict[str, float]] = ()
@@ -88,43 +60,25 @@ class Tracker:
         self.tensorboard_dir: str | None = None
         self._mlflow: _MlflowRun | None = None
         self._closed = False
-        self._starting: _Background | None = None
-        self._waiting: list[Callable[[_MlflowRun], None]] = []
         self._tensorboard = None
         if not active:
             return
         if cfg.run.tracking.backend == "mlflow":
-            start = functools.partial(_start_mlflow, cfg, run_id, list(history))
-            self._starting = _Background(start, "hybridflow-mlflow-start")
+            self._mlflow = _start_mlflow(cfg, run_id, list(history))
         if cfg.run.tracking.tensorboard:
             self._start_tensorboard(Path(cfg.run.output_dir).resolve() / "tensorboard")
 
     @property
     def run_id(self) -> str | None:
-        run = self._ready()
-        return run.run_id if run is not None else None
+        return self._mlflow.run_id if self._mlflow is not None else None
 
     @property
     def uri(self) -> str | None:
-        run = self._ready()
-        return run.uri if run is not None else None
-
-    def _ready(self) -> _MlflowRun | None:
-        """The MLflow run, waiting for its start (and logging what waited) if need be."""
-        if self._starting is not None:
-            self._mlflow, self._starting = self._starting.result(), None
-            waiting, self._waiting = self._waiting, []
-            for call in waiting:
-                call(self._mlflow)
-        return self._mlflow
+        return self._mlflow.uri if self._mlflow is not None else None
 
     def _to_mlflow(self, call: Callable[[_MlflowRun], None]) -> None:
-        if self._closed:
-            return
-        if self._starting is not None and not self._starting.done():
-            self._waiting.append(call)
-        elif (run := self._ready()) is not None:
-            call(run)
+        if self._mlflow is not None and not self._closed:
+            call(self._mlflow)
 
     def _start_tensorboard(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -159,17 +113,8 @@ class Tracker:
         self._to_mlflow(lambda run: run.client.log_artifact(run.run_id, str(path)))
 
     def close(self, status: str = "FINISHED") -> None:
-        """End the MLflow run with ``status``. A run that ends otherwise than FINISHED already
-        failed for a reason of its own: an MLflow start that failed too is logged, not raised."""
-        try:
-            run = self._ready()
-        except Exception:
-            if status == "FINISHED":
-                raise
-            logger.exception("the MLflow run did not start")
-            run, self._starting = None, None
-        if run is not None and not self._closed:
-            run.client.set_terminated(run.run_id, status=status)
+        if self._mlflow is not None and not self._closed:
+            self._mlflow.client.set_terminated(self._mlflow.run_id, status=status)
         self._closed = True
         if self._tensorboard is not None:
             self._tensorboard.close()
