@@ -3,6 +3,8 @@
     CASES (model x megatron layout x sglang settings x colocated/separate)
         -> one fresh worker process per case, pinned to one CPU core:
                build both layouts + plan_reshard   (timed: plan_seconds, plan_cpu_seconds)
+               process 0's part of the executor's schedule, 64 and 256 MiB buckets
+                                                   (rank_schedule_64mb, rank_schedule_256mb)
                plan_stats                          (timed apart: stats_seconds)
                peak RSS of the process (resource.getrusage ru_maxrss)
         -> {"cases": [...]} printed as JSON; --json PATH also writes it (tmp file + rename)
@@ -304,6 +306,8 @@ def run_case(case: Case) -> dict:
     destination = sglang_layout(model, case.destination)
     plan = plan_reshard(source, destination, _topology(case))
     plan_seconds, plan_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    plan_rss = _peak_rss()
+    rank_part = _rank_part(plan, case)
     wall = time.perf_counter()
     bandwidth = LINKS[case.bandwidth]
     stats = plan_stats(plan, bandwidth=bandwidth)
@@ -316,7 +320,8 @@ def run_case(case: Case) -> dict:
         "plan_seconds": round(plan_seconds, 3),
         "plan_cpu_seconds": round(plan_cpu, 3),
         "stats_seconds": round(time.perf_counter() - wall, 3),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": plan_rss,
+        **rank_part,
         **stats.as_dict(),
         "links": case.bandwidth,
         "intra_node_gbps": bandwidth.intra_node_gbps,
@@ -333,6 +338,54 @@ def run_case(case: Case) -> dict:
     record["baseline_ratio"] = round(record["baseline_ratio"], 3)
     record["simulated_seconds"] = round(record["simulated_seconds"], 4)
     return record
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rank_part(plan, case: Case) -> dict:
+    """What one process derives next, at its first weight push: its part of the executor's
+    schedule (``reshard.executor.schedule``) at the config's bucket (``rollout.reshard_bucket_mb``,
+    64 MiB) and at 256 MiB, for process 0. Each is derived in a forked child, so its peak memory
+    above the plan's is its own."""
+    from reshard.executor import ProcessMap
+
+    source, destination = plan.source.num_ranks, plan.destination.num_ranks
+    first = 0 if case.colocated else source
+    processes = ProcessMap(source=tuple(range(source)), destination=tuple(first + r for r in range(destination)))
+    return {f"rank_schedule_{mb}mb": _in_child(plan, processes, mb << 20) for mb in (64, 256)}
+
+
+def _in_child(plan, processes, bucket_bytes: int) -> dict:
+    from reshard.executor import _schedule
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: derive, report, leave without the parent's exit handlers
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident size starts again from the present one
+        before, cpu = _status_bytes("VmRSS"), time.process_time()
+        steps = _schedule(plan, processes, bucket_bytes, 0)
+        record = {
+            "cpu_seconds": round(time.process_time() - cpu, 3),
+            "added_peak_rss_bytes": _status_bytes("VmHWM") - before,
+            "rounds": len(steps.rounds),
+            "own_messages": sum(len(r) for r in steps.rounds),
+        }
+        os.write(write, json.dumps(record).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(text)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
 
 def summary(cases: list[dict]) -> dict:

@@ -32,10 +32,10 @@ it received, from its own buffer. Each element crosses into each destination nod
 the network carries the node-level bound exactly. Loads are counted per device, so colocated
 ranks of the two sides share their device's NIC and NVLink.
 No torch, no process groups, no weights: a 671B plan is shapes only.
-Routes are compact on purpose: a 1,024-rank DeepSeek-V3 plan has 6.9 million transfers but
-3.3 million routes; statistics are computed from the routes exactly. "Least loaded" is a heap per
-bundle (and per node for the fan-out), not a scan: that plan costs 7.5 CPU s
-(``benchmarks/reshard_plan.py``).
+Routes are compact on purpose: a 1,024-rank DeepSeek-V3 plan has millions of transfers but
+0.86 million routes; statistics are computed from the routes exactly. "Least loaded" is a heap
+per bundle (and per node for the fan-out), not a scan, and bundles hold up to 256 MiB
+(``PART_BYTES``): that plan costs under 3 CPU s (``benchmarks/reshard_plan.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ __all__ = ["KINDS", "Bundle", "Plan", "Slice", "Transfer", "check_compatible", "
 KINDS = ("local", "intra", "inter")
 """Route kinds: same device (local copy), same node, across nodes."""
 LOCAL, INTRA, INTER = range(3)
+PART_BYTES = 256 << 20
+"""The most one bundle holds by default. A bundle takes one route per needer, so the part size
+sets the plan's size: at 64 MiB the 1,024-GPU DeepSeek-V3 plan had 3.3 million routes and took
+7.6 CPU s; at 256 MiB it has 0.86 million, takes 3.1 s, and every benchmark case stays within
+1.02 of the time bound (each NIC still carries hundreds of parts, enough to balance them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,8 +187,12 @@ class Plan:
             mask = (self.route_src == rank) & (self.route_relay == (side == "relay"))
         return self._expand(np.flatnonzero(mask))
 
-    def _expand(self, routes: np.ndarray) -> Iterator[Transfer]:
-        for i in routes.tolist():
+    def route_transfers(self, route: int) -> list[Transfer]:
+        """The transfers of one route, one per slice of its bundle, in the bundle's order."""
+        return list(self._expand([route]))
+
+    def _expand(self, routes) -> Iterator[Transfer]:
+        for i in np.asarray(routes).tolist():
             src, dst = int(self.route_src[i]), int(self.route_dst[i])
             kind, relay, hop = KINDS[self.route_kind[i]], bool(self.route_relay[i]), int(self.route_hop[i])
             for s in self.bundles[self.route_bundle[i]].slices:
@@ -510,7 +519,7 @@ def plan_reshard(
     topology: Topology,
     *,
     max_relays: int = 8,
-    part_bytes: int = 64 << 20,
+    part_bytes: int = PART_BYTES,
 ) -> Plan:
     """The plan moving every box ``destination`` needs out of ``source`` (pure, deterministic).
 
@@ -538,8 +547,8 @@ def _plan(
     bundles = [bundles[i] for i in order]
     # two greedy passes: the second knows, per device, the NIC sends the first made for the
     # bundles still to come (a device whose own shards must leave it later is spared now).
-    # One pass would halve the CPU (DeepSeek-V3, 1,024 GPUs: 4.2 instead of 7.5 s) but misses
-    # the time bound by 16% (Mixtral-8x22B TP8 PP4 EP8 -> TP8 x 8, colocated: 1.165x; 1.036x here)
+    # One pass would halve the CPU but missed the time bound by 16% with 64 MiB parts
+    # (Mixtral-8x22B TP8 PP4 EP8 -> TP8 x 8, colocated: 1.165x; 1.036x with both)
     rough = _Chooser(topology, max_relays=max_relays)
     first = [rough.route(b.holders, b.needers, b.nbytes) for b in bundles]
     chooser = _Chooser(topology, max_relays=max_relays)

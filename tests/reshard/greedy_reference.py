@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from reshard.planner import _bundles
+from reshard.planner import PART_BYTES, _bundles
 from reshard.topology import Topology
 
 LOCAL, INTRA, INTER = range(3)
 
 
-def reference_routes(source, destination, topology: Topology, *, max_relays: int = 8, part_bytes: int = 64 << 20):
+def reference_routes(source, destination, topology: Topology, *, max_relays: int = 8, part_bytes: int = PART_BYTES):
     """(src, relay, dst, kind, hop, bundle) columns of every route, in the planner's order."""
     bundles = _bundles(source, destination, part_bytes)
     order = sorted(range(len(bundles)), key=lambda i: (-bundles[i].nbytes, i))

@@ -14,7 +14,7 @@ import torch
 
 from hfschema.layout import ParallelLayout
 from hfschema.sglang import SGLangSettings
-from reshard.executor import ProcessMap, schedule
+from reshard.executor import Message, ProcessMap, schedule
 from reshard.megatron import megatron_layout
 from reshard.planner import plan_reshard
 from reshard.regions import num_elements
@@ -27,6 +27,29 @@ WORKER = Path(__file__).with_name("executor_worker.py")
 CASES = ("tp2_colocated", "tp2_other_ranks", "tp2ep2_colocated", "tp2ep2_other_ranks")
 
 
+def _job(plan, processes: ProcessMap, bucket: int) -> tuple[list[list[Message]], list]:
+    """Every process's part of the schedule put together: the job's rounds (each message once)
+    and its local copies. Each process derives its part alone; a message both ends take part in
+    must be the same message, in the same round, at both."""
+    parts = {p: schedule(plan, processes, bucket_bytes=bucket, process=p) for p in _all(processes)}
+    assert len({len(part.rounds) for part in parts.values()}) == 1
+    rounds = []
+    for i in range(len(parts[0].rounds)):
+        seen: dict[int, Message] = {}
+        for p, part in parts.items():
+            for m in part.rounds[i]:
+                assert p in (m.src, m.dst)
+                assert seen.setdefault(m.tag, m) == m, f"process {p} sees message {m.tag} unlike its peer"
+        for m in seen.values():  # each in both ends' parts
+            assert m in parts[m.src].rounds[i] and m in parts[m.dst].rounds[i]
+        rounds.append(list(seen.values()))
+    return rounds, [piece for part in parts.values() for piece in part.local]
+
+
+def _all(processes: ProcessMap) -> list[int]:
+    return sorted(set(processes.source) | set(processes.destination))
+
+
 @pytest.mark.claim("reshard-executor-exact")
 @pytest.mark.parametrize("case", random_cases(seed=21, count=12), ids=str)
 def test_schedule_respects_the_bucket_and_covers_the_plan(case) -> None:
@@ -36,36 +59,40 @@ def test_schedule_respects_the_bucket_and_covers_the_plan(case) -> None:
         destination=tuple(plan.source.num_ranks + r for r in range(plan.destination.num_ranks)),
     )
     bucket = 4096
-    steps = schedule(plan, processes, bucket_bytes=bucket)
-    for messages in steps.rounds:
+    rounds, local = _job(plan, processes, bucket)
+    for messages in rounds:
         sent, received = defaultdict(int), defaultdict(int)
         for m in messages:
             sent[m.src] += m.nbytes
             received[m.dst] += m.nbytes
         assert max(sent.values()) <= bucket and max(received.values()) <= bucket
-    moved = sum(p.numel for r in steps.rounds for m in r for p in m.pieces) + sum(p.numel for p in steps.local)
+    moved = sum(p.numel for r in rounds for m in r for p in m.pieces) + sum(p.numel for p in local)
     assert moved == sum(num_elements(t.region) for t in plan.transfers())
 
 
 @pytest.mark.parametrize("case", random_cases(seed=22, count=16), ids=str)
-def test_relayed_pieces_leave_only_after_they_arrived(case) -> None:
+@pytest.mark.parametrize("colocated", [False, True], ids=["apart", "colocated"])
+def test_relayed_pieces_leave_only_after_they_arrived(case, colocated: bool) -> None:
     """Replay the schedule round by round: a process forwards a piece only in a round after
     the one that brought it, and in the end every process has every piece it needs."""
     plan = plan_reshard(*case.build(), case.topology, part_bytes=512)
+    first = 0 if colocated else plan.source.num_ranks  # colocated: process r plays both sides' rank r
     processes = ProcessMap(
         source=tuple(range(plan.source.num_ranks)),
-        destination=tuple(plan.source.num_ranks + r for r in range(plan.destination.num_ranks)),
+        destination=tuple(first + r for r in range(plan.destination.num_ranks)),
     )
-    steps = schedule(plan, processes, bucket_bytes=1024)
-    have = {(processes.destination[p.transfer.dst_rank], p.transfer.tensor, p.region) for p in steps.local}
-    for messages in steps.rounds:
+    rounds, local = _job(plan, processes, 1024)
+    have = {(processes.destination[p.transfer.dst_rank], p.transfer.tensor, p.region) for p in local}
+    for messages in rounds:
         for m in messages:
             for p in m.pieces:
                 assert not p.transfer.relay or (m.src, p.transfer.tensor, p.region) in have, p
         have |= {(m.dst, p.transfer.tensor, p.region) for m in messages for p in m.pieces}
     needed = {(processes.destination[t.dst_rank], t.tensor) for t in plan.transfers()}
     assert {(proc, tensor) for proc, tensor, _ in have} == needed
-    assert schedule(plan, processes, bucket_bytes=1024) is steps  # derived once per plan
+    assert schedule(plan, processes, bucket_bytes=1024, process=0) is schedule(
+        plan, processes, bucket_bytes=1024, process=0
+    )  # derived once per plan and process
 
 
 def test_a_bucket_smaller_than_one_row_is_refused() -> None:
@@ -76,7 +103,7 @@ def test_a_bucket_smaller_than_one_row_is_refused() -> None:
         Topology.separate(1, 1),
     )
     with pytest.raises(ValueError, match="smaller than one row"):
-        schedule(plan, ProcessMap(source=(0,), destination=(1,)), bucket_bytes=16)
+        schedule(plan, ProcessMap(source=(0,), destination=(1,)), bucket_bytes=16, process=0)
 
 
 def _tiny():
