@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hybridflow.agentic.trajectory import final_turn, turn_metrics
 from hybridflow.algorithms.correction import rollout_correction
@@ -37,7 +36,7 @@ from hybridflow.rollout.base import FINISH_LENGTH, Prompt, RolloutSample, Sampli
 from hybridflow.rollout.tokens import pack_batch
 from hybridflow.runtime import replicas, switches
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
-from hybridflow.runtime.session import DRIVER, Session, broadcast
+from hybridflow.runtime.session import Session, broadcast, gather_to_driver
 from hybridflow.runtime.step import Inputs, Produced, Step
 
 __all__ = [
@@ -376,13 +375,9 @@ def judge_request(s: Session, node, f: Inputs, step: Step) -> Produced:
     rows and pending replies (None on the other ranks)."""
     ro, shard = f[node.option("responses_field")], s.run.shard
     mine = (ro.rows.tolist(), list(zip(ro.prompts, ro.texts, ro.answers))) if shard.leader else ([], [])
-    together = dist.is_initialized() and dist.get_world_size() > 1
-    parts = [mine]
-    if together:
-        parts = [None] * dist.get_world_size() if dist.get_rank() == DRIVER else None
-        dist.gather_object(mine, parts, dst=DRIVER, group=shard.group)
+    parts = gather_to_driver(mine, group=shard.group)
     pending = None
-    if not together or dist.get_rank() == DRIVER:
+    if parts is not None:  # rank 0
         rows = [row for part in parts for row in part[0]]
         pending = (rows, s.models.judge.request(s.cfg, [item for part in parts for item in part[1]]))
     return Produced({node.option("pending_field"): pending})
@@ -406,8 +401,7 @@ def judge(s: Session, node, f: Inputs, step: Step) -> Produced:
             if value is not None:
                 out[row] = value
         verdict = (out, sum(v is None for v in scores))
-    together = dist.is_initialized() and dist.get_world_size() > 1
-    scores, unparsable = broadcast(verdict) if together else verdict
+    scores, unparsable = broadcast(verdict)
     name = node.option("scores_field")
     metrics = {f"{name}/mean": float(scores.mean()), "judge/unparsable": float(unparsable)}
     return Produced({name: scores}, metrics)

@@ -87,10 +87,26 @@ _TORCHRUN_ENV = (
 
 
 def broadcast(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (pickled over the default group)."""
+    """Rank 0's ``value`` on every rank (pickled over the default group; as it is in one process)."""
+    if not _several_ranks():
+        return value
     box = [value]
     dist.broadcast_object_list(box, src=DRIVER)
     return box[0]
+
+
+def gather_to_driver(value: Any, group=None) -> list | None:
+    """Every rank's ``value`` on rank 0, in rank order (pickled over ``group``, the default when
+    None); None on the other ranks; ``[value]`` in one process."""
+    if not _several_ranks():
+        return [value]
+    parts = [None] * dist.get_world_size() if dist.get_rank() == DRIVER else None
+    dist.gather_object(value, parts, dst=DRIVER, group=group)
+    return parts
+
+
+def _several_ranks() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def engine_parallel_args(cfg: HybridflowConfig) -> dict[str, int]:

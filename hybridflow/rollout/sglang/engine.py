@@ -524,7 +524,8 @@ class SGLangEngine:
 
         async def dispatched() -> None:
             while not task.done() and not all(r in states and states[r].dispatched for r in rids):
-                await asyncio.sleep(0)
+                # a pause, not a spin: on a shared CPU the schedulers dispatching them need the core
+                await asyncio.sleep(0.001)
 
         self._watched(lambda: loop.run_until_complete(dispatched()), "submit")
         return _SGLangPending(self, task, input_ids, params.n, started)
