@@ -153,8 +153,15 @@ def collect_tests(root: Path = ROOT) -> dict[str, list[tuple[str, str]]]:
                 f"{result.stdout[-3000:]}{result.stderr[-3000:]}"
             )
         items = json.loads(out.read_text())
+    return index_claims(items)
+
+
+def index_claims(items: list[dict]) -> dict[str, list[tuple[str, str]]]:
+    """claim name -> [(test node id, tier)], from ``tests/claims_plugin.py``'s rows, in node id
+    order (pytest's run order groups tests by fixture, which a whole-suite session has already
+    done and a bare collection has not)."""
     found: dict[str, list[tuple[str, str]]] = {}
-    for item in items:
+    for item in sorted(items, key=lambda item: item["nodeid"]):
         for name in item["claims"]:
             found.setdefault(name, []).append((item["nodeid"], item["tier"]))
     return found

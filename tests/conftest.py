@@ -6,8 +6,11 @@ reaches a collective or the trainer fails the test, although on this CPU it is o
 """
 
 import os
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
 
 DEVICE_GUARD_ENV = "HYBRIDFLOW_DEVICE_GUARD"
 """``megatron_adapters.device_guard.ENV`` (tests/test_device_guard.py checks they agree); spelled
@@ -19,6 +22,17 @@ REQUIRE_SLURM_ENV = "HYBRIDFLOW_REQUIRE_SLURM"
 """Set to 1 by ``.ci/run`` once it has started the one-node Slurm cluster: from then on a test
 marked ``slurm`` that skips (Slurm missing, or any later skip condition) is reported as failed,
 so CI cannot go green without having submitted a job."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Where this session collected every test file (the README's test command, CI), every test's
+    claims and tier, before ``-m`` deselects the slow tier: tests/test_claims.py reads them here
+    instead of collecting the whole suite again in a subprocess (15 s)."""
+    from tests.claims_plugin import WHOLE_SUITE, rows_of
+
+    if {Path(str(item.path)) for item in items} >= set(TESTS.rglob("test_*.py")):
+        config.stash[WHOLE_SUITE] = rows_of(items)
 
 
 @pytest.hookimpl(hookwrapper=True)

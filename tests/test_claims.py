@@ -16,10 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def collected() -> dict[str, list[tuple[str, str]]]:
-    from scripts.claims import collect_tests
+def collected(request) -> dict[str, list[tuple[str, str]]]:
+    """Every test's claims: from this session where it collected the whole suite, else from
+    ``pytest --collect-only`` as ``scripts/claims.py`` runs it."""
+    from scripts.claims import collect_tests, index_claims
+    from tests.claims_plugin import WHOLE_SUITE
 
-    return collect_tests(ROOT)
+    rows = request.config.stash.get(WHOLE_SUITE, None)
+    return index_claims(rows) if rows is not None else collect_tests(ROOT)
 
 
 @pytest.mark.claim("every-claim-has-a-test")
