@@ -45,8 +45,8 @@ class WeightSyncPlan:
     @functools.cached_property
     def stats(self) -> PlanStats:
         """Bytes, bounds and simulated time (``hybridflow plan``, the benchmarks). Computed when
-        asked, not at start: the runtime's ranks never read them, and for DeepSeek-V3 on 1,024
-        GPUs they cost each rank 29 CPU s more than the plan."""
+        asked, not at start: the runtime's ranks never read them (for DeepSeek-V3 on 1,024 GPUs
+        they cost 3.5-3.7 CPU s beside the plan's 2.9-3.4)."""
         return plan_stats(self.plan, bandwidth=self.bandwidth)
 
 

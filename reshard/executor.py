@@ -22,7 +22,7 @@ are expanded into transfers and pieces. Every process orders and places the job'
 the same way, so sender and receiver agree on each message's round and tag and no metadata
 travels. For DeepSeek-V3 on 1,024 GPUs a process's part costs 20 CPU s at 64 MiB buckets and
 6.8 s at 256 MiB (``benchmarks/reshard_plan.py``), where deriving the whole job's schedule on
-every process would have cost about 160 s and over 10 GB. Extra memory per process during a
+every process would have cost about 150 s and over 10 GB. Extra memory per process during a
 push: two send buckets (one in flight, one packed) and one receive bucket. Source parameters
 and destination buffers are plain dicts of tensors named as the plan's layouts name them (a
 Megatron rank's parameters; an SGLang rank's parameters). This module imports torch; the

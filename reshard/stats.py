@@ -307,26 +307,49 @@ def _time_bound(
 
 def _rank_missing(source: TensorLayout, destination: TensorLayout, topology: Topology) -> np.ndarray:
     """Per destination rank: the bytes it needs that no source rank on its node holds."""
-    dst_nodes: dict[int, dict[int, list[int]]] = {}
+    dst_nodes: dict[int, tuple[tuple[int, ...], range]] = {}  # id(ranks) -> (ranks, their groups by node)
     held_on = _nodes_of(topology.source)
-    out = np.zeros(destination.num_ranks, np.int64)
+    per_tensor: dict[tuple, list[tuple[int, int]]] = {}  # alike tensors' (group, elements lacking)
+    groups: list[list[int]] = []
+    lacking_bytes: dict[int, int] = {}
     for name, shards in destination.shards.items():
-        held = {
-            node: list(dict.fromkeys(boxes))
-            for node, boxes in _boxes_by_node(source.shards.get(name, ()), held_on).items()
-        }
+        key = _alike(shards, source.shards.get(name, ()))
+        if key not in per_tensor:
+            held = {
+                node: list(dict.fromkeys(boxes))
+                for node, boxes in _boxes_by_node(source.shards.get(name, ()), held_on).items()
+            }
+            found = per_tensor[key] = []
+            for region, ranks in _needed_boxes(shards):
+                hit = dst_nodes.get(id(ranks))
+                if hit is None or hit[0] is not ranks:  # a union of EPLB copies is a new tuple each time
+                    by_node: dict[int, list[int]] = {}
+                    for r in ranks:
+                        by_node.setdefault(topology.destination[r].node, []).append(r)
+                    hit = dst_nodes[id(ranks)] = (ranks, range(len(groups), len(groups) + len(by_node)))
+                    groups += by_node.values()
+                for group in hit[1]:
+                    node = topology.destination[groups[group][0]].node
+                    lacking = _box_missing(region, held.get(node, ()))
+                    if lacking:
+                        found.append((group, lacking))
         itemsize = DTYPE_BYTES[destination.tensors[name].dtype]
-        for region, ranks in _needed_boxes(shards):
-            if id(ranks) not in dst_nodes:
-                groups: dict[int, list[int]] = {}
-                for r in ranks:
-                    groups.setdefault(topology.destination[r].node, []).append(r)
-                dst_nodes[id(ranks)] = groups
-            for node, members in dst_nodes[id(ranks)].items():
-                lacking = _box_missing(region, held.get(node, ()))
-                if lacking:
-                    out[members] += lacking * itemsize
+        for group, lacking in per_tensor[key]:
+            lacking_bytes[group] = lacking_bytes.get(group, 0) + lacking * itemsize
+    out = np.zeros(destination.num_ranks, np.int64)
+    for group, nbytes in lacking_bytes.items():  # once per group of ranks, not per box
+        out[groups[group]] += nbytes
     return out
+
+
+def _alike(needed_shards, held_shards) -> tuple:
+    """What the per-tensor work of the bounds depends on: the boxes and the (interned) rank
+    tuples of both sides. Tensors of one shape and sharding (every layer's, every expert's) have
+    the same, so each such work is done once per kind of tensor, not per tensor."""
+    return (
+        tuple((s.region, id(s.ranks)) for s in needed_shards),
+        tuple((s.region, id(s.ranks)) for s in held_shards),
+    )
 
 
 def _box_missing(region: Region, held) -> int:
@@ -388,12 +411,16 @@ def node_missing_bytes(source: TensorLayout, destination: TensorLayout, topology
     dst_nodes = _nodes_of(topology.destination)
     src_nodes = _nodes_of(topology.source)
     missing: dict[int, int] = {}
+    per_tensor: dict[tuple, dict[int, int]] = {}  # alike tensors' elements missing per node
     for name, shards in destination.shards.items():
-        needed = _boxes_by_node(shards, dst_nodes)
-        held = _boxes_by_node(source.shards.get(name, ()), src_nodes)
+        key = _alike(shards, source.shards.get(name, ()))
+        if key not in per_tensor:
+            needed = _boxes_by_node(shards, dst_nodes)
+            held = _boxes_by_node(source.shards.get(name, ()), src_nodes)
+            per_tensor[key] = {node: _missing_elements(boxes, held.get(node, [])) for node, boxes in needed.items()}
         itemsize = DTYPE_BYTES[destination.tensors[name].dtype]
-        for node, boxes in needed.items():
-            missing[node] = missing.get(node, 0) + _missing_elements(boxes, held.get(node, [])) * itemsize
+        for node, elements in per_tensor[key].items():
+            missing[node] = missing.get(node, 0) + elements * itemsize
     return missing
 
 

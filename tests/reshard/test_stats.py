@@ -1,12 +1,15 @@
 """Statistics on hand-computed examples: bytes, baseline, bound, simulated time."""
 
+import numpy as np
 import pytest
 
 from hfschema.layout import ParallelLayout
 from hfschema.sglang import SGLangSettings
 from reshard import Bandwidth, Topology, megatron_layout, plan_reshard, plan_stats, sglang_layout
+from reshard import stats as stats_module
+from reshard.families import DTYPE_BYTES
 from reshard.topology import Device
-from tests.reshard.cases import TINY_MODELS
+from tests.reshard.cases import TINY_MODELS, random_cases
 
 MODEL = TINY_MODELS["llama"]  # H 16, 4 layers, 4 heads x 4, 2 kv heads, ffn 24, vocab 200
 
@@ -75,3 +78,40 @@ def test_as_dict_and_describe():
     } <= set(d)
     text = stats.describe()
     assert "lower bound" in text and "baseline" in text and "simulated" in text
+
+
+def _masks(shards, shape, ranks_to_key) -> dict:
+    """key -> boolean mask of the tensor's elements the shards give that key (a rank, a node)."""
+    out: dict = {}
+    for s in shards:
+        for key in {ranks_to_key(r) for r in s.ranks}:
+            mask = out.setdefault(key, np.zeros(shape, bool))
+            mask[tuple(slice(a, b) for a, b in s.region)] = True
+    return out
+
+
+@pytest.mark.parametrize("case", random_cases(seed=31, count=60), ids=str)
+def test_what_each_rank_and_node_lacks_is_what_an_element_count_finds(case) -> None:
+    """The bounds' per-rank and per-node shortfalls (the bytes a rank needs that its node does
+    not hold; the bytes a node needs that it does not hold) against element-by-element masks,
+    EPLB's redundant experts included (a cache keyed by a rank tuple that was freed once gave
+    another tuple's nodes)."""
+    source, destination = case.build()
+    topology = case.topology
+    want_rank = np.zeros(destination.num_ranks, np.int64)
+    want_node: dict[int, int] = {}
+    for name, tensor in destination.tensors.items():
+        itemsize = DTYPE_BYTES[tensor.dtype]
+        held = _masks(source.shards[name], tensor.shape, lambda r: topology.source[r].node)
+        needed = _masks(destination.shards[name], tensor.shape, lambda r: r)
+        nothing = np.zeros(tensor.shape, bool)
+        by_node: dict[int, np.ndarray] = {}
+        for rank, mask in needed.items():
+            node = topology.destination[rank].node
+            want_rank[rank] += int((mask & ~held.get(node, nothing)).sum()) * itemsize
+            by_node[node] = by_node.get(node, nothing) | mask
+        for node, mask in by_node.items():
+            want_node[node] = want_node.get(node, 0) + int((mask & ~held.get(node, nothing)).sum()) * itemsize
+    assert stats_module._rank_missing(source, destination, topology).tolist() == want_rank.tolist()
+    got = stats_module.node_missing_bytes(source, destination, topology)
+    assert {k: v for k, v in got.items() if v} == {k: v for k, v in want_node.items() if v}
