@@ -60,8 +60,8 @@ LOCAL, INTRA, INTER = range(3)
 PART_BYTES = 256 << 20
 """The most one bundle holds by default. A bundle takes one route per needer, so the part size
 sets the plan's size: at 64 MiB the 1,024-GPU DeepSeek-V3 plan had 3.3 million routes and took
-7.6 CPU s; at 256 MiB it has 0.86 million, takes 3.1 s, and every benchmark case stays within
-1.02 of the time bound (each NIC still carries hundreds of parts, enough to balance them)."""
+7.6 CPU s; at 256 MiB it has 0.86 million and takes about 3 s, and every benchmark case stays
+within 1.05 of the time bound (each NIC still carries hundreds of parts, enough to balance them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
