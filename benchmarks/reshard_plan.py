@@ -358,7 +358,7 @@ def _rank_part(plan, case: Case) -> dict:
 
 
 def _in_child(plan, processes, bucket_bytes: int) -> dict:
-    from reshard.executor import _schedule
+    from reshard.executor import schedule
 
     read, write = os.pipe()
     pid = os.fork()
@@ -366,7 +366,7 @@ def _in_child(plan, processes, bucket_bytes: int) -> dict:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak resident size starts again from the present one
         before, cpu = _status_bytes("VmRSS"), time.process_time()
-        steps = _schedule(plan, processes, bucket_bytes, 0)
+        steps = schedule(plan, processes, bucket_bytes=bucket_bytes, process=0)
         record = {
             "cpu_seconds": round(time.process_time() - cpu, 3),
             "added_peak_rss_bytes": _status_bytes("VmHWM") - before,

@@ -20,8 +20,8 @@ Each process derives its own part of the schedule (``schedule(..., process=me)``
 messages and rounds come from piece sizes, looked up once per bundle, and only its own routes
 are expanded into transfers and pieces. Every process orders and places the job's messages
 the same way, so sender and receiver agree on each message's round and tag and no metadata
-travels. For DeepSeek-V3 on 1,024 GPUs a process's part costs 20 CPU s at 64 MiB buckets and
-6.8 s at 256 MiB (``benchmarks/reshard_plan.py``), where deriving the whole job's schedule on
+travels. For DeepSeek-V3 on 1,024 GPUs a process's part costs 21 CPU s at 64 MiB buckets and
+6 s at 256 MiB (``benchmarks/reshard_plan.py``), where deriving the whole job's schedule on
 every process would have cost about 150 s and over 10 GB. Extra memory per process during a
 push: two send buckets (one in flight, one packed) and one receive bucket. Source parameters
 and destination buffers are plain dicts of tensors named as the plan's layouts name them (a
@@ -164,13 +164,12 @@ def _sizes(region: Region, max_elements: int, tensor: str) -> list[int]:
 
 
 def _pieces(t: Transfer, max_elements: int) -> list[Piece]:
-    """Split ``t`` along the first canonical dim with extent > 1 into bucket-sized pieces."""
-    numel = math.prod(b - a for a, b in t.region)
-    cut = _cut(t.region, max_elements, t.tensor)
-    if cut is None:
-        return [Piece(t, t.region, t.src_region, t.dst_region, t.also, numel)]
-    dim, rows, step = cut
-    per_row = numel // rows
+    """Split ``t`` along the first canonical dim with extent > 1 into bucket-sized pieces (of
+    ``_sizes``' elements: every process counts another's pieces with it)."""
+    sizes = _sizes(t.region, max_elements, t.tensor)
+    if len(sizes) == 1:
+        return [Piece(t, t.region, t.src_region, t.dst_region, t.also, sizes[0])]
+    dim, rows, step = _cut(t.region, max_elements, t.tensor)
 
     def part(region: Region, r: int) -> Region:
         return _split(region, dim + len(region) - len(t.region), r, min(r + step, rows))
@@ -182,9 +181,9 @@ def _pieces(t: Transfer, max_elements: int) -> list[Piece]:
             part(t.src_region, r),
             part(t.dst_region, r),
             tuple((param, part(box, r)) for param, box in t.also),
-            per_row * (min(r + step, rows) - r),
+            numel,
         )
-        for r in range(0, rows, step)
+        for r, numel in zip(range(0, rows, step), sizes)
     ]
 
 
@@ -276,7 +275,8 @@ class _Packer:
             start = 0
             for j, n in enumerate(sizes[bundle[r]]):
                 if size and size + n > cap:
-                    parts.append((r, start, j))
+                    if j > start:
+                        parts.append((r, start, j))
                     self._emit(src, dst, parts, size, full)
                     parts, size, start = [], 0, j
                 size += n
@@ -285,7 +285,6 @@ class _Packer:
 
     def _emit(self, src: int, dst: int, parts: list[tuple[int, int, int]], size: int, full) -> None:
         nb, bundle, arrived = self.nb, self.bundle, self.arrived
-        parts = [(r, a, b) for r, a, b in parts if b > a]
         ready = -1
         for r, a, b in parts:
             if self.relay[r]:
@@ -305,15 +304,12 @@ class _Packer:
         self.tag += 1
 
 
-_CANDIDATES = 8
-
-
 class _Loads:
     """Bytes each process sends and receives in each round, with two bit masks per process and
     direction: the rounds it uses at all and the rounds it has (nearly) filled. A message of a
     whole bucket fits only where both ends are unused: the lowest clear bit of the two masks'
     union, one integer operation where a scan walked thousands of busy rounds (the 1,024-GPU
-    DeepSeek-V3 schedule: 180 of its 250 CPU s). A smaller one may also fit a used round that
+    DeepSeek-V3 schedule: 180 of its 250 CPU s under the profiler). A smaller one may also fit a used round that
     neither end has filled: the first few such rounds are checked one by one (checking all of
     them cost 5x the CPU for 0.4% fewer rounds)."""
 

@@ -307,10 +307,18 @@ def _time_bound(
 
 def _rank_missing(source: TensorLayout, destination: TensorLayout, topology: Topology) -> np.ndarray:
     """Per destination rank: the bytes it needs that no source rank on its node holds."""
-    dst_nodes: dict[int, tuple[tuple[int, ...], range]] = {}  # id(ranks) -> (ranks, their groups by node)
     held_on = _nodes_of(topology.source)
     per_tensor: dict[tuple, list[tuple[int, int]]] = {}  # alike tensors' (group, elements lacking)
-    groups: list[list[int]] = []
+    groups: list[list[int]] = []  # destination ranks of one rank tuple on one node
+
+    def grouped(ranks: tuple[int, ...]) -> range:
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(topology.destination[r].node, []).append(r)
+        groups.extend(by_node.values())
+        return range(len(groups) - len(by_node), len(groups))
+
+    groups_of = _by_ranks(grouped)
     lacking_bytes: dict[int, int] = {}
     for name, shards in destination.shards.items():
         key = _alike(shards, source.shards.get(name, ()))
@@ -321,14 +329,7 @@ def _rank_missing(source: TensorLayout, destination: TensorLayout, topology: Top
             }
             found = per_tensor[key] = []
             for region, ranks in _needed_boxes(shards):
-                hit = dst_nodes.get(id(ranks))
-                if hit is None or hit[0] is not ranks:  # a union of EPLB copies is a new tuple each time
-                    by_node: dict[int, list[int]] = {}
-                    for r in ranks:
-                        by_node.setdefault(topology.destination[r].node, []).append(r)
-                    hit = dst_nodes[id(ranks)] = (ranks, range(len(groups), len(groups) + len(by_node)))
-                    groups += by_node.values()
-                for group in hit[1]:
+                for group in groups_of(ranks):
                     node = topology.destination[groups[group][0]].node
                     lacking = _box_missing(region, held.get(node, ()))
                     if lacking:
@@ -424,17 +425,24 @@ def node_missing_bytes(source: TensorLayout, destination: TensorLayout, topology
     return missing
 
 
-def _nodes_of(devices: tuple[Device, ...]):
-    """ranks tuple -> the nodes they sit on (memoised: layouts share rank tuples across tensors)."""
-    cache: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+def _by_ranks(fn):
+    """``fn(ranks)`` memoised on the rank tuple's identity: layouts intern their rank tuples and
+    share them across tensors. The tuple is kept with its value and checked, since a union of
+    EPLB copies (``planner._boxes``) is a new tuple each time and its id may be reused once freed."""
+    cache: dict[int, tuple[tuple[int, ...], object]] = {}
 
-    def nodes(ranks: tuple[int, ...]) -> frozenset[int]:
+    def memoised(ranks: tuple[int, ...]):
         hit = cache.get(id(ranks))
         if hit is None or hit[0] is not ranks:
-            hit = cache[id(ranks)] = (ranks, frozenset(devices[r].node for r in ranks))
+            hit = cache[id(ranks)] = (ranks, fn(ranks))
         return hit[1]
 
-    return nodes
+    return memoised
+
+
+def _nodes_of(devices: tuple[Device, ...]):
+    """ranks tuple -> the nodes they sit on."""
+    return _by_ranks(lambda ranks: frozenset(devices[r].node for r in ranks))
 
 
 def _boxes_by_node(shards, nodes_of) -> dict[int, list[Region]]:
