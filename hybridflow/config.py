@@ -69,6 +69,9 @@ __all__ = [
     "DistillationConfig",
     "JudgeConfig",
     "enabled_roles",
+    "frozen_layout",
+    "frozen_layout_key",
+    "check_frozen_world",
     "reward_weights",
     "load_config",
     "to_yaml",
@@ -865,6 +868,9 @@ class RewardModelConfig:
     offload: bool = False
     """Keep the reward model's parameters on the host between its uses (its GPU memory is free
     for generation and training; each use copies them in)."""
+    parallel: Optional[ParallelLayout] = None
+    """Its own megatron-core layout on the actor's ranks (tp*pp*cp*dp = the actor's world; for
+    example a dense reward model under tp=1 beside an MoE actor's tp x ep); None: the actor's."""
 
 
 @dataclass(kw_only=True)
@@ -930,6 +936,9 @@ class DistillationConfig:
     student's tokenizer (the same vocabulary); None: no distillation."""
     coef: float = 1.0
     """Weight of the reverse-KL term in each token's advantage."""
+    parallel: Optional[ParallelLayout] = None
+    """The teacher's own megatron-core layout on the actor's ranks (tp*pp*cp*dp = the actor's
+    world; a teacher larger than the student takes more tp or pp); None: the actor's."""
 
     def __post_init__(self) -> None:
         check_positive(self, ("coef",))
@@ -1046,6 +1055,9 @@ class HybridflowConfig:
             self.critic.enabled = needs_values(self.algorithm)
         for name, layout in enabled_roles(self).items():
             layout.check_model(self.model, prefix=f"{name}.parallel")
+        for key, layout in (("reward_model", self.reward_model.parallel), ("distillation", self.distillation.parallel)):
+            if layout is not None:
+                check_frozen_world(layout, self.actor.parallel, f"{key}.parallel")
         self._check_rollout()
         self._check_moe_section()
         check_lora_model(self.lora, self.model, self.actor.parallel)
@@ -1106,6 +1118,33 @@ def reward_weights(cfg: HybridflowConfig, source: str | None) -> dict[str, float
     weights = {"rule": rule, **scorers}
     given = cfg.reward.source_weights.get(source or "", {})
     return {name: given.get(name, w) for name, w in weights.items()}
+
+
+def frozen_layout(cfg: HybridflowConfig, role: str) -> ParallelLayout:
+    """The layout of frozen model ``role`` (reward_model, teacher): its own, else the actor's."""
+    own = {"reward_model": cfg.reward_model.parallel, "teacher": cfg.distillation.parallel}[role]
+    return own if own is not None else cfg.actor.parallel
+
+
+def frozen_layout_key(role: str) -> str:
+    """The config key of frozen model ``role``'s layout."""
+    return {"reward_model": "reward_model.parallel", "teacher": "distillation.parallel"}[role]
+
+
+def check_frozen_world(layout: ParallelLayout, actor: ParallelLayout, key: str) -> None:
+    """A frozen model's own layout runs on the actor's ranks: it must fill exactly as many."""
+    if layout.world_size == actor.world_size:
+        return
+    model_ranks = layout.tp * layout.pp * layout.cp
+    fix = (
+        f"set {key}.dp={actor.world_size // model_ranks}"
+        if actor.world_size % model_ranks == 0
+        else f"choose {key}.tp*pp*cp dividing {actor.world_size}"
+    )
+    raise ValueError(
+        f"{key}: tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp} = {layout.world_size} ranks, but "
+        f"a frozen model runs on the actor's {actor.world_size} ranks (actor.parallel); {fix}"
+    )
 
 
 def enabled_roles(cfg: HybridflowConfig) -> dict[str, ParallelLayout]:

@@ -31,8 +31,10 @@ Placement rules:
   role's ``parallel`` keys otherwise). The actor fills its pool by construction; a reference
   or critic with a smaller layout runs on the pool's first ``world_size`` ranks, and the
   other ranks skip its nodes.
-- Frozen models (``reward_model``, ``teacher``) run on the actor's pool under the actor's layout;
-  ``frozen_models`` describes them (a reward model's architecture is read from its directory).
+- Frozen models (``reward_model``, ``teacher``) run on the actor's pool, under the actor's layout
+  or their own (``reward_model.parallel``, ``distillation.parallel``: the same ranks, groups of
+  their own); ``frozen_models`` describes them (a reward model's architecture is read from its
+  directory).
 - ``reward`` and ``driver`` run on the CPU of every rank of the actor's pool.
 
 Colocation switches (3D-HybridEngine). On a colocated pool each GPU node needs one of three
@@ -57,7 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hfschema.model import ModelConfig
-from hybridflow.config import HybridflowConfig, enabled_roles
+from hybridflow.config import HybridflowConfig, enabled_roles, frozen_layout, frozen_layout_key
 from hybridflow.graph import DRIVER, Graph, Node
 from hybridflow.memory import MemoryEstimate, engine_keeps_weights, pool_memory
 from hybridflow.model_size import count_parameters
@@ -266,9 +268,9 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
     directory's config.json; one not there yet (a recipe planned before the download) is taken
     to be the actor's under a score head, with a warning."""
     out = []
-    layout = f"megatron {cfg.actor.parallel.describe()} (the actor's)"
     if cfg.reference.enabled:
         source = "the actor's starting weights (the SFT warm-up's, or model.path)"
+        layout = f"megatron {cfg.actor.parallel.describe()} (the actor's)"
         out.append(FrozenModel(role="reference", model=cfg.model.architecture, source=source, layout=layout))
     if cfg.reward_model.path:
         out.append(
@@ -276,7 +278,7 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
                 role="reward_model",
                 model=_reward_model_architecture(cfg),
                 source=cfg.reward_model.path,
-                layout=layout,
+                layout=frozen_layout_text(cfg, "reward_model"),
                 offload=cfg.reward_model.offload,
             )
         )
@@ -295,10 +297,17 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
                 role="teacher",
                 model=_teacher_architecture(cfg),
                 source=cfg.distillation.teacher_path,
-                layout=layout,
+                layout=frozen_layout_text(cfg, "teacher"),
             )
         )
     return tuple(out)
+
+
+def frozen_layout_text(cfg: HybridflowConfig, role: str) -> str:
+    """``megatron tp=.. ... (its own: reward_model.parallel)`` or ``(the actor's)``."""
+    layout = frozen_layout(cfg, role)
+    whose = f"its own: {frozen_layout_key(role)}" if layout != cfg.actor.parallel else "the actor's"
+    return f"megatron {layout.describe()} ({whose})"
 
 
 def _architecture(key: str, path: str, planned: ModelConfig, check) -> ModelConfig:
@@ -366,7 +375,8 @@ def _engine_text(cfg: HybridflowConfig) -> str:
 
 def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
     layouts = {role: f"megatron {layout.describe()}" for role, layout in enabled_roles(cfg).items()}
-    layouts["reward_model"] = layouts["teacher"] = f"megatron {cfg.actor.parallel.describe()}"
+    for role in ("reward_model", "teacher"):
+        layouts[role] = frozen_layout_text(cfg, role)
     layouts["judge"] = f"{cfg.judge.engine} tp={cfg.judge.tp} engine of its own, driven by rank 0"
     layouts["rollout"] = _engine_text(cfg)
     for role in CPU_ROLES:

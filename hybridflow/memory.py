@@ -47,7 +47,7 @@ Formulas (bytes per GPU; ``T = micro_batch_size * (max_prompt_length + max_respo
   B whole; routed experts' adapters / (ep * etp)).
 - reference: bf16 parameters only (its forward holds one layer at a time).
 - frozen models (a reward model, a distillation teacher): bf16 parameters of their own
-  architecture under the actor's layout, a score head's one row or the padded vocabulary; with
+  architecture under their layout (their own or the actor's), a score head's one row or the padded vocabulary; with
   ``reward_model.offload`` the reward model's are on the host in generation.
 - rollout engine rank, weights in ``rollout.dtype``: attention / attn_tp (attn_tp = tp /
   dp_size with DP attention; MLA down-projections replicated), embedding / attn_tp, LM head,
@@ -74,7 +74,7 @@ from hfschema.layout import ParallelLayout
 from hfschema.lora import adapter_params_per_rank
 from hfschema.model import ModelConfig
 from hfschema.sglang import pad_vocab
-from hybridflow.config import HybridflowConfig, RoleConfig, enabled_roles
+from hybridflow.config import HybridflowConfig, RoleConfig, enabled_roles, frozen_layout, frozen_layout_key
 from hybridflow.model_size import count_parameters
 
 __all__ = [
@@ -439,7 +439,7 @@ def _knob(component: str) -> str | None:
             kind
         )
     if role in ("reward_model", "teacher"):
-        return f"raise actor.parallel.tp / pp / ep (the {role} takes the actor's layout)"
+        return f"raise {frozen_layout_key(role)}.tp / pp / ep (its layout; the actor's when unset)"
     if role == "engine":
         return {
             "weights": "raise rollout.tp / rollout.ep (more ranks per engine)",
@@ -462,7 +462,7 @@ def pool_memory(
     frozen: Mapping[str, ModelConfig] | None = None,
 ) -> MemoryEstimate:
     """Per-GPU memory of a pool holding ``roles`` (actor, reference, critic, rollout, and the
-    frozen models of ``frozen``: role -> its architecture, under the actor's layout).
+    frozen models of ``frozen``: role -> its architecture, under its layout).
 
     Phases: ``generation`` if the rollout engines are on the pool, ``training`` if a model
     role is; a colocated pool has both (see the module docstring for what each holds).
@@ -481,7 +481,7 @@ def pool_memory(
             models.append(role)
         elif role in roles:
             models.append(role)
-            components[f"{role} params"] = frozen_param_bytes(model, cfg.actor.parallel)
+            components[f"{role} params"] = frozen_param_bytes(model, frozen_layout(cfg, role))
             if cfg.reward_model.offload and role == "reward_model":
                 offloaded.add(f"{role} params")
                 notes.append(f"{role}: on the host between uses (reward_model.offload)")

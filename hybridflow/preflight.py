@@ -38,7 +38,7 @@ from hfschema.model_source import (
     teacher_source,
 )
 from hybridflow.agentic.engine import check_agentic
-from hybridflow.config import HybridflowConfig, to_yaml
+from hybridflow.config import HybridflowConfig, frozen_layout, frozen_layout_key, to_yaml
 from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
@@ -343,20 +343,31 @@ def check_model_weights(
 
 def check_frozen_models(cfg: HybridflowConfig, *, must_exist: bool = True, command: str = "train") -> None:
     """A reward model that is not one (no score head, several labels), a teacher with another
-    vocabulary, or either with a shape the actor's layout cannot split, is refused in one line
-    before any rank starts."""
+    vocabulary, or either with a shape its layout (its own or the actor's) cannot split, is
+    refused in one line before any rank starts."""
     checks = {
-        "reward_model.path": (cfg.reward_model.path, reward_model_source),
-        "distillation.teacher_path": (cfg.distillation.teacher_path, lambda p: teacher_source(p, cfg.model.vocab_size)),
+        "reward_model.path": ("reward_model", cfg.reward_model.path, reward_model_source),
+        "distillation.teacher_path": (
+            "teacher",
+            cfg.distillation.teacher_path,
+            lambda p: teacher_source(p, cfg.model.vocab_size),
+        ),
     }
-    for key, (path, source) in checks.items():
+    for key, (role, path, source) in checks.items():
         if not path:
             continue
         if not must_exist and not os.path.exists(os.path.expanduser(path)):
             _say(command, f"{key}={path} does not exist here; the job fails unless it does on the nodes", warning=True)
             continue
         _, model = source(path)
-        cfg.actor.parallel.check_model(model, prefix=f"actor.parallel ({key}'s layout)")
+        layout, own_key = frozen_layout(cfg, role), frozen_layout_key(role)
+        if layout != cfg.actor.parallel:
+            layout.check_model(model, prefix=own_key)
+            continue
+        try:
+            layout.check_model(model, prefix=f"actor.parallel ({key}'s layout)")
+        except ValueError as e:
+            raise ValueError(f"{e}; or give it a layout of its own on the actor's ranks ({own_key})") from None
 
 
 def check_rm_mode(cfg: HybridflowConfig) -> None:

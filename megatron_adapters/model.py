@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -37,6 +36,7 @@ from hfschema.model import ModelConfig
 from hfschema.train import MoEConfig
 
 from .parallel import device as rank_device
+from .parallel import stage_ends
 from .routing import moe_config_fields
 
 _EXPERT_MODULES = (SequentialMLP, GroupedMLP, TEGroupedMLP)
@@ -260,7 +260,8 @@ def build_model_chunks(
     """The GPTModel chunks this rank holds: one, or ``layout.vpp`` under interleaved pipelining.
     ``initialize=False``: parameters are zeros, for weights about to be loaded.
 
-    Needs ``megatron_adapters.parallel.initialize`` to have run for ``layout``.
+    Needs the groups of ``layout``: megatron's global ones (``parallel.initialize``), or a
+    ``pg_collection`` from ``parallel.layout_groups`` (its pipeline stage is read from there).
     """
     config = transformer_config(model, layout, params_dtype=params_dtype, moe=moe, initialize=initialize)
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
@@ -268,8 +269,7 @@ def build_model_chunks(
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        pre, post = stage_ends(pg_collection, stage, vpp)
         chunks.append(
             GPTModel(
                 config=config,

@@ -5,6 +5,11 @@ and NCCL on GPUs, builds megatron-core's TP / PP / CP / EP / ETP / DP groups for
 megatron's RNG tracker and returns the ``ProcessGroupCollection`` that the model builder and
 the policy take explicitly. ``teardown()`` undoes the megatron part so another layout can be
 initialised in the same process (the tests do this).
+
+``layout_groups(layout)`` builds a second set of groups for another layout over the same ranks
+without touching megatron's global state: a frozen model (a reward model, a teacher) with a
+layout of its own is built and run with them alone, since every adapter reads its groups from
+the ``ProcessGroupCollection`` it was given.
 """
 
 from __future__ import annotations
@@ -96,6 +101,52 @@ def initialize(layout: ParallelLayout, *, seed: int, prefix: str = "parallel") -
     model_parallel_cuda_manual_seed(seed)
     logger.info("rank %d: megatron groups for %s", dist.get_rank(), layout.describe())
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def layout_groups(layout: ParallelLayout, *, prefix: str = "parallel") -> ProcessGroupCollection:
+    """The groups of ``layout`` over the default group's ranks, numbered as megatron numbers them
+    (order tp-cp-ep-dp-pp, the order the weight loader's rank maps assume). Megatron's global
+    groups stay those of ``initialize``. Every rank calls it, in the same order (groups are made
+    collectively)."""
+    layout.check_world_size(dist.get_world_size(), prefix=prefix)
+    order = "tp-cp-ep-dp-pp"
+    dense = parallel_state.RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order=order)
+    expert_dp = dist.get_world_size() // (layout.etp * layout.ep * layout.pp)
+    expert = parallel_state.RankGenerator(tp=layout.etp, ep=layout.ep, dp=expert_dp, pp=layout.pp, cp=1, order=order)
+    backend = dist.get_backend()
+
+    def group(ranks: list[list[int]]):
+        own, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
+        return own
+
+    pgs = ProcessGroupCollection()
+    dense_groups = {"tp": "tp", "cp": "cp", "pp": "pp", "mp": "tp-pp", "tp_cp": "tp-cp", "tp_dp_cp": "tp-dp-cp"}
+    for name, token in dense_groups.items():
+        setattr(pgs, name, group(dense.get_ranks(token)))
+    pgs.dp = group(dense.get_ranks("dp"))
+    pgs.dp_cp = pgs.intra_dp_cp = group(dense.get_ranks("dp-cp"))
+    stages = dense.get_ranks("pp")
+    # tied embeddings: the first and last stage share the word embeddings
+    pgs.embd = group([sorted({r[0], r[-1]}) for r in stages])
+    pgs.pos_embd = group([[r[0]] for r in stages])
+    for name, token in (("ep", "ep"), ("expt_tp", "tp"), ("tp_ep", "tp-ep"), ("tp_ep_pp", "tp-ep-pp")):
+        setattr(pgs, name, group(expert.get_ranks(token)))
+    pgs.expt_dp = pgs.intra_expt_dp = group(expert.get_ranks("dp"))
+    return pgs
+
+
+def pipeline_last_rank(pg: ProcessGroupCollection) -> int:
+    """Global rank of the last stage of this rank's pipeline."""
+    return dist.get_process_group_ranks(pg.pp)[-1]
+
+
+def stage_ends(pg: ProcessGroupCollection, vp_stage: int | None, vpp: int | None) -> tuple[bool, bool]:
+    """Whether the chunk ``vp_stage`` (of ``vpp``, None without interleaving) of this rank is the
+    model's first stage, and whether it is its last."""
+    stage, stages = pg.pp.rank(), pg.pp.size()
+    first = stage == 0 and (vp_stage is None or vp_stage == 0)
+    last = stage == stages - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
+    return first, last
 
 
 def data_coords() -> tuple[int, int, bool]:

@@ -30,7 +30,6 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -40,6 +39,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from hfschema.layout import ParallelLayout
@@ -55,6 +55,7 @@ from .lora import apply_lora, dropout_step
 from .model import build_model_chunks
 from .packing import FIRST_KEY, POSITIONS_KEY, SEGMENTS_KEY, PackPlan, uses_te_attention
 from .parallel import device as rank_device
+from .parallel import pipeline_last_rank
 from .routing import ROUTES_KEY, VALID_KEY, RouterControl
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class MegatronPolicy:
         # routing replay, router statistics, frozen router (before DDP: frozen weights get no grad buffer)
         self.routing: RouterControl | None = None
         if moe is not None and model.is_moe:
-            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            tp_rank = pg_collection.tp.rank()
             self.routing = RouterControl(chunks, model, layout, moe, tp_rank=tp_rank, device=self.device)
         if self.lora is not None:  # before DDP: frozen weights get no grad buffer nor optimizer state
             apply_lora(chunks, self.lora)
@@ -245,8 +246,7 @@ class MegatronPolicy:
         The one place a batch enters the trainer: it moves once, not per micro-batch."""
         if local_rows:
             return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        size = parallel_state.get_data_parallel_world_size()
-        rank = parallel_state.get_data_parallel_rank()
+        size, rank = self.pg.dp.size(), self.pg.dp.rank()
         rows = batch["input_ids"].shape[0]
         if rows % size:
             raise ValueError(f"batch of {rows} rows does not split over data-parallel size {size}")
@@ -280,11 +280,11 @@ class MegatronPolicy:
     def _packed_rows(self, batch: Batch, local_rows: bool) -> tuple[dict[str, torch.Tensor], list[int] | None]:
         """This DP rank's rows for packed passes; with a token budget and the global batch, shares
         of equal row counts and near-equal tokens (the row order of the shares is returned)."""
-        size = parallel_state.get_data_parallel_world_size()
+        size = self.pg.dp.size()
         if local_rows or self.packing.budget is None or size == 1:
             return self._dp_rows(batch, local_rows), None
         shares = packing.balance_shares(packing.sample_lengths(batch), size)
-        pick = torch.tensor(shares[parallel_state.get_data_parallel_rank()])
+        pick = torch.tensor(shares[self.pg.dp.rank()])
         return {k: v[pick].to(self.device, non_blocking=True) for k, v in batch.items()}, sum(shares, [])
 
     def _plan(self, local: Batch, micro_rows: int) -> PackPlan:
@@ -298,7 +298,7 @@ class MegatronPolicy:
         else:
             plan = packing.plan_budget(lengths, budget, multiple=multiple)
             count = torch.tensor([len(plan.micro_rows)], device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.pg.dp)
             if int(count) > len(plan.micro_rows):
                 plan = packing.plan_budget(lengths, budget, min_micro_batches=int(count), multiple=multiple)
         return plan.with_common_width() if self.layout.pp > 1 else plan  # stages exchange one shape
@@ -397,7 +397,7 @@ class MegatronPolicy:
                 raise ValueError(f"routing replay needs an MoE policy built with a moe config ({ROUTES_KEY})")
             return
         share = local["input_ids"].shape[0]
-        offset = 0 if local_rows else parallel_state.get_data_parallel_rank() * share
+        offset = 0 if local_rows else self.pg.dp.rank() * share
         self.routing.begin_pass(
             kind,
             rows=batch["input_ids"].shape[0],
@@ -432,7 +432,7 @@ class MegatronPolicy:
         return first.masked_fill(micro[FIRST_KEY], 0.0), second.masked_fill(micro[FIRST_KEY], 0.0)
 
     def _run(self, micros, step_fn, *, forward_only: bool, collect: bool) -> list:
-        forward_backward = get_forward_backward_func()
+        forward_backward = get_forward_backward_func(self.layout.pp, self.layout.vpp if self.layout.vpp > 1 else None)
         chunks = len(self.chunks)
         iterators: Iterator | list[Iterator] = [iter(micros) for _ in range(chunks)] if chunks > 1 else iter(micros)
         return forward_backward(
@@ -487,17 +487,17 @@ class MegatronPolicy:
         them across the PP group."""
         rows, length = padded_shape
         both = torch.zeros(2, rows, length, device=self.device)
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        if is_pp_last_stage(self.pg.pp):
             join = torch.cat if plan is None else partial(packing.unpack, plan=plan, shape=(rows, length))
             both[0] = join([logp for logp, _ in outputs])
             both[1] = join([ent for _, ent in outputs])
         if self.layout.pp > 1:
-            src = parallel_state.get_pipeline_model_parallel_last_rank()
+            src = pipeline_last_rank(self.pg)
             dist.broadcast(both, src=src, group=self.pg.pp)
         return both[0, :, :seq], both[1, :, :seq]
 
     def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
-        group = parallel_state.get_data_parallel_group()
+        group = self.pg.dp
         size = dist.get_world_size(group)
         if size == 1:
             return local
@@ -635,7 +635,7 @@ class MegatronPolicy:
                 sums[i] += out[name]
         if self.layout.pp > 1:
             dist.all_reduce(sums, group=self.pg.pp)  # only the last stage holds non-zeros
-        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(sums, group=self.pg.dp)
         sums = sums.cpu()  # one host sync for every metric of the step
         means = {n: float(s[0] / s[1].clamp(min=1)) for n, s in zip(names, sums)}
         return StepResult(
@@ -650,7 +650,7 @@ class MegatronPolicy:
         if self.layout.pp == 1:
             return names
         box = [names]
-        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        src = pipeline_last_rank(self.pg)
         dist.broadcast_object_list(box, src=src, group=self.pg.pp)
         return box[0]
 

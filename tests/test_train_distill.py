@@ -6,7 +6,8 @@ learning runs' shared SFT warm-up (60% wrong demonstrations). Its RL run scores 
 (``tests/reward/constant.py``), so GRPO's advantages are 0 and only the reverse-KL term of
 ``distillation.teacher_path`` trains it. The held-out KL(student || teacher), estimated from
 responses sampled from the student, must fall to under half of where it started (seen: 0.237 ->
-0.079 per token in 6 steps), and so must the same estimate on each step's training samples.
+0.079 per token in 6 steps), and so must the same estimate on each step's training samples. The
+teacher runs on a layout of its own (two pipeline stages beside the actor's EP=2 x DP=2).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.test_train import WARM_UP
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
-@pytest.mark.claim("on-policy-distillation", "frozen-models-overview")
+@pytest.mark.claim("on-policy-distillation", "frozen-models-overview", "frozen-model-own-layout")
 def test_the_student_moves_towards_the_teacher(tmp_path: Path, seeded) -> None:
     teacher = tmp_path / "teacher"
     train_quickstart(
@@ -38,6 +39,7 @@ def test_the_student_moves_towards_the_teacher(tmp_path: Path, seeded) -> None:
         student,
         WARM_UP,
         f"distillation.teacher_path={teacher / 'checkpoints' / 'sft' / 'hf'}",
+        "distillation.parallel.pp=2",  # a layout of its own: two stages beside the actor's EP=2 x DP=2
         "reward.function=tests.reward.constant.zero",
         "run.steps=6",
         "run.heldout_every=0",
@@ -50,5 +52,7 @@ def test_the_student_moves_towards_the_teacher(tmp_path: Path, seeded) -> None:
     assert (first_step, last_step) == (0, 6)
     assert after < 0.5 * before, summary["heldout_teacher_kl"]
     history = json.loads((student / "checkpoints" / "step_000006" / "state.json").read_text())["history"]
+    (line,) = [line for line in summary["executed_stages"] if " teacher_logprob [teacher] " in line]
+    assert "megatron tp=1 pp=2 " in line and "(its own: distillation.parallel)" in line, line
     assert all(h["reward/mean"] == 0 for h in history)  # the teacher is the only signal
     assert history[-1]["distill/reverse_kl"] < history[0]["distill/reverse_kl"]

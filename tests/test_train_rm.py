@@ -5,8 +5,9 @@ one and whose rejected one is the smaller operand or another answer; the reward 
 quickstart's MoE under a score head, EP=2) must rank the right answer of each held-out question
 above every other answer (160 pairs of 20 questions it never saw) at least 90% of the time. Its
 export is a transformers directory that ranks the same pairs the same way. Then GRPO with
-``reward_model.path`` at that export and no rule reward (``reward.rule_weight=0``) raises
-the held-out rate of right answers, which only the rule measures.
+``reward_model.path`` at that export, on a layout of its own (TP=2 beside the actor's EP=2), and
+no rule reward (``reward.rule_weight=0``) raises the held-out rate of right answers, which only
+the rule measures.
 """
 
 from __future__ import annotations
@@ -58,17 +59,26 @@ def test_the_reward_model_ranks_held_out_answers_and_transformers_loads_it(rm_ru
     assert wins / len(pairs) == pytest.approx(summary["heldout_pair_accuracy_after"])
 
 
-@pytest.mark.claim("rl-against-a-reward-model", "frozen-models-overview")
+@pytest.mark.claim("rl-against-a-reward-model", "frozen-models-overview", "frozen-model-own-layout")
 def test_rl_against_the_exported_reward_model_raises_the_right_answers(rm_run: Path, tmp_path: Path, seeded) -> None:
     out = seeded(tmp_path / "rl")  # after the shared SFT warm-up (tests/conftest.py)
     rm = rm_run / "reward_model" / "hf"
+    # the reward model on a layout of its own (TP=2) beside the actor's EP=2 x DP=2: its one DP
+    # rank scores the whole batch, gathered from the actor's two
     train_quickstart(
-        out, WARM_UP, f"reward_model.path={rm}", "reward.rule_weight=0", "run.steps=6", "run.heldout_every=0"
+        out,
+        WARM_UP,
+        f"reward_model.path={rm}",
+        "reward_model.parallel.tp=2",
+        "reward.rule_weight=0",
+        "run.steps=6",
+        "run.heldout_every=0",
     )
     summary = json.loads((out / "summary.json").read_text())
     after_sft, after_rl = summary["heldout_reward_after_sft"], summary["heldout_reward_after_rl"]
     print(f"\nheld-out right answers (the rule's): after SFT {after_sft}, after RL against the reward model {after_rl}")
     assert after_rl >= after_sft + 0.3, summary
-    assert any(" rm_score [reward_model] rm_score " in line for line in summary["executed_stages"])
+    (line,) = [line for line in summary["executed_stages"] if " rm_score [reward_model] rm_score " in line]
+    assert "megatron tp=2 pp=1 " in line and "(its own: reward_model.parallel)" in line, line
     history = json.loads((out / "checkpoints" / "step_000006" / "state.json").read_text())["history"]
     assert history[-1]["model_scores/mean"] > history[0]["model_scores/mean"]

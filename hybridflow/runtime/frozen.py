@@ -2,13 +2,18 @@
 the distillation teacher (``distillation.teacher_path``) and the generative judge (``judge.path``).
 
 ```
-reward_model.path ── reward_model_source (checked: a score head) ──► MegatronRewardModel under the
-                     actor's layout and process groups, each rank reading its own slices
+reward_model.path ── reward_model_source (checked: a score head) ──► MegatronRewardModel under
+                     reward_model.parallel (groups of its own, parallel.layout_groups) or the
+                     actor's layout and groups, each rank reading its own slices
+                     (the teacher likewise, under distillation.parallel)
 rollout rows ── tokens(): the policy's ids as they are when the reward model's tokenizer and chat
                 template are the policy's; else prompt (as its data row has it) + response text
                 rendered in the reward model's own template ──► ids [b, T], lengths [b]
 on_device(): with reward_model.offload the parameters live on the host and come to the device
              for each use
+whole_batch(): under a layout of its own a frozen model's DP ranks are not the actor's: every
+             DP rank's rows are gathered into one batch on every rank (token ids, small beside
+             the model), the model scores its DP share of it, and its results come back whole
 judge.path ── an engine of its own on rank 0 (real weights, no pushes) ── judge_request: each DP
              leader's rows to rank 0, one judging request each (judge.template in the judge's chat
              template), submitted; the engine generates while the trainer computes log-probs
@@ -36,7 +41,9 @@ __all__ = [
     "build_reward_model",
     "build_teacher",
     "on_device",
+    "own_layout",
     "start_judge",
+    "whole_batch",
 ]
 
 
@@ -86,14 +93,14 @@ def _same_tokens(theirs, ours) -> bool:
 
 
 def build_reward_model(cfg, pg, policy_tokenizer) -> RewardModel:
-    """``reward_model.path`` under the actor's layout (every rank of it), loaded and frozen."""
+    """``reward_model.path`` under its layout (every rank of the actor's), loaded and frozen."""
     from transformers import AutoTokenizer
 
     from hfschema.model_source import reward_model_source
     from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
 
     source, architecture = reward_model_source(cfg.reward_model.path)
-    model = _frozen(MegatronRewardModel, architecture, cfg, pg)
+    model = _frozen(MegatronRewardModel, architecture, cfg, *_groups(cfg, "reward_model", pg))
     load_reward_model(model, source)
     tokenizer = AutoTokenizer.from_pretrained(str(source.files))
     own = not _same_tokens(tokenizer, policy_tokenizer)
@@ -113,7 +120,7 @@ def build_reward_model(cfg, pg, policy_tokenizer) -> RewardModel:
 
 
 def build_teacher(cfg, pg, policy_tokenizer):
-    """``distillation.teacher_path`` as a frozen policy under the actor's layout, loaded; its
+    """``distillation.teacher_path`` as a frozen policy under its layout, loaded; its
     tokenizer must map text as the student's does (its log-probs are read at the student's ids)."""
     from transformers import AutoTokenizer
 
@@ -128,7 +135,7 @@ def build_teacher(cfg, pg, policy_tokenizer):
             f"{key}={cfg.distillation.teacher_path}: the teacher's tokenizer maps tokens to other ids than "
             "the student's; on-policy distillation needs the student's tokenizer"
         )
-    teacher = _frozen(MegatronPolicy, architecture, cfg, pg)
+    teacher = _frozen(MegatronPolicy, architecture, cfg, *_groups(cfg, "teacher", pg))
     load_pretrained(teacher, source)
     return teacher
 
@@ -139,17 +146,29 @@ def build_reference(cfg, pg, *, load) -> Any:
     actor's), which the caller knows."""
     from megatron_adapters.policy import MegatronPolicy
 
-    reference = _frozen(MegatronPolicy, cfg.model, cfg, pg)
+    reference = _frozen(MegatronPolicy, cfg.model, cfg, cfg.actor.parallel, pg)
     load(reference)
     return reference
 
 
-def _frozen(kind, architecture, cfg, pg):
-    """A ``kind`` (a MegatronPolicy class) of ``architecture`` under the actor's layout and process
-    groups, without gradients or optimizer, its weights left for the loader."""
+def _groups(cfg, role: str, actor_groups) -> tuple[Any, Any]:
+    """Frozen model ``role``'s layout and process groups: the actor's, or groups of its own over
+    the same ranks (built collectively: every rank builds the frozen models in one order)."""
+    from hybridflow.config import frozen_layout, frozen_layout_key
+    from megatron_adapters.parallel import layout_groups
+
+    layout = frozen_layout(cfg, role)
+    if layout == cfg.actor.parallel:
+        return layout, actor_groups
+    return layout, layout_groups(layout, prefix=frozen_layout_key(role))
+
+
+def _frozen(kind, architecture, cfg, layout, pg):
+    """A ``kind`` (a MegatronPolicy class) of ``architecture`` under ``layout`` and its process
+    groups ``pg``, without gradients or optimizer, its weights left for the loader."""
     return kind(
         architecture,
-        cfg.actor.parallel,
+        layout,
         cfg.train,
         pg_collection=pg,
         trainable=False,
@@ -162,6 +181,27 @@ def _move(model, device: torch.device) -> None:
     for chunk in model.chunks:
         for tensor in [*chunk.parameters(), *chunk.buffers()]:
             tensor.data = tensor.data.to(device, non_blocking=True)
+
+
+def own_layout(model, cfg) -> bool:
+    """Whether frozen ``model`` holds a layout other than the actor's (its DP ranks then score
+    shares of the whole batch rather than the actor's DP rows)."""
+    return model.layout != cfg.actor.parallel
+
+
+def whole_batch(shard, ro, inputs: dict[str, torch.Tensor], model, micro_rows: int) -> dict[str, torch.Tensor]:
+    """This rank's rows ``inputs`` of rollout ``ro`` joined with every other DP rank's into the
+    whole batch ``[N', W]`` on every rank (zeros right of a row's own width), N' rounded up with
+    masked copies so that ``model``'s DP ranks split it into whole micro-batches."""
+    from hybridflow.runtime.batch import pad_rows
+
+    width = int(shard.max(torch.tensor([inputs["input_ids"].shape[1]]))[0])
+    whole = {}
+    for key, value in inputs.items():
+        if value.dim() > 1:
+            value = torch.nn.functional.pad(value, (0, width - value.shape[1]))
+        whole[key] = shard.gather(ro.rows, value, ro.total)
+    return pad_rows(whole, model.pg.dp.size() * micro_rows)[0]
 
 
 @contextlib.contextmanager

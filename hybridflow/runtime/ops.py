@@ -34,7 +34,7 @@ from hybridflow.config import HybridflowConfig, reward_weights
 from hybridflow.rewards import score_responses
 from hybridflow.rollout.base import FINISH_LENGTH, Prompt, RolloutSample, SamplingParams
 from hybridflow.rollout.tokens import pack_batch
-from hybridflow.runtime import replicas, switches
+from hybridflow.runtime import frozen, replicas, switches
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
 from hybridflow.runtime.session import Session, broadcast, gather_to_driver
 from hybridflow.runtime.step import Inputs, Produced, Step
@@ -409,16 +409,20 @@ def judge(s: Session, node, f: Inputs, step: Step) -> Produced:
 
 @op("rm_score")
 def rm_score(s: Session, node, f: Inputs, step: Step) -> Produced:
-    """The frozen reward model's score [N] of every sample (each DP rank scores its own rows
-    under the actor's layout; the scores are shared), in the reward model's tokens."""
-    from hybridflow.runtime import frozen
-
+    """The frozen reward model's score [N] of every sample (under the actor's layout each DP
+    rank scores its own rows and the scores are shared; under its own, its DP ranks score
+    shares of the whole batch), in the reward model's tokens."""
     ro, rm = f[node.option("responses_field")], s.models.reward_model
     with frozen.on_device(rm):
         ids, lengths = rm.tokens(ro)
-        inputs, rows = _padded(s, {"input_ids": ids, "lengths": lengths})
-        local = rm.model.forward_scores(inputs, rm.pad_id, local_rows=True)[:rows]
-    scores = s.run.shard.gather(ro.rows, local.float(), ro.total)
+        inputs = {"input_ids": ids, "lengths": lengths}
+        if frozen.own_layout(rm.model, s.cfg):
+            whole = frozen.whole_batch(s.run.shard, ro, inputs, rm.model, s.cfg.train.micro_batch_size)
+            scores = rm.model.forward_scores(whole, rm.pad_id)[: ro.total].float()
+        else:
+            inputs, rows = _padded(s, inputs)
+            local = rm.model.forward_scores(inputs, rm.pad_id, local_rows=True)[:rows]
+            scores = s.run.shard.gather(ro.rows, local.float(), ro.total)
     name = node.option("scores_field")
     metrics = {f"{name}/mean": float(scores.mean()), f"{name}/std": float(scores.std())} if ro.total > 1 else {}
     return Produced({name: scores}, metrics)
@@ -511,6 +515,11 @@ def _logprobs(
     keep the ones the routers chose (``policy.routing.take_recorded()``). ``attention_mask``
     marks the real tokens, which the router statistics count."""
     inputs = {"input_ids": ro.batch["input_ids"], "attention_mask": ro.batch["attention_mask"]}
+    if frozen.own_layout(policy, s.cfg):  # a teacher of its own layout: shares of the whole batch
+        whole = frozen.whole_batch(s.run.shard, ro, inputs, policy, s.cfg.train.micro_batch_size)
+        logp, ent = policy.forward_logprobs(whole, with_entropy=with_entropy)
+        width = inputs["input_ids"].shape[1]
+        return logp[ro.rows, :width], ent[ro.rows, :width]
     if routes is not None:
         inputs["routed_experts"] = routes
     inputs, rows = _padded(s, inputs)

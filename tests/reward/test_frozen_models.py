@@ -18,6 +18,7 @@ from hybridflow.config import load_config
 from hybridflow.data import BadRow, write_jsonl, write_parquet
 from hybridflow.lowering import lower
 from hybridflow.preferences import encode_pair, read_pairs
+from hybridflow.preflight import check_frozen_models
 from hybridflow.rollout.tiny import make_tiny_model_dir, make_tiny_tokenizer
 from hybridflow.rollout.tokens import encode_prompts
 from hybridflow.runtime.frozen import RewardModel
@@ -249,6 +250,45 @@ def test_plan_prints_the_reward_model_node_its_placement_and_memory(tmp_path):
     plan = lower(off, with_reshard=False)
     assert "reward_model params" not in plan.memory[0].phases["generation"]
     assert "on the host between uses" in "\n".join(plan.describe())
+
+
+@pytest.mark.claim("frozen-model-own-layout")
+def test_a_frozen_model_of_its_own_layout_is_planned_under_it(tmp_path):
+    """The plan's stage and memory follow reward_model.parallel / distillation.parallel; a layout
+    that does not fill the actor's ranks, or cannot split the model, is refused in one line."""
+    rm, teacher = _reward_dir(tmp_path), make_tiny_model_dir(tmp_path / "teacher", "qwen3_moe")
+    base = [f"run.output_dir={tmp_path}", f"reward_model.path={rm}", f"distillation.teacher_path={teacher}"]
+    shared = lower(load_config(QUICKSTART, base), with_reshard=False)
+    own = lower(load_config(QUICKSTART, [*base, "reward_model.parallel.tp=2", "distillation.parallel.pp=2"]))
+    text = own.describe()
+    rm_stage, teacher_stage = [line for line in text if " rm_score [reward_model] rm_score on " in line] + [
+        line for line in text if " teacher_logprob [teacher] teacher_logprob on " in line
+    ]
+    assert "megatron tp=2 pp=1 " in rm_stage and "(its own: reward_model.parallel)" in rm_stage
+    assert "megatron tp=1 pp=2 " in teacher_stage and "(its own: distillation.parallel)" in teacher_stage
+    (listed,) = [line for line in text if line.strip().startswith("teacher: ")]  # the frozen models' list
+    assert "megatron tp=1 pp=2 " in listed and "(its own: distillation.parallel)" in listed
+    assert "its own" not in "\n".join(shared.describe())
+    # the actor's layout gives each rank every layer of both (EP=2 splits the teacher's experts);
+    # TP=2 halves the reward model's layers, PP=2 gives each rank half of the teacher's layers
+    was, now = shared.memory[0].phases["training"], own.memory[0].phases["training"]
+    assert now["reward_model params"] < was["reward_model params"]
+    assert now["teacher params"] != was["teacher params"]
+    with pytest.raises(
+        ValueError,
+        match=r"^distillation.parallel: .* = 1 ranks, but a frozen model runs on the actor's 2 ranks "
+        r".*; set distillation.parallel.dp=2$",
+    ):
+        load_config(QUICKSTART, [*base, "distillation.parallel.tp=1"])
+    # the dense reward model cannot take the MoE actor's EP=2; the refusal says where its own goes
+    with pytest.raises(
+        ValueError, match=r"^actor.parallel \(reward_model.path's layout\).ep=2 .*\(reward_model.parallel\)$"
+    ):
+        check_frozen_models(load_config(QUICKSTART, base))
+    check_frozen_models(load_config(QUICKSTART, [*base, "reward_model.parallel.dp=2"]))  # EP=1: served
+    own_ep = load_config(QUICKSTART, [*base, "reward_model.parallel.tp=2", "reward_model.parallel.ep=2"])
+    with pytest.raises(ValueError, match=r"^reward_model.parallel.ep=2 and reward_model.parallel.etp=1 need an MoE"):
+        check_frozen_models(own_ep)
 
 
 # ---------------------------------------------------------------- the distillation teacher
