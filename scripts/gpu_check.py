@@ -13,6 +13,11 @@ Each check records its figures and ``ok``, or its error, and the next one still 
               through MegatronPolicy and through a plain megatron-core forward_backward_func loop
               (megatron_adapters/plain_loop.py) on the same batches: tokens/s, MFU, their ratio
   checkpoint  dist-checkpoint save and load on the device: log-probs equal after the load
+  frozen      a reward model (transformers' sequence classification, an MoE) built on process
+              groups of its own (``parallel.layout_groups``, NCCL on a GPU) beside megatron's
+              global ones: its scores against transformers' on the device (fp32), then offloaded
+              (``reward_model.offload``): on the host between uses, the device memory it frees,
+              and the same scores after the move in
   ipc         a second process opens the trainer's shared tensors from their handles (CUDA-IPC on a
               GPU, shared memory on a CPU) and checksums them
   train       ``hybridflow train configs/quickstart_gpu.yaml`` for a few RL steps (hf engine, no
@@ -54,7 +59,7 @@ from hybridflow.config import HybridflowConfig, load_config  # noqa: E402
 from hybridflow.model_size import count_parameters  # noqa: E402
 
 CONFIG = ROOT / "configs" / "quickstart_gpu.yaml"
-CHECKS = ("families", "throughput", "checkpoint", "ipc", "train", "efficiency")
+CHECKS = ("families", "throughput", "checkpoint", "frozen", "ipc", "train", "efficiency")
 TOLERANCE = {"float32": ("max", 2e-3), "bfloat16": ("mean", 0.1)}
 """|log-prob difference| per token allowed between megatron-core and transformers on the same
 weights: fp32 differs by summation order only, so every token; bf16 rounds every activation and
@@ -319,6 +324,56 @@ def check_checkpoint(args, work: Path) -> dict:
     after, _ = fresh.forward_logprobs({"input_ids": ids})
     diff = float((before - after).abs().max())
     return {"max_abs_diff_after_load": diff, "ok": diff == 0.0, "device": str(_device())}
+
+
+# ------------------------------------------------------------------------------------ frozen
+
+
+def check_frozen(args, work: Path) -> dict:
+    from hfschema.hf_config import read_hf_config
+    from hfschema.layout import ParallelLayout
+    from hfschema.model_source import reward_model_source
+    from hybridflow.runtime.frozen import RewardModel, _move, on_device
+    from megatron_adapters import parallel
+    from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
+    from tests.reward.rm_models import make_rm_dir, padded_ids, transformers_scores
+
+    rm_dir = make_rm_dir(work / "frozen", "qwen3_moe")
+    source, model = reward_model_source(rm_dir)
+    cfg = _base_config(model, "float32", work / "frozen")
+    parallel.initialize(cfg.actor.parallel, seed=1)  # megatron's global groups: the actor's
+    layout = ParallelLayout()
+    train = dataclasses.replace(cfg.train, micro_batch_size=2, global_batch_size=4)
+    net = MegatronRewardModel(model, layout, train, pg_collection=parallel.layout_groups(layout), trainable=False)
+    load_reward_model(net, source)
+    pad = read_hf_config(rm_dir)["pad_token_id"]
+    ids = padded_ids(model.vocab_size, pad)
+    expected = transformers_scores(rm_dir, ids)  # on the host, fp32
+    resident = net.forward_scores({"input_ids": ids}, pad)
+    rm = RewardModel(model=net, pad_id=pad, tokenizer=None, offload=True)
+    held = _allocated()
+    _move(net, torch.device("cpu"))
+    freed = held - _allocated()
+    on_host = all(t.device.type == "cpu" for chunk in net.chunks for t in chunk.parameters())
+    with on_device(rm):
+        moved_in = all(t.device == _device() for chunk in net.chunks for t in chunk.parameters())
+        offloaded = net.forward_scores({"input_ids": ids}, pad)
+    back = all(t.device.type == "cpu" for chunk in net.chunks for t in chunk.parameters())
+    diff = float((resident - expected).abs().max())
+    return {
+        "max_abs_diff": diff,
+        "offloaded_equals_resident": bool(torch.equal(offloaded, resident)),
+        "device_bytes_freed_by_offload": freed,
+        "params_on_host_between_uses": on_host and back,
+        "params_on_device_in_use": moved_in,
+        "ok": diff <= TOLERANCE["float32"][1] and torch.equal(offloaded, resident) and on_host and back and moved_in,
+        "device": str(_device()),
+    }
+
+
+def _allocated() -> int:
+    """Device memory held by tensors (0 on a CPU)."""
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
 # ------------------------------------------------------------------------------------ ipc

@@ -31,12 +31,15 @@ def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     failed = {k: v.get("error") for k, v in report["checks"].items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stderr[-3000:])
     checks = report["checks"]
-    assert set(checks) == {"families", "throughput", "checkpoint", "ipc", "train", "efficiency"}
+    assert set(checks) == {"families", "throughput", "checkpoint", "frozen", "ipc", "train", "efficiency"}
     cases = checks["families"]["cases"]
     assert {c["family"] for c in cases} == {"llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3"}
     assert all(c["max_abs_diff"] < 1e-4 for c in cases if c["dtype"] == "float32")  # exact on the CPU
     assert all(c["direct_load_max_abs_diff"] < 1e-4 for c in cases if c["dtype"] == "float32")  # model.path's loader
     assert checks["checkpoint"]["max_abs_diff_after_load"] == 0.0
+    frozen = checks["frozen"]  # a reward model on groups of its own, then offloaded between uses
+    assert frozen["max_abs_diff"] < 1e-4 and frozen["offloaded_equals_resident"]
+    assert frozen["params_on_host_between_uses"] and frozen["params_on_device_in_use"]
     assert checks["ipc"]["child_checksum"] == checks["ipc"]["checksum"]
     assert checks["ipc"]["handle_bytes"] < checks["ipc"]["tensor_bytes"] / 100  # a handle, not the data
     assert checks["throughput"]["policy_step_seconds"] > 0 and checks["throughput"]["plain_step_seconds"] > 0
