@@ -382,7 +382,7 @@ def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> 
         assert moved_critic < 2 * moved_actor, (key, float(moved_critic), float(moved_actor))
 
 
-@pytest.mark.claim("algorithms-registered-and-run")
+@pytest.mark.claim("algorithms-registered-and-run", "dynamic-sampling-with-model-scorers")
 @pytest.mark.parametrize("algorithm", ["remax", "dapo"])
 def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(
     full_run: Path, tmp_path: Path, algorithm: str
@@ -392,17 +392,33 @@ def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(
 
     The ReMax run also pushes by ``rollout.sync_route=full``: whole HF tensors gathered to the
     driver, every engine rank receives all of them; the engine then scores like the trainer, as
-    with the sliced route of ``full_run``."""
+    with the sliced route of ``full_run``. The DAPO run has a reward model beside the rule (its
+    weight 0, so the rule's ties still drop groups): its extra rounds are scored by it too."""
     out = tmp_path / algorithm
-    route = ["rollout.sync_route=full"] if algorithm == "remax" else []
-    _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2", *route))
+    if algorithm == "remax":
+        extra = ["rollout.sync_route=full"]
+    else:
+        from tests.reward.rm_models import make_rm_dir
+
+        rm = make_rm_dir(tmp_path, "qwen3")
+        # a dense reward model: the MoE actor's EP=2 is not its layout, DP=2 is
+        extra = [
+            f"reward_model.path={rm}",
+            "reward_model.parallel.dp=2",
+            "reward_model.weight=0",
+            "reward.rule_weight=1",
+        ]
+    _ok(_train(out, f"algorithm.name={algorithm}", "run.steps=2", "run.checkpoint_every=2", *extra))
     history = _history(out, "step_000002")
     assert len(history) == 2
     # a DAPO step that kept no group has no rows to score (and skips its update)
     checked = [h["rollout/logprob_diff_max"] for h in history if "rollout/logprob_diff_max" in h]
     assert checked and max(checked) < LOGPROB_TOL, history
-    if route:
+    if algorithm == "remax":
         _check_full_route(out, full_run)
+    else:  # steps that drew again had the reward model score their extra rounds
+        again = [h for h in history if h["dapo/sampling_rounds"] > 1]
+        assert again and all("dapo/model_scores_mean" in h for h in again), history
 
 
 def _check_full_route(out: Path, sliced_run: Path) -> None:

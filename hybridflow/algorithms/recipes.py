@@ -662,7 +662,6 @@ def build_graph(cfg: HybridflowConfig) -> Graph:
     graph = with_staleness_weights(
         graph, downweights=cfg.async_rl.mode != "sync" and cfg.async_rl.on_stale == "downweight"
     )
-    _check_model_scorers(cfg, spec)
     graph = with_reward_model(graph, scored=bool(cfg.reward_model.path))
     graph = with_judge(graph, judged=bool(cfg.judge.path))
     graph = with_distillation(graph, coef=cfg.distillation.coef if cfg.distillation.teacher_path else None)
@@ -698,23 +697,9 @@ def with_distillation(graph: Graph, *, coef: float | None) -> Graph:
     return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
-def _check_model_scorers(cfg: HybridflowConfig, spec: AlgorithmSpec) -> None:
-    """Dynamic sampling's extra rounds are scored inside ``filter_groups`` by the rule alone: with
-    a reward model or a judge they would be scored otherwise than the first round."""
-    scorers = [
-        key for key, path in (("reward_model.path", cfg.reward_model.path), ("judge.path", cfg.judge.path)) if path
-    ]
-    if scorers and spec.dynamic_sampling:
-        raise ValueError(
-            f"{' and '.join(scorers)} with dynamic sampling ({spec.name}): its extra sampling rounds are "
-            "scored by reward.function alone, not yet by the reward model or judge; set "
-            "algorithm.dynamic_sampling=false"
-        )
-
-
 def with_reward_model(graph: Graph, *, scored: bool) -> Graph:
     """``reward_model.path`` set: before each ``reward`` node an ``rm_score`` node (the frozen
-    reward model, on the actor's layout) scores the same responses, and the reward node mixes
+    reward model, on its layout) scores the same responses, and the reward node mixes
     its scores with the rule's (``config.reward_weights``)."""
     if not scored:
         return graph

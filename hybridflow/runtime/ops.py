@@ -373,14 +373,18 @@ def judge_request(s: Session, node, f: Inputs, step: Step) -> Produced:
     (prompt, response, answer) to rank 0, which hands them to the judge's engine and goes on; the
     engine generates the replies while the stages up to ``judge`` run. The field holds rank 0's
     rows and pending replies (None on the other ranks)."""
-    ro, shard = f[node.option("responses_field")], s.run.shard
+    return Produced({node.option("pending_field"): _judge_start(s, f[node.option("responses_field")])})
+
+
+def _judge_start(s: Session, ro: Rollout):
+    """``judge_request``'s work: rank 0's (rows, pending replies), None on the other ranks."""
+    shard = s.run.shard
     mine = (ro.rows.tolist(), list(zip(ro.prompts, ro.texts, ro.answers))) if shard.leader else ([], [])
     parts = gather_to_driver(mine, group=shard.group)
-    pending = None
-    if parts is not None:  # rank 0
-        rows = [row for part in parts for row in part[0]]
-        pending = (rows, s.models.judge.request(s.cfg, [item for part in parts for item in part[1]]))
-    return Produced({node.option("pending_field"): pending})
+    if parts is None:
+        return None
+    rows = [row for part in parts for row in part[0]]
+    return rows, s.models.judge.request(s.cfg, [item for part in parts for item in part[1]])
 
 
 @op("judge")
@@ -388,10 +392,19 @@ def judge(s: Session, node, f: Inputs, step: Step) -> Produced:
     """The generative judge's score [N] of every sample, from the replies ``judge_request``
     started (rank 0 waits for any still being generated); a reply without a score counts as
     unparsable and scores ``judge.on_unparsable``."""
+    ro = f[node.option("responses_field")]
+    scores, unparsable = _judge_collect(s, ro, f[node.option("pending_field")])
+    name = node.option("scores_field")
+    metrics = {f"{name}/mean": float(scores.mean()), "judge/unparsable": float(unparsable)}
+    return Produced({name: scores}, metrics)
+
+
+def _judge_collect(s: Session, ro: Rollout, pending) -> tuple[torch.Tensor, int]:
+    """The judge's scores [N] of ``ro`` from ``_judge_start``'s pending replies, and how many
+    replies held no score, on every rank."""
     from hybridflow.judge import parse_score
 
-    ro, cfg = f[node.option("responses_field")], s.cfg.judge
-    pending = f[node.option("pending_field")]
+    cfg = s.cfg.judge
     verdict = None
     if pending is not None:  # rank 0
         rows, replies = pending
@@ -401,57 +414,92 @@ def judge(s: Session, node, f: Inputs, step: Step) -> Produced:
             if value is not None:
                 out[row] = value
         verdict = (out, sum(v is None for v in scores))
-    scores, unparsable = broadcast(verdict)
-    name = node.option("scores_field")
-    metrics = {f"{name}/mean": float(scores.mean()), "judge/unparsable": float(unparsable)}
-    return Produced({name: scores}, metrics)
+    return broadcast(verdict)
 
 
 @op("rm_score")
 def rm_score(s: Session, node, f: Inputs, step: Step) -> Produced:
-    """The frozen reward model's score [N] of every sample (under the actor's layout each DP
-    rank scores its own rows and the scores are shared; under its own, its DP ranks score
-    shares of the whole batch), in the reward model's tokens."""
-    ro, rm = f[node.option("responses_field")], s.models.reward_model
-    with frozen.on_device(rm):
-        ids, lengths = rm.tokens(ro)
-        inputs = {"input_ids": ids, "lengths": lengths}
-        if frozen.own_layout(rm.model, s.cfg):
-            whole = frozen.whole_batch(s.run.shard, ro, inputs, rm.model, s.cfg.train.micro_batch_size)
-            scores = rm.model.forward_scores(whole, rm.pad_id)[: ro.total].float()
-        else:
-            inputs, rows = _padded(s, inputs)
-            local = rm.model.forward_scores(inputs, rm.pad_id, local_rows=True)[:rows]
-            scores = s.run.shard.gather(ro.rows, local.float(), ro.total)
+    """The frozen reward model's score [N] of every sample, in the reward model's tokens."""
+    ro = f[node.option("responses_field")]
+    scores = _rm_scores(s, ro)
     name = node.option("scores_field")
     metrics = {f"{name}/mean": float(scores.mean()), f"{name}/std": float(scores.std())} if ro.total > 1 else {}
     return Produced({name: scores}, metrics)
 
 
+def _rm_scores(s: Session, ro: Rollout) -> torch.Tensor:
+    """The reward model's scores [N] of ``ro`` on every rank: under the actor's layout each DP rank
+    scores its own rows and the scores are shared; under its own, its DP ranks score shares of
+    the whole batch."""
+    rm = s.models.reward_model
+    with frozen.on_device(rm):
+        ids, lengths = rm.tokens(ro)
+        inputs = {"input_ids": ids, "lengths": lengths}
+        if frozen.own_layout(rm.model, s.cfg):
+            whole = frozen.whole_batch(s.run.shard, ro, inputs, rm.model, s.cfg.train.micro_batch_size)
+            return rm.model.forward_scores(whole, rm.pad_id)[: ro.total].float()
+        inputs, rows = _padded(s, inputs)
+        local = rm.model.forward_scores(inputs, rm.pad_id, local_rows=True)[:rows]
+    return s.run.shard.gather(ro.rows, local.float(), ro.total)
+
+
 @op("filter_groups")
 def filter_groups_op(s: Session, node, f: Inputs, step: Step) -> Produced:
     """DAPO dynamic sampling: keep groups whose rewards differ; draw more prompts until the step
-    has ``run.prompts_per_step`` groups or ``algorithm.max_sampling_rounds`` rounds ran."""
+    has ``run.prompts_per_step`` groups or ``algorithm.max_sampling_rounds`` rounds ran. Each
+    extra round is scored as the step's own samples are (rule, reward model, judge); the GPUs are
+    left in the mode they were found in."""
     want, seed = s.cfg.run.prompts_per_step, s.cfg.run.seed
     ro, scores = f["responses"], f["scores"]
     keep = filter_groups(scores, ro.groups)
     kept, kept_scores = [ro.select(keep)], [scores[keep]]
     groups = int(keep.sum()) // s.cfg.rollout.n
-    rounds, errors, metrics = 1, 0, {}
+    rounds, errors, metrics, found = 1, 0, {}, s.mode
     while groups < want and rounds < node.option("max_rounds"):
         prompts = s.data.prompt_batch(step.index, offset=rounds)
         seeded = step_seed(seed, step.index, rounds)
+        _back_to_generation(s)
         extra, metrics = rollout(s, prompts, sampling(s.cfg, s.data.stop_ids), seeded, group_offset=rounds * want)
-        extra_scores, failed = score(s, extra, {})  # the step's mix (model scorers are refused here)
+        extra_scores, failed, scored = _extra_round_scores(s, extra)
+        metrics.update(scored)
         keep = filter_groups(extra_scores, extra.groups)
         kept.append(extra.select(keep))
         kept_scores.append(extra_scores[keep])
         groups += int(keep.sum()) // s.cfg.rollout.n
         rounds, errors = rounds + 1, errors + failed
+    if found is not None:
+        switches.enter(s, found)  # where the plan's next stages expect the GPUs
     metrics.update({"dapo/kept_groups": float(groups), "dapo/sampling_rounds": float(rounds)})
     if groups == 0:
         logger.warning("step %d: every group had equal rewards; the actor update is skipped", step.index)
     return Produced({"kept": (_concat(kept), torch.cat(kept_scores))}, metrics, errors)
+
+
+def _back_to_generation(s: Session) -> None:
+    """The GPUs ready to generate again within a step: after a reward model's forward a colocated
+    engine that released its weights gets them pushed again (the actor has not moved since the
+    step's own push, so the samples come from the same policy)."""
+    if s.mode == "train" and s.engines.sync.engine_drops_weights:
+        switches.enter(s, "sync")
+        s.engines.sync.push()
+    switches.enter(s, "generate")
+
+
+def _extra_round_scores(s: Session, ro: Rollout) -> tuple[torch.Tensor, int, dict[str, float]]:
+    """A dynamic-sampling round's rewards [N], mixed as the step's reward node mixes them: the
+    judge's replies are started first and collected after the reward model has scored (where the
+    plan runs it, the GPUs in train mode); with the reward calls that raised and metrics."""
+    pending = _judge_start(s, ro) if s.cfg.judge.path else None
+    scorers, metrics = {}, {}
+    if s.cfg.reward_model.path:
+        switches.enter(s, "train")
+        scorers["model"] = _rm_scores(s, ro)
+        metrics["dapo/model_scores_mean"] = float(scorers["model"].mean())
+    if s.cfg.judge.path:
+        scorers["judge"], unparsable = _judge_collect(s, ro, pending)
+        metrics["dapo/judge_unparsable"] = float(unparsable)
+    scores, failed = score(s, ro, scorers)
+    return scores, failed, metrics
 
 
 def _concat(parts: list[Rollout]) -> Rollout:

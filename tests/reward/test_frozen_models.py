@@ -4,6 +4,7 @@ and plan a reward model adds, and the one-line refusals of what is not a reward 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -161,10 +162,88 @@ def test_rewards_mix_rule_model_and_judge_by_data_source(tmp_path):
         load_config(QUICKSTART, ["reward.source_weights={max: {critic: 1.0}}"])
 
 
-def test_dynamic_sampling_with_a_model_scorer_is_refused(tmp_path):
-    cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", "algorithm.name=dapo", "judge.path=unused"])
-    with pytest.raises(ValueError, match=r"judge.path with dynamic sampling \(dapo\): .*dynamic_sampling=false"):
-        lower(cfg, with_reshard=False)
+def _groups_rollout(n: int) -> Rollout:
+    """``n`` samples in groups of two, with a token each (what ``_concat`` joins)."""
+    ro = _rollout(["7"] * n, ["max"] * n, [7] * n, batch={"input_ids": torch.zeros(n, 1, dtype=torch.long)})
+    return dataclasses.replace(ro, groups=torch.arange(n) // 2)
+
+
+@pytest.mark.claim("dynamic-sampling-with-model-scorers")
+@pytest.mark.parametrize("drops_weights", [True, False], ids=["engine-drops-weights", "engine-keeps-weights"])
+def test_dynamic_sampling_scores_each_extra_round_as_the_step_does(tmp_path, monkeypatch, drops_weights):
+    """DAPO's extra rounds with a reward model and a judge: each round is generated, then scored
+    by the step's mix (the judge's requests first, the reward model where the plan runs it, in
+    train mode); where the switch to train released a colocated engine's weights (a GPU) they are
+    pushed again before the next round generates; the GPUs end in the mode they were found in."""
+    from hybridflow.runtime import ops, switches
+
+    cfg = load_config(
+        QUICKSTART,
+        [
+            f"run.output_dir={tmp_path}",
+            "algorithm.name=dapo",
+            "algorithm.max_sampling_rounds=3",
+            "run.prompts_per_step=2",
+            "rollout.n=2",
+            "reward_model.path=unused",
+            "reward_model.weight=0.5",
+            "judge.path=unused",
+        ],
+    )
+    events = []
+    session = SimpleNamespace(
+        cfg=cfg,
+        mode="train",  # after the step's own rm_score node
+        run=SimpleNamespace(shard=single_process()),
+        data=SimpleNamespace(prompt_batch=lambda step, offset: [f"round {offset}"], stop_ids=(0,)),
+        engines=SimpleNamespace(
+            sync=SimpleNamespace(engine_drops_weights=drops_weights, push=lambda: events.append("push"))
+        ),
+    )
+
+    def enter(s, mode):
+        events.append(f"enter {mode}")
+        s.mode = mode
+
+    # round 2: only the first group's model scores differ; round 3: only the second's judge scores
+    model = {2: torch.tensor([1.0, 3.0, 2.0, 2.0]), 3: torch.tensor([1.0, 1.0, 0.0, 0.0])}
+    judge = {2: torch.tensor([0.0, 0.0, 0.0, 0.0]), 3: torch.tensor([0.0, 0.0, 1.0, 2.0])}
+    drawn = []
+    monkeypatch.setattr(switches, "enter", enter)
+    monkeypatch.setattr(
+        ops,
+        "rollout",
+        lambda s, prompts, *a, **k: (
+            events.append(f"generate in {s.mode}") or drawn.append(prompts) or _groups_rollout(4),
+            {},
+        ),
+    )
+    monkeypatch.setattr(
+        ops, "_rm_scores", lambda s, ro: events.append(f"reward model in {s.mode}") or model[len(drawn) + 1]
+    )
+    monkeypatch.setattr(ops, "_judge_start", lambda s, ro: events.append("judge requests") or len(drawn) + 1)
+    monkeypatch.setattr(ops, "_judge_collect", lambda s, ro, round_: (judge[round_], 1))
+    node = SimpleNamespace(option=lambda name: {"max_rounds": 3}[name])
+    first = _groups_rollout(4)
+    produced = ops.filter_groups_op(
+        session, node, {"responses": first, "scores": torch.zeros(4)}, SimpleNamespace(index=5)
+    )
+    kept, scores = produced.fields["kept"]
+    push = ["enter sync", "push"] if drops_weights else []
+    one_round = [
+        *push,
+        "enter generate",
+        "generate in generate",
+        "judge requests",
+        "enter train",
+        "reward model in train",
+    ]
+    assert events == one_round + one_round + ["enter train"]
+    assert drawn == [["round 1"], ["round 2"]]
+    # the kept groups, scored 0.5 x model + 1 x judge (the rule's default weight is 0 beside them)
+    assert scores.tolist() == [0.5, 1.5, 1.0, 2.0]
+    assert kept.total == 4 and produced.metrics["dapo/sampling_rounds"] == 3.0
+    assert produced.metrics["dapo/kept_groups"] == 2.0 and produced.metrics["dapo/judge_unparsable"] == 1.0
 
 
 def test_judging_templates_and_replies():
