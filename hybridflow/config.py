@@ -71,7 +71,6 @@ __all__ = [
     "enabled_roles",
     "frozen_layout",
     "frozen_layout_key",
-    "check_frozen_world",
     "reward_weights",
     "load_config",
     "to_yaml",
@@ -1055,9 +1054,9 @@ class HybridflowConfig:
             self.critic.enabled = needs_values(self.algorithm)
         for name, layout in enabled_roles(self).items():
             layout.check_model(self.model, prefix=f"{name}.parallel")
-        for key, layout in (("reward_model", self.reward_model.parallel), ("distillation", self.distillation.parallel)):
-            if layout is not None:
-                check_frozen_world(layout, self.actor.parallel, f"{key}.parallel")
+        for role, section in FROZEN_SECTIONS.items():
+            if getattr(self, section).parallel is not None:
+                _check_frozen_world(getattr(self, section).parallel, self.actor.parallel, frozen_layout_key(role))
         self._check_rollout()
         self._check_moe_section()
         check_lora_model(self.lora, self.model, self.actor.parallel)
@@ -1120,18 +1119,22 @@ def reward_weights(cfg: HybridflowConfig, source: str | None) -> dict[str, float
     return {name: given.get(name, w) for name, w in weights.items()}
 
 
+FROZEN_SECTIONS = {"reward_model": "reward_model", "teacher": "distillation"}
+"""The config section of each frozen megatron model's role (its ``parallel`` is its layout)."""
+
+
 def frozen_layout(cfg: HybridflowConfig, role: str) -> ParallelLayout:
     """The layout of frozen model ``role`` (reward_model, teacher): its own, else the actor's."""
-    own = {"reward_model": cfg.reward_model.parallel, "teacher": cfg.distillation.parallel}[role]
+    own = getattr(cfg, FROZEN_SECTIONS[role]).parallel
     return own if own is not None else cfg.actor.parallel
 
 
 def frozen_layout_key(role: str) -> str:
     """The config key of frozen model ``role``'s layout."""
-    return {"reward_model": "reward_model.parallel", "teacher": "distillation.parallel"}[role]
+    return f"{FROZEN_SECTIONS[role]}.parallel"
 
 
-def check_frozen_world(layout: ParallelLayout, actor: ParallelLayout, key: str) -> None:
+def _check_frozen_world(layout: ParallelLayout, actor: ParallelLayout, key: str) -> None:
     """A frozen model's own layout runs on the actor's ranks: it must fill exactly as many."""
     if layout.world_size == actor.world_size:
         return

@@ -22,6 +22,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.pipeline_parallel.utils import (
+    is_pp_first_stage,
+    is_pp_last_stage,
+    is_vp_first_stage,
+    is_vp_last_stage,
+)
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -36,7 +42,6 @@ from hfschema.model import ModelConfig
 from hfschema.train import MoEConfig
 
 from .parallel import device as rank_device
-from .parallel import stage_ends
 from .routing import moe_config_fields
 
 _EXPERT_MODULES = (SequentialMLP, GroupedMLP, TEGroupedMLP)
@@ -269,7 +274,8 @@ def build_model_chunks(
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        pre, post = stage_ends(pg_collection, stage, vpp)
+        pre = is_pp_first_stage(pg_collection.pp) and is_vp_first_stage(stage, vpp)
+        post = is_pp_last_stage(pg_collection.pp) and is_vp_last_stage(stage, vpp)
         chunks.append(
             GPTModel(
                 config=config,

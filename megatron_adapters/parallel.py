@@ -8,8 +8,9 @@ initialised in the same process (the tests do this).
 
 ``layout_groups(layout)`` builds a second set of groups for another layout over the same ranks
 without touching megatron's global state: a frozen model (a reward model, a teacher) with a
-layout of its own is built and run with them alone, since every adapter reads its groups from
-the ``ProcessGroupCollection`` it was given.
+layout of its own is built and run with them alone (the model builder and the policy read their
+groups from the ``ProcessGroupCollection`` they were given; LoRA and routing replay, the
+actor's alone, read megatron's global groups).
 """
 
 from __future__ import annotations
@@ -133,20 +134,6 @@ def layout_groups(layout: ParallelLayout, *, prefix: str = "parallel") -> Proces
         setattr(pgs, name, group(expert.get_ranks(token)))
     pgs.expt_dp = pgs.intra_expt_dp = group(expert.get_ranks("dp"))
     return pgs
-
-
-def pipeline_last_rank(pg: ProcessGroupCollection) -> int:
-    """Global rank of the last stage of this rank's pipeline."""
-    return dist.get_process_group_ranks(pg.pp)[-1]
-
-
-def stage_ends(pg: ProcessGroupCollection, vp_stage: int | None, vpp: int | None) -> tuple[bool, bool]:
-    """Whether the chunk ``vp_stage`` (of ``vpp``, None without interleaving) of this rank is the
-    model's first stage, and whether it is its last."""
-    stage, stages = pg.pp.rank(), pg.pp.size()
-    first = stage == 0 and (vp_stage is None or vp_stage == 0)
-    last = stage == stages - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
-    return first, last
 
 
 def data_coords() -> tuple[int, int, bool]:

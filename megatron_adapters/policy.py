@@ -39,7 +39,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+from megatron.core.pipeline_parallel.utils import get_pp_last_rank, is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from hfschema.layout import ParallelLayout
@@ -55,7 +55,6 @@ from .lora import apply_lora, dropout_step
 from .model import build_model_chunks
 from .packing import FIRST_KEY, POSITIONS_KEY, SEGMENTS_KEY, PackPlan, uses_te_attention
 from .parallel import device as rank_device
-from .parallel import pipeline_last_rank
 from .routing import ROUTES_KEY, VALID_KEY, RouterControl
 
 logger = logging.getLogger(__name__)
@@ -492,7 +491,7 @@ class MegatronPolicy:
             both[0] = join([logp for logp, _ in outputs])
             both[1] = join([ent for _, ent in outputs])
         if self.layout.pp > 1:
-            src = pipeline_last_rank(self.pg)
+            src = get_pp_last_rank(self.pg.pp)
             dist.broadcast(both, src=src, group=self.pg.pp)
         return both[0, :, :seq], both[1, :, :seq]
 
@@ -650,7 +649,7 @@ class MegatronPolicy:
         if self.layout.pp == 1:
             return names
         box = [names]
-        src = pipeline_last_rank(self.pg)
+        src = get_pp_last_rank(self.pg.pp)
         dist.broadcast_object_list(box, src=src, group=self.pg.pp)
         return box[0]
 
