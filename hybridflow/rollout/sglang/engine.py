@@ -922,8 +922,8 @@ def _shutdown(engine: Any, own: frozenset[int]) -> None:
     """``engine.shutdown()``, except that only the engine's own processes are killed.
 
     SGLang 0.5.23's shutdown ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
-    every child of the calling process, its own or not (torch's ``torch_shm_manager``, which CPU
-    weight pushes need; another engine's schedulers; a user's subprocesses). For the length of
+    every child of the calling process, its own or not (another engine's schedulers, a user's
+    subprocesses). For the length of
     the call that function is swapped for one that kills the processes this engine started
     (``own``) and their descendants.
     """

@@ -1,10 +1,9 @@
 """Per-rank payloads for SGLang's ``load_format="direct"`` pushes, made in the process that owns the data.
 
 SGLang's ``update_weights_from_tensor`` takes, for every parameter, one pickled value per TP rank
-(``LocalSerializedTensor``), and scheduler r unpickles ``values[r]`` only. The value need not
-carry the weights: torch's multiprocessing pickler writes a CUDA tensor as a CUDA-IPC handle and,
-under the ``file_system`` sharing strategy, a CPU tensor as the name of a shared-memory segment.
-Any process on the node can open either. So the actor process that holds engine rank r's share
+(``LocalSerializedTensor``), and scheduler r unpickles ``values[r]`` only. On a GPU the value need
+not carry the weights: torch's multiprocessing pickler writes a CUDA tensor as a CUDA-IPC handle,
+which any process on the node can open. So the actor process that holds engine rank r's share
 after the reshard pickles it there and ships a few hundred bytes per tensor to the process that
 drives the engine; engine rank r then maps its share straight from the owner's memory.
 
@@ -17,25 +16,26 @@ actor process r (holds rank r's share)         driver (rank 0)                  
   until the push returned (barrier)
 ```
 
-``file_system`` is chosen over torch's default ``file_descriptor`` strategy because a descriptor
-can only be handed over by the process that owns it, through a socket authenticated with that
-process's multiprocessing key, which the engine's schedulers (children of another process) do
-not share. The strategy is switched only around the pickling and restored after. torch serves it with a
-``torch_shm_manager`` child process (which the engine's shutdown leaves alone: see ``engine._shutdown``).
+A CPU tensor (CPU runs and tests only) travels by value: its bytes are in the pickle. Neither of
+torch's CPU sharing strategies holds up here. ``file_descriptor`` hands a descriptor over a socket
+authenticated with the owner's multiprocessing key, which the engine's schedulers (children of
+another torchrun worker) do not share. ``file_system`` registers every segment with a
+``torch_shm_manager`` helper process that must answer within one second: on a loaded 2-core CI
+machine it once did not, and the owner's push failed with "Shared memory manager connection has
+timed out". The CPU models are small, so the copy costs nothing that matters.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
-from collections.abc import Iterator, Mapping
+import pickle
+from collections.abc import Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing
 
 from hybridflow.rollout.sglang.padding import to_engine_layout
 
@@ -89,32 +89,21 @@ def engine_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype
     return to_engine_layout(name, tensor.detach().to(dtype=dtype), shape).contiguous().clone()
 
 
-@contextlib.contextmanager
-def _file_system_sharing() -> Iterator[None]:
-    before = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(before)
-
-
 def share(tensor: torch.Tensor) -> bytes:
-    """``tensor`` pickled as a handle another process on this node can open (no copy of the data
-    travels). The caller keeps ``tensor`` alive until the receiver has copied it."""
+    """``tensor`` pickled so that another process on this node can open it with SGLang's restricted
+    unpickler: a CUDA tensor as an IPC handle (no copy of the data travels; the caller keeps
+    ``tensor`` alive until the receiver has copied it), a CPU tensor by value (module docstring)."""
+    if not tensor.is_cuda:
+        return pickle.dumps(tensor)
+    _device_uuid_reductions()
     buffer = io.BytesIO()
-    if tensor.is_cuda:
-        _device_uuid_reductions()
-        ForkingPickler(buffer).dump(tensor)
-    else:
-        with _file_system_sharing():
-            ForkingPickler(buffer).dump(tensor)
+    ForkingPickler(buffer).dump(tensor)
     return buffer.getvalue()
 
 
 def open_handle(handle: bytes) -> torch.Tensor:
-    """The tensor a ``share`` handle names, opened in this process without copying its data (what
-    each SGLang scheduler does with its ``values[r]``)."""
+    """The tensor a ``share`` handle names, opened in this process (what each SGLang scheduler
+    does with its ``values[r]``); a CUDA tensor's data is not copied."""
     _device_uuid_reductions()
     return ForkingPickler.loads(handle)
 

@@ -80,6 +80,5 @@ def rank_tensors(path: Path, tp: int, ep: int = 1) -> list[dict[str, torch.Tenso
 
 
 def child_processes() -> list[psutil.Process]:
-    """This process's descendants, except torch's ``torch_shm_manager``: the helper of CPU tensor
-    sharing (``hybridflow.rollout.sglang.handles``) lives as long as this process, not an engine."""
-    return [p for p in psutil.Process().children(recursive=True) if p.name() != "torch_shm_manager"]
+    """This process's descendants."""
+    return psutil.Process().children(recursive=True)
