@@ -315,6 +315,9 @@ def _engine_args(
         enable_deterministic_inference=deterministic,
         log_level="warning",
         custom_sigquit_handler=_child_failed_at_start,
+        # an idle scheduler otherwise polls its sockets in a busy loop, taken from the colocated
+        # actor while it trains: an idle tp=2 CPU engine used 10.7 CPU s in 10 s, 0.3 s with this
+        sleep_on_idle=True,
     )
     if on_cpu:
         # max_total_tokens caps the KV pool; the fraction only has to leave SGLang's free-memory check
