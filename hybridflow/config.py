@@ -846,10 +846,14 @@ class RMConfig:
     heldout_pairs: int = 200
     """Held-out pairs (``data.heldout_files``, or the task's held-out split) whose accuracy is
     measured before and after training; 0 = none."""
+    checkpoint_every: int = 100
+    """Save the reward model with its optimizer state every this many steps, and at the last, as
+    ``checkpoints/rm_<step>`` (0 = at the last step, or when a checkpoint is requested); a start
+    goes on from the newest. ``run.keep_checkpoints`` of them are kept."""
 
     def __post_init__(self) -> None:
         check_positive(self, ("steps", "lr", "batch_size"))
-        check_non_negative(self, ("heldout_pairs",))
+        check_non_negative(self, ("heldout_pairs", "checkpoint_every"))
 
 
 @dataclass(kw_only=True)

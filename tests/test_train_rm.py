@@ -13,6 +13,7 @@ the rule measures.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,13 @@ from tests.test_train import WARM_UP
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
+RM_RUN = ("run.mode=rm", "sft.steps=0", "rm.steps=150", "rm.lr=3e-3")  # checkpoints at 100 and 150
+
+
 @pytest.fixture(scope="module")
 def rm_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rm") / "run"
-    train_quickstart(out, "run.mode=rm", "sft.steps=0", "rm.steps=150", "rm.lr=3e-3")
+    train_quickstart(out, *RM_RUN)
     return out
 
 
@@ -57,6 +61,27 @@ def test_the_reward_model_ranks_held_out_answers_and_transformers_loads_it(rm_ru
             chosen, rejected = encode_pair(pair, tokenizer, data, end, use_chat=True)
             wins += net(torch.tensor([chosen])).logits[0, 0] > net(torch.tensor([rejected])).logits[0, 0]
     assert wins / len(pairs) == pytest.approx(summary["heldout_pair_accuracy_after"])
+
+
+@pytest.mark.claim("rm-mode-resumes")
+def test_a_stopped_reward_model_run_goes_on_from_its_checkpoint_as_the_uninterrupted_one(
+    rm_run: Path, tmp_path: Path
+) -> None:
+    """The uninterrupted run's step-100 checkpoint in a fresh directory (the run as it stood when
+    it saved it): the start trains steps 101-150 only and ends where the uninterrupted run did."""
+    out = tmp_path / "resumed"
+    shutil.copytree(rm_run / "checkpoints" / "rm_000100", out / "checkpoints" / "rm_000100")
+    done = train_quickstart(out, *RM_RUN)
+    assert f"resuming from {out / 'checkpoints' / 'rm_000100'}" in done.stdout, done.stdout[-2000:]
+    first, second = (json.loads((run / "summary.json").read_text()) for run in (rm_run, out))
+    assert (first["rm_started_at_step"], second["rm_started_at_step"]) == (0, 100)
+    losses = [
+        json.loads((run / "checkpoints" / "rm_000150" / "state.json").read_text())["rm_losses"] for run in (rm_run, out)
+    ]
+    assert len(losses[1]) == 150 and losses[1] == losses[0]
+    for key in ("heldout_pair_accuracy_before", "heldout_pair_accuracy_after", "rm_loss_last"):
+        assert second[key] == first[key], key
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["rm_000100", "rm_000150"]
 
 
 @pytest.mark.claim("rl-against-a-reward-model", "frozen-models-overview", "frozen-model-own-layout")

@@ -6,12 +6,15 @@ pairs: data.train_files (chosen / rejected columns) or the task's ──► ids:
 MegatronRewardModel: the actor's architecture under a score head, on the actor's layout; its body
        from the SFT warm-up (sft.steps > 0), model.path, or the seeded initialisation
 rm.steps x Bradley-Terry (batches a function of (seed, step)) ──► held-out pair accuracy before / after
+       every rm.checkpoint_every steps, at a checkpoint request and at the last:
+<run>/checkpoints/rm_<step>   (the model and its optimizer state; a start goes on from the newest)
 <run>/reward_model/megatron   (dist checkpoint, loads under any layout; hf_files/ beside it)
 <run>/reward_model/hf         (transformers *ForSequenceClassification, num_labels=1)
 ```
 
-Both exports are written under a temporary name and renamed once complete. The training has no
-checkpoint of its own (its steps are few): a stopped ``rm`` run trains again from its start.
+Both exports are written under a temporary name and renamed once complete. The batches are a
+function of the step, so a run stopped and started again trains as the uninterrupted one would.
+A start from the last step's checkpoint trains nothing and writes the exports again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +37,7 @@ from hfschema.hf_config import SCORE_SUFFIX, SIDE_FILE_DIR, side_files
 from hfschema.model import as_score_model
 from hybridflow.data import BadRow, BadRows, PromptSampler
 from hybridflow.preferences import PreferencePair, encode_pair, make_task_pairs, read_pairs
-from hybridflow.runtime import report
+from hybridflow.runtime import report, stops
 from hybridflow.runtime.session import DRIVER, Session, broadcast
 
 __all__ = ["EXPORT_DIR", "export_config", "train_reward_model"]
@@ -116,9 +120,12 @@ def export_config(files: Path, out: Path, pad_id: int | None) -> None:
     write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
 
 
-def _build(s: Session, sft_export: Path | None):
-    """The reward model, its body from the SFT export, model.path, or the seeded init."""
+def _build(s: Session, sft_export: Path | None, resume_from: Path | None):
+    """The reward model: from its checkpoint ``resume_from`` (with the optimizer state) when the
+    run state says steps were done, else its body from the SFT export, model.path, or the seeded
+    init."""
     from hfschema.model_source import model_source
+    from megatron_adapters import checkpoint
     from megatron_adapters.pretrained import load_hf_weights
     from megatron_adapters.reward_model import MegatronRewardModel
 
@@ -148,7 +155,9 @@ def _build(s: Session, sft_export: Path | None):
         pg_collection=s.models.pg,
         packing_config=cfg.packing,
     )
-    if body is not None:
+    if s.run.state.rm_step:  # resume_from is the reward model's newest checkpoint
+        checkpoint.load(rm, resume_from / "actor", with_optimizer=True)
+    elif body is not None:
         source = model_source(body)
         if source.kind != "hf":
             raise ValueError(
@@ -160,60 +169,37 @@ def _build(s: Session, sft_export: Path | None):
     return rm, micro
 
 
-def train_reward_model(s: Session, sft_export: Path | None) -> dict:
-    """Train, measure and export the reward model; returns the run's summary (every rank)."""
+def train_reward_model(s: Session, sft_export: Path | None, resume_from: Path | None, save: Callable) -> dict:
+    """Train, measure and export the reward model; returns the run's summary (every rank), or {}
+    when a checkpoint request stopped it (saved first). ``save(name, model)`` writes
+    ``checkpoints/<name>`` with the model's optimizer state and the run state."""
     cfg = s.cfg
     started = time.time()
-    train_files, heldout_files = _pair_files(s)
-    end_id = _end_id(s)
-    train = _encode(
-        read_pairs(train_files, cfg.data, chosen_key=cfg.rm.chosen_key, rejected_key=cfg.rm.rejected_key),
-        s,
-        end_id,
-        "rm train",
-    )
-    heldout = []
-    if heldout_files and cfg.rm.heldout_pairs:
-        rows = read_pairs(heldout_files, cfg.data, chosen_key=cfg.rm.chosen_key, rejected_key=cfg.rm.rejected_key)
-        heldout = _encode(rows[: cfg.rm.heldout_pairs], s, end_id, "rm held-out")
-    if not train:
-        raise ValueError(
-            f"{', '.join(train_files)}: no preference pair fits data.max_prompt_length + max_response_length"
-        )
-    rm, micro = _build(s, sft_export)
+    train, heldout = _read_pairs(s)
+    rm, micro = _build(s, sft_export, resume_from)
     pad = s.data.tokenizer.pad_token_id
     multiple = cfg.actor.parallel.dp * micro
-    before = _accuracy(rm, heldout, pad, multiple)
-    sampler = PromptSampler(len(train), cfg.rm.batch_size, cfg.run.seed + 29)
-    from megatron_adapters.reward_model import bradley_terry_loss
-
-    losses, accuracies = [], []
-    bar = tqdm(range(cfg.rm.steps), desc="rm", unit="step", disable=not s.run.is_driver)
-    for step in bar:
-        result = rm.train_step(_batch([train[i] for i in sampler.batch(step)], pad), bradley_terry_loss)
-        if not result.applied:
-            raise FloatingPointError(
-                f"rm step {step}: the loss or a gradient is not finite; stopped before applying it"
-            )
-        losses.append(result.loss)
-        accuracies.append(result.metrics.get("accuracy"))
-        s.run.tracker.log_metrics({"rm/loss": result.loss, "rm/accuracy": accuracies[-1] or 0.0}, step=step)
-        bar.set_postfix(loss=f"{result.loss:.3f}", acc=f"{accuracies[-1] or 0:.2f}")
+    state, start = s.run.state, s.run.state.rm_step
+    if start == 0:
+        state.rm_heldout_before = _accuracy(rm, heldout, pad, multiple)
+    if not _train_steps(s, rm, train, pad, save):
+        return {}
     after = _accuracy(rm, heldout, pad, multiple)
     export = _export(s, rm, pad)
     summary = {
         "run": cfg.run.name,
         "mode": "rm",
         "rm_steps": cfg.rm.steps,
+        "rm_started_at_step": start,
         "train_pairs": len(train),
         "heldout_pairs": len(heldout),
-        "rm_loss_first": losses[0],
-        "rm_loss_last": losses[-1],
-        "heldout_pair_accuracy_before": before,
+        "rm_loss_first": state.rm_losses[0],
+        "rm_loss_last": state.rm_losses[-1],
+        "heldout_pair_accuracy_before": state.rm_heldout_before,
         "heldout_pair_accuracy_after": after,
         "reward_model_hf": str(export / "hf"),
         "reward_model_megatron": str(export / "megatron"),
-        "wall_seconds": time.time() - started,
+        "wall_seconds": s.run.wall_before + time.time() - started,
         "mlflow_run_id": s.run.tracker.run_id,
     }
     if s.run.is_driver:
@@ -221,6 +207,57 @@ def train_reward_model(s: Session, sft_export: Path | None) -> dict:
         s.run.tracker.log_metrics({"rm/heldout_pair_accuracy": after or 0.0}, step=cfg.rm.steps)
         sys.stdout.write(_format(summary) + "\n")
     return summary
+
+
+def _read_pairs(s: Session) -> tuple[list, list]:
+    """The encoded training and held-out pairs; ValueError when no training pair fits."""
+    cfg = s.cfg
+    train_files, heldout_files = _pair_files(s)
+    end_id = _end_id(s)
+    keys = {"chosen_key": cfg.rm.chosen_key, "rejected_key": cfg.rm.rejected_key}
+    train = _encode(read_pairs(train_files, cfg.data, **keys), s, end_id, "rm train")
+    heldout = []
+    if heldout_files and cfg.rm.heldout_pairs:
+        rows = read_pairs(heldout_files, cfg.data, **keys)
+        heldout = _encode(rows[: cfg.rm.heldout_pairs], s, end_id, "rm held-out")
+    if not train:
+        raise ValueError(
+            f"{', '.join(train_files)}: no preference pair fits data.max_prompt_length + max_response_length"
+        )
+    return train, heldout
+
+
+def _train_steps(s: Session, rm, train: list, pad: int | None, save: Callable) -> bool:
+    """The steps from ``rm_step`` on, checkpointed as ``rm.checkpoint_every`` and the last step
+    say; False when a checkpoint request stopped them (saved first)."""
+    from megatron_adapters.reward_model import bradley_terry_loss
+
+    cfg, state = s.cfg, s.run.state
+    sampler = PromptSampler(len(train), cfg.rm.batch_size, cfg.run.seed + 29)
+    start, steps, every = state.rm_step, cfg.rm.steps, cfg.rm.checkpoint_every
+    bar = tqdm(range(start, steps), desc="rm", unit="step", initial=start, total=steps, disable=not s.run.is_driver)
+    for step in bar:
+        result = rm.train_step(_batch([train[i] for i in sampler.batch(step)], pad), bradley_terry_loss)
+        if not result.applied:
+            raise FloatingPointError(
+                f"rm step {step}: the loss or a gradient is not finite; stopped before applying it"
+            )
+        state.rm_losses.append(result.loss)
+        done = state.rm_step = step + 1
+        accuracy = result.metrics.get("accuracy") or 0.0
+        s.run.tracker.log_metrics({"rm/loss": result.loss, "rm/accuracy": accuracy}, step=step)
+        bar.set_postfix(loss=f"{result.loss:.3f}", acc=f"{accuracy:.2f}")
+        requested = done < steps and stops.checkpoint_requested(
+            s.run.out_dir, is_driver=s.run.is_driver, group=s.run.shard.group
+        )
+        if requested or done == steps or (every and done % every == 0):
+            save(f"rm_{done:06d}", rm)
+        if requested:
+            if s.run.is_driver:
+                stops.done_request(s.run.out_dir)
+                logger.warning("checkpointed reward-model step %d as %s asked; stopping", done, stops.REQUEST_FILE)
+            return False
+    return True
 
 
 def _end_id(s: Session) -> int:

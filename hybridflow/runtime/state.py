@@ -59,6 +59,7 @@ __all__ = [
     "is_rl_checkpoint",
     "latest_checkpoint",
     "read_state",
+    "rm_progress_dirs",
     "write_json_atomic",
 ]
 
@@ -71,6 +72,7 @@ HF_EXPORT = "hf"
 DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SFT_DIR = re.compile(r"^sft_(\d+)$")
+_RM_DIR = re.compile(r"^rm_(\d+)$")
 _MODEL_DIRS = ("actor", "critic")  # the actor always; the critic when the run trained one
 _MODEL_FILES = ("hybridflow.json", "metadata.json", "common.pt", ".metadata")  # what a complete save writes
 _SHOWN_PROBLEMS = 3
@@ -96,6 +98,12 @@ class RunState:
     """(step, held-out reward) measurements."""
     sft_losses: list[float] = field(default_factory=list)
     """SFT loss per step."""
+    rm_step: int = 0
+    """``run.mode=rm``: reward-model steps completed (``checkpoints/rm_<step>``)."""
+    rm_losses: list[float] = field(default_factory=list)
+    """``run.mode=rm``: Bradley-Terry loss per step."""
+    rm_heldout_before: float | None = None
+    """``run.mode=rm``: held-out pair accuracy before the first step."""
     mlflow_run_id: str | None = None
     """The MLflow run to keep logging into."""
     wall_seconds: float = 0.0
@@ -154,6 +162,11 @@ def sft_progress_dirs(output_dir: str | os.PathLike) -> list[Path]:
     return _numbered(output_dir, _SFT_DIR)
 
 
+def rm_progress_dirs(output_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints of ``run.mode=rm``'s reward model (``rm_<step>``), oldest first."""
+    return _numbered(output_dir, _RM_DIR)
+
+
 def is_rl_checkpoint(path: Path) -> bool:
     """Whether ``path`` is an RL step's checkpoint (the actor with its RL optimizer state)."""
     return _STEP_DIR.match(path.name) is not None
@@ -164,8 +177,9 @@ def sft_checkpoint(output_dir: str | os.PathLike) -> Path:
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint to resume from: an RL step, else the SFT one, else None."""
-    steps = checkpoint_dirs(output_dir)
+    """The newest complete checkpoint to resume from: an RL step, else a reward model's, else the
+    SFT one, else None."""
+    steps = checkpoint_dirs(output_dir) or rm_progress_dirs(output_dir)
     if steps:
         return steps[-1]
     sft = sft_checkpoint(output_dir)
@@ -183,11 +197,12 @@ def publish(staging: Path, final: Path) -> None:
 
 
 def prune(output_dir: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest ``keep`` RL checkpoints, and the mid-SFT ones past the newest
-    ``keep`` or once ``sft`` is complete (rank 0 only, after a save completed)."""
+    """Delete all but the newest ``keep`` RL (or reward-model) checkpoints, and the mid-SFT ones
+    past the newest ``keep`` or once ``sft`` is complete (rank 0 only, after a save completed)."""
     sft_done = (sft_checkpoint(output_dir) / STATE_FILE).is_file()
     progress = sft_progress_dirs(output_dir)
-    for old in checkpoint_dirs(output_dir)[:-keep] + (progress if sft_done else progress[:-keep]):
+    steps = checkpoint_dirs(output_dir)[:-keep] + rm_progress_dirs(output_dir)[:-keep]
+    for old in steps + (progress if sft_done else progress[:-keep]):
         shutil.rmtree(old, ignore_errors=True)
         logger.debug("removed old checkpoint %s", old)  # housekeeping: not worth breaking a progress bar
 
@@ -251,10 +266,12 @@ class Resume:
 
 
 def _candidates(output_dir: Path) -> list[Path]:
-    """Published checkpoints, newest first: the RL steps, the SFT one, then an unfinished SFT's."""
+    """Published checkpoints, newest first: the RL steps, the reward model's (``run.mode=rm``),
+    the SFT one, then an unfinished SFT's."""
     sft = sft_checkpoint(output_dir)
     return (
         list(reversed(checkpoint_dirs(output_dir)))
+        + list(reversed(rm_progress_dirs(output_dir)))
         + ([sft] if sft.is_dir() else [])
         + list(reversed(sft_progress_dirs(output_dir)))
     )

@@ -572,7 +572,14 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
             from hybridflow.runtime.rm_train import train_reward_model
 
             sft_export = run_state.sft_checkpoint(out_dir) / run_state.HF_EXPORT
-            summary = train_reward_model(s, sft_export if s.run.state.sft_done and sft_export.is_dir() else None)
+            summary = train_reward_model(
+                s,
+                sft_export if s.run.state.sft_done and sft_export.is_dir() else None,
+                resume_from,
+                save=lambda name, model: _save(s, name, with_optimizer=True, policy=model),
+            )
+            if not summary:  # checkpointed on request: a later start goes on from there
+                return _stopped_on_request(s)
             s.run.tracker.close()
             _stop_engines(s, in_order=True)
             return summary

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
 
 
-def train_quickstart(out: Path, *overrides: str) -> None:
+def train_quickstart(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     """The run into ``out``; the repository is on the path (a reward function of tests/)."""
     done = subprocess.run(
         [sys.executable, "-m", "hybridflow.cli", "train", str(QUICKSTART), f"run.output_dir={out}", *overrides],
@@ -23,3 +23,4 @@ def train_quickstart(out: Path, *overrides: str) -> None:
         timeout=800,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done

@@ -65,6 +65,20 @@ def test_resume_takes_the_newest_complete_checkpoint(tmp_path: Path) -> None:
     assert [p.name for p in state.checkpoint_dirs(tmp_path)] == ["step_000010"]
 
 
+def test_a_reward_model_run_resumes_from_its_newest_checkpoint_after_the_sft(tmp_path: Path) -> None:
+    """``run.mode=rm`` writes ``rm_<step>`` after the SFT: newer than ``sft``, older than any RL step."""
+    _checkpoint(tmp_path, "sft", 0)
+    for step in (50, 100, 150):
+        _checkpoint(tmp_path, f"rm_{step:06d}", 0)
+    assert [p.name for p in state.rm_progress_dirs(tmp_path)] == ["rm_000050", "rm_000100", "rm_000150"]
+    assert state.latest_checkpoint(tmp_path).name == "rm_000150"
+    state.prune(tmp_path, keep=2)
+    assert [p.name for p in state.rm_progress_dirs(tmp_path)] == ["rm_000100", "rm_000150"]
+    assert (tmp_path / "checkpoints" / "sft").is_dir()
+    _checkpoint(tmp_path, "step_000001", 1)
+    assert state.latest_checkpoint(tmp_path).name == "step_000001"
+
+
 def test_an_unreadable_run_state_names_the_file(tmp_path: Path) -> None:
     path = _checkpoint(tmp_path, "step_000001", 1)
     (path / "state.json").write_text("{not json")
