@@ -179,9 +179,13 @@ def train_rl(s: Session, plan, *, save) -> bool:
             if done == started + 1:  # this start's first RL step (benchmarks/startup.py)
                 startup_clock.mark("first_step")
                 startup_clock.write(run.out_dir)
-        saved = (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps
-        requested = done < cfg.run.steps and stops.checkpoint_requested(
-            run.out_dir, is_driver=run.is_driver, group=run.shard.group
+        saved, requested = stops.checkpoint_due(
+            run.out_dir,
+            done=done,
+            total=cfg.run.steps,
+            every=cfg.run.checkpoint_every,
+            is_driver=run.is_driver,
+            group=run.shard.group,
         )
         if saved or requested:
             switches.enter(s, "train")  # the optimizer state back on the device, as it is saved

@@ -234,7 +234,7 @@ def _train_steps(s: Session, rm, train: list, pad: int | None, save: Callable) -
 
     cfg, state = s.cfg, s.run.state
     sampler = PromptSampler(len(train), cfg.rm.batch_size, cfg.run.seed + 29)
-    start, steps, every = state.rm_step, cfg.rm.steps, cfg.rm.checkpoint_every
+    start, steps = state.rm_step, cfg.rm.steps
     bar = tqdm(range(start, steps), desc="rm", unit="step", initial=start, total=steps, disable=not s.run.is_driver)
     for step in bar:
         result = rm.train_step(_batch([train[i] for i in sampler.batch(step)], pad), bradley_terry_loss)
@@ -247,10 +247,15 @@ def _train_steps(s: Session, rm, train: list, pad: int | None, save: Callable) -
         accuracy = result.metrics.get("accuracy") or 0.0
         s.run.tracker.log_metrics({"rm/loss": result.loss, "rm/accuracy": accuracy}, step=step)
         bar.set_postfix(loss=f"{result.loss:.3f}", acc=f"{accuracy:.2f}")
-        requested = done < steps and stops.checkpoint_requested(
-            s.run.out_dir, is_driver=s.run.is_driver, group=s.run.shard.group
+        scheduled, requested = stops.checkpoint_due(
+            s.run.out_dir,
+            done=done,
+            total=steps,
+            every=cfg.rm.checkpoint_every,
+            is_driver=s.run.is_driver,
+            group=s.run.shard.group,
         )
-        if requested or done == steps or (every and done % every == 0):
+        if scheduled or requested:
             save(f"rm_{done:06d}", rm)
         if requested:
             if s.run.is_driver:

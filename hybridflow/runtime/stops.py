@@ -7,8 +7,9 @@
       └─ otherwise: Stopped raised where the rank is; the job's clean-up runs (engines shut down,
          the MLflow run marked KILLED) and the rank exits with 128 + signal
     <run dir>/checkpoint.request  (``request_checkpoint``; the Slurm script writes it before the time limit)
-      └─ seen by rank 0 at an RL or SFT step boundary; every rank agrees (one all-reduce per
-         step), saves the step (SFT: ``checkpoints/sft_<step>``) and leaves the loop; the file
+      └─ seen by rank 0 at an RL, SFT or reward-model step boundary; every rank agrees (one
+         all-reduce per step, ``checkpoint_due``), saves the step (SFT: ``checkpoints/sft_<step>``,
+         reward model: ``checkpoints/rm_<step>``) and leaves the loop; the file
          is removed once the checkpoint is complete
 
 Stopped derives from BaseException, as KeyboardInterrupt does, so that no ``except Exception``
@@ -33,6 +34,7 @@ from launch.reaper import REQUEST_FILE
 __all__ = [
     "REQUEST_FILE",
     "Stopped",
+    "checkpoint_due",
     "checkpoint_requested",
     "deferred",
     "done_request",
@@ -115,6 +117,15 @@ def checkpoint_requested(output_dir: Path, *, is_driver: bool, group) -> bool:
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
+
+
+def checkpoint_due(output_dir: Path, *, done: int, total: int, every: int, is_driver: bool, group) -> tuple[bool, bool]:
+    """At the end of step ``done`` of a phase of ``total`` steps (RL, SFT, reward-model training):
+    (whether its schedule saves now: every ``every`` steps, 0 = none, and at the last step;
+    whether a checkpoint was requested, after which the phase saves and stops). Collective over
+    ``group`` like ``checkpoint_requested``."""
+    requested = done < total and checkpoint_requested(output_dir, is_driver=is_driver, group=group)
+    return bool(every and done % every == 0) or done == total, requested
 
 
 def done_request(output_dir: Path) -> None:

@@ -182,11 +182,15 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
         s.run.tracker.log_metrics({"sft/loss": result.loss}, step=step)
         s.run.state.sft_losses.append(result.loss)
         done = s.run.state.sft_step = step + 1
-        every = cfg.sft.checkpoint_every
-        requested = done < cfg.sft.steps and stops.checkpoint_requested(
-            s.run.out_dir, is_driver=s.run.is_driver, group=s.run.shard.group
+        scheduled, requested = stops.checkpoint_due(
+            s.run.out_dir,
+            done=done,
+            total=cfg.sft.steps,
+            every=cfg.sft.checkpoint_every,
+            is_driver=s.run.is_driver,
+            group=s.run.shard.group,
         )
-        if requested or (every and done % every == 0 and done < cfg.sft.steps):
+        if requested or (scheduled and done < cfg.sft.steps):  # the last step saves as checkpoints/sft
             _save(s, f"sft_{done:06d}", with_optimizer=True, policy=policy)
         return requested
 

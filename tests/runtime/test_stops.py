@@ -81,3 +81,13 @@ def test_without_a_request_the_loop_runs_to_the_end(monkeypatch, tmp_path) -> No
     graph, s, calls = _loop_without_ranks(monkeypatch, tmp_path, steps=3)
     assert loop.train_rl(s, graph, save=lambda step: None) is True
     assert calls == [0, 1, 2]
+
+
+def test_the_schedule_saves_every_n_and_the_last_step_and_a_request_never_at_the_last(tmp_path) -> None:
+    due = [stops.checkpoint_due(tmp_path, done=d, total=5, every=2, is_driver=True, group=None) for d in range(1, 6)]
+    assert due == [(False, False), (True, False), (False, False), (True, False), (True, False)]
+    assert stops.checkpoint_due(tmp_path, done=3, total=5, every=0, is_driver=True, group=None) == (False, False)
+    stops.request_checkpoint(tmp_path)
+    assert stops.checkpoint_due(tmp_path, done=3, total=5, every=0, is_driver=True, group=None) == (False, True)
+    assert stops.checkpoint_due(tmp_path, done=5, total=5, every=0, is_driver=True, group=None) == (True, False)
+    assert stops.checkpoint_due(tmp_path, done=3, total=5, every=0, is_driver=False, group=None) == (False, False)

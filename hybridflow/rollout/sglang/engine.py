@@ -926,9 +926,8 @@ def _shutdown(engine: Any, own: frozenset[int]) -> None:
 
     SGLang 0.5.23's shutdown ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
     every child of the calling process, its own or not (another engine's schedulers, a user's
-    subprocesses). For the length of
-    the call that function is swapped for one that kills the processes this engine started
-    (``own``) and their descendants.
+    subprocesses). For the length of the call that function is swapped for one that kills the
+    processes this engine started (``own``) and their descendants.
     """
     from sglang.srt.entrypoints import engine as sglang_engine_module
 
