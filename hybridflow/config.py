@@ -135,7 +135,9 @@ class RoleConfig:
     default): built when the algorithm's estimator reads values (ppo's and vapo's gae)."""
     parallel: Optional[ParallelLayout] = field(default_factory=ParallelLayout)
     """megatron-core parallel layout of this role; the reference's and critic's None (their
-    default): the actor's layout, the only one the runtime builds them under."""
+    default): the actor's layout. The reference is a frozen model: a layout of its own must fill
+    the actor's ranks (groups of its own over them); the runtime builds the critic under the
+    actor's layout only."""
 
 
 @dataclass(kw_only=True)
@@ -1059,8 +1061,9 @@ class HybridflowConfig:
         for name, layout in enabled_roles(self).items():
             layout.check_model(self.model, prefix=f"{name}.parallel")
         for role, section in FROZEN_SECTIONS.items():
-            if getattr(self, section).parallel is not None:
-                _check_frozen_world(getattr(self, section).parallel, self.actor.parallel, frozen_layout_key(role))
+            own = getattr(self, section).parallel
+            if own is not None and getattr(getattr(self, section), "enabled", True):  # a disabled reference: unused
+                _check_frozen_world(own, self.actor.parallel, frozen_layout_key(role))
         self._check_rollout()
         self._check_moe_section()
         check_lora_model(self.lora, self.model, self.actor.parallel)
@@ -1123,12 +1126,13 @@ def reward_weights(cfg: HybridflowConfig, source: str | None) -> dict[str, float
     return {name: given.get(name, w) for name, w in weights.items()}
 
 
-FROZEN_SECTIONS = {"reward_model": "reward_model", "teacher": "distillation"}
+FROZEN_SECTIONS = {"reference": "reference", "reward_model": "reward_model", "teacher": "distillation"}
 """The config section of each frozen megatron model's role (its ``parallel`` is its layout)."""
 
 
 def frozen_layout(cfg: HybridflowConfig, role: str) -> ParallelLayout:
-    """The layout of frozen model ``role`` (reward_model, teacher): its own, else the actor's."""
+    """The layout of frozen model ``role`` (reference, reward_model, teacher): its own, else the
+    actor's."""
     own = getattr(cfg, FROZEN_SECTIONS[role]).parallel
     return own if own is not None else cfg.actor.parallel
 

@@ -36,7 +36,7 @@ ROLES = ("actor", "reference", "critic", "reward_model", "teacher", "rollout", "
 
 ROLE_SWITCHES = {
     "actor": "set actor.enabled=true",
-    "reference": "set reference.enabled=true (it takes the actor's layout)",
+    "reference": "set reference.enabled=true (the actor's layout unless reference.parallel)",
     "critic": "set critic.enabled=true or leave it unset (it takes the actor's layout)",
     "reward_model": "set reward_model.path (it takes the actor's layout)",
     "teacher": "set distillation.teacher_path (it takes the actor's layout)",

@@ -28,13 +28,14 @@ Placement rules:
 - ``rollout.placement=separate``: an ``actor`` pool (actor, reference, critic) and a
   ``rollout`` pool of ``rollout.tp * num_replicas`` GPUs, numbered after the actor's.
 - A model role's layout must fit its pool (``world_size <= pool``, a ValueError naming the
-  role's ``parallel`` keys otherwise). The actor fills its pool by construction; a reference
-  or critic with a smaller layout runs on the pool's first ``world_size`` ranks, and the
-  other ranks skip its nodes.
-- Frozen models (``reward_model``, ``teacher``) run on the actor's pool, under the actor's layout
-  or their own (``reward_model.parallel``, ``distillation.parallel``: the same ranks, groups of
-  their own); ``frozen_models`` describes them (a reward model's architecture is read from its
-  directory).
+  role's ``parallel`` keys otherwise). The actor fills its pool by construction; a critic with a
+  smaller layout runs on the pool's first ``world_size`` ranks, and the other ranks skip its
+  nodes (planned only: the runtime builds the critic under the actor's layout).
+- Frozen models (``reference``, ``reward_model``, ``teacher``) run on the actor's pool, under the
+  actor's layout or their own (``reference.parallel``, ``reward_model.parallel``,
+  ``distillation.parallel``: the same ranks, groups of their own; the config refuses one that
+  does not fill them); ``frozen_models`` describes them (a reward model's architecture is read
+  from its directory).
 - ``reward`` and ``driver`` run on the CPU of every rank of the actor's pool.
 
 Colocation switches (3D-HybridEngine). On a colocated pool each GPU node needs one of three
@@ -269,9 +270,10 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
     to be the actor's under a score head, with a warning."""
     out = []
     if cfg.reference.enabled:
-        source = "the actor's starting weights (the SFT warm-up's, or model.path)"
-        layout = f"megatron {cfg.actor.parallel.describe()} (the actor's)"
-        out.append(FrozenModel(role="reference", model=cfg.model.architecture, source=source, layout=layout))
+        layout = frozen_layout_text(cfg, "reference")
+        out.append(
+            FrozenModel(role="reference", model=cfg.model.architecture, source=_reference_source(cfg), layout=layout)
+        )
     if cfg.reward_model.path:
         out.append(
             FrozenModel(
@@ -301,6 +303,15 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
             )
         )
     return tuple(out)
+
+
+def _reference_source(cfg: HybridflowConfig) -> str:
+    """Where the reference's weights come from: the actor's starting point."""
+    if cfg.sft.steps > 0:
+        return "the SFT warm-up's weights (checkpoints/sft)"
+    if cfg.model.pretrained:
+        return f"model.path {cfg.model.path}"
+    return "the actor's random initial weights (checkpoints/initial)"
 
 
 def frozen_layout_text(cfg: HybridflowConfig, role: str) -> str:
@@ -375,7 +386,7 @@ def _engine_text(cfg: HybridflowConfig) -> str:
 
 def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
     layouts = {role: f"megatron {layout.describe()}" for role, layout in enabled_roles(cfg).items()}
-    for role in ("reward_model", "teacher"):
+    for role in ("reference", "reward_model", "teacher"):
         layouts[role] = frozen_layout_text(cfg, role)
     layouts["judge"] = f"{cfg.judge.engine} tp={cfg.judge.tp} engine of its own, driven by rank 0"
     layouts["rollout"] = _engine_text(cfg)

@@ -44,7 +44,14 @@ from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
 from hybridflow.runtime import checksums
 from hybridflow.runtime.model_dir import GENERATED_FAMILIES
-from hybridflow.runtime.state import DAMAGED_SUFFIX, check_config_loads, checkpoint_problem, find_resume, sft_checkpoint
+from hybridflow.runtime.state import (
+    DAMAGED_SUFFIX,
+    check_config_loads,
+    checkpoint_problem,
+    find_resume,
+    initial_checkpoint,
+    sft_checkpoint,
+)
 
 if TYPE_CHECKING:
     from launch.slurm import SlurmJob
@@ -68,11 +75,6 @@ __all__ = [
 
 def check_runtime_support(cfg: HybridflowConfig) -> None:
     """What ``hybridflow plan`` accepts but this version's runtime does not run (yet)."""
-    if cfg.reference.enabled and cfg.reference.parallel != cfg.actor.parallel:
-        raise ValueError(
-            "reference.parallel differs from actor.parallel: the runtime builds the reference on the "
-            "actor's ranks under the actor's layout; set reference.parallel=${actor.parallel}"
-        )
     if cfg.critic.enabled and cfg.critic.parallel != cfg.actor.parallel:
         raise ValueError(
             "critic.parallel differs from actor.parallel: the runtime builds the critic on the "
@@ -428,14 +430,15 @@ def check_resume(
     if content and found.path is not None:
         os.environ[checksums.VERIFIED_ENV] = str(found.path)
     sft = sft_checkpoint(cfg.run.output_dir)
+    source = sft if sft.is_dir() else initial_checkpoint(cfg.run.output_dir)  # the reference's weights
     if (
         uses_reference
-        and found.path not in (None, sft)
-        and sft.is_dir()
-        and (problem := checkpoint_problem(sft, content=content))
+        and found.path not in (None, source)
+        and source.is_dir()
+        and (problem := checkpoint_problem(source, content=content))
     ):
         raise ValueError(
-            f"checkpoint sft is damaged: {problem}; the reference policy loads from it (algorithm."
+            f"checkpoint {source.name} is damaged: {problem}; the reference policy loads from it (algorithm."
             "kl_loss_coef / kl_reward_coef > 0): restore its files, or set a new run.output_dir"
         )
     for path, problem in found.damaged:

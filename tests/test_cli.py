@@ -174,16 +174,15 @@ def test_role_larger_than_its_pool_exits_2(capsys):
             [
                 "plan",
                 str(CONFIGS / "quickstart_cpu.yaml"),
-                "reference.enabled=true",
-                "algorithm.kl_loss_coef=0.01",
-                "reference.parallel.dp=4",
+                "algorithm.name=ppo",
+                "critic.parallel.dp=4",
             ]
         )
         == 2
     )
     captured = capsys.readouterr()
-    assert "reference.parallel needs tp*pp*cp*dp = 1*1*1*4 = 4 GPUs" in captured.err
-    assert "lower reference.parallel.dp to 2 or less" in captured.err
+    assert "critic.parallel needs tp*pp*cp*dp = 1*1*1*4 = 4 GPUs" in captured.err
+    assert "lower critic.parallel.dp to 2 or less" in captured.err
     assert captured.out == ""
 
 

@@ -122,21 +122,37 @@ def test_colocated_engines_may_use_part_of_the_pool():
     assert "  rollout on rank 0 of pool colocated only" in placement.describe()
 
 
-def test_a_smaller_reference_runs_on_the_first_ranks():
-    placement = place(_cfg("reference.enabled=true", "reference.parallel.dp=1"))  # one rank
-    assert placement.ranks_of("reference") == range(1)
-    assert "  reference on rank 0 of pool colocated only" in placement.describe()
+def test_a_smaller_critic_runs_on_the_first_ranks():
+    placement = place(_cfg("algorithm.name=ppo", "critic.parallel.dp=1"))  # one rank
+    assert placement.ranks_of("critic") == range(1)
+    assert "  critic on rank 0 of pool colocated only" in placement.describe()
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+def test_a_reference_layout_that_does_not_fill_the_actors_ranks_is_refused(dp):
+    """The reference is a frozen model: a layout of its own covers the actor's ranks exactly."""
+    with pytest.raises(
+        ValueError,
+        match=rf"^reference.parallel: tp\*pp\*cp\*dp = 1\*1\*1\*{dp} = {dp} ranks, but a frozen model runs on "
+        r"the actor's 2 ranks \(actor.parallel\); set reference.parallel.dp=2$",
+    ):
+        _cfg("reference.enabled=true", f"reference.parallel.dp={dp}")
+    own = _cfg(
+        "reference.enabled=true", "algorithm.kl_loss_coef=0.01", "reference.parallel.tp=2", "reference.parallel.dp=1"
+    )
+    (stage,) = [s for s in lower(own, with_reshard=False).stages if s.node.role == "reference"]
+    assert stage.ranks == range(2) and "(its own: reference.parallel)" in stage.layout
 
 
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
 def test_a_role_larger_than_its_pool_names_the_key(placement):
-    cfg = _cfg("reference.enabled=true", "reference.parallel.dp=4", f"rollout.placement={placement}")
+    cfg = _cfg("algorithm.name=ppo", "critic.parallel.dp=4", f"rollout.placement={placement}")
     pool = "colocated" if placement == "colocated" else "actor"
     with pytest.raises(
         ValueError,
         match=(
-            rf"reference.parallel needs tp\*pp\*cp\*dp = 1\*1\*1\*4 = 4 GPUs, more than the 2 "
-            rf"of the {pool} pool .*lower reference.parallel.dp to 2 or less"
+            rf"critic.parallel needs tp\*pp\*cp\*dp = 1\*1\*1\*4 = 4 GPUs, more than the 2 "
+            rf"of the {pool} pool .*lower critic.parallel.dp to 2 or less"
         ),
     ):
         place(cfg)

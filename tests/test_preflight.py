@@ -23,7 +23,6 @@ QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart_c
         (["rollout.placement=separate", "rollout.gpus_per_node=1"], "separate engines spanning nodes"),
         (["rollout.gpus_per_node=3", "rollout.tp=4", "actor.parallel.dp=4"], "rollout.tp=4 does not fill whole nodes"),
         (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
-        (["reference.enabled=true", "reference.parallel.ep=1"], "reference.parallel differs"),
     ],
 )
 @pytest.mark.claim("preflight-one-line")
@@ -304,16 +303,17 @@ def test_a_model_the_checkpoint_cannot_load_into_is_named_key_by_key(tmp_path, c
     assert "hybridflow train: changed since step_000004 was saved: run.steps: 30 -> 40\n" in capsys.readouterr().out
 
 
-def test_a_damaged_sft_checkpoint_is_refused_when_the_reference_loads_from_it(tmp_path, capsys):
+@pytest.mark.parametrize("source", ["sft", "initial"])  # the SFT warm-up's, or a random model's initial weights
+def test_a_damaged_checkpoint_the_reference_loads_from_is_refused(tmp_path, capsys, source):
     from tests.runtime.run_dirs import checkpoint, shard
 
     run = _run_dir(tmp_path / "run")
-    missing = shard(checkpoint(run, "sft", 0))
+    missing = shard(checkpoint(run, source, 0))
     missing.unlink()
-    preflight(load_config(QUICKSTART, [f"run.output_dir={run}"]))  # no KL term: the SFT checkpoint is not read
+    preflight(load_config(QUICKSTART, [f"run.output_dir={run}"]))  # no KL term: the checkpoint is not read
     line = _refusal(tmp_path, "reference.enabled=true", "algorithm.kl_loss_coef=0.01", capsys=capsys)
     assert line == (
-        f"hybridflow train: error: checkpoint sft is damaged: {missing} is missing (listed in .metadata); "
+        f"hybridflow train: error: checkpoint {source} is damaged: {missing} is missing (listed in .metadata); "
         "the reference policy loads from it (algorithm.kl_loss_coef / kl_reward_coef > 0): restore its "
         "files, or set a new run.output_dir"
     )

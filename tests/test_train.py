@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -448,6 +449,41 @@ tier. Those functions are checked against verl's numerics (tests/algorithms/), a
 batch-wide sums under DP against one process (tests/runtime/test_shares.py); the runs below keep
 each distinct runtime path in the default tier (a critic and VAPO's LM loss, the reference model
 and the adaptive KL reward, GSPO's sequence ratio with rollout correction, RLOO's token-sum)."""
+
+
+@pytest.mark.claim("reference-own-layout")
+def test_a_reference_of_its_own_layout_reads_the_initial_weights_also_after_a_resume(tmp_path: Path) -> None:
+    """No SFT warm-up and no ``model.path``: the reference is the random actor's initial weights,
+    which a fresh start keeps in ``checkpoints/initial`` and the reference reads under a layout of
+    its own (TP=2 beside the actor's EP=2 x DP=2). Step 1 samples from those weights (KL 0); a
+    run resumed after step 1 measures step 2's KL to them exactly as the uninterrupted run does
+    (before, a resumed run copied the resumed actor into the reference: KL 0 at step 2)."""
+    overrides = (
+        "sft.steps=0",
+        "run.steps=2",
+        "run.checkpoint_every=1",
+        "run.heldout_prompts=0",
+        "algorithm.name=reinforce_plus_plus",
+        "reference.enabled=true",
+        "algorithm.kl_reward_coef=0.05",
+        "reference.parallel.tp=2",
+        "reference.parallel.ep=1",
+        "reference.parallel.dp=1",
+        "reward.function=tests.reward.length.chars",  # rewards that differ: the policy moves
+        *HF_ENGINE,
+    )
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _ok(_train(whole, *overrides))
+    assert (whole / "checkpoints" / "initial" / "hf" / "config.json").is_file()
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000002")
+    _ok(_train(resumed, *overrides))
+    first, second = (h["actor/reward_kl"] for h in _history(whole, "step_000002"))
+    assert first < 1e-6 and second > 1e-3, (first, second)
+    assert [h["actor/reward_kl"] for h in _history(resumed, "step_000002")] == [first, second]
+    summary = json.loads((whole / "summary.json").read_text())
+    (line,) = [line for line in summary["executed_stages"] if " ref_logprob [reference] " in line]
+    assert "megatron tp=2 pp=1 " in line and "(its own: reference.parallel)" in line, line
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,13 @@
-"""Frozen models the graph calls without training them: the reward model (``reward_model.path``),
-the distillation teacher (``distillation.teacher_path``) and the generative judge (``judge.path``).
+"""Frozen models the graph calls without training them: the reference policy, the reward model
+(``reward_model.path``), the distillation teacher (``distillation.teacher_path``) and the
+generative judge (``judge.path``).
 
 ```
 reward_model.path ── reward_model_source (checked: a score head) ──► MegatronRewardModel under
                      reward_model.parallel (groups of its own, parallel.layout_groups) or the
                      actor's layout and groups, each rank reading its own slices
-                     (the teacher likewise, under distillation.parallel)
+                     (the teacher likewise, under distillation.parallel; the reference under
+                     reference.parallel, from the actor's starting weights)
 rollout rows ── tokens(): the policy's ids as they are when the reward model's tokenizer and chat
                 template are the policy's; else prompt (as its data row has it) + response text
                 rendered in the reward model's own template ──► ids [b, T], lengths [b]
@@ -141,12 +143,12 @@ def build_teacher(cfg, pg, policy_tokenizer):
 
 
 def build_reference(cfg, pg, *, load) -> Any:
-    """The reference policy: the frozen model of the actor's own architecture under its layout;
-    ``load(model)`` gives it its weights (the SFT warm-up's, ``model.path``'s, or the initial
-    actor's), which the caller knows."""
+    """The reference policy: the frozen model of the actor's own architecture under its layout
+    (``reference.parallel``); ``load(model)`` gives it its weights (the SFT warm-up's,
+    ``model.path``'s, or a random model's initial ones), which the caller knows."""
     from megatron_adapters.policy import MegatronPolicy
 
-    reference = _frozen(MegatronPolicy, cfg.model, cfg, cfg.actor.parallel, pg)
+    reference = _frozen(MegatronPolicy, cfg.model, cfg, *_groups(cfg, "reference", pg))
     load(reference)
     return reference
 

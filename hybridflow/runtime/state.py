@@ -10,6 +10,9 @@
                               sft.checkpoint_every); removed once sft/ is complete
     sft/                      actor after the SFT warm-up (+ state.json), and hf/: the same as a
                               Hugging Face directory, which RL loads through model.path's loader
+    initial/                  a random model's initial actor (+ hf/), written by a fresh start
+                              without SFT whose reference reads it (under any layout); never
+                              resumed from
     step_000010/              actor with optimizer state (+ state.json: step, history, MLflow run;
                               config.yaml: the resolved config it was saved under)
     step_000020.partial/      being written: never read, removed by the next save
@@ -56,6 +59,7 @@ __all__ = [
     "checkpoint_problem",
     "config_changes",
     "find_resume",
+    "initial_checkpoint",
     "is_rl_checkpoint",
     "latest_checkpoint",
     "read_state",
@@ -69,6 +73,9 @@ STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
 HF_EXPORT = "hf"
 """The SFT checkpoint's Hugging Face export (``checkpoints/sft/hf``)."""
+INITIAL = "initial"
+"""``checkpoints/initial``: a random model's initial weights (with their export), which the
+reference reads when no SFT warm-up or ``model.path`` gives them; never resumed from."""
 DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SFT_DIR = re.compile(r"^sft_(\d+)$")
@@ -184,6 +191,11 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
         return steps[-1]
     sft = sft_checkpoint(output_dir)
     return sft if (sft / STATE_FILE).is_file() else None
+
+
+def initial_checkpoint(output_dir: str | os.PathLike) -> Path:
+    """A random model's initial weights, kept by a fresh start whose reference reads them."""
+    return Path(output_dir) / "checkpoints" / INITIAL
 
 
 def staging_dir(final: Path) -> Path:

@@ -133,14 +133,17 @@ def _on_any_rank(flag: bool) -> bool:
 
 def _export_hf(staging: Path) -> None:
     """The checkpoint's actor as a Hugging Face directory (safetensors, the run's config.json,
-    tokenizer and chat template): what the user takes away, and what RL after the warm-up loads
-    through ``model.path``'s loader, the path a user's own model takes."""
+    tokenizer and chat template): what the user takes away, and what RL after the warm-up (and a
+    reference of a random model's initial weights) loads through ``model.path``'s loader, the
+    path a user's own model takes, under any layout."""
     from megatron_adapters.convert import mcore_to_hf
 
     report = mcore_to_hf(staging / "actor", staging / run_state.HF_EXPORT)
+    final = staging.with_suffix("")
     logger.info(
-        "exported the SFT model as a Hugging Face directory %s (%.1f MB)",
-        staging.with_suffix("") / run_state.HF_EXPORT,
+        "exported %s's model as a Hugging Face directory %s (%.1f MB)",
+        final.name,
+        final / run_state.HF_EXPORT,
         report.nbytes / 1e6,
     )
 
@@ -221,6 +224,8 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
 
     s.models.actor = build_policy(s.cfg, s.cfg.train, s.models.pg, moe=s.cfg.moe, lora=s.cfg.lora)
     sft = run_state.sft_checkpoint(s.run.out_dir)
+    if resume_from is None and _reference_is_initial(s, sft):  # kept for every later start, any layout
+        _save(s, run_state.INITIAL, with_optimizer=False, policy=s.models.actor, export_hf=True)
     if resume_from is not None and run_state.is_rl_checkpoint(resume_from):
         checkpoint.load(s.models.actor, resume_from / "actor", with_optimizer=True)
     elif (sft / "actor").is_dir():
@@ -261,13 +266,29 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         s.models.reference = build_reference(s.cfg, s.models.pg, load=lambda ref: _reference_weights(s, sft, ref))
 
 
+def _reference_is_initial(s: Session, sft: Path) -> bool:
+    """Whether the reference is a random model's initial weights (no SFT warm-up, no model.path)."""
+    return s.models.spec.uses_reference and not s.cfg.model.pretrained and not (sft / "actor").is_dir()
+
+
 def _reference_weights(s: Session, sft: Path, reference) -> None:
-    if (sft / "actor").is_dir():
-        _load_sft(reference, sft)
-    elif s.cfg.model.pretrained:  # read again: a resumed actor has moved away from it
-        _load_starting_weights(s, reference)
-    else:  # no SFT: the reference is the initial actor, which this run's seed rebuilt
+    """The reference's weights, read under its own layout from where the actor started (read
+    again: a resumed actor has moved away from them)."""
+    if not _reference_is_initial(s, sft):
+        _load_sft(reference, sft) if (sft / "actor").is_dir() else _load_starting_weights(s, reference)
+        return
+    initial = run_state.initial_checkpoint(s.run.out_dir)
+    if (initial / run_state.HF_EXPORT).is_dir():
+        _load_sft(reference, initial)
+    elif reference.layout == s.cfg.actor.parallel:  # a run begun before checkpoints/initial was kept
+        logger.warning("%s is missing: the reference starts from the resumed actor's weights", initial)
         _copy_weights(s.models.actor, reference)
+    else:
+        raise ValueError(
+            f"{initial} is missing, and reference.parallel differs from actor.parallel: this run began "
+            "before hybridflow kept a random model's initial weights; set reference.parallel=${actor.parallel} "
+            "to resume it, or start in a new run.output_dir"
+        )
 
 
 def _load_sft(policy, sft: Path) -> None:
