@@ -45,7 +45,7 @@ from hybridflow import __version__
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
 from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
-from hybridflow.preflight import check_separate_nodes, check_slurm_run, engine_ranks, preflight
+from hybridflow.preflight import check_separate_nodes, check_slurm_run, more_ranks, preflight
 from hybridflow.rewards import check_reward
 from launch.multinode import LaunchSpec
 from launch.slurm import SlurmJob
@@ -334,7 +334,7 @@ def _train(args: argparse.Namespace) -> int:
         args.config,
         args.overrides,
         rollout=cfg.rollout.describe(),
-        engine_ranks=engine_ranks(cfg),
+        more_ranks=more_ranks(cfg),
         output_dir=cfg.run.output_dir,
     )
 
@@ -350,7 +350,7 @@ def _launch(args: argparse.Namespace) -> int:
         **_given(args, LAUNCH_DEFAULTS),
     )
     cfg = load_config(args.config, args.overrides)
-    spec.check_layout(cfg.actor.parallel, engine_ranks(cfg))
+    spec.check_layout(cfg.actor.parallel, more_ranks(cfg))
     check_separate_nodes(cfg, spec.nproc_per_node)
     preflight(cfg, command="launch", content=hosts_rendezvous(spec))  # one node reads the checkpoint through
     return launch(spec, cfg.actor.parallel, args.config, args.overrides, output_dir=cfg.run.output_dir)
@@ -381,7 +381,7 @@ def _slurm(args: argparse.Namespace) -> int:
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
             requested=args.nproc_per_node,
-            engine_ranks=engine_ranks(cfg),
+            more_ranks=more_ranks(cfg),
         ),
         job_name=args.job_name or f"hybridflow-{cfg.run.name}",
         partition=args.partition,

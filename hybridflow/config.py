@@ -69,6 +69,7 @@ __all__ = [
     "DistillationConfig",
     "JudgeConfig",
     "enabled_roles",
+    "frozen_gpus",
     "frozen_layout",
     "frozen_layout_key",
     "reward_weights",
@@ -875,7 +876,17 @@ class RewardModelConfig:
     for generation and training; each use copies them in)."""
     parallel: Optional[ParallelLayout] = None
     """Its own megatron-core layout on the actor's ranks (tp*pp*cp*dp = the actor's world; for
-    example a dense reward model under tp=1 beside an MoE actor's tp x ep); None: the actor's."""
+    example a dense reward model under tp=1 beside an MoE actor's tp x ep), or on its own GPUs
+    (``gpus``: tp*pp*cp*dp = gpus); None: the actor's, or dp=gpus on its own GPUs."""
+    gpus: int = 0
+    """GPUs of its own (processes, on a CPU): 0 runs it on the actor's GPUs; N > 0 starts N ranks
+    for it after the actor's (and the separate engines'), which score each step's samples while
+    the actor's ranks compute their log-probs."""
+
+    def __post_init__(self) -> None:
+        check_non_negative(self, ("gpus",))
+        if self.gpus and self.offload:
+            raise ConfigError("{p}offload=true with {p}gpus={v}: its own GPUs hold nothing else; set one", v=self.gpus)
 
 
 @dataclass(kw_only=True)
@@ -943,10 +954,15 @@ class DistillationConfig:
     """Weight of the reverse-KL term in each token's advantage."""
     parallel: Optional[ParallelLayout] = None
     """The teacher's own megatron-core layout on the actor's ranks (tp*pp*cp*dp = the actor's
-    world; a teacher larger than the student takes more tp or pp); None: the actor's."""
+    world; a teacher larger than the student takes more tp or pp), or on its own GPUs (``gpus``:
+    tp*pp*cp*dp = gpus); None: the actor's, or dp=gpus on its own GPUs."""
+    gpus: int = 0
+    """GPUs of its own (processes, on a CPU): 0 runs the teacher on the actor's GPUs; N > 0
+    starts N ranks for it after the actor's, the separate engines' and the reward model's."""
 
     def __post_init__(self) -> None:
         check_positive(self, ("coef",))
+        check_non_negative(self, ("gpus",))
 
 
 @dataclass(kw_only=True)
@@ -1061,9 +1077,11 @@ class HybridflowConfig:
         for name, layout in enabled_roles(self).items():
             layout.check_model(self.model, prefix=f"{name}.parallel")
         for role, section in FROZEN_SECTIONS.items():
-            own = getattr(self, section).parallel
-            if own is not None and getattr(getattr(self, section), "enabled", True):  # a disabled reference: unused
-                _check_frozen_world(own, self.actor.parallel, frozen_layout_key(role))
+            part, key = getattr(self, section), frozen_layout_key(role)
+            if getattr(part, "gpus", 0) and part.parallel is None:
+                part.parallel = ParallelLayout(dp=part.gpus)
+            if part.parallel is not None and getattr(part, "enabled", True):  # a disabled reference: unused
+                _check_frozen_world(part.parallel, self.actor.parallel, key, own_gpus=getattr(part, "gpus", 0))
         self._check_rollout()
         self._check_moe_section()
         check_lora_model(self.lora, self.model, self.actor.parallel)
@@ -1137,24 +1155,49 @@ def frozen_layout(cfg: HybridflowConfig, role: str) -> ParallelLayout:
     return own if own is not None else cfg.actor.parallel
 
 
+def frozen_gpus(cfg: HybridflowConfig) -> dict[str, range]:
+    """The global ranks of each frozen model that has GPUs of its own (``reward_model.gpus``,
+    ``distillation.gpus``), numbered after the actor's and the separate engines', in
+    FROZEN_SECTIONS order."""
+    start = cfg.actor.parallel.world_size + (cfg.rollout.num_ranks if cfg.rollout.placement == "separate" else 0)
+    pools = {}
+    for role, section in FROZEN_SECTIONS.items():
+        gpus = getattr(getattr(cfg, section), "gpus", 0)
+        if gpus and _frozen_in_use(cfg, role):
+            pools[role] = range(start, start + gpus)
+            start += gpus
+    return pools
+
+
+def _frozen_in_use(cfg: HybridflowConfig, role: str) -> bool:
+    return bool(cfg.reward_model.path if role == "reward_model" else cfg.distillation.teacher_path)
+
+
 def frozen_layout_key(role: str) -> str:
     """The config key of frozen model ``role``'s layout."""
     return f"{FROZEN_SECTIONS[role]}.parallel"
 
 
-def _check_frozen_world(layout: ParallelLayout, actor: ParallelLayout, key: str) -> None:
-    """A frozen model's own layout runs on the actor's ranks: it must fill exactly as many."""
-    if layout.world_size == actor.world_size:
+def _check_frozen_world(layout: ParallelLayout, actor: ParallelLayout, key: str, *, own_gpus: int = 0) -> None:
+    """A frozen model's own layout fills exactly the ranks it runs on: the actor's, or its own
+    ``own_gpus``."""
+    ranks = own_gpus or actor.world_size
+    if layout.world_size == ranks:
         return
     model_ranks = layout.tp * layout.pp * layout.cp
     fix = (
-        f"set {key}.dp={actor.world_size // model_ranks}"
-        if actor.world_size % model_ranks == 0
-        else f"choose {key}.tp*pp*cp dividing {actor.world_size}"
+        f"set {key}.dp={ranks // model_ranks}"
+        if ranks % model_ranks == 0
+        else f"choose {key}.tp*pp*cp dividing {ranks}"
+    )
+    where = (
+        f"its own {ranks} GPUs ({key.removesuffix('.parallel')}.gpus)"
+        if own_gpus
+        else f"the actor's {ranks} ranks (actor.parallel)"
     )
     raise ValueError(
         f"{key}: tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp} = {layout.world_size} ranks, but "
-        f"a frozen model runs on the actor's {actor.world_size} ranks (actor.parallel); {fix}"
+        f"a frozen model runs on {where}; {fix}"
     )
 
 

@@ -36,6 +36,9 @@ Placement rules:
   ``distillation.parallel``: the same ranks, groups of their own; the config refuses one that
   does not fill them); ``frozen_models`` describes them (a reward model's architecture is read
   from its directory).
+- A frozen model with GPUs of its own (``reward_model.gpus``, ``distillation.gpus``) gets a pool
+  of them, numbered after the actor's and the separate engines' (``config.frozen_gpus``); no
+  colocation switch concerns it.
 - ``reward`` and ``driver`` run on the CPU of every rank of the actor's pool.
 
 Colocation switches (3D-HybridEngine). On a colocated pool each GPU node needs one of three
@@ -60,7 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hfschema.model import ModelConfig
-from hybridflow.config import HybridflowConfig, enabled_roles, frozen_layout, frozen_layout_key
+from hybridflow.config import HybridflowConfig, enabled_roles, frozen_gpus, frozen_layout, frozen_layout_key
 from hybridflow.graph import DRIVER, Graph, Node
 from hybridflow.memory import MemoryEstimate, engine_keeps_weights, pool_memory
 from hybridflow.model_size import count_parameters
@@ -206,7 +209,8 @@ def place(cfg: HybridflowConfig) -> Placement:
     """Pools and roles from ``cfg.rollout.placement``; ValueError naming the key that does
     not fit (see the module docstring for the rules)."""
     frozen = {"reward_model": cfg.reward_model.path, "teacher": cfg.distillation.teacher_path, "judge": cfg.judge.path}
-    models = tuple(enabled_roles(cfg)) + tuple(role for role, path in frozen.items() if path)
+    own = frozen_gpus(cfg)  # frozen models on GPUs of their own: a pool each, after the others
+    models = tuple(enabled_roles(cfg)) + tuple(role for role, path in frozen.items() if path and role not in own)
     world = cfg.actor.parallel.world_size
     colocated = cfg.rollout.placement == COLOCATED
     for role in enabled_roles(cfg):
@@ -224,6 +228,10 @@ def place(cfg: HybridflowConfig) -> Placement:
                 name=ROLLOUT_POOL, num_gpus=ranks, gpus_per_node=per_node, first_rank=world, roles=("rollout",)
             ),
         )
+    pools += tuple(
+        ResourcePool(name=role, num_gpus=len(ranks), gpus_per_node=per_node, first_rank=ranks.start, roles=(role,))
+        for role, ranks in own.items()
+    )
     smaller = tuple(
         (role, layout.world_size) for role, layout in enabled_roles(cfg).items() if layout.world_size < world
     )
@@ -315,9 +323,12 @@ def _reference_source(cfg: HybridflowConfig) -> str:
 
 
 def frozen_layout_text(cfg: HybridflowConfig, role: str) -> str:
-    """``megatron tp=.. ... (its own: reward_model.parallel)`` or ``(the actor's)``."""
+    """``megatron tp=.. ... (its own: reward_model.parallel)``, ``(the actor's)``, or on GPUs of
+    its own ``(its own GPUs: reward_model.gpus)``."""
     layout = frozen_layout(cfg, role)
     whose = f"its own: {frozen_layout_key(role)}" if layout != cfg.actor.parallel else "the actor's"
+    if role in frozen_gpus(cfg):
+        whose = f"its own GPUs: {frozen_layout_key(role).removesuffix('.parallel')}.gpus"
     return f"megatron {layout.describe()} ({whose})"
 
 
@@ -489,15 +500,15 @@ def switch(cfg: HybridflowConfig, source: str | None, target: str) -> Switch:
 def _stages(cfg: HybridflowConfig, placement: Placement, graph: Graph) -> tuple[Stage, ...]:
     order = graph.topological_order()
     colocated = placement.mode == COLOCATED
-    modes = [_mode(node) for node in order]
+    places = [_node_place(cfg, placement, node) for node in order]
+    modes = [_mode(node) if pool == COLOCATED else None for node, (pool, _, _) in zip(order, places)]
     # the step repeats: what the GPUs hold at its start is what its last GPU node left there
     current = next((m for m in reversed(modes) if m is not None), None)
     stages = []
-    for node, mode in zip(order, modes):
+    for node, mode, (pool, ranks, layout) in zip(order, modes, places):
         change = None
         if colocated and mode is not None and not satisfies(current, mode):
             change, current = switch(cfg, current, mode), mode
-        pool, ranks, layout = _node_place(cfg, placement, node)
         stages.append(Stage(node=node, pool=pool, ranks=ranks, layout=layout, switch=change))
     return tuple(stages)
 
@@ -509,8 +520,9 @@ def satisfies(current: str | None, needed: str) -> bool:
 
 
 def start_mode(stages: tuple[Stage, ...]) -> str | None:
-    """The mode a step starts in: what its last GPU node leaves (the step repeats)."""
-    return next((_mode(s.node) for s in reversed(stages) if _mode(s.node) is not None), None)
+    """The mode a step starts in: what its last node on the colocated GPUs leaves (the step repeats)."""
+    modes = (_mode(s.node) for s in reversed(stages) if s.pool == COLOCATED)
+    return next((mode for mode in modes if mode is not None), None)
 
 
 # ----------------------------------------------------------------------- weight sync

@@ -102,7 +102,7 @@ OPTIMIZER_BYTES = {"adam": 12, "sgd": 8}  # fp32 master + moments
 ACTIVATION_BYTES = 2  # bf16
 LOGIT_COPIES, LOGIT_BYTES = 2, 4  # two fp32 copies of the vocab-parallel logits
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-GENERATION, TRAINING = "generation", "training"
+GENERATION, TRAINING, SCORING = "generation", "training", "scoring"
 TRAINED_ROLES = ("actor", "critic")
 
 
@@ -498,7 +498,9 @@ def pool_memory(
         phases[GENERATION] = {**engine_components(cfg), **resident}
     if models:
         kept = engine_components(cfg) if "rollout" in roles and engine_keeps_weights(cfg) else {}
-        phases[TRAINING] = {**components, **{k: v for k, v in kept.items() if k == "engine weights"}}
+        # a pool of frozen models alone (GPUs of their own) never trains: it scores
+        phase = TRAINING if set(models) & {"actor", "reference", "critic"} or "rollout" in roles else SCORING
+        phases[phase] = {**components, **{k: v for k, v in kept.items() if k == "engine weights"}}
     if not phases:
         raise ValueError(f"pool {pool} holds no role with GPU memory (roles: {list(roles)})")
     return MemoryEstimate(pool=pool, phases=phases, device_bytes=int(device_memory_gib * GIB), notes=tuple(notes))

@@ -38,7 +38,7 @@ from hfschema.model_source import (
     teacher_source,
 )
 from hybridflow.agentic.engine import check_agentic
-from hybridflow.config import HybridflowConfig, frozen_layout, frozen_layout_key, to_yaml
+from hybridflow.config import HybridflowConfig, frozen_gpus, frozen_layout, frozen_layout_key, to_yaml
 from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
@@ -68,6 +68,7 @@ __all__ = [
     "check_separate_nodes",
     "check_slurm_run",
     "engine_ranks",
+    "more_ranks",
     "preflight",
     "process_count",
 ]
@@ -245,9 +246,15 @@ def engine_ranks(cfg: HybridflowConfig) -> int:
     return cfg.rollout.num_ranks if cfg.rollout.placement == "separate" else 0
 
 
+def more_ranks(cfg: HybridflowConfig) -> int:
+    """Processes of their own beyond the actor's: the separate engines' and the frozen models'
+    own GPUs (``reward_model.gpus``, ``distillation.gpus``)."""
+    return engine_ranks(cfg) + sum(len(ranks) for ranks in frozen_gpus(cfg).values())
+
+
 def process_count(cfg: HybridflowConfig) -> int:
-    """Processes (and GPUs) one run takes: the actor's ranks, plus the engine ranks when separate."""
-    return cfg.actor.parallel.world_size + engine_ranks(cfg)
+    """Processes (and GPUs) one run takes: the actor's ranks and those of their own."""
+    return cfg.actor.parallel.world_size + more_ranks(cfg)
 
 
 def check_separate_nodes(cfg: HybridflowConfig, nproc_per_node: int) -> None:
@@ -269,7 +276,7 @@ def check_separate_nodes(cfg: HybridflowConfig, nproc_per_node: int) -> None:
 def check_node_gpus(cfg: HybridflowConfig, available: int) -> None:
     """``hybridflow train`` starts one rank per GPU of this node: the layout must fit them."""
     world = process_count(cfg)
-    what = "actor.parallel" if world == cfg.actor.parallel.world_size else "actor.parallel + the separate engine ranks"
+    what = "actor.parallel" if world == cfg.actor.parallel.world_size else "actor.parallel + the ranks of their own"
     if world > available:
         raise ValueError(
             f"{what} needs {world} GPUs ({cfg.actor.parallel.describe()}) but this node has "
@@ -503,7 +510,7 @@ def check_slurm_run(cfg: HybridflowConfig, job: SlurmJob, *, dry_run: bool = Fal
             f"run.resume={cfg.run.resume}: a Slurm job must be able to resume after a requeue; "
             "use run.resume=auto (the default) and a new run.output_dir for a fresh run"
         )
-    job.check_layout(cfg.actor.parallel, engine_ranks(cfg))
+    job.check_layout(cfg.actor.parallel, more_ranks(cfg))
     check_separate_nodes(cfg, job.nproc_per_node)
     # the job's node 0 compares the checksums when it starts
     preflight(cfg, command="slurm", content=False, model_must_exist=not dry_run)

@@ -98,22 +98,22 @@ class LaunchSpec:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def check_layout(self, layout: ParallelLayout, engine_ranks: int = 0) -> None:
-        """The job must start exactly the ranks the actor's ``layout`` fills, and ``engine_ranks``
+    def check_layout(self, layout: ParallelLayout, more_ranks: int = 0) -> None:
+        """The job must start exactly the ranks the actor's ``layout`` fills, and ``more_ranks``
         more (separate placement)."""
         check_process_count(
-            layout, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", self.world_size, engine_ranks
+            layout, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", self.world_size, more_ranks
         )
 
 
 def check_process_count(
-    layout: ParallelLayout, nodes_flag: str, per_node_flag: str, started: int, engine_ranks: int = 0
+    layout: ParallelLayout, nodes_flag: str, per_node_flag: str, started: int, more_ranks: int = 0
 ) -> None:
     """ValueError naming both flags and ``actor.parallel`` unless ``started`` fills the actor's
-    ``layout`` and the ``engine_ranks`` of separate placement."""
-    want = layout.world_size + engine_ranks
+    ``layout`` and the ``more_ranks`` of their own (separate engines, frozen models' own GPUs)."""
+    want = layout.world_size + more_ranks
     if started != want:
-        engines = f" + {engine_ranks} separate engine ranks (rollout.tp x num_replicas)" if engine_ranks else ""
+        engines = f" + {more_ranks} ranks of their own (separate engines, frozen models' gpus)" if more_ranks else ""
         raise ValueError(
             f"{nodes_flag} x {per_node_flag} = {started} processes, but actor.parallel fills "
             f"{layout.world_size} ranks (tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp}){engines}; "

@@ -103,16 +103,16 @@ class SlurmJob:
             if not option.startswith("--") or "\n" in option:
                 raise ValueError(f"--sbatch-option={option!r} must be one long option, e.g. --constraint=h100")
 
-    def check_layout(self, layout: ParallelLayout, engine_ranks: int = 0) -> None:
+    def check_layout(self, layout: ParallelLayout, more_ranks: int = 0) -> None:
         """The allocation must start exactly the ranks the actor's ``layout`` fills, and
-        ``engine_ranks`` more (separate placement)."""
+        ``more_ranks`` more (separate engines, frozen models' own GPUs)."""
         per_node = "--gpus-per-node" if self.gpus_per_node else "--nproc-per-node"
         check_process_count(
             layout,
             f"--nodes={self.nodes}",
             f"{per_node}={self.nproc_per_node}",
             self.nodes * self.nproc_per_node,
-            engine_ranks,
+            more_ranks,
         )
 
 
@@ -271,15 +271,15 @@ def submit(script: Path) -> str:
 
 
 def nproc_per_node(
-    layout: ParallelLayout, *, nodes: int, gpus_per_node: int, requested: int | None, engine_ranks: int = 0
+    layout: ParallelLayout, *, nodes: int, gpus_per_node: int, requested: int | None, more_ranks: int = 0
 ) -> int:
     """Ranks per node: ``requested``, else one per GPU, else (CPU) the actor's ``layout``'s ranks
-    (and separate placement's ``engine_ranks``) split evenly."""
+    (and the ``more_ranks`` of their own) split evenly."""
     if requested is not None:
         return requested
     if gpus_per_node:
         return gpus_per_node
-    world = layout.world_size + engine_ranks
+    world = layout.world_size + more_ranks
     if nodes < 1 or world % nodes:
         raise ValueError(
             f"--nodes={nodes} does not divide the {world} ranks of actor.parallel "

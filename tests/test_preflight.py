@@ -97,7 +97,7 @@ def test_separate_placement_passes_for_train_and_counts_the_engine_ranks(tmp_pat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.setattr("moe.routes.check_replay_device", lambda *a, **k: None)
-    with pytest.raises(ValueError, match="actor.parallel \\+ the separate engine ranks needs 4 GPUs"):
+    with pytest.raises(ValueError, match="actor.parallel \\+ the ranks of their own needs 4 GPUs"):
         preflight(cfg)
 
 

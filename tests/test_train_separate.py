@@ -45,7 +45,7 @@ def uninterrupted_separate_run(tmp_path_factory, seeded) -> tuple[Path, str]:
 @pytest.mark.claim("separate-placement")
 def test_separate_engine_ranks_generate_receive_every_push_and_the_run_learns(separate_run) -> None:
     out, stdout = separate_run
-    assert "4 process(es)" in stdout and "+ 2 engine rank(s)" in stdout
+    assert "4 process(es)" in stdout and "+ 2 rank(s) of their own" in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
     # the plan put generation on the engine ranks 2-3, and so did the run

@@ -57,6 +57,9 @@ Graph transforms add the frozen models' nodes (``with_reward_model``, ``with_jud
 ``with_distillation``; docs/frozen-models.md):
 
     rm_score         reward_model  responses -> model_scores (read by reward: the mix)
+    rm_request       reward_model  responses -> model_scores_pending (on GPUs of its own,
+                                  reward_model.gpus: its ranks score; rm_score then collects,
+                                  moved with reward down to just before the reward is read)
     judge_request    judge      responses -> judge_scores_pending (rank 0's engine generates ...)
     judge            judge      responses, judge_scores_pending -> judge_scores (... collected here,
                                   with reward, just before the reward is read: the mix)
@@ -662,7 +665,7 @@ def build_graph(cfg: HybridflowConfig) -> Graph:
     graph = with_staleness_weights(
         graph, downweights=cfg.async_rl.mode != "sync" and cfg.async_rl.on_stale == "downweight"
     )
-    graph = with_reward_model(graph, scored=bool(cfg.reward_model.path))
+    graph = with_reward_model(graph, scored=bool(cfg.reward_model.path), remote=cfg.reward_model.gpus > 0)
     graph = with_judge(graph, judged=bool(cfg.judge.path))
     graph = with_distillation(graph, coef=cfg.distillation.coef if cfg.distillation.teacher_path else None)
     graph.validate(placed_roles(cfg))
@@ -697,13 +700,20 @@ def with_distillation(graph: Graph, *, coef: float | None) -> Graph:
     return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
-def with_reward_model(graph: Graph, *, scored: bool) -> Graph:
+def with_reward_model(graph: Graph, *, scored: bool, remote: bool = False) -> Graph:
     """``reward_model.path`` set: before each ``reward`` node an ``rm_score`` node (the frozen
     reward model, on its layout) scores the same responses, and the reward node mixes
-    its scores with the rule's (``config.reward_weights``)."""
+    its scores with the rule's (``config.reward_weights``). ``remote`` (``reward_model.gpus``):
+    an ``rm_request`` node sends the responses to the model's own GPUs and ``rm_score`` collects
+    the scores later, as the judge's nodes do (``with_judge``)."""
     if not scored:
         return graph
-    return _scored_by(graph, role="reward_model", op="rm_score", prefix="model", doc="the reward model's score")
+    graph = _scored_by(graph, role="reward_model", op="rm_score", prefix="model", doc="the reward model's score")
+    if not remote:
+        return graph
+    return _requested_early(
+        graph, "rm_score", "rm_request", doc="each response's tokens, sent to the reward model's own GPUs"
+    )
 
 
 def with_judge(graph: Graph, *, judged: bool) -> Graph:
@@ -715,24 +725,34 @@ def with_judge(graph: Graph, *, judged: bool) -> Graph:
     if not judged:
         return graph
     graph = _scored_by(graph, role="judge", op="judge", prefix="judge", doc="the generative judge's parsed score")
+    return _requested_early(
+        graph, "judge", "judge_request", doc="the judging requests of each response, handed to the judge's engine"
+    )
+
+
+def _requested_early(graph: Graph, collect_op: str, request_op: str, *, doc: str) -> Graph:
+    """Each ``collect_op`` node split in two: a ``request_op`` node where it was (the work is
+    started elsewhere: another engine, other GPUs), and the collecting node, moved with the reward
+    node after it down to just before the first node that reads the reward, so that the nodes
+    between run while the work is done."""
     nodes = list(graph.nodes)
-    for collect in [n for n in graph.nodes if n.op == "judge"]:
+    for collect in [n for n in graph.nodes if n.op == collect_op]:
         responses, pending = collect.option("responses_field"), f"{collect.option('scores_field')}_pending"
         request = Node(
-            name=collect.name.replace("judge_score", "judge_request"),
-            role="judge",
-            op="judge_request",
+            name=collect.name.replace(_scored_name(collect_op), request_op),
+            role=collect.role,
+            op=request_op,
             inputs=(responses,),
             outputs=(pending,),
             options={"responses_field": responses, "pending_field": pending},
-            doc="the judging requests of each response, handed to the judge's engine",
+            doc=doc,
         )
         index = nodes.index(collect)
         collected = dataclasses.replace(
             collect, inputs=(*collect.inputs, pending), options=(*collect.options, ("pending_field", pending))
         )
         nodes[index : index + 1] = [request, collected]
-        nodes = _later(nodes, [collected, nodes[index + 2]])  # the judge node and its reward node
+        nodes = _later(nodes, [collected, nodes[index + 2]])  # the collecting node and its reward node
     return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
@@ -747,6 +767,11 @@ def _later(nodes: list[Node], block: list[Node]) -> list[Node]:
     return rest[:at] + block + rest[at:]
 
 
+def _scored_name(op: str) -> str:
+    """What a scoring node is called in place of ``reward`` in its reward node's name."""
+    return "judge_score" if op == "judge" else op
+
+
 def _scored_by(graph: Graph, *, role: str, op: str, prefix: str, doc: str) -> Graph:
     """A ``role``/``op`` node before each reward node, scoring its responses into
     ``<prefix>_<scores field>``, which the reward node reads (option ``<prefix>_scores_field``)."""
@@ -757,7 +782,7 @@ def _scored_by(graph: Graph, *, role: str, op: str, prefix: str, doc: str) -> Gr
             field = f"{prefix}_{scores}"
             nodes.append(
                 Node(
-                    name=node.name.replace("reward", "judge_score" if op == "judge" else op),
+                    name=node.name.replace("reward", _scored_name(op)),
                     role=role,
                     op=op,
                     inputs=(responses,),

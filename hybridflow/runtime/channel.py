@@ -12,6 +12,11 @@ separate:   torchrun starts A actor ranks + E engine ranks (rollout.tp x num_rep
                       the reshard plan's point-to-point weight routes
 ```
 
+frozen models on GPUs of their own (``reward_model.gpus``, ``distillation.gpus``): F more ranks
+each, after the engines', default group "<role>/", and a joint gloo group "<role>-objects/" of
+the A actor ranks and its F (joint ranks A .. A+F-1): the token ids of a step's samples go in,
+the scores or log-probs come out (``frozen_ranks``)
+
 The joint group is gloo on CPU. On GPUs the weights and samples take an NCCL group over the
 same store and ranks, and the small pickled messages a gloo one (NCCL moves device tensors
 only). Joint rank 0 is actor rank 0: it announces each request (``announce``) and the engine
@@ -31,7 +36,7 @@ import torch.distributed as dist
 
 from reshard.transport import GroupLink, Link, ProcessGroupLink
 
-__all__ = ["Channel", "colocated", "join"]
+__all__ = ["Channel", "Joined", "colocated", "join"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +97,29 @@ def colocated() -> Channel:
     return Channel(link=GroupLink(), store=dist.distributed_c10d._get_default_store(), actors=dist.get_world_size())
 
 
-def join(actors: int, *, timeout_minutes: int) -> tuple[Channel, Any, int, int]:
-    """Separate placement, from torchrun's environment: (the joint channel, the store, this
-    process's rank and size in its own world). Call before the default group exists; the caller
-    starts its default group on ``PrefixStore("actor/" | "engine/", store)``."""
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """This process's place in a job of several worlds (``join``)."""
+
+    world: str
+    """Its own world: ``actor``, ``engine``, or a frozen model's role (``reward_model``, ``teacher``)."""
+    rank: int
+    """Its rank in its own world (its default group)."""
+    size: int
+    """Its own world's size."""
+    store: Any
+    """The job's store; the default group starts on ``PrefixStore(world + "/", store)``."""
+    engines: Channel | None
+    """The actor ranks' joint channel with the separate engine ranks (on both), else None."""
+    frozen: dict[str, Channel]
+    """Each frozen model's joint channel with the actor ranks: every one on an actor rank, its
+    own on a frozen model's rank."""
+
+
+def join(worlds: dict[str, int], *, timeout_minutes: int) -> Joined:
+    """A torchrun job of several worlds, ranks numbered in ``worlds``' order (``actor`` first, then
+    ``engine`` when separate, then the frozen models with GPUs of their own): this process's
+    world and the joint channels it is part of. Call before the default group exists."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(minutes=timeout_minutes)
     # torchrun's agent hosts the store unless told not to (hybridflow launch turns it off); then
@@ -108,15 +132,35 @@ def join(actors: int, *, timeout_minutes: int) -> tuple[Channel, Any, int, int]:
         is_master=not agent and rank == 0,
         timeout=timeout,
     )
-    objects = dist.ProcessGroupGloo(dist.PrefixStore("joint-objects/", store), rank, world, timeout=timeout)
+    starts, first = {}, 0
+    for name, size in worlds.items():
+        starts[name], first = range(first, first + size), first + size
+    mine = next(name for name, ranks in starts.items() if rank in ranks)
+    actors = worlds["actor"]
+    engines = None
+    if "engine" in worlds and mine in ("actor", "engine"):
+        engines = _engine_channel(store, rank, actors, actors + worlds["engine"], timeout)
+    frozen = {}
+    for name, ranks in starts.items():
+        if name not in ("actor", "engine") and mine in ("actor", name):  # actor ranks first, then its own
+            joint = rank if mine == "actor" else actors + rank - ranks.start
+            objects = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"{name}-objects/", store), joint, actors + len(ranks), timeout=timeout
+            )
+            frozen[name] = Channel(link=ProcessGroupLink(objects), store=store, actors=actors, objects=objects)
+    own = starts[mine]
+    return Joined(world=mine, rank=rank - own.start, size=len(own), store=store, engines=engines, frozen=frozen)
+
+
+def _engine_channel(store, rank: int, actors: int, size: int, timeout: datetime.timedelta) -> Channel:
+    """The joint channel of the actor ranks and the separate engine ranks (joint ranks 0 .. size-1)."""
+    objects = dist.ProcessGroupGloo(dist.PrefixStore("joint-objects/", store), rank, size, timeout=timeout)
     data = objects
     if torch.cuda.is_available():  # weights and samples move as device tensors
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        data = dist.ProcessGroupNCCL(dist.PrefixStore("joint-data/", store), rank, world, options)
-    channel = Channel(link=ProcessGroupLink(data), store=store, actors=actors, objects=objects)
-    own_rank, own_size = (rank, actors) if rank < actors else (rank - actors, world - actors)
-    return channel, store, own_rank, own_size
+        data = dist.ProcessGroupNCCL(dist.PrefixStore("joint-data/", store), rank, size, options)
+    return Channel(link=ProcessGroupLink(data), store=store, actors=actors, objects=objects)
 
 
 def _gather_objects(pg, value: Any) -> list:

@@ -16,6 +16,9 @@ on_device(): with reward_model.offload the parameters live on the host and come 
 whole_batch(): under a layout of its own a frozen model's DP ranks are not the actor's: every
              DP rank's rows are gathered into one batch on every rank (token ids, small beside
              the model), the model scores its DP share of it, and its results come back whole
+GPUs of their own (reward_model.gpus, distillation.gpus) ── the model lives on its own ranks
+             (runtime.frozen_ranks); the actor ranks hold a Remote: the whole batch's token ids
+             go out (Remote.start), the scores or log-probs come back (Remote.result)
 judge.path ── an engine of its own on rank 0 (real weights, no pushes) ── judge_request: each DP
              leader's rows to rank 0, one judging request each (judge.template in the judge's chat
              template), submitted; the engine generates while the trainer computes log-probs
@@ -38,10 +41,14 @@ from hfschema.hf_config import read_hf_config
 __all__ = [
     "Judge",
     "PendingReplies",
+    "Remote",
     "RewardModel",
     "build_reference",
     "build_reward_model",
     "build_teacher",
+    "gathered",
+    "in_micro_batches",
+    "load_frozen",
     "on_device",
     "own_layout",
     "start_judge",
@@ -50,11 +57,28 @@ __all__ = [
 
 
 @dataclass
+class Remote:
+    """A frozen model on GPUs of its own, from the actor ranks: its joint channel
+    (``runtime.channel.join``; its ranks answer in ``runtime.frozen_ranks``)."""
+
+    channel: Any
+
+    def start(self, kind: str, whole: dict[str, torch.Tensor], **options) -> None:
+        """Every actor rank calls it with the whole batch: actor rank 0 sends it, the model's
+        ranks compute while the actor ranks go on."""
+        self.channel.announce((kind, {k: v.cpu() for k, v in whole.items()}, options))  # pickled: host tensors
+
+    def result(self) -> torch.Tensor:
+        """The answer to the request started last (every actor rank waits for it)."""
+        return self.channel.broadcast(None, src=self.channel.actors)
+
+
+@dataclass
 class RewardModel:
     """A loaded reward model and how rollout rows become its input."""
 
     model: Any
-    """``megatron_adapters.reward_model.MegatronRewardModel``."""
+    """``megatron_adapters.reward_model.MegatronRewardModel``; None on GPUs of its own (``remote``)."""
     pad_id: int | None
     """Its config.json's ``pad_token_id``: the pooled token is the last one that is not padding."""
     tokenizer: Any | None
@@ -66,6 +90,8 @@ class RewardModel:
     """Whether its tokenizer has a chat template to render the prompt in."""
     offload: bool = False
     """Parameters on the host between uses."""
+    remote: Remote | None = None
+    """On GPUs of its own (``reward_model.gpus``): where its requests go."""
 
     def tokens(self, ro) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` [b, T] (right-padded) and lengths [b] of this rank's rows of rollout ``ro``."""
@@ -94,16 +120,15 @@ def _same_tokens(theirs, ours) -> bool:
     )
 
 
-def build_reward_model(cfg, pg, policy_tokenizer) -> RewardModel:
-    """``reward_model.path`` under its layout (every rank of the actor's), loaded and frozen."""
+def build_reward_model(cfg, pg, policy_tokenizer, remote: Remote | None = None) -> RewardModel:
+    """``reward_model.path`` under its layout (every rank of the actor's), loaded and frozen; or,
+    on GPUs of its own (``remote``), only what turns rollout rows into its input."""
     from transformers import AutoTokenizer
 
     from hfschema.model_source import reward_model_source
-    from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
 
-    source, architecture = reward_model_source(cfg.reward_model.path)
-    model = _frozen(MegatronRewardModel, architecture, cfg, *_groups(cfg, "reward_model", pg))
-    load_reward_model(model, source)
+    source, _ = reward_model_source(cfg.reward_model.path)
+    model = None if remote is not None else load_frozen(cfg, "reward_model", *_groups(cfg, "reward_model", pg))
     tokenizer = AutoTokenizer.from_pretrained(str(source.files))
     own = not _same_tokens(tokenizer, policy_tokenizer)
     chat = bool(getattr(tokenizer, "chat_template", None))
@@ -115,31 +140,49 @@ def build_reward_model(cfg, pg, policy_tokenizer) -> RewardModel:
         end_id=end,
         use_chat=chat,
         offload=cfg.reward_model.offload,
+        remote=remote,
     )
     if rm.offload:
         _move(model, torch.device("cpu"))
     return rm
 
 
-def build_teacher(cfg, pg, policy_tokenizer):
-    """``distillation.teacher_path`` as a frozen policy under its layout, loaded; its
-    tokenizer must map text as the student's does (its log-probs are read at the student's ids)."""
+def build_teacher(cfg, pg, policy_tokenizer, remote: Remote | None = None):
+    """``distillation.teacher_path`` as a frozen policy under its layout, loaded (or ``remote``: on
+    GPUs of its own); its tokenizer must map text as the student's does (its log-probs are read at
+    the student's ids)."""
     from transformers import AutoTokenizer
 
     from hfschema.model_source import teacher_source
-    from megatron_adapters.policy import MegatronPolicy
-    from megatron_adapters.pretrained import load_pretrained
 
     key = "distillation.teacher_path"
-    source, architecture = teacher_source(cfg.distillation.teacher_path, cfg.model.vocab_size, key=key)
+    source, _ = teacher_source(cfg.distillation.teacher_path, cfg.model.vocab_size, key=key)
     if AutoTokenizer.from_pretrained(str(source.files)).get_vocab() != policy_tokenizer.get_vocab():
         raise ValueError(
             f"{key}={cfg.distillation.teacher_path}: the teacher's tokenizer maps tokens to other ids than "
             "the student's; on-policy distillation needs the student's tokenizer"
         )
-    teacher = _frozen(MegatronPolicy, architecture, cfg, *_groups(cfg, "teacher", pg))
-    load_pretrained(teacher, source)
-    return teacher
+    return remote if remote is not None else load_frozen(cfg, "teacher", *_groups(cfg, "teacher", pg))
+
+
+def load_frozen(cfg, role: str, layout, pg):
+    """Frozen model ``role`` (reward_model, teacher) under ``layout`` and its groups ``pg``, its
+    weights read slice by slice (on the actor's ranks, or on its own: ``frozen_ranks``)."""
+    from hfschema.model_source import reward_model_source, teacher_source
+    from megatron_adapters.policy import MegatronPolicy
+    from megatron_adapters.pretrained import load_pretrained
+    from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
+
+    if role == "reward_model":
+        source, architecture = reward_model_source(cfg.reward_model.path)
+        model = _frozen(MegatronRewardModel, architecture, cfg, layout, pg)
+        load_reward_model(model, source)
+        return model
+    key = "distillation.teacher_path"
+    source, architecture = teacher_source(cfg.distillation.teacher_path, cfg.model.vocab_size, key=key)
+    model = _frozen(MegatronPolicy, architecture, cfg, layout, pg)
+    load_pretrained(model, source)
+    return model
 
 
 def build_reference(cfg, pg, *, load) -> Any:
@@ -195,14 +238,26 @@ def whole_batch(shard, ro, inputs: dict[str, torch.Tensor], model, micro_rows: i
     """This rank's rows ``inputs`` of rollout ``ro`` joined with every other DP rank's into the
     whole batch ``[N', W]`` on every rank (zeros right of a row's own width), N' rounded up with
     masked copies so that ``model``'s DP ranks split it into whole micro-batches."""
-    from hybridflow.runtime.batch import pad_rows
+    return in_micro_batches(gathered(shard, ro, inputs), model, micro_rows)
 
+
+def gathered(shard, ro, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's rows ``inputs`` of rollout ``ro`` joined with every other DP rank's into the
+    whole batch ``[N, W]`` on every rank (zeros right of a row's own width)."""
     width = int(shard.max(torch.tensor([inputs["input_ids"].shape[1]]))[0])
     whole = {}
     for key, value in inputs.items():
         if value.dim() > 1:
             value = torch.nn.functional.pad(value, (0, width - value.shape[1]))
         whole[key] = shard.gather(ro.rows, value, ro.total)
+    return whole
+
+
+def in_micro_batches(whole: dict[str, torch.Tensor], model, micro_rows: int) -> dict[str, torch.Tensor]:
+    """``whole``'s rows rounded up with masked copies so that ``model``'s DP ranks split them into
+    whole micro-batches."""
+    from hybridflow.runtime.batch import pad_rows
+
     return pad_rows(whole, model.pg.dp.size() * micro_rows)[0]
 
 

@@ -417,11 +417,30 @@ def _judge_collect(s: Session, ro: Rollout, pending) -> tuple[torch.Tensor, int]
     return broadcast(verdict)
 
 
+@op("rm_request")
+def rm_request(s: Session, node, f: Inputs, step: Step) -> Produced:
+    """A reward model on GPUs of its own: every sample's tokens sent to its ranks, which score
+    them while the actor ranks go on (``rm_score`` collects); the field holds the sample count."""
+    ro = f[node.option("responses_field")]
+    _rm_start(s, ro)
+    return Produced({node.option("pending_field"): ro.total})
+
+
+def _rm_start(s: Session, ro: Rollout) -> None:
+    rm = s.models.reward_model
+    ids, lengths = rm.tokens(ro)
+    rm.remote.start("score", frozen.gathered(s.run.shard, ro, {"input_ids": ids, "lengths": lengths}), pad_id=rm.pad_id)
+
+
 @op("rm_score")
 def rm_score(s: Session, node, f: Inputs, step: Step) -> Produced:
-    """The frozen reward model's score [N] of every sample, in the reward model's tokens."""
+    """The frozen reward model's score [N] of every sample, in the reward model's tokens (on GPUs
+    of its own: the answer to ``rm_request``)."""
     ro = f[node.option("responses_field")]
-    scores = _rm_scores(s, ro)
+    if node.option("pending_field", None) is not None:
+        scores = s.models.reward_model.remote.result()[: ro.total].float()
+    else:
+        scores = _rm_scores(s, ro)
     name = node.option("scores_field")
     metrics = {f"{name}/mean": float(scores.mean()), f"{name}/std": float(scores.std())} if ro.total > 1 else {}
     return Produced({name: scores}, metrics)
@@ -432,6 +451,9 @@ def _rm_scores(s: Session, ro: Rollout) -> torch.Tensor:
     scores its own rows and the scores are shared; under its own, its DP ranks score shares of
     the whole batch."""
     rm = s.models.reward_model
+    if rm.remote is not None:  # an extra round of dynamic sampling: asked and waited for at once
+        _rm_start(s, ro)
+        return rm.remote.result()[: ro.total].float()
     with frozen.on_device(rm):
         ids, lengths = rm.tokens(ro)
         inputs = {"input_ids": ids, "lengths": lengths}
@@ -563,10 +585,14 @@ def _logprobs(
     keep the ones the routers chose (``policy.routing.take_recorded()``). ``attention_mask``
     marks the real tokens, which the router statistics count."""
     inputs = {"input_ids": ro.batch["input_ids"], "attention_mask": ro.batch["attention_mask"]}
-    if frozen.own_layout(policy, s.cfg):  # a teacher of its own layout: shares of the whole batch
+    width = inputs["input_ids"].shape[1]
+    if isinstance(policy, frozen.Remote):  # a teacher on GPUs of its own: asked, waited for
+        policy.start("logprobs", frozen.gathered(s.run.shard, ro, inputs))
+        logp = policy.result()[ro.rows, :width].to(inputs["input_ids"].device)
+        return logp, torch.zeros_like(logp)
+    if frozen.own_layout(policy, s.cfg):  # a frozen model of its own layout: shares of the whole batch
         whole = frozen.whole_batch(s.run.shard, ro, inputs, policy, s.cfg.train.micro_batch_size)
         logp, ent = policy.forward_logprobs(whole, with_entropy=with_entropy)
-        width = inputs["input_ids"].shape[1]
         return logp[ro.rows, :width], ent[ro.rows, :width]
     if routes is not None:
         inputs["routed_experts"] = routes

@@ -304,6 +304,9 @@ class RunContext:
     """The rank's device: where rollout samples travel to it."""
     channel: Channel | None = None
     """The processes rollouts and pushes span: the actor ranks, and the engine ranks when separate."""
+    frozen_channels: dict[str, Channel] = field(default_factory=dict)
+    """Each frozen model on GPUs of its own (``reward_model.gpus``...): its joint channel with the
+    actor ranks (``frozen.Remote`` sends over it)."""
     started: float = 0.0
     """``time.time()`` when this process started the run."""
     wall_before: float = 0.0

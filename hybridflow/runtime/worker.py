@@ -32,10 +32,10 @@ import yaml
 from hfschema.files import write_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
 from hybridflow.algorithms.shaping import kl_controller
-from hybridflow.config import HybridflowConfig, load_config, to_yaml
+from hybridflow.config import HybridflowConfig, frozen_gpus, load_config, to_yaml
 from hybridflow.data import PromptSampler
 from hybridflow.lowering import lower
-from hybridflow.runtime import checksums, console, determinism, disk_full, report, startup_clock, stops
+from hybridflow.runtime import checksums, console, determinism, disk_full, frozen_ranks, report, startup_clock, stops
 from hybridflow.runtime import state as run_state
 from hybridflow.runtime.channel import Channel, colocated, join
 from hybridflow.runtime.engine_client import EngineClient
@@ -251,7 +251,7 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     if s.cfg.reward_model.path:
         from hybridflow.runtime.frozen import build_reward_model
 
-        s.models.reward_model = build_reward_model(s.cfg, s.models.pg, s.data.tokenizer)
+        s.models.reward_model = build_reward_model(s.cfg, s.models.pg, s.data.tokenizer, _remote(s, "reward_model"))
     if s.cfg.judge.path and s.run.is_driver:
         from hybridflow.runtime.frozen import start_judge
 
@@ -259,11 +259,19 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     if s.cfg.distillation.teacher_path:
         from hybridflow.runtime.frozen import build_teacher
 
-        s.models.teacher = build_teacher(s.cfg, s.models.pg, s.data.tokenizer)
+        s.models.teacher = build_teacher(s.cfg, s.models.pg, s.data.tokenizer, _remote(s, "teacher"))
     if s.models.spec.uses_reference:
         from hybridflow.runtime.frozen import build_reference
 
         s.models.reference = build_reference(s.cfg, s.models.pg, load=lambda ref: _reference_weights(s, sft, ref))
+
+
+def _remote(s: Session, role: str):
+    """Frozen model ``role`` on GPUs of its own: where its requests go (None: on the actor's)."""
+    from hybridflow.runtime.frozen import Remote
+
+    channel = s.run.frozen_channels.get(role)
+    return Remote(channel) if channel is not None else None
 
 
 def _reference_is_initial(s: Session, sft: Path) -> bool:
@@ -401,6 +409,10 @@ def _stop_engines(s: Session, *, in_order: bool) -> None:
     node reaps its own; after a failure, each rank cleans up what it has at once."""
     if s.models.judge is not None:  # rank 0's own engine, whatever the placement
         s.models.judge.engine.shutdown()
+    if in_order:  # frozen models on GPUs of their own leave (after a failure torchrun stops them)
+        for channel in s.run.frozen_channels.values():
+            channel.announce(("stop", None, {}))
+            channel.barrier()
     if s.run.channel is not None and s.run.channel.separate:
         if in_order:  # the engine ranks stop theirs (serve); after a failure torchrun stops them
             # before the rollout started (run.mode=sft, a stop during SFT) they wait for its directory
@@ -553,14 +565,24 @@ def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> tuple[Path | None, li
     return path, changes
 
 
-def run(cfg: HybridflowConfig, channel: Channel | None = None) -> dict:
+def _worlds(cfg: HybridflowConfig) -> dict[str, int]:
+    """The job's worlds, in rank order: the actor's, the separate engines', and each frozen
+    model's on GPUs of its own."""
+    worlds = {"actor": cfg.actor.parallel.world_size}
+    if cfg.rollout.placement == "separate":
+        worlds["engine"] = cfg.rollout.num_ranks
+    return worlds | {role: len(ranks) for role, ranks in frozen_gpus(cfg).items()}
+
+
+def run(cfg: HybridflowConfig, channel: Channel | None = None, *, frozen: dict[str, Channel] | None = None) -> dict:
     """The whole job on this rank (every rank of the actor's layout calls it); ``channel``: the
-    joint group with the engine ranks (separate placement), None when colocated."""
+    joint group with the engine ranks (separate placement), None when colocated; ``frozen``: the
+    joint group with each frozen model on GPUs of its own."""
     with out_of_memory_hint(cfg, "start-up"):
-        return _run(cfg, channel)
+        return _run(cfg, channel, frozen or {})
 
 
-def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
+def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Channel]) -> dict:
     from megatron_adapters import parallel
 
     plan = lower(cfg, with_reshard=False)  # the stages `hybridflow plan` prints are the ones that run
@@ -572,6 +594,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None) -> dict:
         write_atomic(out_dir / "config.yaml", to_yaml(cfg))
     pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     s = _session(cfg, out_dir, resume_from, pg, channel or colocated())
+    s.run.frozen_channels = frozen
     startup_clock.mark("session")
     if changes:  # the summary says what this start changed, and from which step
         s.run.state.changes.append({"step": s.run.state.step, "changed": changes})
@@ -662,27 +685,31 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(argv[0], argv[1:])
     determinism.apply(cfg.run.deterministic)  # before anything is built or started
     minutes = cfg.run.collective_timeout_minutes
-    channel = None
-    if cfg.rollout.placement == "separate":  # two worlds in one torchrun job, joined (runtime/channel.py)
+    joined = None
+    worlds = _worlds(cfg)
+    if len(worlds) > 1:  # several worlds in one torchrun job, joined (runtime/channel.py)
         if torch.cuda.is_available():  # before the joint NCCL group first talks
             torch.cuda.set_device(parallel.device())
-        channel, store, own_rank, own_size = join(cfg.actor.parallel.world_size, timeout_minutes=minutes)
-        prefix = "actor/" if channel.rank < channel.actors else "engine/"
-        parallel.init_default_group(minutes, store=dist.PrefixStore(prefix, store), rank=own_rank, world_size=own_size)
+        joined = join(worlds, timeout_minutes=minutes)
+        parallel.init_default_group(
+            minutes, store=dist.PrefixStore(f"{joined.world}/", joined.store), rank=joined.rank, world_size=joined.size
+        )
     else:
         parallel.init_default_group(timeout_minutes=minutes)
     startup_clock.mark("rendezvous")
     console.configure(
         cfg.run.output_dir,
         rank=int(os.environ.get("RANK", "0")),
-        driver=(channel.rank if channel else dist.get_rank()) == DRIVER,
+        driver=int(os.environ.get("RANK", "0")) == DRIVER,
         verbose=cfg.run.verbose,
     )
     try:
-        if channel is not None and channel.rank >= channel.actors:
-            serve(cfg, channel)
+        if joined is not None and joined.world == "engine":
+            serve(cfg, joined.engines)
+        elif joined is not None and joined.world != "actor":
+            frozen_ranks.serve(cfg, joined.world, joined.frozen[joined.world])
         else:
-            run(cfg, channel)
+            run(cfg, joined.engines if joined else None, frozen=joined.frozen if joined else {})
     except stops.Stopped as stop:  # engines are shut down (run); now leave at once
         _leave(stop)
     except BaseException as error:  # before the clean-up below: a peer's later error cannot look first

@@ -370,6 +370,44 @@ def test_a_frozen_model_of_its_own_layout_is_planned_under_it(tmp_path):
         check_frozen_models(own_ep)
 
 
+@pytest.mark.claim("frozen-model-own-gpus")
+def test_frozen_models_on_gpus_of_their_own_are_placed_counted_and_launched(tmp_path):
+    """``reward_model.gpus`` / ``distillation.gpus``: a pool each after the actor's (and the
+    separate engines'), the scoring split in a request before the actor's log-probs and a
+    collection after them, no colocation switch for them, memory per pool, the processes a
+    launch starts; a layout that does not fill them and an offload there are refused."""
+    from hybridflow.preflight import process_count
+
+    rm, teacher = _reward_dir(tmp_path), make_tiny_model_dir(tmp_path / "teacher", "qwen3_moe")
+    base = [f"run.output_dir={tmp_path}", f"reward_model.path={rm}", f"distillation.teacher_path={teacher}"]
+    cfg = load_config(QUICKSTART, [*base, "reward_model.gpus=2", "distillation.gpus=1", "distillation.parallel.ep=1"])
+    plan = lower(cfg, with_reshard=False)
+    assert [(p.name, p.ranks, p.roles) for p in plan.placement.pools] == [
+        ("colocated", range(2), ("actor", "rollout", "reward", "driver")),
+        ("reward_model", range(2, 4), ("reward_model",)),
+        ("teacher", range(4, 5), ("teacher",)),
+    ]
+    assert cfg.reward_model.parallel.dp == 2 and process_count(cfg) == 5  # dp defaults to the GPUs
+    order = [(st.node.name, st.pool, st.switch is not None) for st in plan.stages]
+    names = [name for name, _, _ in order]
+    assert names.index("rm_request") < names.index("old_logprob") < names.index("rm_score") < names.index("reward")
+    assert {pool for name, pool, _ in order if name in ("rm_request", "rm_score")} == {"reward_model"}
+    assert not any(switched for name, _, switched in order if name in ("rm_request", "rm_score", "teacher_logprob"))
+    assert [m.pool for m in plan.memory] == ["colocated", "reward_model", "teacher"]
+    assert list(plan.memory_of("reward_model").phases) == ["scoring"]
+    assert "reward_model params" not in plan.memory_of("colocated").phases["training"]
+    text = "\n".join(plan.describe())
+    assert "(its own GPUs: reward_model.gpus)" in text and "reward_model: 2 GPUs on 1 node, ranks 2-3" in text
+    separate = load_config(QUICKSTART, [*base, "reward_model.gpus=1", "rollout.placement=separate"])
+    assert lower(separate, with_reshard=False).placement.ranks_of("reward_model") == range(4, 5)  # after 2 engines
+    with pytest.raises(
+        ValueError, match=r"^reward_model.parallel: .* = 2 ranks, but a frozen model runs on its own 1 GPUs"
+    ):
+        load_config(QUICKSTART, [*base, "reward_model.gpus=1", "reward_model.parallel.dp=2"])
+    with pytest.raises(ValueError, match=r"^reward_model.offload=true with reward_model.gpus=1: its own GPUs hold"):
+        load_config(QUICKSTART, [*base, "reward_model.gpus=1", "reward_model.offload=true"])
+
+
 # ---------------------------------------------------------------- the distillation teacher
 
 
