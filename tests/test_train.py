@@ -443,21 +443,25 @@ def _check_full_route(out: Path, sliced_run: Path) -> None:
 # every registered algorithm the tests above do not run (grpo: full_run; ppo, remax, dapo: above)
 HF_ENGINE = ("rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full")
 OTHER_ALGORITHMS = ("vapo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "gpg", "cispo")
-ESTIMATOR_OR_LOSS_ONLY = ("reinforce_plus_plus_baseline", "gpg", "cispo")
+ESTIMATOR_OR_LOSS_ONLY = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "cispo")
 """Algorithms that differ from grpo's run only by their estimator or policy-loss function: slow
 tier. Those functions are checked against verl's numerics (tests/algorithms/), and the estimators'
 batch-wide sums under DP against one process (tests/runtime/test_shares.py); the runs below keep
-each distinct runtime path in the default tier (a critic and VAPO's LM loss, the reference model
-and the adaptive KL reward, GSPO's sequence ratio with rollout correction, RLOO's token-sum)."""
+each distinct runtime path in the default tier (a critic and VAPO's LM loss, GSPO's sequence
+ratio with rollout correction, RLOO's token-sum). REINFORCE++ with the reference model and the
+adaptive KL reward runs in the default tier in
+``test_a_reference_of_its_own_layout_reads_the_initial_weights_also_after_a_resume``."""
 
 
-@pytest.mark.claim("reference-own-layout")
+@pytest.mark.claim("reference-own-layout", "adaptive-kl-reward")
 def test_a_reference_of_its_own_layout_reads_the_initial_weights_also_after_a_resume(tmp_path: Path) -> None:
     """No SFT warm-up and no ``model.path``: the reference is the random actor's initial weights,
     which a fresh start keeps in ``checkpoints/initial`` and the reference reads under a layout of
     its own (TP=2 beside the actor's EP=2 x DP=2). Step 1 samples from those weights (KL 0); a
     run resumed after step 1 measures step 2's KL to them exactly as the uninterrupted run does
-    (before, a resumed run copied the resumed actor into the reference: KL 0 at step 2)."""
+    (before, a resumed run copied the resumed actor into the reference: KL 0 at step 2). The KL
+    is in the reward under the adaptive controller (REINFORCE++): 32 responses a step move its
+    coefficient by at most 10%, and the resumed run takes it up where the checkpoint left it."""
     overrides = (
         "sft.steps=0",
         "run.steps=2",
@@ -466,6 +470,8 @@ def test_a_reference_of_its_own_layout_reads_the_initial_weights_also_after_a_re
         "algorithm.name=reinforce_plus_plus",
         "reference.enabled=true",
         "algorithm.kl_reward_coef=0.05",
+        "algorithm.kl_reward_target=0.001",
+        "algorithm.kl_reward_horizon=64",
         "reference.parallel.tp=2",
         "reference.parallel.ep=1",
         "reference.parallel.dp=1",
@@ -478,9 +484,14 @@ def test_a_reference_of_its_own_layout_reads_the_initial_weights_also_after_a_re
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000002")
     _ok(_train(resumed, *overrides))
-    first, second = (h["actor/reward_kl"] for h in _history(whole, "step_000002"))
+    history = _history(whole, "step_000002")
+    first, second = (h["actor/reward_kl"] for h in history)
     assert first < 1e-6 and second > 1e-3, (first, second)
-    assert [h["actor/reward_kl"] for h in _history(resumed, "step_000002")] == [first, second]
+    assert _deterministic(_history(resumed, "step_000002")) == _deterministic(history)  # the KL, its coefficient...
+    error = min(max(first / 0.001 - 1, -0.2), 0.2)
+    assert history[0]["actor/reward_kl_coef"] == 0.05 and history[0]["actor/reward_kl_responses"] == 32
+    assert history[0][KL_COEF_NEXT] == pytest.approx(0.05 * (1 + error * 32 / 64)) != 0.05
+    assert history[1]["actor/reward_kl_coef"] == history[0][KL_COEF_NEXT]
     summary = json.loads((whole / "summary.json").read_text())
     (line,) = [line for line in summary["executed_stages"] if " ref_logprob [reference] " in line]
     assert "megatron tp=2 pp=1 " in line and "(its own: reference.parallel)" in line, line
