@@ -51,6 +51,7 @@ __all__ = [
     "ParallelLayout",
     "ROLE_NAMES",
     "ROLLOUT_ENGINES",
+    "ReferenceConfig",
     "RoleConfig",
     "RolloutConfig",
     "RopeScalingConfig",
@@ -71,6 +72,7 @@ __all__ = [
     "enabled_roles",
     "frozen_gpus",
     "frozen_layout",
+    "frozen_offload",
     "frozen_layout_key",
     "reward_weights",
     "load_config",
@@ -139,6 +141,15 @@ class RoleConfig:
     default): the actor's layout. The reference is a frozen model: a layout of its own must fill
     the actor's ranks (groups of its own over them); the runtime builds the critic under the
     actor's layout only."""
+
+
+@dataclass(kw_only=True)
+class ReferenceConfig(RoleConfig):
+    """The frozen reference policy: a role of the actor's architecture, built without gradients."""
+
+    offload: bool = False
+    """Keep the reference's parameters on the host between its uses (its GPU memory is free for
+    generation and training; each use copies them in)."""
 
 
 @dataclass(kw_only=True)
@@ -959,10 +970,14 @@ class DistillationConfig:
     gpus: int = 0
     """GPUs of its own (processes, on a CPU): 0 runs the teacher on the actor's GPUs; N > 0
     starts N ranks for it after the actor's, the separate engines' and the reward model's."""
+    offload: bool = False
+    """Keep the teacher's parameters on the host between its uses (on the actor's GPUs)."""
 
     def __post_init__(self) -> None:
         check_positive(self, ("coef",))
         check_non_negative(self, ("gpus",))
+        if self.gpus and self.offload:
+            raise ConfigError("{p}offload=true with {p}gpus={v}: its own GPUs hold nothing else; set one", v=self.gpus)
 
 
 @dataclass(kw_only=True)
@@ -1027,7 +1042,7 @@ class HybridflowConfig:
     """Model architecture shared by all roles, and the weights they start from."""
     actor: RoleConfig = field(default_factory=RoleConfig)
     """The policy being trained; the rollout engines generate with its weights."""
-    reference: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False, parallel=None))
+    reference: ReferenceConfig = field(default_factory=lambda: ReferenceConfig(enabled=False, parallel=None))
     """Frozen reference policy for the KL penalty; off by default."""
     critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=None, parallel=None))
     """Value model for GAE-style estimators; on when the algorithm needs one."""
@@ -1171,6 +1186,12 @@ def frozen_gpus(cfg: HybridflowConfig) -> dict[str, range]:
 
 def _frozen_in_use(cfg: HybridflowConfig, role: str) -> bool:
     return bool(cfg.reward_model.path if role == "reward_model" else cfg.distillation.teacher_path)
+
+
+def frozen_offload(cfg: HybridflowConfig, role: str) -> bool:
+    """Whether frozen model ``role`` (reference, reward_model, teacher) is on the host between its
+    uses (``<section>.offload``)."""
+    return getattr(cfg, FROZEN_SECTIONS[role]).offload
 
 
 def frozen_layout_key(role: str) -> str:

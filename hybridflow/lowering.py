@@ -280,7 +280,13 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
     if cfg.reference.enabled:
         layout = frozen_layout_text(cfg, "reference")
         out.append(
-            FrozenModel(role="reference", model=cfg.model.architecture, source=_reference_source(cfg), layout=layout)
+            FrozenModel(
+                role="reference",
+                model=cfg.model.architecture,
+                source=_reference_source(cfg),
+                layout=layout,
+                offload=cfg.reference.offload,
+            )
         )
     if cfg.reward_model.path:
         out.append(
@@ -308,6 +314,7 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
                 model=_teacher_architecture(cfg),
                 source=cfg.distillation.teacher_path,
                 layout=frozen_layout_text(cfg, "teacher"),
+                offload=cfg.distillation.offload,
             )
         )
     return tuple(out)

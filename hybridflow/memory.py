@@ -48,7 +48,8 @@ Formulas (bytes per GPU; ``T = micro_batch_size * (max_prompt_length + max_respo
 - reference: bf16 parameters only (its forward holds one layer at a time).
 - frozen models (a reward model, a distillation teacher): bf16 parameters of their own
   architecture under their layout (their own or the actor's), a score head's one row or the padded vocabulary; with
-  ``reward_model.offload`` the reward model's are on the host in generation.
+  ``<section>.offload`` a frozen model's (reference, reward model, teacher) are on the host in
+  generation.
 - rollout engine rank, weights in ``rollout.dtype``: attention / attn_tp (attn_tp = tp /
   dp_size with DP attention; MLA down-projections replicated), embedding / attn_tp, LM head,
   dense MLP and shared experts / tp, routed experts / (ep * moe_tp), everything on every rank
@@ -74,7 +75,15 @@ from hfschema.layout import ParallelLayout
 from hfschema.lora import adapter_params_per_rank
 from hfschema.model import ModelConfig
 from hfschema.sglang import pad_vocab
-from hybridflow.config import HybridflowConfig, RoleConfig, enabled_roles, frozen_layout, frozen_layout_key
+from hybridflow.config import (
+    FROZEN_SECTIONS,
+    HybridflowConfig,
+    RoleConfig,
+    enabled_roles,
+    frozen_layout,
+    frozen_layout_key,
+    frozen_offload,
+)
 from hybridflow.model_size import count_parameters
 
 __all__ = [
@@ -482,9 +491,9 @@ def pool_memory(
         elif role in roles:
             models.append(role)
             components[f"{role} params"] = frozen_param_bytes(model, frozen_layout(cfg, role))
-            if cfg.reward_model.offload and role == "reward_model":
-                offloaded.add(f"{role} params")
-                notes.append(f"{role}: on the host between uses (reward_model.offload)")
+    for role in [r for r in ("reference", "reward_model", "teacher") if r in models and frozen_offload(cfg, r)]:
+        offloaded.add(f"{role} params")
+        notes.append(f"{role}: on the host between uses ({FROZEN_SECTIONS[role]}.offload)")
     if models and "actor" in models:
         notes.append("activations with full recomputation" if full_recompute else "activations without recomputation")
     phases: dict[str, dict[str, int]] = {}

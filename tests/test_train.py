@@ -475,6 +475,7 @@ def test_a_reference_of_its_own_layout_reads_the_initial_weights_also_after_a_re
         "reference.parallel.tp=2",
         "reference.parallel.ep=1",
         "reference.parallel.dp=1",
+        "reference.offload=true",  # on the host between uses (the offloaded path; on a CPU nothing moves)
         "reward.function=tests.reward.length.chars",  # rewards that differ: the policy moves
         *HF_ENGINE,
     )

@@ -38,11 +38,17 @@ def teacher(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def student(teacher: Path, tmp_path_factory, sft_warm_up) -> Path:
-    """Six steps of distillation after the shared warm-up, the teacher on a layout of its own: two
-    stages beside the actor's EP=2 x DP=2."""
+    """Six steps of distillation after the shared warm-up, the teacher on a layout of its own (two
+    stages beside the actor's EP=2 x DP=2), on the host between its uses."""
     out = seed_from_warm_up(sft_warm_up, tmp_path_factory.mktemp("student") / "run")
     train_quickstart(
-        out, WARM_UP, f"distillation.teacher_path={teacher}", "distillation.parallel.pp=2", "run.steps=6", *DISTILL
+        out,
+        WARM_UP,
+        f"distillation.teacher_path={teacher}",
+        "distillation.parallel.pp=2",
+        "distillation.offload=true",  # on the host between uses (the offloaded path; on a CPU nothing moves)
+        "run.steps=6",
+        *DISTILL,
     )
     return out
 

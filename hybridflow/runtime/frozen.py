@@ -11,8 +11,8 @@ reward_model.path ── reward_model_source (checked: a score head) ──► M
 rollout rows ── tokens(): the policy's ids as they are when the reward model's tokenizer and chat
                 template are the policy's; else prompt (as its data row has it) + response text
                 rendered in the reward model's own template ──► ids [b, T], lengths [b]
-on_device(): with reward_model.offload the parameters live on the host and come to the device
-             for each use
+on_device(): with <section>.offload (reference, reward_model, distillation) the parameters live
+             on the host and come to the device for each use
 whole_batch(): under a layout of its own a frozen model's DP ranks are not the actor's: every
              DP rank's rows are gathered into one batch on every rank (token ids, small beside
              the model), the model scores its DP share of it, and its results come back whole
@@ -50,6 +50,7 @@ __all__ = [
     "in_micro_batches",
     "load_frozen",
     "on_device",
+    "to_host_if_offloaded",
     "own_layout",
     "start_judge",
     "whole_batch",
@@ -142,8 +143,8 @@ def build_reward_model(cfg, pg, policy_tokenizer, remote: Remote | None = None) 
         offload=cfg.reward_model.offload,
         remote=remote,
     )
-    if rm.offload:
-        _move(model, torch.device("cpu"))
+    if model is not None:
+        to_host_if_offloaded(model, rm.offload)
     return rm
 
 
@@ -162,7 +163,9 @@ def build_teacher(cfg, pg, policy_tokenizer, remote: Remote | None = None):
             f"{key}={cfg.distillation.teacher_path}: the teacher's tokenizer maps tokens to other ids than "
             "the student's; on-policy distillation needs the student's tokenizer"
         )
-    return remote if remote is not None else load_frozen(cfg, "teacher", *_groups(cfg, "teacher", pg))
+    if remote is not None:
+        return remote
+    return to_host_if_offloaded(load_frozen(cfg, "teacher", *_groups(cfg, "teacher", pg)), cfg.distillation.offload)
 
 
 def load_frozen(cfg, role: str, layout, pg):
@@ -193,7 +196,7 @@ def build_reference(cfg, pg, *, load) -> Any:
 
     reference = _frozen(MegatronPolicy, cfg.model, cfg, *_groups(cfg, "reference", pg))
     load(reference)
-    return reference
+    return to_host_if_offloaded(reference, cfg.reference.offload)
 
 
 def _groups(cfg, role: str, actor_groups) -> tuple[Any, Any]:
@@ -262,17 +265,25 @@ def in_micro_batches(whole: dict[str, torch.Tensor], model, micro_rows: int) -> 
 
 
 @contextlib.contextmanager
-def on_device(rm: RewardModel) -> Iterator[None]:
-    """The reward model's parameters on its device for the block (moved in and back out when
-    offloaded; on a CPU-only rank both are the host and nothing moves)."""
-    if not rm.offload:
+def on_device(model, offload: bool) -> Iterator[None]:
+    """Frozen ``model``'s parameters on its device for the block (moved in and back out when
+    ``offload``: ``<section>.offload``; on a CPU-only rank both are the host and nothing moves,
+    but the tests' device guard follows the marks)."""
+    if not offload:
         yield
         return
-    _move(rm.model, rm.model.device)
+    _move(model, model.device)
     try:
         yield
     finally:
-        _move(rm.model, torch.device("cpu"))
+        _move(model, torch.device("cpu"))
+
+
+def to_host_if_offloaded(model, offload: bool):
+    """A freshly loaded frozen model, its parameters on the host when offloaded between uses."""
+    if offload:
+        _move(model, torch.device("cpu"))
+    return model
 
 
 @dataclass

@@ -454,7 +454,7 @@ def _rm_scores(s: Session, ro: Rollout) -> torch.Tensor:
     if rm.remote is not None:  # an extra round of dynamic sampling: asked and waited for at once
         _rm_start(s, ro)
         return rm.remote.result()[: ro.total].float()
-    with frozen.on_device(rm):
+    with frozen.on_device(rm.model, rm.offload):
         ids, lengths = rm.tokens(ro)
         inputs = {"input_ids": ids, "lengths": lengths}
         if frozen.own_layout(rm.model, s.cfg):
@@ -655,14 +655,21 @@ def _diff_by_version(shard, diff: torch.Tensor, current: torch.Tensor) -> dict[s
 
 @op("ref_logprob")
 def ref_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
-    logp, _ = _logprobs(s, s.models.reference, kept_rollout(node, f), with_entropy=False)
+    with frozen.on_device(s.models.reference, s.cfg.reference.offload):
+        logp, _ = _logprobs(s, s.models.reference, kept_rollout(node, f), with_entropy=False)
     return Produced({"ref_logprobs": logp})
 
 
 @op("teacher_logprob")
 def teacher_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
-    logp, _ = _logprobs(s, s.models.teacher, kept_rollout(node, f), with_entropy=False)
+    logp, _ = _teacher_logprobs(s, kept_rollout(node, f))
     return Produced({"teacher_logprobs": logp})
+
+
+def _teacher_logprobs(s: Session, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    teacher = s.models.teacher
+    with frozen.on_device(teacher, s.cfg.distillation.offload):  # a Remote never is: its own GPUs
+        return _logprobs(s, teacher, ro, with_entropy=False)
 
 
 def reverse_kl(s: Session, ro: Rollout, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -959,5 +966,5 @@ def heldout_teacher_kl(s: Session) -> float | None:
     ro, _ = rollout(s, s.data.heldout_prompts, params, step_seed(s.cfg.run.seed, -1))
     switches.enter(s, "train")
     student, _ = _logprobs(s, s.models.actor, ro, with_entropy=False)
-    teacher, _ = _logprobs(s, s.models.teacher, ro, with_entropy=False)
+    teacher, _ = _teacher_logprobs(s, ro)
     return reverse_kl(s, ro, student, teacher)[1]

@@ -282,11 +282,12 @@ def _reference_is_initial(s: Session, sft: Path) -> bool:
 def _reference_weights(s: Session, sft: Path, reference) -> None:
     """The reference's weights, read under its own layout from where the actor started (read
     again: a resumed actor has moved away from them)."""
-    if not _reference_is_initial(s, sft):
-        _load_sft(reference, sft) if (sft / "actor").is_dir() else _load_starting_weights(s, reference)
-        return
     initial = run_state.initial_checkpoint(s.run.out_dir)
-    if (initial / run_state.HF_EXPORT).is_dir():
+    if (sft / "actor").is_dir():
+        _load_sft(reference, sft)
+    elif s.cfg.model.pretrained:
+        _load_starting_weights(s, reference)
+    elif (initial / run_state.HF_EXPORT).is_dir():
         _load_sft(reference, initial)
     elif reference.layout == s.cfg.actor.parallel:  # a run begun before checkpoints/initial was kept
         logger.warning("%s is missing: the reference starts from the resumed actor's weights", initial)

@@ -370,6 +370,38 @@ def test_a_frozen_model_of_its_own_layout_is_planned_under_it(tmp_path):
         check_frozen_models(own_ep)
 
 
+@pytest.mark.claim("frozen-model-offload")
+def test_every_frozen_model_may_live_on_the_host_between_uses(tmp_path):
+    """``reference.offload``, ``reward_model.offload``, ``distillation.offload``: the plan lists each
+    as on the host between uses and leaves its parameters out of the generation phase (they come
+    to the GPUs for their node, in the training phase)."""
+    rm, teacher = _reward_dir(tmp_path), make_tiny_model_dir(tmp_path / "teacher", "qwen3_moe")
+    base = [
+        f"run.output_dir={tmp_path}",
+        f"reward_model.path={rm}",
+        "reward_model.parallel.dp=2",
+        f"distillation.teacher_path={teacher}",
+        "reference.enabled=true",
+        "algorithm.kl_loss_coef=0.01",
+    ]
+    roles = ("reference", "reward_model", "teacher")
+    resident = lower(load_config(QUICKSTART, base), with_reshard=False)
+    offloaded = lower(
+        load_config(
+            QUICKSTART, [*base, "reference.offload=true", "reward_model.offload=true", "distillation.offload=true"]
+        ),
+        with_reshard=False,
+    )
+    for role in roles:
+        assert f"{role} params" in resident.memory[0].phases["generation"]
+        assert f"{role} params" not in offloaded.memory[0].phases["generation"]
+        assert offloaded.memory[0].phases["training"][f"{role} params"] > 0
+    listed = {m.role: m.describe() for m in offloaded.frozen}
+    assert all(listed[role].endswith("; on the host between uses") for role in roles), listed
+    with pytest.raises(ValueError, match=r"^distillation.offload=true with distillation.gpus=1: its own GPUs hold"):
+        load_config(QUICKSTART, [*base, "distillation.gpus=1", "distillation.offload=true"])
+
+
 @pytest.mark.claim("frozen-model-own-gpus")
 def test_frozen_models_on_gpus_of_their_own_are_placed_counted_and_launched(tmp_path):
     """``reward_model.gpus`` / ``distillation.gpus``: a pool each after the actor's (and the
