@@ -91,3 +91,35 @@ def separate_run(tmp_path_factory, seeded):
     from tests.test_train_separate import uninterrupted_separate_run
 
     return uninterrupted_separate_run(tmp_path_factory, seeded)
+
+
+@pytest.fixture(scope="session")
+def rm_run(tmp_path_factory):
+    """``run.mode=rm``'s 150-step run and its export (``tests.test_train_rm``)."""
+    from tests.test_train_rm import rm_mode_run
+
+    return rm_mode_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def rl_run(rm_run, tmp_path_factory, seeded):
+    """GRPO against ``rm_run``'s export, the reward model on the actor's ranks under TP=2."""
+    from tests.test_train_rm import rl_against_rm_run
+
+    return rl_against_rm_run(rm_run, tmp_path_factory, seeded)
+
+
+@pytest.fixture(scope="session")
+def distill_teacher(tmp_path_factory):
+    """The distillation teacher, exported (``tests.test_train_distill``)."""
+    from tests.test_train_distill import teacher_export
+
+    return teacher_export(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def distill_student(distill_teacher, tmp_path_factory, seeded):
+    """Six steps of distillation from ``distill_teacher``, the teacher under PP=2 on the actor's ranks."""
+    from tests.test_train_distill import student_run
+
+    return student_run(distill_teacher, tmp_path_factory, seeded)

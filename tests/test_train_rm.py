@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.reward.runs import QUICKSTART, train_quickstart
-from tests.test_train import WARM_UP, seed_from_warm_up
+from tests.test_train import WARM_UP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 RM_RUN = ("run.mode=rm", "sft.steps=0", "rm.steps=150", "rm.lr=3e-3")  # checkpoints at 100 and 150
 
 
-@pytest.fixture(scope="module")
-def rm_run(tmp_path_factory) -> Path:
+def rm_mode_run(tmp_path_factory) -> Path:
+    """The 150-step ``run.mode=rm`` run (``tests/conftest.py``'s ``rm_run``: once a session)."""
     out = tmp_path_factory.mktemp("rm") / "run"
     train_quickstart(out, *RM_RUN)
     return out
@@ -87,12 +87,11 @@ def test_a_stopped_reward_model_run_goes_on_from_its_checkpoint_as_the_uninterru
 RL_RUN = ("reward.rule_weight=0", "run.heldout_every=0")
 
 
-@pytest.fixture(scope="module")
-def rl_run(rm_run: Path, tmp_path_factory, sft_warm_up) -> Path:
+def rl_against_rm_run(rm_run: Path, tmp_path_factory, seeded) -> Path:
     """GRPO against the exported reward model, after the shared SFT warm-up (tests/conftest.py),
     the reward model on a layout of its own (TP=2) beside the actor's EP=2 x DP=2: its one DP rank
-    scores the whole batch, gathered from the actor's two."""
-    out = seed_from_warm_up(sft_warm_up, tmp_path_factory.mktemp("rl") / "run")
+    scores the whole batch, gathered from the actor's two (``rl_run``: once a session)."""
+    out = seeded(tmp_path_factory.mktemp("rl") / "run")
     rm = rm_run / "reward_model" / "hf"
     train_quickstart(out, WARM_UP, f"reward_model.path={rm}", "reward_model.parallel.tp=2", "run.steps=6", *RL_RUN)
     return out
@@ -109,29 +108,3 @@ def test_rl_against_the_exported_reward_model_raises_the_right_answers(rl_run: P
     assert "megatron tp=2 pp=1 " in line and "(its own: reward_model.parallel)" in line, line
     history = json.loads((out / "checkpoints" / "step_000006" / "state.json").read_text())["history"]
     assert history[-1]["model_scores/mean"] > history[0]["model_scores/mean"]
-
-
-@pytest.mark.claim("frozen-model-own-gpus")
-def test_a_reward_model_on_a_gpu_of_its_own_scores_as_it_does_on_the_actors(
-    rm_run: Path, rl_run: Path, tmp_path: Path, seeded
-) -> None:
-    """``reward_model.gpus=1``: a third process of its own builds the reward model and scores each
-    step's samples, sent by the actor ranks before their log-probs and collected after them; the
-    first step's scores equal those of the reward model on the actor's ranks (TP=2 there, one rank
-    here: the same function of the same samples, within fp32 rounding)."""
-    out = seeded(tmp_path / "own")
-    rm = rm_run / "reward_model" / "hf"
-    done = train_quickstart(out, WARM_UP, f"reward_model.path={rm}", "reward_model.gpus=1", "run.steps=1", *RL_RUN)
-    assert "3 process(es)" in done.stdout and "+ 1 rank(s) of their own" in done.stdout, done.stdout[-2000:]
-    (own,) = json.loads((out / "checkpoints" / "step_000001" / "state.json").read_text())["history"]
-    shared = json.loads((rl_run / "checkpoints" / "step_000006" / "state.json").read_text())["history"][0]
-    for key in ("model_scores/mean", "model_scores/std"):
-        assert own[key] == pytest.approx(shared[key], abs=1e-5), key
-    stages = json.loads((out / "summary.json").read_text())["executed_stages"]
-    (request,) = [line for line in stages if " rm_request [reward_model] rm_request " in line]
-    assert "on reward_model rank 2 " in request and "(its own GPUs: reward_model.gpus)" in request, request
-    assert [line.split(" [")[0].split(". ")[1] for line in stages if "[" in line][1:4] == [
-        "rm_request",
-        "old_logprob",
-        "rm_score",
-    ]

@@ -1,0 +1,62 @@
+"""Frozen models on GPUs of their own: a reward model and a distillation teacher each on a process
+of its own beside the quickstart's two actor ranks (``reward_model.gpus=1``,
+``distillation.gpus=1``), against the same models on the actor's ranks.
+
+One step after the shared SFT warm-up: its samples are those of the first step of the runs that
+placed the models on the actor's ranks (``rl_run``: the reward model under TP=2;
+``distill_student``: the teacher under PP=2), so the reward model's scores of them, the
+teacher's reverse KL to them and the held-out KL before training must be theirs, within fp32
+rounding of the other layouts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.reward.runs import train_quickstart
+from tests.test_train import WARM_UP
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+
+@pytest.mark.claim("frozen-model-own-gpus")
+def test_a_reward_model_and_a_teacher_on_gpus_of_their_own_answer_as_on_the_actors(
+    rm_run: Path, rl_run: Path, distill_teacher: Path, distill_student: Path, tmp_path: Path, seeded
+) -> None:
+    out = seeded(tmp_path / "own")
+    done = train_quickstart(
+        out,
+        WARM_UP,
+        f"reward_model.path={rm_run / 'reward_model' / 'hf'}",
+        "reward_model.gpus=1",
+        f"distillation.teacher_path={distill_teacher}",
+        "distillation.gpus=1",
+        "reward.rule_weight=0",
+        "run.steps=1",
+        "run.heldout_every=0",
+    )
+    assert "4 process(es)" in done.stdout and "+ 2 rank(s) of their own" in done.stdout, done.stdout[-2000:]
+    (own,) = json.loads((out / "checkpoints" / "step_000001" / "state.json").read_text())["history"]
+    scored, distilled = (
+        json.loads((run / "checkpoints" / "step_000006" / "state.json").read_text())["history"][0]
+        for run in (rl_run, distill_student)
+    )
+    for key in ("model_scores/mean", "model_scores/std"):
+        assert own[key] == pytest.approx(scored[key], abs=1e-5), key
+    assert own["distill/reverse_kl"] == pytest.approx(distilled["distill/reverse_kl"], abs=1e-5)
+    summary, shared = (json.loads((run / "summary.json").read_text()) for run in (out, distill_student))
+    assert summary["heldout_teacher_kl"][0][1] == pytest.approx(shared["heldout_teacher_kl"][0][1], abs=1e-5)
+    stages = [line for line in summary["executed_stages"] if " [" in line]
+    where = {line.split(". ")[1].split(" [")[0]: line for line in stages}
+    assert (
+        "on reward_model rank 2 " in where["rm_request"] and "(its own GPUs: reward_model.gpus)" in where["rm_request"]
+    )
+    assert (
+        "on teacher rank 3 " in where["teacher_logprob"]
+        and "(its own GPUs: distillation.gpus)" in where["teacher_logprob"]
+    )
+    names = list(where)
+    assert names.index("rm_request") < names.index("old_logprob") < names.index("rm_score")  # it scores meanwhile
