@@ -333,7 +333,7 @@ def check_frozen(args, work: Path) -> dict:
     from hfschema.hf_config import read_hf_config
     from hfschema.layout import ParallelLayout
     from hfschema.model_source import reward_model_source
-    from hybridflow.runtime.frozen import RewardModel, _move, on_device
+    from hybridflow.runtime.frozen import _move, on_device
     from megatron_adapters import parallel
     from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
     from tests.reward.rm_models import make_rm_dir, padded_ids, transformers_scores
@@ -350,12 +350,11 @@ def check_frozen(args, work: Path) -> dict:
     ids = padded_ids(model.vocab_size, pad)
     expected = transformers_scores(rm_dir, ids)  # on the host, fp32
     resident = net.forward_scores({"input_ids": ids}, pad)
-    rm = RewardModel(model=net, pad_id=pad, tokenizer=None, offload=True)
     held = _allocated()
     _move(net, torch.device("cpu"))
     freed = held - _allocated()
     on_host = all(t.device.type == "cpu" for chunk in net.chunks for t in chunk.parameters())
-    with on_device(rm):
+    with on_device(net, True):  # the mover every offloaded frozen model takes
         moved_in = all(t.device == _device() for chunk in net.chunks for t in chunk.parameters())
         offloaded = net.forward_scores({"input_ids": ids}, pad)
     back = all(t.device.type == "cpu" for chunk in net.chunks for t in chunk.parameters())
