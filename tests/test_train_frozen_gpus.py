@@ -59,4 +59,5 @@ def test_a_reward_model_and_a_teacher_on_gpus_of_their_own_answer_as_on_the_acto
         and "(its own GPUs: distillation.gpus)" in where["teacher_logprob"]
     )
     names = list(where)
-    assert names.index("rm_request") < names.index("old_logprob") < names.index("rm_score")  # it scores meanwhile
+    assert names.index("rm_request") < names.index("old_logprob") < names.index("rm_score")  # they compute meanwhile
+    assert names.index("teacher_request") < names.index("old_logprob") < names.index("teacher_logprob")

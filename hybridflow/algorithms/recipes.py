@@ -65,6 +65,9 @@ Graph transforms add the frozen models' nodes (``with_reward_model``, ``with_jud
                                   with reward, just before the reward is read: the mix)
     teacher_logprob  teacher    responses [+ kept] -> teacher_logprobs (read by advantages, with
                                   old_logprobs: each token's advantage loses distill_coef x KL)
+    teacher_request  teacher    responses [+ kept] -> teacher_logprobs_pending (on GPUs of its own,
+                                  distillation.gpus: sent where teacher_logprob was; teacher_logprob
+                                  then collects just before advantages)
 
 Conventions the runtime keeps:
 
@@ -667,37 +670,62 @@ def build_graph(cfg: HybridflowConfig) -> Graph:
     )
     graph = with_reward_model(graph, scored=bool(cfg.reward_model.path), remote=cfg.reward_model.gpus > 0)
     graph = with_judge(graph, judged=bool(cfg.judge.path))
-    graph = with_distillation(graph, coef=cfg.distillation.coef if cfg.distillation.teacher_path else None)
+    graph = with_distillation(
+        graph, coef=cfg.distillation.coef if cfg.distillation.teacher_path else None, remote=cfg.distillation.gpus > 0
+    )
     graph.validate(placed_roles(cfg))
     return graph
 
 
-def with_distillation(graph: Graph, *, coef: float | None) -> Graph:
+def with_distillation(graph: Graph, *, coef: float | None, remote: bool = False) -> Graph:
     """``distillation.teacher_path`` set: a ``teacher_logprob`` node (the frozen teacher, on the
     actor's layout) scores the responses the actor scores, and ``advantages`` subtracts ``coef``
-    x (old log-prob - teacher log-prob) from each response token's advantage."""
+    x (old log-prob - teacher log-prob) from each response token's advantage. ``remote``
+    (``distillation.gpus``): a ``teacher_request`` node sends the responses to the teacher's own
+    GPUs there, and ``teacher_logprob`` collects the log-probs just before ``advantages``, so the
+    actor's log-prob stages run while the teacher computes."""
     if coef is None:
         return graph
     nodes: list[Node] = []
+    pending = "teacher_logprobs_pending"
     for node in graph.nodes:
         if node.op == "old_logprob":
-            nodes.append(
-                Node(
-                    name="teacher_logprob",
-                    role="teacher",
-                    op="teacher_logprob",
-                    inputs=tuple(f for f in node.inputs if f in ("responses", "kept")),
-                    outputs=("teacher_logprobs",),
-                    doc="log-probs of the responses under the frozen teacher",
+            inputs = tuple(f for f in node.inputs if f in ("responses", "kept"))
+            if remote:
+                nodes.append(
+                    Node(
+                        name="teacher_request",
+                        role="teacher",
+                        op="teacher_request",
+                        inputs=inputs,
+                        outputs=(pending,),
+                        options={"pending_field": pending},
+                        doc="each response's tokens, sent to the teacher's own GPUs",
+                    )
                 )
-            )
+            else:
+                nodes.append(_teacher_logprob(inputs))
         if node.op == "advantages":
+            if remote:
+                nodes.append(_teacher_logprob(inputs + (pending,), pending_field=pending))
             reads = tuple(f for f in ("old_logprobs", "teacher_logprobs") if f not in node.inputs)
             node = dataclasses.replace(
                 node, inputs=(*node.inputs, *reads), options=(*node.options, ("distill_coef", coef))
             )
         nodes.append(node)
     return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def _teacher_logprob(inputs: tuple[str, ...], **options) -> Node:
+    return Node(
+        name="teacher_logprob",
+        role="teacher",
+        op="teacher_logprob",
+        inputs=inputs,
+        outputs=("teacher_logprobs",),
+        options=options,
+        doc="log-probs of the responses under the frozen teacher",
+    )
 
 
 def with_reward_model(graph: Graph, *, scored: bool, remote: bool = False) -> Graph:

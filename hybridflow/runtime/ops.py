@@ -587,9 +587,8 @@ def _logprobs(
     inputs = {"input_ids": ro.batch["input_ids"], "attention_mask": ro.batch["attention_mask"]}
     width = inputs["input_ids"].shape[1]
     if isinstance(policy, frozen.Remote):  # a teacher on GPUs of its own: asked, waited for
-        policy.start("logprobs", frozen.gathered(s.run.shard, ro, inputs))
-        logp = policy.result()[ro.rows, :width].to(inputs["input_ids"].device)
-        return logp, torch.zeros_like(logp)
+        _remote_start(s, policy, ro)
+        return _remote_logprobs(policy, ro)
     if frozen.own_layout(policy, s.cfg):  # a frozen model of its own layout: shares of the whole batch
         whole = frozen.whole_batch(s.run.shard, ro, inputs, policy, s.cfg.train.micro_batch_size)
         logp, ent = policy.forward_logprobs(whole, with_entropy=with_entropy)
@@ -660,9 +659,35 @@ def ref_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
     return Produced({"ref_logprobs": logp})
 
 
+def _remote_start(s: Session, remote: frozen.Remote, ro: Rollout) -> None:
+    """Every sample's tokens to a frozen model's own GPUs, which compute their log-probs."""
+    inputs = {"input_ids": ro.batch["input_ids"], "attention_mask": ro.batch["attention_mask"]}
+    remote.start("logprobs", frozen.gathered(s.run.shard, ro, inputs))
+
+
+def _remote_logprobs(remote: frozen.Remote, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs ``_remote_start`` asked for, this rank's rows (no entropy)."""
+    ids = ro.batch["input_ids"]
+    logp = remote.result()[ro.rows, : ids.shape[1]].to(ids.device)
+    return logp, torch.zeros_like(logp)
+
+
+@op("teacher_request")
+def teacher_request(s: Session, node, f: Inputs, step: Step) -> Produced:
+    """A teacher on GPUs of its own: every sample's tokens sent to its ranks, which compute their
+    log-probs while the actor ranks go on (``teacher_logprob`` collects them)."""
+    ro = kept_rollout(node, f)
+    _remote_start(s, s.models.teacher, ro)
+    return Produced({node.option("pending_field"): ro.total})
+
+
 @op("teacher_logprob")
 def teacher_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
-    logp, _ = _teacher_logprobs(s, kept_rollout(node, f))
+    ro = kept_rollout(node, f)
+    if node.option("pending_field", None) is not None:  # asked by teacher_request
+        logp, _ = _remote_logprobs(s.models.teacher, ro)
+    else:
+        logp, _ = _teacher_logprobs(s, ro)
     return Produced({"teacher_logprobs": logp})
 
 

@@ -481,7 +481,8 @@ def test_ops_take_their_settings_from_the_graph_they_run():
                 "judge.path=judge",
                 "algorithm.dynamic_sampling=false",
             ),
-            ("reward_model.path=rm", "reward_model.gpus=1"),  # scored on its own GPUs: request, then collect
+            # on their own GPUs: request, then collect
+            ("reward_model.path=rm", "reward_model.gpus=1", "distillation.teacher_path=teacher", "distillation.gpus=1"),
         ):
             for node in _graph(name, *extra).nodes:
                 keys = {key for key, _ in node.options}

@@ -423,8 +423,11 @@ def test_frozen_models_on_gpus_of_their_own_are_placed_counted_and_launched(tmp_
     order = [(st.node.name, st.pool, st.switch is not None) for st in plan.stages]
     names = [name for name, _, _ in order]
     assert names.index("rm_request") < names.index("old_logprob") < names.index("rm_score") < names.index("reward")
+    assert names.index("teacher_request") < names.index("old_logprob") < names.index("teacher_logprob")
+    assert names.index("teacher_logprob") == names.index("advantages") - 1
     assert {pool for name, pool, _ in order if name in ("rm_request", "rm_score")} == {"reward_model"}
-    assert not any(switched for name, _, switched in order if name in ("rm_request", "rm_score", "teacher_logprob"))
+    own = ("rm_request", "rm_score", "teacher_request", "teacher_logprob")
+    assert not any(switched for name, _, switched in order if name in own)
     assert [m.pool for m in plan.memory] == ["colocated", "reward_model", "teacher"]
     assert list(plan.memory_of("reward_model").phases) == ["scoring"]
     assert "reward_model params" not in plan.memory_of("colocated").phases["training"]
