@@ -73,6 +73,7 @@ __all__ = [
     "frozen_gpus",
     "frozen_layout",
     "frozen_offload",
+    "frozen_paths",
     "frozen_layout_key",
     "reward_weights",
     "load_config",
@@ -1178,14 +1179,16 @@ def frozen_gpus(cfg: HybridflowConfig) -> dict[str, range]:
     pools = {}
     for role, section in FROZEN_SECTIONS.items():
         gpus = getattr(getattr(cfg, section), "gpus", 0)
-        if gpus and _frozen_in_use(cfg, role):
+        if gpus and frozen_paths(cfg).get(role):
             pools[role] = range(start, start + gpus)
             start += gpus
     return pools
 
 
-def _frozen_in_use(cfg: HybridflowConfig, role: str) -> bool:
-    return bool(cfg.reward_model.path if role == "reward_model" else cfg.distillation.teacher_path)
+def frozen_paths(cfg: HybridflowConfig) -> dict[str, str | None]:
+    """Where each frozen model the config may name is read from (None: not used): the reward
+    model, the distillation teacher and the generative judge."""
+    return {"reward_model": cfg.reward_model.path, "teacher": cfg.distillation.teacher_path, "judge": cfg.judge.path}
 
 
 def frozen_offload(cfg: HybridflowConfig, role: str) -> bool:

@@ -63,7 +63,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hfschema.model import ModelConfig
-from hybridflow.config import HybridflowConfig, enabled_roles, frozen_gpus, frozen_layout, frozen_layout_key
+from hybridflow.config import (
+    HybridflowConfig,
+    enabled_roles,
+    frozen_gpus,
+    frozen_layout,
+    frozen_layout_key,
+    frozen_paths,
+)
 from hybridflow.graph import DRIVER, Graph, Node
 from hybridflow.memory import MemoryEstimate, engine_keeps_weights, pool_memory
 from hybridflow.model_size import count_parameters
@@ -208,7 +215,7 @@ def _check_fits(cfg: HybridflowConfig, role: str, pool: str, pool_size: int) -> 
 def place(cfg: HybridflowConfig) -> Placement:
     """Pools and roles from ``cfg.rollout.placement``; ValueError naming the key that does
     not fit (see the module docstring for the rules)."""
-    frozen = {"reward_model": cfg.reward_model.path, "teacher": cfg.distillation.teacher_path, "judge": cfg.judge.path}
+    frozen = frozen_paths(cfg)
     own = frozen_gpus(cfg)  # frozen models on GPUs of their own: a pool each, after the others
     models = tuple(enabled_roles(cfg)) + tuple(role for role, path in frozen.items() if path and role not in own)
     world = cfg.actor.parallel.world_size
