@@ -10,6 +10,7 @@
     hf_config.py  a Hugging Face directory's config.json -> ModelConfig (no torch)
     buckets.py    consecutive groups of items under a size budget
     files.py      atomic text writes
+    gc_pause.py   start-up work with the cyclic garbage collector paused
 
 Package imports (an arrow: may import; ``tests/test_boundaries.py`` checks them):
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hfschema import gc_pause
 from hybridflow.config import HybridflowConfig
 
 __all__ = ["Tracker", "default_tracking_uri"]
@@ -64,7 +65,8 @@ class Tracker:
         if not active:
             return
         if cfg.run.tracking.backend == "mlflow":
-            self._mlflow = _start_mlflow(cfg, run_id, list(history))
+            with gc_pause.paused():  # MLflow's import and its store's schema: start-up objects
+                self._mlflow = _start_mlflow(cfg, run_id, list(history))
         if cfg.run.tracking.tensorboard:
             self._start_tensorboard(Path(cfg.run.output_dir).resolve() / "tensorboard")
 

@@ -12,9 +12,13 @@ checkpoint  ──►  engine (rank 0), first weight sync, held-out score after 
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":  # a rank's start: main() turns it on again after the imports (hfschema/gc_pause.py)
+    gc.disable()
+
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import shutil
@@ -681,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_adapters import parallel
 
     startup_clock.mark("imports")
+    if not gc.isenabled():  # off from the module's first line, as a rank's main (hfschema/gc_pause.py)
+        gc.freeze()  # the imports' objects live as long as the process: no later collection scans them
+        gc.enable()
     argv = list(sys.argv[1:] if argv is None else argv)
     stops.install()
     cfg = load_config(argv[0], argv[1:])

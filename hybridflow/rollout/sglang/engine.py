@@ -50,6 +50,7 @@ import numpy as np
 import psutil
 import torch
 
+from hfschema import gc_pause
 from hfschema.buckets import fill_buckets
 from hybridflow.config import RolloutConfig
 from hybridflow.rollout.base import (
@@ -192,7 +193,7 @@ def _launch(
         args["mem_fraction_static"] = mem_fraction_static
     _check_layout_overrides(engine_kwargs, on_cpu=on_cpu)
     args.update(engine_kwargs)
-    with cpu.gpu_kernels_absent() if on_cpu else contextlib.nullcontext():
+    with cpu.gpu_kernels_absent() if on_cpu else contextlib.nullcontext(), gc_pause.paused():
         import sglang
         import sglang.srt.entrypoints.engine  # noqa: F401  (the heavy part, while they are absent)
 
