@@ -71,6 +71,7 @@ __all__ = [
     "JudgeConfig",
     "enabled_roles",
     "frozen_gpus",
+    "job_worlds",
     "frozen_layout",
     "frozen_offload",
     "frozen_paths",
@@ -904,8 +905,9 @@ class RewardModelConfig:
 @dataclass(kw_only=True)
 class JudgeConfig:
     """A generative judge: a frozen causal LM on an engine of its own (on the first ``tp`` ranks
-    of the actor's GPUs, driven by rank 0) answers a judging prompt per sample; the number its
-    reply holds is the sample's judge score, mixed into the reward with ``weight``."""
+    of the actor's GPUs, driven by rank 0; or ``gpus`` of its own, ``gpus / tp`` replicas)
+    answers a judging prompt per sample; the number its reply holds is the sample's judge score,
+    mixed into the reward with ``weight``."""
 
     path: Optional[str] = None
     """The judge: a Hugging Face causal LM directory (weights read by the engine); None: no judge."""
@@ -913,6 +915,9 @@ class JudgeConfig:
     """sglang, or hf (transformers in the driver's process: small judges, machines without SGLang)."""
     tp: int = 1
     """Tensor-parallel ranks of the judge's engine."""
+    gpus: int = 0
+    """GPUs of its own, after the actor's (and separate engines'): ``gpus / tp`` replicas of the
+    judge's engine share each step's requests; 0: one engine on the actor's first ``tp`` GPUs."""
     dtype: str = "bfloat16"
     """The judge engine's weights and activations: bfloat16, float16 or float32."""
     template: str = (
@@ -940,6 +945,15 @@ class JudgeConfig:
         check_choice("engine", self.engine, ("sglang", "hf"))
         check_choice("dtype", self.dtype, ("bfloat16", "float16", "float32"))
         check_positive(self, ("tp", "max_tokens", "max_total_tokens"))
+        check_non_negative(self, ("gpus",))
+        if self.gpus % self.tp:
+            raise ConfigError(
+                "{p}gpus={v} is not a multiple of {p}tp={tp}: each replica of the judge takes tp GPUs; "
+                "set {p}gpus={fit}",
+                v=self.gpus,
+                tp=self.tp,
+                fit=max(self.tp, self.gpus // self.tp * self.tp),
+            )
         problem = template_problem(self.template)
         if problem is not None:
             raise ConfigError("{p}template {why}", why=problem)
@@ -1173,16 +1187,26 @@ def frozen_layout(cfg: HybridflowConfig, role: str) -> ParallelLayout:
 
 def frozen_gpus(cfg: HybridflowConfig) -> dict[str, range]:
     """The global ranks of each frozen model that has GPUs of its own (``reward_model.gpus``,
-    ``distillation.gpus``), numbered after the actor's and the separate engines', in
-    FROZEN_SECTIONS order."""
+    ``distillation.gpus``, ``judge.gpus``), numbered after the actor's and the separate engines',
+    in FROZEN_SECTIONS order, then the judge's."""
     start = cfg.actor.parallel.world_size + (cfg.rollout.num_ranks if cfg.rollout.placement == "separate" else 0)
     pools = {}
-    for role, section in FROZEN_SECTIONS.items():
+    sections = {**FROZEN_SECTIONS, "judge": "judge"}
+    for role, section in sections.items():
         gpus = getattr(getattr(cfg, section), "gpus", 0)
         if gpus and frozen_paths(cfg).get(role):
             pools[role] = range(start, start + gpus)
             start += gpus
     return pools
+
+
+def job_worlds(cfg: HybridflowConfig) -> dict[str, int]:
+    """The processes of one run, by world in rank order: the actor's, the separate engines'
+    (``engine``), and each frozen model's on GPUs of its own (``frozen_gpus``)."""
+    worlds = {"actor": cfg.actor.parallel.world_size}
+    if cfg.rollout.placement == "separate":
+        worlds["engine"] = cfg.rollout.num_ranks
+    return worlds | {role: len(ranks) for role, ranks in frozen_gpus(cfg).items()}
 
 
 def frozen_paths(cfg: HybridflowConfig) -> dict[str, str | None]:

@@ -311,7 +311,7 @@ def frozen_models(cfg: HybridflowConfig) -> tuple[FrozenModel, ...]:
                 role="judge",
                 model=_judge_architecture(cfg),
                 source=cfg.judge.path,
-                layout=f"{cfg.judge.engine} engine, tp={cfg.judge.tp}, {cfg.judge.dtype}",
+                layout=judge_text(cfg),
             )
         )
     if cfg.distillation.teacher_path:
@@ -344,6 +344,16 @@ def frozen_layout_text(cfg: HybridflowConfig, role: str) -> str:
     if role in frozen_gpus(cfg):
         whose = f"its own GPUs: {frozen_layout_key(role).removesuffix('.parallel')}.gpus"
     return f"megatron {layout.describe()} ({whose})"
+
+
+def judge_text(cfg: HybridflowConfig) -> str:
+    """``sglang engine, tp=1, bfloat16 (on the actor's first GPUs, driven by rank 0)`` or, on GPUs
+    of its own, ``... x2 replicas (its own GPUs: judge.gpus)``."""
+    judge = cfg.judge
+    engine = f"{judge.engine} engine, tp={judge.tp}, {judge.dtype}"
+    if "judge" in frozen_gpus(cfg):
+        return f"{engine} x{judge.gpus // judge.tp} replica(s) (its own GPUs: judge.gpus)"
+    return f"{engine} (on the actor's first GPUs, driven by rank 0)"
 
 
 def _architecture(key: str, path: str, planned: ModelConfig, check) -> ModelConfig:
@@ -413,7 +423,7 @@ def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
     layouts = {role: f"megatron {layout.describe()}" for role, layout in enabled_roles(cfg).items()}
     for role in ("reference", "reward_model", "teacher"):
         layouts[role] = frozen_layout_text(cfg, role)
-    layouts["judge"] = f"{cfg.judge.engine} tp={cfg.judge.tp} engine of its own, driven by rank 0"
+    layouts["judge"] = judge_text(cfg)
     layouts["rollout"] = _engine_text(cfg)
     for role in CPU_ROLES:
         layouts[role] = "CPU, on each of its ranks"

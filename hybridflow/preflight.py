@@ -38,7 +38,7 @@ from hfschema.model_source import (
     teacher_source,
 )
 from hybridflow.agentic.engine import check_agentic
-from hybridflow.config import HybridflowConfig, frozen_gpus, frozen_layout, frozen_layout_key, to_yaml
+from hybridflow.config import HybridflowConfig, frozen_gpus, frozen_layout, frozen_layout_key, job_worlds, to_yaml
 from hybridflow.data import preview_files, sft_key
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
@@ -243,13 +243,13 @@ def check_async(cfg: HybridflowConfig, plan=None) -> None:
 
 def engine_ranks(cfg: HybridflowConfig) -> int:
     """Processes of their own the engines take: rollout.tp x num_replicas when separate, else 0."""
-    return cfg.rollout.num_ranks if cfg.rollout.placement == "separate" else 0
+    return job_worlds(cfg).get("engine", 0)
 
 
 def more_ranks(cfg: HybridflowConfig) -> int:
     """Processes of their own beyond the actor's: the separate engines' and the frozen models'
-    own GPUs (``reward_model.gpus``, ``distillation.gpus``)."""
-    return engine_ranks(cfg) + sum(len(ranks) for ranks in frozen_gpus(cfg).values())
+    own GPUs (``reward_model.gpus``, ``distillation.gpus``, ``judge.gpus``)."""
+    return sum(job_worlds(cfg).values()) - cfg.actor.parallel.world_size
 
 
 def process_count(cfg: HybridflowConfig) -> int:
@@ -258,18 +258,26 @@ def process_count(cfg: HybridflowConfig) -> int:
 
 
 def check_separate_nodes(cfg: HybridflowConfig, nproc_per_node: int) -> None:
-    """Separate engine ranks follow the actor's, ``nproc_per_node`` to a node: each engine's tp
-    ranks must share one node (its driver starts SGLang on that node's GPUs)."""
-    if not engine_ranks(cfg):
-        return
+    """Separate engine ranks follow the actor's, ``nproc_per_node`` to a node, and a judge's own
+    GPUs follow them: each engine's tp ranks must share one node (its driver starts SGLang on
+    that node's GPUs)."""
     actors, tp = cfg.actor.parallel.world_size, cfg.rollout.tp
-    for replica in range(cfg.rollout.num_replicas):
+    for replica in range(cfg.rollout.num_replicas if engine_ranks(cfg) else 0):
         first = actors + replica * tp
         if first // nproc_per_node != (first + tp - 1) // nproc_per_node:
             raise ValueError(
                 f"rollout.placement=separate: engine replica {replica} (ranks {first}..{first + tp - 1}) "
                 f"would span two nodes of {nproc_per_node} processes; make actor.parallel's "
                 f"{actors} ranks and rollout.tp={tp} fill whole nodes (or set rollout.placement=colocated)"
+            )
+    judge = frozen_gpus(cfg).get("judge", range(0))
+    for first in judge[:: cfg.judge.tp]:
+        last = first + cfg.judge.tp - 1
+        if first // nproc_per_node != last // nproc_per_node:
+            raise ValueError(
+                f"judge.gpus: judge replica {(first - judge.start) // cfg.judge.tp} (ranks {first}..{last}) "
+                f"would span two nodes of {nproc_per_node} processes; make the ranks before it "
+                f"({judge.start}) and judge.tp={cfg.judge.tp} fill whole nodes"
             )
 
 

@@ -110,6 +110,14 @@ def rl_run(rm_run, tmp_path_factory, seeded):
 
 
 @pytest.fixture(scope="session")
+def judge_run(tmp_path_factory, seeded, sft_warm_up):
+    """Two GRPO steps judged by the shared warm-up's export on rank 0's engine (``tests.test_train_judge``)."""
+    from tests.test_train_judge import judge_quickstart_run
+
+    return judge_quickstart_run(tmp_path_factory, seeded, sft_warm_up)
+
+
+@pytest.fixture(scope="session")
 def distill_teacher(tmp_path_factory):
     """The distillation teacher, exported (``tests.test_train_distill``)."""
     from tests.test_train_distill import teacher_export

@@ -19,24 +19,31 @@ from tests.test_train import WARM_UP
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
+JUDGE = [
+    "judge.dtype=float32",
+    "judge.template=max({response},{answer})=",
+    "judge.pattern=^([0-4])$",
+    "judge.scale=1.0",
+    "judge.on_unparsable=-1.0",
+    "judge.max_tokens=4",
+]
+"""The judge's settings besides its path (the shared warm-up's export): also those of the judge
+on GPUs of its own in ``tests/test_train_frozen_gpus.py``, whose first step must score as this
+run's."""
+
+
+def judge_quickstart_run(tmp_path_factory, seeded, sft_warm_up) -> Path:
+    """Two GRPO steps after the shared warm-up, the warm-up's export judging (``conftest``'s
+    ``judge_run``)."""
+    out = seeded(tmp_path_factory.mktemp("judge") / "run")
+    judge = sft_warm_up / "checkpoints" / "sft" / "hf"
+    train_quickstart(out, WARM_UP, f"judge.path={judge}", *JUDGE, "run.steps=2", "run.heldout_every=0")
+    return out
+
+
 @pytest.mark.claim("generative-judge", "frozen-models-overview", "judge-overlaps-the-step")
-def test_a_judge_engine_scores_the_rollouts_and_counts_what_it_cannot_parse(
-    tmp_path: Path, seeded, sft_warm_up
-) -> None:
-    out = seeded(tmp_path / "run")
-    overrides = [
-        WARM_UP,
-        f"judge.path={sft_warm_up / 'checkpoints' / 'sft' / 'hf'}",
-        "judge.dtype=float32",
-        "judge.template=max({response},{answer})=",
-        "judge.pattern=^([0-4])$",
-        "judge.scale=1.0",
-        "judge.on_unparsable=-1.0",
-        "judge.max_tokens=4",
-        "run.steps=2",
-        "run.heldout_every=0",
-    ]
-    train_quickstart(out, *overrides)
+def test_a_judge_engine_scores_the_rollouts_and_counts_what_it_cannot_parse(judge_run: Path) -> None:
+    out = judge_run
     history = json.loads((out / "checkpoints" / "step_000002" / "state.json").read_text())["history"]
     unparsable = [h["judge/unparsable"] for h in history]
     means = [h["judge_scores/mean"] for h in history]

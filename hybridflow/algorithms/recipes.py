@@ -759,10 +759,11 @@ def with_judge(graph: Graph, *, judged: bool) -> Graph:
 
 
 def _requested_early(graph: Graph, collect_op: str, request_op: str, *, doc: str) -> Graph:
-    """Each ``collect_op`` node split in two: a ``request_op`` node where it was (the work is
-    started elsewhere: another engine, other GPUs), and the collecting node, moved with the reward
-    node after it down to just before the first node that reads the reward, so that the nodes
-    between run while the work is done."""
+    """Each ``collect_op`` node split in two: a ``request_op`` node (the work is started elsewhere:
+    another engine, other GPUs), moved up to just after the node that makes its responses, and
+    the collecting node, moved with the reward node after it down to just before the first node
+    that reads the reward, so that the nodes between run while the work is done (with a reward
+    model and a judge both asked early, both work at once)."""
     nodes = list(graph.nodes)
     for collect in [n for n in graph.nodes if n.op == collect_op]:
         responses, pending = collect.option("responses_field"), f"{collect.option('scores_field')}_pending"
@@ -781,7 +782,18 @@ def _requested_early(graph: Graph, collect_op: str, request_op: str, *, doc: str
         )
         nodes[index : index + 1] = [request, collected]
         nodes = _later(nodes, [collected, nodes[index + 2]])  # the collecting node and its reward node
+        nodes = _earlier(nodes, request)
     return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def _earlier(nodes: list[Node], node: Node) -> list[Node]:
+    """``nodes`` with ``node`` moved up to just after the last node before it that writes one of
+    its inputs (the start if none): its inputs are still made before it reads them."""
+    at = nodes.index(node)
+    rest = nodes[:at] + nodes[at + 1 :]
+    writers = [i for i in range(at) if set(rest[i].outputs) & set(node.inputs)]
+    start = writers[-1] + 1 if writers else 0
+    return rest[:start] + [node] + rest[start:]
 
 
 def _later(nodes: list[Node], block: list[Node]) -> list[Node]:

@@ -19,9 +19,11 @@ whole_batch(): under a layout of its own a frozen model's DP ranks are not the a
 GPUs of their own (reward_model.gpus, distillation.gpus) ── the model lives on its own ranks
              (runtime.frozen_ranks); the actor ranks hold a Remote: the whole batch's token ids
              go out (Remote.start), the scores or log-probs come back (Remote.result)
-judge.path ── an engine of its own on rank 0 (real weights, no pushes) ── judge_request: each DP
-             leader's rows to rank 0, one judging request each (judge.template in the judge's chat
-             template), submitted; the engine generates while the trainer computes log-probs
+judge.path ── an engine of its own on rank 0 (real weights, no pushes), or judge.gpus / judge.tp
+             replicas on GPUs of their own (runtime.frozen_ranks; the actor ranks hold a Remote)
+             ── judge_request: each DP leader's rows to rank 0, one judging request each
+             (judge.template in the judge's chat template), submitted; the engines generate while
+             the trainer computes log-probs
              ── judge: the greedy replies collected and parsed (judge.pattern x judge.scale,
              judge.on_unparsable), the scores [N] and the unparsable count back to every rank
 ```
@@ -42,12 +44,14 @@ __all__ = [
     "Judge",
     "PendingReplies",
     "Remote",
+    "RemoteReplies",
     "RewardModel",
     "build_reference",
     "build_reward_model",
     "build_teacher",
     "gathered",
     "in_micro_batches",
+    "judge_tokens",
     "load_frozen",
     "on_device",
     "to_host_if_offloaded",
@@ -67,7 +71,11 @@ class Remote:
     def start(self, kind: str, whole: dict[str, torch.Tensor], **options) -> None:
         """Every actor rank calls it with the whole batch: actor rank 0 sends it, the model's
         ranks compute while the actor ranks go on."""
-        self.channel.announce((kind, {k: v.cpu() for k, v in whole.items()}, options))  # pickled: host tensors
+        self.ask(kind, {k: v.cpu() for k, v in whole.items()}, **options)  # pickled: host tensors
+
+    def ask(self, kind: str, payload: Any, **options) -> None:
+        """Every actor rank calls it; actor rank 0's ``payload`` (picklable) is the request."""
+        self.channel.announce((kind, payload, options))
 
     def result(self) -> torch.Tensor:
         """The answer to the request started last (every actor rank waits for it)."""
@@ -288,25 +296,43 @@ def to_host_if_offloaded(model, offload: bool):
 
 @dataclass
 class Judge:
-    """A generative judge's engine (rank 0 only) and how a sample becomes its request."""
+    """A generative judge and how a sample becomes its request: its engine (rank 0's; a driver
+    rank's of its own GPUs), or, with ``judge.gpus``, on every actor rank the ``remote`` whose
+    ranks run the engines (``runtime.frozen_ranks``)."""
 
     engine: Any
-    """A ``RolloutEngine`` with the judge's own weights."""
+    """A ``RolloutEngine`` with the judge's own weights; None when ``remote``."""
     tokenizer: Any
+    """The judge's tokenizer (None on the actor ranks but 0 of a remote judge: they send nothing)."""
     stop_ids: tuple[int, ...]
+    remote: Remote | None = None
 
-    def request(self, cfg, items: list[tuple[Any, str, Any]]) -> "PendingReplies":
-        """The judge's greedy replies to each (prompt, response, answer), started: an SGLang
-        judge generates while the trainer goes on (``PendingReplies.texts`` collects them)."""
+    def request(self, cfg, items: list[tuple[Any, str, Any]] | None) -> "PendingReplies | RemoteReplies":
+        """The judge's greedy replies to each (prompt, response, answer), started: the judge
+        generates while the trainer goes on (``.texts()`` collects them). A remote judge's
+        request is collective: every actor rank calls it, rank 0 with the items."""
+        ids = None if items is None else self.encode(cfg, items)
+        if self.remote is not None:
+            self.remote.ask("generate", ids)
+            return RemoteReplies(self.remote)
+        return self.submit(cfg, ids)
+
+    def encode(self, cfg, items: list[tuple[Any, str, Any]]) -> list[list[int]]:
+        """Each item's judging request (``judge.template`` as the user turn of the judge's chat
+        template, if it has one) as token ids."""
         from hybridflow.judge import render
-        from hybridflow.rollout.base import SamplingParams, submit
         from hybridflow.rollout.tokens import encode_prompts
 
         chat = bool(getattr(self.tokenizer, "chat_template", None))
         requests = [render(cfg.judge.template, prompt=p, response=r, answer=a) for p, r, a in items]
-        ids = encode_prompts(self.tokenizer, [[{"role": "user", "content": q}] if chat else q for q in requests])
+        return encode_prompts(self.tokenizer, [[{"role": "user", "content": q}] if chat else q for q in requests])
+
+    def submit(self, cfg, ids: list[list[int]]) -> "PendingReplies":
+        """Greedy replies to the requests ``ids``, generated by this process's engine."""
+        from hybridflow.rollout.base import SamplingParams, submit
+
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.judge.max_tokens, stop_token_ids=self.stop_ids)
-        return PendingReplies(submit(self.engine, ids, params), self.tokenizer, len(items))
+        return PendingReplies(submit(self.engine, ids, params), self.tokenizer, len(ids))
 
 
 @dataclass
@@ -326,18 +352,41 @@ class PendingReplies:
         return texts
 
 
-def start_judge(cfg) -> Judge:
-    """The judge's engine, started from ``judge.path``'s own weights (rank 0 calls it)."""
+@dataclass
+class RemoteReplies:
+    """A judge on GPUs of its own, answering: its replicas generate while the actor ranks go on."""
+
+    remote: Remote
+
+    def texts(self) -> list[str]:
+        """Each request's reply text, in request order, on every actor rank (waits for them)."""
+        return self.remote.result()
+
+
+def judge_tokens(cfg) -> tuple[Any, Any, tuple[int, ...]]:
+    """(the judge's checked source, its tokenizer, its stop token ids), from ``judge.path``."""
     from transformers import AutoTokenizer
 
     from hfschema.model_source import judge_source
-    from hybridflow.rollout import make_engine
-    from hybridflow.runtime import console
-    from hybridflow.runtime.session import plain_engine_env, stop_token_ids
+    from hybridflow.runtime.session import stop_token_ids
 
     source, _ = judge_source(cfg.judge.path, cfg.judge.tp)
-    judge = cfg.judge
-    with console.engine_output(cfg.run.output_dir, 0, verbose=cfg.run.verbose), plain_engine_env():
+    tokenizer = AutoTokenizer.from_pretrained(str(source.files))
+    return source, tokenizer, stop_token_ids(tokenizer, source.files)
+
+
+def start_judge(cfg) -> Judge:
+    """The judge's engine, started from ``judge.path``'s own weights on this rank's GPU on (rank 0
+    calls it, or each replica's first rank of the judge's own GPUs)."""
+    import os
+
+    from hybridflow.rollout import make_engine
+    from hybridflow.runtime import console
+    from hybridflow.runtime.session import plain_engine_env
+
+    source, tokenizer, stop_ids = judge_tokens(cfg)
+    judge, rank = cfg.judge, int(os.environ.get("RANK", "0"))
+    with console.engine_output(cfg.run.output_dir, rank, verbose=cfg.run.verbose), plain_engine_env():
         if judge.engine == "hf":
             from megatron_adapters.parallel import device
 
@@ -345,6 +394,7 @@ def start_judge(cfg) -> Judge:
                 "hf", model_path=str(source.weights), dtype=judge.dtype, seed=cfg.run.seed, device=str(device())
             )
         else:
+            where = {"base_gpu_id": torch.cuda.current_device()} if torch.cuda.is_available() else {}
             engine = make_engine(
                 "sglang",
                 model_path=str(source.weights),
@@ -353,6 +403,6 @@ def start_judge(cfg) -> Judge:
                 max_total_tokens=judge.max_total_tokens,
                 seed=cfg.run.seed,
                 generate_timeout_s=cfg.rollout.generate_timeout_s,
+                **where,
             )
-    tokenizer = AutoTokenizer.from_pretrained(str(source.files))
-    return Judge(engine=engine, tokenizer=tokenizer, stop_ids=stop_token_ids(tokenizer, source.files))
+    return Judge(engine=engine, tokenizer=tokenizer, stop_ids=stop_ids)

@@ -1,5 +1,5 @@
 """What a rank of a frozen model on GPUs of its own does (``reward_model.gpus``,
-``distillation.gpus``): build the model, then answer actor rank 0's requests.
+``distillation.gpus``, ``judge.gpus``): build the model, then answer actor rank 0's requests.
 
 ```
 frozen rank r (rank r of the model's own default group; joint rank A + r of its channel with the
@@ -10,6 +10,9 @@ frozen rank r (rank r of the model's own default group; joint rank A + r of its 
      ("score", whole, {pad_id})   every sample's score [N]: the model's DP ranks score shares of
                                   the whole batch; its rank 0 answers
      ("logprobs", whole, {})      the teacher's log-probs [N, T] of every sample's tokens
+     ("generate", ids, {})        a judge's reply text to each request (token ids): the first
+                                  rank of each replica's judge.tp ranks drives an engine, the
+                                  replicas take consecutive shares, the judge's rank 0 answers
      ("stop", ...)                leave (the run ended; actor rank 0 sends it in every ending
                                   but a failure, after which torchrun stops every process)
 ```
@@ -29,7 +32,7 @@ import torch.distributed as dist
 from hybridflow.config import HybridflowConfig, frozen_layout, frozen_layout_key
 from hybridflow.runtime.channel import Channel
 
-__all__ = ["answer", "serve"]
+__all__ = ["answer", "serve", "share"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,8 @@ def serve(cfg: HybridflowConfig, role: str, channel: Channel) -> None:
     from hybridflow.runtime.frozen import load_frozen
     from megatron_adapters import parallel
 
+    if role == "judge":
+        return _serve_judge(cfg, channel)
     layout = frozen_layout(cfg, role)
     pg = parallel.initialize(layout, seed=cfg.run.seed, prefix=frozen_layout_key(role))
     model = load_frozen(cfg, role, layout, pg)
@@ -67,3 +72,37 @@ def answer(model, kind: str, whole: dict[str, torch.Tensor], *, micro_rows: int,
         logp, _ = model.forward_logprobs(inputs, with_entropy=False)
         return logp[:rows].cpu()
     raise ValueError(f"a frozen model's rank got an unknown request {kind!r}")
+
+
+def _serve_judge(cfg: HybridflowConfig, channel: Channel) -> None:
+    """A judge on GPUs of its own: ``judge.gpus / judge.tp`` replicas, each driven by its first
+    rank (its engine's schedulers take the replica's other GPUs; those ranks only wait)."""
+    from hybridflow.runtime.frozen import start_judge
+
+    tp, rank, size = cfg.judge.tp, dist.get_rank(), dist.get_world_size()
+    replica, replicas = rank // tp, size // tp
+    judge = start_judge(cfg) if rank % tp == 0 else None
+    if judge is not None:
+        logger.info("rank %d: judge replica %d of %d started on GPUs of its own", rank, replica, replicas)
+    try:
+        while True:
+            kind, ids, _ = channel.broadcast(None)
+            if kind == "stop":
+                break
+            if kind != "generate":
+                raise ValueError(f"a judge's rank got an unknown request {kind!r}")
+            mine = share(ids, replica, replicas)
+            texts = judge.submit(cfg, mine).texts() if judge is not None and mine else []
+            parts: list = [None] * size
+            dist.all_gather_object(parts, texts)
+            whole = [text for part in parts[::tp] for text in part]
+            channel.broadcast(whole if rank == 0 else None, src=channel.actors)
+    finally:
+        if judge is not None:
+            judge.engine.shutdown()
+    channel.barrier()
+
+
+def share(items: list, replica: int, replicas: int) -> list:
+    """Replica ``replica``'s consecutive share of ``items`` (sizes differ by at most one)."""
+    return items[replica * len(items) // replicas : (replica + 1) * len(items) // replicas]

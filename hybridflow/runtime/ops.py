@@ -377,14 +377,16 @@ def judge_request(s: Session, node, f: Inputs, step: Step) -> Produced:
 
 
 def _judge_start(s: Session, ro: Rollout):
-    """``judge_request``'s work: rank 0's (rows, pending replies), None on the other ranks."""
+    """``judge_request``'s work: rank 0's (rows, pending replies); on the other ranks None, or
+    with a judge on GPUs of its own (None, its pending replies): every actor rank receives them."""
     shard = s.run.shard
     mine = (ro.rows.tolist(), list(zip(ro.prompts, ro.texts, ro.answers))) if shard.leader else ([], [])
     parts = gather_to_driver(mine, group=shard.group)
-    if parts is None:
+    if s.models.judge is None:  # rank 0's own engine judges; this rank waits for its verdict
         return None
-    rows = [row for part in parts for row in part[0]]
-    return rows, s.models.judge.request(s.cfg, [item for part in parts for item in part[1]])
+    rows = None if parts is None else [row for part in parts for row in part[0]]
+    items = None if parts is None else [item for part in parts for item in part[1]]
+    return rows, s.models.judge.request(s.cfg, items)
 
 
 @op("judge")
@@ -406,9 +408,10 @@ def _judge_collect(s: Session, ro: Rollout, pending) -> tuple[torch.Tensor, int]
 
     cfg = s.cfg.judge
     verdict = None
-    if pending is not None:  # rank 0
-        rows, replies = pending
-        scores = [parse_score(reply, cfg.pattern, cfg.scale) for reply in replies.texts()]
+    rows, replies = pending if pending is not None else (None, None)
+    texts = replies.texts() if replies is not None else None  # a remote judge: on every actor rank
+    if rows is not None:  # rank 0
+        scores = [parse_score(reply, cfg.pattern, cfg.scale) for reply in texts]
         out = torch.full((ro.total,), float(cfg.on_unparsable))
         for row, value in zip(rows, scores):
             if value is not None:

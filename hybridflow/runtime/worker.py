@@ -36,7 +36,7 @@ import yaml
 from hfschema.files import write_atomic
 from hybridflow.algorithms.recipes import algorithm_spec
 from hybridflow.algorithms.shaping import kl_controller
-from hybridflow.config import HybridflowConfig, frozen_gpus, load_config, to_yaml
+from hybridflow.config import HybridflowConfig, job_worlds, load_config, to_yaml
 from hybridflow.data import PromptSampler
 from hybridflow.lowering import lower
 from hybridflow.runtime import checksums, console, determinism, disk_full, frozen_ranks, report, startup_clock, stops
@@ -256,10 +256,8 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         from hybridflow.runtime.frozen import build_reward_model
 
         s.models.reward_model = build_reward_model(s.cfg, s.models.pg, s.data.tokenizer, _remote(s, "reward_model"))
-    if s.cfg.judge.path and s.run.is_driver:
-        from hybridflow.runtime.frozen import start_judge
-
-        s.models.judge = start_judge(s.cfg)
+    if s.cfg.judge.path:
+        s.models.judge = _judge(s)
     if s.cfg.distillation.teacher_path:
         from hybridflow.runtime.frozen import build_teacher
 
@@ -268,6 +266,19 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         from hybridflow.runtime.frozen import build_reference
 
         s.models.reference = build_reference(s.cfg, s.models.pg, load=lambda ref: _reference_weights(s, sft, ref))
+
+
+def _judge(s: Session):
+    """The judge: rank 0's own engine (None on the other ranks), or with ``judge.gpus`` the
+    remote replicas, which every actor rank asks (rank 0 with the requests, in the judge's
+    tokens)."""
+    from hybridflow.runtime.frozen import Judge, judge_tokens, start_judge
+
+    remote = _remote(s, "judge")
+    if remote is None:
+        return start_judge(s.cfg) if s.run.is_driver else None
+    tokenizer = judge_tokens(s.cfg)[1] if s.run.is_driver else None
+    return Judge(engine=None, tokenizer=tokenizer, stop_ids=(), remote=remote)
 
 
 def _remote(s: Session, role: str):
@@ -412,7 +423,7 @@ def _engine_addresses(s: Session) -> list[str | None]:
 def _stop_engines(s: Session, *, in_order: bool) -> None:
     """Drivers shut their engines down first (that stops every node's schedulers), then each
     node reaps its own; after a failure, each rank cleans up what it has at once."""
-    if s.models.judge is not None:  # rank 0's own engine, whatever the placement
+    if s.models.judge is not None and s.models.judge.engine is not None:  # rank 0's own, whatever the placement
         s.models.judge.engine.shutdown()
     if in_order:  # frozen models on GPUs of their own leave (after a failure torchrun stops them)
         for channel in s.run.frozen_channels.values():
@@ -570,15 +581,6 @@ def _resume_point(cfg: HybridflowConfig, out_dir: Path) -> tuple[Path | None, li
     return path, changes
 
 
-def _worlds(cfg: HybridflowConfig) -> dict[str, int]:
-    """The job's worlds, in rank order: the actor's, the separate engines', and each frozen
-    model's on GPUs of its own."""
-    worlds = {"actor": cfg.actor.parallel.world_size}
-    if cfg.rollout.placement == "separate":
-        worlds["engine"] = cfg.rollout.num_ranks
-    return worlds | {role: len(ranks) for role, ranks in frozen_gpus(cfg).items()}
-
-
 def run(cfg: HybridflowConfig, channel: Channel | None = None, *, frozen: dict[str, Channel] | None = None) -> dict:
     """The whole job on this rank (every rank of the actor's layout calls it); ``channel``: the
     joint group with the engine ranks (separate placement), None when colocated; ``frozen``: the
@@ -694,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     determinism.apply(cfg.run.deterministic)  # before anything is built or started
     minutes = cfg.run.collective_timeout_minutes
     joined = None
-    worlds = _worlds(cfg)
+    worlds = job_worlds(cfg)
     if len(worlds) > 1:  # several worlds in one torchrun job, joined (runtime/channel.py)
         if torch.cuda.is_available():  # before the joint NCCL group first talks
             torch.cuda.set_device(parallel.device())

@@ -490,3 +490,40 @@ def test_plan_prints_the_judge_engine(tmp_path):
     assert plan.memory[0].phases["generation"]["judge weights"] > 0
     with pytest.raises(ValueError, match="judge.path=.* a sequence-classification model cannot answer"):
         lower(load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"judge.path={_reward_dir(tmp_path)}"]))
+
+
+@pytest.mark.claim("frozen-model-own-gpus")
+def test_a_judge_on_gpus_of_its_own_is_placed_counted_split_and_refused_where_it_does_not_fit(tmp_path):
+    """``judge.gpus``: ``gpus / tp`` replicas after the actor's ranks (and the separate engines'),
+    a pool with its engine's memory alone (the actor's pool no longer holds it), the processes a
+    launch starts, consecutive shares of each request; a count that is not whole replicas, and a
+    replica across two nodes, are refused in one line."""
+    from hybridflow.preflight import check_separate_nodes, process_count
+    from hybridflow.runtime.frozen_ranks import share
+
+    judge = make_tiny_model_dir(tmp_path / "judge", "qwen3")
+    base = [f"run.output_dir={tmp_path}", f"judge.path={judge}"]
+    cfg = load_config(QUICKSTART, [*base, "judge.gpus=2"])
+    plan = lower(cfg, with_reshard=False)
+    assert [(p.name, p.ranks) for p in plan.placement.pools] == [("colocated", range(2)), ("judge", range(2, 4))]
+    assert process_count(cfg) == 4
+    assert {st.pool for st in plan.stages if st.node.role == "judge"} == {"judge"}
+    text = "\n".join(plan.describe())
+    assert "sglang engine, tp=1, bfloat16 x2 replica(s) (its own GPUs: judge.gpus)" in text
+    assert "judge weights" in plan.memory_of("judge").phases["scoring"]
+    assert "judge weights" not in plan.memory_of("colocated").phases["generation"]
+    separate = load_config(QUICKSTART, [*base, "judge.gpus=2", "judge.tp=2", "rollout.placement=separate"])
+    assert lower(separate, with_reshard=False).placement.ranks_of("judge") == range(4, 6)  # after 2 engine ranks
+    check_separate_nodes(separate, 2)
+    with pytest.raises(ValueError, match=r"^judge.gpus: judge replica 0 \(ranks 4..5\) would span two nodes of 5"):
+        check_separate_nodes(separate, 5)
+    with pytest.raises(ValueError, match=r"^judge.gpus=3 is not a multiple of judge.tp=2: .* set judge.gpus=2$"):
+        load_config(QUICKSTART, [*base, "judge.gpus=3", "judge.tp=2"])
+    rm = [f"reward_model.path={_reward_dir(tmp_path)}"]
+    for own_rm in ([], ["reward_model.gpus=1"]):  # a reward model beside: both start before the log-probs
+        names = [st.node.name for st in lower(load_config(QUICKSTART, [*base, *rm, *own_rm, "judge.gpus=1"])).stages]
+        scoring = "rm_request" if own_rm else "rm_score"
+        assert names[:3] == ["generate", "judge_request", scoring] and names[3] == "old_logprob", names
+    items = list(range(7))
+    shares = [share(items, replica, 3) for replica in range(3)]
+    assert shares == [[0, 1], [2, 3], [4, 5, 6]] and [x for s in shares for x in s] == items
