@@ -21,9 +21,10 @@ def transformers_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def worst_difference(model, dump: Path) -> tuple[float, int]:
-    """(largest |transformers - trainer| log-prob, response tokens scored) over the dumped rows."""
+    """(largest |transformers - trainer| log-prob, response tokens scored) over the dumped rows:
+    of every step under ``dump``, or of one step's folder."""
     worst, scored = 0.0, 0
-    for part in sorted(dump.glob("step_*/rank*.pt")):
+    for part in sorted(dump.rglob("rank*.pt")):
         rows = torch.load(part)
         for b in range(rows["input_ids"].shape[0]):
             real = rows["attention_mask"][b].bool()

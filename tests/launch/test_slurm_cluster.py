@@ -1,13 +1,13 @@
 """``hybridflow slurm --submit`` against a real Slurm: a one-node cluster on this machine.
 
 ``scripts/slurm_single_node.sh start`` brings up munged, slurmctld and slurmd (root, no cgroups;
-Debian's slurm-wlm and munge). The short CPU quickstart is submitted and must end COMPLETED in
-``sacct``; a second submission is requeued (``scontrol requeue``) once its first RL checkpoint
-exists, and must resume from that checkpoint in the same run directory and end with the first
-job's metrics, its launcher having taken the run lock over from the killed one. Skipped only
-where Slurm is not installed (``sbatch`` not on PATH), and there not under
-``HYBRIDFLOW_REQUIRE_SLURM=1`` (``.ci/run`` sets it): then the skip is an error
-(``tests/conftest.py``).
+Debian's slurm-wlm and munge). The short CPU quickstart, as the suite's uninterrupted run
+(``full_run``) is configured, is submitted and requeued (``scontrol requeue``, as a preemption
+would) once its first RL checkpoint exists; it must resume from that checkpoint in the same run
+directory, its launcher taking the run lock over from the killed one, end COMPLETED in
+``sacct``, and end with the uninterrupted run's metrics. Skipped only where Slurm is not installed
+(``sbatch`` not on PATH), and there not under ``HYBRIDFLOW_REQUIRE_SLURM=1`` (``.ci/run`` sets
+it): then the skip is an error (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -26,18 +26,10 @@ import pytest
 
 from hybridflow.faults import final_metrics
 from launch.run_lock import LOCK_FILE, hold_run_directory
+from tests.test_train import FULL_RUN, SHORT
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "quickstart_cpu.yaml")
-SHORT = [
-    "run.steps=4",
-    "sft.steps=4",
-    "run.checkpoint_every=2",
-    "run.keep_checkpoints=3",
-    "run.heldout_prompts=16",
-    "run.prompts_per_step=8",
-    "rollout.n=4",
-]
 JOB_TIMEOUT_S = 900
 
 pytestmark = [
@@ -74,6 +66,7 @@ def _submit(env: dict[str, str], out: Path) -> str:
         "slurm",
         CONFIG,
         *SHORT,
+        *FULL_RUN,
         f"run.output_dir={out}",
         "--nodes",
         "1",
@@ -108,29 +101,8 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-4000:] if log.is_file() else f"({log} missing)"
 
 
-@pytest.fixture(scope="module")
-def completed_run(slurm_env, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("slurm") / "completed"
-    job = _submit(slurm_env, out)
-    log = out / "logs" / f"slurm-{job}.out"
-    state = _wait_until_gone(slurm_env, job, log)
-    assert state == "COMPLETED", f"sacct says {state}; log tail:\n{_tail(log)}"
-    return out
-
-
-@pytest.mark.claim("slurm-requeue-resumes")
-def test_submitted_quickstart_completes(completed_run: Path):
-    script = (completed_run / "hybridflow.sbatch").read_text()
-    assert "#SBATCH --requeue" in script and "--gpus" not in script
-    assert (completed_run / "summary.json").is_file()
-    (log,) = (completed_run / "logs").glob("slurm-*.out")
-    text = log.read_text(errors="replace")
-    assert "hybridflow: job" in text and "requeued 0 times" in text
-    assert "hybridflow train: quickstart_cpu" in text  # the run's summary screen
-
-
 @pytest.mark.claim("slurm-requeue-resumes", "one-run-per-directory")
-def test_requeued_job_resumes_from_its_checkpoint(slurm_env, completed_run: Path, tmp_path: Path):
+def test_a_submitted_quickstart_requeued_mid_run_resumes_and_completes(slurm_env, full_run: Path, tmp_path: Path):
     out = tmp_path / "requeued"
     job = _submit(slurm_env, out)
     log = out / "logs" / f"slurm-{job}.out"
@@ -150,9 +122,13 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_env, completed_run: Path
     state = _wait_until_gone(slurm_env, job, log)
     text = _tail(log) if state != "COMPLETED" else log.read_text(errors="replace")
     assert state == "COMPLETED", f"sacct says {state}; log tail:\n{text}"
-    assert "requeued 1 times" in text
+    script = (out / "hybridflow.sbatch").read_text()
+    assert "#SBATCH --requeue" in script and "--gpus" not in script
+    assert "hybridflow: job" in text and "requeued 1 times" in text
     assert f"hybridflow launch: resuming from {checkpoint}" in text, text[-4000:]
-    assert final_metrics(out) == final_metrics(completed_run)
+    assert "hybridflow train: quickstart_cpu" in text  # the run's summary screen
+    assert (out / "summary.json").is_file()
+    assert final_metrics(out) == final_metrics(full_run)
     # the requeued job's launcher took the lock over from the killed one, and let it go at the end
     assert json.loads((out / LOCK_FILE).read_text())["pid"] != holder["pid"]
     with hold_run_directory(out):
