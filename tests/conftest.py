@@ -5,6 +5,7 @@ guard (``megatron_adapters/device_guard.py``): a tensor a GPU run would leave on
 reaches a collective or the trainer fails the test, although on this CPU it is on the right device.
 """
 
+import gc
 import os
 from pathlib import Path
 
@@ -33,6 +34,14 @@ def pytest_collection_modifyitems(session, config, items):
 
     if {Path(str(item.path)) for item in items} >= set(TESTS.rglob("test_*.py")):
         config.stash[WHOLE_SUITE] = rows_of(items)
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection made (torch, megatron-core, SGLang, every test module): it lives as
+    long as the session, and the in-process tests' collections need not scan it again (as the
+    ranks do after their imports, hfschema/gc_pause.py)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -7,6 +7,7 @@ there instead, so one failing case does not hide the others.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -22,6 +23,9 @@ from megatron_adapters import parallel
 def run_tasks(run: Callable[[dict], object]) -> None:
     """Initialise the default group, ``run(task)`` each task (without its ``out``), tear down."""
     tasks = json.loads(open(sys.argv[1]).read())
+    # the workers' imports live as long as the pool: frozen, no task's collections scan them again
+    # (as a rank of hybridflow train does after its imports, hfschema/gc_pause.py)
+    gc.freeze()
     parallel.init_default_group()
     for task in tasks:
         out = task.pop("out")
