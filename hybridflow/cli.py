@@ -1,6 +1,6 @@
 """The ``hybridflow`` command line.
 
-    hybridflow plan CONFIG [key=value ...] [--world-size N] [--no-reshard] [--mermaid]
+    hybridflow plan CONFIG [key=value ...] [--world-size N] [--no-reshard] [--mermaid | --resolved]
                                            [--device-memory-gib G]
     hybridflow selftest CONFIG [key=value ...] [--steps N]
     hybridflow train CONFIG [key=value ...]
@@ -13,14 +13,15 @@
 
 ``plan`` is a dry run in one process: it loads the config and lowers it
 (``hybridflow.lowering.lower``), which checks everything a run would check before starting a
-process, then prints the resolved YAML followed by, as YAML comments: the model's parameter
-counts, each enabled role's layout, the rollout engines, the algorithm (estimator, loss,
-switches), the dataflow graph, the placement of roles on GPU pools, the stages in order with
-the colocation switches between them, the estimated memory per GPU per phase with its peak
-(against ``--device-memory-gib``, default 80), and the actor -> rollout weight sync planned
-from shapes (bytes, lower bound, gather baseline, simulated time; ``--no-reshard`` skips it).
-``--mermaid`` prints only the graph as a mermaid flowchart. Config errors exit with status 2
-and a one-line message on stderr.
+process, then prints the answer first: whether the run fits, each pool's peak memory per GPU
+(against ``--device-memory-gib``, default 80) and, where it does not fit, the settings that
+would shrink it. Then the model's parameter counts, each enabled role's layout, the rollout
+engines, the algorithm (estimator, loss, switches), the dataflow graph, the placement of roles
+on GPU pools, the stages in order with the colocation switches between them, the memory table
+per pool and phase, and the actor -> rollout weight sync planned from shapes (bytes, lower
+bound, gather baseline, simulated time; ``--no-reshard`` skips it). ``--resolved`` prints only
+the resolved YAML, ``--mermaid`` only the graph as a mermaid flowchart. Exit status: 0 when it
+fits, 3 when it does not, 2 for a config error (a one-line message on stderr).
 
 ``selftest`` validates the config here, then starts one process per rank of the actor's
 layout with torchrun (gloo on CPU, NCCL on GPUs) to train the actor a few steps on a synthetic
@@ -53,6 +54,9 @@ from launch.slurm import SlurmJob
 __all__ = ["main"]
 
 EXIT_CONFIG_ERROR = 2
+EXIT_DOES_NOT_FIT = 3
+"""``plan``: the config is valid but a pool's peak memory exceeds its GPU (a script can tell it
+from a config error)."""
 
 
 def _field_defaults(cls: type, names: Sequence[str]) -> dict[str, object]:
@@ -68,7 +72,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description="RL post-training for MoE LLMs on megatron-core.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    plan = commands.add_parser("plan", help="validate a config and print its resolved form, model size and layouts")
+    plan = commands.add_parser(
+        "plan", help="validate a config and say whether it fits: peak memory per GPU, layouts, stages, weight sync"
+    )
     plan.add_argument("config", metavar="CONFIG", help="YAML config file, e.g. configs/quickstart_cpu.yaml")
     plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides, e.g. train.lr=3e-4")
     plan.add_argument(
@@ -87,6 +93,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--mermaid",
         action="store_true",
         help="print only the dataflow graph, as a mermaid flowchart",
+    )
+    plan.add_argument(
+        "--resolved",
+        action="store_true",
+        help="print only the resolved config as YAML (loadable: `plan CONFIG --resolved > run.yaml`)",
     )
     plan.add_argument(
         "--device-memory-gib",
@@ -260,7 +271,7 @@ def _weights_line(model) -> str:
             else "weights: random initialisation: no model.path is set (refused on GPUs and Slurm)"
         )
     if not os.path.exists(os.path.expanduser(model.path)):
-        return f"weights: model.path={model.path} does not exist here: the shape above is the config's model.* keys"
+        return f"weights: model.path={model.path} does not exist here: the shape is the config's model.* keys"
     return (
         f"weights: {model.path} ({'random init, its architecture' if model.init == 'random' else 'pretrained'}); "
         "shape from its config.json"
@@ -289,16 +300,18 @@ def _plan(args: argparse.Namespace) -> int:
         cfg.actor.parallel.check_world_size(args.world_size, prefix="actor.parallel")
     if args.device_memory_gib <= 0:
         raise ValueError(f"--device-memory-gib={args.device_memory_gib:g} must be > 0")
-    with_reshard = not (args.no_reshard or args.mermaid)
+    with_reshard = not (args.no_reshard or args.mermaid or args.resolved)
     plan = lower(cfg, with_reshard=with_reshard, device_memory_gib=args.device_memory_gib)
     check_reward(cfg.reward)  # a misspelled reward would otherwise fail only after the SFT warm-up
     if args.mermaid:
         print(plan.graph.to_mermaid())
-        return 0
-    print(to_yaml(cfg), end="")
-    # the summary is printed as YAML comments so the whole output stays loadable
-    print("\n".join(f"# {line}" for line in _plan_summary(cfg, plan)))
-    return 0
+    elif args.resolved:
+        print(to_yaml(cfg), end="")
+    else:
+        # the answer first; the details after it; the resolved YAML only when asked for
+        print("\n".join([*plan.verdict(), "", *_plan_summary(cfg, plan)]))
+        print(f"(the resolved config: hybridflow plan {args.config} ... --resolved)")
+    return 0 if plan.fits else EXIT_DOES_NOT_FIT
 
 
 def _selftest(args: argparse.Namespace) -> int:

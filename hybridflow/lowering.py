@@ -72,7 +72,7 @@ from hybridflow.config import (
     frozen_paths,
 )
 from hybridflow.graph import DRIVER, Graph, Node
-from hybridflow.memory import MemoryEstimate, engine_keeps_weights, pool_memory
+from hybridflow.memory import GIB, MemoryEstimate, engine_keeps_weights, pool_memory
 from hybridflow.model_size import count_parameters
 
 if TYPE_CHECKING:
@@ -640,6 +640,27 @@ class ExecutionPlan:
     def fits(self) -> bool:
         """Whether every pool's peak fits its device."""
         return all(m.fits for m in self.memory)
+
+    def verdict(self) -> list[str]:
+        """The answer first: whether the run fits, then each pool's peak per GPU and, where it
+        does not fit, the settings that would shrink it."""
+        pools = self.placement.pools
+        nodes = sum(pool.num_nodes for pool in pools)
+        device = max(m.device_bytes for m in self.memory) / GIB
+        gpus = self.placement.num_gpus
+        where = f"{gpus} GPU{'s' * (gpus > 1)} on {nodes} node{'s' * (nodes > 1)} of {device:g} GiB"
+        lines = [f"{'fits' if self.fits else 'DOES NOT FIT'}: {where} ({self.placement.mode})"]
+        for estimate in self.memory:
+            others = ", ".join(
+                f"{phase} {total / GIB:.2f}" for phase, total in estimate.totals.items() if phase != estimate.peak_phase
+            )
+            lines.append(
+                f"  pool {estimate.pool}: peak {estimate.peak_bytes / GIB:.2f} GiB per GPU in "
+                f"{estimate.peak_phase}{f' ({others})' if others else ''}"
+            )
+            if not estimate.fits:
+                lines.append(f"    {estimate.warning().removeprefix(f'WARNING pool {estimate.pool}: ')}")
+        return lines
 
     def describe(self) -> list[str]:
         """Graph, placement, stages with switches, memory per pool and phase, weight sync."""

@@ -382,6 +382,8 @@ class MemoryEstimate:
     """Memory of one device."""
     notes: tuple[str, ...] = field(default=())
     """Which pipeline stage each role is accounted at, and other assumptions."""
+    advice: Mapping[str, str | None] = field(default_factory=dict)
+    """Component -> the setting that shrinks it, given what the config already sets (None: none)."""
 
     @cached_property
     def totals(self) -> dict[str, int]:
@@ -409,7 +411,7 @@ class MemoryEstimate:
             return None
         parts = self.phases[self.peak_phase]
         ranked = sorted(parts, key=parts.__getitem__, reverse=True)
-        knobs = [k for k in dict.fromkeys(_knob(name) for name in ranked if parts[name]) if k]
+        knobs = [k for k in dict.fromkeys(self.advice.get(name) for name in ranked if parts[name]) if k]
         return (
             f"WARNING pool {self.pool}: the {self.peak_phase} peak "
             f"{self.peak_bytes / GIB:.1f} GiB exceeds the device's "
@@ -440,8 +442,9 @@ def _gib_cell(n: int | None) -> str:
     return f"{'-':>12}" if n is None else f"{n / GIB:>12.2f}"
 
 
-def _knob(component: str) -> str | None:
-    """The config knob that shrinks ``component`` (None: a fixed margin)."""
+def _knob(cfg: HybridflowConfig, component: str) -> str | None:
+    """The setting that shrinks ``component`` (None: a fixed margin), never one ``cfg`` already
+    sets: advice to turn on what is on sends a user in circles."""
     role, _, kind = component.partition(" ")
     if role == "judge":
         return {"weights": "raise judge.tp (or judge a smaller model)", "KV cache": "lower judge.max_total_tokens"}.get(
@@ -455,10 +458,21 @@ def _knob(component: str) -> str | None:
             "KV cache": "lower rollout.max_total_tokens",
         }.get(kind)
     if kind in ("activations", "logits"):
-        return f"lower train.micro_batch_size (or raise {role}.parallel.tp / cp, or shorten data.max_response_length)"
+        smaller = "lower train.micro_batch_size, or " if cfg.train.micro_batch_size > 1 else ""
+        return f"{smaller}raise {role}.parallel.tp / cp, or shorten data.max_response_length"
     if kind == "optimizer":
-        return f"raise {role}.parallel.dp / ep, or set train.use_distributed_optimizer=true"
+        return _optimizer_knob(cfg, role)
     return f"raise {role}.parallel.tp / pp / ep"
+
+
+def _optimizer_knob(cfg: HybridflowConfig, role: str) -> str:
+    if not cfg.train.use_distributed_optimizer:
+        return f"set train.use_distributed_optimizer=true (shards the state over {role}.parallel.dp)"
+    layout = getattr(cfg, role).parallel
+    return (
+        f"add GPUs (raise {role}.parallel.dp): the distributed optimizer already shards the dense state "
+        f"over dp*cp={layout.dp * layout.cp} and the experts' over expert_dp={layout.expert_dp}"
+    )
 
 
 def pool_memory(
@@ -512,7 +526,10 @@ def pool_memory(
         phases[phase] = {**components, **{k: v for k, v in kept.items() if k == "engine weights"}}
     if not phases:
         raise ValueError(f"pool {pool} holds no role with GPU memory (roles: {list(roles)})")
-    return MemoryEstimate(pool=pool, phases=phases, device_bytes=int(device_memory_gib * GIB), notes=tuple(notes))
+    advice = {name: _knob(cfg, name) for parts in phases.values() for name in parts}
+    return MemoryEstimate(
+        pool=pool, phases=phases, device_bytes=int(device_memory_gib * GIB), notes=tuple(notes), advice=advice
+    )
 
 
 def checkpoint_bytes(cfg: HybridflowConfig) -> int:

@@ -52,7 +52,7 @@ def test_optional_section_and_role_interpolation():
     assert enabled_roles(cfg) == {"actor": cfg.actor.parallel, "reference": cfg.actor.parallel}
 
 
-@pytest.mark.parametrize("name", ["quickstart_cpu", "qwen3_moe_235b", "deepseek_v3_671b"])
+@pytest.mark.parametrize("name", ["quickstart_cpu", "grpo_qwen3_235b", "grpo_deepseek_v3_671b"])
 def test_to_yaml_round_trips(name, tmp_path):
     cfg = load_config(str(CONFIGS / f"{name}.yaml"))
     resolved = tmp_path / "resolved.yaml"
@@ -63,7 +63,7 @@ def test_to_yaml_round_trips(name, tmp_path):
 
 @pytest.mark.parametrize(
     "name, total, active",
-    [("qwen3_moe_235b", 235e9, 22e9), ("deepseek_v3_671b", 671e9, 37e9)],
+    [("grpo_qwen3_235b", 235e9, 22e9), ("grpo_deepseek_v3_671b", 671e9, 37e9)],
 )
 def test_big_configs_match_published_sizes(name, total, active):
     counts = count_parameters(load_config(str(CONFIGS / f"{name}.yaml")).model)
@@ -275,8 +275,8 @@ def test_model_properties():
     "name, tp, num_replicas",
     [
         ("quickstart_cpu", 2, 1),
-        ("qwen3_moe_235b", 8, 8),
-        ("deepseek_v3_671b", 8, 8),
+        ("grpo_qwen3_235b", 16, 8),
+        ("grpo_deepseek_v3_671b", 32, 8),
     ],
 )
 def test_rollout_sections_fit_the_actor(name, tp, num_replicas):

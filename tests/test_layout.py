@@ -62,8 +62,8 @@ def test_defaults_are_a_single_rank():
     "axes, world_size, expert_dp",
     [
         (dict(tp=2, dp=2, ep=2), 4, 2),
-        (dict(tp=4, pp=2, ep=8, dp=8), 64, 4),  # qwen3_moe_235b
-        (dict(tp=8, ep=64, dp=8), 64, 1),  # deepseek_v3_671b
+        (dict(tp=4, pp=2, ep=8, dp=8), 64, 4),  # a 235B MoE layout on 64 GPUs
+        (dict(tp=8, ep=64, dp=8), 64, 1),  # a 671B MoE layout on 64 GPUs
         (dict(tp=2, cp=2, dp=2, ep=4, etp=2), 8, 1),
         (dict(tp=2, pp=2, vpp=2, dp=2, ep=2), 8, 2),
     ],

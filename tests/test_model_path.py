@@ -126,7 +126,7 @@ def test_a_cluster_run_without_weights_must_say_init_random():
 
 def test_a_random_model_of_a_family_the_run_cannot_write_is_refused_before_any_rank():
     cfg = load_config(
-        Path(QUICKSTART).with_name("deepseek_v3_671b.yaml").as_posix(), ["model.path=null", "model.init=random"]
+        Path(QUICKSTART).with_name("grpo_deepseek_v3_671b.yaml").as_posix(), ["model.path=null", "model.init=random"]
     )
     with pytest.raises(
         ValueError,
@@ -200,10 +200,12 @@ def test_plan_reads_config_json_when_the_path_exists_and_says_so(hub_dir, tmp_pa
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model:\n  path: {hub_dir}\n")
     assert main(["plan", str(recipe), "--no-reshard"]) == 0
+    assert f"\nweights: {hub_dir} (pretrained); shape from its config.json\n" in capsys.readouterr().out
+    assert main(["plan", str(recipe), "--resolved"]) == 0
     out = capsys.readouterr().out
-    assert f"# weights: {hub_dir} (pretrained); shape from its config.json" in out
     assert "  num_layers: 4\n" in out and "  family: qwen3_moe\n" in out
     recipe.write_text(f"model:\n  path: {tmp_path / 'not_downloaded'}\n  num_layers: 6\n")
     assert main(["plan", str(recipe), "--no-reshard"]) == 0
-    out = capsys.readouterr().out
-    assert "does not exist here: the shape above is the config's model.* keys" in out and "  num_layers: 6\n" in out
+    assert "does not exist here: the shape is the config's model.* keys" in capsys.readouterr().out
+    assert main(["plan", str(recipe), "--resolved"]) == 0
+    assert "  num_layers: 6\n" in capsys.readouterr().out

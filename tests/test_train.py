@@ -174,8 +174,8 @@ def test_the_run_executes_the_plan_that_hybridflow_plan_prints(full_run: Path) -
     )
     assert plan.returncode == 0, plan.stderr[-2000:]
     lines = plan.stdout.splitlines()
-    start = lines.index("# stages:") + 1
-    printed = [line.removeprefix("#   ") for line in lines[start:] if line.startswith("#   ")]
+    start = lines.index("stages:") + 1
+    printed = [line.removeprefix("  ") for line in lines[start:] if line.startswith("  ")]
     printed = printed[: len(summary["executed_stages"])]
     # the first RL step as the ranks ran it: every stage, in order, with the switch executed before it
     assert summary["executed_stages"] == printed

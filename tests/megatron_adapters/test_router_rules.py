@@ -300,6 +300,6 @@ def test_yaml_model_section_is_refused_by_the_same_rules():
         match=r"model\.moe_top_k=4, model\.router_group_topk=4, "
         r"model\.router_num_groups=8 \(config\.json",
     ):
-        load_config("configs/deepseek_v3_671b.yaml", ["model.moe_top_k=4"])
+        load_config("configs/grpo_deepseek_v3_671b.yaml", ["model.moe_top_k=4"])
     with pytest.raises(ValueError, match=r"model\.norm_topk_prob=false, model\.moe_top_k=8 "):
-        load_config("configs/deepseek_v3_671b.yaml", ["model.norm_topk_prob=false"])
+        load_config("configs/grpo_deepseek_v3_671b.yaml", ["model.norm_topk_prob=false"])
