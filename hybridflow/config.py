@@ -196,10 +196,14 @@ class ChecksConfig:
     refit_tolerance: float = 1e-6
     """The verifier's largest allowed relative difference of a parameter's sum or sum of
     squares (the engine holds the shared tensors bit for bit, so any difference is a fault)."""
+    no_signal_steps: int = 3
+    """Warn when this many RL steps in a row carried no learning signal (every prompt group's
+    rewards equal, so every group-normalised advantage is 0), naming the reward function, why
+    and an example response; 0 = never. A warning, whatever ``on_fail`` says."""
 
     def __post_init__(self) -> None:
         check_choice("on_fail", self.on_fail, ("warn", "stop"))
-        check_non_negative(self, ("refit_every",))
+        check_non_negative(self, ("refit_every", "no_signal_steps"))
         check_positive(self, ("refit_tolerance",))
         check_positive(self, ("first_step_ppo_kl",))
         if self.token_mult_prob_error <= 1.0:

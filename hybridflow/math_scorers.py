@@ -27,6 +27,7 @@ import threading
 from typing import Any
 
 __all__ = [
+    "ANSWER_FINDERS",
     "DAPO_SOURCES",
     "GSM8K_SOURCES",
     "MATH_SOURCES",
@@ -55,6 +56,12 @@ def is_verl_math_source(data_source: str | None) -> bool:
 
 _GSM8K_TAIL_CHARS = 300  # verl reads the end of the response only (its regex is slow on long text)
 _GSM8K_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
+
+
+def gsm8k_answer_found(response: str) -> bool:
+    """Whether ``gsm8k_strict`` finds a ``#### <number>`` to compare (False: the model did not write
+    one where verl reads, which no correct number can make up for)."""
+    return bool(_GSM8K_ANSWER.search(response[-_GSM8K_TAIL_CHARS:]))
 
 
 def gsm8k_strict(response: str, answer: Any, **kwargs: Any) -> float:
@@ -274,6 +281,11 @@ def minerva_normalise(answer: str) -> str:
     return answer.strip()
 
 
+def dapo_answer_found(response: str) -> bool:
+    """Whether ``dapo_math`` finds an "Answer:" line in the response's last 300 characters."""
+    return bool(_DAPO_ANSWER.search(response[-_DAPO_TAIL_CHARS:]))
+
+
 def dapo_math(response: str, answer: Any, **kwargs: Any) -> float:
     """DAPO-Math's check: 1.0 when the text after the last "Answer:" in the response's last 300
     characters equals the ground truth under ``minerva_normalise``, else -1.0."""
@@ -296,3 +308,12 @@ def math_verify_score(response: str, answer: Any, **kwargs: Any) -> float:
 def _as_latex(answer: str) -> str:
     """A bare ground truth (``72``, ``\\frac{1}{2}``) in the ``$...$`` math-verify's parser expects."""
     return answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+
+
+ANSWER_FINDERS = {
+    gsm8k_strict: gsm8k_answer_found,
+    math_boxed: lambda response: last_boxed(response) is not None,
+    dapo_math: dapo_answer_found,
+}
+"""Scorer -> whether a response holds an answer in the format that scorer reads: a zero reward
+then says "no answer in the format" rather than "a wrong answer" (``rewards.score_rows``)."""

@@ -9,7 +9,7 @@ row data_source  ──┴─ function_name ───►   a registered reward, 
 fn(response, answer, **reward.kwargs) -> float   ── raises / NaN / not a number:
                           │                          reward.on_error=zero -> 0.0, logged once
                           ▼                          reward.on_error=fail -> RewardError
-score_responses -> (scores, errors)
+score_rows -> Scored(scores, errors, no_answer)     score_responses -> (scores, errors)
 ```
 
 Built-ins register by name: ``exact_match``, ``math``, ``arithmetic``, ``countdown``, and the math
@@ -19,7 +19,9 @@ register under the data_source names verl gives them (``openai/gsm8k``, ``lighte
 scores such rows as verl does (``reward.math_equivalence=math_verify``: by math-verify instead).
 A function may also take the row's ``data_source`` and ``extra_info`` (by those parameter names),
 and verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` is called as
-verl calls it (a dict result gives its ``score``).
+verl calls it (a dict result gives its ``score``, and ``"reason": "no_answer"`` when the response
+holds no answer in the format it reads). Each built-in knows its format (``finds_answer``), so a
+run can tell a model that never writes an answer the scorer reads from one that answers wrongly.
 An explicitly written ``reward.function`` wins because a user who names a function expects it
 to score their data; ``auto`` keeps the synthetic tasks (whose rows carry their verifier's name
 as ``data_source``) and mixed data sets scored by their own verifiers. ``check_reward`` and
@@ -41,11 +43,13 @@ import numbers
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from hybridflow.config import RewardConfig
 from hybridflow.math_scorers import (
+    ANSWER_FINDERS,
     DAPO_SOURCES,
     GSM8K_SOURCES,
     MATH_SOURCES,
@@ -68,6 +72,7 @@ __all__ = [
     "register_reward",
     "reward_names",
     "score_responses",
+    "score_rows",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +81,10 @@ RewardFn = Callable[..., float]
 """``fn(response: str, answer: Any, **kwargs) -> float``."""
 
 _REWARDS: dict[str, RewardFn] = {}
+_ANSWER_FINDERS: dict[RewardFn, Callable[[str], bool]] = {}  # scorer -> does the response hold its format
+NO_ANSWER = "no_answer"
+"""The ``reason`` a scorer returns (``{"score": 0.0, "reason": "no_answer"}``) when the response
+holds no answer in the format it reads: the run tells that apart from a wrong answer."""
 _SHOWN_CHARS = 120  # response text shown in an error message
 AUTO = "auto"
 """``reward.function`` that routes each row by its ``data_source`` (see ``function_name``)."""
@@ -91,13 +100,16 @@ class RewardError(RuntimeError):
 # --------------------------------------------------------------------------- registry
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering ``fn(response, answer, **kwargs) -> float`` under ``name``."""
+def register_reward(name: str, *, finds_answer: Callable[[str], bool] | None = None) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering ``fn(response, answer, **kwargs) -> float`` under ``name``;
+    ``finds_answer(response)``: whether the response holds an answer in the format ``fn`` reads."""
 
     def register(fn: RewardFn) -> RewardFn:
         if name in _REWARDS and _REWARDS[name] is not fn:
             raise ValueError(f"reward function {name!r} is already registered ({_REWARDS[name]!r})")
         _REWARDS[name] = fn
+        if finds_answer is not None:
+            _ANSWER_FINDERS[fn] = finds_answer
         return fn
 
     return register
@@ -280,7 +292,7 @@ def exact_match(response: str, answer: Any, **kwargs: Any) -> float:
     return float(response.strip() == str(answer).strip())
 
 
-@register_reward("math")
+@register_reward("math", finds_answer=lambda response: extract_final_answer(response) is not None)
 def math_reward(response: str, answer: Any, **kwargs: Any) -> float:
     """1.0 when the response's final answer (see ``extract_final_answer``) matches ``answer``:
     numerically when both read as numbers (fractions and decimals are exact), else as text
@@ -294,9 +306,13 @@ def math_reward(response: str, answer: Any, **kwargs: Any) -> float:
     return float(_normalise(final) == _normalise(str(answer)))
 
 
-@register_reward("multiply")
-@register_reward("max")
-@register_reward("arithmetic")
+def _has_integer(response: str) -> bool:
+    return re.search(r"-?\d+", response) is not None
+
+
+@register_reward("multiply", finds_answer=_has_integer)
+@register_reward("max", finds_answer=_has_integer)
+@register_reward("arithmetic", finds_answer=_has_integer)
 def arithmetic(response: str, answer: Any, **kwargs: Any) -> float:
     """1.0 when the first integer in the response equals the integer ``answer``.
 
@@ -320,6 +336,7 @@ for _source in GSM8K_SOURCES:
     register_reward(_source)(gsm8k_strict)
 for _source in MATH_SOURCES:
     register_reward(_source)(math_boxed)
+_ANSWER_FINDERS.update(ANSWER_FINDERS)
 
 
 # --------------------------------------------------------------------------- countdown
@@ -388,7 +405,7 @@ def _countdown_answer(answer: Any) -> tuple[int, Counter[int]]:
     return answer["target"], Counter(answer["numbers"])
 
 
-@register_reward("countdown")
+@register_reward("countdown", finds_answer=lambda response: _equation_text(response) is not None)
 def countdown(response: str, answer: Any, *, format_score: float = 0.1, **kwargs: Any) -> float:
     """1.0 when the response's equation uses each of ``answer["numbers"]`` at most once, only
     + - * / and parentheses, and equals ``answer["target"]``; ``format_score`` when it parses but
@@ -422,15 +439,17 @@ def _log_new_routes(data_sources: Sequence[str | None], names: Sequence[str]) ->
         logger.info("reward: rows with data_source %r are scored by %s", *route)
 
 
-def _check_score(value: Any) -> float:
+def _check_score(value: Any) -> tuple[float, str | None]:
+    """(the score, the reason the scorer gave for it, if any)."""
+    reason = None
     if isinstance(value, Mapping) and "score" in value:  # verl's scorers may return {"score": ..., ...}
-        value = value["score"]
+        value, reason = value["score"], value.get("reason")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"returned a {type(value).__name__} ({value!r:.40}), not a number")
     score = float(value)
     if not _math.isfinite(score):
         raise ValueError(f"returned a non-finite score {score}")
-    return score
+    return score, None if reason is None else str(reason)
 
 
 def _describe(index: int, name: str, response: str, answer: Any, error: Exception) -> str:
@@ -458,6 +477,19 @@ class _ErrorLog:
         self.messages.append(message)
 
 
+@dataclass(frozen=True)
+class Scored:
+    """What scoring a batch found, row by row."""
+
+    scores: list[float]
+    errors: list[str]
+    """One message per reward call that raised (its row scored 0.0)."""
+    no_answer: list[bool]
+    """The row's response holds no answer in the format its scorer reads (the scorer said
+    ``reason: no_answer``, or its registered answer finder found none): a zero that no better
+    answer would have changed, which a warm-up on the format fixes."""
+
+
 def score_responses(
     responses: Sequence[str],
     answers: Sequence[Any],
@@ -465,7 +497,19 @@ def score_responses(
     cfg: RewardConfig,
     extra_infos: Sequence[Any] | None = None,
 ) -> tuple[list[float], list[str]]:
-    """Score each response against its answer; return the scores and one message per failure.
+    """The scores and error messages of ``score_rows``."""
+    scored = score_rows(responses, answers, data_sources, cfg, extra_infos)
+    return scored.scores, scored.errors
+
+
+def score_rows(
+    responses: Sequence[str],
+    answers: Sequence[Any],
+    data_sources: Sequence[str | None],
+    cfg: RewardConfig,
+    extra_infos: Sequence[Any] | None = None,
+) -> Scored:
+    """Score each response against its answer.
 
     The function is ``function_name(row's data_source, cfg)``: ``cfg.function``, or under
     ``auto`` the row's registered data_source (the synthetic tasks write theirs), else
@@ -483,13 +527,16 @@ def score_responses(
     functions = {name: get_reward(name) for name in names}
     _log_new_routes(data_sources, names)
     extra_infos = [None] * len(responses) if extra_infos is None else extra_infos
-    errors, scores = _ErrorLog(cfg), []
+    errors, scores, no_answer = _ErrorLog(cfg), [], []
     for index, (response, answer, name) in enumerate(zip(responses, answers, names)):
-        fn = functions[name]
+        fn, reason = functions[name], None
         try:
             args, kwargs = _arguments(fn, response, answer, data_sources[index], extra_infos[index], cfg.kwargs)
-            scores.append(_check_score(fn(*args, **kwargs)))
+            score, reason = _check_score(fn(*args, **kwargs))
         except Exception as error:  # any failure of user code is reported per sample
             errors.add(index, name, response, answer, error)
-            scores.append(0.0)
-    return scores, errors.messages
+            score = 0.0
+        scores.append(score)
+        finder = _ANSWER_FINDERS.get(fn)
+        no_answer.append(reason == NO_ANSWER or (reason is None and finder is not None and not finder(response)))
+    return Scored(scores, errors.messages, no_answer)

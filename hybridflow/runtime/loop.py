@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
 from hybridflow.runtime import gates, startup_clock, stops, switches
+from hybridflow.runtime.learning_signal import GROUPS_EQUAL, no_signal_warning
 from hybridflow.runtime.ops import OPS, NonFiniteStep, heldout_reward, heldout_teacher_kl
 from hybridflow.runtime.progress import write_progress
 from hybridflow.runtime.recovery import METRIC as RESTARTS
@@ -91,6 +92,9 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
         measured[RESTARTS] = float(restarts.used - restarted)
     metrics = _step_metrics(f, measured, times)
     metrics["reward/errors"] = float(errors)
+    warning = no_signal_warning(s.cfg, s.run.state.history, metrics, f["responses"])
+    if warning and s.run.is_driver:
+        logger.warning("%s", warning)
     if s.pipeline is not None:  # how much generation overlapped training (asks the engine ranks)
         trained = f["kept"][0] if "kept" in f else f["responses"]
         metrics.update(s.pipeline.end_step(float(trained.lengths.sum())))
@@ -123,11 +127,26 @@ def _skip(s: Session, error: NonFiniteStep, undo: StepUndo) -> dict[str, float]:
     return {"actor/skipped_step": 1.0, "actor/rolled_back": float(undone)}
 
 
+def _step_line(metrics: dict[str, float]) -> dict[str, str]:
+    """What the progress bar shows of a step: its reward and the share of groups that carried a
+    learning signal (a run whose groups all score alike learns nothing, however long it runs)."""
+    line = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}"}
+    if GROUPS_EQUAL in metrics:
+        line["signal"] = f"{1.0 - metrics[GROUPS_EQUAL]:.0%}"
+    return line
+
+
 def heldout(s: Session, step: int) -> float | None:
     """The held-out score with the engines' current weights (None: no held-out prompts); its
     reward errors join the run's count. With a distillation teacher, the held-out KL to it is
     recorded too (``state.heldout_teacher_kl``, ``heldout/teacher_kl``)."""
+    count = len(s.data.heldout_prompts)
+    if count and s.run.is_driver:  # greedy generation of every held-out prompt: minutes at scale
+        logger.info("held-out: scoring %d prompts (greedy) at step %d ...", count, step)
+    started = time.perf_counter()
     reward, errors = heldout_reward(s)
+    if reward is not None and s.run.is_driver:
+        logger.info("held-out: reward %.3f over %d prompts in %.0f s", reward, count, time.perf_counter() - started)
     s.run.state.reward_errors += errors
     kl = heldout_teacher_kl(s)
     if kl is not None:
@@ -173,7 +192,7 @@ def train_rl(s: Session, plan, *, save) -> bool:
         state.step = done
         state.history.append({"step": done, **metrics})
         run.tracker.log_metrics(metrics, step=done)
-        bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+        bar.set_postfix(_step_line(metrics))
         if run.is_driver:
             write_progress(run.out_dir, phase="rl", done=done, total=cfg.run.steps)
             if done == started + 1:  # this start's first RL step (benchmarks/startup.py)

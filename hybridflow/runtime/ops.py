@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,11 +31,12 @@ from hybridflow.algorithms.estimators import get_estimator, scores_to_token_rewa
 from hybridflow.algorithms.losses import agg_parts, get_policy_loss, kl_penalty, masked_mean, value_loss_terms
 from hybridflow.algorithms.shaping import filter_groups, kl_in_reward, overlong_penalty, pf_ppo_resample
 from hybridflow.config import HybridflowConfig, reward_weights
-from hybridflow.rewards import score_responses
+from hybridflow.rewards import score_rows
 from hybridflow.rollout.base import FINISH_LENGTH, Prompt, RolloutSample, SamplingParams
 from hybridflow.rollout.tokens import pack_batch
 from hybridflow.runtime import frozen, replicas, switches
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
+from hybridflow.runtime.learning_signal import signal_metrics
 from hybridflow.runtime.session import Session, broadcast, gather_to_driver
 from hybridflow.runtime.step import Inputs, Produced, Step
 
@@ -260,15 +261,27 @@ def _empty_batch(pad_id: int, metas) -> dict[str, torch.Tensor]:
     return {k: v[:0] for k, v in pack_batch([dummy], pad_id=pad_id).items()}
 
 
-def score(s: Session, ro: Rollout, scorers: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
-    """[N] rewards of every sample, on every rank, and the reward calls that raised (scored 0)
-    over every rank: each DP rank's leader scores its own rows (in parallel; errors logged
-    there), and only the scores are shared. ``scorers``: the step's reward, the mix of the rule
-    and a reward model's / judge's scores [N] by name (model, judge), weighted as
-    ``config.reward_weights`` says by data_source (the rule is not called for rows whose rule
-    weight is 0); None: the verifier's score alone (held-out evaluation)."""
+class Scores(NamedTuple):
+    """A batch's rewards, on every rank."""
+
+    scores: torch.Tensor
+    """[N] float: every sample's reward."""
+    errors: int
+    """Reward calls that raised (their samples scored 0), over every rank."""
+    no_answer: torch.Tensor
+    """[N] bool: the rule's scorer found no answer in the format it reads
+    (``rewards.Scored.no_answer``; False for rows the rule does not score)."""
+
+
+def score(s: Session, ro: Rollout, scorers: dict[str, torch.Tensor] | None = None) -> Scores:
+    """Rewards of every sample, on every rank: each DP rank's leader scores its own rows (in
+    parallel; errors logged there), and only the numbers are shared. ``scorers``: the step's
+    reward, the mix of the rule and a reward model's / judge's scores [N] by name (model, judge),
+    weighted as ``config.reward_weights`` says by data_source (the rule is not called for rows
+    whose rule weight is 0); None: the verifier's score alone (held-out evaluation)."""
     shard = s.run.shard
     local = torch.zeros(len(ro.texts), dtype=torch.float32)
+    no_answer = torch.zeros(len(ro.texts), dtype=torch.float32)
     errors = 0
     if shard.leader and ro.texts:
         if scorers is None:
@@ -279,14 +292,17 @@ def score(s: Session, ro: Rollout, scorers: dict[str, torch.Tensor] | None = Non
         rule = torch.zeros(len(ro.texts), dtype=torch.float32)
         if ruled:
             pick = lambda xs: [xs[i] for i in ruled]  # noqa: E731
-            scores, failures = score_responses(
-                pick(ro.texts), pick(ro.answers), pick(ro.sources), s.cfg.reward, pick(ro.extra_infos)
-            )
-            rule[ruled], errors = torch.tensor(scores, dtype=torch.float32), len(failures)
+            scored = score_rows(pick(ro.texts), pick(ro.answers), pick(ro.sources), s.cfg.reward, pick(ro.extra_infos))
+            rule[ruled], errors = torch.tensor(scored.scores, dtype=torch.float32), len(scored.errors)
+            no_answer[ruled] = torch.tensor(scored.no_answer, dtype=torch.float32)
         local = torch.tensor([w["rule"] for w in weights]) * rule
         for name, values in scorers.items():
             local += torch.tensor([w[name] for w in weights]) * values[ro.rows].float()
-    return shard.gather(ro.rows, local, ro.total), int(shard.sum(torch.tensor([errors]))[0])
+    return Scores(
+        shard.gather(ro.rows, local, ro.total),
+        int(shard.sum(torch.tensor([errors]))[0]),
+        shard.gather(ro.rows, no_answer, ro.total) > 0,
+    )
 
 
 @op("generate")
@@ -363,8 +379,10 @@ def reward(s: Session, node, f: Inputs, step: Step) -> Produced:
         )
         if field is not None
     }
-    scores, errors = score(s, f[source], scorers)
-    return Produced({target: scores}, reward_errors=errors)
+    scored = score(s, f[source], scorers)
+    # the step's own responses (ReMax also scores its greedy baselines: no signal of their own)
+    metrics = signal_metrics(scored.scores, f[source].groups, scored.no_answer) if target == "scores" else {}
+    return Produced({target: scored.scores}, metrics, reward_errors=scored.errors)
 
 
 @op("judge_request")
@@ -523,7 +541,7 @@ def _extra_round_scores(s: Session, ro: Rollout) -> tuple[torch.Tensor, int, dic
     if s.cfg.judge.path:
         scorers["judge"], unparsable = _judge_collect(s, ro, pending)
         metrics["dapo/judge_unparsable"] = float(unparsable)
-    scores, failed = score(s, ro, scorers)
+    scores, failed, _ = score(s, ro, scorers)
     return scores, failed, metrics
 
 
@@ -978,7 +996,7 @@ def heldout_reward(s: Session) -> tuple[float | None, int]:
         return None, 0
     switches.enter(s, "generate")
     ro, _ = rollout(s, s.data.heldout_prompts, sampling(s.cfg, s.data.stop_ids, greedy=True), 0)
-    scores, errors = score(s, ro)
+    scores, errors, _ = score(s, ro)
     return float(scores.mean()), errors
 
 

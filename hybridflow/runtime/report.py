@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hybridflow.runtime.learning_signal import GROUPS_EQUAL, NO_ANSWER, without_signal
 from hybridflow.runtime.state import RunState, write_json_atomic
 
 __all__ = ["format_summary", "plot_rewards", "summarise", "summarise_async", "write_summary"]
@@ -44,6 +45,7 @@ def summarise(
         "data_rows_skipped": dict(data_rows_skipped),
         "reward_errors": reward_errors,
         "changed_on_resume": state.changes,
+        "learning_signal": summarise_signal(history),
         **extra,
     }
 
@@ -95,6 +97,32 @@ def _format_left_out(summary: dict[str, Any]) -> str:
     return f"  left out     {rows}, {scored}"
 
 
+def summarise_signal(history: list[dict[str, float]]) -> dict[str, float | int] | None:
+    """The learning signal over the run (``runtime/learning_signal.py``): the mean share of groups
+    whose rewards differed, the steps where none did, the mean share of responses without an
+    answer in the scorer's format."""
+    rows = [h for h in history if GROUPS_EQUAL in h]
+    if not rows:
+        return None
+    return {
+        "groups_with_signal_mean": sum(1.0 - h[GROUPS_EQUAL] for h in rows) / len(rows),
+        "steps_without_signal": sum(without_signal(h) for h in rows),
+        "no_answer_mean": sum(h.get(NO_ANSWER, 0.0) for h in rows) / len(rows),
+    }
+
+
+def _format_signal(signal: dict[str, Any] | None) -> list[str]:
+    if not signal:
+        return []
+    line = (
+        f"  signal       {signal['groups_with_signal_mean']:.0%} of groups had rewards that differed (mean); "
+        f"{signal['steps_without_signal']} steps had none"
+    )
+    if signal["no_answer_mean"]:
+        line += f"; {signal['no_answer_mean']:.0%} of responses held no answer in the scorer's format"
+    return [line]
+
+
 def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
     """The one-screen summary printed at the end of ``hybridflow train``."""
     lines = [
@@ -103,8 +131,9 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
         f"{_fmt(summary['sft_loss_last'])}",
         f"  RL           {summary['steps']} steps, train reward {_fmt(summary['train_reward_first'])} -> "
         f"{_fmt(summary['train_reward_last'])}",
-        f"  held-out     after SFT {_fmt(summary['heldout_reward_after_sft'])}, after RL "
-        f"{_fmt(summary['heldout_reward_after_rl'])}",
+        f"  held-out     {'after SFT' if summary['sft_steps'] else 'before RL'} "
+        f"{_fmt(summary['heldout_reward_after_sft'])}, after RL {_fmt(summary['heldout_reward_after_rl'])}",
+        *_format_signal(summary.get("learning_signal")),
         _format_left_out(summary),
         f"  wall time    {summary['wall_seconds']:.0f} s",
         f"  outputs      {out_dir}/summary.json, reward_curve.png, checkpoints/",

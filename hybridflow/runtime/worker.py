@@ -646,9 +646,11 @@ def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Chann
         if cfg.async_rl.mode != "sync":
             s.pipeline = Pipeline(s.run, s.data, resume_from)
         state = s.run.state
-        if state.heldout_after_sft is None:
+        if state.heldout_after_sft is None:  # the held-out score before RL (after SFT, where it ran)
             state.heldout_after_sft = heldout(s, state.step)
             state.heldout.append((state.step, state.heldout_after_sft))
+            if state.heldout_after_sft is not None:
+                s.run.tracker.log_metrics({"heldout/reward": state.heldout_after_sft}, step=state.step)
         with out_of_memory_hint(cfg, "the RL steps"):
             finished = train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
         if not finished:  # checkpointed on request (stops.REQUEST_FILE): a later start resumes there

@@ -154,7 +154,7 @@ def test_rewards_mix_rule_model_and_judge_by_data_source(tmp_path):
     session = SimpleNamespace(run=SimpleNamespace(shard=single_process()), cfg=cfg)
     ro = _rollout(["7", "3", "whatever"], ["max", "max", "chat"], [7, 7, None])
     model, judge = torch.tensor([9.0, 9.0, 4.0]), torch.tensor([0.3, 0.3, 0.25])
-    scores, errors = score(session, ro, {"model": model, "judge": judge})
+    scores, errors, _ = score(session, ro, {"model": model, "judge": judge})
     # max rows: the rule alone (right, wrong); the chat row: 0.5 x model + 1 x judge, and no rule
     # call (the rule's default weight is 0 beside a reward model or a judge): no reward error
     assert scores.tolist() == [1.0, 0.0, 2.25] and errors == 0
