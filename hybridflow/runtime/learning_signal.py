@@ -97,7 +97,8 @@ def no_signal_warning(
     example = ro.texts[0] if ro.texts else ""
     shown = example if len(example) <= _SHOWN_CHARS else example[:_SHOWN_CHARS] + "..."
     answer = f" (expected {ro.answers[0]!r})" if ro.texts else ""
+    steps = f"{needed} steps in a row" if needed > 1 else "1 step"
     return (
-        f"no learning signal for {needed} step{'s in a row' if needed > 1 else ''}: {why}; the advantages are 0 and the weights do not "
+        f"no learning signal for {steps}: {why}; the advantages are 0 and the weights do not "
         f"move. Example response: {shown!r}{answer}. Fix: {fixes}"
     )
