@@ -200,12 +200,18 @@ class ChecksConfig:
     """Warn when this many RL steps in a row carried no learning signal (every prompt group's
     rewards equal, so every group-normalised advantage is 0), naming the reward function, why
     and an example response; 0 = never. A warning, whatever ``on_fail`` says."""
+    response_clip_ratio: float = 0.25
+    """Warn (once a run) when this share of a step's responses or more hit
+    ``data.max_response_length`` before they finished; 0 = never. A warning, whatever
+    ``on_fail`` says."""
 
     def __post_init__(self) -> None:
         check_choice("on_fail", self.on_fail, ("warn", "stop"))
         check_non_negative(self, ("refit_every", "no_signal_steps"))
         check_positive(self, ("refit_tolerance",))
         check_positive(self, ("first_step_ppo_kl",))
+        if not 0.0 <= self.response_clip_ratio <= 1.0:
+            raise ConfigError("{p}response_clip_ratio={v} must be in [0, 1]", v=self.response_clip_ratio)
         if self.token_mult_prob_error <= 1.0:
             raise ConfigError(
                 "{p}token_mult_prob_error={v} must be > 1 (1.0 is a perfect match)", v=self.token_mult_prob_error
@@ -747,12 +753,18 @@ class DataConfig:
     """Generation budget per response (tokens)."""
     on_bad_row: str = "skip"
     """A malformed row (missing column, wrong type, too long): skip (logged with file and row) or fail."""
+    max_dropped_share: float = 0.05
+    """Under ``on_bad_row=skip``, the largest share of a data set's rows (training, held-out) that
+    may be skipped before the run refuses to start, naming the setting that keeps them (1.0:
+    never refuse): a run that quietly drops most of its data trains on something else."""
     shuffle: bool = True
     """Shuffle training prompts each epoch (seeded by run.seed)."""
 
     def __post_init__(self) -> None:
         check_choice("on_bad_row", self.on_bad_row, ("skip", "fail"))
         check_positive(self, ("max_prompt_length", "max_response_length"))
+        if not 0.0 <= self.max_dropped_share <= 1.0:
+            raise ConfigError("{p}max_dropped_share={v} must be in [0, 1]", v=self.max_dropped_share)
 
 
 @dataclass(kw_only=True)

@@ -112,11 +112,37 @@ class DataReport:
     """Good rows per file."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Bad rows skipped per file (``data.on_bad_row=skip``)."""
+    too_long: list[int] = field(default_factory=list)
+    """Token counts of the prompts ``tokenize_rows`` skipped as longer than ``data.max_prompt_length``."""
 
     @property
     def num_skipped(self) -> int:
         """Bad rows skipped over all files."""
         return sum(self.skipped.values())
+
+    def check_dropped(self, name: str, key: str, cfg: DataConfig, *, kept: int) -> None:
+        """ValueError in one line when more than ``data.max_dropped_share`` of ``name``'s rows
+        (``key``: the setting naming them) were skipped, with the setting that keeps them; else
+        log the one count of what was read, kept and skipped."""
+        dropped = self.num_skipped + len(self.too_long)
+        total = kept + dropped
+        longest = max(self.too_long, default=0)
+        keep = ""
+        if self.too_long:
+            count = len(self.too_long)
+            keep = f"data.max_prompt_length={longest} keeps the {count} too long (the longest has {longest} tokens)"
+        if total and dropped / total > cfg.max_dropped_share:
+            malformed = f"{self.num_skipped} malformed (see the warnings above)" if self.num_skipped else ""
+            why = ", ".join(x for x in (malformed, f"{len(self.too_long)} too long" if self.too_long else "") if x)
+            fix = "; ".join(x for x in (keep, "fix or remove the malformed rows" if self.num_skipped else "") if x)
+            raise ValueError(
+                f"{key}: {dropped} of {total} {name} rows ({dropped / total:.0%}) would be dropped ({why}), more "
+                f"than data.max_dropped_share={cfg.max_dropped_share:g}; {fix} (or raise data.max_dropped_share)"
+            )
+        logger.info(
+            "%s: %d rows read, %d kept, %d skipped (%d malformed, %d longer than data.max_prompt_length=%d)",
+            name, total, kept, dropped, self.num_skipped, len(self.too_long), cfg.max_prompt_length,
+        )  # fmt: skip
 
 
 class BadRow(Exception):
@@ -366,7 +392,7 @@ def read_rows(
         raise ValueError("no data files given; set data.train_files (or leave it empty for the task)")
     report = report if report is not None else DataReport()
     rows = [row for path in paths for row in _read_file(os.fspath(path), cfg, sft_key, report)]
-    logger.info("read %d prompt rows from %d file(s), skipped %d bad rows", len(rows), len(paths), report.num_skipped)
+    logger.debug("read %d prompt rows from %d file(s), skipped %d bad rows", len(rows), len(paths), report.num_skipped)
     return rows
 
 
@@ -450,6 +476,28 @@ def preview_files(
     return sources
 
 
+def preview_rows(cfg: HybridflowConfig, paths: Sequence[str], *, sft_key: str | None = None) -> list[PromptRow]:
+    """The good rows among the first ``PREVIEW_ROWS`` of each file (``preview_files`` checked them)."""
+    rows = []
+    for path_text in paths:
+        records = zip(reader_for(Path(path_text)).rows(Path(path_text)), range(PREVIEW_ROWS))
+        for (number, record), _ in records:
+            try:
+                rows.append(_make_row(f"{path_text}:{number}", record, cfg.data, sft_key))
+            except BadRow:
+                continue  # counted by the run; preflight said the first one
+    return rows
+
+
+def tool_schemas(cfg: HybridflowConfig) -> list[dict] | None:
+    """The function schemas of ``agentic.tools``, which the chat template shows the policy."""
+    if not cfg.agentic.enabled:
+        return None
+    from hybridflow.agentic.engine import configured_tools  # here: the tools' modules are heavy
+
+    return [tool.schema() for tool in configured_tools(cfg.agentic)] or None
+
+
 # --------------------------------------------------------------------------- tokenising
 
 
@@ -468,6 +516,14 @@ def as_encodable(prompt: str | list[dict[str, str]], use_chat: bool, system_prom
     return chat
 
 
+class TooLong(BadRow):
+    """A prompt over ``data.max_prompt_length`` tokens."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt has {tokens} tokens, more than data.max_prompt_length={limit}")
+        self.tokens = tokens
+
+
 def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool, tools) -> TokenizedPrompt:
     from hybridflow.rollout.tokens import encode_prompts  # here: it imports torch; preflight reads rows without
 
@@ -476,12 +532,12 @@ def _encode_row(row: PromptRow, tokenizer, cfg: DataConfig, use_chat: bool, tool
     except ValueError as error:  # e.g. a prompt that encodes to no tokens
         raise BadRow(str(error)) from error
     if len(ids) > cfg.max_prompt_length:
-        raise BadRow(f"the prompt has {len(ids)} tokens, more than data.max_prompt_length={cfg.max_prompt_length}")
+        raise TooLong(len(ids), cfg.max_prompt_length)
     return TokenizedPrompt(row=row, prompt_ids=tuple(ids))
 
 
 def tokenize_rows(
-    rows: Sequence[PromptRow], tokenizer, cfg: DataConfig, tools=None
+    rows: Sequence[PromptRow], tokenizer, cfg: DataConfig, tools=None, *, name: str = "prompts", report=None
 ) -> tuple[list[TokenizedPrompt], int]:
     """Token ids of each row's prompt, and how many rows were skipped.
 
@@ -489,16 +545,19 @@ def tokenize_rows(
     becomes one user turn (the template shows it ``tools``' schemas, if any) and the template
     ends in the assistant's turn; otherwise text is
     encoded as is. A prompt longer than ``cfg.max_prompt_length`` tokens is a bad row handled
-    by ``cfg.on_bad_row``. No prompt left is a ValueError.
+    by ``cfg.on_bad_row``. No prompt left is a ValueError. ``report`` (a ``DataReport``) receives
+    the token counts of the prompts skipped as too long.
     """
     use_chat = cfg.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
-    bad = BadRows("prompts", cfg, "raise data.max_prompt_length or fix the row")
+    bad = BadRows(name, cfg, "raise data.max_prompt_length or fix the row")
     encoded = []
     for row in rows:
         try:
             encoded.append(_encode_row(row, tokenizer, cfg, use_chat, tools))
         except BadRow as reason:
             bad.add(row.uid, str(reason))
+            if isinstance(reason, TooLong) and report is not None:
+                report.too_long.append(reason.tokens)
     bad.summarise()
     if rows and not encoded:
         raise ValueError(

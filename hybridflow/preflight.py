@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import yaml
@@ -324,6 +325,34 @@ def check_data(cfg: HybridflowConfig, *, command: str = "train") -> None:
         _say(command, warning, warning=True)
 
 
+def check_prompt_lengths(cfg: HybridflowConfig, *, command: str = "train") -> None:
+    """The prompts of the first rows of each data file, tokenised as the run will (the model's
+    tokenizer and chat template, the system prompt, the tools): a run that would drop more than
+    ``data.max_dropped_share`` of them as too long is refused here, before any rank starts, in the
+    line the run itself would stop with. Only for ``model.path`` directories (a generated
+    tokenizer exists only once rank 0 made it)."""
+    path = cfg.model.path
+    if not (cfg.data.train_files and path and os.path.isdir(path)):
+        return
+    from transformers import AutoTokenizer  # here: a second or more to import, needed only now
+
+    from hybridflow.data import DataReport, preview_rows, tokenize_rows, tool_schemas
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_source(path).files))
+    tools = tool_schemas(cfg)
+    sets = [("training", "data.train_files", cfg.data.train_files)]
+    if cfg.run.heldout_prompts > 0 and cfg.data.heldout_files:
+        sets.append(("held-out", "data.heldout_files", cfg.data.heldout_files))
+    for name, key, paths in sets:
+        report = DataReport()
+        rows = preview_rows(cfg, [os.fspath(p) for p in paths])
+        kept, _ = tokenize_rows(rows, tokenizer, replace(cfg.data, on_bad_row="skip"), tools, name=name, report=report)
+        report.check_dropped(name, key, cfg.data, kept=len(kept))  # the line the run would stop with
+        if report.too_long:
+            _say(command, f"{key}: {len(report.too_long)} of the first {len(rows)} prompts are longer than "
+                 f"data.max_prompt_length={cfg.data.max_prompt_length} and will be skipped", warning=True)  # fmt: skip
+
+
 def check_model_weights(
     cfg: HybridflowConfig, *, on_cluster: bool, must_exist: bool = True, command: str = "train"
 ) -> None:
@@ -490,6 +519,7 @@ def preflight(
     check_rm_mode(cfg)
     if not (cfg.run.mode == "rm" and cfg.data.train_files):  # preference pairs: no prompt rows to preview
         check_data(cfg, command=command)
+        check_prompt_lengths(cfg, command=command)
     check_output_dir(cfg, room=model_must_exist)  # a dry run's script for a model not downloaded yet
     if command != "slurm":  # this machine runs the ranks (a Slurm login node may have no GPU)
         import torch

@@ -274,9 +274,10 @@ def test_tokenize_raw_text_without_the_template(tmp_path, tokenizer):
 def test_too_long_prompts_are_bad_rows(tmp_path, tokenizer, caplog):
     path = lines_file(tmp_path, GOOD, dict(GOOD, prompt="1+2=" * 40))
     cfg = DataConfig(max_prompt_length=32)
+    report = DataReport()
     with caplog.at_level(logging.WARNING, logger="hybridflow.data"):
-        kept, skipped = tokenize_rows(read_rows([path], cfg), tokenizer, cfg)
-    assert len(kept) == 1 and skipped == 1
+        kept, skipped = tokenize_rows(read_rows([path], cfg), tokenizer, cfg, report=report)
+    assert len(kept) == 1 and skipped == 1 and report.too_long == [173]
     assert f"{path} line 2 (1-based)" in caplog.text and "data.max_prompt_length=32" in caplog.text
     fail = DataConfig(max_prompt_length=32, on_bad_row="fail")
     with pytest.raises(ValueError, match=r"line 2 \(1-based\).*more than data.max_prompt_length=32"):

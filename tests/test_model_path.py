@@ -209,3 +209,26 @@ def test_plan_reads_config_json_when_the_path_exists_and_says_so(hub_dir, tmp_pa
     assert "does not exist here: the shape is the config's model.* keys" in capsys.readouterr().out
     assert main(["plan", str(recipe), "--resolved"]) == 0
     assert "  num_layers: 6\n" in capsys.readouterr().out
+
+
+@pytest.mark.claim("dropped-rows-refused")
+def test_a_run_that_would_drop_most_of_its_prompts_as_too_long_is_refused_before_any_rank(hub_dir, tmp_path, capsys):
+    """Prompts tokenised before launch as the run will (the model's tokenizer and chat template):
+    with the default limits most of a real data set may be too long, which the run would drop."""
+    from hybridflow.data import write_jsonl
+    from hybridflow.preflight import preflight
+
+    short = {"prompt": "1+2=", "reward_model": {"ground_truth": 3}}
+    long = {"prompt": "Natalia sold clips to 48 of her friends. " * 4, "reward_model": {"ground_truth": 72}}
+    train = tmp_path / "train.jsonl"
+    write_jsonl(train, [short, long, long, short])
+    overrides = [f"run.output_dir={tmp_path / 'run'}", f"model.path={hub_dir}", f"data.train_files=[{train}]"]
+    cfg = load_config(None, [*overrides, "data.max_prompt_length=64"])
+    with pytest.raises(ValueError) as refused:
+        preflight(cfg)
+    message = str(refused.value)
+    assert message.startswith("data.train_files: 2 of 4 training rows (50%) would be dropped (2 too long), ")
+    longest = int(message.split("data.max_prompt_length=")[1].split(" ")[0])
+    assert longest > 64 and f"the longest has {longest} tokens" in message
+    preflight(load_config(None, [*overrides, f"data.max_prompt_length={longest}"]))  # the fix it names works
+    assert "too long" not in capsys.readouterr().err

@@ -24,11 +24,12 @@ import torch
 from hybridflow.config import HybridflowConfig
 from hybridflow.rewards import function_name
 
-__all__ = ["GROUPS_EQUAL", "NO_ANSWER", "signal_metrics", "no_signal_warning", "without_signal"]
+__all__ = ["GROUPS_EQUAL", "NO_ANSWER", "clip_warning", "no_signal_warning", "signal_metrics", "without_signal"]
 
 GROUPS_EQUAL = "signal/groups_equal"
 NO_ANSWER = "signal/no_answer"
 GROUPS_NO_ANSWER = "signal/groups_no_answer"
+CLIP_RATIO = "response_length/clip_ratio"
 _SHOWN_CHARS = 160  # of the example response
 
 
@@ -92,7 +93,8 @@ def no_signal_warning(
         why = f"every response of a group gets the same score from the {scorer} (all right or all wrong)"
         fixes = (
             "give prompts of a difficulty the model sometimes solves, sample more varied responses "
-            "(raise rollout.n or rollout.temperature), or check the scorer on a few responses by hand"
+            "(raise rollout.n or rollout.temperature), drop such groups and sample again "
+            "(algorithm.filter_groups=true), or check the scorer on a few responses by hand"
         )
     example = ro.texts[0] if ro.texts else ""
     shown = example if len(example) <= _SHOWN_CHARS else example[:_SHOWN_CHARS] + "..."
@@ -101,4 +103,20 @@ def no_signal_warning(
     return (
         f"no learning signal for {steps}: {why}; the advantages are 0 and the weights do not "
         f"move. Example response: {shown!r}{answer}. Fix: {fixes}"
+    )
+
+
+def clip_warning(cfg: HybridflowConfig, history: list[dict[str, float]], metrics: dict[str, float]) -> str | None:
+    """The warning the first time a step's responses hit ``data.max_response_length`` at or above
+    ``checks.response_clip_ratio`` (once a run: ``history`` holds the steps before), else None.
+    A cut response has no final answer for the scorer and teaches the model to ramble on."""
+    limit = cfg.checks.response_clip_ratio
+    ratio = metrics.get(CLIP_RATIO)
+    if not limit or ratio is None or ratio < limit or any(h.get(CLIP_RATIO, 0.0) >= limit for h in history):
+        return None
+    return (
+        f"{ratio:.0%} of this step's responses hit data.max_response_length={cfg.data.max_response_length} "
+        f"tokens before they finished (checks.response_clip_ratio={limit:g}): a cut response rarely holds "
+        "the final answer; raise data.max_response_length (its memory: hybridflow plan), or shape long "
+        "responses down with algorithm.overlong_buffer_len"
     )

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
 from hybridflow.runtime import gates, startup_clock, stops, switches
-from hybridflow.runtime.learning_signal import GROUPS_EQUAL, no_signal_warning
+from hybridflow.runtime.learning_signal import GROUPS_EQUAL, clip_warning, no_signal_warning
 from hybridflow.runtime.ops import OPS, NonFiniteStep, heldout_reward, heldout_teacher_kl
 from hybridflow.runtime.progress import write_progress
 from hybridflow.runtime.recovery import METRIC as RESTARTS
@@ -92,9 +92,11 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
         measured[RESTARTS] = float(restarts.used - restarted)
     metrics = _step_metrics(f, measured, times)
     metrics["reward/errors"] = float(errors)
-    warning = no_signal_warning(s.cfg, s.run.state.history, metrics, f["responses"])
-    if warning and s.run.is_driver:
-        logger.warning("%s", warning)
+    history = s.run.state.history
+    cut = None if s.cfg.agentic.enabled else clip_warning(s.cfg, history, metrics)  # multi-turn warns per turn
+    for warning in (no_signal_warning(s.cfg, history, metrics, f["responses"]), cut):
+        if warning and s.run.is_driver:
+            logger.warning("step %d: %s", step.index + 1, warning)
     if s.pipeline is not None:  # how much generation overlapped training (asks the engine ranks)
         trained = f["kept"][0] if "kept" in f else f["responses"]
         metrics.update(s.pipeline.end_step(float(trained.lengths.sum())))
@@ -133,19 +135,23 @@ def _step_line(metrics: dict[str, float]) -> dict[str, str]:
     line = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}"}
     if GROUPS_EQUAL in metrics:
         line["signal"] = f"{1.0 - metrics[GROUPS_EQUAL]:.0%}"
+    if metrics.get("heldout/reward") is not None:
+        line["heldout"] = f"{metrics['heldout/reward']:.3f}"
     return line
 
 
-def heldout(s: Session, step: int) -> float | None:
+def heldout(s: Session, step: int, *, announce: bool = False) -> float | None:
     """The held-out score with the engines' current weights (None: no held-out prompts); its
     reward errors join the run's count. With a distillation teacher, the held-out KL to it is
-    recorded too (``state.heldout_teacher_kl``, ``heldout/teacher_kl``)."""
-    count = len(s.data.heldout_prompts)
-    if count and s.run.is_driver:  # greedy generation of every held-out prompt: minutes at scale
+    recorded too (``state.heldout_teacher_kl``, ``heldout/teacher_kl``). ``announce``: say what
+    runs and what it scored (the first scoring waits for the engine's warm-up: no silent minute;
+    later ones show in the step bar and the summary)."""
+    count, driver = len(s.data.heldout_prompts), s.run.is_driver and announce
+    if count and driver:
         logger.info("held-out: scoring %d prompts (greedy) at step %d ...", count, step)
     started = time.perf_counter()
     reward, errors = heldout_reward(s)
-    if reward is not None and s.run.is_driver:
+    if reward is not None and driver:
         logger.info("held-out: reward %.3f over %d prompts in %.0f s", reward, count, time.perf_counter() - started)
     s.run.state.reward_errors += errors
     kl = heldout_teacher_kl(s)

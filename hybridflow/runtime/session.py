@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
-from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows
+from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows, tool_schemas
 from hybridflow.runtime import console
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.engine_client import EngineClient
@@ -409,27 +409,19 @@ def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: li
     """Tokenised training prompts (with SFT targets when SFT runs), held-out prompts, and the bad
     rows skipped under ``data.on_bad_row=skip`` (unreadable or untokenisable) by data set."""
     report = DataReport()
-    tools = _tool_schemas(cfg)
-    prompts, too_long = tokenize_rows(
-        read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report), tokenizer, cfg.data, tools
-    )
+    tools = tool_schemas(cfg)
+    rows = read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report)
+    prompts, too_long = tokenize_rows(rows, tokenizer, cfg.data, tools, name="training prompts", report=report)
+    report.check_dropped("training", "data.train_files", cfg.data, kept=len(prompts))
     skipped = {"train": report.num_skipped + too_long}
     held = []
     if heldout and cfg.run.heldout_prompts > 0:
         report = DataReport()
         rows = read_rows(heldout, cfg.data, report=report)[: cfg.run.heldout_prompts]
-        held, too_long = tokenize_rows(rows, tokenizer, cfg.data, tools)
+        held, too_long = tokenize_rows(rows, tokenizer, cfg.data, tools, name="held-out prompts", report=report)
+        report.check_dropped("held-out", "data.heldout_files", cfg.data, kept=len(held))
         skipped["heldout"] = report.num_skipped + too_long
     return prompts, held, skipped
-
-
-def _tool_schemas(cfg: HybridflowConfig) -> list[dict] | None:
-    """The function schemas of ``agentic.tools``, which the chat template shows the policy."""
-    if not cfg.agentic.enabled:
-        return None
-    from hybridflow.agentic.engine import configured_tools
-
-    return [tool.schema() for tool in configured_tools(cfg.agentic)] or None
 
 
 def stop_token_ids(tokenizer, model_dir: Path | None = None) -> tuple[int, ...]:

@@ -647,7 +647,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Chann
             s.pipeline = Pipeline(s.run, s.data, resume_from)
         state = s.run.state
         if state.heldout_after_sft is None:  # the held-out score before RL (after SFT, where it ran)
-            state.heldout_after_sft = heldout(s, state.step)
+            state.heldout_after_sft = heldout(s, state.step, announce=True)
             state.heldout.append((state.step, state.heldout_after_sft))
             if state.heldout_after_sft is not None:
                 s.run.tracker.log_metrics({"heldout/reward": state.heldout_after_sft}, step=state.step)

@@ -11,7 +11,7 @@ from hybridflow.config import RewardConfig, load_config
 from hybridflow.lowering import Stage
 from hybridflow.rewards import score_rows
 from hybridflow.runtime import loop, state
-from hybridflow.runtime.learning_signal import GROUPS_EQUAL, NO_ANSWER, no_signal_warning, signal_metrics
+from hybridflow.runtime.learning_signal import GROUPS_EQUAL, NO_ANSWER, clip_warning, no_signal_warning, signal_metrics
 from hybridflow.runtime.ops import Rollout
 from hybridflow.runtime.report import format_summary, summarise
 from hybridflow.runtime.session import EngineClient, Models, RunContext, RunData, Session
@@ -117,7 +117,7 @@ def test_a_run_whose_scorer_never_finds_an_answer_says_so_in_the_step_line_log_a
     assert loop._step_line(history[0]) == {"reward": "0.000", "signal": "0%"}
     assert all(GROUPS_EQUAL in metrics for _, metrics in s.run.tracker.logged)
     (warning,) = [r.getMessage() for r in caplog.records if "no learning signal" in r.getMessage()]  # once
-    assert warning.startswith("no learning signal for 2 steps in a row: 100% of the responses hold no answer ")
+    assert warning.startswith("step 2: no learning signal for 2 steps in a row: 100% of the responses hold no answer ")
     assert "reward function 'openai/gsm8k'" in warning and "'So, the answer is 7.' (expected '7')" in warning
     assert "sft.response_key" in warning and "reward.function=math_verify" in warning
     summary = summarise(
@@ -151,3 +151,15 @@ def test_every_answer_alike_names_difficulty_not_format():
     assert "raise rollout.n or rollout.temperature" in warning
     off = load_config(QUICKSTART, ["checks.no_signal_steps=0"])
     assert no_signal_warning(off, [], {GROUPS_EQUAL: 1.0}, ro) is None
+
+
+@pytest.mark.claim("response-clip-warned")
+def test_responses_that_hit_their_limit_are_warned_about_once_a_run():
+    cfg = load_config(QUICKSTART, ["data.max_response_length=16"])
+    assert clip_warning(cfg, [], {"response_length/clip_ratio": 0.2}) is None  # under the 0.25 default
+    warning = clip_warning(cfg, [], {"response_length/clip_ratio": 0.8})
+    assert warning.startswith("80% of this step's responses hit data.max_response_length=16 tokens before they ")
+    assert "raise data.max_response_length" in warning
+    assert clip_warning(cfg, [{"response_length/clip_ratio": 0.5}], {"response_length/clip_ratio": 0.9}) is None
+    off = load_config(QUICKSTART, ["checks.response_clip_ratio=0"])
+    assert clip_warning(off, [], {"response_length/clip_ratio": 1.0}) is None

@@ -420,10 +420,19 @@ def test_load_prompts_counts_the_bad_rows_it_skips_by_data_set(tmp_path: Path) -
     train, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
     train.write_text("\n".join([good, "{not json", too_long, good]) + "\n")
     heldout.write_text("\n".join([good, json.dumps({"reward_model": {"ground_truth": 1}})]) + "\n")
-    cfg = load_config("configs/quickstart_cpu.yaml", ["data.on_bad_row=skip", "data.max_prompt_length=32"])
+    overrides = ["data.on_bad_row=skip", "data.max_prompt_length=32"]
+    cfg = load_config("configs/quickstart_cpu.yaml", [*overrides, "data.max_dropped_share=1.0"])
     prompts, held, skipped = load_prompts(cfg, make_tiny_tokenizer(), [str(train)], [str(heldout)])
     assert (len(prompts), len(held)) == (2, 1)
     assert skipped == {"train": 2, "heldout": 1}  # unreadable and too long both count
+    # by default a run that would drop half its data refuses, naming the setting that keeps it
+    with pytest.raises(ValueError) as refused:
+        load_prompts(load_config("configs/quickstart_cpu.yaml", overrides), make_tiny_tokenizer(), [str(train)], [])
+    assert str(refused.value) == (
+        "data.train_files: 2 of 4 training rows (50%) would be dropped (1 malformed (see the warnings above), "
+        "1 too long), more than data.max_dropped_share=0.05; data.max_prompt_length=173 keeps the 1 too long "
+        "(the longest has 173 tokens); fix or remove the malformed rows (or raise data.max_dropped_share)"
+    )
 
 
 def test_reward_errors_survive_a_resume_and_old_states_still_load(tmp_path: Path) -> None:
