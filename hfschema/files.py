@@ -14,6 +14,7 @@ from pathlib import Path
 
 __all__ = [
     "PREVIOUS_SUFFIX",
+    "check_distinct",
     "existing_ancestor",
     "fsync_directory",
     "publish_directory",
@@ -129,12 +130,31 @@ def restore_previous(folder: str | os.PathLike) -> list[Path]:
     return restored
 
 
+def check_distinct(out: str | os.PathLike, sources: Iterator[str | os.PathLike] | tuple = ()) -> None:
+    """ValueError naming both when writing ``out`` (through ``<out>.tmp`` and ``<out>.previous``)
+    would replace or write inside one of ``sources``, or one of them inside it: paths compared
+    after resolving links, as ``cp a a`` does, so ``--overwrite`` can never cost the input."""
+    out = Path(out).resolve()
+    written = [out, out.with_name(out.name + ".tmp"), out.with_name(out.name + PREVIOUS_SUFFIX)]
+    for source in sources:
+        read = Path(source).resolve()
+        for path in written:
+            if read == path or read.is_relative_to(path) or path.is_relative_to(read):
+                where = "is" if read == path else ("is inside" if path.is_relative_to(read) else "holds")
+                raise ValueError(
+                    f"the output {out} {where} the input {read}{'' if path == out else f' (via {path.name})'}: "
+                    "writing it would replace or change the input; choose an output directory outside it"
+                )
+
+
 @contextlib.contextmanager
-def staged_directory(out: str | os.PathLike, *, overwrite: bool) -> Iterator[Path]:
+def staged_directory(out: str | os.PathLike, *, overwrite: bool, sources: tuple = ()) -> Iterator[Path]:
     """``<out>.tmp`` to write into, published as ``out`` on success (``publish_directory``) and
     removed on any error; ValueError before anything is written if ``out`` exists and
-    ``overwrite`` is False."""
+    ``overwrite`` is False, or if ``out`` and one of ``sources`` (the directories read) overlap
+    (``check_distinct``)."""
     out = Path(out)
+    check_distinct(out, sources)
     if out.exists() and not overwrite:
         raise ValueError(f"output directory {out} exists; pass overwrite=True (--overwrite) to replace it")
     staging = out.with_name(out.name + ".tmp")

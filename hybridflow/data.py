@@ -254,6 +254,12 @@ def check_prompt(prompt: Any, key: str) -> str | list[dict[str, str]]:
     if isinstance(prompt, list) and prompt and all(is_message(m) for m in prompt):
         if not any(m["content"].strip() for m in prompt):
             raise BadRow(f"chat prompt in {key!r} has only empty messages")
+        if prompt[-1]["role"] == "assistant":  # the engine would write a second assistant turn after it
+            raise BadRow(
+                f"the chat prompt in {key!r} ends with an assistant message, which the model would answer "
+                "with another; end it with the user's turn (an SFT target goes in sft.response_key, or as "
+                "the last turn of a 'messages' row)"
+            )
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
     raise BadRow(
         f"{key!r} is of type {type(prompt).__name__}; expected text or a non-empty list of "
@@ -479,7 +485,7 @@ def preview_files(
 def preview_rows(cfg: HybridflowConfig, paths: Sequence[str], *, sft_key: str | None = None) -> list[PromptRow]:
     """The good rows among the first ``PREVIEW_ROWS`` of each file (``preview_files`` checked them)."""
     rows = []
-    for path_text in paths:
+    for path_text in map(os.fspath, paths):
         records = zip(reader_for(Path(path_text)).rows(Path(path_text)), range(PREVIEW_ROWS))
         for (number, record), _ in records:
             try:
@@ -487,6 +493,14 @@ def preview_rows(cfg: HybridflowConfig, paths: Sequence[str], *, sft_key: str | 
             except BadRow:
                 continue  # counted by the run; preflight said the first one
     return rows
+
+
+def few_rows_warning(rows: int, per_step: int) -> str:
+    """What a data set smaller than one step's prompts means for the run."""
+    return (
+        f"data.train_files hold {rows} usable rows, fewer than run.prompts_per_step={per_step}: every step "
+        "repeats rows to fill itself (groups of one prompt several times); lower run.prompts_per_step or add rows"
+    )
 
 
 def tool_schemas(cfg: HybridflowConfig) -> list[dict] | None:

@@ -4,7 +4,8 @@
 data_source (verl's names)            reward.math_equivalence=verl (default)   =math_verify
 openai/gsm8k                          gsm8k: the last "#### <number>"            math_verify
 lighteval/MATH, DigitalLearningGmbH/  math_boxed: the last \\boxed{} under the     math_verify
-  MATH-lighteval                      MATH answer normalisation
+  MATH-lighteval, HuggingFaceH4/      MATH answer normalisation
+  MATH-500
 math_dapo, aime*                      dapo_math: the last "Answer:" under        math_verify
                                       Minerva's normalisation (1 or -1)
 ```
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 GSM8K_SOURCES = ("openai/gsm8k",)
-MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval")
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo",)
 """With every data_source starting with ``aime`` (``is_verl_math_source``)."""
 

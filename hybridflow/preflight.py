@@ -24,6 +24,7 @@ damaged checkpoint passed over) is one ``warning:`` line on stderr; the rest one
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import replace
@@ -40,7 +41,7 @@ from hfschema.model_source import (
 )
 from hybridflow.agentic.engine import check_agentic
 from hybridflow.config import HybridflowConfig, frozen_gpus, frozen_layout, frozen_layout_key, job_worlds, to_yaml
-from hybridflow.data import preview_files, sft_key
+from hybridflow.data import PREVIEW_ROWS, few_rows_warning, preview_files, preview_rows, sft_key
 from hybridflow.lowering import lower
 from hybridflow.rewards import check_reward, describe_routing
 from hybridflow.runtime import checksums
@@ -317,12 +318,42 @@ def check_data(cfg: HybridflowConfig, *, command: str = "train") -> None:
         with_heldout=cfg.run.heldout_prompts > 0,
         no_chat_template=str(files) if files and not has_chat_template(files) else None,
     )
-    if not cfg.data.train_files:  # the synthetic task's rows name it as their data_source
+    if cfg.data.train_files:
+        _check_data_size(cfg, sum(sources.values()), command)
+        _check_overlap(cfg, command)
+    else:  # the synthetic task's rows name it as their data_source
         sources[cfg.task.name] += cfg.task.train_size
     line, warnings = describe_routing(cfg.reward, sources)
     _say(command, line + (" (the first rows of each file)" if cfg.data.train_files else ""))
     for warning in warnings:
         _say(command, warning, warning=True)
+
+
+def _check_data_size(cfg: HybridflowConfig, usable: int, command: str) -> None:
+    """Fewer usable training rows than one step's prompts (each file read whole: ``usable`` is
+    under the preview's row count) would fill every step by repeating rows: said before launch."""
+    if usable < cfg.run.prompts_per_step and usable < PREVIEW_ROWS and cfg.run.mode != "sft":
+        _say(command, few_rows_warning(usable, cfg.run.prompts_per_step), warning=True)
+
+
+def _check_overlap(cfg: HybridflowConfig, command: str) -> None:
+    """A held-out set that is (or shares prompts with) the training set measures recall, not
+    learning: the same file, or prompts of its first rows among the training files' first rows."""
+    if cfg.run.heldout_prompts <= 0 or not cfg.data.heldout_files:
+        return
+    train = [os.fspath(p) for p in cfg.data.train_files]
+    for index, path in enumerate(os.fspath(p) for p in cfg.data.heldout_files):
+        same = [j for j, t in enumerate(train) if os.path.exists(t) and os.path.samefile(path, t)]
+        if same:
+            _say(command, f"data.heldout_files[{index}] is data.train_files[{same[0]}]: the held-out reward will "
+                 "measure prompts the policy trains on; hold out rows of their own", warning=True)  # fmt: skip
+            return
+    seen = {json.dumps(row.prompt, sort_keys=True) for row in preview_rows(cfg, train)}
+    held = [json.dumps(row.prompt, sort_keys=True) for row in preview_rows(cfg, cfg.data.heldout_files)]
+    shared = sum(prompt in seen for prompt in held)
+    if shared:
+        _say(command, f"{shared} of the first {len(held)} held-out prompts are also among the first training "
+             "rows: the held-out reward partly measures prompts the policy trains on", warning=True)  # fmt: skip
 
 
 def check_prompt_lengths(cfg: HybridflowConfig, *, command: str = "train") -> None:

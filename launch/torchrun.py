@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -71,13 +72,53 @@ def run_job(
         return _run_job(cmd, env, command=command, output_dir=output_dir)
 
 
+JOB_TMP_PREFIX = "hybridflow-job-"
+"""Each job's temporary directory under the user's TMPDIR: ``<prefix><launcher pid>-<random>``."""
+
+
+def _sweep_stale_job_dirs() -> None:
+    """Remove the temporary directories of jobs whose launcher is gone (killed with SIGKILL,
+    which no ``finally`` survives): each name carries its launcher's pid."""
+    for stale in Path(tempfile.gettempdir()).glob(f"{JOB_TMP_PREFIX}*"):
+        pid = stale.name[len(JOB_TMP_PREFIX) :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _job_tmpdir():
+    """A temporary directory for the whole job, named TMPDIR for every process it starts, removed
+    when the job ends however it ends: what torch elastic (``torchelastic_*``), SGLang (IPC socket
+    names) and the libraries below make in TMPDIR goes with it instead of piling up. It stays
+    under the user's TMPDIR (not the run directory): Unix socket paths must stay short."""
+    _sweep_stale_job_dirs()
+    path = tempfile.mkdtemp(prefix=f"{JOB_TMP_PREFIX}{os.getpid()}-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output_dir: str | None) -> int:
     if output_dir is not None:
         for stale in (ERROR_FILE, REQUEST_FILE):
             Path(output_dir, stale).unlink(missing_ok=True)
     started, shared = time.time(), _run_errors(output_dir)
-    with tempfile.TemporaryDirectory(prefix="hybridflow-errors-") as errors:
-        result = run_reaped(cmd, {**env, ERROR_DIR_ENV: errors, **shared})
+    with _job_tmpdir() as tmp:
+        errors = os.path.join(tmp, "errors")
+        os.mkdir(errors)
+        temp = {"TMPDIR": tmp, "TMP": tmp, "TEMP": tmp}
+        result = run_reaped(cmd, {**env, **temp, ERROR_DIR_ENV: errors, **shared})
         if result.signum is not None:
             line = f"{command}: stopped by {signal.Signals(result.signum).name}; exit status {result.returncode}"
         elif result.returncode != 0:

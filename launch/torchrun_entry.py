@@ -26,9 +26,14 @@ def _describe(rank: int, failure) -> str:
     return f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
 
 
+_SAID_BY_US = ("closing signal", "death signal", "failed (exitcode")
+"""torch elastic's lines that the launcher says better: a stop it forwarded, and a rank that failed
+(``_describe`` names it with its error after the job)."""
+
+
 def _without_signal_warnings(record: logging.LogRecord) -> bool:
     message = record.getMessage()
-    return "closing signal" not in message and "death signal" not in message
+    return not any(said in message for said in _SAID_BY_US)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from hfschema.files import staged_directory
+from hfschema.files import check_distinct, staged_directory
 from hfschema.hf_config import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_SHARD_BYTES,
@@ -294,6 +294,7 @@ def hf_to_mcore(
     """Convert a Hugging Face directory into a megatron-core checkpoint for this layout."""
     started = time.perf_counter()
     source, out = Path(hf_dir), Path(out_dir)
+    check_distinct(out, (source,))  # before the plan: a refusal in a second, not after it
     model = read_model_config(source)
     layout = _converter_layout(tp, pp, vpp, ep, etp)
     layout.check_model(model, prefix="convert")
@@ -312,7 +313,7 @@ def hf_to_mcore(
         )
         key_dtypes = _key_dtypes(plan, dtype_of)
         sums = _Checksums() if checksums else None
-        with staged_directory(out, overwrite=overwrite) as staging:
+        with staged_directory(out, overwrite=overwrite, sources=(source,)) as staging:
             write_dist_checkpoint(
                 staging,
                 boxes=[(c.key, c.offsets, c.sizes) for c in plan.chunks],
@@ -547,7 +548,7 @@ def mcore_to_hf(
         for n in names
     }
     sums = _Checksums() if checksums else None
-    with staged_directory(out, overwrite=overwrite) as staging:
+    with staged_directory(out, overwrite=overwrite, sources=(source, files)) as staging:
         writer = SafetensorsWriter(
             staging, [(n, out_dtype[n], s) for n, s in plan.tensors.items()], shard_bytes=shard_bytes
         )
@@ -592,10 +593,10 @@ def mcore_to_peft(
             f"{source} has no LoRA adapters (not a LoRA run's checkpoint); convert it with "
             "mcore_to_hf (convert mcore-to-hf)"
         )
-    model, _ = _mcore_model(source, hf_config)
+    model, files = _mcore_model(source, hf_config)
     reader = DistReader(source)
     state = checkpoint_adapters(reader, model)
-    with staged_directory(out, overwrite=overwrite) as staging:
+    with staged_directory(out, overwrite=overwrite, sources=(source, files)) as staging:
         write_peft(state, model, lora, staging)
         written = SafetensorsReader(staging)
         try:

@@ -324,3 +324,13 @@ def test_writers_replace_atomically_and_leave_nothing_on_failure(tmp_path):
         write_jsonl(path, [GOOD, {"prompt": object()}])  # fails half-way through
     assert path.read_text() == json.dumps(GOOD) + "\n"  # the old file is intact
     assert os.listdir(path.parent) == ["rows.jsonl"]  # and no temporary is left
+
+
+@pytest.mark.claim("chat-prompt-ending-in-assistant")
+def test_a_chat_prompt_ending_with_an_assistant_turn_is_a_bad_row_but_a_messages_target_is_not(tmp_path):
+    chat = [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+    path = lines_file(tmp_path, {"prompt": chat, "answer": "4"}, {"messages": chat, "answer": "4"})
+    with pytest.raises(ValueError, match=r"line 1 \(1-based\): the chat prompt in 'prompt' ends with an assistant "):
+        read_rows([path], DataConfig(answer_key="answer", on_bad_row="fail"))
+    (row,) = read_rows([path], DataConfig(answer_key="answer"))  # the first skipped and counted
+    assert row.prompt == chat[:1]  # a messages row's last assistant turn is its SFT target, not its prompt

@@ -169,3 +169,13 @@ def test_a_verl_format_parquet_reads_as_it_is(tmp_path):
     assert score_responses(
         ["... #### 72"], [read.answer], [read.data_source], RewardConfig(), [read.extra["extra_info"]]
     )[0] == [1.0]
+
+
+@pytest.mark.claim("verl-math-rewards")
+def test_math_500_rows_are_scored_as_verl_scores_them_left_right_tuples_and_intervals_included():
+    """HuggingFaceH4/MATH-500 writes tuples and intervals with \\left( ... \\right); verl routes
+    the set to its MATH check, whose normalisation drops them. The fallback compared raw text."""
+    responses = [r"so \boxed{(3, \frac{\pi}{2})}", r"\boxed{[-2, 7)}", r"\boxed{(3, \frac{\pi}{3})}"]
+    truths = [r"\left( 3, \frac{\pi}{2} \right)", r"\left[ -2, 7 \right)", r"\left( 3, \frac{\pi}{2} \right)"]
+    scores, errors = score_responses(responses, truths, ["HuggingFaceH4/MATH-500"] * 3, RewardConfig())
+    assert scores == [1.0, 1.0, 0.0] and errors == []

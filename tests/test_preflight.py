@@ -218,7 +218,9 @@ def test_preflight_states_which_reward_scores_which_data_source_and_warns_when_o
     rows = _jsonl(tmp_path / "train.jsonl", ROW, ROW, {**ROW, "data_source": "my/math_set"})
     preflight(
         load_config(
-            QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]", "reward.function=auto"]
+            QUICKSTART,
+            [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]", "reward.function=auto"]
+            + ["run.prompts_per_step=2"],
         )
     )
     out = capsys.readouterr()
@@ -227,7 +229,11 @@ def test_preflight_states_which_reward_scores_which_data_source_and_warns_when_o
         "(the first rows of each file)"
     ) in out.out.splitlines()
     assert out.err == ""
-    preflight(load_config(QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]"]))
+    preflight(
+        load_config(
+            QUICKSTART, [f"run.output_dir={tmp_path / 'run'}", f"data.train_files=[{rows}]", "run.prompts_per_step=2"]
+        )
+    )
     out = capsys.readouterr()  # the quickstart's explicit reward.function=max scores every row
     assert "hybridflow train: reward (max): 'arithmetic' (2 rows), 'my/math_set' (1 rows) -> max" in out.out
     assert out.err == (
@@ -317,3 +323,27 @@ def test_a_damaged_checkpoint_the_reference_loads_from_is_refused(tmp_path, caps
         "the reference policy loads from it (algorithm.kl_loss_coef / kl_reward_coef > 0): restore its "
         "files, or set a new run.output_dir"
     )
+
+
+@pytest.mark.claim("data-size-and-overlap-said")
+def test_a_data_set_smaller_than_a_step_and_a_held_out_set_that_is_the_training_set_are_said(tmp_path, capsys):
+    from hybridflow.data import write_jsonl
+
+    rows = [{"prompt": f"{i}+1=", "reward_model": {"ground_truth": i + 1}} for i in range(6)]
+    train, copy = tmp_path / "train.jsonl", tmp_path / "copy.jsonl"
+    write_jsonl(train, rows)
+    write_jsonl(copy, rows[:3])
+    base = [
+        f"run.output_dir={tmp_path / 'run'}",
+        f"data.train_files=[{train}]",
+        "run.prompts_per_step=8",
+        "sft.steps=0",
+    ]
+    preflight(load_config(QUICKSTART, [*base, f"data.heldout_files=[{train}]"]))
+    err = capsys.readouterr().err
+    assert "warning: data.train_files hold 6 usable rows, fewer than run.prompts_per_step=8: every step" in err
+    assert "warning: data.heldout_files[0] is data.train_files[0]: the held-out reward will measure" in err
+    preflight(load_config(QUICKSTART, [*base, f"data.heldout_files=[{copy}]", "run.prompts_per_step=4"]))
+    err = capsys.readouterr().err
+    assert "3 of the first 3 held-out prompts are also among the first training rows" in err
+    assert "fewer than run.prompts_per_step" not in err

@@ -53,6 +53,8 @@ def configured_tools(cfg: AgenticConfig) -> list[Tool]:
             tools.append(resolve_tool(name))
         except ValueError as error:
             raise ValueError(f"agentic.tools[{index}]: {error}") from None
+        if tools[-1].name in [t.name for t in tools[:-1]]:  # the model could not tell which it calls
+            raise ValueError(f"agentic.tools[{index}]: a second tool named {tools[-1].name!r}; remove or rename one")
     return tools
 
 

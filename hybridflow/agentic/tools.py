@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
 
-__all__ = ["TOOLS", "Tool", "check_parameters_schema", "import_named", "resolve_tool", "tool"]
+__all__ = ["TOOLS", "Tool", "check_parameters_schema", "check_tool_schema", "import_named", "resolve_tool", "tool"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class Tool:
     fn: Callable[..., Any] = field(compare=False)
     timeout_s: float = 10.0
     """A call that takes longer is answered with a timeout error (the call itself is abandoned)."""
+
+    def __post_init__(self) -> None:
+        check_tool_schema(self.name, self.description, self.parameters)
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI function schema chat templates render in the system prompt."""
@@ -72,6 +76,29 @@ def check_parameters_schema(parameters: Any, where: str) -> None:
         raise ValueError(f"{where}: not a valid JSON schema: {error.message}") from None
 
 
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""What the function-calling formats accept as a name (the model writes it back in its call)."""
+
+
+def check_tool_schema(name: Any, description: Any, parameters: Any) -> None:
+    """ValueError (one line naming the tool) unless the tool is one a chat template can show and a
+    model can call: a name of letters, digits, ``_`` and ``-`` (at most 64), a description that
+    says what it does (the model chooses tools by it), parameters a JSON schema of an object whose
+    ``required`` names are among its ``properties``."""
+    where = f"tool {name!r}"
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{where}: a tool's name must be 1-64 letters, digits, '_' or '-'; rename it")
+    check_parameters_schema(parameters, where)
+    if not isinstance(description, str) or not description.strip():
+        raise ValueError(
+            f"{where}: no description; the model picks its tools by what their descriptions say: pass "
+            "description= or give the function a docstring"
+        )
+    missing = set(parameters.get("required", ())) - set(parameters.get("properties", {}))
+    if missing:
+        raise ValueError(f"{where}: required {sorted(missing)} not among the schema's properties; declare them")
+
+
 def tool(
     name: str | None = None, *, parameters: Mapping[str, Any], description: str | None = None, timeout_s: float = 10.0
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -79,8 +106,7 @@ def tool(
 
     def add(fn: Callable[..., Any]) -> Callable[..., Any]:
         key = name or fn.__name__
-        check_parameters_schema(parameters, f"tool {key!r}")
-        doc = description or (inspect.getdoc(fn) or key).splitlines()[0]
+        doc = description or (inspect.getdoc(fn) or "").partition("\n")[0]
         TOOLS[key] = Tool(key, doc, dict(parameters), fn, timeout_s)
         return fn
 

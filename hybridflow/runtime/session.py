@@ -41,7 +41,16 @@ import torch.distributed as dist
 
 from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
-from hybridflow.data import DataReport, PromptSampler, TokenizedPrompt, read_rows, sft_key, tokenize_rows, tool_schemas
+from hybridflow.data import (
+    DataReport,
+    PromptSampler,
+    TokenizedPrompt,
+    few_rows_warning,
+    read_rows,
+    sft_key,
+    tokenize_rows,
+    tool_schemas,
+)
 from hybridflow.runtime import console
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.engine_client import EngineClient
@@ -413,6 +422,9 @@ def load_prompts(cfg: HybridflowConfig, tokenizer, train: list[str], heldout: li
     rows = read_rows(train, cfg.data, sft_key=sft_key(cfg), report=report)
     prompts, too_long = tokenize_rows(rows, tokenizer, cfg.data, tools, name="training prompts", report=report)
     report.check_dropped("training", "data.train_files", cfg.data, kept=len(prompts))
+    driver = not dist.is_initialized() or dist.get_rank() == DRIVER
+    if len(prompts) < cfg.run.prompts_per_step and cfg.run.mode != "sft" and driver:
+        logger.warning("%s", few_rows_warning(len(prompts), cfg.run.prompts_per_step))
     skipped = {"train": report.num_skipped + too_long}
     held = []
     if heldout and cfg.run.heldout_prompts > 0:

@@ -39,6 +39,7 @@ from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, job_worlds, load_config, to_yaml
 from hybridflow.data import PromptSampler
 from hybridflow.lowering import lower
+from hybridflow.rewards import RewardError
 from hybridflow.runtime import checksums, console, determinism, disk_full, frozen_ranks, report, startup_clock, stops
 from hybridflow.runtime import state as run_state
 from hybridflow.runtime.channel import Channel, colocated, join
@@ -744,8 +745,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line_error(error: BaseException, cfg: HybridflowConfig) -> BaseException | None:
-    """The error to report in one line when its message says what to change, else None."""
-    if isinstance(error, (DeviceMemoryError, disk_full.DiskFull)):
+    """The error to report in one line when its message says what to change, else None (a reward
+    function that failed under reward.on_error=fail names the sample and the setting; a traceback
+    and the engines' teardown noise would bury that line)."""
+    if isinstance(error, (DeviceMemoryError, disk_full.DiskFull, RewardError)):
         return error
     if disk_full.is_disk_full(error):  # outside a checkpoint: the tracking store, a report
         return disk_full.DiskFull(

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.agentic.tools import Tool, check_parameters_schema, tool
+from hybridflow.agentic.engine import configured_tools
+from hybridflow.agentic.tools import TOOLS, Tool, check_parameters_schema, tool
 from hybridflow.cli import main
+from hybridflow.config import load_config
 from hybridflow.rollout.base import RolloutSample
 from hybridflow.runtime.exchange import meta_of, pack, unpack
 
@@ -58,9 +60,30 @@ def test_an_invalid_tool_schema_is_refused_where_the_tool_is_declared() -> None:
     with pytest.raises(ValueError, match="tool 'g': not a valid JSON schema: 'integr' is not valid"):
         check_parameters_schema({"type": "object", "properties": {"a": {"type": "integr"}}}, "tool 'g'")
     assert (
-        Tool("h", "", {"type": "object"}, lambda: None).argument_errors([1])
+        Tool("h", "does h", {"type": "object"}, lambda: None).argument_errors([1])
         == "the arguments: [1] is not of type 'object'"
     )
+
+
+@pytest.mark.claim("tool-schemas-checked")
+def test_a_tool_the_model_could_not_choose_or_call_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^tool 'f': no description; the model picks its tools by"):
+        tool("f", parameters={"type": "object"})(lambda: None)  # no description=, no docstring
+    with pytest.raises(ValueError, match=r"^tool 'add numbers': a tool's name must be 1-64 letters"):
+        Tool("add numbers", "adds", {"type": "object"}, lambda: None)
+    with pytest.raises(ValueError, match=r"^tool 'add': required \['b'\] not among the schema's properties"):
+        Tool("add", "adds", {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, lambda: None)
+
+    def documented(a):
+        """Add one to a.
+
+        More lines the template need not show."""
+
+    tool("documented_tool", parameters={"type": "object"})(documented)
+    assert TOOLS["documented_tool"].description == "Add one to a."
+    cfg = load_config(None, ["agentic.enabled=true", "agentic.tools=[calculator, calculator]"])
+    with pytest.raises(ValueError, match=r"^agentic.tools\[1\]: a second tool named 'calculator'"):
+        configured_tools(cfg.agentic)
 
 
 def test_a_trajectorys_loss_mask_and_counts_travel_with_its_tokens() -> None:

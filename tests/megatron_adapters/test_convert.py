@@ -293,6 +293,29 @@ def test_existing_output_needs_overwrite(hf_dirs, converted, tmp_path):
     assert (out / "model.safetensors.index.json").is_file()
 
 
+@pytest.mark.claim("convert-never-replaces-its-input")
+def test_an_output_that_would_replace_or_hold_its_input_is_refused_even_with_overwrite(
+    hf_dirs, converted, tmp_path, capsys
+):
+    """`convert hf-to-mcore --hf M --out M --overwrite` replaced the user's model; every way of
+    naming the same directory, or one inside the other, is refused before anything is written."""
+    model = _copy(hf_dirs["llama"], tmp_path)
+    before = sorted(p.name for p in model.iterdir())
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    for out in (model, link, tmp_path, model / "mcore"):
+        code = main(["convert", "hf-to-mcore", "--hf", str(model), "--out", str(out), "--overwrite"])
+        assert code == 2, out
+        err = capsys.readouterr().err
+        assert f"the input {model.resolve()}" in err and "choose an output directory outside it" in err
+    assert sorted(p.name for p in model.iterdir()) == before
+    mcore, _ = converted["llama", "pp2"]
+    with pytest.raises(ValueError, match=r"is the input .*hf_llama"):  # the side files' directory
+        mcore_to_hf(mcore, hf_dirs["llama"], hf_config=hf_dirs["llama"], overwrite=True)
+    with pytest.raises(ValueError, match=r"llama_pp2 is the input .*llama_pp2: writing it would replace"):
+        mcore_to_hf(mcore, mcore, overwrite=True)
+
+
 @pytest.mark.claim("convert-bad-input")
 def test_bad_megatron_input(hf_dirs, converted, tmp_path):
     mcore, _ = converted["deepseek_v3", "pp2"]
