@@ -805,7 +805,10 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the reward function."""
     on_error: str = "zero"
-    """A reward function that raises: zero (reward 0, logged with the sample) or fail."""
+    """A reward function that raises or times out: zero (reward 0, logged with the sample) or fail."""
+    timeout_s: float = 60.0
+    """A reward call that takes longer is a reward error (``on_error`` says what follows); the call
+    is abandoned, not stopped (a function that never returns keeps a thread); 0 = no limit."""
     rule_weight: Optional[float] = None
     """Weight of ``function``'s score in a sample's reward; None: 1, or 0 when a reward model or a
     judge scores the samples (set it to mix the rule with them; 0: the rule is not called)."""
@@ -820,6 +823,7 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         check_choice("on_error", self.on_error, ("zero", "fail"))
+        check_non_negative(self, ("timeout_s",))
         for source, weights in self.source_weights.items():
             unknown = sorted(set(weights) - {"rule", "model", "judge"})
             if unknown:

@@ -40,7 +40,9 @@ import inspect
 import logging
 import math as _math
 import numbers
+import queue
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -477,6 +479,39 @@ class _ErrorLog:
         self.messages.append(message)
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call that ran past ``reward.timeout_s``."""
+
+
+def call_each(call: Callable[[int], Any], count: int, timeout_s: float) -> list[tuple[Exception | None, Any]]:
+    """``call(0) .. call(count - 1)`` in order, each within ``timeout_s`` (0: no limit): (None,
+    value) or (the exception, None) per call. The calls run on a worker thread; one that runs
+    past its time is abandoned (a thread cannot be stopped) and a new worker takes the next, so a
+    function that never returns costs its rows a timeout each, never the run."""
+    results: list[tuple[Exception | None, Any]] = []
+    while len(results) < count:
+        start, done, abandoned = len(results), queue.SimpleQueue(), threading.Event()
+
+        def work(first: int = start, out=done, stop=abandoned) -> None:
+            for index in range(first, count):
+                if stop.is_set():
+                    return
+                try:
+                    out.put((None, call(index)))
+                except Exception as error:  # the caller reports it with its row
+                    out.put((error, None))
+
+        threading.Thread(target=work, name=f"reward-{start}", daemon=True).start()
+        for _ in range(start, count):
+            try:
+                results.append(done.get(timeout=timeout_s or None))
+            except queue.Empty:
+                abandoned.set()
+                results.append((RewardTimeout(f"no result within reward.timeout_s={timeout_s:g} s"), None))
+                break
+    return results
+
+
 @dataclass(frozen=True)
 class Scored:
     """What scoring a batch found, row by row."""
@@ -528,13 +563,22 @@ def score_rows(
     _log_new_routes(data_sources, names)
     extra_infos = [None] * len(responses) if extra_infos is None else extra_infos
     errors, scores, no_answer = _ErrorLog(cfg), [], []
-    for index, (response, answer, name) in enumerate(zip(responses, answers, names)):
-        fn, reason = functions[name], None
+
+    def call(index: int) -> Any:
+        fn = functions[names[index]]
+        args, kwargs = _arguments(
+            fn, responses[index], answers[index], data_sources[index], extra_infos[index], cfg.kwargs
+        )
+        return fn(*args, **kwargs)
+
+    for index, (outcome, value) in enumerate(call_each(call, len(responses), cfg.timeout_s)):
+        fn, reason, response = functions[names[index]], None, responses[index]
         try:
-            args, kwargs = _arguments(fn, response, answer, data_sources[index], extra_infos[index], cfg.kwargs)
-            score, reason = _check_score(fn(*args, **kwargs))
+            if outcome is not None:
+                raise outcome
+            score, reason = _check_score(value)
         except Exception as error:  # any failure of user code is reported per sample
-            errors.add(index, name, response, answer, error)
+            errors.add(index, names[index], response, answers[index], error)
             score = 0.0
         scores.append(score)
         finder = _ANSWER_FINDERS.get(fn)

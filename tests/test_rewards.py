@@ -2,6 +2,8 @@
 
 import logging
 import math
+import threading
+import time
 
 import pytest
 
@@ -308,3 +310,24 @@ def test_mismatched_lengths_are_an_error():
 def test_a_bad_reward_function_fails_even_when_data_sources_pick_the_rewards():
     with pytest.raises(ValueError, match="no_such_reward"):
         score_responses(["1"], [1], ["arithmetic"], RewardConfig(function="no_such_reward"))
+
+
+def hangs_on_seven(response, answer):
+    if response == "7":
+        threading.Event().wait()  # never returns
+    return float(response == str(answer))
+
+
+@pytest.mark.claim("reward-timeout")
+def test_a_reward_that_never_returns_costs_its_row_a_timeout_not_the_run():
+    cfg = RewardConfig(function=f"{__name__}.hangs_on_seven", timeout_s=0.3)
+    started = time.perf_counter()
+    scores, errors = score_responses(["3", "7", "4", "7", "5"], [3, 7, 4, 7, 9], [None] * 5, cfg)
+    assert scores == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert len(errors) == 2 and all("RewardTimeout: no result within reward.timeout_s=0.3 s" in e for e in errors)
+    assert "sample 1" in errors[0] and "sample 3" in errors[1]
+    assert time.perf_counter() - started < 3
+    with pytest.raises(RewardError, match=r"sample 1 .*RewardTimeout.*set reward.on_error=zero"):
+        score_responses(
+            ["3", "7"], [3, 7], [None] * 2, RewardConfig(function=cfg.function, timeout_s=0.3, on_error="fail")
+        )
