@@ -123,6 +123,14 @@ def _format_signal(signal: dict[str, Any] | None) -> list[str]:
     return [line]
 
 
+def _format_wall(summary: dict[str, Any]) -> str:
+    line = f"  wall time    {summary['wall_seconds']:.0f} s"
+    starts = summary.get("wall_seconds_per_start") or []
+    if len(starts) > 1:  # a resumed run: the total alone would hide where the time went
+        line += f" over {len(starts)} starts ({', '.join(f'{s:.0f}' for s in starts)} s; this one last)"
+    return line
+
+
 def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
     """The one-screen summary printed at the end of ``hybridflow train``."""
     lines = [
@@ -135,7 +143,7 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
         f"{_fmt(summary['heldout_reward_after_sft'])}, after RL {_fmt(summary['heldout_reward_after_rl'])}",
         *_format_signal(summary.get("learning_signal")),
         _format_left_out(summary),
-        f"  wall time    {summary['wall_seconds']:.0f} s",
+        _format_wall(summary),
         f"  outputs      {out_dir}/summary.json, reward_curve.png, checkpoints/",
     ]
     moe = summary.get("moe")

@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,6 +321,14 @@ class RunContext:
     """``time.time()`` when this process started the run."""
     wall_before: float = 0.0
     """Wall seconds of the run before this process started (a resumed run's earlier part)."""
+    starts_before: list[float] = field(default_factory=list)
+    """Each earlier start's wall seconds (``RunState.start_seconds``; a state saved before the
+    field: its one total)."""
+
+    def start_seconds(self) -> list[float]:
+        """Each start's wall seconds, this one's (so far) last."""
+        return [*self.starts_before, time.time() - self.started]
+
     executed_stages: list[str] = field(default_factory=list)
     """The first RL step of this process as it ran: each stage and the switch executed before
     it, in ``hybridflow plan``'s words (the summary reports it)."""

@@ -114,7 +114,10 @@ class RunState:
     mlflow_run_id: str | None = None
     """The MLflow run to keep logging into."""
     wall_seconds: float = 0.0
-    """Wall time spent by earlier starts of this run."""
+    """Wall time spent by the starts of this run up to this checkpoint (the sum of ``start_seconds``)."""
+    start_seconds: list[float] = field(default_factory=list)
+    """Each start's wall seconds up to the checkpoint it left last (the saving start's last): a
+    killed attempt's share stays visible instead of hiding in the total."""
     reward_errors: int = 0
     """Reward calls that raised (scored 0) up to this checkpoint, so a resumed run's summary
     counts the earlier starts' errors too."""

@@ -56,9 +56,18 @@ class Tracker:
     hung the suite, see docs/speed.md."""
 
     def __init__(
-        self, cfg: HybridflowConfig, *, active: bool, run_id: str | None = None, history: list[dict[str, float]] = ()
+        self,
+        cfg: HybridflowConfig,
+        *,
+        active: bool,
+        run_id: str | None = None,
+        history: list[dict[str, float]] = (),
+        logged_until: int = 0,
     ) -> None:
+        """``logged_until``: the last RL step an earlier start logged (it may have gone past the
+        checkpoint this start resumes from): those steps are not logged twice."""
         self.tensorboard_dir: str | None = None
+        self._logged_until = logged_until
         self._mlflow: _MlflowRun | None = None
         self._closed = False
         self._tensorboard = None
@@ -67,6 +76,8 @@ class Tracker:
         if cfg.run.tracking.backend == "mlflow":
             with gc_pause.paused():  # MLflow's import and its store's schema: start-up objects
                 self._mlflow = _start_mlflow(cfg, run_id, list(history))
+            if self._mlflow.run_id != run_id:  # a new MLflow run: it holds none of those steps
+                self._logged_until = 0
         if cfg.run.tracking.tensorboard:
             self._start_tensorboard(Path(cfg.run.output_dir).resolve() / "tensorboard")
 
@@ -102,6 +113,10 @@ class Tracker:
             self._tensorboard.add_text("params", f"| param | value |\n|---|---|\n{table}")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log a step's finite numbers; an RL step an earlier start already logged is not logged
+        again (its points stand: one point per step, however often the run resumed)."""
+        if 0 < step <= self._logged_until and not any(k.startswith(("sft/", "rm/")) for k in metrics):
+            return
         finite = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         self._to_mlflow(functools.partial(_log_metrics, finite, step))
         if self._tensorboard is not None:

@@ -47,6 +47,7 @@ from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.engine_ranks import serve
 from hybridflow.runtime.loop import heldout, train_rl
 from hybridflow.runtime.pipeline import Pipeline
+from hybridflow.runtime.progress import read_progress
 from hybridflow.runtime.recovery import EngineRestarts
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
 from hybridflow.runtime.session import (
@@ -102,7 +103,8 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf
         _record_checksums(s, staging)
         if s.run.is_driver:
             s.run.state.mlflow_run_id = s.run.tracker.run_id
-            s.run.state.wall_seconds = s.run.wall_before + time.time() - s.run.started
+            s.run.state.start_seconds = s.run.start_seconds()
+            s.run.state.wall_seconds = sum(s.run.state.start_seconds)
             s.run.state.async_buffer = buffer
             s.run.state.checksummed = True
             run_state.save_state(staging, s.run.state)
@@ -471,12 +473,19 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
         out_dir=out_dir,
         rank=rank,
         state=state,
-        tracker=Tracker(cfg, active=rank == DRIVER, run_id=state.mlflow_run_id, history=state.history),
+        tracker=Tracker(
+            cfg,
+            active=rank == DRIVER,
+            run_id=state.mlflow_run_id,
+            history=state.history,
+            logged_until=_logged(out_dir, state),
+        ),
         shard=_shard(),
         device=parallel.device(),
         channel=channel,
         started=time.time(),
         wall_before=state.wall_seconds,
+        starts_before=state.start_seconds or ([state.wall_seconds] if state.wall_seconds else []),
     )
     data = RunData(
         tokenizer=tokenizer,
@@ -499,6 +508,13 @@ def _models(cfg: HybridflowConfig, pg, state: run_state.RunState) -> Models:
     return Models(spec=spec, algo=algo, kl_reward=kl, pg=pg)
 
 
+def _logged(out_dir: Path, state: run_state.RunState) -> int:
+    """The last RL step an earlier start finished, and so logged into the MLflow run this start
+    reopens (``progress.json``); 0 for a start without one (it logs into a new run)."""
+    progress = read_progress(out_dir) if state.mlflow_run_id else None
+    return int(progress["done"]) if progress and progress.get("phase") == "rl" else 0
+
+
 def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     wall = s.run.wall_before + time.time() - s.run.started
     first = s.run.state.history[0] if s.run.state.history else {}
@@ -511,6 +527,7 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
         "executed_stages": s.run.executed_stages,
         "tensorboard_dir": s.run.tracker.tensorboard_dir,
         "engine_restarts": s.engines.restarts.used if s.engines.restarts is not None else 0,
+        "wall_seconds_per_start": s.run.start_seconds(),
     }
     if s.models.teacher is not None:
         extra["heldout_teacher_kl"] = [list(x) for x in s.run.state.heldout_teacher_kl]

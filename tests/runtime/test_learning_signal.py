@@ -163,3 +163,16 @@ def test_responses_that_hit_their_limit_are_warned_about_once_a_run():
     assert clip_warning(cfg, [{"response_length/clip_ratio": 0.5}], {"response_length/clip_ratio": 0.9}) is None
     off = load_config(QUICKSTART, ["checks.response_clip_ratio=0"])
     assert clip_warning(off, [], {"response_length/clip_ratio": 1.0}) is None
+
+
+@pytest.mark.claim("wall-time-per-start")
+def test_the_summary_gives_the_wall_time_of_each_start():
+    cfg = load_config(QUICKSTART, [])
+    run_state = state.RunState(step=4, history=[{"step": 4, "reward/mean": 0.5}])
+    summary = summarise(
+        cfg, run_state, heldout_after_rl=None, wall_seconds=70.0, data_rows_skipped={}, reward_errors=0,
+        extra={"wall_seconds_per_start": [50.0, 20.0]},
+    )  # fmt: skip
+    assert "  wall time    70 s over 2 starts (50, 20 s; this one last)" in format_summary(summary, Path("o"))
+    one = dict(summary, wall_seconds_per_start=[70.0])
+    assert "  wall time    70 s\n" in format_summary(one, Path("o"))

@@ -117,3 +117,30 @@ def test_a_resume_with_changed_settings_dates_each_change_in_the_same_mlflow_run
         "actor_layout.from_step_4": "tp2 dp1",
         "actor_layout.from_step_6": "ep2 dp2",
     }
+
+
+@pytest.mark.claim("one-point-per-step")
+def test_steps_an_earlier_start_logged_past_its_checkpoint_are_not_logged_twice(tmp_path: Path) -> None:
+    """Killed after step 4 with its checkpoint at step 2, a run resumes at step 3: the reopened
+    MLflow run keeps one point per step; a start that opens a new MLflow run skips nothing."""
+    import mlflow
+
+    cfg = load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path}"])
+    first = Tracker(cfg, active=True)
+    for step in range(1, 5):
+        first.log_metrics({"reward/mean": step / 10}, step=step)
+    first.close(status="KILLED")
+    resumed = Tracker(cfg, active=True, run_id=first.run_id, logged_until=4)
+    for step in range(3, 7):
+        resumed.log_metrics({"reward/mean": step / 10 + 0.01}, step=step)
+    resumed.log_metrics({"sft/loss": 1.0}, step=3)  # another phase's step 3: logged
+    resumed.close()
+    client = mlflow.MlflowClient(tracking_uri=resumed.uri)
+    points = [(m.step, m.value) for m in client.get_metric_history(first.run_id, "reward/mean")]
+    assert sorted(points) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (5, 0.51), (6, 0.61)]
+    assert len(client.get_metric_history(first.run_id, "sft/loss")) == 1
+    elsewhere = load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path / 'b'}"])
+    fresh = Tracker(elsewhere, active=True, run_id=first.run_id, logged_until=4)  # not in this store
+    fresh.log_metrics({"reward/mean": 0.3}, step=3)
+    fresh.close()
+    assert len(mlflow.MlflowClient(tracking_uri=fresh.uri).get_metric_history(fresh.run_id, "reward/mean")) == 1
