@@ -356,6 +356,19 @@ def _check_overlap(cfg: HybridflowConfig, command: str) -> None:
              "rows: the held-out reward partly measures prompts the policy trains on", warning=True)  # fmt: skip
 
 
+def check_context(cfg: HybridflowConfig) -> None:
+    """A prompt and its response must fit the model's context: the engine refuses a request that
+    would not, and only at the first generation (minutes in, after the warm-up)."""
+    d, context = cfg.data, cfg.model.max_position_embeddings
+    if d.max_prompt_length + d.max_response_length > context:
+        source = f"{cfg.model.path}/config.json" if cfg.model.pretrained else "model.max_position_embeddings"
+        raise ValueError(
+            f"data.max_prompt_length={d.max_prompt_length} + data.max_response_length={d.max_response_length} = "
+            f"{d.max_prompt_length + d.max_response_length} exceeds the model's context of {context} tokens "
+            f"({source}); lower them to sum to at most {context}"
+        )
+
+
 def check_prompt_lengths(cfg: HybridflowConfig, *, command: str = "train") -> None:
     """The prompts of the first rows of each data file, tokenised as the run will (the model's
     tokenizer and chat template, the system prompt, the tools): a run that would drop more than
@@ -548,6 +561,7 @@ def preflight(
     check_model_weights(cfg, on_cluster=command == "slurm" or _has_gpu(), must_exist=model_must_exist, command=command)
     check_frozen_models(cfg, must_exist=model_must_exist, command=command)
     check_rm_mode(cfg)
+    check_context(cfg)
     if not (cfg.run.mode == "rm" and cfg.data.train_files):  # preference pairs: no prompt rows to preview
         check_data(cfg, command=command)
         check_prompt_lengths(cfg, command=command)

@@ -239,6 +239,8 @@ def test_train_with_r3_on_cpu_exits_2_pointing_to_r2(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+CPU_RECIPES = {"quickstart_cpu", "quickstart_cpu_lora", "quickstart_cpu_packed", "agentic_cpu", "my_model"}
+"""Recipes for this CPU (the template included); every other recipe names its GPUs."""
 HEADER = re.compile(r"^# Memory per GPU \(hybridflow plan, (\d+) GiB GPUs\): (.+)\.$", re.M)
 
 
@@ -247,7 +249,7 @@ def test_every_shipped_recipe_fits_its_plan_and_its_header_says_what_plan_says(r
     """A recipe that does not fit the GPUs it names is a claim without proof; a figure typed into
     a header drifts from the estimate. GPU recipes state plan's figures, and a test holds them."""
     header = HEADER.search(recipe.read_text())
-    if not recipe.stem.endswith("_cpu") and not recipe.stem.startswith(("quickstart_cpu", "agentic_cpu")):
+    if recipe.stem not in CPU_RECIPES:
         assert header, f"{recipe.name}: no '# Memory per GPU (hybridflow plan, N GiB GPUs): ...' line"
     gib = header.group(1) if header else "80"
     assert main(["plan", str(recipe), "--no-reshard", "--device-memory-gib", gib]) == 0, recipe.name

@@ -76,3 +76,10 @@ def test_the_configuration_reference_is_generated_from_the_current_config() -> N
     assert (ROOT / "docs" / "configuration.md").read_text() == config_reference.render(), (
         "docs/configuration.md is stale: run python scripts/config_reference.py"
     )
+
+
+@pytest.mark.claim("template-shown-whole")
+def test_getting_started_shows_the_template_whole_as_it_is_shipped() -> None:
+    shown = (ROOT / "docs" / "getting-started.md").read_text()
+    template = (ROOT / "configs" / "my_model.yaml").read_text()
+    assert f"```yaml\n{template}```" in shown, "docs/getting-started.md: paste configs/my_model.yaml again"

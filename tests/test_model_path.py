@@ -232,3 +232,16 @@ def test_a_run_that_would_drop_most_of_its_prompts_as_too_long_is_refused_before
     assert longest > 64 and f"the longest has {longest} tokens" in message
     preflight(load_config(None, [*overrides, f"data.max_prompt_length={longest}"]))  # the fix it names works
     assert "too long" not in capsys.readouterr().err
+
+
+@pytest.mark.claim("context-checked")
+def test_lengths_beyond_the_models_context_are_refused_before_any_rank(hub_dir, tmp_path):
+    from hybridflow.preflight import preflight
+
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", f"model.path={hub_dir}", "data.max_prompt_length=512"])
+    with pytest.raises(ValueError) as refused:
+        preflight(cfg)
+    assert str(refused.value) == (
+        f"data.max_prompt_length=512 + data.max_response_length=16 = 528 exceeds the model's context of 256 "
+        f"tokens ({hub_dir}/config.json); lower them to sum to at most 256"
+    )

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from hybridflow.data import write_parquet
 from tests.dumped_logprobs import transformers_logprobs, worst_difference
@@ -71,36 +70,33 @@ def _write_data(root: Path) -> tuple[Path, Path]:
     return write_parquet(root / "train.parquet", rows), write_parquet(root / "test.parquet", test)
 
 
-def _config(model: Path, train: Path, test: Path) -> dict:
-    return {
-        "model": {"path": str(model)},
-        "actor": {"parallel": {"tp": 2, "dp": 1}},
-        "rollout": {
-            "engine": "sglang",
-            "tp": 2,
-            "dtype": "float32",
-            "n": 8,
-            "temperature": 1.0,
-            "max_total_tokens": 4096,
-        },
-        "data": {
-            "train_files": [str(train)],
-            "heldout_files": [str(test)],
-            "max_prompt_length": 48,
-            "max_response_length": 8,
-        },
-        "sft": {"steps": 100, "lr": 3.0e-3, "batch_size": 64, "response_key": "extra_info.answer"},
-        "algorithm": {"name": "grpo", "mini_batches": 4},
-        "train": {"lr": 1.0e-3, "micro_batch_size": 16, "global_batch_size": 128, "clip_grad": 1.0},
-        "run": {
-            "name": "gsm8k_style",
-            "steps": RL_STEPS,
-            "prompts_per_step": 16,
-            "checkpoint_every": RL_STEPS - 1,  # and the last step: the one before is kept to compare
-            "heldout_prompts": HELDOUT,
-            "tracking": {"backend": "none"},
-        },
-    }
+TEMPLATE = ROOT / "configs" / "my_model.yaml"
+"""The run is the template users copy (docs/getting-started.md), as they would type it: the model
+and the files on the command line, and what a tiny model on a toy task needs besides."""
+
+
+def _overrides(model: Path, train: Path, test: Path) -> list[str]:
+    return [
+        f"model.path={model}",
+        f"data.train_files=[{train}]",
+        f"data.heldout_files=[{test}]",
+        # the toy task: one-digit answers, and a 64-wide model that learns at a high rate
+        "data.max_prompt_length=48",
+        "data.max_response_length=8",
+        "rollout.max_total_tokens=4096",
+        "sft.steps=100",
+        "sft.lr=3.0e-3",
+        "sft.batch_size=64",
+        "algorithm.mini_batches=4",
+        "train.lr=1.0e-3",
+        "train.micro_batch_size=16",
+        "train.clip_grad=1.0",
+        "run.name=gsm8k_style",
+        f"run.steps={RL_STEPS}",
+        f"run.checkpoint_every={RL_STEPS - 1}",  # and the last step: the one before is kept to compare
+        f"run.heldout_prompts={HELDOUT}",
+        "run.tracking.backend=none",
+    ]
 
 
 def _train(config: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -116,7 +112,7 @@ def _train(config: Path, out: Path, *extra: str, env: dict | None = None) -> sub
     return done
 
 
-@pytest.mark.claim("gsm8k-verl-parquet-end-to-end")
+@pytest.mark.claim("gsm8k-verl-parquet-end-to-end", "template-runs")
 def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loadable_model(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -125,10 +121,8 @@ def test_a_pretrained_directory_learns_gsm8k_style_answers_and_leaves_as_a_loada
 
     model_dir = make_hf_dir(tmp_path, "qwen3")
     train, test = _write_data(tmp_path)
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(_config(model_dir, train, test)))
     out, dump = tmp_path / "run", tmp_path / "dump"
-    _train(config, out, env=environment(DUMP_LOGPROBS=str(dump)))
+    _train(TEMPLATE, out, *_overrides(model_dir, train, test), env=environment(DUMP_LOGPROBS=str(dump)))
     summary = json.loads((out / "summary.json").read_text())
     print(
         f"\nheld-out reward: after SFT {summary['heldout_reward_after_sft']}, "

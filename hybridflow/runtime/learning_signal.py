@@ -69,11 +69,11 @@ def _streak(history: list[dict[str, float]], metrics: dict[str, float]) -> int:
 
 
 def no_signal_warning(
-    cfg: HybridflowConfig, history: list[dict[str, float]], metrics: dict[str, float], ro
+    cfg: HybridflowConfig, history: list[dict[str, float]], metrics: dict[str, float], ro, sft_losses=()
 ) -> str | None:
     """The warning when this step makes ``checks.no_signal_steps`` in a row without signal (once
     per streak; ``history``: the steps before), else None. ``ro``: the step's rollout, whose
-    first text on this rank is the example."""
+    first text on this rank is the example; ``sft_losses``: the warm-up's, when one ran."""
     needed = cfg.checks.no_signal_steps
     if not needed or _streak(history, metrics) != needed:
         return None
@@ -84,11 +84,16 @@ def no_signal_warning(
             f"{metrics[NO_ANSWER]:.0%} of the responses hold no answer in the format the {scorer} reads, "
             "so every one scores alike"
         )
-        fixes = (
-            "teach the model the format first (sft.steps=N with sft.response_key naming a worked solution "
-            "that ends in it, e.g. extra_info.answer in verl's GSM8K parquet), or score with a function "
-            "that reads what the model writes (reward.function=math_verify, or your own)"
+        teach = (
+            f"the warm-up ran ({len(sft_losses)} steps, loss {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f}) without "
+            "teaching it the format: give it more sft.steps or a higher sft.lr, and check that its targets "
+            f"({cfg.sft.response_key}) end in that format"
+            if sft_losses
+            else "teach the model the format first (sft.steps=N with sft.response_key naming a worked solution "
+            "that ends in it, e.g. extra_info.answer in verl's GSM8K parquet)"
         )
+        other = "score with a function that reads what the model writes (reward.function=math_verify, or your own)"
+        fixes = f"{teach}, or {other}"
     else:
         why = f"every response of a group gets the same score from the {scorer} (all right or all wrong)"
         fixes = (

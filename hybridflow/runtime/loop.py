@@ -94,7 +94,8 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
     metrics["reward/errors"] = float(errors)
     history = s.run.state.history
     cut = None if s.cfg.agentic.enabled else clip_warning(s.cfg, history, metrics)  # multi-turn warns per turn
-    for warning in (no_signal_warning(s.cfg, history, metrics, f["responses"]), cut):
+    silent = no_signal_warning(s.cfg, history, metrics, f["responses"], s.run.state.sft_losses)
+    for warning in (silent, cut):
         if warning and s.run.is_driver:
             logger.warning("step %d: %s", step.index + 1, warning)
     if s.pipeline is not None:  # how much generation overlapped training (asks the engine ranks)

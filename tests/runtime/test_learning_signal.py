@@ -176,3 +176,10 @@ def test_the_summary_gives_the_wall_time_of_each_start():
     assert "  wall time    70 s over 2 starts (50, 20 s; this one last)" in format_summary(summary, Path("o"))
     one = dict(summary, wall_seconds_per_start=[70.0])
     assert "  wall time    70 s\n" in format_summary(one, Path("o"))
+
+
+def test_after_a_warm_up_that_did_not_teach_the_format_the_fix_names_the_warm_up():
+    cfg = load_config(QUICKSTART, ["checks.no_signal_steps=1", "reward.function=auto", "sft.steps=50"])
+    ro = _rollout(["So, the answer is 8."] * 2, n=2)
+    warning = no_signal_warning(cfg, [], {GROUPS_EQUAL: 1.0, NO_ANSWER: 1.0}, ro, [6.5, 4.7])
+    assert "the warm-up ran (2 steps, loss 6.500 -> 4.700) without teaching it the format: give it more" in warning
