@@ -115,13 +115,17 @@ def report_failure(
     command: str,
     returncode: int,
     since: float = 0.0,
+    killed: str | None = None,
 ) -> str:
     """The launcher's last line after torchrun failed (the first failure among this node's records
     in ``directory`` and every node's in the run directory, from ``since`` on); also written to
-    ``<output_dir>/error.txt``."""
+    ``<output_dir>/error.txt``. ``killed``: the out-of-memory killer ended a process of the job
+    (``launch.oom``), the cause whatever the peers reported after it."""
     shared = [Path(output_dir) / RUN_ERRORS] if output_dir is not None else []
     failure = first_failure(directory, *shared, since=since)
-    if failure is None:
+    if killed is not None:
+        line = f"{command}: {killed}" + (f" (then {failure.line()})" if failure is not None else "")
+    elif failure is None:
         line = (
             f"{command}: the job failed with exit status {returncode}; no rank reported an error "
             "(a rank killed or exiting abruptly); see the ranks' output above"

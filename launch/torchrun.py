@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hfschema.layout import ParallelLayout
+from launch import oom
 from launch.failures import ERROR_DIR_ENV, ERROR_FILE, RUN_ERROR_DIR_ENV, RUN_ERRORS, report_failure
 from launch.reaper import REQUEST_FILE, TORCHRUN_SHUTDOWN_S, run_reaped
 from launch.run_lock import hold_run_directory
@@ -114,6 +115,7 @@ def _run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output
         for stale in (ERROR_FILE, REQUEST_FILE):
             Path(output_dir, stale).unlink(missing_ok=True)
     started, shared = time.time(), _run_errors(output_dir)
+    memory = oom.snapshot()
     with _job_tmpdir() as tmp:
         errors = os.path.join(tmp, "errors")
         os.mkdir(errors)
@@ -122,7 +124,10 @@ def _run_job(cmd: Sequence[str], env: Mapping[str, str], *, command: str, output
         if result.signum is not None:
             line = f"{command}: stopped by {signal.Signals(result.signum).name}; exit status {result.returncode}"
         elif result.returncode != 0:
-            line = report_failure(errors, output_dir, command=command, returncode=result.returncode, since=started)
+            killed = oom.killed_since(memory)
+            line = report_failure(
+                errors, output_dir, command=command, returncode=result.returncode, since=started, killed=killed
+            )
         else:
             return 0
     sys.stdout.flush()
