@@ -313,14 +313,19 @@ def hf_to_mcore(
         )
         key_dtypes = _key_dtypes(plan, dtype_of)
         sums = _Checksums() if checksums else None
-        with staged_directory(out, overwrite=overwrite, sources=(source,)) as staging:
+        with staged_directory(out, overwrite=overwrite, sources=(source,)) as staging, _bar(plan, "hf-to-mcore") as bar:
+
+            def make(i: int):
+                bar.update()
+                return _fill(reader, plan.chunks[i], key_dtypes[plan.chunks[i].key], sums)
+
             write_dist_checkpoint(
                 staging,
                 boxes=[(c.key, c.offsets, c.sizes) for c in plan.chunks],
                 dtypes=key_dtypes,
                 shapes=plan.keys,
                 extra_states=plan.extra_states,
-                make=lambda i: _fill(reader, plan.chunks[i], key_dtypes[plan.chunks[i].key], sums),
+                make=make,
             )
             _copy_side_files(source, staging / SIDE_FILE_DIR, target)
             recorded = sums.values() if sums else None
@@ -330,6 +335,21 @@ def hf_to_mcore(
         reader.close()
     nbytes = sum(math.prod(plan.tensors[n]) * dtype_of[n].itemsize for n in plan.tensors)
     return _report("hf-to-mcore", source, out, model, plan, nbytes, skipped, started, checks)
+
+
+def _bar(plan, direction: str):
+    """A progress bar over the plan's chunks (on a terminal only): a 671B conversion takes hours."""
+    from tqdm import tqdm
+
+    return tqdm(total=len(plan.chunks), desc=f"convert {direction}", unit="chunk", disable=None, leave=False)
+
+
+def _write_chunk(writer, chunk, data, out_dtype, sums) -> None:
+    for piece in chunk.pieces:
+        rows = data[piece.at : piece.at + piece.rows[1] - piece.rows[0]].to(out_dtype[piece.tensor])
+        writer.write_rows(piece.tensor, piece.rows, rows)
+        if sums is not None:
+            sums.add(piece.tensor, piece.rows, rows)
 
 
 def _report(direction, source, out, model, plan, nbytes, skipped, started, checks) -> ConversionReport:
@@ -554,12 +574,11 @@ def mcore_to_hf(
         )
         try:
             scale = lora.alpha / lora.rank if lora is not None else None
-            for chunk, data in _read_chunks(reader, plan, stored, _chunk_bytes(buffer_bytes), lora_scale=scale):
-                for piece in chunk.pieces:
-                    rows = data[piece.at : piece.at + piece.rows[1] - piece.rows[0]].to(out_dtype[piece.tensor])
-                    writer.write_rows(piece.tensor, piece.rows, rows)
-                    if sums is not None:
-                        sums.add(piece.tensor, piece.rows, rows)
+            chunks = _read_chunks(reader, plan, stored, _chunk_bytes(buffer_bytes), lora_scale=scale)
+            with _bar(plan, "mcore-to-hf") as bar:
+                for chunk, data in chunks:
+                    bar.update()
+                    _write_chunk(writer, chunk, data, out_dtype, sums)
             writer.finish()
         finally:
             writer.close()

@@ -231,6 +231,21 @@ def test_rl_starts_from_the_warm_ups_hugging_face_export(full_run: Path) -> None
     assert "rank 0 loaded" not in terminal and "Params for bucket" not in terminal, terminal[-3000:]
 
 
+@pytest.mark.claim("no-silent-minute")
+def test_every_phase_that_can_take_minutes_says_when_it_begins_and_ends(full_run: Path) -> None:
+    terminal = (full_run.parent / "stderr.txt").read_text()
+    for line in (
+        "training: ",  # the data set's one count
+        "building the actor (tp=1 pp=1 vpp=1 ep=2 etp=1 cp=1 dp=2 (world 2, expert_dp 1)) and loading its weights ...",
+        "building the actor: done in ",
+        "starting the rollout engine (sglang tp=2",
+        "starting the rollout engine: done in ",
+        "held-out: scoring 16 prompts (greedy) at step 0 ...",
+        "held-out: reward ",
+    ):
+        assert line in terminal, (line, terminal[-3000:])
+
+
 @pytest.mark.claim("quickstart-reports", "progress-file")
 def test_reports_are_written(full_run: Path) -> None:
     assert (full_run / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -657,9 +657,11 @@ def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Chann
             _stop_engines(s, in_order=True)
             return summary
         with out_of_memory_hint(cfg, "building the actor and the engine"):
-            _load_actor(s, resume_from)
+            with _said(s, f"building the actor ({cfg.actor.parallel.describe()}) and loading its weights"):
+                _load_actor(s, resume_from)
             startup_clock.mark("models")
-            _start_rollout(s)
+            with _said(s, f"starting the rollout engine ({cfg.rollout.describe()}) and pushing the weights"):
+                _start_rollout(s)
         _freeze_startup_objects()
         if cfg.async_rl.mode != "sync":
             s.pipeline = Pipeline(s.run, s.data, resume_from)
@@ -684,6 +686,18 @@ def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Chann
         s.run.tracker.close(status="KILLED" if isinstance(error, stops.Stopped) else "FAILED")
         _stop_engines(s, in_order=False)
         raise
+
+
+@contextlib.contextmanager
+def _said(s: Session, what: str) -> Iterator[None]:
+    """A phase that can take minutes at scale (weights read from disk, engines started), said on
+    the driver when it begins and when it ends: no silent minute."""
+    started = time.perf_counter()
+    if s.run.is_driver:
+        logger.info("%s ...", what)
+    yield
+    if s.run.is_driver:
+        logger.info("%s: done in %.0f s", what.split(" (")[0], time.perf_counter() - started)
 
 
 def _freeze_startup_objects() -> None:
