@@ -74,12 +74,12 @@ class _Tracker:
         self.logged.append((step, metrics))
 
 
-def _session(steps: int, texts: list[str]):
+def _session(steps: int, texts: list[str], out_dir: Path):
     overrides = [f"run.steps={steps}", "run.heldout_every=0", "checks.no_signal_steps=2", "reward.function=auto"]
     cfg = load_config(QUICKSTART, overrides)
     run = RunContext(
         cfg=cfg,
-        out_dir=Path("unused"),
+        out_dir=out_dir,  # the driver writes progress.json and the start-up clock there
         rank=0,
         state=state.RunState(),
         tracker=_Tracker(),
@@ -87,7 +87,7 @@ def _session(steps: int, texts: list[str]):
     )
     data = RunData(tokenizer=None, train_prompts=[], heldout_prompts=[], sampler=SimpleNamespace(batch=lambda step: []))
     s = Session(run=run, data=data, models=Models(spec=None, algo=cfg.algorithm, kl_reward=None), engines=None)
-    s.engines = EngineClient(cfg, Path("unused"))
+    s.engines = EngineClient(cfg, out_dir)
     generate = SimpleNamespace(name="generate", op="fake_generate", role="rollout", inputs=(), outputs=("responses",))
     reward = SimpleNamespace(
         name="reward",
@@ -102,12 +102,14 @@ def _session(steps: int, texts: list[str]):
 
 
 @pytest.mark.claim("no-signal-said")
-def test_a_run_whose_scorer_never_finds_an_answer_says_so_in_the_step_line_log_and_summary(monkeypatch, caplog):
+def test_a_run_whose_scorer_never_finds_an_answer_says_so_in_the_step_line_log_and_summary(
+    monkeypatch, caplog, tmp_path
+):
     """An instruct model answering "So, the answer is 7." under verl's strict GSM8K check: every
     reward 0, every group alike. The run names the scorer, the reason and an example, and the
     summary says how many steps had no signal."""
     texts = ["So, the answer is 7."] * 4
-    s, plan, ro = _session(3, texts)
+    s, plan, ro = _session(3, texts, tmp_path)
     monkeypatch.setitem(loop.OPS, "fake_generate", lambda *a: loop.Produced({"responses": ro}))
     monkeypatch.setattr(loop.dist, "barrier", lambda: None)
     with caplog.at_level(logging.WARNING, logger="hybridflow.runtime.loop"):
@@ -133,8 +135,8 @@ def test_a_run_whose_scorer_never_finds_an_answer_says_so_in_the_step_line_log_a
     assert "held-out     before RL" in text  # no SFT ran
 
 
-def test_groups_that_differ_carry_signal_and_no_warning(monkeypatch, caplog):
-    s, plan, ro = _session(3, ["#### 7", "#### 8", "#### 8", "#### 7"])
+def test_groups_that_differ_carry_signal_and_no_warning(monkeypatch, caplog, tmp_path):
+    s, plan, ro = _session(3, ["#### 7", "#### 8", "#### 8", "#### 7"], tmp_path)
     monkeypatch.setitem(loop.OPS, "fake_generate", lambda *a: loop.Produced({"responses": ro}))
     monkeypatch.setattr(loop.dist, "barrier", lambda: None)
     with caplog.at_level(logging.WARNING):
