@@ -10,6 +10,8 @@
                             --time T --qos Q --cpus-per-task C ...] [--submit | --dry-run]
     hybridflow convert hf-to-mcore --hf DIR --out DIR [--tp --pp --vpp --ep --etp] [--dtype D]
     hybridflow convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype D]
+    hybridflow samples RUN_DIR [--step N] [--heldout] [--pick best|worst|random|first] [-n N]
+                               [--source DATA_SOURCE]
 
 ``plan`` is a dry run in one process: it loads the config and lowers it
 (``hybridflow.lowering.lower``), which checks everything a run would check before starting a
@@ -31,23 +33,31 @@ task, checkpoint it and reload it (``hybridflow/selftest.py``).
 here first (``hybridflow.preflight``: reward, data files, engine, resume checkpoint), then hand
 plain values (the actor's layout, the config path and overrides) to ``launch``, which starts
 the processes.
+
+``samples`` reads a run's directory only (no torch): its summary, which steps wrote samples and
+the chosen samples of one step, each with its numbers, prompt and response.
 """
 
 import argparse
 import dataclasses
+import json
+import logging
 import os
 import subprocess
 import sys
 from argparse import SUPPRESS
 from collections.abc import Sequence
+from pathlib import Path
 
 from hfschema.hf_config import DEFAULT_BUFFER_BYTES, DEFAULT_SHARD_BYTES
-from hybridflow import __version__
+from hybridflow import __version__, lengths, sample_files
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
+from hybridflow.host_memory import has_gpu_device, host_memory
 from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
 from hybridflow.preflight import check_separate_nodes, check_slurm_run, more_ranks, preflight
 from hybridflow.rewards import check_reward
+from hybridflow.sample_files import PICKS
 from launch.multinode import LaunchSpec
 from launch.slurm import SlurmJob
 
@@ -122,7 +132,52 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_launch_parser(commands)
     _add_slurm_parser(commands)
     _add_convert_parser(commands)
+    _add_samples_parser(commands)
     return parser
+
+
+def _add_samples_parser(commands) -> None:
+    samples = commands.add_parser(
+        "samples", help="print a run's samples of a step (best, worst, random), its summary and where its files are"
+    )
+    samples.add_argument("run_dir", metavar="RUN_DIR", help="the run's output directory, e.g. runs/quickstart")
+    samples.add_argument("--step", type=int, default=None, metavar="N", help="the step (default: the last)")
+    samples.add_argument(
+        "--heldout", action="store_true", help="the held-out generations of a scoring (step 0: before RL)"
+    )
+    samples.add_argument("--pick", default="best", choices=PICKS, help="which samples (default: best by reward)")
+    samples.add_argument("-n", type=int, default=3, metavar="N", help="how many (default 3)")
+    samples.add_argument("--source", default=None, metavar="DATA_SOURCE", help="only this data_source's rows")
+    samples.add_argument("--seed", type=int, default=0, help="the seed of --pick random")
+    samples.set_defaults(handler=_samples)
+
+
+def _samples(args: argparse.Namespace) -> int:
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise ValueError(f"{run}: no such run directory")
+    summary = run / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        held = f"held-out {_score(s.get('heldout_reward_after_sft'))} -> {_score(s.get('heldout_reward_after_rl'))}"
+        print(f"run {s.get('run')} ({s.get('algorithm')}, {s.get('steps')} RL steps): {held}; {summary}")
+    else:
+        print(f"run {run}: no summary.json yet (running, or stopped before its end)")
+    rl, held = sample_files.steps(run), sample_files.steps(run, heldout=True)
+    print(f"samples: {run / sample_files.SAMPLES_DIR} (RL steps {sample_files.ranges(rl) or '-'}; "
+          f"held-out scorings at steps {sample_files.ranges(held) or '-'})")  # fmt: skip
+    path = sample_files.step_file(run, args.step, heldout=args.heldout)
+    records = sample_files.read(path)
+    shown = sample_files.pick(records, args.pick, args.n, source=args.source, seed=args.seed)
+    mean = sum(r["reward"] for r in records) / max(len(records), 1)
+    print(f"{path.name}: {len(records)} samples, mean reward {mean:.3f}; the {args.pick} {len(shown)}:")
+    for record in shown:
+        print("\n".join(sample_files.describe(record)))
+    return 0
+
+
+def _score(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _add_launch_parser(commands) -> None:
@@ -309,7 +364,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
     else:
         # the answer first; the details after it; the resolved YAML only when asked for
-        print("\n".join([*plan.verdict(), "", *_plan_summary(cfg, plan)]))
+        host = [] if has_gpu_device() else [host_memory(cfg).line()]
+        print("\n".join([*plan.verdict(), *host, "", *_plan_summary(cfg, plan)]))
         print(f"(the resolved config: hybridflow plan {args.config} ... --resolved)")
     return 0 if plan.fits else EXIT_DOES_NOT_FIT
 
@@ -552,16 +608,33 @@ def _convert_mcore_to_peft(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Decisions(logging.Handler):
+    """What the config loader decided for the user (the data lengths) as a line of this command's
+    output on the standard error it has at that moment, not a log record only ``--verbose`` shows."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter(f"hybridflow {command}: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(self.format(record) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
     args = _build_parser().parse_args(argv)
     if getattr(args, "verbose", False):  # the flag is the setting's short form: the ranks read the config
         args.overrides = [*args.overrides, "run.verbose=true"]
+    decisions, handler = logging.getLogger(lengths.__name__), _Decisions(args.command)
+    decisions.addHandler(handler)
+    decisions.setLevel(logging.INFO)
     try:
         return args.handler(args)
     except ValueError as e:
         print(f"hybridflow {args.command}: error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    finally:
+        decisions.removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ from hfschema.model import FAMILY_DERIVED, MODEL_FAMILIES, ModelConfig, RopeScal
 from hfschema.packing import PackingConfig
 from hfschema.sglang import SGLangSettings
 from hfschema.train import MoEConfig, TrainConfig
+from hybridflow.lengths import SYNTHETIC
+from hybridflow.lengths import decide as decide_lengths
+from hybridflow.lengths import logger as decision_logger
 
 if TYPE_CHECKING:
     from reshard.stats import Bandwidth
@@ -326,6 +329,12 @@ class RunConfig:
     """Held-out prompts scored (greedy) after SFT and after RL; 0 = skip."""
     heldout_every: int = 0
     """Also score the held-out set every this many RL steps (0 = only after SFT and at the end)."""
+    samples_per_step: int = 16
+    """Samples of each RL step written to ``<output_dir>/samples/step_NNNNNN.jsonl`` (whole prompt
+    groups: prompt, response, reward, advantage, tokens, finish reason, ...); 0 = none. Every
+    held-out scoring writes all its generations (``heldout_step_NNNNNN.jsonl``) whatever this is."""
+    samples_budget_mb: float = 200.0
+    """Largest size of ``<output_dir>/samples/``: past it the oldest step files are removed."""
     deterministic: bool = False
     """Same config and seed, same metrics bit for bit: deterministic torch, megatron-core, NCCL and
     (on GPUs) SGLang kernels (``hybridflow/runtime/determinism.py``); slower on GPUs."""
@@ -345,8 +354,10 @@ class RunConfig:
         check_choice("resume", self.resume, ("auto", "never"))
         check_choice("resume_fallback", self.resume_fallback, ("previous", "stop"))
         check_choice("on_nan", self.on_nan, ("stop", "skip"))
-        check_non_negative(self, ("seed", "steps", "checkpoint_every", "heldout_prompts", "heldout_every"))
-        check_positive(self, ("prompts_per_step", "keep_checkpoints"))
+        check_non_negative(
+            self, ("seed", "steps", "checkpoint_every", "heldout_prompts", "heldout_every", "samples_per_step")
+        )
+        check_positive(self, ("prompts_per_step", "keep_checkpoints", "samples_budget_mb"))
 
 
 @dataclass(kw_only=True)
@@ -747,10 +758,14 @@ class DataConfig:
     """Wrap string prompts as one user turn and apply the tokenizer's chat template."""
     system_prompt: Optional[str] = None
     """A system turn put before every chat prompt that has none (with the chat template only)."""
-    max_prompt_length: int = 64
-    """Prompts longer than this (in tokens) are bad rows."""
-    max_response_length: int = 16
-    """Generation budget per response (tokens)."""
+    max_prompt_length: Optional[int] = None
+    """Prompts longer than this (in tokens) are bad rows. Unset: the longest prompt of the
+    training files' first rows as the model's tokenizer and chat template make it, rounded up to
+    a multiple of 64 (the synthetic task: 64)."""
+    max_response_length: Optional[int] = None
+    """Generation budget per response (tokens). Unset: 1.5 x the longest warm-up answer
+    (``sft.response_key``) of the training files' first rows, rounded up to a multiple of 64, else
+    1024, within the model's context (the synthetic task: 16)."""
     on_bad_row: str = "skip"
     """A malformed row (missing column, wrong type, too long): skip (logged with file and row) or fail."""
     max_dropped_share: float = 0.05
@@ -762,7 +777,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choice("on_bad_row", self.on_bad_row, ("skip", "fail"))
-        check_positive(self, ("max_prompt_length", "max_response_length"))
+        if not self.train_files:  # the synthetic task: nothing to measure, its own few tokens
+            prompt, response = SYNTHETIC
+            self.max_prompt_length = prompt if self.max_prompt_length is None else self.max_prompt_length
+            self.max_response_length = response if self.max_response_length is None else self.max_response_length
+        check_positive(self, [k for k in ("max_prompt_length", "max_response_length") if getattr(self, k) is not None])
         if not 0.0 <= self.max_dropped_share <= 1.0:
             raise ConfigError("{p}max_dropped_share={v} must be in [0, 1]", v=self.max_dropped_share)
 
@@ -1301,6 +1320,9 @@ def load_config(
     # resolved for the default family; unset them so a YAML that changes model.family gets its own
     for key in FAMILY_DERIVED:
         merged.model[key] = None
+    # likewise the data lengths: the schema's DataConfig() filled in the synthetic task's
+    for key in ("max_prompt_length", "max_response_length"):
+        merged.data[key] = None
     for origin, source in sources:
         merged = _merge(merged, source, origin)
     _read_model_path(merged, sources, must_exist=model_path_must_exist)
@@ -1309,6 +1331,10 @@ def load_config(
     except OmegaConfBaseException as e:  # e.g. a ${...} that does not resolve
         _check_resolved(merged)  # a ${...} that resolves to the wrong kind: name its key
         raise ValueError(_omegaconf_message(e)) from None
+    decision = decide_lengths(cfg)
+    if decision is not None:
+        decision_logger.info("%s", decision.why)
+        cfg.data.max_prompt_length, cfg.data.max_response_length = decision.prompt, decision.response
     logger.debug("loaded config %s with overrides %s", path, list(overrides))
     return cfg
 

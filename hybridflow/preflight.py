@@ -42,7 +42,9 @@ from hfschema.model_source import (
 from hybridflow.agentic.engine import check_agentic
 from hybridflow.config import HybridflowConfig, frozen_gpus, frozen_layout, frozen_layout_key, job_worlds, to_yaml
 from hybridflow.data import PREVIEW_ROWS, few_rows_warning, preview_files, preview_rows, sft_key
+from hybridflow.host_memory import available_bytes, host_memory
 from hybridflow.lowering import lower
+from hybridflow.memory import GIB
 from hybridflow.rewards import check_reward, describe_routing
 from hybridflow.runtime import checksums
 from hybridflow.runtime.model_dir import GENERATED_FAMILIES
@@ -575,7 +577,20 @@ def preflight(
         check_engine_device(cfg, on_gpu=torch.cuda.is_available())
     if command == "train" and torch.cuda.is_available():
         check_node_gpus(cfg, torch.cuda.device_count())
+    elif command == "train":
+        check_host_memory(cfg, available_bytes())
     check_resume(cfg, command=command, uses_reference=plan.spec.uses_reference, content=content)
+
+
+def check_host_memory(cfg: HybridflowConfig, available: int | None, *, command: str = "train") -> None:
+    """A CPU run whose processes would hold more than the machine has free is killed by the
+    out-of-memory killer minutes in (after the warm-up, at the engine's start): said before."""
+    estimate = host_memory(cfg)
+    if available is None or estimate.total <= available:
+        return
+    _say(command, f"{estimate.line()}, more than the {available / GIB:.2f} GiB this machine has free: the run "
+         "will likely be killed for memory; lower train.micro_batch_size, rollout.max_total_tokens or the "
+         "data lengths, or use fewer processes (actor.parallel, rollout.tp)", warning=True)  # fmt: skip
 
 
 def _has_gpu() -> bool:

@@ -218,3 +218,36 @@ def test_describe_is_one_table_with_the_peak_and_a_warning_when_too_big():
 def test_a_pool_without_gpu_roles_is_an_error():
     with pytest.raises(ValueError, match="pool x holds no role"):
         pool_memory(_cfg(), ["reward"], pool="x")
+
+
+@pytest.mark.claim("cpu-host-memory")
+def test_a_cpu_run_hears_its_host_memory_from_plan_and_a_warning_when_it_would_not_fit(monkeypatch, capsys):
+    """The processes of a CPU run and its model's share: plan says the total on a machine without
+    a GPU, and preflight warns, before any rank starts, when the machine has less free."""
+    from hybridflow import cli
+    from hybridflow.config import load_config
+    from hybridflow.host_memory import BYTES_PER_RANK_PARAM, PROCESS_BYTES, host_memory
+    from hybridflow.preflight import check_host_memory
+
+    quickstart = load_config("configs/quickstart_cpu.yaml")
+    estimate = host_memory(quickstart)
+    # 2 trainer ranks, a tp=2 engine: 2 schedulers and a detokenizer, the launcher and torchrun's agent
+    processes = 2 * PROCESS_BYTES["trainer rank"] + 2 * PROCESS_BYTES["engine scheduler"]
+    processes += PROCESS_BYTES["engine detokenizer"] + PROCESS_BYTES["launcher"] + PROCESS_BYTES["torchrun agent"]
+    assert processes < estimate.total < processes + GIB // 8  # a 0.2M-parameter model: the processes are the run
+    bigger = load_config("configs/quickstart_cpu.yaml", ["model.hidden_size=1024", "model.moe_ffn_hidden_size=2048"])
+    grown = host_memory(bigger).parts["actor parameters"] - estimate.parts["actor parameters"]
+    assert grown > 100 * BYTES_PER_RANK_PARAM * 1000  # the model's part grows with its parameters
+    monkeypatch.setattr(cli, "has_gpu_device", lambda: False)
+    assert cli.main(["plan", "configs/quickstart_cpu.yaml", "--no-reshard"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == estimate.line(), lines[:4]  # after the answer and the pool's peak
+    check_host_memory(quickstart, available=None)
+    check_host_memory(quickstart, available=64 * GIB)
+    assert capsys.readouterr().err == ""
+    check_host_memory(quickstart, available=GIB)
+    assert capsys.readouterr().err == (
+        f"hybridflow train: warning: {estimate.line()}, more than the 1.00 GiB this machine has free: the run "
+        "will likely be killed for memory; lower train.micro_batch_size, rollout.max_total_tokens or the data "
+        "lengths, or use fewer processes (actor.parallel, rollout.tp)\n"
+    )

@@ -245,3 +245,51 @@ def test_lengths_beyond_the_models_context_are_refused_before_any_rank(hub_dir, 
         f"data.max_prompt_length=512 + data.max_response_length=16 = 528 exceeds the model's context of 256 "
         f"tokens ({hub_dir}/config.json); lower them to sum to at most 256"
     )
+
+
+@pytest.mark.claim("lengths-decided")
+def test_lengths_left_unset_are_decided_from_the_data_and_the_model(hub_dir, tmp_path, capsys):
+    """A run from a model directory and data files does not inherit the synthetic task's 64/16:
+    the prompt budget covers the data's longest prompt as the model's chat template makes it, the
+    response budget 1.5 x the longest warm-up answer (else 1024), both within the context."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.cli import main
+    from hybridflow.data import write_jsonl
+
+    question = "Natalia sold clips to 48 of her friends in April, and then half as many in May. "
+    answer = "She sold 48 / 2 = 24 clips in May and 48 + 24 = 72 in all. #### 72"
+    rows = [{"prompt": question * k, "reward_model": {"ground_truth": 72}, "worked": answer * k} for k in (1, 2)]
+    train = tmp_path / "train.jsonl"
+    write_jsonl(train, rows)
+    tokenizer = AutoTokenizer.from_pretrained(hub_dir)
+    chat = [{"role": "user", "content": question * 2}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    longest_prompt = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    longest_answer = len(tokenizer(answer * 2, add_special_tokens=False)["input_ids"])
+    base = [f"model.path={hub_dir}", f"data.train_files=[{train}]", "sft.response_key=worked"]
+
+    cfg = load_config(None, [*base, "sft.steps=5"])
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    assert prompt % 64 == 0 and longest_prompt <= prompt < longest_prompt + 64
+    assert response == min(-(-int(1.5 * longest_answer) // 64) * 64, 256 - prompt)
+    # without warm-up answers: 1024, cut to what the model's context of 256 leaves
+    assert load_config(None, base).data.max_response_length == 256 - prompt
+    # a value the user sets is kept; plan says where the others come from and prints the numbers
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("data:\n  max_response_length: 32\n")
+    assert main(["plan", str(recipe), *base, "--resolved"]) == 0
+    out, err = capsys.readouterr()
+    assert f"  max_prompt_length: {prompt}\n  max_response_length: 32\n" in out
+    assert err == (
+        f"hybridflow plan: decided from the data and the model: data.max_prompt_length={prompt} (the longest of "
+        f"the first 2 training prompts has {longest_prompt} tokens); set them to choose\n"
+    )
+    # the data or the model not on this machine (a plan made before the download): said, not guessed
+    elsewhere = [f"model.path={tmp_path / 'not_downloaded'}", f"data.train_files=[{train}]"]
+    recipe.write_text("run:\n  name: elsewhere\n")
+    assert main(["plan", str(recipe), *elsewhere, "--resolved"]) == 0
+    assert capsys.readouterr().err == (
+        "hybridflow plan: data lengths 64/16 (the synthetic task's where unset): the data or the model's "
+        "tokenizer is not on this machine; the run decides them from the data\n"
+    )

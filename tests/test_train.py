@@ -261,6 +261,61 @@ def test_reports_are_written(full_run: Path) -> None:
     assert times == sorted(times) and times[-1] - times[0] < 3600
 
 
+def rescored(out: Path, records: list[dict]) -> list[float]:
+    """The rewards of ``records`` recomputed from their logged text, as the run's reward function
+    scores (its config: the run directory's resolved one)."""
+    from hybridflow.config import load_config
+    from hybridflow.rewards import score_rows
+
+    cfg = load_config(str(out / "config.yaml"))
+    texts, answers = [r["response"] for r in records], [r["answer"] for r in records]
+    return score_rows(texts, answers, [r["data_source"] for r in records], cfg.reward).scores
+
+
+@pytest.mark.claim("samples-on-disk")
+def test_every_step_writes_the_samples_it_scored_and_every_heldout_scoring_its_generations(full_run: Path) -> None:
+    """Each RL step's first 16 samples (whole groups of rollout.n) and every held-out response,
+    as the reward function read them: their rewards recomputed from the logged text are the ones
+    the run used; the held-out files' means are the summary's scores."""
+    from hybridflow.runtime.samples import RECORD_KEYS
+    from hybridflow.sample_files import read, steps
+
+    assert steps(full_run) == [1, 2, 3, 4] and steps(full_run, heldout=True) == [0, 4]
+    for step in (1, 2, 3, 4):
+        records = read(full_run / "samples" / f"step_{step:06d}.jsonl")
+        assert [tuple(r) for r in records] == [RECORD_KEYS] * 16
+        groups = [r["group"] for r in records]
+        assert len(set(groups)) == 4 and all(groups.count(g) == 4 for g in groups)  # rollout.n=4 each
+        assert [r["reward"] for r in records] == rescored(full_run, records)
+        assert {r["policy_version"] for r in records} == {step - 1} and all(r["step"] == step for r in records)
+        assert all(r["finish_reason"] in ("stop", "length") and 0 < r["response_tokens"] <= 4 for r in records)
+        assert all(r["advantage"] is not None and r["logprob_diff"] < LOGPROB_TOL for r in records)
+        means = {g: sum(r["reward"] for r in records if r["group"] == g) / 4 for g in groups}
+        for r in records:  # GRPO: a response above its group's mean has a positive advantage
+            assert (r["advantage"] > 0) == (r["reward"] > means[r["group"]]), r
+    summary = json.loads((full_run / "summary.json").read_text())
+    for step, key in ((0, "heldout_reward_after_sft"), (4, "heldout_reward_after_rl")):
+        records = read(full_run / "samples" / f"heldout_step_{step:06d}.jsonl")
+        assert len(records) == 16 and [r["reward"] for r in records] == rescored(full_run, records)
+        assert sum(r["reward"] for r in records) / 16 == pytest.approx(summary[key], abs=1e-6)
+
+
+@pytest.mark.claim("samples-command")
+def test_the_samples_command_shows_a_steps_best_and_worst_and_names_what_is_missing(full_run: Path, capsys) -> None:
+    from hybridflow.cli import main
+
+    assert main(["samples", str(full_run), "--pick", "worst", "-n", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"samples: {full_run / 'samples'} (RL steps 1-4; held-out scorings at steps 0, 4)"
+    assert out[2].startswith("step_000004.jsonl: 16 samples, mean reward ") and out[2].endswith("; the worst 2:")
+    heads = [line for line in out if line.startswith("step 4 sample ")]
+    assert len(heads) == 2 and all("[max] reward " in h and ("(stop)" in h or "(length)" in h) for h in heads)
+    assert main(["samples", str(full_run), "--heldout", "--step", "0", "-n", "1"]) == 0
+    assert "heldout_step_000000.jsonl: 16 samples" in capsys.readouterr().out
+    assert main(["samples", str(full_run), "--step", "9"]) == 2
+    assert "no samples of step 9: the RL steps with samples are 1-4" in capsys.readouterr().err
+
+
 @pytest.mark.claim(
     "quickstart-resumes",
     "deterministic-resume-bit-for-bit",
@@ -322,6 +377,10 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
     first = json.loads((full_run / "summary.json").read_text())
     second = json.loads((out / "summary.json").read_text())
     assert second["heldout_reward_after_rl"] == first["heldout_reward_after_rl"]
+    # three starts wrote the samples: each step's file once, as the uninterrupted run's
+    for path in sorted((full_run / "samples").glob("*.jsonl")):
+        assert (out / "samples" / path.name).read_text() == path.read_text(), path.name
+    assert sorted(p.name for p in (out / "samples").iterdir()) == sorted(p.name for p in (full_run / "samples").iterdir())
 
 
 @pytest.mark.claim("deterministic-resume-bit-for-bit", "damaged-checkpoint-set-aside")

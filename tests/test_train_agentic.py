@@ -81,6 +81,16 @@ def test_a_multi_turn_run_trains_on_the_policys_tokens_and_reports_its_turns(tmp
     assert summary["heldout_reward_after_rl"] is not None
     assert summary["agentic"]["turns_mean"] == 2.0 and summary["agentic"]["tool_errors"] == 0
     assert "multi-turn   2.000 turns and 0.000 tool calls per trajectory" in done.stdout
+    # the samples on disk: each trajectory whole (both turns and the environment's question
+    # between them), and the last turn, which the reward function scored, as it scored it
+    from hybridflow.sample_files import read
+    from tests.test_train import rescored
+
+    for step in (1, 2, 3):
+        records = read(out / "samples" / f"step_{step:06d}.jsonl")
+        assert len(records) == 16 and [r["reward"] for r in records] == rescored(out, records)
+        assert all(r["trajectory"] and r["response_tokens"] > 0 for r in records)
+    assert read(out / "samples" / "heldout_step_000003.jsonl")
 
 
 @pytest.mark.slow

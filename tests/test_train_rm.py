@@ -108,3 +108,17 @@ def test_rl_against_the_exported_reward_model_raises_the_right_answers(rl_run: P
     assert "megatron tp=2 pp=1 " in line and "(its own: reward_model.parallel)" in line, line
     history = json.loads((out / "checkpoints" / "step_000006" / "state.json").read_text())["history"]
     assert history[-1]["model_scores/mean"] > history[0]["model_scores/mean"]
+    # the samples on disk carry the reward model's score each reward was made of (the rule's
+    # weight is 0 here), and the held-out generations the rule's scores, recomputed from the text
+    from hybridflow.config import load_config, reward_weights
+    from hybridflow.sample_files import read
+    from tests.test_train import rescored
+
+    cfg = load_config(str(out / "config.yaml"))
+    records = read(out / "samples" / "step_000006.jsonl")
+    assert records and all(set(r["scores"]) == {"model"} for r in records)
+    for r in records:
+        weights = reward_weights(cfg, r["data_source"])
+        assert weights["rule"] == 0 and r["reward"] == pytest.approx(weights["model"] * r["scores"]["model"], abs=1e-6)
+    held = read(out / "samples" / "heldout_step_000006.jsonl")
+    assert [r["reward"] for r in held] == rescored(out, held)

@@ -27,11 +27,13 @@ from tqdm import tqdm
 from hybridflow.algorithms.shaping import KL_COEF_NEXT
 from hybridflow.runtime import gates, startup_clock, stops, switches
 from hybridflow.runtime.learning_signal import GROUPS_EQUAL, clip_warning, no_signal_warning
-from hybridflow.runtime.ops import OPS, NonFiniteStep, heldout_reward, heldout_teacher_kl
+from hybridflow.runtime.ops import OPS, Heldout, NonFiniteStep, heldout_reward, heldout_teacher_kl
 from hybridflow.runtime.progress import write_progress
 from hybridflow.runtime.recovery import METRIC as RESTARTS
-from hybridflow.runtime.session import Session
+from hybridflow.runtime.samples import StepView, chosen, local_records
+from hybridflow.runtime.session import Session, gather_to_driver
 from hybridflow.runtime.step import Inputs, Produced, Step, StepUndo
+from hybridflow.sample_files import HELDOUT_PATTERN, STEP_PATTERN
 
 __all__ = ["heldout", "run_step", "train_rl"]
 
@@ -92,6 +94,7 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
         measured[RESTARTS] = float(restarts.used - restarted)
     metrics = _step_metrics(f, measured, times)
     metrics["reward/errors"] = float(errors)
+    _record_step(s, stages, f, step)
     history = s.run.state.history
     cut = None if s.cfg.agentic.enabled else clip_warning(s.cfg, history, metrics)  # multi-turn warns per turn
     silent = no_signal_warning(s.cfg, history, metrics, f["responses"], s.run.state.sft_losses)
@@ -103,6 +106,58 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
         metrics.update(s.pipeline.end_step(float(trained.lengths.sum())))
     metrics["timing/step_wall"] = time.perf_counter() - began  # the stages and what runs between them
     return metrics
+
+
+def _step_view(stages, f: dict) -> StepView | None:
+    """What a step's samples are read from: the rollout trained on with its rewards, the other
+    score sources the reward mixed in, the per-token fields the algorithm computed."""
+    if "responses" not in f or "scores" not in f:
+        return None
+    per_token = {k: f[k] for k in ("advantages", "old_logprobs") if k in f}
+    if "kept" in f:  # dynamic sampling trained on the groups it kept
+        ro, rewards = f["kept"]
+        return StepView(ro, rewards, {}, per_token)
+    scores = {}
+    for node in (stage.node for stage in stages if stage.node.op == "reward"):
+        if node.option("scores_field") == "scores":
+            for name in ("model", "judge"):
+                field = node.option(f"{name}_scores_field", None)
+                if field in f:
+                    scores[name] = f[field]
+    return StepView(f["responses"], f["scores"], scores, per_token)
+
+
+def _write_samples(s: Session, view: StepView, positions: list[int], name: str, *, step: int, version: int) -> None:
+    """Each DP leader's records of ``positions`` gathered on the driver, which writes them."""
+    mine = []
+    if s.run.shard.leader:
+        multi_turn = s.cfg.agentic.enabled
+        mine = local_records(
+            view, positions, step=step, version=version, tokenizer=s.data.tokenizer, multi_turn=multi_turn
+        )
+    parts = gather_to_driver(mine, group=s.run.shard.group)
+    if parts is not None and s.run.samples is not None:
+        s.run.samples.write(name, [record for part in parts for record in part])
+
+
+def _record_step(s: Session, stages, f: dict, step: Step) -> None:
+    """``run.samples_per_step`` of the step's samples to ``samples/step_NNNNNN.jsonl``."""
+    view = _step_view(stages, f)
+    count = s.cfg.run.samples_per_step
+    if view is None or count <= 0:
+        return
+    positions = chosen(view.rollout.groups, count)
+    done = step.index + 1
+    _write_samples(s, view, positions, STEP_PATTERN.format(done), step=done, version=step.index)
+
+
+def _record_heldout(s: Session, scored: Heldout, step: int) -> None:
+    """Every held-out prompt's greedy response, its answer and score, to ``samples/heldout_step_NNNNNN.jsonl``."""
+    if scored.rollout is None:
+        return
+    view = StepView(scored.rollout, scored.scores, {}, {})
+    positions = list(range(scored.rollout.total))
+    _write_samples(s, view, positions, HELDOUT_PATTERN.format(step), step=step, version=step)
 
 
 def _steer_kl(s: Session, metrics: dict[str, float]) -> None:
@@ -151,7 +206,9 @@ def heldout(s: Session, step: int, *, announce: bool = False) -> float | None:
     if count and driver:
         logger.info("held-out: scoring %d prompts (greedy) at step %d ...", count, step)
     started = time.perf_counter()
-    reward, errors = heldout_reward(s)
+    scored = heldout_reward(s)
+    reward, errors = scored.reward, scored.errors
+    _record_heldout(s, scored, step)
     if reward is not None and driver:
         logger.info("held-out: reward %.3f over %d prompts in %.0f s", reward, count, time.perf_counter() - started)
     s.run.state.reward_errors += errors

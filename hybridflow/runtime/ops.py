@@ -989,15 +989,26 @@ def sync_weights(s: Session, node, f: Inputs, step: Step) -> Produced:
 # --------------------------------------------------------------------------- evaluation
 
 
-def heldout_reward(s: Session) -> tuple[float | None, int]:
-    """Mean reward of greedy responses to the held-out prompts (the engine's current weights),
-    and the reward calls that raised."""
+class Heldout(NamedTuple):
+    """A held-out scoring: greedy responses to the held-out prompts (the engine's current weights)."""
+
+    reward: float | None
+    """Their mean reward; None without held-out prompts."""
+    errors: int
+    """Reward calls that raised."""
+    rollout: Rollout | None
+    scores: torch.Tensor | None
+    """[N] each response's reward."""
+
+
+def heldout_reward(s: Session) -> Heldout:
+    """The held-out prompts' greedy responses with the engine's current weights, scored."""
     if not s.data.heldout_prompts:
-        return None, 0
+        return Heldout(None, 0, None, None)
     switches.enter(s, "generate")
     ro, _ = rollout(s, s.data.heldout_prompts, sampling(s.cfg, s.data.stop_ids, greedy=True), 0)
     scores, errors, _ = score(s, ro)
-    return float(scores.mean()), errors
+    return Heldout(float(scores.mean()), errors, ro, scores)
 
 
 def heldout_teacher_kl(s: Session) -> float | None:

@@ -56,6 +56,7 @@ from hybridflow.runtime import console
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.model_dir import run_model_dir
+from hybridflow.runtime.samples import SampleWriter
 from hybridflow.runtime.shares import Shard, single_process
 from hybridflow.runtime.state import RunState
 
@@ -328,6 +329,9 @@ class RunContext:
     def start_seconds(self) -> list[float]:
         """Each start's wall seconds, this one's (so far) last."""
         return [*self.starts_before, time.time() - self.started]
+
+    samples: SampleWriter | None = None
+    """The driver's writer of ``<run>/samples/`` (``runtime.samples``); None elsewhere."""
 
     executed_stages: list[str] = field(default_factory=list)
     """The first RL step of this process as it ran: each stage and the switch executed before

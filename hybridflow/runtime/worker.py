@@ -50,6 +50,7 @@ from hybridflow.runtime.pipeline import Pipeline
 from hybridflow.runtime.progress import read_progress
 from hybridflow.runtime.recovery import EngineRestarts
 from hybridflow.runtime.replicas import engine_nodes, node_role, replica_of
+from hybridflow.runtime.samples import SampleWriter
 from hybridflow.runtime.session import (
     DRIVER,
     Models,
@@ -486,6 +487,7 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
         started=time.time(),
         wall_before=state.wall_seconds,
         starts_before=state.start_seconds or ([state.wall_seconds] if state.wall_seconds else []),
+        samples=SampleWriter(out_dir, budget_mb=cfg.run.samples_budget_mb) if rank == DRIVER else None,
     )
     data = RunData(
         tokenizer=tokenizer,

@@ -76,6 +76,7 @@ class _Tracker:
 
 def _session(steps: int, texts: list[str], out_dir: Path):
     overrides = [f"run.steps={steps}", "run.heldout_every=0", "checks.no_signal_steps=2", "reward.function=auto"]
+    overrides.append("run.samples_per_step=0")  # the fake rollout has texts, not token tensors
     cfg = load_config(QUICKSTART, overrides)
     run = RunContext(
         cfg=cfg,
