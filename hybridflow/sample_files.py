@@ -12,11 +12,14 @@ import random
 import re
 import textwrap
 from pathlib import Path
+from typing import Any
 
 SAMPLES_DIR = "samples"
 STEP_PATTERN, HELDOUT_PATTERN = "step_{:06d}.jsonl", "heldout_step_{:06d}.jsonl"
 _STEP = re.compile(r"^(heldout_)?step_(\d{6})\.jsonl$")
 PICKS = ("best", "worst", "random", "first")
+HELDOUT_COLUMNS = ("step", "sample", "data_source", "prompt", "response", "answer", "reward", "response_tokens")
+"""A held-out scoring's table in the trackers."""
 
 
 def read(path: Path) -> list[dict]:
@@ -77,6 +80,34 @@ def pick(records: list[dict], how: str, count: int, *, source: str | None = None
     elif how == "random":
         pool = random.Random(seed).sample(pool, len(pool))
     return pool[:count]
+
+
+def heldout_examples(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The held-out scoring at ``step``: its best generation as ``solved`` (None when every one
+    scored 0 or less), its worst as ``failed`` (None when every one scored the top score, above 0),
+    and ``count``; None without that scoring's file."""
+    path = Path(run_dir) / SAMPLES_DIR / HELDOUT_PATTERN.format(step)
+    records = read(path) if path.exists() else []
+    if not records:
+        return None
+    best, worst = max(records, key=lambda r: r["reward"]), min(records, key=lambda r: r["reward"])
+    keep = ("prompt", "response", "answer", "reward")
+    solved = best["reward"] > 0
+    failed = best["reward"] > worst["reward"] or not solved
+    return {
+        "solved": {k: best[k] for k in keep} if solved else None,
+        "failed": {k: worst[k] for k in keep} if failed else None,
+        "count": len(records),
+    }
+
+
+def one_line(example: dict, width: int = 88) -> str:
+    """An example generation on one line: prompt -> response (expected, reward)."""
+    prompt = textwrap.shorten(prompt_text(example["prompt"]), width=width // 2, placeholder=" ...")
+    response = textwrap.shorten(
+        " ".join(str(example["response"]).split()) or "(empty)", width=width // 2, placeholder=" ..."
+    )
+    return f"{prompt} -> {response!r} (expected {example['answer']}, reward {example['reward']:.3f})"
 
 
 def prompt_text(prompt) -> str:

@@ -204,7 +204,7 @@ def test_engine_generates_with_the_updated_weights(full_run: Path) -> None:
 
 
 @pytest.mark.claim("quickstart-reports", "tracking-mlflow-tensorboard")
-def test_mlflow_holds_the_metrics(full_run: Path) -> None:
+def test_mlflow_holds_the_metrics(full_run: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     summary = json.loads((full_run / "summary.json").read_text())
@@ -213,6 +213,38 @@ def test_mlflow_holds_the_metrics(full_run: Path) -> None:
     assert [m.step for m in rewards] == [1, 2, 3, 4]
     assert client.get_metric_history(summary["mlflow_run_id"], "actor/clipfrac")
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
+    # each held-out scoring's generations as a table, the ones on disk
+    from hybridflow.sample_files import HELDOUT_COLUMNS, read
+
+    for step in (0, 4):
+        local = client.download_artifacts(summary["mlflow_run_id"], f"heldout/step_{step:06d}.json", str(tmp_path))
+        table = json.loads(Path(local).read_text())
+        assert table["columns"] == list(HELDOUT_COLUMNS)
+        on_disk = read(full_run / "samples" / f"heldout_step_{step:06d}.jsonl")
+        by_column = dict(zip(table["columns"], zip(*table["data"])))
+        assert list(by_column["response"]) == [r["response"] for r in on_disk]
+        assert list(by_column["reward"]) == [r["reward"] for r in on_disk]
+
+
+@pytest.mark.claim("heldout-examples-on-screen")
+def test_the_summary_screen_shows_a_solved_and_a_failed_heldout_example(full_run: Path) -> None:
+    from hybridflow.sample_files import read
+
+    screen = (full_run.parent / "stdout.txt").read_text()
+    summary = json.loads((full_run / "summary.json").read_text())
+    examples = summary["heldout_examples"]
+    held = read(full_run / "samples" / "heldout_step_000004.jsonl")
+    assert examples["count"] == len(held) == 16
+    best = max(r["reward"] for r in held)
+    assert (examples["solved"] or {}).get("reward", 0.0) == (best if best > 0 else 0.0)
+    for kind in ("solved", "failed"):
+        (line,) = [line for line in screen.splitlines() if line.startswith(f"  {kind} ")]
+        example = examples[kind]
+        if example is None:
+            assert line.endswith("none of the 16 held-out responses")
+        else:
+            assert f"-> {example['response']!r} (expected {example['answer']}, " in line and len(line) <= 110
+    assert len(screen.splitlines()) <= 40  # with the bars: still one screen
 
 
 @pytest.mark.claim("quickstart-through-model-path", "quiet-terminal")
@@ -248,7 +280,8 @@ def test_every_phase_that_can_take_minutes_says_when_it_begins_and_ends(full_run
 
 @pytest.mark.claim("quickstart-reports", "progress-file")
 def test_reports_are_written(full_run: Path) -> None:
-    assert (full_run / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for figure in ("reward_curve.png", "run.png"):
+        assert (full_run / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (full_run / "config.yaml").is_file()
     assert not list((full_run / "checkpoints").glob("*.partial"))
     progress = read_progress(full_run)  # for programs that watch the run (hybridflow.faults does)
@@ -380,7 +413,8 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
     # three starts wrote the samples: each step's file once, as the uninterrupted run's
     for path in sorted((full_run / "samples").glob("*.jsonl")):
         assert (out / "samples" / path.name).read_text() == path.read_text(), path.name
-    assert sorted(p.name for p in (out / "samples").iterdir()) == sorted(p.name for p in (full_run / "samples").iterdir())
+    names = [sorted(p.name for p in (run / "samples").iterdir()) for run in (out, full_run)]
+    assert names[0] == names[1]
 
 
 @pytest.mark.claim("deterministic-resume-bit-for-bit", "damaged-checkpoint-set-aside")

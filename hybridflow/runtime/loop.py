@@ -33,7 +33,7 @@ from hybridflow.runtime.recovery import METRIC as RESTARTS
 from hybridflow.runtime.samples import StepView, chosen, local_records
 from hybridflow.runtime.session import Session, gather_to_driver
 from hybridflow.runtime.step import Inputs, Produced, Step, StepUndo
-from hybridflow.sample_files import HELDOUT_PATTERN, STEP_PATTERN
+from hybridflow.sample_files import HELDOUT_COLUMNS, HELDOUT_PATTERN, STEP_PATTERN
 
 __all__ = ["heldout", "run_step", "train_rl"]
 
@@ -127,8 +127,11 @@ def _step_view(stages, f: dict) -> StepView | None:
     return StepView(f["responses"], f["scores"], scores, per_token)
 
 
-def _write_samples(s: Session, view: StepView, positions: list[int], name: str, *, step: int, version: int) -> None:
-    """Each DP leader's records of ``positions`` gathered on the driver, which writes them."""
+def _write_samples(
+    s: Session, view: StepView, positions: list[int], name: str, *, step: int, version: int
+) -> list[dict] | None:
+    """Each DP leader's records of ``positions`` gathered on the driver, which writes them and
+    returns them (None on the other ranks)."""
     mine = []
     if s.run.shard.leader:
         multi_turn = s.cfg.agentic.enabled
@@ -136,8 +139,11 @@ def _write_samples(s: Session, view: StepView, positions: list[int], name: str, 
             view, positions, step=step, version=version, tokenizer=s.data.tokenizer, multi_turn=multi_turn
         )
     parts = gather_to_driver(mine, group=s.run.shard.group)
-    if parts is not None and s.run.samples is not None:
-        s.run.samples.write(name, [record for part in parts for record in part])
+    if parts is None or s.run.samples is None:
+        return None
+    records = sorted((record for part in parts for record in part), key=lambda r: r["sample"])
+    s.run.samples.write(name, records)
+    return records
 
 
 def _record_step(s: Session, stages, f: dict, step: Step) -> None:
@@ -157,7 +163,9 @@ def _record_heldout(s: Session, scored: Heldout, step: int) -> None:
         return
     view = StepView(scored.rollout, scored.scores, {}, {})
     positions = list(range(scored.rollout.total))
-    _write_samples(s, view, positions, HELDOUT_PATTERN.format(step), step=step, version=step)
+    records = _write_samples(s, view, positions, HELDOUT_PATTERN.format(step), step=step, version=step)
+    if records:  # and as a table in the trackers, one per scoring
+        s.run.tracker.log_table(f"heldout/step_{step:06d}", records, HELDOUT_COLUMNS)
 
 
 def _steer_kl(s: Session, metrics: dict[str, float]) -> None:

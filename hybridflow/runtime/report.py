@@ -8,6 +8,7 @@ from typing import Any
 
 from hybridflow.runtime.learning_signal import GROUPS_EQUAL, NO_ANSWER, without_signal
 from hybridflow.runtime.state import RunState, write_json_atomic
+from hybridflow.sample_files import one_line
 
 __all__ = ["format_summary", "plot_rewards", "summarise", "summarise_async", "write_summary"]
 
@@ -83,6 +84,80 @@ def plot_rewards(out_dir: Path, state: RunState) -> Path | None:
     return path
 
 
+PANELS = (
+    "reward: train (mean) and held-out (greedy)",
+    "response length (mean) and clip ratio",
+    "entropy of the policy",
+    "KL and clip fraction",
+    "grad norm",
+    "step time by stage (s)",
+)
+"""The run figure's panels, in order: the curves a user reads first."""
+_SERIES = {  # panel -> (metric, label) drawn on its left axis; a right axis where noted
+    PANELS[1]: (("response_length/mean", "length (tokens)"),),
+    PANELS[2]: (("actor/entropy", "entropy"),),
+    PANELS[3]: (
+        ("actor/ppo_kl", "KL(old || new)"),
+        ("actor/kl_loss", "KL to the reference"),
+        ("actor/reward_kl", "KL in the reward"),
+    ),
+    PANELS[4]: (("actor/grad_norm", "grad norm"),),
+}
+_RIGHT = {PANELS[1]: ("response_length/clip_ratio", "clip ratio"), PANELS[3]: ("actor/clipfrac", "clip fraction")}
+
+
+def run_figure(state: RunState):
+    """The run's figure: one panel per ``PANELS`` entry over the RL steps (a Matplotlib figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = state.history
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(3, 2, figsize=(11, 9))
+    for ax, title in zip(axes.flat, PANELS):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    reward = axes.flat[0]
+    reward.plot(steps, [h.get("reward/mean", float("nan")) for h in history], label="train")
+    if state.heldout:
+        reward.plot([s for s, _ in state.heldout], [r for _, r in state.heldout], "o-", label="held-out")
+    for ax, title in zip(axes.flat[1:5], PANELS[1:5]):
+        for key, label in _SERIES[title]:
+            if any(key in h for h in history):
+                ax.plot(steps, [h.get(key, float("nan")) for h in history], label=label)
+        if title in _RIGHT:
+            key, label = _RIGHT[title]
+            twin = ax.twinx()
+            twin.plot(steps, [h.get(key, float("nan")) for h in history], "--", color="tab:red", label=label)
+            twin.set_ylabel(label, color="tab:red")
+    stages = sorted({k for h in history for k in h if k.startswith("timing/")} - {"timing/step", "timing/step_wall"})
+    if stages:
+        values = [[h.get(k, 0.0) for h in history] for k in stages]
+        axes.flat[5].stackplot(steps, values, labels=[k.removeprefix("timing/") for k in stages])
+    for ax in axes.flat:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+def plot_run(out_dir: Path, state: RunState) -> Path | None:
+    """``run.png``: the run's figure (``run_figure``), written whole; None before the first RL step."""
+    if not state.history:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = run_figure(state)
+    path, tmp = out_dir / "run.png", out_dir / "run.tmp.png"
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
 def _fmt(value: Any) -> str:
     return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
 
@@ -123,6 +198,18 @@ def _format_signal(signal: dict[str, Any] | None) -> list[str]:
     return [line]
 
 
+def _format_examples(examples: dict[str, Any] | None) -> list[str]:
+    """The last held-out scoring's solved and failed example, a line each."""
+    if not examples:
+        return []
+    lines = []
+    for kind in ("solved", "failed"):
+        example = examples[kind]
+        shown = one_line(example) if example else f"none of the {examples['count']} held-out responses"
+        lines.append(f"  {kind:<12} {shown}")
+    return lines
+
+
 def _format_wall(summary: dict[str, Any]) -> str:
     line = f"  wall time    {summary['wall_seconds']:.0f} s"
     starts = summary.get("wall_seconds_per_start") or []
@@ -142,9 +229,10 @@ def format_summary(summary: dict[str, Any], out_dir: Path) -> str:
         f"  held-out     {'after SFT' if summary['sft_steps'] else 'before RL'} "
         f"{_fmt(summary['heldout_reward_after_sft'])}, after RL {_fmt(summary['heldout_reward_after_rl'])}",
         *_format_signal(summary.get("learning_signal")),
+        *_format_examples(summary.get("heldout_examples")),
         _format_left_out(summary),
         _format_wall(summary),
-        f"  outputs      {out_dir}/summary.json, reward_curve.png, checkpoints/",
+        f"  outputs      {out_dir}/summary.json, run.png, samples/, checkpoints/",
     ]
     moe = summary.get("moe")
     if moe:

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -293,6 +293,8 @@ class MetricSink(Protocol):
     def log_params(self, params: dict[str, Any]) -> None: ...
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_table(self, name: str, records: list[dict], columns: Sequence[str]) -> None: ...
 
     def log_artifact(self, path: str | os.PathLike) -> None: ...
 

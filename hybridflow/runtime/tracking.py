@@ -14,11 +14,12 @@ run adds a new event file there, which TensorBoard reads as the same run.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,16 @@ class Tracker:
             # a step's points reach the disk now, not at the writer's next timed flush: a job
             # killed by Slurm or the reaper keeps every step it finished
             self._tensorboard.flush()
+
+    def log_table(self, name: str, records: list[dict[str, Any]], columns: Sequence[str]) -> None:
+        """``records``' ``columns`` as an MLflow table (``<name>.json`` among the run's artifacts,
+        shown in the UI's evaluation view); values that are not text or numbers go as JSON text."""
+
+        def cell(value: Any) -> Any:
+            return value if isinstance(value, (str, int, float)) or value is None else json.dumps(value)
+
+        data = {column: [cell(r.get(column)) for r in records] for column in columns}
+        self._to_mlflow(lambda run: run.client.log_table(run.run_id, data=data, artifact_file=f"{name}.json"))
 
     def log_artifact(self, path: str | os.PathLike) -> None:
         self._to_mlflow(lambda run: run.client.log_artifact(run.run_id, str(path)))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import yaml
 
 from hfschema.files import write_atomic
+from hybridflow import sample_files
 from hybridflow.algorithms.recipes import algorithm_spec
 from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, job_worlds, load_config, to_yaml
@@ -112,6 +113,15 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf
             run_state.publish(staging, final)
             run_state.prune(s.run.out_dir, s.cfg.run.keep_checkpoints)
         dist.barrier()
+
+
+def _save_step(s: Session, step: int) -> None:
+    """An RL checkpoint, and the run's figure as it stands (``run.png``, in the trackers too)."""
+    _save(s, f"step_{step:06d}", with_optimizer=True)
+    if s.run.is_driver:
+        figure = report.plot_run(s.run.out_dir, s.run.state)
+        if figure is not None:
+            s.run.tracker.log_artifact(figure)
 
 
 @contextlib.contextmanager
@@ -530,6 +540,7 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
         "tensorboard_dir": s.run.tracker.tensorboard_dir,
         "engine_restarts": s.engines.restarts.used if s.engines.restarts is not None else 0,
         "wall_seconds_per_start": s.run.start_seconds(),
+        "heldout_examples": sample_files.heldout_examples(s.run.out_dir, s.run.state.step),
     }
     if s.models.teacher is not None:
         extra["heldout_teacher_kl"] = [list(x) for x in s.run.state.heldout_teacher_kl]
@@ -556,8 +567,9 @@ def _finish(s: Session, heldout_after_rl: float | None) -> dict:
     if s.run.is_driver:
         path = report.write_summary(s.run.out_dir, summary)
         plot = report.plot_rewards(s.run.out_dir, s.run.state)
+        figure = report.plot_run(s.run.out_dir, s.run.state)
         s.run.tracker.log_metrics({"heldout/reward_after_rl": heldout_after_rl or 0.0}, step=s.run.state.step)
-        for artifact in (path, plot):
+        for artifact in (path, plot, figure):
             if artifact is not None:
                 s.run.tracker.log_artifact(artifact)
         sys.stdout.write(report.format_summary(summary, s.run.out_dir) + "\n")
@@ -674,7 +686,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Chann
             if state.heldout_after_sft is not None:
                 s.run.tracker.log_metrics({"heldout/reward": state.heldout_after_sft}, step=state.step)
         with out_of_memory_hint(cfg, "the RL steps"):
-            finished = train_rl(s, plan, save=lambda step: _save(s, f"step_{step:06d}", with_optimizer=True))
+            finished = train_rl(s, plan, save=lambda step: _save_step(s, step))
         if not finished:  # checkpointed on request (stops.REQUEST_FILE): a later start resumes there
             return _stopped_on_request(s)
         after_rl = heldout(s, state.step)

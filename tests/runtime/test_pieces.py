@@ -176,8 +176,9 @@ class _Tracker:
 
 def _fake_session(on_nan: str, steps: int = 3):
     cfg = load_config(
-        "configs/quickstart_cpu.yaml", [f"run.on_nan={on_nan}", f"run.steps={steps}", "run.heldout_every=0"]
-    )
+        "configs/quickstart_cpu.yaml",
+        [f"run.on_nan={on_nan}", f"run.steps={steps}", "run.heldout_every=0", "run.samples_per_step=0"],
+    )  # the fake stages' responses carry no samples
     run = RunContext(
         cfg=cfg, out_dir=Path("unused"), rank=1, state=state.RunState(), tracker=_Tracker(), shard=_NoRanks()
     )
@@ -406,7 +407,8 @@ def test_an_inactive_tracker_has_everything_the_runtime_calls_on_its_metric_sink
     from hybridflow.runtime.tracking import Tracker
 
     tracker = Tracker(load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path}"]), active=False)
-    assert _protocol_members(MetricSink) == {"run_id", "uri", "log_params", "log_metrics", "log_artifact", "close"}
+    members = {"run_id", "uri", "log_params", "log_metrics", "log_table", "log_artifact", "close"}
+    assert _protocol_members(MetricSink) == members
     assert all(hasattr(tracker, name) for name in _protocol_members(MetricSink))
     assert tracker.run_id is None and tracker.uri is None
 
