@@ -146,7 +146,7 @@ def measure(case: str, root: Path, extra: list[str]) -> dict:
     from hybridflow.host_memory import host_memory
 
     config, overrides = CASES[case](root)
-    overrides = [*overrides, f"run.output_dir={root / 'run'}", "run.tracking.backend=none", *extra]
+    overrides = [*overrides, f"run.output_dir={root / 'run'}", "run.tracking.trackers=[]", *extra]
     estimate = host_memory(load_config(config, overrides))
     command = [str(ROOT / ".venv" / "bin" / "hybridflow"), "train", config, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -157,22 +157,34 @@ class ReferenceConfig(RoleConfig):
     generation and training; each use copies them in)."""
 
 
+TRACKERS = ("mlflow", "tensorboard", "wandb")
+
+
 @dataclass(kw_only=True)
 class TrackingConfig:
     """Where metrics and run metadata go."""
 
-    backend: str = "mlflow"
-    """Tracker: mlflow, or none to log metrics only to the console."""
+    trackers: list[str] = field(default_factory=lambda: ["mlflow"])
+    """Where metrics, the held-out tables and the run's figure go, any of: mlflow (a local store
+    under run.output_dir unless ``uri``), tensorboard (event files under run.output_dir/tensorboard),
+    wandb (Weights & Biases; offline under run.output_dir/wandb without a key). [] = the console
+    and the run directory only."""
     uri: Optional[str] = None
-    """Tracking server URI; None = a local file store under run.output_dir/mlruns."""
+    """MLflow tracking server URI; None = a local SQLite store under run.output_dir."""
     experiment: str = "hybridflow"
-    """Experiment name runs are grouped under."""
-    tensorboard: bool = False
-    """Also write the metrics as TensorBoard event files under run.output_dir/tensorboard
-    (whatever the backend), for ``tensorboard --logdir``."""
+    """MLflow experiment name runs are grouped under."""
+    wandb_project: str = "hybridflow"
+    """The wandb project runs go to."""
+    wandb_mode: str = "auto"
+    """online, offline (``wandb sync`` uploads the run directory later) or auto: online where an
+    API key is known (WANDB_API_KEY or ~/.netrc), else offline."""
 
     def __post_init__(self) -> None:
-        check_choice("backend", self.backend, ("mlflow", "none"))
+        for name in self.trackers:
+            check_choice("trackers", name, TRACKERS)
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ConfigError("{p}trackers={v} names a tracker twice", v=self.trackers)
+        check_choice("wandb_mode", self.wandb_mode, ("auto", "online", "offline"))
 
 
 @dataclass(kw_only=True)

@@ -559,6 +559,7 @@ def preflight(
     check_async(cfg, plan)
     check_packing(cfg, policy_loss=plan.spec.policy_loss, loss_agg_mode=plan.spec.loss_agg_mode)
     check_reward(cfg.reward)
+    check_trackers(cfg)
     check_agentic(cfg)
     check_model_weights(cfg, on_cluster=command == "slurm" or _has_gpu(), must_exist=model_must_exist, command=command)
     check_frozen_models(cfg, must_exist=model_must_exist, command=command)
@@ -580,6 +581,23 @@ def preflight(
     elif command == "train":
         check_host_memory(cfg, available_bytes())
     check_resume(cfg, command=command, uses_reference=plan.spec.uses_reference, content=content)
+
+
+TRACKER_PACKAGES = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_trackers(cfg: HybridflowConfig) -> None:
+    """Each tracker ``run.tracking.trackers`` lists has its package here: found missing now, not
+    when rank 0 starts tracking after the ranks' start-up."""
+    import importlib.util
+
+    for name in cfg.run.tracking.trackers:
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise ValueError(
+                f"run.tracking.trackers lists {name}, but the {TRACKER_PACKAGES[name]} package is not installed "
+                f"here: pip install {TRACKER_PACKAGES[name]} (requirements/runtime.txt pins it), or drop {name} "
+                "from the list"
+            )
 
 
 def check_host_memory(cfg: HybridflowConfig, available: int | None, *, command: str = "train") -> None:

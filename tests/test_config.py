@@ -178,7 +178,9 @@ def test_unknown_family_lists_valid_ones():
 @pytest.mark.claim("config-errors-name-the-key")
 def test_nested_section_errors_carry_their_path():
     assert _error("model.rope_scaling.type=ntk").startswith("model.rope_scaling.type='ntk'")
-    assert _error("run.tracking.backend=wandb").startswith("run.tracking.backend='wandb'")
+    assert _error("run.tracking.trackers=[mlflow,neptune]") == (
+        "run.tracking.trackers='neptune' is not one of: mlflow, tensorboard, wandb"
+    )
     assert _error("actor.parallel.pp=0") == "actor.parallel.pp=0 must be >= 1"
 
 
@@ -339,7 +341,7 @@ def test_the_gpu_quickstart_loads_and_plans():
     from hybridflow.lowering import lower
 
     cfg = load_config(str(Path(QUICKSTART).with_name("quickstart_gpu.yaml")))
-    assert (cfg.rollout.engine, cfg.rollout.sync_route, cfg.run.tracking.backend) == ("hf", "full", "none")
+    assert (cfg.rollout.engine, cfg.rollout.sync_route, cfg.run.tracking.trackers) == ("hf", "full", [])
     assert cfg.actor.parallel.world_size == 1
     assert lower(cfg, with_reshard=True).weight_syncs[0].stats is not None
 

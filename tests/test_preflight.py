@@ -347,3 +347,20 @@ def test_a_data_set_smaller_than_a_step_and_a_held_out_set_that_is_the_training_
     err = capsys.readouterr().err
     assert "3 of the first 3 held-out prompts are also among the first training rows" in err
     assert "fewer than run.prompts_per_step" not in err
+
+
+@pytest.mark.claim("tracking-wandb")
+def test_a_tracker_whose_package_is_missing_is_refused_in_one_line(monkeypatch) -> None:
+    import importlib.util
+
+    from hybridflow.preflight import check_trackers
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else found(name, *a))
+    check_trackers(load_config(QUICKSTART, ["run.tracking.trackers=[mlflow,tensorboard]"]))
+    with pytest.raises(ValueError) as refused:
+        check_trackers(load_config(QUICKSTART, ["run.tracking.trackers=[mlflow,wandb]"]))
+    assert str(refused.value) == (
+        "run.tracking.trackers lists wandb, but the wandb package is not installed here: pip install wandb "
+        "(requirements/runtime.txt pins it), or drop wandb from the list"
+    )

@@ -45,10 +45,11 @@ TIMING = ("timing/", "rollout/tokens_per_s", "sync/seconds")
 DETERMINISTIC = "run.deterministic=true"
 """run.deterministic's whole switch (on CPU it changes rounding only; the default mode's
 reproduction across a kill is checked by tests/test_engine_restart.py and test_train_async.py)."""
-FULL_RUN = (DETERMINISTIC, "moe.routing_replay=r2")
+FULL_RUN = (DETERMINISTIC, "moe.routing_replay=r2", "run.tracking.trackers=[mlflow,wandb]")
 """The uninterrupted run (``full_run``) and the stopped, killed and damaged ones that must reproduce
 it bit for bit: deterministic, with routing replay R2 on, as a MoE user would run RL (so every
-reproduction covers the replayed routes too; tests/moe/test_train_replay.py checks the replay)."""
+reproduction covers the replayed routes too; tests/moe/test_train_replay.py checks the replay),
+tracked by MLflow and wandb (offline: no key here)."""
 
 
 def _train(
@@ -116,7 +117,7 @@ def warm_up_run(tmp_path_factory, *overrides: str) -> Path:
     say); returns its run directory. No tracking: a run seeded from its checkpoint starts an MLflow
     run of its own."""
     out = tmp_path_factory.mktemp("sft_warm_up") / "run"
-    _ok(_train(out, "run.mode=sft", WARM_UP, "run.tracking.backend=none", "run.heldout_prompts=0", *overrides))
+    _ok(_train(out, "run.mode=sft", WARM_UP, "run.tracking.trackers=[]", "run.heldout_prompts=0", *overrides))
     return out
 
 
@@ -224,6 +225,25 @@ def test_mlflow_holds_the_metrics(full_run: Path, tmp_path: Path) -> None:
         by_column = dict(zip(table["columns"], zip(*table["data"])))
         assert list(by_column["response"]) == [r["response"] for r in on_disk]
         assert list(by_column["reward"]) == [r["reward"] for r in on_disk]
+
+
+@pytest.mark.claim("tracking-wandb")
+def test_the_wandb_run_holds_the_metrics_the_tables_and_the_figure(full_run: Path) -> None:
+    from tests.wandb_log import history, offline_runs, run_record
+
+    (log,) = offline_runs(full_run)
+    summary = json.loads((full_run / "summary.json").read_text())
+    assert run_record(log).display_name == summary["run"]
+    rows = history(log)
+    assert [r["rl/step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]
+    assert [r["sft/step"] for r in rows if "sft/loss" in r] == [0, 1, 2, 3]  # as MLflow has them
+    logged = {key.rsplit("/", 1)[0] for r in rows for key in r if key.endswith("/_type")}
+    tables = {f"samples/step_{s:06d}" for s in (1, 2, 3, 4)} | {"heldout/step_000000", "heldout/step_000004"}
+    assert tables | {"figures/run", "figures/reward_curve"} <= logged, logged
+    (row,) = [r for r in rows if "heldout/step_000004/path" in r]
+    table = json.loads((log.parent / "files" / row["heldout/step_000004/path"]).read_text())
+    rewards = [dict(zip(table["columns"], values))["reward"] for values in table["data"]]
+    assert sum(rewards) / len(rewards) == pytest.approx(summary["heldout_reward_after_rl"], abs=1e-6)
 
 
 @pytest.mark.claim("heldout-examples-on-screen")
@@ -415,6 +435,15 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
         assert (out / "samples" / path.name).read_text() == path.read_text(), path.name
     names = [sorted(p.name for p in (run / "samples").iterdir()) for run in (out, full_run)]
     assert names[0] == names[1]
+    # and one wandb run over the three starts, each RL step logged once, as the uninterrupted run's
+    from tests.wandb_log import history, offline_runs, run_record
+
+    logs = offline_runs(out)
+    assert len(logs) == 3 and len({run_record(log).run_id for log in logs}) == 1
+    rewards = [(r["rl/step"], r["reward/mean"]) for log in logs for r in history(log) if "reward/mean" in r]
+    (full,) = offline_runs(full_run)
+    assert rewards == [(r["rl/step"], r["reward/mean"]) for r in history(full) if "reward/mean" in r]
+    assert [step for step, _ in rewards] == [1, 2, 3, 4]
 
 
 @pytest.mark.claim("deterministic-resume-bit-for-bit", "damaged-checkpoint-set-aside")

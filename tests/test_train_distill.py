@@ -31,7 +31,7 @@ def teacher_export(tmp_path_factory) -> Path:
     (``tests/conftest.py``'s ``distill_teacher``: once a session)."""
     out = tmp_path_factory.mktemp("teacher") / "run"
     train_quickstart(
-        out, "run.mode=sft", "sft.steps=150", "task.sft_noise=0.2", "run.heldout_prompts=0", "run.tracking.backend=none"
+        out, "run.mode=sft", "sft.steps=150", "task.sft_noise=0.2", "run.heldout_prompts=0", "run.tracking.trackers=[]"
     )
     return out / "checkpoints" / "sft" / "hf"
 

@@ -95,7 +95,7 @@ def _overrides(model: Path, train: Path, test: Path) -> list[str]:
         f"run.steps={RL_STEPS}",
         f"run.checkpoint_every={RL_STEPS - 1}",  # and the last step: the one before is kept to compare
         f"run.heldout_prompts={HELDOUT}",
-        "run.tracking.backend=none",
+        "run.tracking.trackers=[]",
     ]
 
 

@@ -30,7 +30,7 @@ from hybridflow.runtime.learning_signal import GROUPS_EQUAL, clip_warning, no_si
 from hybridflow.runtime.ops import OPS, Heldout, NonFiniteStep, heldout_reward, heldout_teacher_kl
 from hybridflow.runtime.progress import write_progress
 from hybridflow.runtime.recovery import METRIC as RESTARTS
-from hybridflow.runtime.samples import StepView, chosen, local_records
+from hybridflow.runtime.samples import RECORD_KEYS, StepView, chosen, local_records
 from hybridflow.runtime.session import Session, gather_to_driver
 from hybridflow.runtime.step import Inputs, Produced, Step, StepUndo
 from hybridflow.sample_files import HELDOUT_COLUMNS, HELDOUT_PATTERN, STEP_PATTERN
@@ -154,7 +154,9 @@ def _record_step(s: Session, stages, f: dict, step: Step) -> None:
         return
     positions = chosen(view.rollout.groups, count)
     done = step.index + 1
-    _write_samples(s, view, positions, STEP_PATTERN.format(done), step=done, version=step.index)
+    records = _write_samples(s, view, positions, STEP_PATTERN.format(done), step=done, version=step.index)
+    if records:  # a table per step in wandb; MLflow keeps the held-out ones (a file each)
+        s.run.tracker.log_table(f"samples/step_{done:06d}", records, RECORD_KEYS, mlflow=False)
 
 
 def _record_heldout(s: Session, scored: Heldout, step: int) -> None:

@@ -113,6 +113,8 @@ class RunState:
     """``run.mode=rm``: held-out pair accuracy before the first step."""
     mlflow_run_id: str | None = None
     """The MLflow run to keep logging into."""
+    wandb_run_id: str | None = None
+    """The wandb run to keep logging into."""
     wall_seconds: float = 0.0
     """Wall time spent by the starts of this run up to this checkpoint (the sum of ``start_seconds``)."""
     start_seconds: list[float] = field(default_factory=list)

@@ -1,5 +1,5 @@
-"""Metrics to MLflow (rank 0 only), or nowhere with ``run.tracking.backend=none``; and with
-``run.tracking.tensorboard=true`` also to TensorBoard event files, whichever the backend.
+"""Metrics, tables and figures to the trackers ``run.tracking.trackers`` lists (rank 0 only):
+MLflow, TensorBoard event files, Weights & Biases (``runtime.wandb_tracker``); [] = none.
 
 The default store is local: a SQLite database under the run directory
 (``<output_dir>/mlflow.db``, artifacts beside it), so a laptop run needs no server and
@@ -62,25 +62,33 @@ class Tracker:
         *,
         active: bool,
         run_id: str | None = None,
+        wandb_run_id: str | None = None,
         history: list[dict[str, float]] = (),
         logged_until: int = 0,
     ) -> None:
-        """``logged_until``: the last RL step an earlier start logged (it may have gone past the
+        """``run_id`` / ``wandb_run_id``: the MLflow and wandb runs an earlier start logged into.
+        ``logged_until``: the last RL step an earlier start logged (it may have gone past the
         checkpoint this start resumes from): those steps are not logged twice."""
         self.tensorboard_dir: str | None = None
         self._logged_until = logged_until
         self._mlflow: _MlflowRun | None = None
+        self._wandb = None
         self._closed = False
         self._tensorboard = None
         if not active:
             return
-        if cfg.run.tracking.backend == "mlflow":
+        trackers = cfg.run.tracking.trackers
+        if "mlflow" in trackers:
             with gc_pause.paused():  # MLflow's import and its store's schema: start-up objects
                 self._mlflow = _start_mlflow(cfg, run_id, list(history))
             if self._mlflow.run_id != run_id:  # a new MLflow run: it holds none of those steps
                 self._logged_until = 0
-        if cfg.run.tracking.tensorboard:
+        if "tensorboard" in trackers:
             self._start_tensorboard(Path(cfg.run.output_dir).resolve() / "tensorboard")
+        if "wandb" in trackers:
+            from hybridflow.runtime.wandb_tracker import WandbRun
+
+            self._wandb = WandbRun(cfg, wandb_run_id)
 
     @property
     def run_id(self) -> str | None:
@@ -89,6 +97,10 @@ class Tracker:
     @property
     def uri(self) -> str | None:
         return self._mlflow.uri if self._mlflow is not None else None
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self._wandb.id if self._wandb is not None else None
 
     def _to_mlflow(self, call: Callable[[_MlflowRun], None]) -> None:
         if self._mlflow is not None and not self._closed:
@@ -120,6 +132,8 @@ class Tracker:
             return
         finite = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         self._to_mlflow(functools.partial(_log_metrics, finite, step))
+        if self._wandb is not None and not self._closed:
+            self._wandb.log_metrics(finite, step)
         if self._tensorboard is not None:
             for name, value in finite.items():
                 self._tensorboard.add_scalar(name, value, global_step=step)
@@ -127,26 +141,37 @@ class Tracker:
             # killed by Slurm or the reaper keeps every step it finished
             self._tensorboard.flush()
 
-    def log_table(self, name: str, records: list[dict[str, Any]], columns: Sequence[str]) -> None:
-        """``records``' ``columns`` as an MLflow table (``<name>.json`` among the run's artifacts,
-        shown in the UI's evaluation view); values that are not text or numbers go as JSON text."""
-
-        def cell(value: Any) -> Any:
-            return value if isinstance(value, (str, int, float)) or value is None else json.dumps(value)
-
-        data = {column: [cell(r.get(column)) for r in records] for column in columns}
-        self._to_mlflow(lambda run: run.client.log_table(run.run_id, data=data, artifact_file=f"{name}.json"))
+    def log_table(
+        self, name: str, records: list[dict[str, Any]], columns: Sequence[str], *, mlflow: bool = True
+    ) -> None:
+        """``records``' ``columns`` as a table: in MLflow (``mlflow``: ``<name>.json`` among the
+        run's artifacts, shown in the UI's evaluation view) and wandb; values that are not text or
+        numbers go as JSON text."""
+        data = {column: [_cell(r.get(column)) for r in records] for column in columns}
+        if mlflow:
+            self._to_mlflow(lambda run: run.client.log_table(run.run_id, data=data, artifact_file=f"{name}.json"))
+        if self._wandb is not None and not self._closed:
+            self._wandb.log_table(name, records, columns, _cell)
 
     def log_artifact(self, path: str | os.PathLike) -> None:
         self._to_mlflow(lambda run: run.client.log_artifact(run.run_id, str(path)))
+        if self._wandb is not None and not self._closed:
+            self._wandb.log_file(Path(path))
 
     def close(self, status: str = "FINISHED") -> None:
         if self._mlflow is not None and not self._closed:
             self._mlflow.client.set_terminated(self._mlflow.run_id, status=status)
+        if self._wandb is not None and not self._closed:
+            self._wandb.finish(status)
         self._closed = True
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: text and numbers as they are, anything else as JSON text."""
+    return value if isinstance(value, (str, int, float)) or value is None else json.dumps(value)
 
 
 def _start_mlflow(cfg: HybridflowConfig, run_id: str | None, history: list[dict[str, float]]) -> _MlflowRun:

@@ -105,6 +105,7 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf
         _record_checksums(s, staging)
         if s.run.is_driver:
             s.run.state.mlflow_run_id = s.run.tracker.run_id
+            s.run.state.wandb_run_id = s.run.tracker.wandb_run_id
             s.run.state.start_seconds = s.run.start_seconds()
             s.run.state.wall_seconds = sum(s.run.state.start_seconds)
             s.run.state.async_buffer = buffer
@@ -488,6 +489,7 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
             cfg,
             active=rank == DRIVER,
             run_id=state.mlflow_run_id,
+            wandb_run_id=state.wandb_run_id,
             history=state.history,
             logged_until=_logged(out_dir, state),
         ),

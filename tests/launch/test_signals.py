@@ -317,7 +317,7 @@ def _files(root: Path) -> dict[Path, bytes]:
 def test_a_disk_that_fills_during_a_save_is_named_in_one_line_and_loses_nothing(tmp_path) -> None:
     """Every write into ``step_000002.partial`` fails with ENOSPC (``tests.injection``: ``DISK_FULL``)."""
     out = tmp_path / "run"
-    first = _train(out, "run.steps=1", "run.checkpoint_every=1", "run.tracking.backend=none")
+    first = _train(out, "run.steps=1", "run.checkpoint_every=1", "run.tracking.trackers=[]")
     assert first.proc.wait(timeout=240) == 0, first.text()[-3000:]
     kept = {
         p: data
@@ -328,7 +328,7 @@ def test_a_disk_that_fills_during_a_save_is_named_in_one_line_and_loses_nothing(
         out,
         "run.steps=3",
         "run.checkpoint_every=1",
-        "run.tracking.backend=none",
+        "run.tracking.trackers=[]",
         env=environment(DISK_FULL="step_000002.partial"),
     )
     try:

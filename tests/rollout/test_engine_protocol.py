@@ -100,7 +100,7 @@ def test_a_run_whose_engines_have_only_the_protocols_methods_trains(tmp_path: Pa
         "run.heldout_every=0",
         "run.prompts_per_step=4",
         "rollout.n=2",
-        "run.tracking.backend=none",
+        "run.tracking.trackers=[]",
     ]
     if engine == "hf":
         overrides += ["rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full"]

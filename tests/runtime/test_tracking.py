@@ -1,4 +1,5 @@
-"""``run.tracking``: TensorBoard event files beside (or instead of) MLflow, read back from disk."""
+"""``run.tracking``: TensorBoard event files and an offline wandb run beside (or instead of) MLflow,
+read back from disk (wandb's transaction log with its own protobuf schema)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _tracker(tmp_path: Path, *overrides: str, active: bool = True) -> Tracker:
 
 
 def test_tensorboard_is_off_by_default(tmp_path: Path) -> None:
-    tracker = _tracker(tmp_path, "run.tracking.backend=none")
+    tracker = _tracker(tmp_path, "run.tracking.trackers=[]")
     assert tracker.tensorboard_dir is None
     tracker.log_metrics({"reward/mean": 0.5}, step=1)
     tracker.close()
@@ -32,7 +33,7 @@ def test_tensorboard_is_off_by_default(tmp_path: Path) -> None:
 
 @pytest.mark.claim("tracking-mlflow-tensorboard")
 def test_tensorboard_alone_writes_event_files_a_reader_reads_back(tmp_path: Path) -> None:
-    tracker = _tracker(tmp_path, "run.tracking.backend=none", "run.tracking.tensorboard=true")
+    tracker = _tracker(tmp_path, "run.tracking.trackers=[tensorboard]")
     assert tracker.tensorboard_dir == str(tmp_path.resolve() / "tensorboard") and tracker.run_id is None
     tracker.log_params({"algorithm": "grpo"})
     tracker.log_metrics({"reward/mean": 0.25, "actor/kl": float("nan")}, step=1)
@@ -47,7 +48,7 @@ def test_tensorboard_alone_writes_event_files_a_reader_reads_back(tmp_path: Path
 def test_tensorboard_beside_mlflow_gets_the_same_metrics(tmp_path: Path) -> None:
     import mlflow
 
-    tracker = _tracker(tmp_path, "run.tracking.tensorboard=true")
+    tracker = _tracker(tmp_path, "run.tracking.trackers=[mlflow,tensorboard]")
     tracker.log_metrics({"reward/mean": 0.5}, step=3)
     run_id, uri = tracker.run_id, tracker.uri
     tracker.close()
@@ -57,7 +58,7 @@ def test_tensorboard_beside_mlflow_gets_the_same_metrics(tmp_path: Path) -> None
 
 
 def test_an_inactive_rank_writes_no_event_files(tmp_path: Path) -> None:
-    tracker = _tracker(tmp_path, "run.tracking.tensorboard=true", active=False)
+    tracker = _tracker(tmp_path, "run.tracking.trackers=[mlflow,tensorboard,wandb]", active=False)
     tracker.log_metrics({"reward/mean": 0.5}, step=1)
     tracker.close()
     assert tracker.tensorboard_dir is None and not (tmp_path / "tensorboard").exists()
@@ -144,3 +145,105 @@ def test_steps_an_earlier_start_logged_past_its_checkpoint_are_not_logged_twice(
     fresh.log_metrics({"reward/mean": 0.3}, step=3)
     fresh.close()
     assert len(mlflow.MlflowClient(tracking_uri=fresh.uri).get_metric_history(fresh.run_id, "reward/mean")) == 1
+
+
+@pytest.mark.claim("tracking-wandb")
+def test_an_offline_wandb_run_holds_the_metrics_tables_and_figure_and_a_resume_continues_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """No key here: ``auto`` writes offline under the run directory; the transaction log read back
+    holds the config, each phase's steps on its own axis, the table, the figure; a second start
+    with the kept id writes the same wandb run on."""
+    import json
+
+    from tests.wandb_log import history, offline_runs, run_record
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    figure = tmp_path / "run.png"
+    figure.write_bytes(_png())
+    tracker = _tracker(tmp_path, "run.tracking.trackers=[wandb]")
+    run_id = tracker.wandb_run_id
+    assert run_id and tracker.run_id is None  # no MLflow
+    tracker.log_metrics({"sft/loss": 2.0}, step=1)
+    tracker.log_metrics({"reward/mean": 0.25, "actor/kl": float("nan")}, step=1)
+    tracker.log_metrics({"reward/mean": 0.75}, step=2)
+    records = [{"step": 2, "sample": 0, "prompt": "max(1,5)=", "response": "5", "reward": 1.0, "scores": {}}]
+    tracker.log_table("heldout/step_000002", records, ("step", "sample", "prompt", "response", "reward", "scores"))
+    tracker.log_artifact(figure)
+    tracker.close()
+    (first,) = offline_runs(tmp_path)
+    run = run_record(first)
+    assert run.run_id == run_id and run.project == "hybridflow" and run.display_name == "quickstart_cpu"
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["run"]["tracking"]["trackers"] == ["wandb"] and config["algorithm"]["name"] == "grpo"
+    rows = history(first)
+    assert [(r["sft/step"], r["sft/loss"]) for r in rows if "sft/loss" in r] == [(1, 2.0)]
+    assert [(r["rl/step"], r["reward/mean"]) for r in rows if "reward/mean" in r] == [(1, 0.25), (2, 0.75)]
+    (table_row,) = [r for r in rows if "heldout/step_000002/path" in r]
+    table = json.loads((first.parent / "files" / table_row["heldout/step_000002/path"]).read_text())
+    assert table["columns"] == ["step", "sample", "prompt", "response", "reward", "scores"]
+    assert table["data"] == [[2, 0, "max(1,5)=", "5", 1.0, "{}"]]
+    (image_row,) = [r for r in rows if "figures/run/path" in r]
+    assert (first.parent / "files" / image_row["figures/run/path"]).read_bytes() == figure.read_bytes()
+    # a resumed start: the same wandb run, its next step
+    again = Tracker(load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path}",
+                    "run.tracking.trackers=[wandb]"]), active=True, wandb_run_id=run_id)  # fmt: skip
+    again.log_metrics({"reward/mean": 1.0}, step=3)
+    again.close()
+    runs = offline_runs(tmp_path)
+    assert len(runs) == 2 and run_record(runs[1]).run_id == run_id
+    assert [(r["rl/step"], r["reward/mean"]) for r in history(runs[1]) if "reward/mean" in r] == [(3, 1.0)]
+
+
+def _png() -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([0, 1])
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def test_a_failing_wandb_warns_once_and_the_run_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
+    import logging
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    tracker = _tracker(tmp_path, "run.tracking.trackers=[mlflow,wandb]", "run.tracking.wandb_mode=offline")
+
+    def broken(*args, **kwargs):
+        raise OSError("wandb-core is gone")
+
+    monkeypatch.setattr(tracker._wandb.run, "log", broken)
+    with caplog.at_level(logging.WARNING, logger="hybridflow.runtime.wandb_tracker"):
+        tracker.log_metrics({"reward/mean": 0.5}, step=1)
+        tracker.log_metrics({"reward/mean": 0.6}, step=2)  # MLflow still gets it; wandb is not tried
+    assert [r.getMessage() for r in caplog.records if r.name == "hybridflow.runtime.wandb_tracker"] == [
+        "wandb: logging metrics failed (wandb-core is gone); the run goes on without wandb"
+    ]
+    import mlflow
+
+    history = mlflow.MlflowClient(tracking_uri=tracker.uri).get_metric_history(tracker.run_id, "reward/mean")
+    assert [m.value for m in history] == [0.5, 0.6]
+    tracker.close()
+
+
+def test_wandb_mode_auto_is_online_only_with_a_key(tmp_path: Path, monkeypatch) -> None:
+    from hybridflow.runtime.wandb_tracker import wandb_mode
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert wandb_mode("auto") == "offline" and wandb_mode("online") == "online"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert wandb_mode("auto") == "online"
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode("auto") == "online"
