@@ -285,6 +285,13 @@ def test_lengths_left_unset_are_decided_from_the_data_and_the_model(hub_dir, tmp
         f"hybridflow plan: decided from the data and the model: data.max_prompt_length={prompt} (the longest of "
         f"the first 2 training prompts has {longest_prompt} tokens); set them to choose\n"
     )
+    # a prompt budget set past the context leaves the decided response none: refused, naming both keys
+    with pytest.raises(ValueError) as refused:
+        load_config(None, [*base, "data.max_prompt_length=512"])
+    assert str(refused.value) == (
+        "data.max_prompt_length=512 leaves no room for a response in the model's context of 256 tokens; set "
+        "data.max_prompt_length and data.max_response_length to sum to at most 256"
+    )
     # the data or the model not on this machine (a plan made before the download): said, not guessed
     elsewhere = [f"model.path={tmp_path / 'not_downloaded'}", f"data.train_files=[{train}]"]
     recipe.write_text("run:\n  name: elsewhere\n")
