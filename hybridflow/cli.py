@@ -401,7 +401,7 @@ def _train(args: argparse.Namespace) -> int:
     return launch_train(
         cfg.actor.parallel,
         args.config,
-        args.overrides,
+        _with_lengths(cfg, args.overrides),
         rollout=cfg.rollout.describe(),
         more_ranks=more_ranks(cfg),
         output_dir=cfg.run.output_dir,
@@ -422,7 +422,17 @@ def _launch(args: argparse.Namespace) -> int:
     spec.check_layout(cfg.actor.parallel, more_ranks(cfg))
     check_separate_nodes(cfg, spec.nproc_per_node)
     preflight(cfg, command="launch", content=hosts_rendezvous(spec))  # one node reads the checkpoint through
-    return launch(spec, cfg.actor.parallel, args.config, args.overrides, output_dir=cfg.run.output_dir)
+    overrides = _with_lengths(cfg, args.overrides)
+    return launch(spec, cfg.actor.parallel, args.config, overrides, output_dir=cfg.run.output_dir)
+
+
+def _with_lengths(cfg: HybridflowConfig, overrides: Sequence[str]) -> list[str]:
+    """``overrides`` and the data lengths this process decided (``hybridflow.lengths``): the ranks,
+    on this machine, take them instead of deciding again, each loading the tokenizer (seconds on a
+    busy CPU). Not for ``slurm``: a login node may not hold the data the nodes decide from."""
+    d = cfg.data
+    lengths = [f"data.max_prompt_length={d.max_prompt_length}", f"data.max_response_length={d.max_response_length}"]
+    return [*overrides, *lengths]
 
 
 def _given(args: argparse.Namespace, defaults: dict[str, object]) -> dict[str, object]:
