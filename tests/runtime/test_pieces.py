@@ -407,7 +407,7 @@ def test_an_inactive_tracker_has_everything_the_runtime_calls_on_its_metric_sink
     from hybridflow.runtime.tracking import Tracker
 
     tracker = Tracker(load_config("configs/quickstart_cpu.yaml", [f"run.output_dir={tmp_path}"]), active=False)
-    members = {"run_id", "uri", "log_params", "log_metrics", "log_table", "log_artifact", "close"}
+    members = {"run_id", "uri", "wandb_run_id", "log_params", "log_metrics", "log_table", "log_artifact", "close"}
     assert _protocol_members(MetricSink) == members
     assert all(hasattr(tracker, name) for name in _protocol_members(MetricSink))
     assert tracker.run_id is None and tracker.uri is None
