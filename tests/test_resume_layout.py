@@ -69,7 +69,7 @@ def ep2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     root = tmp_path_factory.mktemp("resume_layout")
     config = _config(make_hf_dir(root, "qwen3_moe"), _chat_rows(root / "chat.jsonl"), "qwen3_moe", "ep2")
     config["run"].update(
-        steps=STEPS, checkpoint_every=1, keep_checkpoints=STEPS, name="resume_layout", tracking={"backend": "mlflow"}
+        steps=STEPS, checkpoint_every=1, keep_checkpoints=STEPS, name="resume_layout", tracking={"trackers": ["mlflow"]}
     )
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -70,7 +70,7 @@ def _config(path: Path, data: Path, family: str, layout: str) -> dict:
             "prompts_per_step": 4,
             "checkpoint_every": 0,
             "heldout_prompts": 0,
-            "tracking": {"backend": "none"},
+            "tracking": {"trackers": []},
         },
     }
 
