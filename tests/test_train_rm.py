@@ -114,7 +114,7 @@ def test_rl_against_the_exported_reward_model_raises_the_right_answers(rl_run: P
     from hybridflow.sample_files import read
     from tests.test_train import rescored
 
-    cfg = load_config(str(out / "config.yaml"))
+    cfg = load_config(str(out / "checkpoints" / "step_000006" / "config.yaml"))
     records = read(out / "samples" / "step_000006.jsonl")
     assert records and all(set(r["scores"]) == {"model"} for r in records)
     for r in records:

@@ -88,7 +88,10 @@ class Tracker:
         if "wandb" in trackers:
             from hybridflow.runtime.wandb_tracker import WandbRun
 
-            self._wandb = WandbRun(cfg, wandb_run_id)
+            try:
+                self._wandb = WandbRun(cfg, wandb_run_id)
+            except Exception as error:  # noqa: BLE001 - a tracker never stops training
+                logger.warning("wandb: starting the run failed (%s); the run goes on without wandb", error)
 
     @property
     def run_id(self) -> str | None:
