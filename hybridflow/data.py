@@ -24,6 +24,7 @@ half a file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -501,6 +502,17 @@ def few_rows_warning(rows: int, per_step: int) -> str:
         f"data.train_files hold {rows} usable rows, fewer than run.prompts_per_step={per_step}: every step "
         "repeats rows to fill itself (groups of one prompt several times); lower run.prompts_per_step or add rows"
     )
+
+
+@functools.lru_cache(maxsize=2)
+def model_tokenizer(path: str):
+    """The tokenizer of the model directory (or converted checkpoint) ``path``, loaded once per
+    process: the launcher reads it to decide the data lengths and again to check the prompts."""
+    from transformers import AutoTokenizer  # here: a second or more to import, needed only now
+
+    from hfschema.model_source import model_source
+
+    return AutoTokenizer.from_pretrained(str(model_source(path).files))
 
 
 def tool_schemas(cfg: HybridflowConfig) -> list[dict] | None:

@@ -96,17 +96,13 @@ def _from_measure(cfg: HybridflowConfig, rows: int, longest_prompt: int, longest
 def _measure(cfg: HybridflowConfig) -> tuple[int, int, int | None] | str:
     """(rows measured, the longest prompt's tokens, the longest warm-up answer's tokens or None),
     or why they cannot be measured here."""
-    from hfschema.model_source import model_source
-
     path = cfg.model.path
     files = [os.fspath(p) for p in cfg.data.train_files]
     if not (path and os.path.isdir(os.path.expanduser(path)) and all(os.path.exists(p) for p in files)):
         return "the data or the model's tokenizer is not on this machine; the run decides them from the data"
-    from transformers import AutoTokenizer  # here: a second or more to import, needed only now
+    from hybridflow.data import model_tokenizer, preview_rows, tokenize_rows, tool_schemas
 
-    from hybridflow.data import preview_rows, tokenize_rows, tool_schemas
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_source(path).files))
+    tokenizer = model_tokenizer(path)
     sft_key = cfg.sft.response_key if cfg.sft.steps > 0 and cfg.run.mode != "rm" else None
     rows = preview_rows(cfg, files, sft_key=sft_key)
     unlimited = replace(cfg.data, max_prompt_length=1 << 30, on_bad_row="skip")

@@ -380,11 +380,9 @@ def check_prompt_lengths(cfg: HybridflowConfig, *, command: str = "train") -> No
     path = cfg.model.path
     if not (cfg.data.train_files and path and os.path.isdir(path)):
         return
-    from transformers import AutoTokenizer  # here: a second or more to import, needed only now
+    from hybridflow.data import DataReport, model_tokenizer, preview_rows, tokenize_rows, tool_schemas
 
-    from hybridflow.data import DataReport, preview_rows, tokenize_rows, tool_schemas
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_source(path).files))
+    tokenizer = model_tokenizer(path)
     tools = tool_schemas(cfg)
     sets = [("training", "data.train_files", cfg.data.train_files)]
     if cfg.run.heldout_prompts > 0 and cfg.data.heldout_files:
