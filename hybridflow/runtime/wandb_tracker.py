@@ -13,6 +13,7 @@ the rest of the run: a tracker never stops training.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import netrc
 import os
@@ -42,11 +43,23 @@ def wandb_mode(setting: str) -> str:
         return "offline"
 
 
+@functools.cache
+def _drop_inherited_service() -> None:
+    """Forget a wandb service this process inherited (``WANDB_SERVICE``, which wandb exports to
+    the children of a process that started one): the service belongs to the parent and outlives
+    a start of ours that is killed, keeping that start's run open, so the resumed start's
+    ``wandb.init`` of the same id was refused ('run ID ... is in use'). Once per process: the
+    service this process starts itself is then its own, and exported for the same reason."""
+    os.environ.pop("WANDB_SERVICE", None)
+
+
 class WandbRun:
     """One hybridflow run's wandb run on rank 0."""
 
     def __init__(self, cfg: HybridflowConfig, run_id: str | None) -> None:
         import wandb
+
+        _drop_inherited_service()
 
         tracking, out_dir = cfg.run.tracking, Path(cfg.run.output_dir).resolve()
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -196,6 +196,39 @@ def test_an_offline_wandb_run_holds_the_metrics_tables_and_figure_and_a_resume_c
     assert [(r["rl/step"], r["reward/mean"]) for r in history(runs[1]) if "reward/mean" in r] == [(3, 1.0)]
 
 
+def test_a_start_killed_with_its_wandb_run_open_does_not_stop_the_resume_reopening_it(tmp_path: Path) -> None:
+    """The launching process (here pytest) has a wandb service of its own with the run still open,
+    as a killed start leaves it, and exports it to its children; the resumed trainer uses a
+    service of its own and reopens the run (before, the inherited service refused the id as in use)."""
+    import os
+    import subprocess
+    import sys
+
+    overrides = [f"run.output_dir={tmp_path}", "run.tracking.trackers=[wandb]", "run.tracking.wandb_mode=offline"]
+    killed = Tracker(load_config("configs/quickstart_cpu.yaml", overrides), active=True)
+    killed.log_metrics({"reward/mean": 0.25}, step=1)
+    assert "WANDB_SERVICE" in os.environ  # what every child of this process inherits
+    resume = (
+        "import sys; from hybridflow.config import load_config; from hybridflow.runtime.tracking import Tracker; "
+        "t = Tracker(load_config('configs/quickstart_cpu.yaml', sys.argv[2:]), active=True, wandb_run_id=sys.argv[1]); "
+        "assert not t._wandb.failed; t.log_metrics({'reward/mean': 0.5}, step=2); t.close()"
+    )
+    run_id = killed._wandb.id
+    done = subprocess.run(
+        [sys.executable, "-c", resume, run_id, *overrides], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "in use" not in done.stderr, done.stderr[-2000:]
+    killed.close()
+    from tests.wandb_log import history, offline_runs, run_record
+
+    runs = offline_runs(tmp_path)
+    assert len(runs) == 2 and {run_record(run).run_id for run in runs} == {run_id}
+    assert [(r["rl/step"], r["reward/mean"]) for run in runs for r in history(run) if "reward/mean" in r] == [
+        (1, 0.25),
+        (2, 0.5),
+    ]
+
+
 def _png() -> bytes:
     import matplotlib
 
