@@ -1087,13 +1087,27 @@ class AgenticConfig:
     sandbox_wall_seconds: float = 10.0
     """A program is stopped after this long."""
     sandbox_memory_mb: int = 512
-    """Address space a program's process may take."""
+    """A program's memory budget: each of its processes, together with the files it writes
+    (sandbox_disk_mb of it)."""
+    sandbox_disk_mb: int = 64
+    """The files a program may write, in all (its /work and /tmp, a tmpfs of this size)."""
+    tool_output_special_tokens: str = "escape"
+    """The tokenizer's special and added tokens written in tool output (a program printing
+    <|im_end|> could fake a turn): escape (a zero-width space inside each, so they tokenise as
+    text) or refuse (the observation is replaced by a line saying why)."""
 
     def __post_init__(self) -> None:
         check_choice("schedule", self.schedule, ("independent", "turn_synchronous"))
         check_choice("sandbox", self.sandbox, ("bubblewrap", "remote"))
         check_positive(self, ("max_turns", "observation_tokens", "tool_workers", "sandbox_wall_seconds"))
-        check_positive(self, ("sandbox_memory_mb",))
+        check_positive(self, ("sandbox_memory_mb", "sandbox_disk_mb"))
+        check_choice("tool_output_special_tokens", self.tool_output_special_tokens, ("escape", "refuse"))
+        if self.sandbox_disk_mb >= self.sandbox_memory_mb:
+            raise ConfigError(
+                "{p}sandbox_disk_mb={d} must be below {p}sandbox_memory_mb={m}: the files share the memory budget",
+                d=self.sandbox_disk_mb,
+                m=self.sandbox_memory_mb,
+            )
         if self.turn_tokens is not None and self.turn_tokens < 1:
             raise ConfigError("{p}turn_tokens={v} must be >= 1 (or null)", v=self.turn_tokens)
         if self.sandbox == "remote" and not self.sandbox_url:

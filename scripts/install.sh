@@ -133,15 +133,17 @@ Remove it with:
   fi
 fi
 
-# The code sandbox of multi-turn rollouts runs programs under bubblewrap (hybridflow/agentic/sandbox.py),
-# a Debian package: installed here when this runs as root with apt; otherwise say how.
-if ! command -v bwrap >/dev/null 2>&1; then
+# The code sandbox of multi-turn rollouts runs programs under bubblewrap with a seccomp filter that
+# libseccomp builds (hybridflow/agentic/sandbox.py), both Debian packages: installed here when this
+# runs as root with apt; otherwise say how.
+if ! command -v bwrap >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
   if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    log "bubblewrap for the code sandbox (apt-get install bubblewrap)"
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null \
-      || die "apt-get could not install bubblewrap, which the code sandbox needs"
+    log "bubblewrap and libseccomp for the code sandbox (apt-get install bubblewrap libseccomp2)"
+    apt-get update -qq >/dev/null \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap libseccomp2 >/dev/null \
+      || die "apt-get could not install bubblewrap and libseccomp2, which the code sandbox needs"
   else
-    log "note: the code sandbox needs bubblewrap; install it with 'sudo apt-get install bubblewrap'"
+    log "note: the code sandbox needs bubblewrap and libseccomp; 'sudo apt-get install bubblewrap libseccomp2'"
   fi
 fi
 

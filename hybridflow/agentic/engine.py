@@ -61,7 +61,9 @@ def configured_tools(cfg: AgenticConfig) -> list[Tool]:
 def _sandbox(cfg: AgenticConfig):
     from hybridflow.agentic.sandbox import BubblewrapSandbox, RemoteSandbox, SandboxLimits
 
-    limits = SandboxLimits(wall_seconds=cfg.sandbox_wall_seconds, memory_mb=cfg.sandbox_memory_mb)
+    limits = SandboxLimits(
+        wall_seconds=cfg.sandbox_wall_seconds, memory_mb=cfg.sandbox_memory_mb, disk_mb=cfg.sandbox_disk_mb
+    )
     return RemoteSandbox(cfg.sandbox_url, limits) if cfg.sandbox == "remote" else BubblewrapSandbox(limits)
 
 
@@ -120,7 +122,9 @@ class AgenticEngine:
             turn_tokens=self.cfg.turn_tokens or budget,
             observation_tokens=self.cfg.observation_tokens,
         )
-        self.renderer = ObservationRenderer(tokenizer, tokenizer.convert_tokens_to_ids(END_OF_TURN))
+        self.renderer = ObservationRenderer(
+            tokenizer, tokenizer.convert_tokens_to_ids(END_OF_TURN), special_tokens=self.cfg.tool_output_special_tokens
+        )
         self.pool = concurrent.futures.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="tool")
         self._warned_cut = False
         self.paused: dict[tuple[int, ...], list[Trajectory]] = {}

@@ -14,10 +14,16 @@ fixed conversation ending in an assistant turn, then the same with the observati
 and the next assistant header; the second must extend the first, and what it adds (after the
 text that follows the assistant's end token) is the observation. So the earlier turns are never
 rendered again from text, and what the model produced is trained on as it produced it.
+
+An observation's text is the tools', written by whatever the model ran: the tokenizer's special
+and added tokens in it (``<|im_end|>``, ``<tool_call>``) are neutralised before it is rendered, so
+a program cannot end the tool's turn and write one of its own into the model's context, and
+control characters (NUL, terminal escape sequences) are written as visible escapes.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +33,25 @@ from hybridflow.rollout.base import FINISH_STOP, TURN_STATS, RolloutSample
 __all__ = ["ObservationRenderer", "Trajectory", "TrajectoryStats", "final_turn", "turn_metrics"]
 
 _ANCHOR = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+SPECIAL_TOKEN_MODES = ("escape", "refuse")
+
+_BREAK = "\u200b"
+"""Put inside a special token's text (a zero-width space): the tokenizer no longer matches it."""
+
+_CONTROL_CHARACTERS = {c: f"\\x{c:02x}" for c in (*range(0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F)}
+"""C0 control characters but tab and line ends, and DEL: written as ``\\xNN``."""
+
+
+def _markers(tokenizer) -> re.Pattern | None:
+    """A pattern matching any of the tokenizer's special or added tokens' texts, longest first."""
+    texts = {*tokenizer.get_added_vocab(), *tokenizer.all_special_tokens}
+    texts = sorted((t for t in texts if t), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def _broken(token: str) -> str:
+    return token[0] + _BREAK + token[1:] if len(token) > 1 else f"\\u{ord(token):04x}"
 
 
 class ObservationRenderer:
@@ -38,8 +63,11 @@ class ObservationRenderer:
     must render alike, and the observation is what the template writes after that turn's end
     token. A template that changes the earlier turns themselves cannot be appended to."""
 
-    def __init__(self, tokenizer, end_id: int) -> None:
-        self.tokenizer, self.end_id = tokenizer, end_id
+    def __init__(self, tokenizer, end_id: int, *, special_tokens: str = "escape") -> None:
+        if special_tokens not in SPECIAL_TOKEN_MODES:
+            raise ValueError(f"special_tokens={special_tokens!r}; one of {', '.join(SPECIAL_TOKEN_MODES)}")
+        self.tokenizer, self.end_id, self.special_tokens = tokenizer, end_id, special_tokens
+        self._special = _markers(tokenizer)
         before = self._ids(_ANCHOR, add_generation_prompt=False)
         if end_id not in before:
             raise ValueError(
@@ -61,7 +89,7 @@ class ObservationRenderer:
     def render(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """The tokens that follow the model's end token: ``messages`` and the next assistant
         header, as the template writes them."""
-        after = self._ids([*_ANCHOR, *messages], add_generation_prompt=True)
+        after = self._ids([*_ANCHOR, *(self.safe(m) for m in messages)], add_generation_prompt=True)
         ends = [i for i, token in enumerate(after) if token == self.end_id]
         if after[: len(self._earlier)] != self._earlier or len(ends) < self._turns:
             raise ValueError(
@@ -71,6 +99,22 @@ class ObservationRenderer:
                 "whatever follows (the chat_template of the model directory's tokenizer_config.json)"
             )
         return after[ends[self._turns - 1] + 1 :]
+
+    def safe(self, message: Mapping[str, str]) -> dict[str, str]:
+        """``message`` with its content fit for the model's context (see the module doc): special
+        tokens escaped, or under ``refuse`` the content replaced by a line saying why."""
+        if not isinstance(message.get("content"), str):
+            return dict(message)
+        text = message["content"].translate(_CONTROL_CHARACTERS)
+        found = self._special.findall(text) if self._special is not None else []
+        if found and self.special_tokens == "refuse":
+            text = (
+                f"[withheld: this output held the model's control token {_broken(found[0])} "
+                "(agentic.tool_output_special_tokens=refuse)]"
+            )
+        elif found:
+            text = self._special.sub(lambda match: _broken(match[0]), text)
+        return {**message, "content": text}
 
 
 @dataclass

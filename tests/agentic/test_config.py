@@ -34,6 +34,14 @@ QUICKSTART = "configs/quickstart_cpu.yaml"
         (["agentic.schedule=eager"], "agentic.schedule='eager' is not one of: independent, turn_synchronous"),
         (["agentic.sandbox=remote"], "agentic.sandbox=remote needs agentic.sandbox_url"),
         (
+            ["agentic.sandbox_disk_mb=512"],
+            "agentic.sandbox_disk_mb=512 must be below agentic.sandbox_memory_mb=512: the files share the memory",
+        ),
+        (
+            ["agentic.tool_output_special_tokens=drop"],
+            "agentic.tool_output_special_tokens='drop' is not one of: escape, refuse",
+        ),
+        (
             [
                 "async_rl.partial_rollout=true",
                 "rollout.placement=separate",

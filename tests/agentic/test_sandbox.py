@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -102,7 +104,7 @@ print(sorted(tries.items()))
     result = sandbox.run(code)
     assert result.ok, result
     tries = dict(eval(result.stdout))
-    assert tries.pop("write_scratch") == "done"  # its own folder, removed after the run
+    assert tries.pop("write_scratch") == "done"  # its own tmpfs, gone with the run
     assert all(outcome != "done" for outcome in tries.values()), tries
     assert not escape.exists() and not Path("/usr/owned").exists()
 
@@ -181,3 +183,165 @@ def test_programs_running_at_once_do_not_share_one_process_budget(sandbox) -> No
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(sandbox.run, [code] * 4))
     assert [(r.ok, r.stdout) for r in results] == [(True, "forked 10\n")] * 4, results
+
+
+# What a sandbox that keeps the trainer's secrets must hold beyond its walls (issue 58): each test
+# fails on the sandbox before it (the trainer's environment passed to bwrap, the session keyring
+# shared, / and /dev writable tmpfs of half the host's RAM, no syscall filter, bwrap's pid 1 left
+# a zombie, the output cap decided before the last byte was read).
+
+_ATTEMPT = """
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(number, *args):
+    ctypes.set_errno(0)
+    result = libc.syscall(number, *args)
+    return result if result >= 0 else os.strerror(ctypes.get_errno())
+"""
+
+
+@pytest.mark.claim("sandbox-contains-hostile-code")
+def test_nothing_of_the_trainers_environment_or_memory_is_readable_inside(sandbox, monkeypatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_planted_by_the_test")
+    code = _ATTEMPT + (
+        "seen = b''\n"
+        "for pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "    for name in ('environ', 'cmdline'):\n"
+        "        try:\n"
+        "            seen += open(f'/proc/{pid}/{name}', 'rb').read()\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "print(json.dumps({'pids': sorted(p for p in os.listdir('/proc') if p.isdigit()), 'me': os.getpid(),\n"
+        "    'planted': b'hf_planted' in seen, 'environ': sorted(os.environ),\n"
+        "    'attach': call(101, 16, 1, 0, 0)}))\n"  # PTRACE_ATTACH to pid 1
+    )
+    result = sandbox.run(code)
+    assert result.ok, result
+    seen = json.loads(result.stdout)
+    assert not seen["planted"] and seen["environ"] == ["HOME", "LANG", "PATH", "PWD"]
+    assert seen["me"] == 1 and seen["pids"] == ["1"]  # the program is pid 1: no bwrap process to read
+    assert seen["attach"] == "Operation not permitted"
+
+
+def _add_key(description: bytes, payload: bytes) -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = libc.syscall(248, b"user", description, payload, len(payload), ctypes.c_int(-3))  # add_key, session
+    if key < 0:
+        pytest.fail(f"add_key in the test's own session keyring failed: {os.strerror(ctypes.get_errno())}")
+    return key
+
+
+def _find_key(description: bytes) -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(250, 10, ctypes.c_int(-3), b"user", description, 0)  # KEYCTL_SEARCH
+
+
+@pytest.mark.claim("sandbox-contains-hostile-code")
+def test_the_trainers_session_keyring_is_out_of_reach(sandbox) -> None:
+    _add_key(b"hybridflow-test-secret", b"hunter2")
+    code = _ATTEMPT + (
+        "found = call(250, 10, ctypes.c_int(-3), b'user', b'hybridflow-test-secret', 0)\n"
+        "added = call(248, b'user', b'hybridflow-test-planted', b'x', 1, ctypes.c_int(-3))\n"
+        "print(json.dumps([found, added]))\n"
+    )
+    result = sandbox.run(code)
+    assert result.ok and json.loads(result.stdout) == ["Operation not permitted"] * 2, result
+    assert _find_key(b"hybridflow-test-planted") < 0  # nothing the program added reached the trainer's
+
+
+@pytest.mark.claim("sandbox-contains-hostile-code")
+def test_memory_and_disk_are_bounded_as_a_whole_and_reported(sandbox) -> None:
+    """/ and /dev are read-only; /work (and /tmp inside it) hold ``disk_mb`` in all, and a
+    process's address space is what is left of ``memory_mb``."""
+    writable = sandbox.run(
+        "import json\nout = {}\n"
+        "for d in ('/', '/dev', '/dev/shm', '/tmp', '/work'):\n"
+        "    try:\n"
+        "        open(d.rstrip('/') + '/x', 'w').write('x'); out[d] = 'written'\n"
+        "    except OSError as error:\n"
+        "        out[d] = error.strerror\n"
+        "print(json.dumps(out))\n"
+    )
+    assert json.loads(writable.stdout) == {
+        "/": "Read-only file system",
+        "/dev": "Read-only file system",
+        "/dev/shm": "Read-only file system",
+        "/tmp": "written",
+        "/work": "written",
+    }
+    chunk = "open(f'{d}/f{i}', 'wb').write(bytes(10 << 20))"  # under the 16 MB file limit each
+    disk = sandbox.run(f"for i in range(10):\n    d = '/tmp' if i % 2 else '/work'\n    {chunk}\n")
+    assert not disk.ok and disk.describe() == (
+        f"exited with status 1: its files passed the sandbox's disk budget of {LIMITS.disk_mb} MB"
+    )
+    left = LIMITS.memory_mb - LIMITS.disk_mb
+    assert "MemoryError" in sandbox.run(f"x = bytearray({left + 8} << 20)").describe()
+    assert sandbox.run(f"x = bytearray({left - 64} << 20)").ok
+    _still_works(sandbox)
+
+
+@pytest.mark.claim("sandbox-contains-hostile-code")
+@pytest.mark.parametrize(
+    ("name", "attempt"),
+    [
+        ("unshare a user namespace", "call(272, 0x10000000)"),
+        ("clone into a new mount namespace", "call(56, 0x20000 | 17, 0, 0, 0, 0)"),  # CLONE_NEWNS | SIGCHLD
+        ("io_uring", "call(425, 8, ctypes.create_string_buffer(120))"),
+        ("userfaultfd", "call(323, 0)"),
+        ("keyctl", "call(250, 0, ctypes.c_int(-3), 0)"),  # KEYCTL_GET_KEYRING_ID of the session
+        ("ptrace", "call(101, 0, 0, 0, 0)"),  # PTRACE_TRACEME
+        ("mount", "call(165, b'none', b'/work', b'tmpfs', 0, 0)"),
+    ],
+)
+def test_the_kernels_riskiest_interfaces_are_refused(sandbox, name: str, attempt: str) -> None:
+    result = sandbox.run(_ATTEMPT + f"print(json.dumps({attempt}))\n")
+    assert result.ok and json.loads(result.stdout) == "Operation not permitted", (name, result)
+
+
+def _zombies() -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and (entry / "comm").read_text().strip() in ("bwrap", "python3"):
+            found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.claim("sandbox-contains-hostile-code")
+def test_no_process_is_left_behind_after_ten_calls(sandbox) -> None:
+    """Programs that end, fail, print too much and sleep past the wall time: each run is reaped."""
+    quick = BubblewrapSandbox(dataclasses.replace(LIMITS, wall_seconds=0.5))
+    before = _zombies()
+    programs = ["print(1)", "raise SystemExit(3)", "print('x' * 10**5)", "import time; time.sleep(9)"]
+    results = [quick.run(programs[i % len(programs)]) for i in range(10)]
+    assert [r.ok for r in results[:4]] == [True, False, False, False]
+    time.sleep(0.2)
+    assert _zombies() - before == set()
+
+
+@pytest.mark.claim("sandbox-contains-hostile-code")
+def test_output_past_the_cap_is_reported_every_time_even_with_a_busy_trainer(sandbox) -> None:
+    """The cap is decided once both streams are read to their end: a program that prints 20,000
+    bytes and exits at once is reported cut, however late the reading threads got the bytes."""
+    stop = threading.Event()
+
+    def busy() -> None:  # a trainer thread holding the GIL most of the time
+        while not stop.is_set():
+            sum(range(10_000))
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        results = [sandbox.run("import sys; sys.stdout.write('x' * 20_000)") for _ in range(100)]
+    finally:
+        stop.set()
+    cut = [r for r in results if r.error and f"more than the sandbox's {LIMITS.output_bytes}" in r.error]
+    assert len(cut) == 100, [r for r in results if r not in cut][:1]
+    assert all(len(r.stdout) == LIMITS.output_bytes for r in cut)
