@@ -191,7 +191,26 @@ def check_bubblewrap() -> str:
             "'apt-get install bubblewrap' (scripts/install.sh does it as root), or set "
             "agentic.sandbox=remote with agentic.sandbox_url pointing at a sandbox service"
         )
+    version = _bwrap_version(path)
+    if version < BWRAP_AT_LEAST:
+        raise SandboxUnavailable(
+            f"the code sandbox needs bubblewrap {'.'.join(map(str, BWRAP_AT_LEAST))} or newer (--size, "
+            f"--disable-userns); {path} is {'.'.join(map(str, version))}: install a newer bubblewrap "
+            "(Debian 12's is 0.8.0), or set agentic.sandbox=remote"
+        )
     return path
+
+
+BWRAP_AT_LEAST = (0, 8, 0)
+
+
+@functools.cache
+def _bwrap_version(path: str) -> tuple[int, ...]:
+    said = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout.split()
+    try:
+        return tuple(int(part) for part in said[-1].split("."))
+    except (IndexError, ValueError):
+        return (0,)  # a build that does not say: treated as too old
 
 
 @functools.cache

@@ -345,3 +345,18 @@ def test_output_past_the_cap_is_reported_every_time_even_with_a_busy_trainer(san
     cut = [r for r in results if r.error and f"more than the sandbox's {LIMITS.output_bytes}" in r.error]
     assert len(cut) == 100, [r for r in results if r not in cut][:1]
     assert all(len(r.stdout) == LIMITS.output_bytes for r in cut)
+
+
+def test_a_bubblewrap_too_old_for_the_sandbox_is_one_line_naming_the_fix(tmp_path: Path, monkeypatch) -> None:
+    from hybridflow.agentic.sandbox import SandboxUnavailable
+
+    old = tmp_path / "bwrap"
+    old.write_text("#!/bin/sh\necho bubblewrap 0.6.1\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with pytest.raises(SandboxUnavailable) as raised:
+        BubblewrapSandbox(LIMITS)
+    assert str(raised.value) == (
+        f"the code sandbox needs bubblewrap 0.8.0 or newer (--size, --disable-userns); {old} is 0.6.1: install "
+        "a newer bubblewrap (Debian 12's is 0.8.0), or set agentic.sandbox=remote"
+    )
