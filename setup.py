@@ -13,7 +13,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-TOP_LEVEL_PACKAGES = ("hybridflow", "hfschema", "megatron_adapters", "moe", "reshard", "launch")
+TOP_LEVEL_PACKAGES = ("hybridflow", "hfschema", "megatron_adapters", "fsdp_adapters", "moe", "reshard", "launch")
 
 
 def read_version() -> str:

@@ -6,6 +6,8 @@
                   settings, router rules, attention and MoE block, SGLang traits)
     model.py      ModelConfig (+ RopeScalingConfig): the architecture, HF-style
     train.py      TrainConfig (optimizer, schedule, batches), MoEConfig (MoE RL stability)
+    trainer.py    what every trainer backend promises: StepResult, the loss function's shape,
+                  megatron-core's learning-rate schedule and weight-decay rule
     sglang.py     SGLangSettings (the engines' parallel settings), pad_vocab
     hf_config.py  a Hugging Face directory's config.json -> ModelConfig (no torch)
     buckets.py    consecutive groups of items under a size budget
@@ -19,7 +21,8 @@ Package imports (an arrow: may import; ``tests/test_boundaries.py`` checks them)
     reshard             ──► hfschema
     launch              ──► hfschema
     megatron_adapters   ──► hfschema, reshard, moe
-    hybridflow          ──► hfschema, reshard, megatron_adapters, moe, launch
+    fsdp_adapters       ──► hfschema
+    hybridflow          ──► hfschema, reshard, megatron_adapters, fsdp_adapters, moe, launch
 
 Nothing here imports torch, megatron or sglang; the application config
 (``hybridflow.config``) composes these sections with its own and re-exports them.

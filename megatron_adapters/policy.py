@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import logging
 from functools import partial
-from typing import Callable, Iterator, Mapping
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from hfschema.lora import LoRAConfig
 from hfschema.model import ModelConfig
 from hfschema.packing import PackingConfig
 from hfschema.train import MoEConfig, TrainConfig
+from hfschema.trainer import Batch, LossFn, StepResult
 from moe.routes import UNROUTED
 
 from . import device_guard, packing
@@ -58,34 +59,6 @@ from .parallel import device as rank_device
 from .routing import ROUTES_KEY, VALID_KEY, RouterControl
 
 logger = logging.getLogger(__name__)
-
-Batch = Mapping[str, torch.Tensor]
-# loss_fn(logprobs [b, T], entropy [b, T], micro-batch) -> (summed loss, token count, metrics).
-# The step divides the summed loss by the token count of the whole global batch. Metrics are
-# averaged weighted by the token count, or by ``metrics["weight"]`` when the loss gives one (a
-# loss summed without a divisor reports a count of 0).
-LossFn = Callable[
-    [torch.Tensor, torch.Tensor, Batch],
-    tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]],
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step reports."""
-
-    loss: float
-    """Loss per counted token over the global batch."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
-    lr: float
-    """Learning rate used for this step."""
-    num_tokens: int
-    """Tokens counted by the loss over the global batch."""
-    metrics: dict[str, float]
-    """Token-weighted means of the loss function's metrics."""
-    applied: bool = True
-    """False when the loss or a gradient was not finite: the optimizer did not step."""
 
 
 def _optimizer_config(train: TrainConfig, params_dtype: torch.dtype) -> OptimizerConfig:

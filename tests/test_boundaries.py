@@ -12,6 +12,7 @@ The package layering (an arrow: may import):
     hfschema, moe        nothing of the project
     reshard, launch      ──► hfschema
     megatron_adapters    ──► hfschema, reshard, moe
+    fsdp_adapters        ──► hfschema
     hybridflow           ──► all of the above
     scripts, benchmarks  ──► any package (they import, nothing imports them)
 """
@@ -31,7 +32,7 @@ MEGATRON_ALLOWED = ("megatron_adapters/", "benchmarks/reshard_exec.py")
 """benchmarks/reshard_exec.py times megatron-core's own ``megatron.core.resharding`` as a
 competitor's baseline: it runs megatron-core's code, it does not build on it."""
 SGLANG_ALLOWED = ("rollout/sglang",)
-PACKAGES = ("hfschema", "moe", "reshard", "megatron_adapters", "launch", "hybridflow")
+PACKAGES = ("hfschema", "moe", "reshard", "megatron_adapters", "fsdp_adapters", "launch", "hybridflow")
 """The project's top-level packages: the nodes of the package import graph."""
 IMPORTERS = (*PACKAGES, "scripts", "benchmarks")
 """Top-level folders whose imports are edges of the graph (scripts and benchmarks only import)."""
@@ -41,7 +42,8 @@ MAY_IMPORT = {
     "reshard": ("hfschema",),
     "launch": ("hfschema",),
     "megatron_adapters": ("hfschema", "reshard", "moe"),
-    "hybridflow": ("hfschema", "reshard", "megatron_adapters", "moe", "launch"),
+    "fsdp_adapters": ("hfschema",),
+    "hybridflow": ("hfschema", "reshard", "megatron_adapters", "fsdp_adapters", "moe", "launch"),
 }
 """The layering: which other packages each package may import."""
 

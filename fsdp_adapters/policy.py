@@ -1,0 +1,230 @@
+"""An FSDP2 policy: score tokens and train on them, with the megatron backend's contract.
+
+```
+global batch (every rank holds it)                FSDP2Policy
+  input_ids [B, T], fields [B, ...]  ──►  this DP rank's rows ──► micro-batches
+                                              │
+              _Scorer (the FSDP root): the model's decoder ──► last hidden states
+                 next-token log-probs + entropy, chunk by chunk (``scores.py``)
+                     ┌────────────────────────┴─────────────────────────┐
+             forward_logprobs:                                   train_step:
+     all-gather DP rows -> [B, T] on every rank       loss_fn(logprobs, entropy, micro) ->
+                                                      (loss sum, tokens, metrics); gradients
+                                                      summed over micro-batches and DP ranks,
+                                                      divided by the global batch's tokens;
+                                                      clipped; AdamW at megatron's schedule
+```
+
+Position ``t`` of a returned ``[B, T]`` tensor scores token ``input_ids[:, t]`` given the tokens
+before it; position 0 has no context and is 0 (as ``MegatronPolicy``). Rows are right-padded and
+attention is causal, so padding changes no real token's score.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hfschema.train import TrainConfig
+from hfschema.trainer import Batch, LossFn, StepResult, decays, lr_at
+
+from .model import build_sharded
+from .scores import CHUNK_TOKENS, chunked_scores
+
+__all__ = ["FSDP2Policy", "rank_device"]
+
+
+def rank_device() -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``) where there are GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class _Scorer(nn.Module):
+    """The FSDP root: the causal LM's decoder, then its output embedding through ``chunked_scores``
+    (FSDP gathers the root's own parameters, embeddings and final norm, for this forward)."""
+
+    def __init__(self, lm: nn.Module, chunk_tokens: int) -> None:
+        super().__init__()
+        self.lm, self.chunk_tokens = lm, chunk_tokens
+
+    def forward(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+        hidden_BTH = self.lm.get_decoder()(input_ids=ids_BT, position_ids=positions_BT).last_hidden_state
+        rows, length = ids_BT.shape
+        logp_N, entropy_N = chunked_scores(
+            hidden_BTH[:, :-1].reshape(rows * (length - 1), -1),
+            self.lm.get_output_embeddings().weight,
+            ids_BT[:, 1:].reshape(-1),
+            vocab_size=self.lm.config.vocab_size,
+            chunk_tokens=self.chunk_tokens,
+        )
+        zero_B1 = logp_N.new_zeros(rows, 1)
+        return (
+            torch.cat([zero_B1, logp_N.view(rows, length - 1)], dim=1),
+            torch.cat([zero_B1, entropy_N.view(rows, length - 1)], dim=1),
+        )
+
+
+class FSDP2Policy:
+    """One role's model on this rank, sharded over the data-parallel group, with its optimizer."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        train: TrainConfig,
+        *,
+        group: dist.ProcessGroup | None = None,
+        trainable: bool = True,
+        compute_dtype: torch.dtype = torch.float32,
+        offload: bool = False,
+        activation_checkpointing: bool = False,
+        chunk_tokens: int = CHUNK_TOKENS,
+    ) -> None:
+        self.train_config = train
+        self.group = group if group is not None else dist.group.WORLD
+        self.device = rank_device()
+        mesh = DeviceMesh.from_group(self.group, device_type=self.device.type)
+        self.scorer = build_sharded(
+            Path(path),
+            mesh,
+            self.device,
+            compute_dtype=compute_dtype,
+            offload=offload,
+            activation_checkpointing=activation_checkpointing,
+            wrap=lambda lm: _Scorer(lm, chunk_tokens),
+        )
+        self.model = self.scorer.lm
+        """The transformers model (its parameters are this rank's shards, as DTensors)."""
+        self.optimizer = self._optimizer(train) if trainable else None
+        self.steps = 0
+        """Optimizer steps taken (the learning-rate schedule's position)."""
+
+    def _optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if decays(n, tuple(p.shape))], "weight_decay": train.weight_decay},
+            {"params": [p for n, p in named if not decays(n, tuple(p.shape))], "weight_decay": 0.0},
+        ]
+        if train.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=lr_at(train, 0))
+        return torch.optim.AdamW(
+            groups, lr=lr_at(train, 0), betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps
+        )
+
+    # ---------------------------------------------------------------------------- rows
+
+    def _dp_rows(self, batch: Batch, local_rows: bool) -> dict[str, torch.Tensor]:
+        """This data-parallel rank's rows on the rank's device (a contiguous share of the global
+        batch, or all of ``batch`` with ``local_rows``)."""
+        if local_rows:
+            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        size, rank = self.group.size(), self.group.rank()
+        rows = batch["input_ids"].shape[0]
+        if rows % size:
+            raise ValueError(f"batch of {rows} rows does not split over data-parallel size {size}")
+        share = rows // size
+        return {k: v[rank * share : (rank + 1) * share].to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    @staticmethod
+    def _micro_batches(batch: Batch, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+        rows = batch["input_ids"].shape[0]
+        if rows % micro_batch_size:
+            raise ValueError(f"{rows} rows per DP rank do not split into micro-batches of {micro_batch_size}")
+        return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, rows, micro_batch_size)]
+
+    def _gather_dp(self, local: torch.Tensor) -> torch.Tensor:
+        if self.group.size() == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.group.size())]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    # ---------------------------------------------------------------------------- scoring
+
+    @torch.no_grad()
+    def forward_logprobs(
+        self,
+        batch: Batch,
+        *,
+        micro_batch_size: int | None = None,
+        with_entropy: bool = False,
+        local_rows: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy (zeros unless ``with_entropy``) ``[B, T]`` of the global batch on
+        every rank, on the host (``local_rows``: this rank's rows, as ``MegatronPolicy``)."""
+        self.scorer.eval()
+        micros = self._micro_batches(
+            self._dp_rows(batch, local_rows), micro_batch_size or self.train_config.micro_batch_size
+        )
+        scored = [self.scorer(micro["input_ids"]) for micro in micros]
+        logp, entropy = torch.cat([s[0] for s in scored]), torch.cat([s[1] for s in scored])
+        if not with_entropy:
+            entropy = torch.zeros_like(entropy)
+        return tuple((t if local_rows else self._gather_dp(t)).cpu() for t in (logp, entropy))  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------------------- training
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, *, local_rows: bool = False) -> StepResult:
+        """One optimizer step on the global batch with ``loss_fn`` (token-averaged over the global
+        batch); with ``local_rows``, ``batch`` is this DP rank's rows of it."""
+        if self.optimizer is None:
+            raise RuntimeError("this policy was built with trainable=False")
+        self.scorer.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        micros = self._micro_batches(self._dp_rows(batch, local_rows), self.train_config.micro_batch_size)
+        reported: dict[str, torch.Tensor] = {}
+        for i, micro in enumerate(micros):
+            self.scorer.set_requires_gradient_sync(i == len(micros) - 1)  # reduce once, after the last
+            logp, entropy = self.scorer(micro["input_ids"])
+            loss_sum, tokens, metrics = loss_fn(logp, entropy, micro)
+            loss_sum.backward()
+            weight = torch.as_tensor(metrics.pop("weight", tokens)).float()
+            _add(reported, "loss", torch.stack([loss_sum.detach(), torch.as_tensor(tokens).float()]))
+            for name, value in metrics.items():
+                _add(reported, name, torch.stack([value.detach() * weight, weight]))
+        names = sorted(reported)
+        sums = torch.stack([reported[n] for n in names]).to(self.device)
+        dist.all_reduce(sums, group=self.group)
+        sums = sums.cpu()
+        tokens = float(sums[names.index("loss")][1])
+        lr = lr_at(self.train_config, self.steps)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        for p in params:  # FSDP averaged them over the DP ranks: make it the mean per token of the batch
+            p.grad.mul_(self.group.size() / max(tokens, 1.0))
+        grad_norm = self._clip(params)
+        applied = bool(torch.isfinite(torch.as_tensor(grad_norm)))
+        if applied:  # a NaN or inf gradient never reaches the weights
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        means = {n: float(s[0] / s[1].clamp(min=1)) for n, s in zip(names, sums)}
+        return StepResult(
+            loss=means.pop("loss"),
+            grad_norm=grad_norm,
+            lr=lr,
+            num_tokens=int(tokens),
+            metrics=means,
+            applied=applied,
+        )
+
+    def _clip(self, params: list[torch.Tensor]) -> float:
+        """The global gradient norm before clipping (every rank agrees: the norm of the DTensor
+        gradients is reduced over the mesh); clipped to ``clip_grad`` when that is set."""
+        clip = self.train_config.clip_grad
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+
+def _add(into: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+    into[name] = into[name] + value.cpu() if name in into else value.cpu()

@@ -1,0 +1,71 @@
+"""What every trainer backend promises the runtime: a step's result, the loss function's shape, and
+the optimizer's semantics (megatron-core's, so that a run means the same on either backend).
+
+Legend: B rows, T tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .train import TrainConfig
+
+if TYPE_CHECKING:  # the schema itself imports no torch
+    import torch
+
+__all__ = ["Batch", "LossFn", "StepResult", "decays", "lr_at"]
+
+Batch = Mapping[str, "torch.Tensor"]
+"""``input_ids`` [B, T] and the runtime's fields [B, ...]; rows right-padded."""
+
+LossFn = Callable[[Any, Any, Batch], tuple[Any, Any, dict[str, Any]]]
+"""loss_fn(logprobs [b, T], entropy [b, T], micro-batch) -> (summed loss, token count, metrics). The
+step divides the summed loss by the token count of the whole global batch. Metrics are averaged
+weighted by the token count, or by ``metrics["weight"]`` when the loss gives one (a loss summed
+without a divisor reports a count of 0)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports."""
+
+    loss: float
+    """Loss per counted token over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate used for this step."""
+    num_tokens: int
+    """Tokens counted by the loss over the global batch."""
+    metrics: dict[str, float]
+    """Token-weighted means of the loss function's metrics."""
+    applied: bool = True
+    """False when the loss or a gradient was not finite: the optimizer did not step."""
+
+
+def lr_at(train: TrainConfig, step: int, *, peak: float | None = None) -> float:
+    """The learning rate of optimizer step ``step`` (0-based), as megatron-core's
+    ``OptimizerParamScheduler`` sets it for the megatron backend: linear warmup from 0 (the first
+    warmup step's rate is 0), then constant, or linear / cosine decay to ``min_lr`` over
+    ``lr_decay_steps``. ``peak``: another peak (the critic's ``critic_lr``)."""
+    top = train.lr if peak is None else peak
+    warmup = train.lr_warmup_steps
+    if warmup and step <= warmup:
+        return top * step / warmup
+    if train.lr_schedule == "constant":
+        return top
+    decay_steps = max(train.lr_decay_steps, warmup + 1)
+    if step > decay_steps:
+        return train.min_lr
+    ratio = (step - warmup) / (decay_steps - warmup)
+    coeff = 1.0 - ratio if train.lr_schedule == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return train.min_lr + coeff * (top - train.min_lr)
+
+
+def decays(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether weight decay applies to a parameter: not to biases nor to one-dimensional ones
+    (norms), as megatron-core's optimizer leaves them."""
+    return not name.endswith(".bias") and len(shape) > 1

@@ -1,0 +1,110 @@
+"""One torchrun rank of tests/fsdp_adapters/test_policy.py: an FSDP2 policy over all ranks against
+transformers in one process (rank 0 computes the reference), written as JSON.
+
+    torchrun --nproc-per-node N tests/fsdp_adapters/worker.py OUT MODEL_DIR [MODEL_DIR ...]
+
+(``<out>/<model dir name>.json`` each: one start of the ranks serves every model.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fsdp_adapters.policy import FSDP2Policy
+from hfschema.train import TrainConfig
+from hfschema.trainer import decays, lr_at
+
+TRAIN = TrainConfig(lr=1e-4, weight_decay=0.1, clip_grad=0.5, micro_batch_size=2, global_batch_size=4)
+
+
+def batch(vocab: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (4, 11), generator=generator)
+    mask = torch.ones(4, 11)
+    mask[1, 7:] = 0  # a shorter row, right-padded
+    mask[3, 4:] = 0
+    mask[:, 0] = 0
+    ids[mask == 0] = 0
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def loss_fn(logp, entropy, micro):
+    mask = micro["loss_mask"]
+    return -(logp * mask).sum(), mask.sum(), {"entropy": (entropy * mask).sum() / mask.sum().clamp(min=1)}
+
+
+def reference(
+    model_dir: Path, rows: dict[str, torch.Tensor]
+) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """Log-probs of the batch and the parameters after one step, as a user would write it in
+    one process: transformers' model, AdamW, the loss per token over the batch, clipping."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = rows["input_ids"]
+
+    def scores():
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return torch.cat([logp.new_zeros(ids.shape[0], 1), logp], dim=1)
+
+    model.eval()
+    with torch.no_grad():
+        before = scores()
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        entropy = torch.cat([entropy.new_zeros(ids.shape[0], 1), entropy], dim=1)
+    model.train()
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if decays(n, tuple(p.shape))], "weight_decay": TRAIN.weight_decay},
+        {"params": [p for n, p in named if not decays(n, tuple(p.shape))], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=lr_at(TRAIN, 0), betas=(TRAIN.adam_beta1, TRAIN.adam_beta2))
+    loss = -(scores() * rows["loss_mask"]).sum() / rows["loss_mask"].sum()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN.clip_grad)
+    optimizer.step()
+    return (before, entropy), {"grad_norm": norm, **{n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def compare(model_dir: Path, out: Path) -> None:
+    policy = FSDP2Policy(model_dir, TRAIN, chunk_tokens=7)  # several chunks a micro-batch: 2 rows x 10 scored
+    rows = batch(policy.model.config.vocab_size)
+    logp, entropy = policy.forward_logprobs(rows, with_entropy=True)
+    result = policy.train_step(rows, loss_fn)
+    after = {n: p.full_tensor() for n, p in policy.model.named_parameters()}
+    if dist.get_rank() == 0:
+        (expected, expected_entropy), stepped = reference(model_dir, rows)
+        relative = {
+            n: float((after[n] - p).norm() / p.norm().clamp(min=1e-12)) for n, p in stepped.items() if n in after
+        }
+        differences = {
+            "logprobs": float((logp - expected).abs().max()),
+            "entropy": float((entropy - expected_entropy).abs().max()),
+            "grad_norm": abs(result.grad_norm - float(stepped.pop("grad_norm"))),
+            "params_relative": max(relative.values()),
+            "worst": max(relative, key=relative.get),
+            "names": sorted(after) == sorted(stepped),
+            "loss": result.loss,
+            "tokens": result.num_tokens,
+            "tied": policy.model.get_output_embeddings().weight is policy.model.get_input_embeddings().weight,
+        }
+        (out / f"{model_dir.name}.json").write_text(json.dumps(differences))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    for model_dir in sys.argv[2:]:
+        compare(Path(model_dir), out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
