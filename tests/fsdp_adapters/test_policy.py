@@ -1,5 +1,6 @@
-"""The FSDP2 backend against transformers in one process, on hub-style directories
-(``save_pretrained`` in several shards): log-probs, entropy and the parameters after one step."""
+"""The FSDP2 backend against transformers in one process and against the megatron backend, on
+hub-style directories (``save_pretrained`` in several shards): log-probs, entropy and the
+parameters after one step."""
 
 from __future__ import annotations
 
@@ -59,5 +60,6 @@ def test_fsdp2_at_dp2_scores_and_steps_as_transformers_in_one_process(compared: 
     seen = json.loads((compared / f"{family}.json").read_text())
     assert seen["names"] and seen["tied"] == (family == "qwen3")
     assert seen["logprobs"] <= TOL and seen["entropy"] <= TOL, seen
+    assert seen["megatron_logprobs"] <= TOL, seen  # the other backend, on the same weights
     assert seen["grad_norm"] <= TOL * 10 and seen["params_relative"] <= TOL, seen
     assert seen["tokens"] == 29  # the loss mask's tokens over both ranks' rows

@@ -73,10 +73,27 @@ def reference(
     return (before, entropy), {"grad_norm": norm, **{n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def megatron_scores(model_dir: Path, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The megatron backend's log-probs of the batch on the same weights (dp over the same ranks)."""
+    from hfschema.hf_config import read_model_config
+    from hfschema.layout import ParallelLayout
+    from megatron_adapters import parallel
+    from megatron_adapters.policy import MegatronPolicy
+    from megatron_adapters.pretrained import load_hf_weights
+
+    model = read_model_config(model_dir)
+    layout = ParallelLayout(dp=dist.get_world_size())
+    pg = parallel.initialize(layout, seed=0)
+    policy = MegatronPolicy(model, layout, TRAIN, pg_collection=pg, trainable=False, initialize=False)
+    load_hf_weights(policy, model_dir)
+    return policy.forward_logprobs(rows)[0]
+
+
 def compare(model_dir: Path, out: Path) -> None:
     policy = FSDP2Policy(model_dir, TRAIN, chunk_tokens=7)  # several chunks a micro-batch: 2 rows x 10 scored
     rows = batch(policy.model.config.vocab_size)
     logp, entropy = policy.forward_logprobs(rows, with_entropy=True)
+    megatron_logp = megatron_scores(model_dir, rows)
     result = policy.train_step(rows, loss_fn)
     after = {n: p.full_tensor() for n, p in policy.model.named_parameters()}
     if dist.get_rank() == 0:
@@ -86,6 +103,7 @@ def compare(model_dir: Path, out: Path) -> None:
         }
         differences = {
             "logprobs": float((logp - expected).abs().max()),
+            "megatron_logprobs": float((logp - megatron_logp).abs().max()),
             "entropy": float((entropy - expected_entropy).abs().max()),
             "grad_norm": abs(result.grad_norm - float(stepped.pop("grad_norm"))),
             "params_relative": max(relative.values()),
