@@ -34,6 +34,9 @@ def _hub_dir(root: Path, family: str) -> Path:
         model = Qwen3ForCausalLM(Qwen3Config(**shape, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
     path = root / family
     model.save_pretrained(path, max_shard_size="20KB")
+    from hybridflow.rollout.tiny import make_tiny_tokenizer
+
+    make_tiny_tokenizer().save_pretrained(path)  # what an export must carry along
     assert len(list(path.glob("*.safetensors"))) >= 2
     return path
 
@@ -43,15 +46,12 @@ def compared(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp2")
     dirs = [_hub_dir(root, family) for family in ("llama", "qwen3")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), str(root)]
-    done = subprocess.run(
-        [*command, *map(str, dirs)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    for ranks, mode in ((2, "compare"), (1, "resume_alone")):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(WORKER)]
+        done = subprocess.run(
+            [*command, str(root), mode, *map(str, dirs)], env=env, capture_output=True, text=True, timeout=400
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
     return root
 
 
@@ -63,3 +63,18 @@ def test_fsdp2_at_dp2_scores_and_steps_as_transformers_in_one_process(compared: 
     assert seen["megatron_logprobs"] <= TOL, seen  # the other backend, on the same weights
     assert seen["grad_norm"] <= TOL * 10 and seen["params_relative"] <= TOL, seen
     assert seen["tokens"] == 29  # the loss mask's tokens over both ranks' rows
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fsdp2_checkpoints_resume_exactly_also_at_another_dp_and_hand_the_model_back(compared: Path, family) -> None:
+    """Saved after step 1 at dp=2: a fresh policy loading it takes step 2 to the very weights the
+    uninterrupted one reached; one rank alone loads it too; the weights stream in buckets of the
+    size asked under their Hugging Face names; the exported directory loads in transformers with
+    the same weights and the starting directory's tokenizer."""
+    seen = json.loads((compared / f"{family}_lifecycle.json").read_text())
+    assert seen["moved"] > 0 and seen["resume_max_abs"] == 0.0 and seen["steps"] == [2, 2], seen
+    alone = json.loads((compared / f"{family}_dp1.json").read_text())
+    assert alone == {"max_abs": 0.0, "steps": 1}
+    assert seen["stream_names"] and seen["stream_max_abs"] == 0.0 and seen["stream_bucket_bytes"] <= 4096, seen
+    assert seen["export_max_abs"] == 0.0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(seen["export_files"])

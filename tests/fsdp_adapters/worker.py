@@ -1,9 +1,10 @@
 """One torchrun rank of tests/fsdp_adapters/test_policy.py: an FSDP2 policy over all ranks against
 transformers in one process (rank 0 computes the reference), written as JSON.
 
-    torchrun --nproc-per-node N tests/fsdp_adapters/worker.py OUT MODEL_DIR [MODEL_DIR ...]
+    torchrun --nproc-per-node 2 tests/fsdp_adapters/worker.py OUT compare MODEL_DIR [MODEL_DIR ...]
+    torchrun --nproc-per-node 1 tests/fsdp_adapters/worker.py OUT resume_alone MODEL_DIR [...]
 
-(``<out>/<model dir name>.json`` each: one start of the ranks serves every model.)
+(``<out>/<model dir name>*.json``: one start of the ranks serves every model.)
 """
 
 from __future__ import annotations
@@ -116,11 +117,68 @@ def compare(model_dir: Path, out: Path) -> None:
         (out / f"{model_dir.name}.json").write_text(json.dumps(differences))
 
 
+def lifecycle(model_dir: Path, out: Path) -> None:
+    """Checkpoint after a step, resume at dp=2 and at dp=1, stream the weights in buckets, export
+    a Hugging Face directory: each against the run that was not interrupted."""
+    from fsdp_adapters import checkpoint
+    from fsdp_adapters.export import hf_buckets, save_hf_directory
+
+    first = FSDP2Policy(model_dir, TRAIN)
+    rows = batch(first.model.config.vocab_size)
+    later = {**rows, "input_ids": rows["input_ids"].roll(1, dims=1)}
+    first.train_step(rows, loss_fn)
+    saved = checkpoint.save(first, out / f"{model_dir.name}_step1")
+    after_one = {n: p.full_tensor() for n, p in first.model.named_parameters()}
+    first.train_step(later, loss_fn)
+    after_two = {n: p.full_tensor() for n, p in first.model.named_parameters()}
+    resumed = FSDP2Policy(model_dir, TRAIN)
+    checkpoint.load(resumed, saved)
+    resumed.train_step(later, loss_fn)
+    again = {n: p.full_tensor() for n, p in resumed.model.named_parameters()}
+    buckets = list(hf_buckets(resumed, bucket_bytes=4096))
+    exported = save_hf_directory(resumed, out / f"{model_dir.name}_hf", source=model_dir)
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        torch.save(after_one, out / f"{model_dir.name}_after_one.pt")  # for the dp=1 resume
+        loaded = dict(AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).named_parameters())
+        streamed = [(n, t) for bucket in buckets for n, t in bucket]
+        report = {
+            "resume_max_abs": max(float((again[n] - after_two[n]).abs().max()) for n in after_two),
+            "steps": [first.steps, resumed.steps],
+            "stream_names": [n for n, _ in streamed] == list(again),
+            "stream_max_abs": max(float((t - again[n]).abs().max()) for n, t in streamed),
+            "stream_buckets": len(buckets),
+            "stream_bucket_bytes": max(sum(t.numel() * t.element_size() for _, t in b) for b in buckets if len(b) > 1),
+            "export_max_abs": max(float((loaded[n] - again[n]).abs().max()) for n in again),
+            "export_files": sorted(p.name for p in exported.iterdir()),
+            "moved": max(float((after_two[n] - after_one[n]).abs().max()) for n in after_one),
+        }
+        (out / f"{model_dir.name}_lifecycle.json").write_text(json.dumps(report))
+    dist.barrier()
+
+
+def resume_alone(model_dir: Path, out: Path) -> None:
+    """One rank loads the checkpoint two ranks wrote (DCP reshards): the weights after step 1."""
+    from fsdp_adapters import checkpoint
+
+    single = FSDP2Policy(model_dir, TRAIN)
+    checkpoint.load(single, out / f"{model_dir.name}_step1")
+    expected = torch.load(out / f"{model_dir.name}_after_one.pt")
+    got = {n: p.full_tensor() for n, p in single.model.named_parameters()}
+    report = {"max_abs": max(float((got[n] - t).abs().max()) for n, t in expected.items()), "steps": single.steps}
+    (out / f"{model_dir.name}_dp1.json").write_text(json.dumps(report))
+
+
 def main() -> None:
-    out = Path(sys.argv[1])
+    out, mode = Path(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
-    for model_dir in sys.argv[2:]:
-        compare(Path(model_dir), out)
+    for model_dir in map(Path, sys.argv[3:]):
+        if mode == "resume_alone":
+            resume_alone(model_dir, out)
+        else:
+            compare(model_dir, out)
+            lifecycle(model_dir, out)
     dist.destroy_process_group()
 
 
