@@ -55,6 +55,7 @@ def compared(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.claim("fsdp2-backend-parity")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fsdp2_at_dp2_scores_and_steps_as_transformers_in_one_process(compared: Path, family: str) -> None:
     seen = json.loads((compared / f"{family}.json").read_text())
@@ -65,6 +66,7 @@ def test_fsdp2_at_dp2_scores_and_steps_as_transformers_in_one_process(compared: 
     assert seen["tokens"] == 29  # the loss mask's tokens over both ranks' rows
 
 
+@pytest.mark.claim("fsdp2-backend-parity")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fsdp2_checkpoints_resume_exactly_also_at_another_dp_and_hand_the_model_back(compared: Path, family) -> None:
     """Saved after step 1 at dp=2: a fresh policy loading it takes step 2 to the very weights the
