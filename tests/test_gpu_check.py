@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.claim("gpu-check-small-on-cpu")
 @pytest.mark.distributed
+@pytest.mark.slow  # run before every use of a lent GPU; each check's path is a default-tier test of its own
 def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -49,7 +49,11 @@ def compared(tmp_path_factory) -> Path:
     for ranks, mode in ((2, "compare"), (1, "resume_alone")):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(WORKER)]
         done = subprocess.run(
-            [*command, str(root), mode, *map(str, dirs)], env=env, capture_output=True, text=True, timeout=400
+            [*command, str(root), mode, *map(str, dirs if mode == "compare" else dirs[1:])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
         )
         assert done.returncode == 0, done.stderr[-4000:]
     return root
@@ -67,12 +71,12 @@ def test_fsdp2_at_dp2_scores_and_steps_as_transformers_in_one_process(compared: 
 
 
 @pytest.mark.claim("fsdp2-backend-parity")
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_fsdp2_checkpoints_resume_exactly_also_at_another_dp_and_hand_the_model_back(compared: Path, family) -> None:
+def test_fsdp2_checkpoints_resume_exactly_also_at_another_dp_and_hand_the_model_back(compared: Path) -> None:
     """Saved after step 1 at dp=2: a fresh policy loading it takes step 2 to the very weights the
     uninterrupted one reached; one rank alone loads it too; the weights stream in buckets of the
     size asked under their Hugging Face names; the exported directory loads in transformers with
-    the same weights and the starting directory's tokenizer."""
+    the same weights and the starting directory's tokenizer (qwen3: tied embeddings)."""
+    family = "qwen3"
     seen = json.loads((compared / f"{family}_lifecycle.json").read_text())
     assert seen["moved"] > 0 and seen["resume_max_abs"] == 0.0 and seen["steps"] == [2, 2], seen
     alone = json.loads((compared / f"{family}_dp1.json").read_text())

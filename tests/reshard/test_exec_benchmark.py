@@ -28,6 +28,7 @@ REQUIRED = {
 
 @pytest.mark.claim("reshard-exec-benchmark")
 @pytest.mark.distributed
+@pytest.mark.slow  # a benchmark's run at a small size: the executor's exactness is tests/reshard/test_executor.py's
 @pytest.mark.timeout(120)
 def test_small_run_writes_exact_cases(tmp_path) -> None:
     out = tmp_path / "exec.json"
