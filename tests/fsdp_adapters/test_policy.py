@@ -68,6 +68,9 @@ def test_fsdp2_at_dp2_scores_and_steps_as_transformers_in_one_process(compared: 
     assert seen["megatron_logprobs"] <= TOL, seen  # the other backend, on the same weights
     assert seen["grad_norm"] <= TOL * 10 and seen["params_relative"] <= TOL, seen
     assert seen["tokens"] == 29  # the loss mask's tokens over both ranks' rows
+    # rank 0's parameters and Adam moments, from their tensors' storage: half the model's at dp=2
+    assert seen["held_share"]["params"] == pytest.approx(0.5, abs=0.02), seen["held_share"]
+    assert seen["held_share"]["optimizer"] == pytest.approx(0.5, abs=0.02), seen["held_share"]
 
 
 @pytest.mark.claim("fsdp2-backend-parity")

@@ -92,12 +92,27 @@ def megatron_scores(model_dir: Path, rows: dict[str, torch.Tensor]) -> torch.Ten
     return policy.forward_logprobs(rows)[0]
 
 
+def _storage_bytes(policy: FSDP2Policy) -> dict[str, float]:
+    """This rank's parameter and optimizer-state bytes (the storage its tensors hold) as a share of
+    the whole model's parameters (x1) and Adam moments (x2)."""
+    whole = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    params = sum(p.to_local().untyped_storage().nbytes() for p in policy.model.parameters())
+    moments = sum(
+        v.to_local().untyped_storage().nbytes()
+        for state in policy.optimizer.state.values()
+        for v in state.values()
+        if hasattr(v, "to_local")
+    )
+    return {"params": params / whole, "optimizer": moments / (2 * whole)}
+
+
 def compare(model_dir: Path, out: Path) -> None:
     policy = FSDP2Policy(model_dir, TRAIN, chunk_tokens=7)  # several chunks a micro-batch: 2 rows x 10 scored
     rows = batch(policy.model.config.vocab_size)
     logp, entropy = policy.forward_logprobs(rows, with_entropy=True)
     megatron_logp = megatron_scores(model_dir, rows)
     result = policy.train_step(rows, loss_fn)
+    held = _storage_bytes(policy)
     after = {n: p.full_tensor() for n, p in policy.model.named_parameters()}
     if dist.get_rank() == 0:
         (expected, expected_entropy), stepped = reference(model_dir, rows)
@@ -115,6 +130,7 @@ def compare(model_dir: Path, out: Path) -> None:
             "loss": result.loss,
             "tokens": result.num_tokens,
             "tied": policy.model.get_output_embeddings().weight is policy.model.get_input_embeddings().weight,
+            "held_share": held,
         }
         (out / f"{model_dir.name}.json").write_text(json.dumps(differences))
 
