@@ -1,7 +1,7 @@
 """The benchmarks behind the README's measured tables, run small: each still measures what its
 table reports (slow tier: the figures are measurements on this machine, the tests prove the
-scripts compute them). ``benchmarks/reshard_*``, ``lora_cost`` and ``rollout_data`` have tests of
-their own in the default tier."""
+scripts compute them). ``benchmarks/reshard_plan``, ``lora_cost`` and ``rollout_data`` have tests of
+their own in the default tier, ``reshard_exec`` one of its own in the slow tier."""
 
 from __future__ import annotations
 
@@ -143,6 +143,16 @@ def test_train_step_benchmark_times_both_trainers_on_the_same_batches(tmp_path) 
     assert len(result["policy_seconds"]) == len(result["plain_loop_seconds"]) == 2
     assert result["policy_over_plain"] == pytest.approx(
         result["policy_step_seconds"] / result["plain_loop_step_seconds"], rel=1e-2
+    )
+
+
+@pytest.mark.claim("fsdp2-step-benchmark")
+def test_fsdp2_step_benchmark_times_three_trainers_on_the_same_batches(tmp_path) -> None:
+    result = _run("benchmarks/fsdp2_step.py", tmp_path, "--steps", "2", "--warmup", "1", "--seq", "64", "--chunk", "32")
+    assert set(result["seconds"]) == {"fsdp2", "plain_fsdp2", "megatron"}
+    assert all(len(times) == 2 for times in result["seconds"].values())
+    assert result["fsdp2_over_plain"] == pytest.approx(
+        result["fsdp2_step_seconds"] / result["plain_fsdp2_step_seconds"], rel=1e-2
     )
 
 
