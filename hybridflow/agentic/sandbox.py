@@ -239,9 +239,11 @@ def seccomp_filter() -> bytes:
 
 
 def _memfd(name: str, data: bytes) -> int:
-    """An inheritable in-memory file holding ``data``, read from its start (bwrap's ``--file`` and
-    ``--seccomp`` read such fds: nothing of the run touches the host's disk)."""
-    fd = os.memfd_create(name, 0)
+    """An in-memory file holding ``data``, read from its start (bwrap's ``--file`` and
+    ``--seccomp`` read such fds: nothing of the run touches the host's disk). Closed on exec
+    but in the one child that ``Popen(pass_fds=...)`` hands it to, so concurrent runs' children
+    never hold each other's programs."""
+    fd = os.memfd_create(name)
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
