@@ -106,7 +106,11 @@ def _load(model: nn.Module, path: Path, mesh: DeviceMesh) -> None:
     if not missing:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        dcp.load({k: v for k, v in state.items() if k not in tied}, storage_reader=HuggingFaceStorageReader(str(path)))
+        dcp.load(
+            {k: v for k, v in state.items() if k not in tied},
+            storage_reader=HuggingFaceStorageReader(str(path)),
+            process_group=mesh.get_group(),  # the policy's ranks, which need not be the whole job
+        )
         return
     logger.info(
         "%s: %d of the model's tensors are not in the checkpoint under their own names (%s, ...): rank 0 "
@@ -116,7 +120,7 @@ def _load(model: nn.Module, path: Path, mesh: DeviceMesh) -> None:
         sorted(missing)[0],
     )
     full = {}
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # broadcast_from_rank0 sends from the job's rank 0: a policy over all ranks
         from transformers import AutoModelForCausalLM
 
         full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
