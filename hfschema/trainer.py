@@ -16,7 +16,7 @@ from .train import TrainConfig
 if TYPE_CHECKING:  # the schema itself imports no torch
     import torch
 
-__all__ = ["Batch", "LossFn", "StepResult", "decays", "lr_at"]
+__all__ = ["LAST_KEY", "Batch", "LossFn", "StepResult", "bradley_terry_loss", "decays", "lr_at"]
 
 Batch = Mapping[str, "torch.Tensor"]
 """``input_ids`` [B, T] and the runtime's fields [B, ...]; rows right-padded."""
@@ -69,3 +69,22 @@ def decays(name: str, shape: tuple[int, ...]) -> bool:
     """Whether weight decay applies to a parameter: not to biases nor to one-dimensional ones
     (norms), as megatron-core's optimizer leaves them."""
     return not name.endswith(".bias") and len(shape) > 1
+
+
+LAST_KEY = "last_token_mask"
+"""Batch key of a ``[B, T]`` one-hot marking each row's pooled token (a reward model's training
+batches: rows chosen, rejected, chosen, ...)."""
+
+
+def bradley_terry_loss(values_BT, _unused, micro: Batch) -> tuple:
+    """A reward model's ``LossFn``: -log sigmoid(r_chosen - r_rejected) summed over the
+    micro-batch's pairs (rows 2i, 2i+1), averaged over pairs by the step; metrics: pair accuracy
+    and the mean margin."""
+    import torch
+    import torch.nn.functional as F
+
+    scores = (values_BT * micro[LAST_KEY]).sum(dim=1)
+    margin = scores[0::2] - scores[1::2]
+    pairs = torch.tensor(margin.numel(), device=margin.device)
+    metrics = {"accuracy": (margin > 0).float().mean(), "margin": margin.mean(), "weight": pairs}
+    return -F.logsigmoid(margin).sum(), pairs, metrics

@@ -55,7 +55,7 @@ from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_y
 from hybridflow.host_memory import has_gpu_device, host_memory
 from hybridflow.lowering import ExecutionPlan, lower
 from hybridflow.model_size import count_parameters, format_count
-from hybridflow.preflight import check_separate_nodes, check_slurm_run, more_ranks, preflight
+from hybridflow.preflight import check_separate_nodes, check_slurm_run, check_trainer_backends, more_ranks, preflight
 from hybridflow.rewards import check_reward
 from hybridflow.sample_files import PICKS
 from launch.multinode import LaunchSpec
@@ -351,6 +351,7 @@ def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
 
 def _plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    check_trainer_backends(cfg)  # a plan of a trainer that does not run would be a claim without proof
     if args.world_size is not None:
         cfg.actor.parallel.check_world_size(args.world_size, prefix="actor.parallel")
     if args.device_memory_gib <= 0:
@@ -372,6 +373,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _selftest(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    check_trainer_backends(cfg)
     if args.steps < 2:
         raise ValueError(f"--steps={args.steps} must be >= 2 to see the loss move")
     nproc = cfg.actor.parallel.world_size

@@ -53,6 +53,7 @@ __all__ = [
     "MoEConfig",
     "ParallelLayout",
     "ROLE_NAMES",
+    "TRAINER_BACKENDS",
     "ROLLOUT_ENGINES",
     "ReferenceConfig",
     "RoleConfig",
@@ -87,6 +88,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ROLE_NAMES = ("actor", "reference", "critic")
+TRAINER_BACKENDS = ("megatron", "fsdp2")
+"""The trainers a role may name (``hybridflow.runtime.trainers`` holds the ones that run)."""
 ROLLOUT_ENGINES = ("sglang", "hf")
 ROLLOUT_PLACEMENTS = ("colocated", "separate")
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -146,6 +149,15 @@ class RoleConfig:
     default): the actor's layout. The reference is a frozen model: a layout of its own must fill
     the actor's ranks (groups of its own over them); the runtime builds the critic under the
     actor's layout only."""
+    backend: Optional[str] = "megatron"
+    """The trainer that holds this role: megatron (megatron-core, every layout above) or fsdp2
+    (FSDP2 over transformers' own model class; a library today, ``hybridflow train`` refuses it
+    until its runtime path is built). The reference's and critic's None (their default): the
+    actor's."""
+
+    def __post_init__(self) -> None:
+        if self.backend is not None:
+            check_choice("backend", self.backend, TRAINER_BACKENDS)
 
 
 @dataclass(kw_only=True)
@@ -1122,9 +1134,11 @@ class HybridflowConfig:
     """Model architecture shared by all roles, and the weights they start from."""
     actor: RoleConfig = field(default_factory=RoleConfig)
     """The policy being trained; the rollout engines generate with its weights."""
-    reference: ReferenceConfig = field(default_factory=lambda: ReferenceConfig(enabled=False, parallel=None))
+    reference: ReferenceConfig = field(
+        default_factory=lambda: ReferenceConfig(enabled=False, parallel=None, backend=None)
+    )
     """Frozen reference policy for the KL penalty; off by default."""
-    critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=None, parallel=None))
+    critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=None, parallel=None, backend=None))
     """Value model for GAE-style estimators; on when the algorithm needs one."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimizer and batch settings."""

@@ -40,7 +40,15 @@ from hfschema.model_source import (
     teacher_source,
 )
 from hybridflow.agentic.engine import check_agentic
-from hybridflow.config import HybridflowConfig, frozen_gpus, frozen_layout, frozen_layout_key, job_worlds, to_yaml
+from hybridflow.config import (
+    ROLE_NAMES,
+    HybridflowConfig,
+    frozen_gpus,
+    frozen_layout,
+    frozen_layout_key,
+    job_worlds,
+    to_yaml,
+)
 from hybridflow.data import PREVIEW_ROWS, few_rows_warning, preview_files, preview_rows, sft_key
 from hybridflow.host_memory import available_bytes, host_memory
 from hybridflow.lowering import lower
@@ -70,6 +78,7 @@ __all__ = [
     "check_resume",
     "check_runtime_support",
     "check_separate_nodes",
+    "check_trainer_backends",
     "check_slurm_run",
     "engine_ranks",
     "more_ranks",
@@ -80,6 +89,7 @@ __all__ = [
 
 def check_runtime_support(cfg: HybridflowConfig) -> None:
     """What ``hybridflow plan`` accepts but this version's runtime does not run (yet)."""
+    check_trainer_backends(cfg)
     if cfg.critic.enabled and cfg.critic.parallel != cfg.actor.parallel:
         raise ValueError(
             "critic.parallel differs from actor.parallel: the runtime builds the critic on the "
@@ -106,6 +116,20 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
         )
     if cfg.lora.pushes_adapters:
         _check_adapter_push(cfg)
+
+
+def check_trainer_backends(cfg: HybridflowConfig) -> None:
+    """Every role's trainer is one the runtime has (``hybridflow.runtime.trainers``)."""
+    from hybridflow.runtime.trainers import TRAINERS
+
+    for role in ROLE_NAMES:
+        name = getattr(cfg, role).backend
+        if name is not None and name not in TRAINERS:
+            raise ValueError(
+                f"{role}.backend={name}: hybridflow does not run the {name} trainer yet (it trains, saves "
+                f"and exports as a library; its stages, weight sync and plan are not built: docs/training.md); "
+                f"set {role}.backend={next(iter(TRAINERS))}"
+            )
 
 
 def _check_adapter_push(cfg: HybridflowConfig) -> None:

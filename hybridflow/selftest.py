@@ -11,6 +11,7 @@ summary. It exits non-zero when the loss did not fall or the reload differs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,8 +25,7 @@ from tqdm import tqdm
 
 from hfschema.files import write_atomic
 from hybridflow.config import HybridflowConfig, load_config
-from megatron_adapters import checkpoint, parallel
-from megatron_adapters.policy import MegatronPolicy
+from hybridflow.runtime.trainers import trainer_of
 
 logger = logging.getLogger("hybridflow.selftest")
 
@@ -45,12 +45,15 @@ def next_token_loss(logp, entropy, micro):
     return -(logp * mask).sum(), tokens, {"entropy": (entropy * mask).sum() / tokens.clamp(min=1)}
 
 
-def _policy(cfg: HybridflowConfig) -> MegatronPolicy:
-    pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
-    return MegatronPolicy(cfg.model, cfg.actor.parallel, cfg.train, pg_collection=pg)
+def _policy(cfg: HybridflowConfig):
+    """The actor's trainer under its layout, randomly initialised (model.path's weights are not read)."""
+    trainer = trainer_of(cfg)
+    pg = trainer.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
+    random = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="random"))
+    return trainer.build_policy(random, cfg.train, pg)
 
 
-def _train(cfg: HybridflowConfig, policy: MegatronPolicy, steps: int, length: int) -> list[float]:
+def _train(cfg: HybridflowConfig, policy, steps: int, length: int) -> list[float]:
     losses = []
     bar = tqdm(range(steps), desc="selftest", disable=dist.get_rank() != 0, unit="step")
     for step in bar:
@@ -71,9 +74,9 @@ def run(cfg: HybridflowConfig, *, steps: int, length: int = 32) -> dict:
     probe = counting_batch(cfg.train.global_batch_size, length, cfg.model.vocab_size, 10_000)
     logp, _ = policy.forward_logprobs(probe)
     ckpt = Path(cfg.run.output_dir) / "checkpoints" / f"step_{steps}"
-    checkpoint.save(policy, ckpt, with_optimizer=True, step=steps)
+    trainer_of(cfg).save(policy, ckpt, with_optimizer=True, step=steps)
     reloaded = _policy(cfg)
-    checkpoint.load(reloaded, ckpt, with_optimizer=True)
+    trainer_of(cfg).load(reloaded, ckpt, with_optimizer=True)
     reload_diff = (reloaded.forward_logprobs(probe)[0] - logp).abs().max().item()
     wall = time.time() - start
     tokens = steps * cfg.train.global_batch_size * (length - 1)
@@ -112,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = int(os.environ.get("HYBRIDFLOW_SELFTEST_STEPS", "8"))
     logging.basicConfig(level=logging.WARNING)
     cfg = load_config(argv[0], argv[1:])
-    parallel.init_default_group()
+    trainer_of(cfg).init_default_group()
     summary = run(cfg, steps=steps)
     if dist.get_rank() == 0:
         _report(summary, Path(cfg.run.output_dir))
-    parallel.teardown()
+    trainer_of(cfg).teardown()
     dist.destroy_process_group()
     return 0 if summary["loss_fell"] and summary["reload_ok"] else 1
 

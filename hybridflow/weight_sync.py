@@ -1,6 +1,6 @@
 """The actor -> rollout weight sync of a run, planned from its config (shapes only).
 
-    cfg.model + cfg.actor.parallel  --> megatron_layout()  (who holds what)  --+
+    cfg.model + cfg.actor.parallel  --> SOURCE_LAYOUTS[actor.backend]  (who holds what)  --+
     cfg.model + cfg.rollout         --> sglang_layout()    (who needs what)  --+--> plan_reshard()
     cfg.rollout.placement           --> Topology (device of every rank)      --+        |
                                                        plan_stats(), when asked <--+
@@ -28,7 +28,10 @@ from reshard.sglang import sglang_layout
 from reshard.stats import Bandwidth, PlanStats, plan_stats
 from reshard.topology import Topology
 
-__all__ = ["WeightSyncPlan", "describe_weight_sync", "plan_weight_sync", "weight_sync_topology"]
+__all__ = ["SOURCE_LAYOUTS", "WeightSyncPlan", "describe_weight_sync", "plan_weight_sync", "weight_sync_topology"]
+
+SOURCE_LAYOUTS = {"megatron": megatron_layout}
+"""Where each trainer backend (``actor.backend``) holds the actor's weights: the sync's source."""
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None) -> Weig
     ``rollout.sync_route``), and its stats."""
     route = cfg.rollout.sync_route if route is None else route
     dtype = cfg.rollout.dtype  # the actor casts to the wire dtype before sending
-    source = megatron_layout(cfg.model, cfg.actor.parallel, dtype=dtype)
+    source = SOURCE_LAYOUTS[cfg.actor.backend](cfg.model, cfg.actor.parallel, dtype=dtype)
     if route == "sliced":
         destination = sglang_layout(cfg.model, cfg.rollout.sglang_settings(), dtype=dtype)
     elif route == "full":

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hfschema.model_source import ModelSource
+from hfschema.trainer import LAST_KEY, bradley_terry_loss  # the shared contract; re-exported
 
 from .critic import MegatronCritic
 
@@ -32,9 +33,6 @@ __all__ = [
     "last_token_mask",
     "load_reward_model",
 ]
-
-LAST_KEY = "last_token_mask"
-"""Batch key of a ``[B, T]`` one-hot marking each row's pooled token (training batches)."""
 
 
 class MegatronRewardModel(MegatronCritic):
@@ -67,16 +65,6 @@ def last_token_mask(ids_BT: torch.Tensor, pad_id: int | None, lengths: torch.Ten
     last = torch.where(real, positions, -1).amax(dim=1)
     last = torch.where(last < 0, cols - 1, last)
     return F.one_hot(last, cols).float()
-
-
-def bradley_terry_loss(values_BT: torch.Tensor, _unused, micro) -> tuple:
-    """-log sigmoid(r_chosen - r_rejected) summed over the micro-batch's pairs (rows 2i, 2i+1),
-    averaged over pairs by the trainer; metrics: pair accuracy and the mean margin."""
-    scores = (values_BT * micro[LAST_KEY]).sum(dim=1)
-    margin = scores[0::2] - scores[1::2]
-    pairs = torch.tensor(margin.numel(), device=margin.device)
-    metrics = {"accuracy": (margin > 0).float().mean(), "margin": margin.mean(), "weight": pairs}
-    return -F.logsigmoid(margin).sum(), pairs, metrics
 
 
 def load_reward_model(rm: MegatronRewardModel, source: ModelSource) -> None:

@@ -165,6 +165,25 @@ def test_only_megatron_adapters_imports_megatron():
     assert not found, "move these megatron imports into megatron_adapters/:\n" + "\n".join(found)
 
 
+TRAINER_PICKERS = ("hybridflow/runtime/trainers.py", "hybridflow/cli.py", "hybridflow/rollout/sglang/cpu.py")
+"""Where ``hybridflow`` may name ``megatron_adapters``: the registry that picks a trainer backend;
+the command line's converters (megatron-core checkpoints are their subject); SGLang's CPU import
+shim, which borrows the list of GPU-only kernel packages from megatron_adapters' CPU workarounds."""
+
+
+@pytest.mark.claim("trainer-seam")
+def test_the_runtime_reaches_the_trainer_through_the_backend_registry():
+    """Outside the registry (``hybridflow/runtime/trainers.py``) and the converters, nothing in
+    ``hybridflow`` imports ``megatron_adapters``: the worker, the session, the frozen models, the
+    reward-model mode, the engine ranks, the pipeline and the self-test call ``trainer_of(cfg)``."""
+    found = [
+        hit
+        for hit in violations(ROOT / "hybridflow", "megatron_adapters", ())
+        if not any(f"hybridflow/{hit.split(':', 1)[0]}" == allowed for allowed in TRAINER_PICKERS)
+    ]
+    assert not found, "call the trainer backend (hybridflow.runtime.trainers.trainer_of) instead:\n" + "\n".join(found)
+
+
 @pytest.mark.claim("package-dag")
 def test_only_the_rollout_adapter_imports_sglang():
     found = violations(ROOT, "sglang", SGLANG_ALLOWED)

@@ -273,3 +273,13 @@ def test_every_plan_command_the_docs_show_fits(capsys):
         args = [a for a in rest if "=" in a]  # overrides; flags like --mermaid print no verdict
         assert main(["plan", str(root / path), *args, "--no-reshard"]) == 0, command
         assert capsys.readouterr().out.startswith("fits: "), command
+
+
+@pytest.mark.claim("trainer-seam")
+@pytest.mark.parametrize("command", ["plan", "selftest"])
+def test_a_trainer_the_runtime_does_not_run_is_refused_by_plan_and_selftest_too(command, capsys):
+    """``hybridflow plan`` prints what runs: it does not plan a trainer that does not."""
+    assert main([command, str(CONFIGS / "quickstart_cpu.yaml"), "actor.backend=fsdp2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"hybridflow {command}: error: actor.backend=fsdp2: hybridflow does not run the fsdp2")
+    assert line.endswith("set actor.backend=megatron")

@@ -23,6 +23,8 @@ QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart_c
         (["rollout.placement=separate", "rollout.gpus_per_node=1"], "separate engines spanning nodes"),
         (["rollout.gpus_per_node=3", "rollout.tp=4", "actor.parallel.dp=4"], "rollout.tp=4 does not fill whole nodes"),
         (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
+        (["actor.backend=fsdp2"], "actor.backend=fsdp2: hybridflow does not run the fsdp2 trainer yet"),
+        (["reference.backend=fsdp2"], "reference.backend=fsdp2: hybridflow does not run"),
     ],
 )
 @pytest.mark.claim("preflight-one-line")
@@ -364,3 +366,14 @@ def test_a_tracker_whose_package_is_missing_is_refused_in_one_line(monkeypatch) 
         "run.tracking.trackers lists wandb, but the wandb package is not installed here: pip install wandb "
         "(requirements/runtime.txt pins it), or drop wandb from the list"
     )
+
+
+@pytest.mark.claim("trainer-seam")
+def test_a_trainer_backend_that_does_not_exist_is_named_with_the_choices():
+    from hfschema.checks import ConfigError
+
+    with pytest.raises(ConfigError, match="actor.backend") as error:
+        load_config(QUICKSTART, ["actor.backend=deepspeed"])
+    assert "megatron" in str(error.value) and "fsdp2" in str(error.value)
+    cfg = load_config(QUICKSTART, [])
+    assert (cfg.actor.backend, cfg.reference.backend, cfg.critic.backend) == ("megatron", None, None)

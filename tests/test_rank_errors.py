@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml"]
 
 BAD_REWARD = """
 def score(response, answer):
@@ -26,11 +27,10 @@ def test_a_reward_that_fails_under_on_error_fail_ends_the_job_in_one_line_and_le
     (tmp_path / "bad_reward.py").write_text(BAD_REWARD)
     tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is too long for the engines' sockets
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path), "TMPDIR": str(tmp)}
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", "configs/quickstart_cpu.yaml"]
     overrides = [f"run.output_dir={tmp_path / 'run'}", "sft.steps=0", "run.steps=2", "run.heldout_prompts=0"]
     overrides += ["reward.function=bad_reward.score", "reward.on_error=fail"]
     try:
-        done = subprocess.run([*cmd, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run([*TRAIN, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         left = sorted(p.name for p in tmp.iterdir())  # no torchelastic_*, tmp*, hybridflow-job-* left
     finally:
         shutil.rmtree(tmp)
@@ -82,15 +82,9 @@ def test_a_tmpdir_too_long_for_the_engines_sockets_is_refused_in_one_line_before
     deep = tmp_path / ("d" * 60)
     deep.mkdir()
     env = {**os.environ, "TMPDIR": str(deep)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "hybridflow.cli",
-        "train",
-        "configs/quickstart_cpu.yaml",
-        f"run.output_dir={tmp_path / 'run'}",
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*TRAIN, f"run.output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     (line,) = [line for line in done.stderr.splitlines() if "error" in line]
     assert (

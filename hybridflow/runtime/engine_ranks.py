@@ -49,6 +49,7 @@ from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.recovery import EngineRestarts
 from hybridflow.runtime.session import start_engine
 from hybridflow.runtime.sync import EngineSync
+from hybridflow.runtime.trainers import trainer_of
 
 __all__ = ["BUFFER_FILE", "serve"]
 
@@ -60,8 +61,6 @@ logger = logging.getLogger(__name__)
 
 def serve(cfg: HybridflowConfig, channel: Channel) -> None:
     """Run this engine rank until actor rank 0 says stop (every engine rank calls it)."""
-    from megatron_adapters.parallel import device
-
     announced = channel.broadcast(None)
     if announced is None:  # the run ended before its rollout began (run.mode=sft, or a stop during SFT)
         channel.barrier()
@@ -70,7 +69,7 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
     replica = replicas.replica_of(cfg, dist.get_rank())
     held = EngineClient(cfg, model_dir, replica, start_engine(cfg, model_dir) if replica is not None else None)
     try:
-        held.sync = EngineSync(cfg, channel=channel, device=device(), engines=held)
+        held.sync = EngineSync(cfg, channel=channel, device=trainer_of(cfg).device(), engines=held)
         restarts = held.restarts = EngineRestarts(held)  # the actor ranks count the restarts in their metrics
         held.sync.restarts = restarts
         buffer = _Buffer(cfg, held, channel)
@@ -88,7 +87,7 @@ def serve(cfg: HybridflowConfig, channel: Channel) -> None:
                     channel=channel,
                     replica=replica,
                     shard=None,
-                    device=device(),
+                    device=trainer_of(cfg).device(),
                     restarts=restarts,
                 )
             elif request[0] == "push":
@@ -159,8 +158,6 @@ class _Buffer:
     def collect(self, batch: int, num_prompts: int) -> None:
         """Deliver batch ``batch``; a partial rollout's requests left unfinished (none after the
         previous step's advance) first run to their end with the weights held now (``batch``)."""
-        from megatron_adapters.parallel import device
-
         if batch in self.kept:
             self._continue(batch, batch, None)
         replicas.collect(
@@ -169,7 +166,7 @@ class _Buffer:
             num_prompts=num_prompts,
             channel=self.channel,
             shard=None,
-            device=device(),
+            device=trainer_of(self.cfg).device(),
         )
 
     def intervals(self) -> None:

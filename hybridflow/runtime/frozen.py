@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from hfschema.hf_config import read_hf_config
+from hybridflow.runtime.trainers import trainer_of
 
 __all__ = [
     "Judge",
@@ -87,7 +88,8 @@ class RewardModel:
     """A loaded reward model and how rollout rows become its input."""
 
     model: Any
-    """``megatron_adapters.reward_model.MegatronRewardModel``; None on GPUs of its own (``remote``)."""
+    """The trainer backend's frozen model with a score head (``build_frozen(scores=True)``); None on
+    GPUs of its own (``remote``)."""
     pad_id: int | None
     """Its config.json's ``pad_token_id``: the pooled token is the last one that is not padding."""
     tokenizer: Any | None
@@ -180,19 +182,17 @@ def load_frozen(cfg, role: str, layout, pg):
     """Frozen model ``role`` (reward_model, teacher) under ``layout`` and its groups ``pg``, its
     weights read slice by slice (on the actor's ranks, or on its own: ``frozen_ranks``)."""
     from hfschema.model_source import reward_model_source, teacher_source
-    from megatron_adapters.policy import MegatronPolicy
-    from megatron_adapters.pretrained import load_pretrained
-    from megatron_adapters.reward_model import MegatronRewardModel, load_reward_model
 
+    trainer = trainer_of(cfg)
     if role == "reward_model":
         source, architecture = reward_model_source(cfg.reward_model.path)
-        model = _frozen(MegatronRewardModel, architecture, cfg, layout, pg)
-        load_reward_model(model, source)
+        model = trainer.build_frozen(architecture, cfg, layout, pg, scores=True)
+        trainer.load_reward_model(model, source)
         return model
     key = "distillation.teacher_path"
     source, architecture = teacher_source(cfg.distillation.teacher_path, cfg.model.vocab_size, key=key)
-    model = _frozen(MegatronPolicy, architecture, cfg, layout, pg)
-    load_pretrained(model, source)
+    model = trainer.build_frozen(architecture, cfg, layout, pg)
+    trainer.load_pretrained(model, source)
     return model
 
 
@@ -200,9 +200,8 @@ def build_reference(cfg, pg, *, load) -> Any:
     """The reference policy: the frozen model of the actor's own architecture under its layout
     (``reference.parallel``); ``load(model)`` gives it its weights (the SFT warm-up's,
     ``model.path``'s, or a random model's initial ones), which the caller knows."""
-    from megatron_adapters.policy import MegatronPolicy
-
-    reference = _frozen(MegatronPolicy, cfg.model, cfg, *_groups(cfg, "reference", pg))
+    trainer = trainer_of(cfg, "reference")
+    reference = trainer.build_frozen(cfg.model, cfg, *_groups(cfg, "reference", pg))
     load(reference)
     return to_host_if_offloaded(reference, cfg.reference.offload)
 
@@ -211,26 +210,11 @@ def _groups(cfg, role: str, actor_groups) -> tuple[Any, Any]:
     """Frozen model ``role``'s layout and process groups: the actor's, or groups of its own over
     the same ranks (built collectively: every rank builds the frozen models in one order)."""
     from hybridflow.config import frozen_layout, frozen_layout_key
-    from megatron_adapters.parallel import layout_groups
 
     layout = frozen_layout(cfg, role)
     if layout == cfg.actor.parallel:
         return layout, actor_groups
-    return layout, layout_groups(layout, prefix=frozen_layout_key(role))
-
-
-def _frozen(kind, architecture, cfg, layout, pg):
-    """A ``kind`` (a MegatronPolicy class) of ``architecture`` under ``layout`` and its process
-    groups ``pg``, without gradients or optimizer, its weights left for the loader."""
-    return kind(
-        architecture,
-        layout,
-        cfg.train,
-        pg_collection=pg,
-        trainable=False,
-        packing_config=cfg.packing,
-        initialize=False,
-    )
+    return layout, trainer_of(cfg).layout_groups(layout, prefix=frozen_layout_key(role))
 
 
 def _move(model, device: torch.device) -> None:
@@ -388,10 +372,12 @@ def start_judge(cfg) -> Judge:
     judge, rank = cfg.judge, int(os.environ.get("RANK", "0"))
     with console.engine_output(cfg.run.output_dir, rank, verbose=cfg.run.verbose), plain_engine_env():
         if judge.engine == "hf":
-            from megatron_adapters.parallel import device
-
             engine = make_engine(
-                "hf", model_path=str(source.weights), dtype=judge.dtype, seed=cfg.run.seed, device=str(device())
+                "hf",
+                model_path=str(source.weights),
+                dtype=judge.dtype,
+                seed=cfg.run.seed,
+                device=str(trainer_of(cfg).device()),
             )
         else:
             where = {"base_gpu_id": torch.cuda.current_device()} if torch.cuda.is_available() else {}

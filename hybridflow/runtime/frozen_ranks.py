@@ -41,12 +41,12 @@ def serve(cfg: HybridflowConfig, role: str, channel: Channel) -> None:
     """Build frozen model ``role`` on this process's world and answer until told to stop (every
     rank of the model's own GPUs calls it)."""
     from hybridflow.runtime.frozen import load_frozen
-    from megatron_adapters import parallel
+    from hybridflow.runtime.trainers import trainer_of
 
     if role == "judge":
         return _serve_judge(cfg, channel)
     layout = frozen_layout(cfg, role)
-    pg = parallel.initialize(layout, seed=cfg.run.seed, prefix=frozen_layout_key(role))
+    pg = trainer_of(cfg).initialize(layout, seed=cfg.run.seed, prefix=frozen_layout_key(role))
     model = load_frozen(cfg, role, layout, pg)
     logger.info("rank %d: %s built under %s on GPUs of its own", dist.get_rank(), role, layout.describe())
     while True:

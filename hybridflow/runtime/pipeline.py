@@ -97,8 +97,6 @@ class Pipeline:
     def rollout(self, step: int) -> tuple[replicas.ReplicaOutput, int]:
         """Batch ``step``'s samples (this DP rank's) and the version that generated them; the
         batches up to ``step + lag`` are started before it returns."""
-        from megatron_adapters.parallel import device
-
         self.window = [time.time()]
         cfg = self.run.cfg
         before, after = staleness.starts(step, lag=self.lag, steps=cfg.run.steps, pending=self.pending)
@@ -107,7 +105,7 @@ class Pipeline:
         num_prompts = cfg.run.prompts_per_step
         self.channel.announce(("collect", step, num_prompts))
         out = replicas.collect(
-            cfg, None, num_prompts=num_prompts, channel=self.channel, shard=self.run.shard, device=device()
+            cfg, None, num_prompts=num_prompts, channel=self.channel, shard=self.run.shard, device=self.run.device
         )
         version = self.pending.pop(step)
         for batch in after:

@@ -35,10 +35,12 @@ from tqdm import tqdm
 from hfschema.files import publish_directory, write_atomic
 from hfschema.hf_config import SCORE_SUFFIX, SIDE_FILE_DIR, side_files
 from hfschema.model import as_score_model
+from hfschema.trainer import LAST_KEY, bradley_terry_loss
 from hybridflow.data import BadRow, BadRows, PromptSampler
 from hybridflow.preferences import PreferencePair, encode_pair, make_task_pairs, read_pairs
 from hybridflow.runtime import report, stops
 from hybridflow.runtime.session import DRIVER, Session, broadcast
+from hybridflow.runtime.trainers import trainer_of
 
 __all__ = ["EXPORT_DIR", "export_config", "train_reward_model"]
 
@@ -78,8 +80,6 @@ def _encode(pairs: list[PreferencePair], s: Session, end_id: int, label: str) ->
 
 def _batch(pairs: list[tuple[list, list]], pad: int) -> dict[str, torch.Tensor]:
     """Rows chosen, rejected, chosen, ... right-padded, with the one-hot of each row's last token."""
-    from megatron_adapters.reward_model import LAST_KEY
-
     rows = [ids for pair in pairs for ids in pair]
     length = max(len(r) for r in rows)
     ids = torch.full((len(rows), length), pad, dtype=torch.long)
@@ -94,8 +94,6 @@ def _accuracy(rm, pairs: list[tuple[list, list]], pad: int, multiple: int) -> fl
     """Fraction of ``pairs`` whose chosen response scores above the rejected one."""
     if not pairs:
         return None
-    from megatron_adapters.reward_model import LAST_KEY
-
     batch = _batch(pairs, pad)
     ids, lengths = batch["input_ids"], batch[LAST_KEY].argmax(dim=1) + 1
     rows, extra = len(ids), -len(ids) % multiple  # whole micro-batches on every DP rank
@@ -125,11 +123,8 @@ def _build(s: Session, sft_export: Path | None, resume_from: Path | None):
     run state says steps were done, else its body from the SFT export, model.path, or the seeded
     init."""
     from hfschema.model_source import model_source
-    from megatron_adapters import checkpoint
-    from megatron_adapters.pretrained import load_hf_weights
-    from megatron_adapters.reward_model import MegatronRewardModel
 
-    cfg = s.cfg
+    cfg, trainer = s.cfg, trainer_of(s.cfg)
     micro = 2 * max(1, cfg.train.micro_batch_size // 2)  # both rows of a pair in one micro-batch
     train = dataclasses.replace(
         cfg.train,
@@ -148,15 +143,9 @@ def _build(s: Session, sft_export: Path | None, resume_from: Path | None):
             f"set rm.batch_size to a multiple of {cfg.actor.parallel.dp * micro // 2}"
         )
     body = sft_export or (Path(cfg.model.path) if cfg.model.pretrained else None)
-    rm = MegatronRewardModel(
-        as_score_model(cfg.model),
-        cfg.actor.parallel,
-        train,
-        pg_collection=s.models.pg,
-        packing_config=cfg.packing,
-    )
+    rm = trainer.build_reward_model(as_score_model(cfg.model), cfg, train, s.models.pg)
     if s.run.state.rm_step:  # resume_from is the reward model's newest checkpoint
-        checkpoint.load(rm, resume_from / "actor", with_optimizer=True)
+        trainer.load(rm, resume_from / "actor", with_optimizer=True)
     elif body is not None:
         source = model_source(body)
         if source.kind != "hf":
@@ -164,8 +153,7 @@ def _build(s: Session, sft_export: Path | None, resume_from: Path | None):
                 f"model.path={body}: run.mode=rm starts a reward model from a Hugging Face directory; "
                 "convert it first with `hybridflow convert mcore-to-hf`"
             )
-        load_hf_weights(rm, source.weights, skip=("score.weight",))
-        rm.optimizer.reload_model_params()
+        trainer.load_score_body(rm, source)
     return rm, micro
 
 
@@ -230,8 +218,6 @@ def _read_pairs(s: Session) -> tuple[list, list]:
 def _train_steps(s: Session, rm, train: list, pad: int | None, save: Callable) -> bool:
     """The steps from ``rm_step`` on, checkpointed as ``rm.checkpoint_every`` and the last step
     say; False when a checkpoint request stopped them (saved first)."""
-    from megatron_adapters.reward_model import bradley_terry_loss
-
     cfg, state = s.cfg, s.run.state
     sampler = PromptSampler(len(train), cfg.rm.batch_size, cfg.run.seed + 29)
     start, steps = state.rm_step, cfg.rm.steps
@@ -274,22 +260,20 @@ def _end_id(s: Session) -> int:
 
 
 def _export(s: Session, rm, pad: int | None) -> Path:
-    """``<run>/reward_model``: the megatron checkpoint (config and tokenizer in hf_files/) and its
+    """``<run>/reward_model``: the trainer's checkpoint (config and tokenizer in hf_files/) and its
     transformers directory, written under a temporary name and renamed when complete."""
-    from megatron_adapters import checkpoint
-    from megatron_adapters.convert import mcore_to_hf
-
+    trainer = trainer_of(s.cfg)
     final = s.run.out_dir / EXPORT_DIR
     staging = final.with_name(final.name + ".tmp")
     if s.run.is_driver:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     dist.barrier()
-    checkpoint.save(rm, staging / "megatron")
+    trainer.save(rm, staging / "megatron", with_optimizer=False, step=0)
     if s.run.is_driver:
         files = staging / "megatron" / SIDE_FILE_DIR
         export_config(s.engines.model_dir, files, pad)
-        mcore_to_hf(staging / "megatron", staging / "hf", hf_config=files)
+        trainer.export_hf(staging / "megatron", staging / "hf", hf_config=files)
         publish_directory(staging, final)
         logger.info("exported the reward model to %s", final / "hf")
     dist.barrier()

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
-from hfschema.train import TrainConfig
 from hybridflow.config import HybridflowConfig
 from hybridflow.data import (
     DataReport,
@@ -68,7 +67,6 @@ __all__ = [
     "RunData",
     "Session",
     "broadcast",
-    "build_policy",
     "start_engine",
 ]
 
@@ -173,14 +171,14 @@ def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dis
 
     # the directory has no weights (model_dir.py): both engines start empty, the first push fills them
     if cfg.rollout.engine == "hf":  # in this process, on the driver's device
-        from megatron_adapters.parallel import device
+        from hybridflow.runtime.trainers import trainer_of
 
         return make_engine(
             "hf",
             model_path=str(model_dir),
             dtype=cfg.rollout.dtype,
             seed=cfg.run.seed,
-            device=str(device()),
+            device=str(trainer_of(cfg).device()),
             return_routed_experts=cfg.moe.routing_replay == "r3",
             load_format="dummy",
         )
@@ -236,27 +234,8 @@ def _engine_deterministic(cfg: HybridflowConfig) -> bool:
     return cfg.run.deterministic and torch.cuda.is_available()
 
 
-def build_policy(cfg: HybridflowConfig, train: TrainConfig, pg, *, trainable: bool = True, moe=None, lora=None):
-    """A megatron-core policy of the actor's model under the actor's layout (``moe``: the RL
-    actor's routing replay, router statistics and router settings; ``lora``: the RL actor's
-    adapters). A pretrained model's policy is not randomly initialised: weights are loaded next."""
-    from megatron_adapters.policy import MegatronPolicy
-
-    return MegatronPolicy(
-        cfg.model,
-        cfg.actor.parallel,
-        train,
-        pg_collection=pg,
-        trainable=trainable,
-        moe=moe,
-        lora=lora,
-        packing_config=cfg.packing,
-        initialize=not cfg.model.pretrained,
-    )
-
-
 class ModelRole(Protocol):
-    """What the runtime calls on a model role (``megatron_adapters.policy.MegatronPolicy``)."""
+    """What the runtime calls on a model role (a trainer backend's policy: ``runtime.trainers``)."""
 
     routing: Any
     """Router control (routing replay, statistics), or None for dense models."""
@@ -380,7 +359,7 @@ class Models:
     actor: ModelRole | None = None
     reference: ModelRole | None = None
     critic: ModelRole | None = None
-    """The critic also has ``forward_values`` (``megatron_adapters.critic.MegatronCritic``)."""
+    """The critic also has ``forward_values`` (a trainer backend's ``build_critic``)."""
     reward_model: Any = None
     """The frozen reward model (``runtime.frozen.RewardModel``) with ``reward_model.path``."""
     teacher: ModelRole | None = None

@@ -59,7 +59,6 @@ from hybridflow.runtime.session import (
     RunData,
     Session,
     broadcast,
-    build_policy,
     load_prompts,
     prepare_files,
     start_engine,
@@ -69,6 +68,7 @@ from hybridflow.runtime.sft import run_sft, sft_train_config
 from hybridflow.runtime.shares import Shard
 from hybridflow.runtime.sync import EngineSync
 from hybridflow.runtime.tracking import Tracker
+from hybridflow.runtime.trainers import TrainerBackend, trainer_of
 from launch.failures import record_failure
 from moe.routes import check_replay_device
 from moe.stats import summarise as summarise_router_stats
@@ -81,8 +81,7 @@ logger = logging.getLogger("hybridflow.train")
 def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf: bool = False) -> None:
     """Write ``checkpoints/<name>`` completely or not at all (see ``runtime.state``); ``export_hf``:
     with the actor as a Hugging Face model directory beside it (``run_state.HF_EXPORT``)."""
-    from megatron_adapters import checkpoint
-
+    trainer = trainer_of(s.cfg)
     final = s.run.out_dir / "checkpoints" / name
     staging = run_state.staging_dir(final)
     # a stop signal now waits for the checkpoint (within the launcher's grace)
@@ -91,13 +90,13 @@ def _save(s: Session, name: str, *, with_optimizer: bool, policy=None, export_hf
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         dist.barrier()
-        checkpoint.save(
-            policy or s.models.actor, staging / "actor", with_optimizer=with_optimizer, step=s.run.state.step
-        )
+        trainer.save(policy or s.models.actor, staging / "actor", with_optimizer=with_optimizer, step=s.run.state.step)
         if export_hf and s.run.is_driver:
-            _export_hf(staging)
+            _export_hf(trainer, staging)
         if policy is None and s.models.critic is not None:
-            checkpoint.save(s.models.critic, staging / "critic", with_optimizer=with_optimizer, step=s.run.state.step)
+            trainer_of(s.cfg, "critic").save(
+                s.models.critic, staging / "critic", with_optimizer=with_optimizer, step=s.run.state.step
+            )
         # asynchronous RL: the engine drivers save the batches started ahead beside the checkpoint
         buffer = s.pipeline.save(staging) if s.pipeline is not None else []
         if s.run.is_driver:
@@ -150,20 +149,18 @@ def _on_any_rank(flag: bool) -> bool:
     return any(flags)
 
 
-def _export_hf(staging: Path) -> None:
+def _export_hf(trainer: TrainerBackend, staging: Path) -> None:
     """The checkpoint's actor as a Hugging Face directory (safetensors, the run's config.json,
     tokenizer and chat template): what the user takes away, and what RL after the warm-up (and a
     reference of a random model's initial weights) loads through ``model.path``'s loader, the
     path a user's own model takes, under any layout."""
-    from megatron_adapters.convert import mcore_to_hf
-
-    report = mcore_to_hf(staging / "actor", staging / run_state.HF_EXPORT)
+    nbytes = trainer.export_hf(staging / "actor", staging / run_state.HF_EXPORT)
     final = staging.with_suffix("")
     logger.info(
         "exported %s's model as a Hugging Face directory %s (%.1f MB)",
         final.name,
         final / run_state.HF_EXPORT,
-        report.nbytes / 1e6,
+        nbytes / 1e6,
     )
 
 
@@ -185,14 +182,13 @@ def _record_checksums(s: Session, staging: Path) -> None:
 def _warm_up(s: Session, resume_from: Path | None) -> bool:
     """SFT into ``checkpoints/sft`` unless a checkpoint says it is done; an unfinished one goes on
     from its ``sft_<step>`` checkpoint. False: stopped on a checkpoint request (saved first)."""
-    from megatron_adapters import checkpoint
-
     cfg = s.cfg
     if s.run.state.sft_done or cfg.sft.steps == 0:
         return True
-    policy = build_policy(cfg, sft_train_config(cfg), s.models.pg)
+    trainer = trainer_of(cfg)
+    policy = trainer.build_policy(cfg, sft_train_config(cfg), s.models.pg)
     if s.run.state.sft_step:  # resume_from is the unfinished SFT's checkpoint
-        checkpoint.load(policy, resume_from / "actor", with_optimizer=True)
+        trainer.load(policy, resume_from / "actor", with_optimizer=True)
     else:
         _load_starting_weights(s, policy)
     end_id = s.data.stop_ids[-1] if s.data.stop_ids else s.data.tokenizer.eos_token_id
@@ -239,32 +235,24 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
 
 
 def _load_actor(s: Session, resume_from: Path | None) -> None:
-    from megatron_adapters import checkpoint
-
-    s.models.actor = build_policy(s.cfg, s.cfg.train, s.models.pg, moe=s.cfg.moe, lora=s.cfg.lora)
+    trainer = trainer_of(s.cfg)
+    s.models.actor = trainer.build_policy(s.cfg, s.cfg.train, s.models.pg, moe=s.cfg.moe, lora=s.cfg.lora)
     sft = run_state.sft_checkpoint(s.run.out_dir)
     if resume_from is None and _reference_is_initial(s, sft):  # kept for every later start, any layout
         _save(s, run_state.INITIAL, with_optimizer=False, policy=s.models.actor, export_hf=True)
     if resume_from is not None and run_state.is_rl_checkpoint(resume_from):
-        checkpoint.load(s.models.actor, resume_from / "actor", with_optimizer=True)
+        trainer.load(s.models.actor, resume_from / "actor", with_optimizer=True)
     elif (sft / "actor").is_dir():
-        _load_sft(s.models.actor, sft)
+        _load_sft(trainer, s.models.actor, sft)
     else:
         _load_starting_weights(s, s.models.actor)
     if s.models.spec.needs_critic:
-        from megatron_adapters.critic import MegatronCritic
-
-        s.models.critic = MegatronCritic(
-            s.cfg.model,
-            s.cfg.actor.parallel,
-            s.cfg.train.for_critic(),
-            pg_collection=s.models.pg,
-            packing_config=s.cfg.packing,
-        )
+        critics = trainer_of(s.cfg, "critic")
+        s.models.critic = critics.build_critic(s.cfg, s.models.pg)
         if resume_from is not None and (resume_from / "critic").is_dir():
-            checkpoint.load(s.models.critic, resume_from / "critic", with_optimizer=True)
+            critics.load(s.models.critic, resume_from / "critic", with_optimizer=True)
         else:  # the policy's (SFT) transformer under a fresh value head, as PPO critics start
-            skipped = _copy_weights(s.models.actor, s.models.critic)
+            skipped = _copy_weights(critics, s.models.actor, s.models.critic)
             if any(not name.startswith("output_layer.") for name in skipped):
                 raise AssertionError(f"the critic differs from the actor beyond its value head: {skipped}")
     if s.cfg.reward_model.path:
@@ -313,15 +301,16 @@ def _reference_weights(s: Session, sft: Path, reference) -> None:
     """The reference's weights, read under its own layout from where the actor started (read
     again: a resumed actor has moved away from them)."""
     initial = run_state.initial_checkpoint(s.run.out_dir)
+    trainer = trainer_of(s.cfg, "reference")
     if (sft / "actor").is_dir():
-        _load_sft(reference, sft)
+        _load_sft(trainer, reference, sft)
     elif s.cfg.model.pretrained:
-        _load_starting_weights(s, reference)
+        _load_starting_weights(s, reference, trainer)
     elif (initial / run_state.HF_EXPORT).is_dir():
-        _load_sft(reference, initial)
+        _load_sft(trainer, reference, initial)
     elif reference.layout == s.cfg.actor.parallel:  # a run begun before checkpoints/initial was kept
         logger.warning("%s is missing: the reference starts from the resumed actor's weights", initial)
-        _copy_weights(s.models.actor, reference)
+        _copy_weights(trainer, s.models.actor, reference)
     else:
         raise ValueError(
             f"{initial} is missing, and reference.parallel differs from actor.parallel: this run began "
@@ -330,37 +319,32 @@ def _reference_weights(s: Session, sft: Path, reference) -> None:
         )
 
 
-def _load_sft(policy, sft: Path) -> None:
+def _load_sft(trainer: TrainerBackend, policy, sft: Path) -> None:
     """The warm-up's weights: from its Hugging Face export through ``model.path``'s loader, or
-    from its megatron checkpoint where the export is absent (a checkpoint saved before exports)."""
+    from its trainer checkpoint where the export is absent (a checkpoint saved before exports)."""
     from hfschema.model_source import model_source
-    from megatron_adapters import checkpoint
-    from megatron_adapters.pretrained import load_pretrained
 
     if (sft / run_state.HF_EXPORT).is_dir():
-        load_pretrained(policy, model_source(sft / run_state.HF_EXPORT))
+        trainer.load_pretrained(policy, model_source(sft / run_state.HF_EXPORT))
     else:
-        checkpoint.load(policy, sft / "actor")
+        trainer.load(policy, sft / "actor")
 
 
-def _load_starting_weights(s: Session, policy) -> None:
+def _load_starting_weights(s: Session, policy, trainer: TrainerBackend | None = None) -> None:
     """``model.path``'s weights into a fresh policy; a random model keeps its seeded init."""
     if not s.cfg.model.pretrained:
         return
     from hfschema.model_source import model_source
-    from megatron_adapters.pretrained import load_pretrained
 
-    load_pretrained(policy, model_source(s.cfg.model.path))
+    (trainer or trainer_of(s.cfg)).load_pretrained(policy, model_source(s.cfg.model.path))
 
 
-def _copy_weights(source, target) -> list[str]:
-    """Copy every parameter ``target`` shares with ``source`` (same name and shape); returns the
-    names of ``target``'s parameters left as they were."""
-    from megatron_adapters.export import global_named_parameters
-
-    theirs = global_named_parameters(source)
+def _copy_weights(trainer: TrainerBackend, source, target) -> list[str]:
+    """Copy every parameter ``target`` shares with ``source`` (same name and shape; both held by
+    ``trainer``); returns the names of ``target``'s parameters left as they were."""
+    theirs = trainer.named_parameters(source)
     skipped = []
-    for name, param in global_named_parameters(target).items():
+    for name, param in trainer.named_parameters(target).items():
         if name in theirs and theirs[name].shape == param.shape:
             param.copy_(theirs[name])
         else:
@@ -371,9 +355,7 @@ def _copy_weights(source, target) -> list[str]:
 
 
 def _start_rollout(s: Session) -> None:
-    from megatron_adapters.export import global_named_parameters
-    from megatron_adapters.peft_io import adapter_push
-
+    trainer = trainer_of(s.cfg)
     run, engines = s.run, s.engines
     engines.restarts = EngineRestarts(
         engines, respawn=None if run.channel.separate else lambda replicas: _respawn(s, replicas)
@@ -389,8 +371,8 @@ def _start_rollout(s: Session) -> None:
         channel=run.channel,
         device=run.device,
         engines=engines,
-        source_params=lambda: global_named_parameters(s.models.actor, merge_adapters=not adapters),
-        adapters=(lambda: adapter_push(s.models.actor)) if adapters else None,
+        source_params=lambda: trainer.named_parameters(s.models.actor, merge_adapters=not adapters),
+        adapters=(lambda: trainer.adapter_push(s.models.actor)) if adapters else None,
     )
     engines.sync.restarts = engines.restarts
     startup_clock.mark("engines")  # with the sync's plan, and separate: the engine ranks' start
@@ -458,11 +440,9 @@ def _stop_engines(s: Session, *, in_order: bool) -> None:
         s.engines.node_part.shutdown()
 
 
-def _shard() -> Shard:
+def _shard(trainer: TrainerBackend) -> Shard:
     """This rank's data-parallel share; batch-wide sums on a gloo group of every rank."""
-    from megatron_adapters import parallel
-
-    dp_rank, dp_size, leader = parallel.data_coords()
+    dp_rank, dp_size, leader = trainer.data_coords()
     group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 else None
     return Shard(dp_rank=dp_rank, dp_size=dp_size, leader=leader, group=group)
 
@@ -470,8 +450,7 @@ def _shard() -> Shard:
 def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg, channel: Channel) -> Session:
     from transformers import AutoTokenizer
 
-    from megatron_adapters import parallel
-
+    trainer = trainer_of(cfg)
     train, heldout, model_dir = prepare_files(cfg, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if cfg.run.mode == "rm" and cfg.data.train_files:  # preference pairs, read by runtime.rm_train
@@ -493,8 +472,8 @@ def _session(cfg: HybridflowConfig, out_dir: Path, resume_from: Path | None, pg,
             history=state.history,
             logged_until=_logged(out_dir, state),
         ),
-        shard=_shard(),
-        device=parallel.device(),
+        shard=_shard(trainer),
+        device=trainer.device(),
         channel=channel,
         started=time.time(),
         wall_before=state.wall_seconds,
@@ -624,8 +603,6 @@ def run(cfg: HybridflowConfig, channel: Channel | None = None, *, frozen: dict[s
 
 
 def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Channel]) -> dict:
-    from megatron_adapters import parallel
-
     plan = lower(cfg, with_reshard=False)  # the stages `hybridflow plan` prints are the ones that run
     check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
     out_dir = Path(cfg.run.output_dir)
@@ -633,7 +610,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Chann
     if dist.get_rank() == DRIVER and resume_from is None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(out_dir / "config.yaml", to_yaml(cfg))
-    pg = parallel.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
+    pg = trainer_of(cfg).initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     s = _session(cfg, out_dir, resume_from, pg, channel or colocated())
     s.run.frozen_channels = frozen
     startup_clock.mark("session")
@@ -734,8 +711,6 @@ def _stopped_on_request(s: Session) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_adapters import parallel
-
     startup_clock.mark("imports")
     if not gc.isenabled():  # off from the module's first line, as a rank's main (hfschema/gc_pause.py)
         gc.freeze()  # the imports' objects live as long as the process: no later collection scans them
@@ -744,18 +719,19 @@ def main(argv: list[str] | None = None) -> int:
     stops.install()
     cfg = load_config(argv[0], argv[1:])
     determinism.apply(cfg.run.deterministic)  # before anything is built or started
+    trainer = trainer_of(cfg)
     minutes = cfg.run.collective_timeout_minutes
     joined = None
     worlds = job_worlds(cfg)
     if len(worlds) > 1:  # several worlds in one torchrun job, joined (runtime/channel.py)
         if torch.cuda.is_available():  # before the joint NCCL group first talks
-            torch.cuda.set_device(parallel.device())
+            torch.cuda.set_device(trainer.device())
         joined = join(worlds, timeout_minutes=minutes)
-        parallel.init_default_group(
+        trainer.init_default_group(
             minutes, store=dist.PrefixStore(f"{joined.world}/", joined.store), rank=joined.rank, world_size=joined.size
         )
     else:
-        parallel.init_default_group(timeout_minutes=minutes)
+        trainer.init_default_group(timeout_minutes=minutes)
     startup_clock.mark("rendezvous")
     console.configure(
         cfg.run.output_dir,
@@ -786,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(error)
         raise
     finally:
-        parallel.teardown()
+        trainer.teardown()
         dist.destroy_process_group()
     return 0
 

@@ -17,19 +17,31 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
 TOL = 1e-5
 """fp32 both sides; observed: log-probs equal, entropy 1.4e-6, parameters 1.3e-6 relative."""
 
 
 def _hub_dir(root: Path, family: str) -> Path:
     """A tiny model as transformers saves it, in several shards (llama: separate output
-    embedding; qwen3: tied, as its small models are)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    embedding; qwen3: tied, as its small models are; qwen3_moe: transformers fuses its experts in
+    the model, ``experts.gate_up_proj``, and saves them one by one, ``experts.0.gate_proj``)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     shape = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     torch.manual_seed(0)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**shape, num_key_value_heads=2, tie_word_embeddings=False))
+    elif family == "qwen3_moe":
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=False)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_key_value_heads=2, head_dim=8, **experts))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**shape, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
     path = root / family
@@ -44,12 +56,12 @@ def _hub_dir(root: Path, family: str) -> Path:
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp2")
-    dirs = [_hub_dir(root, family) for family in ("llama", "qwen3")]
+    dirs = [_hub_dir(root, family) for family in FAMILIES]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for ranks, mode in ((2, "compare"), (1, "resume_alone")):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(WORKER)]
         done = subprocess.run(
-            [*command, str(root), mode, *map(str, dirs if mode == "compare" else dirs[1:])],
+            [*command, str(root), mode, *map(str, dirs if mode == "compare" else [root / "qwen3"])],
             env=env,
             capture_output=True,
             text=True,
@@ -60,10 +72,15 @@ def compared(tmp_path_factory) -> Path:
 
 
 @pytest.mark.claim("fsdp2-backend-parity")
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp2_at_dp2_scores_and_steps_as_transformers_in_one_process(compared: Path, family: str) -> None:
+    """qwen3_moe's checkpoint names are not its model's: rank 0 reads it with transformers and
+    sends each rank its shards, the path of every family transformers converts as it loads."""
     seen = json.loads((compared / f"{family}.json").read_text())
     assert seen["names"] and seen["tied"] == (family == "qwen3")
+    assert seen["read_by_rank0"] == (family == "qwen3_moe"), seen
+    # each rank's shards are where the weight sync's planner looks for them (reshard/fsdp.py)
+    assert seen["layout_shapes"] is (None if family == "qwen3_moe" else True), seen
     assert seen["logprobs"] <= TOL and seen["entropy"] <= TOL, seen
     assert seen["megatron_logprobs"] <= TOL, seen  # the other backend, on the same weights
     assert seen["grad_norm"] <= TOL * 10 and seen["params_relative"] <= TOL, seen

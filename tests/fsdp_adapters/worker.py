@@ -10,6 +10,7 @@ transformers in one process (rank 0 computes the reference), written as JSON.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -106,9 +107,43 @@ def _storage_bytes(policy: FSDP2Policy) -> dict[str, float]:
     return {"params": params / whole, "optimizer": moments / (2 * whole)}
 
 
+class _Said(logging.Handler):
+    """What the loader logs (which path read the checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _layout_matches(policy: FSDP2Policy, model_dir: Path) -> bool | None:
+    """Whether every rank's local parameter shapes are those the weight sync's planner assumes
+    (``reshard.fsdp.fsdp_layout``); None for MoE families, whose layout it refuses."""
+    from hfschema.hf_config import read_model_config
+    from hfschema.layout import ParallelLayout
+    from reshard.fsdp import fsdp_layout
+
+    mine = {n: tuple(p.to_local().shape) for n, p in policy.model.named_parameters()}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    model = read_model_config(model_dir)
+    if model.is_moe:
+        return None
+    layout = fsdp_layout(model, ParallelLayout(dp=dist.get_world_size()), dtype="float32")
+    return all(shapes == layout.param_shapes(rank) for rank, shapes in enumerate(every))
+
+
 def compare(model_dir: Path, out: Path) -> None:
+    said, loader = _Said(), logging.getLogger("fsdp_adapters.model")
+    loader.addHandler(said)
+    loader.setLevel(logging.INFO)
     policy = FSDP2Policy(model_dir, TRAIN, chunk_tokens=7)  # several chunks a micro-batch: 2 rows x 10 scored
+    loader.removeHandler(said)
+    said = said.lines
     rows = batch(policy.model.config.vocab_size)
+    shards = _layout_matches(policy, model_dir)
     logp, entropy = policy.forward_logprobs(rows, with_entropy=True)
     megatron_logp = megatron_scores(model_dir, rows)
     result = policy.train_step(rows, loss_fn)
@@ -131,6 +166,8 @@ def compare(model_dir: Path, out: Path) -> None:
             "tokens": result.num_tokens,
             "tied": policy.model.get_output_embeddings().weight is policy.model.get_input_embeddings().weight,
             "held_share": held,
+            "layout_shapes": shards,
+            "read_by_rank0": any("rank 0 loads it with transformers" in line for line in said),
         }
         (out / f"{model_dir.name}.json").write_text(json.dumps(differences))
 
