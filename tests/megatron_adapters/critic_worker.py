@@ -30,6 +30,7 @@ from task_pool import run_tasks  # noqa: E402
 from worker import SEED, TRAIN, batch, layout_for  # noqa: E402
 
 from hfschema.layout import ParallelLayout  # noqa: E402
+from hybridflow.runtime.trainers import trainer  # noqa: E402
 from hybridflow.runtime.worker import _copy_weights  # noqa: E402
 from megatron_adapters import checkpoint, parallel  # noqa: E402
 from megatron_adapters import model as model_builder  # noqa: E402
@@ -99,7 +100,7 @@ def _critic(family: str, spec: dict, init_dir: str, tie: bool, save: bool, resum
     else:
         checkpoint.load(actor, init_dir)
     value_model = MegatronCritic(model, layout, TRAIN, pg_collection=pg)
-    skipped = _copy_weights(actor, value_model)
+    skipped = _copy_weights(trainer("megatron"), actor, value_model)
     fresh = _set_head(value_model)
     data = _data(model.vocab_size)
     values = value_model.forward_values(data)
