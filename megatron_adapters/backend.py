@@ -38,9 +38,6 @@ __all__ = [
     "teardown",
 ]
 
-NAME = "megatron"
-"""The name roles give it (``actor.backend``)."""
-
 
 def device() -> torch.device:
     from megatron_adapters import parallel

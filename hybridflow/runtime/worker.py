@@ -190,7 +190,7 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
     if s.run.state.sft_step:  # resume_from is the unfinished SFT's checkpoint
         trainer.load(policy, resume_from / "actor", with_optimizer=True)
     else:
-        _load_starting_weights(s, policy)
+        _load_starting_weights(s, trainer, policy)
     end_id = s.data.stop_ids[-1] if s.data.stop_ids else s.data.tokenizer.eos_token_id
     end_id = s.data.tokenizer.convert_tokens_to_ids("<|im_end|>") if s.data.tokenizer.chat_template else end_id
     requested = False
@@ -245,7 +245,7 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     elif (sft / "actor").is_dir():
         _load_sft(trainer, s.models.actor, sft)
     else:
-        _load_starting_weights(s, s.models.actor)
+        _load_starting_weights(s, trainer, s.models.actor)
     if s.models.spec.needs_critic:
         critics = trainer_of(s.cfg, "critic")
         s.models.critic = critics.build_critic(s.cfg, s.models.pg)
@@ -305,7 +305,7 @@ def _reference_weights(s: Session, sft: Path, reference) -> None:
     if (sft / "actor").is_dir():
         _load_sft(trainer, reference, sft)
     elif s.cfg.model.pretrained:
-        _load_starting_weights(s, reference, trainer)
+        _load_starting_weights(s, trainer, reference)
     elif (initial / run_state.HF_EXPORT).is_dir():
         _load_sft(trainer, reference, initial)
     elif reference.layout == s.cfg.actor.parallel:  # a run begun before checkpoints/initial was kept
@@ -330,13 +330,13 @@ def _load_sft(trainer: TrainerBackend, policy, sft: Path) -> None:
         trainer.load(policy, sft / "actor")
 
 
-def _load_starting_weights(s: Session, policy, trainer: TrainerBackend | None = None) -> None:
+def _load_starting_weights(s: Session, trainer: TrainerBackend, policy) -> None:
     """``model.path``'s weights into a fresh policy; a random model keeps its seeded init."""
     if not s.cfg.model.pretrained:
         return
     from hfschema.model_source import model_source
 
-    (trainer or trainer_of(s.cfg)).load_pretrained(policy, model_source(s.cfg.model.path))
+    trainer.load_pretrained(policy, model_source(s.cfg.model.path))
 
 
 def _copy_weights(trainer: TrainerBackend, source, target) -> list[str]:
