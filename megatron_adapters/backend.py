@@ -2,20 +2,21 @@
 trainer roles, save, load and export them, and read their weights for the engines
 (``hybridflow.runtime.trainers.TrainerBackend`` is the contract; ``actor.backend: megatron``).
 
-Each call imports what it needs when called: a rank that never converts or pushes adapters does not
-pay for those modules' imports.
+Importing it imports megatron-core (``parallel``: every rank sets up its groups; a rank's main
+imports the backend before it freezes its imports' objects). Each other call imports what it needs
+when called: a rank that never converts or pushes adapters does not pay for those modules' imports.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from hfschema.layout import ParallelLayout
-
-if TYPE_CHECKING:  # imported where a call needs it: the registry's importers stay torch-free
-    import torch
+from megatron_adapters import parallel
 
 __all__ = [
     "adapter_push",
@@ -40,34 +41,24 @@ __all__ = [
 
 
 def device() -> torch.device:
-    from megatron_adapters import parallel
-
     return parallel.device()
 
 
 def init_default_group(timeout_minutes: int = 10, **joined: Any) -> None:
-    from megatron_adapters import parallel
-
     parallel.init_default_group(timeout_minutes, **joined)
 
 
 def initialize(layout: ParallelLayout, *, seed: int, prefix: str):
     """The layout's process groups (megatron-core's ``ProcessGroupCollection``) and the seeded RNGs."""
-    from megatron_adapters import parallel
-
     return parallel.initialize(layout, seed=seed, prefix=prefix)
 
 
 def teardown() -> None:
     """The layout's process groups go (the default group stays)."""
-    from megatron_adapters import parallel
-
     parallel.teardown()
 
 
 def data_coords() -> tuple[int, int, bool]:
-    from megatron_adapters import parallel
-
     return parallel.data_coords()
 
 
@@ -129,8 +120,6 @@ def load_score_body(model, source) -> None:
 
 def layout_groups(layout: ParallelLayout, *, prefix: str):
     """Process groups of another layout over the same ranks (a frozen model's own layout)."""
-    from megatron_adapters import parallel
-
     return parallel.layout_groups(layout, prefix=prefix)
 
 

@@ -711,15 +711,15 @@ def _stopped_on_request(s: Session) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    stops.install()
+    cfg = load_config(argv[0], argv[1:])
+    trainer = trainer_of(cfg)  # the trainer's modules (megatron-core) are imports too: frozen below
     startup_clock.mark("imports")
     if not gc.isenabled():  # off from the module's first line, as a rank's main (hfschema/gc_pause.py)
         gc.freeze()  # the imports' objects live as long as the process: no later collection scans them
         gc.enable()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    stops.install()
-    cfg = load_config(argv[0], argv[1:])
     determinism.apply(cfg.run.deterministic)  # before anything is built or started
-    trainer = trainer_of(cfg)
     minutes = cfg.run.collective_timeout_minutes
     joined = None
     worlds = job_worlds(cfg)
