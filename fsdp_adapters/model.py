@@ -32,7 +32,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_sharded", "checkpoint_names", "decoder_layers"]
+__all__ = ["INITS", "build_sharded", "checkpoint_names", "decoder_layers", "load_hf_weights"]
+
+INITS = ("load", "random", "empty")
+"""How ``build_sharded`` fills the parameters: the directory's weights, transformers' own random
+init (seeded; rank 0 draws it and sends the shards), or left for a loader (``load_hf_weights``,
+a checkpoint)."""
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -70,11 +75,16 @@ def build_sharded(
     offload: bool = False,
     activation_checkpointing: bool = False,
     wrap=None,
+    init: str = "load",
+    seed: int = 0,
 ) -> nn.Module:
-    """The causal LM of ``path``, sharded over ``mesh`` and loaded; parameters are kept in fp32
-    (the optimizer's master copy) and computed in ``compute_dtype`` (reductions in fp32).
-    ``wrap(model)``: the module to shard as the root (one whose forward calls the model's parts,
-    so that FSDP gathers the root's own parameters for it); default the model itself."""
+    """The causal LM of ``path``'s config.json, sharded over ``mesh``, its parameters filled as
+    ``init`` says (``INITS``); parameters are kept in fp32 (the optimizer's master copy) and
+    computed in ``compute_dtype`` (reductions in fp32). ``wrap(model)``: the module to shard as the
+    root (one whose forward calls the model's parts, so that FSDP gathers the root's own parameters
+    for it); default the model itself."""
+    if init not in INITS:
+        raise ValueError(f"init={init!r}: one of {', '.join(INITS)}")
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -94,11 +104,32 @@ def build_sharded(
     root.to_empty(device="cpu" if offload else device)
     for name, value in buffers.items():
         model.get_buffer(name).copy_(value)
-    _load(model, path, mesh)
+    if init == "load":
+        load_hf_weights(model, path, mesh.get_group())
+    elif init == "random":
+        _random_init(model, seed)
     return root
 
 
-def _load(model: nn.Module, path: Path, mesh: DeviceMesh) -> None:
+def _random_init(model: nn.Module, seed: int) -> None:
+    """transformers' own initialisation of the model's class, drawn once (rank 0, ``seed``) and
+    sent as shards: the same weights under any data-parallel size (a tiny model trained from
+    scratch; a real one starts from its checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    full = {}
+    if dist.get_rank() == 0:
+        torch.manual_seed(seed)
+        full = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).state_dict()
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    )
+
+
+def load_hf_weights(model: nn.Module, path: str | Path, group: dist.ProcessGroup) -> None:
+    """A Hugging Face directory's weights into the sharded ``model`` (every rank of ``group``
+    calls it): each rank reads the rows its shards hold."""
+    path = Path(path)
     state = model.state_dict()
     stored = checkpoint_names(path)
     tied = {name for name in state if name not in stored and _is_tied(model, name)}
@@ -109,7 +140,7 @@ def _load(model: nn.Module, path: Path, mesh: DeviceMesh) -> None:
         dcp.load(
             {k: v for k, v in state.items() if k not in tied},
             storage_reader=HuggingFaceStorageReader(str(path)),
-            process_group=mesh.get_group(),  # the policy's ranks, which need not be the whole job
+            process_group=group,  # the policy's ranks, which need not be the whole job
         )
         return
     logger.info(

@@ -22,7 +22,7 @@ attention is causal, so padding changes no real token's score.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -30,20 +30,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hfschema.ranks import device
 from hfschema.train import TrainConfig
 from hfschema.trainer import Batch, LossFn, StepResult, decays, lr_at
 
 from .model import build_sharded
 from .scores import CHUNK_TOKENS, chunked_scores
 
-__all__ = ["FSDP2Policy", "rank_device"]
-
-
-def rank_device() -> torch.device:
-    """This rank's GPU (``LOCAL_RANK``) where there are GPUs, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+__all__ = ["FSDP2Policy", "TrainingSnapshot"]
 
 
 class _Scorer(nn.Module):
@@ -86,25 +80,38 @@ class FSDP2Policy:
         offload: bool = False,
         activation_checkpointing: bool = False,
         chunk_tokens: int = CHUNK_TOKENS,
+        init: str = "load",
+        seed: int = 0,
+        layout=None,
     ) -> None:
         self.train_config = train
+        self.source = Path(path)
+        """The model directory it was built from (config.json, tokenizer): what its checkpoints and
+        exports carry beside the weights."""
         self.group = group if group is not None else dist.group.WORLD
-        self.device = rank_device()
+        self.device = device()
+        self.layout = layout
+        """The role's ``ParallelLayout`` (dp alone) when the runtime built it."""
+        self.routing = None
+        """No MoE routing replay or router statistics (dense models)."""
         mesh = DeviceMesh.from_group(self.group, device_type=self.device.type)
         self.scorer = build_sharded(
-            Path(path),
+            self.source,
             mesh,
             self.device,
             compute_dtype=compute_dtype,
             offload=offload,
             activation_checkpointing=activation_checkpointing,
             wrap=lambda lm: _Scorer(lm, chunk_tokens),
+            init=init,
+            seed=seed,
         )
         self.model = self.scorer.lm
         """The transformers model (its parameters are this rank's shards, as DTensors)."""
         self.optimizer = self._optimizer(train) if trainable else None
         self.steps = 0
         """Optimizer steps taken (the learning-rate schedule's position)."""
+        self._offloaded = False
 
     def _optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -156,9 +163,13 @@ class FSDP2Policy:
         micro_batch_size: int | None = None,
         with_entropy: bool = False,
         local_rows: bool = False,
+        record_routes: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy (zeros unless ``with_entropy``) ``[B, T]`` of the global batch on
-        every rank, on the host (``local_rows``: this rank's rows, as ``MegatronPolicy``)."""
+        every rank, on the host (``local_rows``: this rank's rows, as ``MegatronPolicy``).
+        ``record_routes``: MoE routing replay, which a dense model has nothing to record for."""
+        if record_routes:
+            raise ValueError("routing replay records MoE routes: the FSDP2 backend trains dense models")
         self.scorer.eval()
         micros = self._micro_batches(
             self._dp_rows(batch, local_rows), micro_batch_size or self.train_config.micro_batch_size
@@ -216,6 +227,60 @@ class FSDP2Policy:
             applied=applied,
         )
 
+    # ---------------------------------------------------------------------------- undo, colocation
+
+    def _training_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of the weights and of the optimizer's moments."""
+        tensors = [p.to_local() for p in self.model.parameters()]
+        for state in self.optimizer.state.values():
+            tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
+        return tensors
+
+    def snapshot(self) -> TrainingSnapshot:
+        """A host copy of what an optimizer step changes (weight shards, moments, the schedule's
+        position), for ``rollback``: a step of several updates is then all or nothing."""
+        if self.optimizer is None or self._offloaded:
+            raise RuntimeError("snapshot needs a trainable policy with its training state on the device")
+        tensors = self._training_tensors()
+        copies = [t.detach().to("cpu", copy=True) for t in tensors]
+        return TrainingSnapshot(tensors=tensors, copies=copies, steps=self.steps, state_keys=self._state_keys())
+
+    def rollback(self, snap: TrainingSnapshot) -> None:
+        """Put back what ``snapshot`` copied, in place. Moments made after it (the first update
+        of a fresh optimizer) are dropped, as they did not exist then."""
+        for param in list(self.optimizer.state):
+            if id(param) not in snap.state_keys:
+                del self.optimizer.state[param]
+        with torch.no_grad():
+            for tensor, copy in zip(self._training_tensors(), snap.copies):
+                tensor.copy_(copy)
+        self.steps = snap.steps
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _state_keys(self) -> frozenset[int]:
+        return frozenset(id(p) for p in self.optimizer.state)
+
+    def offload_training_state(self) -> None:
+        """The optimizer's moments to the host while a colocated engine generates (gradients are
+        already freed after each step); a CPU run has nothing to move."""
+        if self.optimizer is None or self._offloaded:
+            return
+        if self.device.type != "cpu":
+            _move_state(self.optimizer, torch.device("cpu"))
+        self._offloaded = True
+
+    def restore_training_state(self) -> None:
+        """Undo ``offload_training_state`` before the next update."""
+        if self.optimizer is None or not self._offloaded:
+            return
+        if self.device.type != "cpu":
+            _move_state(self.optimizer, self.device)
+        self._offloaded = False
+
+    @property
+    def training_state_offloaded(self) -> bool:
+        return self._offloaded
+
     def _clip(self, params: list[torch.Tensor]) -> float:
         """The global gradient norm before clipping (every rank agrees: the norm of the DTensor
         gradients is reduced over the mesh); clipped to ``clip_grad`` when that is set."""
@@ -224,6 +289,24 @@ class FSDP2Policy:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSnapshot:
+    """Host copies of an FSDP2 policy's training tensors (``FSDP2Policy.snapshot``)."""
+
+    tensors: list
+    copies: list
+    steps: int
+    state_keys: frozenset[int]
+    """The parameters the optimizer held moments for when it was taken."""
+
+
+def _move_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
 
 
 def _add(into: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from hfschema.trainer import SCORE_CHUNK_TOKENS
+
 __all__ = ["CHUNK_TOKENS", "chunked_scores", "token_scores"]
 
-CHUNK_TOKENS = 4096
-"""Tokens per chunk: 4096 x 150K fp32 logits are 2.5 GB, a fraction of a training GPU's memory."""
+CHUNK_TOKENS = SCORE_CHUNK_TOKENS
 
 
 def token_scores(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,11 @@ from .train import TrainConfig
 if TYPE_CHECKING:  # the schema itself imports no torch
     import torch
 
-__all__ = ["LAST_KEY", "Batch", "LossFn", "StepResult", "bradley_terry_loss", "decays", "lr_at"]
+__all__ = ["LAST_KEY", "SCORE_CHUNK_TOKENS", "Batch", "LossFn", "StepResult", "bradley_terry_loss", "decays", "lr_at"]
+
+SCORE_CHUNK_TOKENS = 4096
+"""Tokens whose logits a backend that scores in chunks (FSDP2) holds at once: 4096 x 150K fp32
+logits are 2.5 GB, a fraction of a training GPU's memory (the memory estimate counts them)."""
 
 Batch = Mapping[str, "torch.Tensor"]
 """``input_ids`` [B, T] and the runtime's fields [B, ...]; rows right-padded."""

@@ -10,6 +10,7 @@
                             --time T --qos Q --cpus-per-task C ...] [--submit | --dry-run]
     hybridflow convert hf-to-mcore --hf DIR --out DIR [--tp --pp --vpp --ep --etp] [--dtype D]
     hybridflow convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype D]
+    hybridflow convert fsdp2-to-hf --checkpoint DIR --out DIR [--hf-config DIR]
     hybridflow samples RUN_DIR [--step N] [--heldout] [--pick best|worst|random|first] [-n N]
                                [--source DATA_SOURCE]
 
@@ -53,7 +54,7 @@ from hfschema.hf_config import DEFAULT_BUFFER_BYTES, DEFAULT_SHARD_BYTES
 from hybridflow import __version__, lengths, sample_files
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
 from hybridflow.host_memory import has_gpu_device, host_memory
-from hybridflow.lowering import ExecutionPlan, lower
+from hybridflow.lowering import ExecutionPlan, lower, trainer_text
 from hybridflow.model_size import count_parameters, format_count
 from hybridflow.preflight import check_separate_nodes, check_slurm_run, check_trainer_backends, more_ranks, preflight
 from hybridflow.rewards import check_reward
@@ -342,8 +343,10 @@ def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
         _weights_line(cfg.model),
     ]
     for name, layout in enabled_roles(cfg).items():
-        vocab = layout.padded_vocab_size(cfg.model)
-        lines.append(f"{name}: {layout.describe()}; padded vocab {vocab}")
+        if cfg.actor.backend == "fsdp2":
+            lines.append(f"{name}: {trainer_text(cfg, layout)}; transformers' class, vocab {cfg.model.vocab_size}")
+        else:
+            lines.append(f"{name}: {layout.describe()}; padded vocab {layout.padded_vocab_size(cfg.model)}")
     lines.append(f"rollout: {cfg.rollout.describe()}")
     lines.append(f"async_rl: {cfg.async_rl.describe()}")
     return lines + plan.spec.describe() + plan.describe()
@@ -405,6 +408,7 @@ def _train(args: argparse.Namespace) -> int:
         args.config,
         _with_lengths(cfg, args.overrides),
         rollout=cfg.rollout.describe(),
+        trainer=trainer_text(cfg, cfg.actor.parallel),
         more_ranks=more_ranks(cfg),
         output_dir=cfg.run.output_dir,
     )
@@ -569,6 +573,17 @@ def _add_convert_parser(commands) -> None:
     to_peft.add_argument("--out", required=True, metavar="DIR", help="output directory (PEFT adapter)")
     to_peft.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     to_peft.set_defaults(handler=_convert_mcore_to_peft)
+    fsdp_to_hf = directions.add_parser("fsdp2-to-hf", help="an FSDP2 run's checkpoint -> Hugging Face safetensors")
+    fsdp_to_hf.add_argument("--checkpoint", required=True, metavar="DIR", help="the FSDP2 run's actor checkpoint")
+    fsdp_to_hf.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="DIR",
+        help="HF directory whose config.json and tokenizer to use (default: the ones the checkpoint carries)",
+    )
+    fsdp_to_hf.add_argument("--out", required=True, metavar="DIR", help="output directory (written as DIR.tmp)")
+    fsdp_to_hf.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    fsdp_to_hf.set_defaults(handler=_convert_fsdp2_to_hf)
 
 
 def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
@@ -594,9 +609,29 @@ def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_fsdp2_to_hf(args: argparse.Namespace) -> int:
+    from fsdp_adapters.export import export_checkpoint
+
+    nbytes = export_checkpoint(args.checkpoint, args.out, hf_config=args.hf_config, overwrite=args.overwrite)
+    print(f"fsdp2-to-hf: {args.checkpoint} -> {args.out} ({nbytes / 1e6:.1f} MB of weights)")
+    return 0
+
+
+def _refuse_an_fsdp2_checkpoint(directory: str) -> None:
+    """A converter of megatron checkpoints given an FSDP2 run's: the direction that reads it."""
+    from fsdp_adapters.checkpoint import TRAINER_FILE
+
+    if (Path(directory) / TRAINER_FILE).is_file():
+        raise ValueError(
+            f"--mcore {directory} is an FSDP2 checkpoint (actor.backend=fsdp2); convert it with "
+            f"hybridflow convert fsdp2-to-hf --checkpoint {directory} --out DIR"
+        )
+
+
 def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_adapters.convert import mcore_to_hf
 
+    _refuse_an_fsdp2_checkpoint(args.mcore)
     report = mcore_to_hf(
         args.mcore,
         args.out,

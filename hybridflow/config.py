@@ -151,13 +151,25 @@ class RoleConfig:
     actor's layout only."""
     backend: Optional[str] = "megatron"
     """The trainer that holds this role: megatron (megatron-core, every layout above) or fsdp2
-    (FSDP2 over transformers' own model class; a library today, ``hybridflow train`` refuses it
-    until its runtime path is built). The reference's and critic's None (their default): the
-    actor's."""
+    (FSDP2 over transformers' own model class, sharded over ``parallel.dp`` alone: dense models;
+    ``fsdp2`` holds its settings). The reference's and critic's None (their default): the actor's."""
 
     def __post_init__(self) -> None:
         if self.backend is not None:
             check_choice("backend", self.backend, TRAINER_BACKENDS)
+
+
+@dataclass(kw_only=True)
+class FSDP2Config:
+    """The FSDP2 trainer's settings (``actor.backend=fsdp2``)."""
+
+    activation_checkpointing: bool = True
+    """Recompute each decoder layer's activations in the backward pass (transformers' gradient
+    checkpointing): a layer's inputs stay, not its insides."""
+    offload: bool = False
+    """Keep the parameter shards, their gradients and the optimizer state on the host (FSDP2's
+    ``CPUOffloadPolicy``; the optimizer steps on the CPU): a GPU then holds one layer's gathered
+    weights at a time."""
 
 
 @dataclass(kw_only=True)
@@ -1168,6 +1180,8 @@ class HybridflowConfig:
     """MoE RL stability: routing replay, router statistics, router freezing and losses."""
     packing: PackingConfig = field(default_factory=PackingConfig)
     """Sequence packing and token-budget micro-batches of the trained roles."""
+    fsdp2: FSDP2Config = field(default_factory=FSDP2Config)
+    """The FSDP2 trainer's settings (``actor.backend=fsdp2``)."""
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     """Correctness gates evaluated every RL step."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)

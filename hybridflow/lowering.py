@@ -336,6 +336,13 @@ def _reference_source(cfg: HybridflowConfig) -> str:
     return "the actor's random initial weights (checkpoints/initial)"
 
 
+def trainer_text(cfg: HybridflowConfig, layout) -> str:
+    """A role's trainer and layout in a few words: ``megatron tp=.. pp=..`` or ``fsdp2 dp=N``."""
+    if cfg.actor.backend == "fsdp2":
+        return f"fsdp2 dp={layout.dp} (every parameter sharded over it)"
+    return f"megatron {layout.describe()}"
+
+
 def frozen_layout_text(cfg: HybridflowConfig, role: str) -> str:
     """``megatron tp=.. ... (its own: reward_model.parallel)``, ``(the actor's)``, or on GPUs of
     its own ``(its own GPUs: reward_model.gpus)``."""
@@ -343,7 +350,7 @@ def frozen_layout_text(cfg: HybridflowConfig, role: str) -> str:
     whose = f"its own: {frozen_layout_key(role)}" if layout != cfg.actor.parallel else "the actor's"
     if role in frozen_gpus(cfg):
         whose = f"its own GPUs: {frozen_layout_key(role).removesuffix('.parallel')}.gpus"
-    return f"megatron {layout.describe()} ({whose})"
+    return f"{trainer_text(cfg, layout)} ({whose})"
 
 
 def judge_text(cfg: HybridflowConfig) -> str:
@@ -420,7 +427,7 @@ def _engine_text(cfg: HybridflowConfig) -> str:
 
 
 def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:
-    layouts = {role: f"megatron {layout.describe()}" for role, layout in enabled_roles(cfg).items()}
+    layouts = {role: trainer_text(cfg, layout) for role, layout in enabled_roles(cfg).items()}
     for role in ("reference", "reward_model", "teacher"):
         layouts[role] = frozen_layout_text(cfg, role)
     layouts["judge"] = judge_text(cfg)
@@ -436,7 +443,7 @@ def _node_place(cfg: HybridflowConfig, placement: Placement, node: Node) -> tupl
         actor, engine = placement.ranks_of("actor"), placement.ranks_of("rollout")
         ranks = range(min(actor.start, engine.start), max(actor.stop, engine.stop))
         pools = dict.fromkeys([placement.pool_of("actor").name, placement.pool_of("rollout").name])
-        return ("+".join(pools), ranks, f"actor {cfg.actor.parallel.describe()} -> rollout {_engine_text(cfg)}")
+        return ("+".join(pools), ranks, f"actor {trainer_text(cfg, cfg.actor.parallel)} -> rollout {_engine_text(cfg)}")
     layout = _role_layouts(cfg)[node.role]
     return placement.pool_of(node.role).name, placement.ranks_of(node.role), layout
 

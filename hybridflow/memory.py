@@ -75,6 +75,7 @@ from hfschema.layout import ParallelLayout
 from hfschema.lora import adapter_params_per_rank
 from hfschema.model import ModelConfig
 from hfschema.sglang import pad_vocab
+from hfschema.trainer import SCORE_CHUNK_TOKENS
 from hybridflow.config import (
     FROZEN_SECTIONS,
     HybridflowConfig,
@@ -106,6 +107,7 @@ GIB = 1 << 30
 ENGINE_MARGIN_BYTES = 3 * GIB
 """CUDA-graph pools and forward activations of one SGLang rank, outside its static pool."""
 TRAIN_PARAM_BYTES = 2  # bf16 parameters
+FSDP2_PARAM_BYTES = 4  # FSDP2 keeps fp32 parameter shards (the optimizer's master), computes in bf16
 MAIN_GRAD_BYTES = 4  # fp32 main grads of megatron's DDP
 OPTIMIZER_BYTES = {"adam": 12, "sgd": 8}  # fp32 master + moments
 ACTIVATION_BYTES = 2  # bf16
@@ -294,7 +296,33 @@ def _adapter_params(cfg: HybridflowConfig, layout: ParallelLayout, stage: int) -
     return _RankParams(dense, experts)
 
 
+def _fsdp2_training(cfg: HybridflowConfig, role: str) -> dict[str, int]:
+    """One rank of an FSDP2 role: fp32 shards (1/dp) of the parameters, their gradients and AdamW's
+    two moments (the fp32 parameters are the master copy), plus the bf16 copy of the largest unit
+    FSDP2 gathers at once (a decoder layer, or the root's embeddings and norm); activations with
+    or without ``fsdp2.activation_checkpointing``; the log-probs' logits one chunk at a time."""
+    layout, m = getattr(cfg, role).parallel, cfg.model
+    layers = param_split(m)
+    root = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
+    total = sum(p.total for p in layers) + root
+    shard = -(-total // layout.dp)
+    gathered = max(max(p.total for p in layers), root) * TRAIN_PARAM_BYTES
+    resident = 0 if cfg.fsdp2.offload else shard * FSDP2_PARAM_BYTES
+    out = {f"{role} params": resident + gathered}
+    if role not in TRAINED_ROLES:
+        return out
+    out[f"{role} grads"] = 0 if cfg.fsdp2.offload else shard * FSDP2_PARAM_BYTES
+    out[f"{role} optimizer"] = 0 if cfg.fsdp2.offload else shard * (OPTIMIZER_BYTES[cfg.train.optimizer] - 4)
+    full = cfg.fsdp2.activation_checkpointing
+    out[f"{role} activations"] = _activation_bytes(cfg, layout, 0, full_recompute=full)  # tp = pp = cp = 1
+    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+    out[f"{role} logits"] = LOGIT_COPIES * LOGIT_BYTES * min(tokens, SCORE_CHUNK_TOKENS) * m.vocab_size
+    return out
+
+
 def _training_stage(cfg: HybridflowConfig, role: str, stage: int, *, full_recompute: bool) -> dict[str, int]:
+    if cfg.actor.backend == "fsdp2":
+        return _fsdp2_training(cfg, role)
     layout = getattr(cfg, role).parallel
     rows = _head_rows(cfg, role)
     p = _stage_params(cfg.model, layout, stage, head_rows=rows)
@@ -457,12 +485,24 @@ def _knob(cfg: HybridflowConfig, component: str) -> str | None:
             "weights": "raise rollout.tp / rollout.ep (more ranks per engine)",
             "KV cache": "lower rollout.max_total_tokens",
         }.get(kind)
+    if cfg.actor.backend == "fsdp2" and role in ("actor", "reference"):
+        return _fsdp2_knob(cfg, role, kind)
     if kind in ("activations", "logits"):
         smaller = "lower train.micro_batch_size, or " if cfg.train.micro_batch_size > 1 else ""
         return f"{smaller}raise {role}.parallel.tp / cp, or shorten data.max_response_length"
     if kind == "optimizer":
         return _optimizer_knob(cfg, role)
     return f"raise {role}.parallel.tp / pp / ep"
+
+
+def _fsdp2_knob(cfg: HybridflowConfig, role: str, kind: str) -> str:
+    smaller = "lower train.micro_batch_size, or " if cfg.train.micro_batch_size > 1 else ""
+    if kind == "activations" and not cfg.fsdp2.activation_checkpointing:
+        return f"set fsdp2.activation_checkpointing=true, or {smaller}shorten data.max_response_length"
+    if kind in ("activations", "logits"):
+        return f"{smaller}shorten data.max_response_length"
+    more = f"add GPUs (raise {role}.parallel.dp: FSDP2 shards it over dp)"
+    return more if cfg.fsdp2.offload else f"{more}, or set fsdp2.offload=true"
 
 
 def _optimizer_knob(cfg: HybridflowConfig, role: str) -> str:
@@ -509,6 +549,7 @@ def pool_memory(
         offloaded.add(f"{role} params")
         notes.append(f"{role}: on the host between uses ({FROZEN_SECTIONS[role]}.offload)")
     if models and "actor" in models:
+        full_recompute = cfg.fsdp2.activation_checkpointing if cfg.actor.backend == "fsdp2" else full_recompute
         notes.append("activations with full recomputation" if full_recompute else "activations without recomputation")
     phases: dict[str, dict[str, int]] = {}
     if "rollout" in roles:

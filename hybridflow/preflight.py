@@ -119,17 +119,55 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
 
 
 def check_trainer_backends(cfg: HybridflowConfig) -> None:
-    """Every role's trainer is one the runtime has (``hybridflow.runtime.trainers``)."""
+    """Every role's trainer is one the runtime has (``hybridflow.runtime.trainers``), and what an
+    FSDP2 actor is asked to do is what that backend does."""
     from hybridflow.runtime.trainers import TRAINERS
 
     for role in ROLE_NAMES:
         name = getattr(cfg, role).backend
         if name is not None and name not in TRAINERS:
+            raise ValueError(f"{role}.backend={name}: not a trainer hybridflow runs; set one of {', '.join(TRAINERS)}")
+        if name is not None and name != cfg.actor.backend:
             raise ValueError(
-                f"{role}.backend={name}: hybridflow does not run the {name} trainer yet (it trains, saves "
-                f"and exports as a library; its stages, weight sync and plan are not built: docs/training.md); "
-                f"set {role}.backend={next(iter(TRAINERS))}"
+                f"{role}.backend={name} with actor.backend={cfg.actor.backend}: a run trains every role with "
+                f"one backend in this version; leave {role}.backend unset (it follows the actor)"
             )
+    if cfg.actor.backend == "fsdp2":
+        _check_fsdp2(cfg)
+
+
+FSDP2_NOT_YET = (
+    ("critic (PPO, VAPO)", lambda cfg, spec: spec.needs_critic),
+    ("reward_model.path", lambda cfg, spec: bool(cfg.reward_model.path)),
+    ("distillation.teacher_path", lambda cfg, spec: bool(cfg.distillation.teacher_path)),
+    ("run.mode=rm", lambda cfg, spec: cfg.run.mode == "rm"),
+    ("lora.enabled=true", lambda cfg, spec: cfg.lora.enabled),
+    ("packing.enabled=true", lambda cfg, spec: cfg.packing.enabled),
+    ("reference.parallel other than actor.parallel", lambda cfg, spec: cfg.reference.parallel != cfg.actor.parallel),
+)
+"""What the FSDP2 backend does not train yet, refused by name before any rank starts."""
+
+
+def _check_fsdp2(cfg: HybridflowConfig) -> None:
+    from hybridflow.algorithms.recipes import algorithm_spec
+
+    layout = cfg.actor.parallel
+    sizes = {k: getattr(layout, k) for k in ("tp", "pp", "cp", "ep", "etp")}
+    split = [f"actor.parallel.{k}={v}" for k, v in sizes.items() if v > 1]
+    if split:
+        raise ValueError(
+            f"{', '.join(split)} with actor.backend=fsdp2: FSDP2 shards every parameter over data parallel "
+            "alone; set them to 1 (and actor.parallel.dp to the GPUs), or use actor.backend=megatron"
+        )
+    if cfg.model.is_moe:
+        raise ValueError(
+            f"model.family={cfg.model.family} (MoE) with actor.backend=fsdp2: transformers fuses the experts "
+            "into one parameter per layer, whose weight sync is not built; use actor.backend=megatron for MoE models"
+        )
+    spec = algorithm_spec(cfg)
+    for what, asked in FSDP2_NOT_YET:
+        if asked(cfg, spec):
+            raise ValueError(f"{what} is not built on actor.backend=fsdp2 yet; use actor.backend=megatron for it")
 
 
 def _check_adapter_push(cfg: HybridflowConfig) -> None:

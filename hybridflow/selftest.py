@@ -50,7 +50,19 @@ def _policy(cfg: HybridflowConfig):
     trainer = trainer_of(cfg)
     pg = trainer.initialize(cfg.actor.parallel, seed=cfg.run.seed, prefix="actor.parallel")
     random = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="random"))
-    return trainer.build_policy(random, cfg.train, pg)
+    return trainer.build_policy(random, cfg.train, pg, model_dir=_model_dir(cfg))
+
+
+def _model_dir(cfg: HybridflowConfig) -> Path:
+    """The model's directory (its config and tokenizer; no weights), written by rank 0 into the
+    output directory as a run writes it."""
+    from hybridflow.runtime.model_dir import run_model_dir
+
+    path = Path(cfg.run.output_dir) / "model"
+    if dist.get_rank() == 0:
+        run_model_dir(cfg.model, path, seed=cfg.run.seed)
+    dist.barrier()
+    return path
 
 
 def _train(cfg: HybridflowConfig, policy, steps: int, length: int) -> list[float]:

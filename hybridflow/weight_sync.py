@@ -20,6 +20,7 @@ import logging
 import time
 
 from hybridflow.config import HybridflowConfig
+from reshard.fsdp import fsdp_layout
 from reshard.hf import hf_layout
 from reshard.layouts import TensorLayout
 from reshard.megatron import megatron_layout
@@ -30,7 +31,7 @@ from reshard.topology import Topology
 
 __all__ = ["SOURCE_LAYOUTS", "WeightSyncPlan", "describe_weight_sync", "plan_weight_sync", "weight_sync_topology"]
 
-SOURCE_LAYOUTS = {"megatron": megatron_layout}
+SOURCE_LAYOUTS = {"megatron": megatron_layout, "fsdp2": fsdp_layout}
 """Where each trainer backend (``actor.backend``) holds the actor's weights: the sync's source."""
 
 logger = logging.getLogger(__name__)

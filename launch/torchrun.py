@@ -185,12 +185,14 @@ def launch_train(
     overrides: Sequence[str],
     *,
     rollout: str,
+    trainer: str | None = None,
     more_ranks: int = 0,
     output_dir: str | None = None,
 ) -> int:
     """Run the job to completion, one rank per rank of the actor's ``layout`` and ``more_ranks``
     more (the separate engines' and the frozen models' own ranks, after the actor's), after the caller's
-    checks (``hybridflow.preflight``); ``rollout`` describes the engines in the start line;
+    checks (``hybridflow.preflight``); ``rollout`` describes the engines in the start line, and
+    ``trainer`` the actor's trainer (default: the layout);
     ``output_dir`` (the config's ``run.output_dir``) receives ``error.txt`` on failure.
     Returns the exit status (``run_job``)."""
     env = dict(os.environ)
@@ -198,6 +200,7 @@ def launch_train(
     nproc = layout.world_size + more_ranks
     cmd = train_command(nproc, config_path, overrides)
     engines = f" + {more_ranks} rank(s) of their own" if more_ranks else ""
-    sys.stdout.write(f"hybridflow train: {nproc} process(es) ({layout.describe()}{engines}), rollout {rollout}\n")
+    trainer = trainer or layout.describe()
+    sys.stdout.write(f"hybridflow train: {nproc} process(es) ({trainer}{engines}), rollout {rollout}\n")
     sys.stdout.flush()
     return run_job(cmd, env, command="hybridflow train", output_dir=output_dir)

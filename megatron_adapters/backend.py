@@ -62,10 +62,10 @@ def data_coords() -> tuple[int, int, bool]:
     return parallel.data_coords()
 
 
-def build_policy(cfg, train, pg, *, trainable: bool = True, moe=None, lora=None):
-    """A megatron-core policy of ``cfg.model`` under the actor's layout (``moe``: the RL actor's
-    routing replay, router statistics and router settings; ``lora``: its adapters). A pretrained
-    model's policy is not randomly initialised: its weights are loaded next."""
+def build_policy(cfg, train, pg, *, model_dir: Path, trainable: bool = True, moe=None, lora=None):
+    """A megatron-core policy of ``cfg.model`` (which ``model_dir`` describes) under the actor's
+    layout (``moe``: the RL actor's routing replay, router statistics and router settings; ``lora``:
+    its adapters). A pretrained model's policy is not randomly initialised: its weights are loaded next."""
     from megatron_adapters.policy import MegatronPolicy
 
     return MegatronPolicy(
@@ -90,8 +90,8 @@ def build_critic(cfg, pg):
     )
 
 
-def build_frozen(architecture, cfg, layout: ParallelLayout, pg, *, scores: bool = False):
-    """A frozen model of ``architecture`` under ``layout`` and its groups ``pg``, without gradients
+def build_frozen(architecture, cfg, layout: ParallelLayout, pg, *, model_dir: Path, scores: bool = False):
+    """A frozen model of ``architecture`` (``model_dir``'s) under ``layout`` and its groups ``pg``, without gradients
     or optimizer, its weights left for the loader: a policy (reference, teacher), or with ``scores``
     a reward model (a one-label score head)."""
     from megatron_adapters.policy import MegatronPolicy

@@ -15,9 +15,7 @@ actor's alone, read megatron's global groups).
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -26,55 +24,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from hfschema.layout import ParallelLayout
+from hfschema.ranks import backend as backend  # re-exported: the rank's default backend and device
+from hfschema.ranks import device as device
+from hfschema.ranks import init_default_group
 
 from . import cpu_compat, device_guard
 
 logger = logging.getLogger(__name__)
-
-
-def backend() -> str:
-    """The torch.distributed backend for this machine."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def device() -> torch.device:
-    """This rank's device, decided here once: ``cuda:LOCAL_RANK`` with CUDA, else the CPU.
-
-    Every tensor the rank computes with, and every tensor it hands to a collective on the
-    default backend, lives here; callers take it from here (or from a tensor already on it)
-    instead of writing ``.cuda()`` or ``device="cuda"``."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def init_default_group(
-    timeout_minutes: int = 10, *, store=None, rank: int | None = None, world_size: int | None = None
-) -> None:
-    """Start torch.distributed from torchrun's environment (or as one process without it); with
-    ``store``, as ``rank`` of ``world_size`` over it instead (one of two worlds that share a
-    torchrun job: the actor's and the engine ranks', separate placement)."""
-    if dist.is_initialized():
-        return
-    timeout = datetime.timedelta(minutes=timeout_minutes)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(device())
-    if store is not None:
-        dist.init_process_group(backend=backend(), store=store, rank=rank, world_size=world_size, timeout=timeout)
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group(backend=backend(), timeout=timeout)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def initialize(layout: ParallelLayout, *, seed: int, prefix: str = "parallel") -> ProcessGroupCollection:
@@ -114,10 +70,10 @@ def layout_groups(layout: ParallelLayout, *, prefix: str = "parallel") -> Proces
     dense = parallel_state.RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order=order)
     expert_dp = dist.get_world_size() // (layout.etp * layout.ep * layout.pp)
     expert = parallel_state.RankGenerator(tp=layout.etp, ep=layout.ep, dp=expert_dp, pp=layout.pp, cp=1, order=order)
-    backend = dist.get_backend()
+    kind = dist.get_backend()
 
     def group(ranks: list[list[int]]):
-        own, _ = dist.new_subgroups_by_enumeration(ranks, backend=backend)
+        own, _ = dist.new_subgroups_by_enumeration(ranks, backend=kind)
         return own
 
     pgs = ProcessGroupCollection()

@@ -172,13 +172,14 @@ shim, which borrows the list of GPU-only kernel packages from megatron_adapters'
 
 
 @pytest.mark.claim("trainer-seam")
-def test_the_runtime_reaches_the_trainer_through_the_backend_registry():
+@pytest.mark.parametrize("backend", ["megatron_adapters", "fsdp_adapters"])
+def test_the_runtime_reaches_the_trainer_through_the_backend_registry(backend):
     """Outside the registry (``hybridflow/runtime/trainers.py``) and the converters, nothing in
-    ``hybridflow`` imports ``megatron_adapters``: the worker, the session, the frozen models, the
-    reward-model mode, the engine ranks, the pipeline and the self-test call ``trainer_of(cfg)``."""
+    ``hybridflow`` imports a trainer backend's package: the worker, the session, the frozen models,
+    the reward-model mode, the engine ranks, the pipeline and the self-test call ``trainer_of(cfg)``."""
     found = [
         hit
-        for hit in violations(ROOT / "hybridflow", "megatron_adapters", ())
+        for hit in violations(ROOT / "hybridflow", backend, ())
         if not any(f"hybridflow/{hit.split(':', 1)[0]}" == allowed for allowed in TRAINER_PICKERS)
     ]
     assert not found, "call the trainer backend (hybridflow.runtime.trainers.trainer_of) instead:\n" + "\n".join(found)

@@ -239,7 +239,14 @@ def test_train_with_r3_on_cpu_exits_2_pointing_to_r2(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-CPU_RECIPES = {"quickstart_cpu", "quickstart_cpu_lora", "quickstart_cpu_packed", "agentic_cpu", "my_model"}
+CPU_RECIPES = {
+    "quickstart_cpu",
+    "quickstart_cpu_fsdp2",
+    "quickstart_cpu_lora",
+    "quickstart_cpu_packed",
+    "agentic_cpu",
+    "my_model",
+}
 """Recipes for this CPU (the template included); every other recipe names its GPUs."""
 HEADER = re.compile(r"^# Memory per GPU \(hybridflow plan, (\d+) GiB GPUs\): (.+)\.$", re.M)
 
@@ -277,9 +284,25 @@ def test_every_plan_command_the_docs_show_fits(capsys):
 
 @pytest.mark.claim("trainer-seam")
 @pytest.mark.parametrize("command", ["plan", "selftest"])
-def test_a_trainer_the_runtime_does_not_run_is_refused_by_plan_and_selftest_too(command, capsys):
-    """``hybridflow plan`` prints what runs: it does not plan a trainer that does not."""
+def test_a_layout_fsdp2_does_not_shard_is_refused_by_plan_and_selftest_too(command, capsys):
+    """``hybridflow plan`` prints what runs: it does not plan an FSDP2 actor split over experts."""
     assert main([command, str(CONFIGS / "quickstart_cpu.yaml"), "actor.backend=fsdp2"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"hybridflow {command}: error: actor.backend=fsdp2: hybridflow does not run the fsdp2")
-    assert line.endswith("set actor.backend=megatron")
+    assert line.startswith(f"hybridflow {command}: error: actor.parallel.ep=2 with actor.backend=fsdp2: ")
+    assert line.endswith("or use actor.backend=megatron")
+
+
+@pytest.mark.claim("fsdp2-quickstart")
+def test_the_plan_of_an_fsdp2_run_names_the_trainer_that_runs_and_its_memory(capsys):
+    assert main(["plan", str(CONFIGS / "quickstart_cpu_fsdp2.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "update_actor on colocated ranks 0-1 (fsdp2 dp=2 (every parameter sharded over it))" in out
+    assert "actor fsdp2 dp=2 (every parameter sharded over it) -> rollout sglang tp=2" in out
+    assert "megatron" not in out and "padded vocab" not in out
+    from hybridflow.memory import training_components
+
+    bigger = [str(CONFIGS / "quickstart_cpu_fsdp2.yaml"), ["model.hidden_size=1024", "model.num_layers=8"]]
+    two = training_components(load_config(*bigger), "actor")[1]
+    one = training_components(load_config(bigger[0], [*bigger[1], "actor.parallel.dp=1", "rollout.tp=1"]), "actor")[1]
+    for part in ("grads", "optimizer"):  # FSDP2 shards them (and the parameters) over dp
+        assert two[f"actor {part}"] * 2 == pytest.approx(one[f"actor {part}"], rel=1e-3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,8 @@ QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart_c
         (["rollout.placement=separate", "rollout.gpus_per_node=1"], "separate engines spanning nodes"),
         (["rollout.gpus_per_node=3", "rollout.tp=4", "actor.parallel.dp=4"], "rollout.tp=4 does not fill whole nodes"),
         (["critic.enabled=true", "algorithm.name=ppo", "critic.parallel.ep=1"], "critic.parallel differs"),
-        (["actor.backend=fsdp2"], "actor.backend=fsdp2: hybridflow does not run the fsdp2 trainer yet"),
-        (["reference.backend=fsdp2"], "reference.backend=fsdp2: hybridflow does not run"),
+        (["actor.backend=fsdp2"], "actor.parallel.ep=2 with actor.backend=fsdp2: FSDP2 shards every parameter"),
+        (["reference.backend=fsdp2"], "reference.backend=fsdp2 with actor.backend=megatron: a run trains every"),
     ],
 )
 @pytest.mark.claim("preflight-one-line")
@@ -33,6 +34,33 @@ def test_what_the_runtime_cannot_run_is_refused_with_the_key_and_the_fix(overrid
     with pytest.raises(ValueError, match=key) as error:
         check_runtime_support(cfg)
     assert "set " in str(error.value)
+
+
+@pytest.mark.claim("fsdp2-quickstart")
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["actor.parallel.ep=1"], "model.family=qwen3_moe (MoE) with actor.backend=fsdp2"),
+        (
+            ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "algorithm.name=ppo"],
+            "critic (PPO, VAPO)",
+        ),
+        (
+            ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "lora.enabled=true"],
+            "lora.enabled=true",
+        ),
+        (
+            ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "packing.enabled=true"],
+            "packing.enabled",
+        ),
+    ],
+)
+def test_what_the_fsdp2_backend_does_not_train_is_refused_by_name(overrides, key):
+    cfg = load_config(QUICKSTART, ["actor.backend=fsdp2", *overrides])
+    with pytest.raises(ValueError, match=re.escape(key)) as error:
+        check_runtime_support(cfg)
+    (line,) = str(error.value).splitlines()
+    assert "actor.backend=megatron" in line
 
 
 def test_the_quickstart_passes_preflight(tmp_path):

@@ -288,7 +288,8 @@ def test_every_phase_that_can_take_minutes_says_when_it_begins_and_ends(full_run
     terminal = (full_run.parent / "stderr.txt").read_text()
     for line in (
         "training: ",  # the data set's one count
-        "building the actor (tp=1 pp=1 vpp=1 ep=2 etp=1 cp=1 dp=2 (world 2, expert_dp 1)) and loading its weights ...",
+        "building the actor (megatron tp=1 pp=1 vpp=1 ep=2 etp=1 cp=1 dp=2 (world 2, expert_dp 1)) and loading its "
+        "weights ...",
         "building the actor: done in ",
         "starting the rollout engine (sglang tp=2",
         "starting the rollout engine: done in ",

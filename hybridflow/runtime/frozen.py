@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,22 +187,22 @@ def load_frozen(cfg, role: str, layout, pg):
     trainer = trainer_of(cfg)
     if role == "reward_model":
         source, architecture = reward_model_source(cfg.reward_model.path)
-        model = trainer.build_frozen(architecture, cfg, layout, pg, scores=True)
+        model = trainer.build_frozen(architecture, cfg, layout, pg, model_dir=source.files, scores=True)
         trainer.load_reward_model(model, source)
         return model
     key = "distillation.teacher_path"
     source, architecture = teacher_source(cfg.distillation.teacher_path, cfg.model.vocab_size, key=key)
-    model = trainer.build_frozen(architecture, cfg, layout, pg)
+    model = trainer.build_frozen(architecture, cfg, layout, pg, model_dir=source.files)
     trainer.load_pretrained(model, source)
     return model
 
 
-def build_reference(cfg, pg, *, load) -> Any:
+def build_reference(cfg, pg, *, model_dir: Path, load) -> Any:
     """The reference policy: the frozen model of the actor's own architecture under its layout
     (``reference.parallel``); ``load(model)`` gives it its weights (the SFT warm-up's,
     ``model.path``'s, or a random model's initial ones), which the caller knows."""
     trainer = trainer_of(cfg, "reference")
-    reference = trainer.build_frozen(cfg.model, cfg, *_groups(cfg, "reference", pg))
+    reference = trainer.build_frozen(cfg.model, cfg, *_groups(cfg, "reference", pg), model_dir=model_dir)
     load(reference)
     return to_host_if_offloaded(reference, cfg.reference.offload)
 

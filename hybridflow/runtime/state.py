@@ -28,10 +28,11 @@ checkpoint or a ``.partial`` directory that resume ignores.
 
 A published checkpoint can still be damaged later (a deleted or truncated shard, a disk that
 filled during a copy, bytes changed in place). ``checkpoint_problem`` reads what the checkpoint
-itself lists, without loading a tensor: ``state.json``, each model directory's
-``hybridflow.json``, megatron's ``metadata.json`` and ``common.pt``, torch's ``.metadata`` and
-every shard file it names, at least as long as the byte ranges it records; then every file's
-CRC-32 against ``checksums.json``, written with the checkpoint (``runtime.checksums``).
+itself lists, without loading a tensor: ``state.json``, each model directory's meta file
+(``hybridflow.json``, or FSDP2's ``trainer.json``), megatron's ``metadata.json`` and
+``common.pt``, torch's ``.metadata`` and every shard file it names, at least as long as the
+byte ranges it records; then every file's CRC-32 against ``checksums.json``, written with the
+checkpoint (``runtime.checksums``).
 ``find_resume`` walks the checkpoints newest first under ``run.resume_fallback``: ``previous``
 passes over damaged ones (named with the file) to the newest complete one, ``stop`` refuses
 the start. ``config_changes`` compares the config a checkpoint was saved under with this
@@ -81,7 +82,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SFT_DIR = re.compile(r"^sft_(\d+)$")
 _RM_DIR = re.compile(r"^rm_(\d+)$")
 _MODEL_DIRS = ("actor", "critic")  # the actor always; the critic when the run trained one
-_MODEL_FILES = ("hybridflow.json", "metadata.json", "common.pt", ".metadata")  # what a complete save writes
+_MODEL_FILES = {  # what a complete save writes, by the trainer that wrote it (its meta file first)
+    "megatron": ("hybridflow.json", "metadata.json", "common.pt", ".metadata"),
+    "fsdp2": ("trainer.json", ".metadata"),
+}
 _SHOWN_PROBLEMS = 3
 
 
@@ -238,16 +242,29 @@ def _shard_problems(directory: Path) -> list[str]:
     return shard_problems(directory, metadata.storage_data)
 
 
-def _model_dir_problems(directory: Path) -> list[str]:
+def _trainer_of(checkpoint: Path) -> str:
+    """The trainer backend whose files the checkpoint's model directories hold: its config's
+    ``actor.backend`` (megatron for a checkpoint saved before the setting, or without a config)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((checkpoint / CONFIG_FILE).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return "megatron"
+    return (saved.get("actor") or {}).get("backend") or "megatron"
+
+
+def _model_dir_problems(directory: Path, trainer: str) -> list[str]:
     if not directory.is_dir():
         return [f"{directory} is missing"]
-    missing = [f"{directory / name} is missing" for name in _MODEL_FILES if not (directory / name).is_file()]
+    files = _MODEL_FILES[trainer]
+    missing = [f"{directory / name} is missing" for name in files if not (directory / name).is_file()]
     if missing:
         return missing
     try:
-        json.loads((directory / "hybridflow.json").read_text())
+        json.loads((directory / files[0]).read_text())
     except (OSError, ValueError) as error:
-        return [f"{directory / 'hybridflow.json'} is unreadable ({error})"]
+        return [f"{directory / files[0]} is unreadable ({error})"]
     return _shard_problems(directory)
 
 
@@ -260,10 +277,10 @@ def checkpoint_problem(directory: str | os.PathLike, *, content: bool = True) ->
         saved = read_state(directory)
     except ValueError:
         return f"{directory / STATE_FILE} is missing or unreadable"
-    problems = []
+    problems, trainer = [], _trainer_of(directory)
     for name in _MODEL_DIRS:
         if name == "actor" or (directory / name).exists():
-            problems += _model_dir_problems(directory / name)
+            problems += _model_dir_problems(directory / name, trainer)
     if not problems and content and saved.checksummed and not checksums.verified_elsewhere(directory):
         problems = checksums.problems(directory)
     if not problems:

@@ -39,7 +39,7 @@ from hybridflow.algorithms.recipes import algorithm_spec
 from hybridflow.algorithms.shaping import kl_controller
 from hybridflow.config import HybridflowConfig, job_worlds, load_config, to_yaml
 from hybridflow.data import PromptSampler
-from hybridflow.lowering import lower
+from hybridflow.lowering import lower, trainer_text
 from hybridflow.rewards import RewardError
 from hybridflow.runtime import checksums, console, determinism, disk_full, frozen_ranks, report, startup_clock, stops
 from hybridflow.runtime import state as run_state
@@ -186,7 +186,7 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
     if s.run.state.sft_done or cfg.sft.steps == 0:
         return True
     trainer = trainer_of(cfg)
-    policy = trainer.build_policy(cfg, sft_train_config(cfg), s.models.pg)
+    policy = trainer.build_policy(cfg, sft_train_config(cfg), s.models.pg, model_dir=s.engines.model_dir)
     if s.run.state.sft_step:  # resume_from is the unfinished SFT's checkpoint
         trainer.load(policy, resume_from / "actor", with_optimizer=True)
     else:
@@ -236,7 +236,9 @@ def _warm_up(s: Session, resume_from: Path | None) -> bool:
 
 def _load_actor(s: Session, resume_from: Path | None) -> None:
     trainer = trainer_of(s.cfg)
-    s.models.actor = trainer.build_policy(s.cfg, s.cfg.train, s.models.pg, moe=s.cfg.moe, lora=s.cfg.lora)
+    s.models.actor = trainer.build_policy(
+        s.cfg, s.cfg.train, s.models.pg, model_dir=s.engines.model_dir, moe=s.cfg.moe, lora=s.cfg.lora
+    )
     sft = run_state.sft_checkpoint(s.run.out_dir)
     if resume_from is None and _reference_is_initial(s, sft):  # kept for every later start, any layout
         _save(s, run_state.INITIAL, with_optimizer=False, policy=s.models.actor, export_hf=True)
@@ -268,7 +270,9 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
     if s.models.spec.uses_reference:
         from hybridflow.runtime.frozen import build_reference
 
-        s.models.reference = build_reference(s.cfg, s.models.pg, load=lambda ref: _reference_weights(s, sft, ref))
+        s.models.reference = build_reference(
+            s.cfg, s.models.pg, model_dir=s.engines.model_dir, load=lambda ref: _reference_weights(s, sft, ref)
+        )
 
 
 def _judge(s: Session):
@@ -650,7 +654,7 @@ def _run(cfg: HybridflowConfig, channel: Channel | None, frozen: dict[str, Chann
             _stop_engines(s, in_order=True)
             return summary
         with out_of_memory_hint(cfg, "building the actor and the engine"):
-            with _said(s, f"building the actor ({cfg.actor.parallel.describe()}) and loading its weights"):
+            with _said(s, f"building the actor ({trainer_text(cfg, cfg.actor.parallel)}) and loading its weights"):
                 _load_actor(s, resume_from)
             startup_clock.mark("models")
             with _said(s, f"starting the rollout engine ({cfg.rollout.describe()}) and pushing the weights"):

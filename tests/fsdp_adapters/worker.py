@@ -182,12 +182,12 @@ def lifecycle(model_dir: Path, out: Path) -> None:
     rows = batch(first.model.config.vocab_size)
     later = {**rows, "input_ids": rows["input_ids"].roll(1, dims=1)}
     first.train_step(rows, loss_fn)
-    saved = checkpoint.save(first, out / f"{model_dir.name}_step1")
+    saved = checkpoint.save(first, out / f"{model_dir.name}_step1", with_optimizer=True, step=1)
     after_one = {n: p.full_tensor() for n, p in first.model.named_parameters()}
     first.train_step(later, loss_fn)
     after_two = {n: p.full_tensor() for n, p in first.model.named_parameters()}
     resumed = FSDP2Policy(model_dir, TRAIN)
-    checkpoint.load(resumed, saved)
+    checkpoint.load(resumed, saved, with_optimizer=True)
     resumed.train_step(later, loss_fn)
     again = {n: p.full_tensor() for n, p in resumed.model.named_parameters()}
     buckets = list(hf_buckets(resumed, bucket_bytes=4096))
@@ -218,7 +218,7 @@ def resume_alone(model_dir: Path, out: Path) -> None:
     from fsdp_adapters import checkpoint
 
     single = FSDP2Policy(model_dir, TRAIN)
-    checkpoint.load(single, out / f"{model_dir.name}_step1")
+    checkpoint.load(single, out / f"{model_dir.name}_step1", with_optimizer=True)
     expected = torch.load(out / f"{model_dir.name}_after_one.pt")
     got = {n: p.full_tensor() for n, p in single.model.named_parameters()}
     report = {"max_abs": max(float((got[n] - t).abs().max()) for n, t in expected.items()), "steps": single.steps}

@@ -1,0 +1,83 @@
+"""``hybridflow train configs/quickstart_cpu_fsdp2.yaml``: the quickstart on the FSDP2 trainer.
+
+transformers' own Qwen3ForCausalLM, sharded with FSDP2 over two CPU processes, trained by SFT then
+GRPO with an SGLang tp=2 engine fed through the reshard plan from FSDP2's row shards. One full run
+(deterministic) must learn as the megatron quickstart does; a second start resumes it from its
+step-20 checkpoint and must reproduce its last ten steps; its last checkpoint, converted to a
+Hugging Face directory, must answer the held-out prompts in transformers as the engine did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import _deterministic, _history, _ok
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/quickstart_cpu_fsdp2.yaml"
+RUN = ("run.deterministic=true", "run.tracking.trackers=[]")
+
+
+def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", CONFIG, f"run.output_dir={out}", *RUN, *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp2") / "run"
+    result = _train(out)
+    _ok(result)
+    assert "fsdp2 dp=2" in result.stdout  # the start line names the trainer that runs
+    return out
+
+
+@pytest.mark.claim("fsdp2-quickstart")
+def test_the_fsdp2_quickstart_learns_as_the_megatron_one_does(fsdp2_run: Path) -> None:
+    summary = json.loads((fsdp2_run / "summary.json").read_text())
+    assert summary["first_step_logprob_diff_max"] <= 1e-4, summary  # the engine holds the trainer's weights
+    after_sft, after_rl = summary["heldout_reward_after_sft"], summary["heldout_reward_after_rl"]
+    assert after_rl >= after_sft + 0.3, (after_sft, after_rl)
+
+
+@pytest.mark.claim("fsdp2-quickstart")
+def test_a_resumed_fsdp2_run_reproduces_the_uninterrupted_one(fsdp2_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(fsdp2_run, out, ignore=shutil.ignore_patterns("step_000030", "summary.json"))
+    result = _train(out)
+    _ok(result)
+    assert f"resuming from {out / 'checkpoints' / 'step_000020'}" in result.stdout, result.stdout[-2000:]
+    assert _deterministic(_history(out, "step_000030")) == _deterministic(_history(fsdp2_run, "step_000030"))
+
+
+@pytest.mark.claim("fsdp2-quickstart")
+def test_the_fsdp2_checkpoint_converts_and_answers_as_the_engine_did(fsdp2_run: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor, out = fsdp2_run / "checkpoints" / "step_000030" / "actor", tmp_path / "hf"
+    convert = [sys.executable, "-m", "hybridflow.cli", "convert", "fsdp2-to-hf", "--checkpoint", str(actor)]
+    done = subprocess.run([*convert, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    rows = [json.loads(line) for line in (fsdp2_run / "samples" / "heldout_step_000030.jsonl").open()]
+    answered = []
+    for row in rows:
+        chat = [{"role": "user", "content": row["prompt"]}]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        prompt = ids["input_ids"]
+        assert prompt.shape[1] == row["prompt_tokens"]  # the run's own prompt, token for token
+        new = model.generate(prompt, max_new_tokens=4, do_sample=False)[0, prompt.shape[1] :]
+        answered.append(tokenizer.decode(new, skip_special_tokens=True).strip())
+    assert answered == [row["response"].strip() for row in rows]
