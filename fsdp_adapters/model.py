@@ -93,6 +93,7 @@ def build_sharded(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # before sharding: one parameter for both embeddings (from_config leaves them apart)
     if activation_checkpointing:
+        model.config.use_cache = False  # no KV cache in a training forward (transformers warns otherwise)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     buffers = {name: value.detach().clone() for name, value in model.named_buffers()}
     mixed = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

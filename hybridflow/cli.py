@@ -394,7 +394,7 @@ def _selftest(args: argparse.Namespace) -> int:
     env = {**os.environ, "HYBRIDFLOW_SELFTEST_STEPS": str(args.steps)}
     # Several ranks on few cores: one thread each avoids oversubscription.
     env.setdefault("OMP_NUM_THREADS", "1")
-    print(f"hybridflow selftest: {nproc} process(es), {cfg.actor.parallel.describe()}", flush=True)
+    print(f"hybridflow selftest: {nproc} process(es), {trainer_text(cfg, cfg.actor.parallel)}", flush=True)
     return subprocess.run(cmd, env=env).returncode
 
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from hfschema.files import write_atomic
 from hybridflow.config import HybridflowConfig, load_config
+from hybridflow.lowering import trainer_text
 from hybridflow.runtime.trainers import trainer_of
 
 logger = logging.getLogger("hybridflow.selftest")
@@ -93,7 +94,7 @@ def run(cfg: HybridflowConfig, *, steps: int, length: int = 32) -> dict:
     wall = time.time() - start
     tokens = steps * cfg.train.global_batch_size * (length - 1)
     return {
-        "layout": cfg.actor.parallel.describe(),
+        "layout": trainer_text(cfg, cfg.actor.parallel),
         "steps": steps,
         "first_loss": losses[0],
         "last_loss": losses[-1],

@@ -1,10 +1,11 @@
 """``hybridflow train configs/quickstart_cpu_fsdp2.yaml``: the quickstart on the FSDP2 trainer.
 
 transformers' own Qwen3ForCausalLM, sharded with FSDP2 over two CPU processes, trained by SFT then
-GRPO with an SGLang tp=2 engine fed through the reshard plan from FSDP2's row shards. One full run
-(deterministic) must learn as the megatron quickstart does; a second start resumes it from its
-step-20 checkpoint and must reproduce its last ten steps; its last checkpoint, converted to a
-Hugging Face directory, must answer the held-out prompts in transformers as the engine did.
+GRPO with an SGLang tp=2 engine fed through the reshard plan from FSDP2's row shards. One run
+(deterministic; the quickstart shortened to the learning runs' 150 SFT and 20 GRPO steps) must
+learn as the megatron quickstart does; a second start resumes it from its step-10 checkpoint and
+must reproduce its last ten steps; its last checkpoint, converted to a Hugging Face directory,
+must answer the held-out prompts in transformers as the engine did.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import _deterministic, _history, _ok
+from tests.test_train import WARM_UP, _deterministic, _history, _ok
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/quickstart_cpu_fsdp2.yaml"
-RUN = ("run.deterministic=true", "run.tracking.trackers=[]")
+RUN = ("run.deterministic=true", "run.tracking.trackers=[]", WARM_UP, "run.steps=20", "run.checkpoint_every=10")
 
 
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -53,11 +54,11 @@ def test_the_fsdp2_quickstart_learns_as_the_megatron_one_does(fsdp2_run: Path) -
 @pytest.mark.claim("fsdp2-quickstart")
 def test_a_resumed_fsdp2_run_reproduces_the_uninterrupted_one(fsdp2_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    shutil.copytree(fsdp2_run, out, ignore=shutil.ignore_patterns("step_000030", "summary.json"))
+    shutil.copytree(fsdp2_run, out, ignore=shutil.ignore_patterns("step_000020", "summary.json"))
     result = _train(out)
     _ok(result)
-    assert f"resuming from {out / 'checkpoints' / 'step_000020'}" in result.stdout, result.stdout[-2000:]
-    assert _deterministic(_history(out, "step_000030")) == _deterministic(_history(fsdp2_run, "step_000030"))
+    assert f"resuming from {out / 'checkpoints' / 'step_000010'}" in result.stdout, result.stdout[-2000:]
+    assert _deterministic(_history(out, "step_000020")) == _deterministic(_history(fsdp2_run, "step_000020"))
 
 
 @pytest.mark.claim("fsdp2-quickstart")
@@ -65,13 +66,13 @@ def test_the_fsdp2_checkpoint_converts_and_answers_as_the_engine_did(fsdp2_run: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    actor, out = fsdp2_run / "checkpoints" / "step_000030" / "actor", tmp_path / "hf"
+    actor, out = fsdp2_run / "checkpoints" / "step_000020" / "actor", tmp_path / "hf"
     convert = [sys.executable, "-m", "hybridflow.cli", "convert", "fsdp2-to-hf", "--checkpoint", str(actor)]
     done = subprocess.run([*convert, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    rows = [json.loads(line) for line in (fsdp2_run / "samples" / "heldout_step_000030.jsonl").open()]
+    rows = [json.loads(line) for line in (fsdp2_run / "samples" / "heldout_step_000020.jsonl").open()]
     answered = []
     for row in rows:
         chat = [{"role": "user", "content": row["prompt"]}]
@@ -81,3 +82,28 @@ def test_the_fsdp2_checkpoint_converts_and_answers_as_the_engine_did(fsdp2_run: 
         new = model.generate(prompt, max_new_tokens=4, do_sample=False)[0, prompt.shape[1] :]
         answered.append(tokenizer.decode(new, skip_special_tokens=True).strip())
     assert answered == [row["response"].strip() for row in rows]
+
+
+ENGINE_LAYOUTS = {
+    "separate": ("rollout.placement=separate",),
+    "hf_engine": ("rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full"),
+    "two_replicas": ("rollout.num_replicas=2", "rollout.tp=1"),
+}
+"""The engine layouts beside the quickstart's colocated SGLang tp=2 that FSDP2's shards are pushed into."""
+
+
+@pytest.mark.slow
+@pytest.mark.claim("fsdp2-quickstart")
+@pytest.mark.parametrize("layout", sorted(ENGINE_LAYOUTS))
+def test_fsdp2_pushes_its_shards_into_every_engine_layout(layout: str, tmp_path: Path) -> None:
+    short = ("sft.steps=20", "run.steps=2", "run.heldout_every=0", "checks.refit_every=1")
+    _ok(_train(tmp_path / "run", *short, *ENGINE_LAYOUTS[layout]))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["first_step_logprob_diff_max"] <= 1e-4, summary
+    history = _history(tmp_path / "run", "step_000002")
+    assert all(h["checks/failed"] == 0.0 for h in history), history
+    if (
+        layout != "hf_engine"
+    ):  # SGLang's weights are read back after every push (the hf engine's are the tensors pushed)
+        read_back = [h["checks/refit_max_rel_diff"] for h in history if "checks/refit_max_rel_diff" in h]
+        assert read_back and all(d == 0.0 for d in read_back), history

@@ -9,6 +9,10 @@ where the store does not hold that run (a checkpoint copied into another run dir
 store removed), it says so and starts a new MLflow run holding the checkpoint's history so far.
 TensorBoard's files go to ``<output_dir>/tensorboard`` (``tensorboard --logdir`` it); a resumed
 run adds a new event file there, which TensorBoard reads as the same run.
+
+A new local store starts as a copy of an empty one MLflow created once per machine and MLflow
+version (``<XDG_CACHE_HOME or ~/.cache>/hybridflow/mlflow-<version>.db``): MLflow builds a fresh
+SQLite store by running every schema migration, 1.2 of the 1.9 s a new run's store took here.
 """
 
 from __future__ import annotations
@@ -177,11 +181,45 @@ def _cell(value: Any) -> Any:
     return value if isinstance(value, (str, int, float)) or value is None else json.dumps(value)
 
 
+def _empty_store() -> Path:
+    """This machine's empty MLflow SQLite store of the installed MLflow's schema (made once)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridflow"
+    template = cache / f"mlflow-{mlflow.__version__}.db"
+    if not template.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = cache / f"{template.name}.{os.getpid()}.tmp"
+        MlflowClient(tracking_uri=f"sqlite:///{staging}").search_experiments()  # creates the schema
+        os.replace(staging, template)
+    return template
+
+
+def _seed_local_store(path: Path) -> None:
+    """A new local store at ``path`` as a copy of the empty one (see the module docstring); MLflow
+    creates it the slow way if that cannot be made."""
+    import shutil
+
+    if path.exists():
+        return
+    try:
+        template = _empty_store()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(path.name + ".tmp")
+        shutil.copyfile(template, staging)
+        os.replace(staging, path)
+    except OSError as error:  # an unwritable cache: MLflow migrates the new store itself
+        logger.debug("no empty MLflow store to copy (%s): MLflow creates %s", error, path)
+
+
 def _start_mlflow(cfg: HybridflowConfig, run_id: str | None, history: list[dict[str, float]]) -> _MlflowRun:
     """The run's MLflow run in its store: the checkpoint's (reopened) or a new one."""
     from mlflow import MlflowClient
 
     uri = cfg.run.tracking.uri or default_tracking_uri(cfg.run.output_dir)
+    if cfg.run.tracking.uri is None:
+        _seed_local_store(Path(cfg.run.output_dir).resolve() / "mlflow.db")
     client = MlflowClient(tracking_uri=uri)
     artifacts = Path(cfg.run.output_dir).resolve() / "mlartifacts"
     name = cfg.run.tracking.experiment

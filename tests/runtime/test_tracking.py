@@ -280,3 +280,30 @@ def test_wandb_mode_auto_is_online_only_with_a_key(tmp_path: Path, monkeypatch) 
     monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert wandb_mode("auto") == "online"
+
+
+@pytest.mark.claim("tracking-mlflow-tensorboard")
+def test_a_new_local_store_is_a_copy_of_the_machines_empty_one_and_runs_no_migrations(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import mlflow
+    import mlflow.store.db.utils as db_utils
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = _tracker(tmp_path / "first")  # makes the empty store once
+    first.log_metrics({"reward/mean": 0.5}, step=1)
+    first.close()
+    template = tmp_path / "cache" / "hybridflow" / f"mlflow-{mlflow.__version__}.db"
+    assert template.is_file()
+
+    def migrate(engine):
+        raise AssertionError("a store copied from the empty one ran MLflow's migrations")
+
+    monkeypatch.setattr(db_utils, "_initialize_tables", migrate)
+    second = _tracker(tmp_path / "second")
+    second.log_metrics({"reward/mean": 0.75}, step=1)
+    second.close()
+    client = MlflowClient(tracking_uri=second.uri)
+    assert [m.value for m in client.get_metric_history(second.run_id, "reward/mean")] == [0.75]
+    assert MlflowClient(tracking_uri=first.uri).get_run(first.run_id).data.metrics["reward/mean"] == 0.5
