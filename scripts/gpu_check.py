@@ -27,6 +27,11 @@ Each check records its figures and ``ok``, or its error, and the next one still 
               an Adam step (TE's THD path where transformer-engine is installed, else the
               block-diagonal local path); a LoRA policy's two steps leave the base bit-identical,
               optimize the adapters alone, and the merged weights it pushes are W + s·B·A
+  fsdp2       the FSDP2 trainer (``actor.backend=fsdp2``) at one rank: a tiny dense Qwen3
+              directory read into FSDP2Policy, its log-probs against transformers' on the device
+              (fp32), two train steps, its checkpoint saved and loaded back (log-probs equal), then
+              ``hybridflow train configs/quickstart_cpu_fsdp2.yaml`` at dp=1 with the hf engine
+              for a few RL steps
 
 ``--small`` shrinks every size so the whole script runs on a CPU in about a minute (a test does);
 the figures are then only a smoke test. Exit status 1 when any check failed.
@@ -59,7 +64,7 @@ from hybridflow.config import HybridflowConfig, load_config  # noqa: E402
 from hybridflow.model_size import count_parameters  # noqa: E402
 
 CONFIG = ROOT / "configs" / "quickstart_gpu.yaml"
-CHECKS = ("families", "throughput", "checkpoint", "frozen", "ipc", "train", "efficiency")
+CHECKS = ("families", "throughput", "checkpoint", "frozen", "ipc", "train", "efficiency", "fsdp2")
 TOLERANCE = {"float32": ("max", 2e-3), "bfloat16": ("mean", 0.1)}
 """|log-prob difference| per token allowed between megatron-core and transformers on the same
 weights: fp32 differs by summation order only, so every token; bf16 rounds every activation and
@@ -438,6 +443,51 @@ def check_train(args, work: Path) -> dict:
         "seconds": time.perf_counter() - started,
         "summary": summary,
         "ok": summary.get("heldout_reward_after_rl") is not None,
+    }
+
+
+# ------------------------------------------------------------------------------------ fsdp2
+
+
+def check_fsdp2(args, work: Path) -> dict:
+    from fsdp_adapters import checkpoint
+    from fsdp_adapters.policy import FSDP2Policy
+    from hfschema.train import TrainConfig
+    from hybridflow.rollout import make_engine
+    from hybridflow.selftest import counting_batch, next_token_loss
+    from tests.megatron_adapters.convert_models import make_hf_dir
+
+    hf_dir = make_hf_dir(work / "fsdp2", "qwen3", seed=1)
+    train = TrainConfig(lr=1e-4, clip_grad=1.0, micro_batch_size=4, global_batch_size=8)
+    policy = FSDP2Policy(hf_dir, train)  # fp32 compute: the parity check
+    ids = _random_ids(policy.model.config.vocab_size, 8, 32)
+    engine = make_engine("hf", model_path=str(hf_dir), dtype="float32", device=str(_device()))
+    trainer = policy.forward_logprobs({"input_ids": ids})[0][:, 1:]
+    parity = float((trainer - _engine_logprobs(engine, ids)).abs().max())
+    engine.shutdown()
+    losses = [policy.train_step(counting_batch(8, 32, 320, step), next_token_loss).loss for step in range(2)]
+    before = policy.forward_logprobs({"input_ids": ids})[0]
+    path = checkpoint.save(policy, work / "fsdp2" / "actor", with_optimizer=True, step=2)
+    fresh = FSDP2Policy(hf_dir, train)  # the directory's weights: the load must replace them
+    checkpoint.load(fresh, path, with_optimizer=True)
+    reload = float((fresh.forward_logprobs({"input_ids": ids})[0] - before).abs().max())
+    run = work / "fsdp2_run"
+    overrides = ["actor.parallel.dp=1", "rollout.engine=hf", "rollout.sync_route=full", "rollout.tp=1"]
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(ROOT / "configs" / "quickstart_cpu_fsdp2.yaml")]
+    cmd += [*overrides, "run.tracking.trackers=[]", f"run.output_dir={run}", "run.steps=2", "run.heldout_every=1"]
+    cmd += [f"sft.steps={20 if args.small else 100}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hybridflow train (fsdp2) exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}")
+    summary = json.loads((run / "summary.json").read_text())
+    return {
+        "logprob_max_abs_diff_vs_transformers": parity,
+        "losses": losses,
+        "reload_max_abs_diff": reload,
+        "train_first_step_logprob_diff_max": summary["first_step_logprob_diff_max"],
+        "train_heldout": summary["heldout"],
+        "ok": parity <= TOLERANCE["float32"][1] and reload == 0.0 and summary["first_step_logprob_diff_max"] <= 1e-3,
     }
 
 

@@ -32,7 +32,7 @@ def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     failed = {k: v.get("error") for k, v in report["checks"].items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stderr[-3000:])
     checks = report["checks"]
-    assert set(checks) == {"families", "throughput", "checkpoint", "frozen", "ipc", "train", "efficiency"}
+    assert set(checks) == {"families", "throughput", "checkpoint", "frozen", "ipc", "train", "efficiency", "fsdp2"}
     cases = checks["families"]["cases"]
     assert {c["family"] for c in cases} == {"llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3"}
     assert all(c["max_abs_diff"] < 1e-4 for c in cases if c["dtype"] == "float32")  # exact on the CPU
@@ -48,6 +48,9 @@ def test_every_gpu_check_runs_small_on_the_cpu(tmp_path):
     efficiency = checks["efficiency"]  # the packing and LoRA tests' one-rank cases, as a GPU runs them
     assert efficiency["packing_worst"] < 1e-5 and efficiency["packing_moved"] > 1e-3
     assert efficiency["lora_base_identical"] and efficiency["lora_merge_error"] <= 1e-6
+    fsdp2 = checks["fsdp2"]  # the FSDP2 trainer at one rank: parity, checkpoint, a short run
+    assert fsdp2["logprob_max_abs_diff_vs_transformers"] < 1e-4 and fsdp2["reload_max_abs_diff"] == 0.0
+    assert fsdp2["train_first_step_logprob_diff_max"] < 1e-4
 
 
 @pytest.mark.claim("gpu-check-small-on-cpu")
