@@ -79,6 +79,7 @@ __all__ = [
     "check_runtime_support",
     "check_separate_nodes",
     "check_trainer_backends",
+    "check_transformers_builds",
     "check_slurm_run",
     "engine_ranks",
     "more_ranks",
@@ -459,6 +460,35 @@ def check_prompt_lengths(cfg: HybridflowConfig, *, command: str = "train") -> No
                  f"data.max_prompt_length={cfg.data.max_prompt_length} and will be skipped", warning=True)  # fmt: skip
 
 
+def check_transformers_builds(source) -> None:
+    """What ``actor.backend=fsdp2`` builds from ``model.path``: transformers' causal-LM class of its
+    config.json, sharded per decoder layer (its ``_no_split_modules``), from a Hugging Face directory."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if source.kind != "hf":
+        raise ValueError(
+            f"model.path={source.weights} is a megatron-core checkpoint; actor.backend=fsdp2 reads Hugging Face "
+            "directories: write one with hybridflow convert mcore-to-hf, or use actor.backend=megatron"
+        )
+    try:
+        config = AutoConfig.from_pretrained(source.files)
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError, OSError) as error:
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(
+            f"model.path={source.files}: transformers {transformers.__version__} cannot build it as a causal LM "
+            f"({cause}); actor.backend=fsdp2 trains what AutoModelForCausalLM loads: upgrade transformers, or fix "
+            "config.json"
+        ) from None
+    if not getattr(model_class, "_no_split_modules", None):
+        raise ValueError(
+            f"model.path={source.files}: {model_class.__name__} names no decoder layer class (_no_split_modules), "
+            "which FSDP2 shards one by one; use actor.backend=megatron for it"
+        )
+
+
 def check_model_weights(
     cfg: HybridflowConfig, *, on_cluster: bool, must_exist: bool = True, command: str = "train"
 ) -> None:
@@ -470,6 +500,9 @@ def check_model_weights(
     if model.path:
         if must_exist or os.path.exists(os.path.expanduser(model.path)):
             source = model_source(model.path)  # load_config let a missing one plan
+            if cfg.actor.backend == "fsdp2":
+                check_transformers_builds(source)
+                return
             layout = cfg.actor.parallel
             check_padded_vocab(source, layout.padded_vocab_size(model), layout.tp)
         else:

@@ -405,3 +405,21 @@ def test_a_trainer_backend_that_does_not_exist_is_named_with_the_choices():
     assert "megatron" in str(error.value) and "fsdp2" in str(error.value)
     cfg = load_config(QUICKSTART, [])
     assert (cfg.actor.backend, cfg.reference.backend, cfg.critic.backend) == ("megatron", None, None)
+
+
+@pytest.mark.claim("fsdp2-quickstart")
+def test_a_model_transformers_cannot_build_or_a_megatron_checkpoint_is_refused_for_fsdp2(tmp_path):
+    import json
+
+    from hfschema.model_source import ModelSource
+    from hybridflow.preflight import check_transformers_builds
+
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "brand_new_arch", "hidden_size": 8}))
+    with pytest.raises(ValueError) as error:
+        check_transformers_builds(ModelSource(kind="hf", weights=unknown, files=unknown))
+    (line,) = str(error.value).splitlines()
+    assert line.startswith(f"model.path={unknown}: transformers ") and "cannot build it as a causal LM" in line
+    with pytest.raises(ValueError, match="is a megatron-core checkpoint; actor.backend=fsdp2 reads Hugging Face"):
+        check_transformers_builds(ModelSource(kind="mcore", weights=tmp_path, files=tmp_path))

@@ -107,3 +107,18 @@ def test_fsdp2_pushes_its_shards_into_every_engine_layout(layout: str, tmp_path:
     ):  # SGLang's weights are read back after every push (the hf engine's are the tensors pushed)
         read_back = [h["checks/refit_max_rel_diff"] for h in history if "checks/refit_max_rel_diff" in h]
         assert read_back and all(d == 0.0 for d in read_back), history
+
+
+@pytest.mark.slow
+@pytest.mark.claim("fsdp2-quickstart")
+def test_an_fsdp2_run_resumes_under_another_data_parallel_size(fsdp2_run: Path, tmp_path: Path) -> None:
+    """dp=2's step-10 checkpoint read by one rank (DCP reshards on load; the engine at tp=1): the
+    engine scores the loaded weights as the trainer does, and the run goes on learning."""
+    out = tmp_path / "run"
+    shutil.copytree(fsdp2_run, out, ignore=shutil.ignore_patterns("step_000020", "summary.json"))
+    result = _train(out, "actor.parallel.dp=1", "rollout.tp=1")
+    _ok(result)
+    assert "actor.parallel.dp: 2 -> 1" in result.stdout, result.stdout[-2000:]
+    resumed = _history(out, "step_000020")[10:]
+    assert all(h["rollout/logprob_diff_max"] <= 1e-4 for h in resumed), resumed
+    assert json.loads((out / "summary.json").read_text())["heldout_reward_after_rl"] >= 0.9
