@@ -25,6 +25,7 @@ __all__ = [
     "build_frozen",
     "build_policy",
     "build_reward_model",
+    "copy_weights",
     "data_coords",
     "device",
     "export_hf",
@@ -116,8 +117,21 @@ def build_frozen(architecture, cfg, layout: ParallelLayout, pg: Groups, *, model
     )
 
 
-def build_critic(cfg, pg):
-    _refuse("a critic (PPO, VAPO)")
+def build_critic(cfg, pg: Groups, *, model_dir: Path):
+    """PPO's critic: ``model_dir``'s decoder under a value head, sharded as the actor; its
+    transformer is copied from the actor next (``copy_weights``)."""
+    from .policy import FSDP2Critic
+
+    return FSDP2Critic(
+        model_dir,
+        cfg.train.for_critic(),
+        group=pg.dp,
+        compute_dtype=_compute_dtype(),
+        offload=cfg.fsdp2.offload,
+        activation_checkpointing=cfg.fsdp2.activation_checkpointing,
+        seed=cfg.run.seed,
+        layout=cfg.actor.parallel,
+    )
 
 
 def build_reward_model(architecture, cfg, train, pg):
@@ -174,3 +188,12 @@ def named_parameters(role, *, merge_adapters: bool = True) -> dict[str, torch.Te
     """This rank's rows of every parameter under its Hugging Face name (``reshard.fsdp.fsdp_layout``
     says which rows: the weight sync's source)."""
     return {name: param.to_local().detach() for name, param in role.model.named_parameters()}
+
+
+def copy_weights(source, target) -> list[str]:
+    """Every parameter ``target`` shares with ``source`` (same name and shape: the same shards of
+    it, both over the same ranks) copied in; returns the names of ``target``'s left as they were
+    (a critic's ``output_layer.``). The fp32 parameters are the optimizer's own: nothing to reload."""
+    from hfschema.trainer import copy_matching
+
+    return copy_matching(named_parameters(target), named_parameters(source))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
 from hfschema.ranks import device
@@ -37,7 +38,7 @@ from hfschema.trainer import Batch, LossFn, StepResult, decays, lr_at
 from .model import build_sharded
 from .scores import CHUNK_TOKENS, chunked_scores
 
-__all__ = ["FSDP2Policy", "TrainingSnapshot"]
+__all__ = ["FSDP2Critic", "FSDP2Policy", "TrainingSnapshot"]
 
 
 class _Scorer(nn.Module):
@@ -102,16 +103,25 @@ class FSDP2Policy:
             compute_dtype=compute_dtype,
             offload=offload,
             activation_checkpointing=activation_checkpointing,
-            wrap=lambda lm: _Scorer(lm, chunk_tokens),
+            wrap=lambda lm: self._root(lm, chunk_tokens),
             init=init,
             seed=seed,
         )
-        self.model = self.scorer.lm
-        """The transformers model (its parameters are this rank's shards, as DTensors)."""
+        self.model = self._trained(self.scorer)
+        """The trained module under its Hugging Face names: the transformers model (its parameters
+        are this rank's shards, as DTensors)."""
         self.optimizer = self._optimizer(train) if trainable else None
         self.steps = 0
         """Optimizer steps taken (the learning-rate schedule's position)."""
         self._offloaded = False
+
+    @staticmethod
+    def _root(lm: nn.Module, chunk_tokens: int) -> nn.Module:
+        return _Scorer(lm, chunk_tokens)
+
+    @staticmethod
+    def _trained(root: nn.Module) -> nn.Module:
+        return root.lm
 
     def _optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -289,6 +299,55 @@ class FSDP2Policy:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)
+
+
+class _ValueScorer(nn.Module):
+    """The critic's FSDP root: the causal LM's decoder under a one-column value head, named
+    ``output_layer`` as megatron's critic names its own (the actor's transformer copies in by
+    name; the head is what it leaves). Values come back aligned like log-probs: position ``t``
+    holds V of the state in which token ``t`` was generated (the hidden state at ``t - 1``)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.model = lm.get_decoder()
+        self.config = lm.config
+        self.output_layer = nn.Linear(lm.config.hidden_size, 1, bias=False, device="meta")
+
+    def forward(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+        hidden_BTH = self.model(input_ids=ids_BT, position_ids=positions_BT).last_hidden_state
+        values_BT = self.output_layer(hidden_BTH)[..., 0].float()
+        values_BT = torch.cat([values_BT.new_zeros(values_BT.shape[0], 1), values_BT[:, :-1]], dim=1)
+        return values_BT, torch.zeros_like(values_BT)
+
+
+class FSDP2Critic(FSDP2Policy):
+    """PPO's critic: the model's decoder under a value head; ``forward_values`` and ``train_step``
+    on values (the loss function receives values where a policy's receives log-probs). Its
+    transformer comes from the actor (``backend.copy_weights``); the head is drawn here, as
+    megatron's critic draws its own: normal with the config's ``initializer_range``, one seeded
+    draw every rank shares."""
+
+    def __init__(self, path: str | Path, train: TrainConfig, **kwargs) -> None:
+        super().__init__(path, train, init="empty", **kwargs)
+        std = getattr(self.model.config, "initializer_range", 0.02)
+        generator = torch.Generator().manual_seed(kwargs.get("seed", 0))
+        head = torch.randn(1, self.model.config.hidden_size, generator=generator) * std
+        set_model_state_dict(
+            self.model, {"output_layer.weight": head}, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+
+    @staticmethod
+    def _root(lm: nn.Module, chunk_tokens: int) -> nn.Module:
+        return _ValueScorer(lm)
+
+    @staticmethod
+    def _trained(root: nn.Module) -> nn.Module:
+        return root
+
+    def forward_values(self, batch: Batch, *, micro_batch_size: int | None = None, local_rows: bool = False):
+        """Values ``[B, T]`` of the global batch on every rank (this DP rank's rows with ``local_rows``)."""
+        return self.forward_logprobs(batch, micro_batch_size=micro_batch_size, local_rows=local_rows)[0]
 
 
 @dataclasses.dataclass(frozen=True)

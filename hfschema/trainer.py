@@ -16,7 +16,17 @@ from .train import TrainConfig
 if TYPE_CHECKING:  # the schema itself imports no torch
     import torch
 
-__all__ = ["LAST_KEY", "SCORE_CHUNK_TOKENS", "Batch", "LossFn", "StepResult", "bradley_terry_loss", "decays", "lr_at"]
+__all__ = [
+    "LAST_KEY",
+    "SCORE_CHUNK_TOKENS",
+    "Batch",
+    "LossFn",
+    "StepResult",
+    "bradley_terry_loss",
+    "copy_matching",
+    "decays",
+    "lr_at",
+]
 
 SCORE_CHUNK_TOKENS = 4096
 """Tokens whose logits a backend that scores in chunks (FSDP2) holds at once: 4096 x 150K fp32
@@ -92,3 +102,19 @@ def bradley_terry_loss(values_BT, _unused, micro: Batch) -> tuple:
     pairs = torch.tensor(margin.numel(), device=margin.device)
     metrics = {"accuracy": (margin > 0).float().mean(), "margin": margin.mean(), "weight": pairs}
     return -F.logsigmoid(margin).sum(), pairs, metrics
+
+
+def copy_matching(target: Mapping[str, Any], source: Mapping[str, Any]) -> list[str]:
+    """Copy each tensor of ``source`` into ``target``'s tensor of the same name and shape (a
+    backend's parameters, this rank's parts of them, in place); returns the names of ``target``'s
+    tensors left as they were."""
+    import torch
+
+    skipped = []
+    with torch.no_grad():
+        for name, param in target.items():
+            if name in source and source[name].shape == param.shape:
+                param.copy_(source[name])
+            else:
+                skipped.append(name)
+    return skipped

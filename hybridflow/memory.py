@@ -303,7 +303,8 @@ def _fsdp2_training(cfg: HybridflowConfig, role: str) -> dict[str, int]:
     or without ``fsdp2.activation_checkpointing``; the log-probs' logits one chunk at a time."""
     layout, m = getattr(cfg, role).parallel, cfg.model
     layers = param_split(m)
-    root = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) + m.hidden_size
+    heads = 0 if role == "critic" else (0 if m.tie_word_embeddings else m.vocab_size)  # the critic's head: one row
+    root = m.vocab_size * m.hidden_size + (heads + 1) * m.hidden_size + (m.hidden_size if role == "critic" else 0)
     total = sum(p.total for p in layers) + root
     shard = -(-total // layout.dp)
     gathered = max(max(p.total for p in layers), root) * TRAIN_PARAM_BYTES
@@ -316,7 +317,8 @@ def _fsdp2_training(cfg: HybridflowConfig, role: str) -> dict[str, int]:
     full = cfg.fsdp2.activation_checkpointing
     out[f"{role} activations"] = _activation_bytes(cfg, layout, 0, full_recompute=full)  # tp = pp = cp = 1
     tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_length + cfg.data.max_response_length)
-    out[f"{role} logits"] = LOGIT_COPIES * LOGIT_BYTES * min(tokens, SCORE_CHUNK_TOKENS) * m.vocab_size
+    rows = 1 if role == "critic" else m.vocab_size
+    out[f"{role} logits"] = LOGIT_COPIES * LOGIT_BYTES * min(tokens, SCORE_CHUNK_TOKENS) * rows
     return out
 
 

@@ -138,7 +138,6 @@ def check_trainer_backends(cfg: HybridflowConfig) -> None:
 
 
 FSDP2_NOT_YET = (
-    ("critic (PPO, VAPO)", lambda cfg, spec: spec.needs_critic),
     ("reward_model.path", lambda cfg, spec: bool(cfg.reward_model.path)),
     ("distillation.teacher_path", lambda cfg, spec: bool(cfg.distillation.teacher_path)),
     ("run.mode=rm", lambda cfg, spec: cfg.run.mode == "rm"),

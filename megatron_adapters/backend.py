@@ -24,6 +24,7 @@ __all__ = [
     "build_frozen",
     "build_policy",
     "build_reward_model",
+    "copy_weights",
     "data_coords",
     "device",
     "export_hf",
@@ -81,7 +82,7 @@ def build_policy(cfg, train, pg, *, model_dir: Path, trainable: bool = True, moe
     )
 
 
-def build_critic(cfg, pg):
+def build_critic(cfg, pg, *, model_dir: Path):
     """PPO's critic: the actor's transformer under a one-column value head, on the actor's layout."""
     from megatron_adapters.critic import MegatronCritic
 
@@ -163,6 +164,17 @@ def named_parameters(role, *, merge_adapters: bool = True) -> dict[str, torch.Te
     from megatron_adapters.export import global_named_parameters
 
     return global_named_parameters(role, merge_adapters=merge_adapters)
+
+
+def copy_weights(source, target) -> list[str]:
+    """Every parameter ``target`` shares with ``source`` (same name and shape) copied in; returns
+    the names of ``target``'s left as they were (a critic's ``output_layer.``)."""
+    from hfschema.trainer import copy_matching
+
+    skipped = copy_matching(named_parameters(target), named_parameters(source))
+    if target.optimizer is not None:  # main params of a mixed-precision optimizer follow the copy
+        target.optimizer.reload_model_params()
+    return skipped
 
 
 def adapter_push(role) -> tuple[dict[str, torch.Tensor], dict]:

@@ -42,8 +42,8 @@ def test_what_the_runtime_cannot_run_is_refused_with_the_key_and_the_fix(overrid
     [
         (["actor.parallel.ep=1"], "model.family=qwen3_moe (MoE) with actor.backend=fsdp2"),
         (
-            ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "algorithm.name=ppo"],
-            "critic (PPO, VAPO)",
+            ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "run.mode=rm"],
+            "run.mode=rm is not built",
         ),
         (
             ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "lora.enabled=true"],

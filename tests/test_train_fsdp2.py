@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import WARM_UP, _deterministic, _history, _ok
+from tests.test_train import WARM_UP, _deterministic, _history, _ok, seed_from_warm_up
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
@@ -82,6 +82,19 @@ def test_the_fsdp2_checkpoint_converts_and_answers_as_the_engine_did(fsdp2_run: 
         new = model.generate(prompt, max_new_tokens=4, do_sample=False)[0, prompt.shape[1] :]
         answered.append(tokenizer.decode(new, skip_special_tokens=True).strip())
     assert answered == [row["response"].strip() for row in rows]
+
+
+@pytest.mark.claim("fsdp2-quickstart")
+def test_ppo_trains_an_fsdp2_critic_that_starts_from_the_sft_policy(fsdp2_run: Path, tmp_path: Path) -> None:
+    """The run's SFT warm-up, then PPO: the critic is the actor's decoder under a value head
+    (the transformer copied in by name), trained beside the actor and saved with it."""
+    out = seed_from_warm_up(fsdp2_run, tmp_path / "run")
+    _ok(_train(out, "algorithm.name=ppo", "run.steps=4", "run.checkpoint_every=2"))
+    history = _history(out, "step_000004")
+    losses = [h["critic/vf_loss"] for h in history]
+    assert losses[-1] < losses[0], losses  # the values move towards the returns
+    assert all(h["rollout/logprob_diff_max"] <= 1e-4 for h in history), history
+    assert (out / "checkpoints" / "step_000004" / "critic" / "trainer.json").is_file()
 
 
 ENGINE_LAYOUTS = {

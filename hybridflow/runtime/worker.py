@@ -250,7 +250,7 @@ def _load_actor(s: Session, resume_from: Path | None) -> None:
         _load_starting_weights(s, trainer, s.models.actor)
     if s.models.spec.needs_critic:
         critics = trainer_of(s.cfg, "critic")
-        s.models.critic = critics.build_critic(s.cfg, s.models.pg)
+        s.models.critic = critics.build_critic(s.cfg, s.models.pg, model_dir=s.engines.model_dir)
         if resume_from is not None and (resume_from / "critic").is_dir():
             critics.load(s.models.critic, resume_from / "critic", with_optimizer=True)
         else:  # the policy's (SFT) transformer under a fresh value head, as PPO critics start
@@ -346,16 +346,7 @@ def _load_starting_weights(s: Session, trainer: TrainerBackend, policy) -> None:
 def _copy_weights(trainer: TrainerBackend, source, target) -> list[str]:
     """Copy every parameter ``target`` shares with ``source`` (same name and shape; both held by
     ``trainer``); returns the names of ``target``'s parameters left as they were."""
-    theirs = trainer.named_parameters(source)
-    skipped = []
-    for name, param in trainer.named_parameters(target).items():
-        if name in theirs and theirs[name].shape == param.shape:
-            param.copy_(theirs[name])
-        else:
-            skipped.append(name)
-    if target.optimizer is not None:  # main params of a mixed-precision optimizer follow the copy
-        target.optimizer.reload_model_params()
-    return skipped
+    return trainer.copy_weights(source, target)
 
 
 def _start_rollout(s: Session) -> None:
