@@ -54,23 +54,34 @@ def _refuse(what: str) -> None:
     raise ValueError(f"{what} is not built on actor.backend=fsdp2 yet; use actor.backend=megatron for it")
 
 
+_sequence_parallel = 1
+"""The actor layout's ``cp`` (Ulysses sequence parallel) since ``initialize``: the one global of
+this backend, as megatron-core's parallel state is megatron's."""
+
+
 def initialize(layout: ParallelLayout, *, seed: int, prefix: str) -> Groups:
-    """The layout's group (every rank, sharded over data parallel) and the seeded RNGs."""
+    """The layout's group (every rank: FSDP2 shards over data x sequence parallel) and the seeded RNGs."""
+    global _sequence_parallel
     init_default_group()
     layout.check_world_size(dist.get_world_size(), prefix=prefix)
-    if layout.world_size != layout.dp:
-        raise ValueError(f"{prefix}: {layout.describe()} splits the model beyond data parallel, which FSDP2 does not")
+    if layout.world_size != layout.dp * layout.cp:
+        raise ValueError(f"{prefix}: {layout.describe()} splits the model beyond data and sequence parallel")
     torch.manual_seed(seed)
+    _sequence_parallel = layout.cp
     return Groups(dp=dist.group.WORLD)
 
 
 def teardown() -> None:
-    """Nothing of the layout's is global (its group is the default one)."""
+    """Nothing of the layout's is global but its sequence-parallel size."""
+    global _sequence_parallel
+    _sequence_parallel = 1
 
 
 def data_coords() -> tuple[int, int, bool]:
-    """Every rank holds rows of its own: (its rank, the world's size, it leads its one-rank group)."""
-    return dist.get_rank(), dist.get_world_size(), True
+    """(data-parallel rank, size, whether this rank leads its sequence-parallel group, the
+    ``cp`` consecutive ranks that hold the same rows)."""
+    sp = _sequence_parallel
+    return dist.get_rank() // sp, dist.get_world_size() // sp, dist.get_rank() % sp == 0
 
 
 def _compute_dtype() -> torch.dtype:
@@ -96,6 +107,7 @@ def build_policy(cfg, train, pg: Groups, *, model_dir: Path, trainable: bool = T
         init="empty" if cfg.model.pretrained else "random",
         seed=cfg.run.seed,
         layout=cfg.actor.parallel,
+        sp=cfg.actor.parallel.cp,
     )
 
 
@@ -114,6 +126,7 @@ def build_frozen(architecture, cfg, layout: ParallelLayout, pg: Groups, *, model
         offload=cfg.fsdp2.offload,
         init="empty",
         layout=layout,
+        sp=layout.cp,
     )
 
 
@@ -131,6 +144,7 @@ def build_critic(cfg, pg: Groups, *, model_dir: Path):
         activation_checkpointing=cfg.fsdp2.activation_checkpointing,
         seed=cfg.run.seed,
         layout=cfg.actor.parallel,
+        sp=cfg.actor.parallel.cp,
     )
 
 

@@ -35,36 +35,56 @@ from hfschema.ranks import device
 from hfschema.train import TrainConfig
 from hfschema.trainer import Batch, LossFn, StepResult, decays, lr_at
 
+from . import ulysses
 from .model import build_sharded
 from .scores import CHUNK_TOKENS, chunked_scores
+from .ulysses import gather_sequence, shard_sequence
 
 __all__ = ["FSDP2Critic", "FSDP2Policy", "TrainingSnapshot"]
+
+
+class _Window:
+    """Which tokens of each row this rank runs the decoder on, and how its scores rejoin the row:
+    all of them, or with a sequence-parallel group its slice (``ulysses``)."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+
+    def split(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, positions, labels: the next token of each position, 0 past the row's end)."""
+        if self.group is not None:
+            return shard_sequence(ids_BT, self.group)
+        positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+        return ids_BT, positions_BT, torch.nn.functional.pad(ids_BT[:, 1:], (0, 1))
+
+    def join(self, scores_Bs: torch.Tensor, length: int) -> torch.Tensor:
+        """Scores of positions 0..T-2 (each scoring the next token) as ``[B, T]``: position ``t``
+        scores token ``t``, position 0 has no context and is 0."""
+        whole = gather_sequence(scores_Bs, self.group) if self.group is not None else scores_Bs
+        return torch.cat([whole.new_zeros(whole.shape[0], 1), whole[:, : length - 1]], dim=1)
 
 
 class _Scorer(nn.Module):
     """The FSDP root: the causal LM's decoder, then its output embedding through ``chunked_scores``
     (FSDP gathers the root's own parameters, embeddings and final norm, for this forward)."""
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int) -> None:
+    def __init__(self, lm: nn.Module, chunk_tokens: int, window: _Window) -> None:
         super().__init__()
-        self.lm, self.chunk_tokens = lm, chunk_tokens
+        self.lm, self.chunk_tokens, self.window = lm, chunk_tokens, window
 
     def forward(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
-        hidden_BTH = self.lm.get_decoder()(input_ids=ids_BT, position_ids=positions_BT).last_hidden_state
-        rows, length = ids_BT.shape
+        ids, positions, labels = self.window.split(ids_BT)
+        hidden_BsH = self.lm.get_decoder()(input_ids=ids, position_ids=positions).last_hidden_state
         logp_N, entropy_N = chunked_scores(
-            hidden_BTH[:, :-1].reshape(rows * (length - 1), -1),
+            hidden_BsH.reshape(-1, hidden_BsH.shape[-1]),
             self.lm.get_output_embeddings().weight,
-            ids_BT[:, 1:].reshape(-1),
+            labels.reshape(-1),
             vocab_size=self.lm.config.vocab_size,
             chunk_tokens=self.chunk_tokens,
         )
-        zero_B1 = logp_N.new_zeros(rows, 1)
-        return (
-            torch.cat([zero_B1, logp_N.view(rows, length - 1)], dim=1),
-            torch.cat([zero_B1, entropy_N.view(rows, length - 1)], dim=1),
-        )
+        length = ids_BT.shape[1]
+        logp, entropy = logp_N.view(labels.shape), entropy_N.view(labels.shape)
+        return self.window.join(logp, length), self.window.join(entropy, length)
 
 
 class FSDP2Policy:
@@ -84,8 +104,12 @@ class FSDP2Policy:
         init: str = "load",
         seed: int = 0,
         layout=None,
+        sp: int = 1,
     ) -> None:
         self.train_config = train
+        self.sp = sp
+        """Ulysses sequence-parallel size: each group of ``sp`` consecutive ranks holds the same
+        rows and splits their tokens (the data-parallel size is the group's size / sp)."""
         self.source = Path(path)
         """The model directory it was built from (config.json, tokenizer): what its checkpoints and
         exports carry beside the weights."""
@@ -96,6 +120,7 @@ class FSDP2Policy:
         self.routing = None
         """No MoE routing replay or router statistics (dense models)."""
         mesh = DeviceMesh.from_group(self.group, device_type=self.device.type)
+        window = _Window(_sequence_group(self.group, sp) if sp > 1 else None)
         self.scorer = build_sharded(
             self.source,
             mesh,
@@ -103,21 +128,23 @@ class FSDP2Policy:
             compute_dtype=compute_dtype,
             offload=offload,
             activation_checkpointing=activation_checkpointing,
-            wrap=lambda lm: self._root(lm, chunk_tokens),
+            wrap=lambda lm: self._root(lm, chunk_tokens, window),
             init=init,
             seed=seed,
         )
         self.model = self._trained(self.scorer)
         """The trained module under its Hugging Face names: the transformers model (its parameters
         are this rank's shards, as DTensors)."""
+        if window.group is not None:
+            ulysses.enable(self.scorer, self.model.config, window.group)
         self.optimizer = self._optimizer(train) if trainable else None
         self.steps = 0
         """Optimizer steps taken (the learning-rate schedule's position)."""
         self._offloaded = False
 
     @staticmethod
-    def _root(lm: nn.Module, chunk_tokens: int) -> nn.Module:
-        return _Scorer(lm, chunk_tokens)
+    def _root(lm: nn.Module, chunk_tokens: int, window: _Window) -> nn.Module:
+        return _Scorer(lm, chunk_tokens, window)
 
     @staticmethod
     def _trained(root: nn.Module) -> nn.Module:
@@ -142,7 +169,7 @@ class FSDP2Policy:
         batch, or all of ``batch`` with ``local_rows``)."""
         if local_rows:
             return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        size, rank = self.group.size(), self.group.rank()
+        size, rank = self.group.size() // self.sp, self.group.rank() // self.sp
         rows = batch["input_ids"].shape[0]
         if rows % size:
             raise ValueError(f"batch of {rows} rows does not split over data-parallel size {size}")
@@ -161,7 +188,7 @@ class FSDP2Policy:
             return local
         parts = [torch.empty_like(local) for _ in range(self.group.size())]
         dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts)
+        return torch.cat(parts[:: self.sp])  # a sequence-parallel group's ranks hold the same rows
 
     # ---------------------------------------------------------------------------- scoring
 
@@ -213,7 +240,7 @@ class FSDP2Policy:
         names = sorted(reported)
         sums = torch.stack([reported[n] for n in names]).to(self.device)
         dist.all_reduce(sums, group=self.group)
-        sums = sums.cpu()
+        sums = sums.cpu() / self.sp  # each rank of a sequence-parallel group counted its rows' whole loss
         tokens = float(sums[names.index("loss")][1])
         lr = lr_at(self.train_config, self.steps)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -307,17 +334,17 @@ class _ValueScorer(nn.Module):
     name; the head is what it leaves). Values come back aligned like log-probs: position ``t``
     holds V of the state in which token ``t`` was generated (the hidden state at ``t - 1``)."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, window: _Window) -> None:
         super().__init__()
         self.model = lm.get_decoder()
         self.config = lm.config
+        self.window = window
         self.output_layer = nn.Linear(lm.config.hidden_size, 1, bias=False, device="meta")
 
     def forward(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
-        hidden_BTH = self.model(input_ids=ids_BT, position_ids=positions_BT).last_hidden_state
-        values_BT = self.output_layer(hidden_BTH)[..., 0].float()
-        values_BT = torch.cat([values_BT.new_zeros(values_BT.shape[0], 1), values_BT[:, :-1]], dim=1)
+        ids, positions, _ = self.window.split(ids_BT)
+        hidden_BsH = self.model(input_ids=ids, position_ids=positions).last_hidden_state
+        values_BT = self.window.join(self.output_layer(hidden_BsH)[..., 0].float(), ids_BT.shape[1])
         return values_BT, torch.zeros_like(values_BT)
 
 
@@ -338,8 +365,8 @@ class FSDP2Critic(FSDP2Policy):
         )
 
     @staticmethod
-    def _root(lm: nn.Module, chunk_tokens: int) -> nn.Module:
-        return _ValueScorer(lm)
+    def _root(lm: nn.Module, chunk_tokens: int, window: _Window) -> nn.Module:
+        return _ValueScorer(lm, window)
 
     @staticmethod
     def _trained(root: nn.Module) -> nn.Module:
@@ -359,6 +386,15 @@ class TrainingSnapshot:
     steps: int
     state_keys: frozenset[int]
     """The parameters the optimizer held moments for when it was taken."""
+
+
+def _sequence_group(group: dist.ProcessGroup, sp: int):
+    """This rank's group of ``sp`` consecutive ranks of ``group`` (every rank of it calls this)."""
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) % sp:
+        raise ValueError(f"sequence parallel size {sp} does not divide the {len(ranks)} ranks")
+    mine, _ = dist.new_subgroups_by_enumeration([ranks[i : i + sp] for i in range(0, len(ranks), sp)])
+    return mine
 
 
 def _move_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

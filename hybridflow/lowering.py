@@ -339,7 +339,8 @@ def _reference_source(cfg: HybridflowConfig) -> str:
 def trainer_text(cfg: HybridflowConfig, layout) -> str:
     """A role's trainer and layout in a few words: ``megatron tp=.. pp=..`` or ``fsdp2 dp=N``."""
     if cfg.actor.backend == "fsdp2":
-        return f"fsdp2 dp={layout.dp} (every parameter sharded over it)"
+        sequence = f" sp={layout.cp} (Ulysses)" if layout.cp > 1 else ""
+        return f"fsdp2 dp={layout.dp}{sequence} (every parameter sharded over {layout.world_size} ranks)"
     return f"megatron {layout.describe()}"
 
 

@@ -306,7 +306,7 @@ def _fsdp2_training(cfg: HybridflowConfig, role: str) -> dict[str, int]:
     heads = 0 if role == "critic" else (0 if m.tie_word_embeddings else m.vocab_size)  # the critic's head: one row
     root = m.vocab_size * m.hidden_size + (heads + 1) * m.hidden_size + (m.hidden_size if role == "critic" else 0)
     total = sum(p.total for p in layers) + root
-    shard = -(-total // layout.dp)
+    shard = -(-total // layout.world_size)  # every rank a share (sequence-parallel ranks too)
     gathered = max(max(p.total for p in layers), root) * TRAIN_PARAM_BYTES
     resident = 0 if cfg.fsdp2.offload else shard * FSDP2_PARAM_BYTES
     out = {f"{role} params": resident + gathered}
@@ -316,7 +316,7 @@ def _fsdp2_training(cfg: HybridflowConfig, role: str) -> dict[str, int]:
     out[f"{role} optimizer"] = 0 if cfg.fsdp2.offload else shard * (OPTIMIZER_BYTES[cfg.train.optimizer] - 4)
     full = cfg.fsdp2.activation_checkpointing
     out[f"{role} activations"] = _activation_bytes(cfg, layout, 0, full_recompute=full)  # tp = pp = cp = 1
-    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_length + cfg.data.max_response_length) // layout.cp
     rows = 1 if role == "critic" else m.vocab_size
     out[f"{role} logits"] = LOGIT_COPIES * LOGIT_BYTES * min(tokens, SCORE_CHUNK_TOKENS) * rows
     return out

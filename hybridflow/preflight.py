@@ -152,13 +152,22 @@ def _check_fsdp2(cfg: HybridflowConfig) -> None:
     from hybridflow.algorithms.recipes import algorithm_spec
 
     layout = cfg.actor.parallel
-    sizes = {k: getattr(layout, k) for k in ("tp", "pp", "cp", "ep", "etp")}
+    sizes = {k: getattr(layout, k) for k in ("tp", "pp", "ep", "etp")}
     split = [f"actor.parallel.{k}={v}" for k, v in sizes.items() if v > 1]
     if split:
         raise ValueError(
-            f"{', '.join(split)} with actor.backend=fsdp2: FSDP2 shards every parameter over data parallel "
-            "alone; set them to 1 (and actor.parallel.dp to the GPUs), or use actor.backend=megatron"
+            f"{', '.join(split)} with actor.backend=fsdp2: FSDP2 shards every parameter over data (and "
+            "sequence) parallel alone; set them to 1 (and actor.parallel.dp to the GPUs), or use actor.backend=megatron"
         )
+    for name, heads in (
+        ("num_attention_heads", cfg.model.num_attention_heads),
+        ("num_kv_heads", cfg.model.num_kv_heads),
+    ):
+        if heads % layout.cp:
+            raise ValueError(
+                f"actor.parallel.cp={layout.cp} does not divide model.{name}={heads}: FSDP2's sequence parallel "
+                "(Ulysses) splits the heads evenly over its ranks; set actor.parallel.cp to a divisor of both"
+            )
     if cfg.model.is_moe:
         raise ValueError(
             f"model.family={cfg.model.family} (MoE) with actor.backend=fsdp2: transformers fuses the experts "
@@ -574,6 +583,17 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
         )
 
 
+def check_trainer_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
+    """What the trainer cannot run on this machine, said before any rank starts."""
+    cp = cfg.actor.parallel.cp
+    if cfg.actor.backend == "megatron" and cp > 1 and not on_gpu:
+        raise ValueError(
+            f"actor.parallel.cp={cp} with actor.backend=megatron on a machine without a GPU: megatron-core's "
+            "context parallel runs in TransformerEngine's attention, on GPUs; on a CPU use actor.backend=fsdp2 "
+            "(Ulysses sequence parallel over the same cp ranks) or set actor.parallel.cp=1"
+        )
+
+
 def check_output_dir(cfg: HybridflowConfig, *, room: bool = True) -> None:
     """``run.output_dir`` is (or can be made) a directory this user writes into, and (``room``) on a
     file system with room for one checkpoint of the run (``memory.checkpoint_bytes``): a full disk
@@ -668,6 +688,7 @@ def preflight(
 
         check_replay_device(cfg.moe.routing_replay, on_gpu=torch.cuda.is_available())
         check_engine_device(cfg, on_gpu=torch.cuda.is_available())
+        check_trainer_device(cfg, on_gpu=torch.cuda.is_available())
     if command == "train" and torch.cuda.is_available():
         check_node_gpus(cfg, torch.cuda.device_count())
     elif command == "train":

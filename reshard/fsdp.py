@@ -29,18 +29,20 @@ def row_chunks(rows: int, ranks: int) -> list[tuple[int, int]]:
 
 
 def fsdp_layout(model: ModelConfig, layout: ParallelLayout, *, dtype: str = "bfloat16") -> TensorLayout:
-    """Every canonical tensor of ``model`` split on dim 0 over ``layout.dp`` FSDP2 ranks."""
+    """Every canonical tensor of ``model`` split on dim 0 over the ``layout.dp * layout.cp`` FSDP2
+    ranks (``cp``: Ulysses sequence parallel, whose ranks shard the parameters too)."""
     if model.is_moe:
         raise ValueError(
             f"model.family={model.family}: the FSDP2 weight layout of fused MoE experts is not described; "
             "train MoE families with actor.backend=megatron"
         )
-    if layout.world_size != layout.dp:
-        raise ValueError(f"FSDP2 shards over data parallel alone: {layout.describe()} splits the model otherwise")
+    ranks = layout.dp * layout.cp
+    if layout.world_size != ranks:
+        raise ValueError(f"FSDP2 shards over data and sequence parallel alone: {layout.describe()} splits it otherwise")
     tensors = canonical_tensors(model, dtype=dtype)
     builder = LayoutBuilder(tensors)
     for t in tensors:
-        for rank, (start, stop) in enumerate(row_chunks(t.shape[0], layout.dp)):
+        for rank, (start, stop) in enumerate(row_chunks(t.shape[0], ranks)):
             local = (stop - start, *t.shape[1:])
             if stop == start:  # a rank past the last row: the parameter, empty
                 builder.add(t.name, None, t.name, None, local, (rank,))
@@ -48,5 +50,5 @@ def fsdp_layout(model: ModelConfig, layout: ParallelLayout, *, dtype: str = "bfl
             region = ((start, stop), *full_region(t.shape)[1:])
             builder.add(t.name, region, t.name, full_region(local), local, (rank,))
     return builder.build(
-        side="fsdp2", description=f"fsdp2 dp={layout.dp}", model=model, dtype=dtype, num_ranks=layout.dp
+        side="fsdp2", description=f"fsdp2 dp={layout.dp} cp={layout.cp}", model=model, dtype=dtype, num_ranks=ranks
     )

@@ -46,6 +46,16 @@ def test_what_the_runtime_cannot_run_is_refused_with_the_key_and_the_fix(overrid
             "run.mode=rm is not built",
         ),
         (
+            [
+                "actor.parallel.ep=1",
+                "model.family=qwen3",
+                "model.num_experts=0",
+                "actor.parallel.cp=4",
+                "actor.parallel.dp=1",
+            ],
+            "actor.parallel.cp=4 does not divide model.num_kv_heads=2",
+        ),
+        (
             ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "lora.enabled=true"],
             "lora.enabled=true",
         ),
@@ -60,7 +70,7 @@ def test_what_the_fsdp2_backend_does_not_train_is_refused_by_name(overrides, key
     with pytest.raises(ValueError, match=re.escape(key)) as error:
         check_runtime_support(cfg)
     (line,) = str(error.value).splitlines()
-    assert "actor.backend=megatron" in line
+    assert "actor.backend=megatron" in line or "set actor.parallel.cp to a divisor" in line  # the fix, named
 
 
 def test_the_quickstart_passes_preflight(tmp_path):
@@ -423,3 +433,13 @@ def test_a_model_transformers_cannot_build_or_a_megatron_checkpoint_is_refused_f
     assert line.startswith(f"model.path={unknown}: transformers ") and "cannot build it as a causal LM" in line
     with pytest.raises(ValueError, match="is a megatron-core checkpoint; actor.backend=fsdp2 reads Hugging Face"):
         check_transformers_builds(ModelSource(kind="mcore", weights=tmp_path, files=tmp_path))
+
+
+@pytest.mark.claim("fsdp2-ulysses")
+def test_megatron_context_parallel_on_a_cpu_is_refused_pointing_to_ulysses():
+    from hybridflow.preflight import check_trainer_device
+
+    cfg = load_config(QUICKSTART, ["actor.parallel.cp=2", "actor.parallel.ep=1", "actor.parallel.dp=1"])
+    with pytest.raises(ValueError, match="on a CPU use actor.backend=fsdp2 \\(Ulysses sequence parallel"):
+        check_trainer_device(cfg, on_gpu=False)
+    check_trainer_device(cfg, on_gpu=True)  # TransformerEngine's, on GPUs

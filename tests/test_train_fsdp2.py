@@ -101,8 +101,11 @@ ENGINE_LAYOUTS = {
     "separate": ("rollout.placement=separate",),
     "hf_engine": ("rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full"),
     "two_replicas": ("rollout.num_replicas=2", "rollout.tp=1"),
+    "ulysses_sp2": ("actor.parallel.dp=1", "actor.parallel.cp=2"),
 }
-"""The engine layouts beside the quickstart's colocated SGLang tp=2 that FSDP2's shards are pushed into."""
+"""The layouts beside the quickstart's (FSDP2 dp=2, colocated SGLang tp=2) that FSDP2's shards are
+pushed from and into: the engine's, and the actor under Ulysses sequence parallel (its two ranks
+share each row's tokens and shard the parameters alike)."""
 
 
 @pytest.mark.slow

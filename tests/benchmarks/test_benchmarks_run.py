@@ -156,6 +156,13 @@ def test_fsdp2_step_benchmark_times_three_trainers_on_the_same_batches(tmp_path)
     )
 
 
+@pytest.mark.claim("fsdp2-ulysses")
+def test_sequence_parallel_benchmark_halves_a_long_rows_peak_at_the_same_loss(tmp_path) -> None:
+    result = _run("benchmarks/fsdp2_sequence_parallel.py", tmp_path, "--seq", "2048")
+    assert result["sp2_over_sp1"] < 0.8, result
+    assert result["loss"]["sp1"] == pytest.approx(result["loss"]["sp2"], abs=1e-5)
+
+
 @pytest.mark.claim("reward-scoring-benchmark")
 def test_reward_scoring_benchmark_scores_like_transformers(tmp_path) -> None:
     result = _run("benchmarks/reward_scoring.py", tmp_path, "--rows", "32", "--longest", "64", "--passes", "1")

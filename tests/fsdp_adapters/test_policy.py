@@ -104,3 +104,14 @@ def test_fsdp2_checkpoints_resume_exactly_also_at_another_dp_and_hand_the_model_
     assert seen["stream_names"] and seen["stream_max_abs"] == 0.0 and seen["stream_bucket_bytes"] <= 4096, seen
     assert seen["export_max_abs"] == 0.0
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(seen["export_files"])
+
+
+@pytest.mark.claim("fsdp2-ulysses")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_ulysses_sequence_parallel_scores_and_steps_as_transformers_in_one_process(compared: Path, family: str) -> None:
+    """Each rank runs the decoder on half of every row's tokens; attention sees the whole row."""
+    seen = json.loads((compared / f"{family}_sp2.json").read_text())
+    assert seen["attention"] == "ulysses"
+    assert seen["logprobs"] <= TOL and seen["entropy"] <= TOL, seen
+    assert seen["params_relative"] <= TOL and seen["grad_norm"] <= TOL, seen
+    assert seen["tokens"] == 4 * 10 - 4 - 7  # the loss mask's tokens, counted once over the two ranks

@@ -23,6 +23,8 @@ from hfschema.trainer import decays, lr_at
 
 LIFECYCLE_MODEL = "qwen3"
 """The model whose checkpoint, resume, stream and export are checked (tied embeddings: the harder one)."""
+SEQUENCE_PARALLEL_MODELS = ("llama", "qwen3")
+"""The dense models also compared under Ulysses sequence parallel (sp=2, dp=1)."""
 TRAIN = TrainConfig(lr=1e-4, weight_decay=0.1, clip_grad=0.5, micro_batch_size=2, global_batch_size=4)
 
 
@@ -172,6 +174,30 @@ def compare(model_dir: Path, out: Path) -> None:
         (out / f"{model_dir.name}.json").write_text(json.dumps(differences))
 
 
+def compare_sequence_parallel(model_dir: Path, out: Path) -> None:
+    """The same batch at dp=1 with Ulysses over the two ranks (sp=2): the rows' tokens split over
+    the ranks (11 tokens, padded to 12), attention over the whole sequence through the all-to-alls."""
+    policy = FSDP2Policy(model_dir, TRAIN, sp=2)
+    rows = batch(policy.model.config.vocab_size)
+    logp, entropy = policy.forward_logprobs(rows, with_entropy=True)
+    result = policy.train_step(rows, loss_fn)
+    after = {n: p.full_tensor() for n, p in policy.model.named_parameters()}
+    if dist.get_rank() == 0:
+        (expected, expected_entropy), stepped = reference(model_dir, rows)
+        relative = {
+            n: float((after[n] - p).norm() / p.norm().clamp(min=1e-12)) for n, p in stepped.items() if n in after
+        }
+        differences = {
+            "logprobs": float((logp - expected).abs().max()),
+            "entropy": float((entropy - expected_entropy).abs().max()),
+            "grad_norm": abs(result.grad_norm - float(stepped.pop("grad_norm"))),
+            "params_relative": max(relative.values()),
+            "tokens": result.num_tokens,
+            "attention": policy.model.config._attn_implementation,
+        }
+        (out / f"{model_dir.name}_sp2.json").write_text(json.dumps(differences))
+
+
 def lifecycle(model_dir: Path, out: Path) -> None:
     """Checkpoint after a step, resume at dp=2 and at dp=1, stream the weights in buckets, export
     a Hugging Face directory: each against the run that was not interrupted."""
@@ -233,6 +259,8 @@ def main() -> None:
             resume_alone(model_dir, out)
             continue
         compare(model_dir, out)
+        if model_dir.name in SEQUENCE_PARALLEL_MODELS:
+            compare_sequence_parallel(model_dir, out)
         if model_dir.name == LIFECYCLE_MODEL:
             lifecycle(model_dir, out)
     dist.destroy_process_group()

@@ -44,5 +44,15 @@ def test_the_planner_moves_fsdp2_shards_into_sglang_exactly_once_at_the_bound(fa
 def test_moe_families_and_model_parallel_layouts_are_refused_by_name():
     with pytest.raises(ValueError, match="model.family=qwen3_moe: the FSDP2 weight layout of fused MoE experts"):
         fsdp_layout(TINY_MODELS["qwen3_moe"], ParallelLayout(dp=2))
-    with pytest.raises(ValueError, match="FSDP2 shards over data parallel alone"):
+    with pytest.raises(ValueError, match="FSDP2 shards over data and sequence parallel alone"):
         fsdp_layout(TINY_MODELS["llama"], ParallelLayout(tp=2, dp=1))
+
+
+@pytest.mark.claim("fsdp2-ulysses")
+def test_sequence_parallel_ranks_hold_shards_too():
+    """Under Ulysses (``cp``) every rank of the world holds a share of each parameter: dp=1 x
+    cp=2 is laid out as dp=2 is."""
+    model = TINY_MODELS["llama"]
+    ulysses, data = fsdp_layout(model, ParallelLayout(dp=1, cp=2)), fsdp_layout(model, ParallelLayout(dp=2))
+    assert ulysses.num_ranks == 2
+    assert all(ulysses.param_shapes(rank) == data.param_shapes(rank) for rank in range(2))
