@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.fsdp2_step import qwen3_dir  # noqa: E402
 from benchmarks.output import emit  # noqa: E402
 
 SHAPE = dict(  # small weights, so that a long row's activations dominate a rank's memory
@@ -39,16 +40,6 @@ SHAPE = dict(  # small weights, so that a long row's activations dominate a rank
     max_position_embeddings=65536,
     tie_word_embeddings=False,
 )
-
-
-def _model_dir(root: Path) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    path = root / "qwen3"
-    Qwen3ForCausalLM(Qwen3Config(**SHAPE)).save_pretrained(path)
-    return path
 
 
 def _rank(model_dir: Path, seq: int, sp: int, out: Path) -> None:
@@ -92,7 +83,7 @@ def _case(model_dir: Path, seq: int, sp: int, root: Path) -> list[dict]:
 def measure(seq: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="fsdp2_sp_") as tmp:
         root = Path(tmp)
-        model_dir = _model_dir(root)
+        model_dir = qwen3_dir(root, SHAPE)
         one, two = _case(model_dir, seq, 1, root), _case(model_dir, seq, 2, root)
     sp1, sp2 = one[0]["peak_rise_bytes"], max(rank["peak_rise_bytes"] for rank in two)
     return {

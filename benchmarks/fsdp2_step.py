@@ -42,14 +42,19 @@ SHAPE = dict(  # a small dense Qwen3 a CPU steps in about a second
 )
 
 
-def _model_dir(root: Path) -> Path:
+def qwen3_dir(root: Path, shape: dict) -> Path:
+    """A dense Qwen3 of ``shape`` (transformers' config keys) saved as the hub saves one, seeded."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     path = root / "qwen3"
-    Qwen3ForCausalLM(Qwen3Config(**SHAPE)).save_pretrained(path)
+    Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(path)
     return path
+
+
+def _model_dir(root: Path) -> Path:
+    return qwen3_dir(root, SHAPE)
 
 
 def _batch(rows: int, seq: int, index: int):

@@ -17,29 +17,11 @@ import torch
 import torch.distributed as dist
 
 from hfschema.layout import ParallelLayout
-from hfschema.ranks import device, init_default_group
+from hfschema.ranks import device as device  # the backend's own call: the rank's device
+from hfschema.ranks import init_default_group
+from hfschema.trainer import BACKEND_CALLS
 
-__all__ = [
-    "adapter_push",
-    "build_critic",
-    "build_frozen",
-    "build_policy",
-    "build_reward_model",
-    "copy_weights",
-    "data_coords",
-    "device",
-    "export_hf",
-    "init_default_group",
-    "initialize",
-    "layout_groups",
-    "load",
-    "load_pretrained",
-    "load_reward_model",
-    "load_score_body",
-    "named_parameters",
-    "save",
-    "teardown",
-]
+__all__ = list(BACKEND_CALLS)
 
 
 @dataclasses.dataclass(frozen=True)

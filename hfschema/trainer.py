@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the schema itself imports no torch
     import torch
 
 __all__ = [
+    "BACKEND_CALLS",
     "LAST_KEY",
     "SCORE_CHUNK_TOKENS",
     "Batch",
@@ -27,6 +28,30 @@ __all__ = [
     "decays",
     "lr_at",
 ]
+
+BACKEND_CALLS = (
+    "adapter_push",
+    "build_critic",
+    "build_frozen",
+    "build_policy",
+    "build_reward_model",
+    "copy_weights",
+    "data_coords",
+    "device",
+    "export_hf",
+    "init_default_group",
+    "initialize",
+    "layout_groups",
+    "load",
+    "load_pretrained",
+    "load_reward_model",
+    "load_score_body",
+    "named_parameters",
+    "save",
+    "teardown",
+)
+"""What a trainer backend's module defines: the calls ``hybridflow.runtime.trainers.TrainerBackend``
+names (each backend's ``__all__``; ``tests/test_boundaries.py`` holds the three alike)."""
 
 SCORE_CHUNK_TOKENS = 4096
 """Tokens whose logits a backend that scores in chunks (FSDP2) holds at once: 4096 x 150K fp32

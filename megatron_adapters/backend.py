@@ -16,29 +16,10 @@ from typing import Any
 import torch
 
 from hfschema.layout import ParallelLayout
+from hfschema.trainer import BACKEND_CALLS
 from megatron_adapters import parallel
 
-__all__ = [
-    "adapter_push",
-    "build_critic",
-    "build_frozen",
-    "build_policy",
-    "build_reward_model",
-    "copy_weights",
-    "data_coords",
-    "device",
-    "export_hf",
-    "init_default_group",
-    "initialize",
-    "layout_groups",
-    "load",
-    "load_pretrained",
-    "load_reward_model",
-    "load_score_body",
-    "named_parameters",
-    "save",
-    "teardown",
-]
+__all__ = list(BACKEND_CALLS)
 
 
 def device() -> torch.device:

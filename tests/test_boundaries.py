@@ -284,3 +284,20 @@ def test_graph_checks_catch_planted_imports(tmp_path):
         (tmp_path / name).write_text("import os\n")
     edges = package_imports(tmp_path)
     assert find_cycle(edges) == [] and layering_violations(edges) == []
+
+
+@pytest.mark.claim("trainer-seam")
+def test_every_backend_defines_the_calls_the_runtime_makes():
+    """The registry's contract (``TrainerBackend``), the calls each backend exports
+    (``hfschema.trainer.BACKEND_CALLS``) and the functions each backend module defines are one list."""
+    import importlib
+
+    from hfschema.trainer import BACKEND_CALLS
+    from hybridflow.runtime.trainers import TRAINERS, TrainerBackend
+
+    contract = {name for name in vars(TrainerBackend) if not name.startswith("_")}
+    assert contract == set(BACKEND_CALLS)
+    for name, module in TRAINERS.items():
+        backend = importlib.import_module(module)
+        missing = [call for call in BACKEND_CALLS if not callable(getattr(backend, call, None))]
+        assert not missing, f"{name} ({module}) lacks {missing}"

@@ -137,6 +137,23 @@ def _layout_matches(policy: FSDP2Policy, model_dir: Path) -> bool | None:
     return all(shapes == layout.param_shapes(rank) for rank, shapes in enumerate(every))
 
 
+def _against_reference(model_dir: Path, rows, scores, result, after) -> dict:
+    """The policy's log-probs, entropy, step and parameters after it against ``reference``'s."""
+    (expected, expected_entropy), stepped = reference(model_dir, rows)
+    grad_norm = float(stepped.pop("grad_norm"))
+    relative = {n: float((after[n] - p).norm() / p.norm().clamp(min=1e-12)) for n, p in stepped.items() if n in after}
+    differences = {
+        "logprobs": float((scores[0] - expected).abs().max()),
+        "entropy": float((scores[1] - expected_entropy).abs().max()),
+        "grad_norm": abs(result.grad_norm - grad_norm),
+        "params_relative": max(relative.values()),
+        "worst": max(relative, key=relative.get),
+        "names": sorted(after) == sorted(stepped),
+        "tokens": result.num_tokens,
+    }
+    return differences
+
+
 def compare(model_dir: Path, out: Path) -> None:
     said, loader = _Said(), logging.getLogger("fsdp_adapters.model")
     loader.addHandler(said)
@@ -152,20 +169,10 @@ def compare(model_dir: Path, out: Path) -> None:
     held = _storage_bytes(policy)
     after = {n: p.full_tensor() for n, p in policy.model.named_parameters()}
     if dist.get_rank() == 0:
-        (expected, expected_entropy), stepped = reference(model_dir, rows)
-        relative = {
-            n: float((after[n] - p).norm() / p.norm().clamp(min=1e-12)) for n, p in stepped.items() if n in after
-        }
-        differences = {
-            "logprobs": float((logp - expected).abs().max()),
+        differences = _against_reference(model_dir, rows, (logp, entropy), result, after)
+        differences |= {
             "megatron_logprobs": float((logp - megatron_logp).abs().max()),
-            "entropy": float((entropy - expected_entropy).abs().max()),
-            "grad_norm": abs(result.grad_norm - float(stepped.pop("grad_norm"))),
-            "params_relative": max(relative.values()),
-            "worst": max(relative, key=relative.get),
-            "names": sorted(after) == sorted(stepped),
             "loss": result.loss,
-            "tokens": result.num_tokens,
             "tied": policy.model.get_output_embeddings().weight is policy.model.get_input_embeddings().weight,
             "held_share": held,
             "layout_shapes": shards,
@@ -183,18 +190,8 @@ def compare_sequence_parallel(model_dir: Path, out: Path) -> None:
     result = policy.train_step(rows, loss_fn)
     after = {n: p.full_tensor() for n, p in policy.model.named_parameters()}
     if dist.get_rank() == 0:
-        (expected, expected_entropy), stepped = reference(model_dir, rows)
-        relative = {
-            n: float((after[n] - p).norm() / p.norm().clamp(min=1e-12)) for n, p in stepped.items() if n in after
-        }
-        differences = {
-            "logprobs": float((logp - expected).abs().max()),
-            "entropy": float((entropy - expected_entropy).abs().max()),
-            "grad_norm": abs(result.grad_norm - float(stepped.pop("grad_norm"))),
-            "params_relative": max(relative.values()),
-            "tokens": result.num_tokens,
-            "attention": policy.model.config._attn_implementation,
-        }
+        differences = _against_reference(model_dir, rows, (logp, entropy), result, after)
+        differences["attention"] = policy.model.config._attn_implementation
         (out / f"{model_dir.name}_sp2.json").write_text(json.dumps(differences))
 
 
