@@ -90,6 +90,7 @@ def build_policy(cfg, train, pg: Groups, *, model_dir: Path, trainable: bool = T
         seed=cfg.run.seed,
         layout=cfg.actor.parallel,
         sp=cfg.actor.parallel.cp,
+        packing=cfg.packing,
     )
 
 
@@ -109,6 +110,7 @@ def build_frozen(architecture, cfg, layout: ParallelLayout, pg: Groups, *, model
         init="empty",
         layout=layout,
         sp=layout.cp,
+        packing=cfg.packing,
     )
 
 
@@ -127,6 +129,7 @@ def build_critic(cfg, pg: Groups, *, model_dir: Path):
         seed=cfg.run.seed,
         layout=cfg.actor.parallel,
         sp=cfg.actor.parallel.cp,
+        packing=cfg.packing,
     )
 
 

@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from hfschema import packing
+from hfschema.packing import PackingConfig, PackPlan
 from hfschema.ranks import device
 from hfschema.train import TrainConfig
 from hfschema.trainer import Batch, LossFn, StepResult, decays, lr_at
@@ -50,11 +52,16 @@ class _Window:
     def __init__(self, group=None) -> None:
         self.group = group
 
-    def split(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids, positions, labels: the next token of each position, 0 past the row's end)."""
+    def split(
+        self, ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, positions, labels: the next token of each position, 0 past the row's end).
+        ``positions_BT``: a packed row's (restarting at each sample; transformers then confines
+        attention to each sample)."""
         if self.group is not None:
             return shard_sequence(ids_BT, self.group)
-        positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+        if positions_BT is None:
+            positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
         return ids_BT, positions_BT, torch.nn.functional.pad(ids_BT[:, 1:], (0, 1))
 
     def join(self, scores_Bs: torch.Tensor, length: int) -> torch.Tensor:
@@ -72,9 +79,9 @@ class _Scorer(nn.Module):
         super().__init__()
         self.lm, self.chunk_tokens, self.window = lm, chunk_tokens, window
 
-    def forward(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, positions, labels = self.window.split(ids_BT)
-        hidden_BsH = self.lm.get_decoder()(input_ids=ids, position_ids=positions).last_hidden_state
+    def forward(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None):
+        ids, positions, labels = self.window.split(ids_BT, positions_BT)
+        hidden_BsH = self.lm.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         logp_N, entropy_N = chunked_scores(
             hidden_BsH.reshape(-1, hidden_BsH.shape[-1]),
             self.lm.get_output_embeddings().weight,
@@ -105,6 +112,7 @@ class FSDP2Policy:
         seed: int = 0,
         layout=None,
         sp: int = 1,
+        packing: PackingConfig | None = None,
     ) -> None:
         self.train_config = train
         self.sp = sp
@@ -119,6 +127,10 @@ class FSDP2Policy:
         """The role's ``ParallelLayout`` (dp alone) when the runtime built it."""
         self.routing = None
         """No MoE routing replay or router statistics (dense models)."""
+        self.packing = packing if packing is not None and packing.enabled else None
+        """Samples packed into one row per micro-batch (``hfschema.packing``), or None."""
+        if self.packing is not None and sp > 1:
+            raise ValueError("packed rows are not split over sequence-parallel ranks in this version")
         mesh = DeviceMesh.from_group(self.group, device_type=self.device.type)
         window = _Window(_sequence_group(self.group, sp) if sp > 1 else None)
         self.scorer = build_sharded(
@@ -176,6 +188,39 @@ class FSDP2Policy:
         share = rows // size
         return {k: v[rank * share : (rank + 1) * share].to(self.device, non_blocking=True) for k, v in batch.items()}
 
+    def _micros(self, local: Batch, micro_rows: int) -> tuple[list[dict[str, torch.Tensor]], PackPlan | None]:
+        """This rank's micro-batches: ``micro_rows`` rows each, or packed (one row of samples each;
+        with a token budget, as many as the busiest DP rank needs, so every rank runs the same
+        count of FSDP's collectives) and the plan that unpacks them."""
+        if self.packing is None:
+            return self._micro_batches(local, micro_rows), None
+        lengths = packing.sample_lengths(local)
+        budget = self.packing.budget
+        if budget is None:
+            plan = packing.plan_fixed(lengths, micro_rows)
+        else:
+            plan = packing.plan_budget(lengths, budget)
+            count = torch.tensor([len(plan.micro_rows)], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+            plan = packing.plan_budget(lengths, budget, min_micro_batches=int(count))
+        return [packing.pack(local, plan, i, fills={}) for i in range(len(plan.micro_rows))], plan
+
+    def _scores(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scorer's two outputs on a micro-batch; a packed one's are 0 at each sample's first
+        token (its context is another sample), as at position 0 of a row."""
+        if self.packing is None:
+            return self.scorer(micro["input_ids"])
+        first, second = self.scorer(micro["input_ids"], micro[packing.POSITIONS_KEY])
+        keep = ~micro[packing.FIRST_KEY]
+        return first * keep, second * keep
+
+    @staticmethod
+    def _rows(parts: list[torch.Tensor], plan: PackPlan | None, local: Batch) -> torch.Tensor:
+        """Micro-batches' scores as this rank's rows ``[b, T]``."""
+        if plan is None:
+            return torch.cat(parts)
+        return packing.unpack(parts, plan, tuple(local["input_ids"].shape))
+
     @staticmethod
     def _micro_batches(batch: Batch, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
         rows = batch["input_ids"].shape[0]
@@ -208,11 +253,10 @@ class FSDP2Policy:
         if record_routes:
             raise ValueError("routing replay records MoE routes: the FSDP2 backend trains dense models")
         self.scorer.eval()
-        micros = self._micro_batches(
-            self._dp_rows(batch, local_rows), micro_batch_size or self.train_config.micro_batch_size
-        )
-        scored = [self.scorer(micro["input_ids"]) for micro in micros]
-        logp, entropy = torch.cat([s[0] for s in scored]), torch.cat([s[1] for s in scored])
+        local = self._dp_rows(batch, local_rows)
+        micros, plan = self._micros(local, micro_batch_size or self.train_config.micro_batch_size)
+        scored = [self._scores(micro) for micro in micros]
+        logp, entropy = (self._rows([s[i] for s in scored], plan, local) for i in (0, 1))
         if not with_entropy:
             entropy = torch.zeros_like(entropy)
         return tuple((t if local_rows else self._gather_dp(t)).cpu() for t in (logp, entropy))  # type: ignore[return-value]
@@ -226,11 +270,11 @@ class FSDP2Policy:
             raise RuntimeError("this policy was built with trainable=False")
         self.scorer.train()
         self.optimizer.zero_grad(set_to_none=True)
-        micros = self._micro_batches(self._dp_rows(batch, local_rows), self.train_config.micro_batch_size)
+        micros, _ = self._micros(self._dp_rows(batch, local_rows), self.train_config.micro_batch_size)
         reported: dict[str, torch.Tensor] = {}
         for i, micro in enumerate(micros):
             self.scorer.set_requires_gradient_sync(i == len(micros) - 1)  # reduce once, after the last
-            logp, entropy = self.scorer(micro["input_ids"])
+            logp, entropy = self._scores(micro)
             loss_sum, tokens, metrics = loss_fn(logp, entropy, micro)
             loss_sum.backward()
             weight = torch.as_tensor(metrics.pop("weight", tokens)).float()
@@ -341,9 +385,9 @@ class _ValueScorer(nn.Module):
         self.window = window
         self.output_layer = nn.Linear(lm.config.hidden_size, 1, bias=False, device="meta")
 
-    def forward(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, positions, _ = self.window.split(ids_BT)
-        hidden_BsH = self.model(input_ids=ids, position_ids=positions).last_hidden_state
+    def forward(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None):
+        ids, positions, _ = self.window.split(ids_BT, positions_BT)
+        hidden_BsH = self.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         values_BT = self.window.join(self.output_layer(hidden_BsH)[..., 0].float(), ids_BT.shape[1])
         return values_BT, torch.zeros_like(values_BT)
 

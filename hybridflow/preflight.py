@@ -142,7 +142,6 @@ FSDP2_NOT_YET = (
     ("distillation.teacher_path", lambda cfg, spec: bool(cfg.distillation.teacher_path)),
     ("run.mode=rm", lambda cfg, spec: cfg.run.mode == "rm"),
     ("lora.enabled=true", lambda cfg, spec: cfg.lora.enabled),
-    ("packing.enabled=true", lambda cfg, spec: cfg.packing.enabled),
     ("reference.parallel other than actor.parallel", lambda cfg, spec: cfg.reference.parallel != cfg.actor.parallel),
 )
 """What the FSDP2 backend does not train yet, refused by name before any rank starts."""

@@ -60,8 +60,8 @@ def test_what_the_runtime_cannot_run_is_refused_with_the_key_and_the_fix(overrid
             "lora.enabled=true",
         ),
         (
-            ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "packing.enabled=true"],
-            "packing.enabled",
+            ["actor.parallel.ep=1", "model.family=qwen3", "model.num_experts=0", "distillation.teacher_path=/x"],
+            "distillation.teacher_path is not built",
         ),
     ],
 )

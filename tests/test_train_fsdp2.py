@@ -102,10 +102,11 @@ ENGINE_LAYOUTS = {
     "hf_engine": ("rollout.engine=hf", "rollout.tp=1", "rollout.sync_route=full"),
     "two_replicas": ("rollout.num_replicas=2", "rollout.tp=1"),
     "ulysses_sp2": ("actor.parallel.dp=1", "actor.parallel.cp=2"),
+    "packed_budget": ("packing.enabled=true", "packing.max_tokens_per_micro_batch=256"),
 }
 """The layouts beside the quickstart's (FSDP2 dp=2, colocated SGLang tp=2) that FSDP2's shards are
-pushed from and into: the engine's, and the actor under Ulysses sequence parallel (its two ranks
-share each row's tokens and shard the parameters alike)."""
+pushed from and into: the engine's, the actor under Ulysses sequence parallel (its two ranks
+share each row's tokens and shard the parameters alike), and packed to a token budget."""
 
 
 @pytest.mark.slow

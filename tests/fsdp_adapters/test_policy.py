@@ -115,3 +115,16 @@ def test_ulysses_sequence_parallel_scores_and_steps_as_transformers_in_one_proce
     assert seen["logprobs"] <= TOL and seen["entropy"] <= TOL, seen
     assert seen["params_relative"] <= TOL and seen["grad_norm"] <= TOL, seen
     assert seen["tokens"] == 4 * 10 - 4 - 7  # the loss mask's tokens, counted once over the two ranks
+
+
+@pytest.mark.claim("fsdp2-packing")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("packing", ["packed", "budget"])
+def test_packed_micro_batches_score_and_step_as_unpacked_rows(compared: Path, family: str, packing: str) -> None:
+    """A micro-batch's samples in one row (transformers confines attention to each sample from the
+    restarting position ids), or packed to a 12-token budget: what the unpacked rows give."""
+    seen = json.loads((compared / f"{family}_packed.json").read_text())
+    case = seen[packing]
+    assert case["logprobs"] <= TOL and case["entropy"] <= TOL and case["loss"] <= TOL, case
+    assert case["params"] <= TOL and seen["moved"] > 1e-5, seen
+    assert case["tokens"][0] == case["tokens"][1] == 29

@@ -24,7 +24,7 @@ from hfschema.trainer import decays, lr_at
 LIFECYCLE_MODEL = "qwen3"
 """The model whose checkpoint, resume, stream and export are checked (tied embeddings: the harder one)."""
 SEQUENCE_PARALLEL_MODELS = ("llama", "qwen3")
-"""The dense models also compared under Ulysses sequence parallel (sp=2, dp=1)."""
+"""The dense models also compared under Ulysses sequence parallel (sp=2, dp=1), and packed."""
 TRAIN = TrainConfig(lr=1e-4, weight_decay=0.1, clip_grad=0.5, micro_batch_size=2, global_batch_size=4)
 
 
@@ -195,6 +195,45 @@ def compare_sequence_parallel(model_dir: Path, out: Path) -> None:
         (out / f"{model_dir.name}_sp2.json").write_text(json.dumps(differences))
 
 
+def compare_packed(model_dir: Path, out: Path) -> None:
+    """The same rows at dp=2 unpacked, packed (a micro-batch's samples in one row) and packed to a
+    token budget: the same log-probs, entropy, step and parameters after it."""
+    from hfschema.packing import PackingConfig
+
+    seen = {}
+    for name, config in {
+        "unpacked": None,
+        "packed": PackingConfig(enabled=True),
+        "budget": PackingConfig(enabled=True, max_tokens_per_micro_batch=12),
+    }.items():
+        policy = FSDP2Policy(model_dir, TRAIN, packing=config)
+        rows = batch(policy.model.config.vocab_size)
+        logp, entropy = policy.forward_logprobs(rows, with_entropy=True)
+        result = policy.train_step(rows, loss_fn)
+        seen[name] = (logp, entropy, result, {n: p.full_tensor() for n, p in policy.model.named_parameters()})
+    if dist.get_rank() == 0:
+        base = seen.pop("unpacked")
+        marked = rows["loss_mask"].bool()  # packing scores a row up to its last marked token (0 after it)
+        report = {
+            name: {
+                "logprobs": float((logp - base[0])[marked].abs().max()),
+                "entropy": float((entropy - base[1])[marked].abs().max()),
+                "loss": abs(result.loss - base[2].loss),
+                "tokens": [result.num_tokens, base[2].num_tokens],
+                "params": max(float((after[n] - base[3][n]).abs().max()) for n in after),
+            }
+            for name, (logp, entropy, result, after) in seen.items()
+        }
+        report["moved"] = max(float((base[3][n] - p).abs().max()) for n, p in _initial(model_dir).items())
+        (out / f"{model_dir.name}_packed.json").write_text(json.dumps(report))
+
+
+def _initial(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+
+
 def lifecycle(model_dir: Path, out: Path) -> None:
     """Checkpoint after a step, resume at dp=2 and at dp=1, stream the weights in buckets, export
     a Hugging Face directory: each against the run that was not interrupted."""
@@ -258,6 +297,7 @@ def main() -> None:
         compare(model_dir, out)
         if model_dir.name in SEQUENCE_PARALLEL_MODELS:
             compare_sequence_parallel(model_dir, out)
+            compare_packed(model_dir, out)
         if model_dir.name == LIFECYCLE_MODEL:
             lifecycle(model_dir, out)
     dist.destroy_process_group()
