@@ -106,6 +106,16 @@ def test_fsdp2_checkpoints_resume_exactly_also_at_another_dp_and_hand_the_model_
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(seen["export_files"])
 
 
+@pytest.mark.claim("fsdp2-quickstart")
+@pytest.mark.parametrize("state", ["trained", "fresh"])
+def test_an_undone_step_leaves_the_weights_moments_and_schedule_as_they_were(compared: Path, state: str) -> None:
+    """``snapshot`` then ``rollback`` (the undo of an RL step that failed part-way): the step taken
+    again lands exactly where the undone one did, after a step (moments) or before any (none)."""
+    seen = json.loads((compared / "qwen3_lifecycle.json").read_text())[f"rollback_{state}"]
+    assert seen["moved"] > 0 and seen["back_max_abs"] == 0.0 and seen["again_max_abs"] == 0.0, seen
+    assert seen["steps"][0] == seen["steps"][1]
+
+
 @pytest.mark.claim("fsdp2-ulysses")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_ulysses_sequence_parallel_scores_and_steps_as_transformers_in_one_process(compared: Path, family: str) -> None:

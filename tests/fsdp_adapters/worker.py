@@ -254,6 +254,8 @@ def lifecycle(model_dir: Path, out: Path) -> None:
     again = {n: p.full_tensor() for n, p in resumed.model.named_parameters()}
     buckets = list(hf_buckets(resumed, bucket_bytes=4096))
     exported = save_hf_directory(resumed, out / f"{model_dir.name}_hf", source=model_dir)
+    steps = [first.steps, resumed.steps]
+    undone = _rolled_back(resumed, later)  # last: it steps the policy on
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
@@ -262,7 +264,7 @@ def lifecycle(model_dir: Path, out: Path) -> None:
         streamed = [(n, t) for bucket in buckets for n, t in bucket]
         report = {
             "resume_max_abs": max(float((again[n] - after_two[n]).abs().max()) for n in after_two),
-            "steps": [first.steps, resumed.steps],
+            "steps": steps,
             "stream_names": [n for n, _ in streamed] == list(again),
             "stream_max_abs": max(float((t - again[n]).abs().max()) for n, t in streamed),
             "stream_buckets": len(buckets),
@@ -270,9 +272,34 @@ def lifecycle(model_dir: Path, out: Path) -> None:
             "export_max_abs": max(float((loaded[n] - again[n]).abs().max()) for n in again),
             "export_files": sorted(p.name for p in exported.iterdir()),
             "moved": max(float((after_two[n] - after_one[n]).abs().max()) for n in after_one),
+            **undone,
         }
         (out / f"{model_dir.name}_lifecycle.json").write_text(json.dumps(report))
     dist.barrier()
+
+
+def _rolled_back(policy: FSDP2Policy, rows) -> dict:
+    """A step undone (``snapshot`` / ``rollback``, a failed RL step's undo) leaves the weights,
+    the Adam moments and the schedule as they were: the same step taken again lands where the
+    undone one did. Also from a fresh optimizer (no moments yet)."""
+    seen = {}
+    for name, target in (("trained", policy), ("fresh", FSDP2Policy(policy.source, TRAIN))):
+        before = {n: p.full_tensor() for n, p in target.model.named_parameters()}
+        steps, snap = target.steps, target.snapshot()
+        target.train_step(rows, loss_fn)
+        undone = {n: p.full_tensor() for n, p in target.model.named_parameters()}
+        target.rollback(snap)
+        back = {n: p.full_tensor() for n, p in target.model.named_parameters()}
+        back_steps = target.steps
+        target.train_step(rows, loss_fn)
+        again = {n: p.full_tensor() for n, p in target.model.named_parameters()}
+        seen[f"rollback_{name}"] = {
+            "back_max_abs": max(float((back[n] - before[n]).abs().max()) for n in before),
+            "again_max_abs": max(float((again[n] - undone[n]).abs().max()) for n in undone),
+            "moved": max(float((undone[n] - before[n]).abs().max()) for n in before),
+            "steps": [steps, back_steps],
+        }
+    return seen
 
 
 def resume_alone(model_dir: Path, out: Path) -> None:
