@@ -143,6 +143,7 @@ FSDP2_NOT_YET = (
     ("run.mode=rm", lambda cfg, spec: cfg.run.mode == "rm"),
     ("lora.enabled=true", lambda cfg, spec: cfg.lora.enabled),
     ("reference.parallel other than actor.parallel", lambda cfg, spec: cfg.reference.parallel != cfg.actor.parallel),
+    ("reference.offload=true (fsdp2.offload keeps every shard on the host)", lambda cfg, spec: cfg.reference.offload),
 )
 """What the FSDP2 backend does not train yet, refused by name before any rank starts."""
 

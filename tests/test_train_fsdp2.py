@@ -139,3 +139,15 @@ def test_an_fsdp2_run_resumes_under_another_data_parallel_size(fsdp2_run: Path, 
     resumed = _history(out, "step_000020")[10:]
     assert all(h["rollout/logprob_diff_max"] <= 1e-4 for h in resumed), resumed
     assert json.loads((out / "summary.json").read_text())["heldout_reward_after_rl"] >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.claim("fsdp2-quickstart")
+def test_the_fsdp2_reference_starts_as_the_actor_and_holds_its_kl(fsdp2_run: Path, tmp_path: Path) -> None:
+    """GRPO with the KL loss: the frozen FSDP2 reference reads the SFT warm-up's export, so at the
+    first update (one mini-batch) the actor's KL to it is exactly 0; later steps move away from it."""
+    out = seed_from_warm_up(fsdp2_run, tmp_path / "run")
+    kl = ("reference.enabled=true", "algorithm.kl_loss_coef=0.001", "algorithm.mini_batches=1")
+    _ok(_train(out, *kl, "run.steps=3", "run.checkpoint_every=3"))
+    history = _history(out, "step_000003")
+    assert history[0]["actor/kl_loss"] == 0.0 and history[-1]["actor/kl_loss"] > 0.0, history
