@@ -3,7 +3,8 @@ for ``actor.backend: fsdp2``: transformers' own model class for the run's model 
 sharded over the data-parallel ranks, with megatron's optimizer semantics.
 
 What it does not train yet is refused here by name, and before any rank starts by
-``hybridflow.preflight`` (critics, reward models, LoRA, frozen models of another layout).
+``hybridflow.preflight`` (reward models, a distillation teacher, LoRA, frozen models of another
+layout).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ __all__ = list(BACKEND_CALLS)
 
 @dataclasses.dataclass(frozen=True)
 class Groups:
-    """The process groups of an FSDP2 layout: data parallel alone."""
+    """The process group of an FSDP2 layout: every rank (data x sequence parallel)."""
 
     dp: Any
-    """The ranks a model is sharded over (``torch.distributed.ProcessGroup``)."""
+    """The ranks a model is sharded over (``torch.distributed.ProcessGroup``); a policy makes its
+    sequence-parallel subgroups of it."""
 
 
 def _refuse(what: str) -> None:
