@@ -55,14 +55,14 @@ class _Window:
     def split(
         self, ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids, positions, labels: the next token of each position, 0 past the row's end).
-        ``positions_BT``: a packed row's (restarting at each sample; transformers then confines
-        attention to each sample)."""
+        """(ids, positions, labels: the next token of each position that has one; under sequence
+        parallel every position of the slice, 0 past the row's end). ``positions_BT``: a packed
+        row's (restarting at each sample; transformers then confines attention to each sample)."""
         if self.group is not None:
             return shard_sequence(ids_BT, self.group)
         if positions_BT is None:
             positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
-        return ids_BT, positions_BT, torch.nn.functional.pad(ids_BT[:, 1:], (0, 1))
+        return ids_BT, positions_BT, ids_BT[:, 1:]
 
     def join(self, scores_Bs: torch.Tensor, length: int) -> torch.Tensor:
         """Scores of positions 0..T-2 (each scoring the next token) as ``[B, T]``: position ``t``
@@ -82,6 +82,7 @@ class _Scorer(nn.Module):
     def forward(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor | None = None):
         ids, positions, labels = self.window.split(ids_BT, positions_BT)
         hidden_BsH = self.lm.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        hidden_BsH = hidden_BsH[:, : labels.shape[1]]  # the last position scores nothing (no next token)
         logp_N, entropy_N = chunked_scores(
             hidden_BsH.reshape(-1, hidden_BsH.shape[-1]),
             self.lm.get_output_embeddings().weight,
