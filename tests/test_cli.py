@@ -296,8 +296,8 @@ def test_a_layout_fsdp2_does_not_shard_is_refused_by_plan_and_selftest_too(comma
 def test_the_plan_of_an_fsdp2_run_names_the_trainer_that_runs_and_its_memory(capsys):
     assert main(["plan", str(CONFIGS / "quickstart_cpu_fsdp2.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "update_actor on colocated ranks 0-1 (fsdp2 dp=2 (every parameter sharded over it))" in out
-    assert "actor fsdp2 dp=2 (every parameter sharded over it) -> rollout sglang tp=2" in out
+    assert "update_actor on colocated ranks 0-1 (fsdp2 dp=2 (every parameter sharded over 2 ranks))" in out
+    assert "actor fsdp2 dp=2 (every parameter sharded over 2 ranks) -> rollout sglang tp=2" in out
     assert "megatron" not in out and "padded vocab" not in out
     from hybridflow.memory import training_components
 
