@@ -16,7 +16,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 TOP = "scripts|configs|benchmarks|tests|launch|hybridflow|megatron_adapters|reshard|moe|hfschema|docs|\\.ci"
 PATH = re.compile(rf"`((?:{TOP})/[^`\s]*)`")
 """A backticked path in the repository (a metric name such as ``moe/train/*`` is not one)."""
-COMMAND = re.compile(r"(?:^|[\s`(])(?:\.venv/bin/)?hybridflow ((?:convert )?[a-z][a-z-]+)")
+COMMAND = re.compile(r"(?:^|[\s`(])(?:\.venv/bin/)?hybridflow ((?:convert )?[a-z][a-z0-9-]+)")
 
 
 def _slug(heading: str) -> str:
