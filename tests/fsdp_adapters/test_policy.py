@@ -57,9 +57,13 @@ def _hub_dir(root: Path, family: str) -> Path:
 def compared(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp2")
     dirs = [_hub_dir(root, family) for family in FAMILIES]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # a rendezvous of its own on a free port (--standalone), whatever an earlier test left in the environment
+    inherited = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for ranks, mode in ((2, "compare"), (1, "resume_alone")):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(WORKER)]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        command.append(str(WORKER))
         done = subprocess.run(
             [*command, str(root), mode, *map(str, dirs if mode == "compare" else [root / "qwen3"])],
             env=env,
