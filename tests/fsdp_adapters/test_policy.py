@@ -61,11 +61,12 @@ def compared(tmp_path_factory) -> Path:
     inherited = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     env = {k: v for k, v in os.environ.items() if k not in inherited}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for ranks, mode in ((2, "compare"), (1, "resume_alone")):
+    # the comparison with megatron (which installs its CPU workarounds process-wide) in a job of its own
+    for ranks, mode in ((2, "compare"), (2, "fsdp2_only"), (1, "resume_alone")):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
         command.append(str(WORKER))
         done = subprocess.run(
-            [*command, str(root), mode, *map(str, dirs if mode == "compare" else [root / "qwen3"])],
+            [*command, str(root), mode, *map(str, dirs if mode != "resume_alone" else [root / "qwen3"])],
             env=env,
             capture_output=True,
             text=True,
