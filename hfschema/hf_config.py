@@ -13,6 +13,8 @@ compute differently are refused, naming the key, in two tables: ``HF_FIXED`` for
 keys that have no ``ModelConfig`` field (sliding windows, MLP biases, router jitter), and
 ``ModelConfig``'s own ``FAMILY_FIXED`` / ``ROUTER_RULES`` for those that do (they also guard the
 YAML config). An absent key reads as transformers' default for it.
+A ``model_type`` no family maps reads, where the caller allows it (``model.path`` of an FSDP2
+actor), as the ``transformers`` family: the shape keys most decoder configs share (``read_unmapped``).
 The converters themselves live in ``megatron_adapters.convert``; ``hybridflow convert`` calls them.
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from hfschema.families import FAMILIES, ConfigKeys
 from hfschema.layout import ConfigError
-from hfschema.model import ModelConfig, ScoreModelConfig
+from hfschema.model import UNMAPPED_FAMILY, ModelConfig, ScoreModelConfig
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
@@ -38,6 +40,7 @@ __all__ = [
     "is_ignored_tensor",
     "read_hf_config",
     "read_model_config",
+    "read_unmapped",
     "SCORE_SUFFIX",
     "side_files",
 ]
@@ -64,28 +67,70 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
 
 
-def read_model_config(directory: str | Path) -> ModelConfig:
-    """hybridflow's ``ModelConfig`` for the model in ``directory`` (its ``config.json``)."""
+def read_model_config(directory: str | Path, *, unmapped: bool = False) -> ModelConfig:
+    """hybridflow's ``ModelConfig`` for the model in ``directory`` (its ``config.json``).
+    ``unmapped``: a ``model_type`` no family maps reads as the ``transformers`` family (the caller
+    trains it with transformers' own class) instead of being refused."""
     config = read_hf_config(directory)
     where = Path(directory) / "config.json"
     model_type = config.get("model_type")
-    if model_type not in HF_CONFIG_READERS:
-        raise ValueError(
-            f"{where}: model_type={model_type!r} is not supported; supported model types: "
-            f"{', '.join(HF_CONFIG_READERS)}"
-        )
     keys = ConfigKeys(config, where)
+    if model_type not in HF_CONFIG_READERS:
+        if not unmapped or not model_type:
+            raise ValueError(
+                f"{where}: model_type={model_type!r} is not mapped onto megatron-core (mapped: "
+                f"{', '.join(HF_CONFIG_READERS)}); as a policy (model.path) actor.backend=fsdp2 trains it "
+                "with transformers' own class"
+            )
+        return _read(keys, lambda: ModelConfig(family=UNMAPPED_FAMILY, **read_unmapped(keys)))
     for key, value, why in HF_FIXED[model_type]:
         if keys.get(key, value) != value:
             keys.refuse(key, f"{why}; only {key}={value!r} maps")
     kind = ScoreModelConfig if _is_score_model(config, where) else ModelConfig
+    return _read(keys, lambda: kind(family=model_type, **HF_CONFIG_READERS[model_type](keys)))
+
+
+def _read(keys: ConfigKeys, build: Callable[[], ModelConfig]) -> ModelConfig:
+    """``build()``, a missing key or a value ``ModelConfig`` refuses named with the file."""
+    where = keys.where
     try:
-        fields = HF_CONFIG_READERS[model_type](keys)
-        return kind(family=model_type, **fields)
+        return build()
     except KeyError as error:
         raise ValueError(f"{where}: required key {error.args[0]!r} is missing") from None
     except ConfigError as error:  # a value ModelConfig refuses (e.g. FAMILY_FIXED): name the file
         raise ValueError(f"{where}: {error}") from None
+
+
+_UNMAPPED_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""config.json keys by which architectures transformers ships declare routed experts."""
+
+
+def read_unmapped(c: ConfigKeys) -> dict[str, Any]:
+    """``ModelConfig`` fields of a dense decoder no family maps, from the keys transformers' decoder
+    configs share (GPT-2's names too). They size the plan's estimates; the model itself is what
+    transformers' class builds from config.json, so nothing here is refused for differing."""
+    if c.get("is_encoder_decoder", False):
+        c.refuse("is_encoder_decoder", "an encoder-decoder model is not a causal LM a policy samples from")
+    for key in _UNMAPPED_EXPERTS:
+        if c.get(key, 0):
+            c.refuse(key, "routed experts train only in a mapped MoE family (actor.backend=megatron)")
+    hidden = c.get("hidden_size") or c["n_embd"]
+    heads = c.get("num_attention_heads") or c["n_head"]
+    theta = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    return dict(
+        hidden_size=hidden,
+        num_layers=c.get("num_hidden_layers") or c["n_layer"],
+        num_attention_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim", hidden // heads),
+        ffn_hidden_size=c.get("intermediate_size") or c.get("n_inner") or 4 * hidden,
+        vocab_size=c["vocab_size"],
+        max_position_embeddings=c.get("max_position_embeddings") or c["n_positions"],
+        rope_theta=float(theta),
+        norm_eps=c.get("rms_norm_eps", c.get("layer_norm_eps", c.get("layer_norm_epsilon", 1e-6))),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        num_experts=0,
+    )
 
 
 SCORE_SUFFIX = "ForSequenceClassification"

@@ -25,12 +25,22 @@ __all__ = [
     "RopeScalingConfig",
     "RouterRule",
     "ScoreModelConfig",
+    "UNMAPPED_FAMILY",
     "as_score_model",
 ]
 
-MODEL_FAMILIES = tuple(FAMILIES)
+UNMAPPED_FAMILY = "transformers"
+"""The family of an architecture no ``Family`` record maps (a model_type transformers ships that
+megatron_adapters and reshard's tables do not describe): transformers' own class for
+``model.path`` builds it, ``actor.backend=fsdp2`` trains it, its tensors are its weight files'
+(``reshard.families``) and the engines load them whole (``rollout.sync_route=full``)."""
+MODEL_FAMILIES = (*FAMILIES, UNMAPPED_FAMILY)
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.is_moe)
-FAMILY_FIXED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {name: f.fixed for name, f in FAMILIES.items()}
+FAMILY_FIXED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
+    **{name: f.fixed for name, f in FAMILIES.items()},
+    # what megatron would build is moot: transformers' class reads config.json itself
+    UNMAPPED_FAMILY: {"qk_layernorm": ((False,), ""), "attention_bias": ((False,), "")},
+}
 """Per family: the values a field may take because the family's architecture (as Hugging Face,
 SGLang's model class and megatron_adapters build it) fixes them, and why (``Family.fixed``). The
 first value is the one to set; the ``FAMILY_DERIVED`` fields left at None take it."""
@@ -82,7 +92,8 @@ class ModelConfig:
     """Transformer architecture; dense (llama, qwen2, qwen3) or MoE (qwen3_moe, mixtral, deepseek_v3)."""
 
     family: str = "qwen3_moe"
-    """Model family, one of MODEL_FAMILIES; picks the weight mapping and layer spec."""
+    """Model family, one of MODEL_FAMILIES; picks the weight mapping and layer spec. ``transformers``:
+    an architecture no family maps, read from ``model.path`` and trained by ``actor.backend=fsdp2``."""
     hidden_size: int = 64
     """Residual stream width."""
     num_layers: int = 2
@@ -208,6 +219,14 @@ class ModelConfig:
             )
 
     def _check_family(self) -> None:
+        if self.family == UNMAPPED_FAMILY:
+            if self.is_moe or self.is_mla:
+                raise ConfigError(
+                    "{p}family={fam!r} with routed experts or MLA: only dense architectures train without "
+                    "a family mapping; use a mapped MoE family (" + ", ".join(MOE_FAMILIES) + ") with megatron",
+                    fam=self.family,
+                )
+            return
         if FAMILIES[self.family].attention == "mla" and not self.is_mla:
             raise ConfigError(
                 "{p}family={fam!r} uses MLA: set {p}kv_lora_rank, {p}qk_nope_head_dim, "

@@ -35,6 +35,7 @@ __all__ = [
     "has_chat_template",
     "model_source",
     "reward_model_source",
+    "stored_shapes",
     "teacher_source",
     "judge_source",
 ]
@@ -151,11 +152,12 @@ def has_chat_template(files: str | Path) -> bool:
         return False
 
 
-def architecture(source: ModelSource, explicit: Mapping[str, Any]) -> dict[str, Any]:
+def architecture(source: ModelSource, explicit: Mapping[str, Any], *, unmapped: bool = False) -> dict[str, Any]:
     """Every ``ModelConfig`` field of the model at ``source`` (its config.json), after checking
     that the ``model.*`` keys a user set (``explicit``) agree with it: a recipe may restate the
-    shape it expects, never a different one."""
-    model = read_model_config(source.files)
+    shape it expects, never a different one. ``unmapped``: a model_type no family maps reads as the
+    ``transformers`` family (an FSDP2 actor trains transformers' own class)."""
+    model = read_model_config(source.files, unmapped=unmapped)
     where = source.files / "config.json"
     if model.head != "lm":  # a reward model given as the policy: the class of config.json says so
         raise ValueError(
@@ -193,7 +195,7 @@ def reward_model_source(path: str | Path, key: str = "reward_model.path") -> tup
             "`hybridflow train run.mode=rm`)"
         )
     if source.kind == "hf":
-        shape = _stored_shapes(source.weights).get("score.weight")
+        shape = stored_shapes(source.weights).get("score.weight")
         if shape != [1, model.hidden_size]:
             found = "is missing" if shape is None else f"has shape {shape}"
             raise ValueError(
@@ -204,7 +206,7 @@ def reward_model_source(path: str | Path, key: str = "reward_model.path") -> tup
     return source, model
 
 
-def _stored_shapes(directory: Path) -> dict[str, list[int]]:
+def stored_shapes(directory: Path) -> dict[str, list[int]]:
     """Tensor name -> shape, from the safetensors files' headers (nothing else is read)."""
     shapes: dict[str, list[int]] = {}
     for file in sorted(directory.glob("*.safetensors")):

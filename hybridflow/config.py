@@ -32,7 +32,8 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from hfschema.checks import check_choice, check_non_negative, check_positive
 from hfschema.layout import ConfigError, ParallelLayout
 from hfschema.lora import LoRAConfig, check_lora_model
-from hfschema.model import FAMILY_DERIVED, MODEL_FAMILIES, ModelConfig, RopeScalingConfig
+from hfschema.hf_config import read_hf_config
+from hfschema.model import FAMILY_DERIVED, MODEL_FAMILIES, UNMAPPED_FAMILY, ModelConfig, RopeScalingConfig
 from hfschema.packing import PackingConfig
 from hfschema.sglang import SGLangSettings
 from hfschema.train import MoEConfig, TrainConfig
@@ -1205,9 +1206,34 @@ class HybridflowConfig:
                 part.parallel = ParallelLayout(dp=part.gpus)
             if part.parallel is not None and getattr(part, "enabled", True):  # a disabled reference: unused
                 _check_frozen_world(part.parallel, self.actor.parallel, key, own_gpus=getattr(part, "gpus", 0))
+        self._check_unmapped_model()
         self._check_rollout()
         self._check_moe_section()
         check_lora_model(self.lora, self.model, self.actor.parallel)
+
+    def _check_unmapped_model(self) -> None:
+        """An architecture no family maps (``model.family=transformers``) is transformers' class for
+        ``model.path``, which FSDP2 trains and the engines load whole."""
+        if self.model.family != UNMAPPED_FAMILY:
+            return
+        for wrong, fix in (
+            (not self.model.path, "set model.path to its Hugging Face directory (the architecture is its config.json)"),
+            (self.actor.backend != "fsdp2", "set actor.backend=fsdp2 (megatron-core builds mapped families only)"),
+            (
+                self.rollout.sync_route != "full",
+                "set rollout.sync_route=full (the engine's loader splits whole tensors: how its model class "
+                "fuses them is not described for an unmapped architecture)",
+            ),
+        ):
+            if wrong:
+                raise ValueError(f"model.family={UNMAPPED_FAMILY} (model_type {self._model_type()}): {fix}")
+
+    def _model_type(self) -> str:
+        """model.path's config.json model_type, for messages."""
+        try:
+            return str(read_hf_config(os.path.expanduser(self.model.path)).get("model_type"))
+        except (TypeError, ValueError):
+            return "unknown"
 
     def _check_moe_section(self) -> None:
         moe = self.moe
@@ -1407,7 +1433,11 @@ def _read_model_path(merged: DictConfig, sources: list[tuple[str, DictConfig]], 
     explicit = {
         key: model[key] for _, source in sources for key in (source.get("model") or {}) if key not in ("path", "init")
     }
-    values = architecture(model_source(path), {k: v for k, v in explicit.items() if v is not None})
+    values = architecture(
+        model_source(path),
+        {k: v for k, v in explicit.items() if v is not None},
+        unmapped=merged.actor.backend == "fsdp2",
+    )
     for key, value in values.items():
         merged.model[key] = OmegaConf.structured(value) if dataclasses.is_dataclass(value) else value
 

@@ -20,7 +20,9 @@ differs (norms fused into the following linear as ``layer_norm_weight``). Routed
 ``SequentialMLP`` names (``mlp.experts.local_experts.{local}``), ``{local}`` being the expert's
 index on its expert-parallel rank.
 
-Families are looked up by ``ModelConfig.family``; no code branches on a family name.
+Families are looked up by ``ModelConfig.family``; no code branches on a family name. An
+architecture no family maps (``hfschema.model.UNMAPPED_FAMILY``) has the tensors of its weight
+files, each moved whole under its own name (``STORED``): no side slices them.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ from typing import Callable, Optional
 
 from hfschema.families import FAMILIES as REGISTERED
 from hfschema.families import Family
-from hfschema.model import ModelConfig
+from hfschema.model import UNMAPPED_FAMILY, ModelConfig
+from hfschema.model_source import model_source, stored_shapes
 
 __all__ = [
     "CanonicalTensor",
     "FAMILIES",
     "FamilySpec",
     "Placement",
+    "STORED",
     "TensorSpec",
     "canonical_tensors",
     "family_spec",
@@ -586,9 +590,32 @@ def _instances(spec: TensorSpec, model: ModelConfig, dtype: str) -> list[Canonic
     return out
 
 
+STORED = TensorSpec(
+    hf="", shape=lambda m: (), scope="model", megatron=(), sglang=Placement(param="", rule="whole")
+)
+"""The spec of each tensor of an unmapped architecture: whole, under its checkpoint name."""
+
+
+def _stored_tensors(model: ModelConfig, dtype: str) -> tuple[CanonicalTensor, ...]:
+    """The tensors of ``model.path``'s safetensors files (their headers alone are read), as
+    transformers' model names its parameters; a tied LM head is the embedding's, so a copy stored
+    beside it is not one of them."""
+    path = getattr(model, "path", None)  # a ModelSection's; a bare ModelConfig has no weight files
+    if not path:
+        raise ValueError(
+            f"model.family={UNMAPPED_FAMILY}: its tensors are those of model.path's weight files; set model.path"
+        )
+    shapes = stored_shapes(model_source(path).weights)
+    if model.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return tuple(CanonicalTensor(name=n, shape=tuple(s), dtype=dtype, spec=STORED) for n, s in shapes.items())
+
+
 def canonical_tensors(model: ModelConfig, *, dtype: str = "bfloat16") -> tuple[CanonicalTensor, ...]:
     """Every canonical tensor of ``model``, in registry order (model, then per layer kind)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r} is not one of: {', '.join(DTYPE_BYTES)}")
+    if model.family == UNMAPPED_FAMILY:
+        return _stored_tensors(model, dtype)
     specs = [s for s in family_spec(model).tensors if s.when(model)]
     return tuple(t for spec in specs for t in _instances(spec, model, dtype))

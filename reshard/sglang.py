@@ -46,6 +46,7 @@ from typing import Callable
 
 from hfschema.layout import divisors
 from hfschema.model import ModelConfig
+from hfschema.model import UNMAPPED_FAMILY
 from hfschema.sglang import SGLangSettings, pad_vocab
 from reshard.families import CanonicalTensor, Placement, canonical_tensors, family_spec
 from reshard.layouts import LayoutBuilder, TensorLayout
@@ -144,6 +145,8 @@ def _check_experts(model: ModelConfig, s: SGLangSettings) -> None:
 
 def _check_model_class(model: ModelConfig) -> None:
     """Refuse models for which SGLang's model class holds a parameter the plan would not write."""
+    if model.family == UNMAPPED_FAMILY:
+        return  # the full route hands SGLang's own loader the checkpoint's tensors, whatever it builds
     spec = family_spec(model)
     if model.tie_word_embeddings and not spec.tied_head:
         raise ValueError(
@@ -162,7 +165,7 @@ def _check_model_class(model: ModelConfig) -> None:
 def check_settings(model: ModelConfig, s: SGLangSettings) -> None:
     """Raise ValueError (naming the key and the fix) if SGLang cannot shard ``model`` so."""
     _check_model_class(model)
-    if s.enable_dp_attention and not family_spec(model).dp_attention:
+    if s.enable_dp_attention and (model.family == UNMAPPED_FAMILY or not family_spec(model).dp_attention):
         raise ValueError(
             f"sglang.enable_dp_attention=true: SGLang builds {model.family} attention over the "
             f"full tp group; use a family with DP attention (qwen3_moe, deepseek_v3) or turn it off"
@@ -367,6 +370,12 @@ def _slot_maps(model: ModelConfig, s: SGLangSettings) -> tuple[dict, int]:
 def sglang_layout(model: ModelConfig, settings: SGLangSettings, *, dtype: str = "bfloat16") -> TensorLayout:
     """Which box of every canonical tensor each SGLang rank needs, and where it lands."""
     check_settings(model, settings)
+    if model.family == UNMAPPED_FAMILY:
+        raise ValueError(
+            f"model.family={UNMAPPED_FAMILY} (a model_type no family maps): how SGLang's model class fuses and "
+            "splits its tensors is not described, so each engine rank's share cannot be planned; set "
+            "rollout.sync_route=full (whole tensors, which SGLang's own loader splits)"
+        )
     with gc_paused():
         return _build(model, settings, dtype)
 

@@ -114,9 +114,17 @@ tiny dims (``Family.tiny``); the key is transformers' ``model_type``."""
 
 
 def _family(name: str) -> Mapping[str, Any]:
-    if name not in TINY_FAMILIES:
-        raise ValueError(f"model family {name!r} is not one of: {', '.join(TINY_FAMILIES)}")
-    return TINY_FAMILIES[name]
+    """A mapped family's tiny settings; any other transformers ``model_type`` (an architecture only
+    ``actor.backend=fsdp2`` trains) gets the shared tiny dims alone."""
+    if name in TINY_FAMILIES:
+        return TINY_FAMILIES[name]
+    from transformers import CONFIG_MAPPING
+
+    if name not in CONFIG_MAPPING:
+        raise ValueError(
+            f"model family {name!r} is neither one of {', '.join(TINY_FAMILIES)} nor a transformers model_type"
+        )
+    return {}
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -215,15 +223,19 @@ def make_tiny_model_dir(
     seed: int = 0,
     vocab_size: int = 320,
     weights: bool = True,
+    max_shard_size: str | None = None,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random ``family`` model and its tokenizer into ``path``; return the path.
 
-    ``family`` is one of ``TINY_FAMILIES``; ``overrides`` are transformers config values
+    ``family`` is one of ``TINY_FAMILIES`` or any other transformers model_type (the shared tiny
+    dims alone); ``overrides`` are transformers config values
     (``num_hidden_layers=4``, ``tie_word_embeddings=True``, ...). The model's vocabulary is
     ``vocab_size``; the tokenizer's is at most that. The same arguments give the same files.
     ``weights=False`` writes the configs and the tokenizer only (no model is built: any size
     works), for an engine that starts without weights and receives them by push.
+    ``max_shard_size`` (e.g. ``"40KB"``) splits the weights over several files with their index,
+    as the hub ships larger models.
     """
     _family(family)  # an unknown family fails before anything is written
     path = Path(path)
@@ -231,7 +243,8 @@ def make_tiny_model_dir(
     tokenizer = make_tiny_tokenizer(vocab_size)
     token_ids = _token_ids(tokenizer)
     if weights:
-        _build_model(family, token_ids, vocab_size, seed, overrides).save_pretrained(str(path))
+        model = _build_model(family, token_ids, vocab_size, seed, overrides)
+        model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     else:
         from transformers import GenerationConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
