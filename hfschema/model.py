@@ -38,8 +38,7 @@ MODEL_FAMILIES = (*FAMILIES, UNMAPPED_FAMILY)
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.is_moe)
 FAMILY_FIXED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
     **{name: f.fixed for name, f in FAMILIES.items()},
-    # what megatron would build is moot: transformers' class reads config.json itself
-    UNMAPPED_FAMILY: {"qk_layernorm": ((False,), ""), "attention_bias": ((False,), "")},
+    UNMAPPED_FAMILY: {},  # nothing to fix: transformers' class reads config.json itself
 }
 """Per family: the values a field may take because the family's architecture (as Hugging Face,
 SGLang's model class and megatron_adapters build it) fixes them, and why (``Family.fixed``). The
@@ -161,8 +160,8 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):  # as a config.json reader gives it
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
         for key in FAMILY_DERIVED:
-            if getattr(self, key) is None:
-                setattr(self, key, FAMILY_FIXED[self.family][key][0][0])
+            if getattr(self, key) is None:  # an unmapped architecture's are its config.json's affair
+                setattr(self, key, FAMILY_FIXED[self.family].get(key, ((False,),))[0][0])
         check_positive(
             self,
             (

@@ -56,7 +56,14 @@ from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_y
 from hybridflow.host_memory import has_gpu_device, host_memory
 from hybridflow.lowering import ExecutionPlan, lower, trainer_text
 from hybridflow.model_size import count_parameters, format_count
-from hybridflow.preflight import check_separate_nodes, check_slurm_run, check_trainer_backends, more_ranks, preflight
+from hybridflow.preflight import (
+    check_engine_serves,
+    check_separate_nodes,
+    check_slurm_run,
+    check_trainer_backends,
+    more_ranks,
+    preflight,
+)
 from hybridflow.rewards import check_reward
 from hybridflow.sample_files import PICKS
 from launch.multinode import LaunchSpec
@@ -337,7 +344,7 @@ def _weights_line(model) -> str:
 def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
     counts = count_parameters(cfg.model)
     lines = [
-        f"model {cfg.model.family}: {format_count(counts['total'])} parameters "
+        f"model {cfg.model.described}: {format_count(counts['total'])} parameters "
         f"({format_count(counts['active'])} active per token, "
         f"{format_count(counts['embedding'])} embedding)",
         _weights_line(cfg.model),
@@ -355,6 +362,7 @@ def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
 def _plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     check_trainer_backends(cfg)  # a plan of a trainer that does not run would be a claim without proof
+    check_engine_serves(cfg)
     if args.world_size is not None:
         cfg.actor.parallel.check_world_size(args.world_size, prefix="actor.parallel")
     if args.device_memory_gib <= 0:

@@ -30,9 +30,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from hfschema.checks import check_choice, check_non_negative, check_positive
+from hfschema.hf_config import read_hf_config
 from hfschema.layout import ConfigError, ParallelLayout
 from hfschema.lora import LoRAConfig, check_lora_model
-from hfschema.hf_config import read_hf_config
 from hfschema.model import FAMILY_DERIVED, MODEL_FAMILIES, UNMAPPED_FAMILY, ModelConfig, RopeScalingConfig
 from hfschema.packing import PackingConfig
 from hfschema.sglang import SGLangSettings
@@ -131,6 +131,23 @@ class ModelSection(ModelConfig):
     def architecture(self) -> ModelConfig:
         """The architecture alone (what a model directory's config.json describes)."""
         return ModelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)})
+
+    @property
+    def has_tensor_list(self) -> bool:
+        """Whether the tensors are known: a family's table, or an unmapped architecture's weight
+        files at ``path`` (absent while a recipe is planned before its directory exists)."""
+        return self.family != UNMAPPED_FAMILY or (bool(self.path) and os.path.exists(os.path.expanduser(self.path)))
+
+    @property
+    def described(self) -> str:
+        """The family, or for an unmapped architecture its model_type and who builds it."""
+        if self.family != UNMAPPED_FAMILY:
+            return self.family
+        try:
+            model_type = read_hf_config(os.path.expanduser(self.path)).get("model_type")
+        except (TypeError, ValueError):
+            model_type = "unknown"
+        return f"{model_type} (transformers' own class; no family mapping)"
 
     @property
     def pretrained(self) -> bool:
@@ -1226,14 +1243,7 @@ class HybridflowConfig:
             ),
         ):
             if wrong:
-                raise ValueError(f"model.family={UNMAPPED_FAMILY} (model_type {self._model_type()}): {fix}")
-
-    def _model_type(self) -> str:
-        """model.path's config.json model_type, for messages."""
-        try:
-            return str(read_hf_config(os.path.expanduser(self.model.path)).get("model_type"))
-        except (TypeError, ValueError):
-            return "unknown"
+                raise ValueError(f"model.family={UNMAPPED_FAMILY}, {self.model.described}: {fix}")
 
     def _check_moe_section(self) -> None:
         moe = self.moe

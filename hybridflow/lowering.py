@@ -598,6 +598,8 @@ class WeightSync:
 
 def _weight_syncs(cfg: HybridflowConfig, graph: Graph, with_reshard: bool) -> tuple[WeightSync, ...]:
     nodes = [node.name for node in graph.topological_order() if node.op == SYNC_OP]
+    if not cfg.model.has_tensor_list:
+        with_reshard = False  # an unmapped architecture planned before its directory exists
     if not nodes or not with_reshard:
         return tuple(WeightSync(node=name, stats=None) for name in nodes)
     from hybridflow.weight_sync import plan_weight_sync  # here: reshard is the slow import

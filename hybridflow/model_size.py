@@ -6,10 +6,14 @@ All MLPs are SwiGLU (gate, up, down: ``3 * hidden * ffn``). A layer is
 
 followed by the final norm, with the input embedding and (unless tied) the LM head.
 Counts use the tokenizer vocabulary, not megatron's padded one, so they match the
-model cards (Qwen3-235B-A22B, DeepSeek-V3 671B without its MTP module).
+model cards (Qwen3-235B-A22B, DeepSeek-V3 671B without its MTP module). An architecture no
+family maps is counted from its weight files' tensors instead (``reshard.families``).
 """
 
-from hfschema.model import ModelConfig
+import math
+import os
+
+from hfschema.model import UNMAPPED_FAMILY, ModelConfig
 
 __all__ = ["count_parameters", "format_count"]
 
@@ -48,8 +52,20 @@ def _moe_layer(m: ModelConfig) -> tuple[int, int]:
     return total, active
 
 
+def _stored_count(model: ModelConfig) -> dict[str, int]:
+    """A dense model's counts from the tensors of its weight files (``model.path``)."""
+    from reshard.families import canonical_tensors
+
+    total = sum(math.prod(t.shape) for t in canonical_tensors(model))
+    embedding = model.vocab_size * model.hidden_size
+    return {"total": total, "active": total, "embedding": embedding}
+
+
 def count_parameters(model: ModelConfig) -> dict[str, int]:
     """Counts ``total``, ``active`` (per token: top-k + shared experts) and ``embedding``."""
+    path = getattr(model, "path", None)
+    if model.family == UNMAPPED_FAMILY and path and os.path.exists(os.path.expanduser(path)):
+        return _stored_count(model)
     attention = _mla_attention(model) if model.is_mla else _gqa_attention(model)
     per_layer = attention + 2 * model.hidden_size  # plus the two RMSNorms
     num_moe = model.num_layers - model.first_k_dense_layers if model.is_moe else 0

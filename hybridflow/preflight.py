@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from hfschema.hf_config import read_hf_config
 from hfschema.model_source import (
     check_padded_vocab,
     has_chat_template,
@@ -72,6 +73,7 @@ __all__ = [
     "check_async",
     "check_data",
     "check_engine_device",
+    "check_engine_serves",
     "check_model_weights",
     "check_node_gpus",
     "check_packing",
@@ -468,6 +470,30 @@ def check_prompt_lengths(cfg: HybridflowConfig, *, command: str = "train") -> No
                  f"data.max_prompt_length={cfg.data.max_prompt_length} and will be skipped", warning=True)  # fmt: skip
 
 
+def check_engine_serves(cfg: HybridflowConfig) -> None:
+    """SGLang has a model class for ``model.path``'s architecture, where it exists here (an hf
+    engine runs whatever transformers builds, which ``check_transformers_builds`` asks for FSDP2's
+    actor alike)."""
+    from hybridflow.rollout.sglang.served import served_architectures
+
+    path = cfg.model.path
+    if cfg.rollout.engine != "sglang" or cfg.run.mode != "rl" or not path:
+        return
+    if not os.path.exists(os.path.expanduser(path)):
+        return
+    source = model_source(path)
+    classes = read_hf_config(source.files).get("architectures") or []
+    served = served_architectures()
+    if served and classes and not any(name in served for name in classes):
+        from importlib.metadata import version
+
+        raise ValueError(
+            f"model.path={source.files}: SGLang {version('sglang')} has no model class for "
+            f"{', '.join(classes)}, so rollout.engine=sglang cannot generate from it; set rollout.engine=hf "
+            "(transformers' own class generates, rollout.tp=1), or train a model SGLang serves"
+        )
+
+
 def check_transformers_builds(source) -> None:
     """What ``actor.backend=fsdp2`` builds from ``model.path``: transformers' causal-LM class of its
     config.json, sharded per decoder layer (its ``_no_split_modules``), from a Hugging Face directory."""
@@ -508,6 +534,7 @@ def check_model_weights(
     if model.path:
         if must_exist or os.path.exists(os.path.expanduser(model.path)):
             source = model_source(model.path)  # load_config let a missing one plan
+            check_engine_serves(cfg)
             if cfg.actor.backend == "fsdp2":
                 check_transformers_builds(source)
                 return

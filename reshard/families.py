@@ -27,6 +27,7 @@ files, each moved whole under its own name (``STORED``): no side slices them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -590,10 +591,12 @@ def _instances(spec: TensorSpec, model: ModelConfig, dtype: str) -> list[Canonic
     return out
 
 
-STORED = TensorSpec(
-    hf="", shape=lambda m: (), scope="model", megatron=(), sglang=Placement(param="", rule="whole")
-)
+STORED = TensorSpec(hf="", shape=lambda m: (), scope="model", megatron=(), sglang=Placement(param="", rule="whole"))
 """The spec of each tensor of an unmapped architecture: whole, under its checkpoint name."""
+
+
+_RECOMPUTED = ("rotary_emb.inv_freq",)
+"""Buffers older checkpoints store that transformers computes instead (no parameter holds them)."""
 
 
 def _stored_tensors(model: ModelConfig, dtype: str) -> tuple[CanonicalTensor, ...]:
@@ -605,9 +608,15 @@ def _stored_tensors(model: ModelConfig, dtype: str) -> tuple[CanonicalTensor, ..
         raise ValueError(
             f"model.family={UNMAPPED_FAMILY}: its tensors are those of model.path's weight files; set model.path"
         )
+    if not os.path.exists(os.path.expanduser(path)):
+        raise ValueError(
+            f"model.path={path} does not exist here: an unmapped architecture's tensors are its weight files'"
+        )
     shapes = stored_shapes(model_source(path).weights)
     if model.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
+    for name in [n for n in shapes if n.endswith(_RECOMPUTED)]:
+        del shapes[name]
     return tuple(CanonicalTensor(name=n, shape=tuple(s), dtype=dtype, spec=STORED) for n, s in shapes.items())
 
 

@@ -45,8 +45,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hfschema.layout import divisors
-from hfschema.model import ModelConfig
-from hfschema.model import UNMAPPED_FAMILY
+from hfschema.model import UNMAPPED_FAMILY, ModelConfig
 from hfschema.sglang import SGLangSettings, pad_vocab
 from reshard.families import CanonicalTensor, Placement, canonical_tensors, family_spec
 from reshard.layouts import LayoutBuilder, TensorLayout

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model_type", help="transformers' model_type (config.json), e.g. olmo2, llama, qwen3")
     parser.add_argument("out", help="the directory to write (created)")
     parser.add_argument("--seed", type=int, default=0, help="the weights' seed (the same seed, the same files)")
-    parser.add_argument("--max-shard-size", default="100KB", help="largest safetensors file (default 100KB: several files)")
+    parser.add_argument("--max-shard-size", default="100KB", help="largest safetensors file (several files)")
     args = parser.parse_args(argv)
     path = make_tiny_model_dir(args.out, args.model_type, seed=args.seed, max_shard_size=args.max_shard_size)
     print(f"wrote a tiny {args.model_type} model to {path}")

@@ -242,6 +242,7 @@ def test_train_with_r3_on_cpu_exits_2_pointing_to_r2(capsys, tmp_path):
 CPU_RECIPES = {
     "quickstart_cpu",
     "quickstart_cpu_fsdp2",
+    "quickstart_cpu_day0",
     "quickstart_cpu_lora",
     "quickstart_cpu_packed",
     "agentic_cpu",

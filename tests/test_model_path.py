@@ -69,15 +69,16 @@ def test_a_missing_path_plans_with_the_config_keys_but_does_not_train(tmp_path):
         load_config(QUICKSTART, [f"model.path={missing}"], model_path_must_exist=True)
 
 
-def test_an_unsupported_model_type_lists_the_supported_ones(copy_of):
+def test_an_unmapped_model_type_lists_the_mapped_ones_and_names_the_trainer_that_takes_it(copy_of):
     model = copy_of()
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
     with pytest.raises(ValueError) as error:
         load_config(None, [f"model.path={model}"])
     assert str(error.value) == (
-        f"{model}/config.json: model_type='gpt_neox' is not supported; supported model "
-        "types: llama, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v3"
+        f"{model}/config.json: model_type='gpt_neox' is not mapped onto megatron-core (mapped: llama, qwen2, "
+        "qwen3, qwen3_moe, mixtral, deepseek_v3); as a policy (model.path) actor.backend=fsdp2 trains it with "
+        "transformers' own class"
     )
 
 

@@ -63,16 +63,27 @@ def test_a_resumed_fsdp2_run_reproduces_the_uninterrupted_one(fsdp2_run: Path, t
 
 @pytest.mark.claim("fsdp2-quickstart")
 def test_the_fsdp2_checkpoint_converts_and_answers_as_the_engine_did(fsdp2_run: Path, tmp_path: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     actor, out = fsdp2_run / "checkpoints" / "step_000020" / "actor", tmp_path / "hf"
     convert = [sys.executable, "-m", "hybridflow.cli", "convert", "fsdp2-to-hf", "--checkpoint", str(actor)]
     done = subprocess.run([*convert, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    rows = [json.loads(line) for line in (fsdp2_run / "samples" / "heldout_step_000020.jsonl").open()]
+    rows = heldout_rows(fsdp2_run, 20)
+    assert transformers_answers(out, rows) == [row["response"].strip() for row in rows]
+
+
+def heldout_rows(run: Path, step: int) -> list[dict]:
+    """The run's held-out scoring at ``step`` (0: before RL), one row a prompt."""
+    return [json.loads(line) for line in (run / "samples" / f"heldout_step_{step:06d}.jsonl").open()]
+
+
+def transformers_answers(hf_dir: Path, rows: list[dict]) -> list[str]:
+    """transformers' greedy answers (4 tokens, the quickstart's budget) from ``hf_dir`` to the
+    held-out ``rows``' prompts, each under the directory's own chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     answered = []
     for row in rows:
         chat = [{"role": "user", "content": row["prompt"]}]
@@ -81,7 +92,7 @@ def test_the_fsdp2_checkpoint_converts_and_answers_as_the_engine_did(fsdp2_run: 
         assert prompt.shape[1] == row["prompt_tokens"]  # the run's own prompt, token for token
         new = model.generate(prompt, max_new_tokens=4, do_sample=False)[0, prompt.shape[1] :]
         answered.append(tokenizer.decode(new, skip_special_tokens=True).strip())
-    assert answered == [row["response"].strip() for row in rows]
+    return answered
 
 
 @pytest.mark.claim("fsdp2-quickstart")

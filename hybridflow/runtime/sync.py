@@ -227,6 +227,8 @@ class EngineSync:
         this process's ``_Pushed`` (collective)."""
         dest = self._destination()
         sources = self.source_params() if self.source_params is not None else None
+        if sources is not None and not self.pushes:
+            check_source_params(self.sync.source, sources, rank=dist.get_rank())
         buffers = self._buffers(dest)
         report = execute(
             self.plan,
@@ -366,6 +368,21 @@ class EngineSync:
     def destination_ranks(self) -> int:
         """Ranks of the plan's destination (engine ranks for sliced, the driver for full)."""
         return len(self.processes.destination)
+
+
+def check_source_params(layout, sources: dict[str, torch.Tensor], *, rank: int) -> None:
+    """Every parameter the plan reads on this actor rank is one the trainer holds, of its shape
+    (an unmapped architecture's tensors are its weight files' names, which must be transformers'
+    parameter names): one line naming it before the first push reads past it."""
+    for name, shape in layout.param_shapes(rank).items():
+        held = sources.get(name)
+        if held is None or tuple(held.shape) != tuple(shape):
+            found = "no parameter" if held is None else f"a parameter of shape {list(held.shape)}"
+            raise ValueError(
+                f"the weight sync reads {name} {list(shape)} on actor rank {rank}, but the trainer holds {found} of "
+                "that name; the model's tensors (its weight files' for model.family=transformers) must be the "
+                "trainer's parameters: remove a tensor the model does not hold from the weight files"
+            )
 
 
 def drops_weights(cfg: HybridflowConfig, *, gpu: bool) -> bool:
