@@ -54,7 +54,7 @@ from hfschema.hf_config import DEFAULT_BUFFER_BYTES, DEFAULT_SHARD_BYTES
 from hybridflow import __version__, lengths, sample_files
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
 from hybridflow.host_memory import has_gpu_device, host_memory
-from hybridflow.lowering import ExecutionPlan, lower, trainer_text
+from hybridflow.lowering import ExecutionPlan, lower, trainer_line, trainer_text
 from hybridflow.model_size import count_parameters, format_count
 from hybridflow.preflight import (
     check_engine_serves,
@@ -349,11 +349,7 @@ def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
         f"{format_count(counts['embedding'])} embedding)",
         _weights_line(cfg.model),
     ]
-    for name, layout in enabled_roles(cfg).items():
-        if cfg.actor.backend == "fsdp2":
-            lines.append(f"{name}: {trainer_text(cfg, layout)}; transformers' class, vocab {cfg.model.vocab_size}")
-        else:
-            lines.append(f"{name}: {layout.describe()}; padded vocab {layout.padded_vocab_size(cfg.model)}")
+    lines += [trainer_line(cfg, name, layout) for name, layout in enabled_roles(cfg).items()]
     lines.append(f"rollout: {cfg.rollout.describe()}")
     lines.append(f"async_rl: {cfg.async_rl.describe()}")
     return lines + plan.spec.describe() + plan.describe()

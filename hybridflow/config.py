@@ -90,6 +90,9 @@ logger = logging.getLogger(__name__)
 
 ROLE_NAMES = ("actor", "reference", "critic")
 TRAINER_BACKENDS = ("megatron", "fsdp2")
+TRANSFORMERS_TRAINERS = ("fsdp2",)
+"""Trainer backends that build transformers' own class of ``model.path``: they train an
+architecture no family maps (``model.family=transformers``)."""
 """The trainers a role may name (``hybridflow.runtime.trainers`` holds the ones that run)."""
 ROLLOUT_ENGINES = ("sglang", "hf")
 ROLLOUT_PLACEMENTS = ("colocated", "separate")
@@ -1235,7 +1238,10 @@ class HybridflowConfig:
             return
         for wrong, fix in (
             (not self.model.path, "set model.path to its Hugging Face directory (the architecture is its config.json)"),
-            (self.actor.backend != "fsdp2", "set actor.backend=fsdp2 (megatron-core builds mapped families only)"),
+            (
+                self.actor.backend not in TRANSFORMERS_TRAINERS,
+                f"set actor.backend={'|'.join(TRANSFORMERS_TRAINERS)} (megatron-core builds mapped families only)",
+            ),
             (
                 self.rollout.sync_route != "full",
                 "set rollout.sync_route=full (the engine's loader splits whole tensors: how its model class "
@@ -1446,7 +1452,7 @@ def _read_model_path(merged: DictConfig, sources: list[tuple[str, DictConfig]], 
     values = architecture(
         model_source(path),
         {k: v for k, v in explicit.items() if v is not None},
-        unmapped=merged.actor.backend == "fsdp2",
+        unmapped=merged.actor.backend in TRANSFORMERS_TRAINERS,
     )
     for key, value in values.items():
         merged.model[key] = OmegaConf.structured(value) if dataclasses.is_dataclass(value) else value

@@ -21,13 +21,7 @@ import os
 from dataclasses import dataclass
 
 from hybridflow.config import HybridflowConfig, enabled_roles
-from hybridflow.memory import (
-    GIB,
-    TRAIN_PARAM_BYTES,
-    engine_components,
-    training_components,
-)
-from hybridflow.model_size import count_parameters
+from hybridflow.memory import GIB, TRAINER_MEMORY, engine_components, training_components
 
 PROCESS_BYTES = {
     "launcher": int(0.45 * GIB),
@@ -66,10 +60,7 @@ class HostEstimate:
 def _cpu_training(cfg: HybridflowConfig, role: str) -> dict[str, int]:
     """One trainer rank's part for ``role``: its parameters' share of the job, and per token."""
     _, parts = training_components(cfg, role)
-    if cfg.actor.backend == "fsdp2":  # its rank's share of every parameter (the estimate counts fp32 shards)
-        params = -(-count_parameters(cfg.model)["total"] // getattr(cfg, role).parallel.dp)
-    else:
-        params = parts[f"{role} params"] // TRAIN_PARAM_BYTES
+    params = TRAINER_MEMORY[cfg.actor.backend].params_per_rank(cfg, role, parts)
     out = {f"{role} parameters": params * BYTES_PER_RANK_PARAM}
     if f"{role} activations" in parts:
         out[f"{role} activations"] = parts[f"{role} activations"] * CPU_ACTIVATION_SCALE + _score_bytes(cfg, role)

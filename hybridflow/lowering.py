@@ -58,9 +58,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hfschema.model import ModelConfig
 from hybridflow.config import (
@@ -338,10 +339,40 @@ def _reference_source(cfg: HybridflowConfig) -> str:
 
 def trainer_text(cfg: HybridflowConfig, layout) -> str:
     """A role's trainer and layout in a few words: ``megatron tp=.. pp=..`` or ``fsdp2 dp=N``."""
-    if cfg.actor.backend == "fsdp2":
-        sequence = f" sp={layout.cp} (Ulysses)" if layout.cp > 1 else ""
-        return f"fsdp2 dp={layout.dp}{sequence} (every parameter sharded over {layout.world_size} ranks)"
-    return f"megatron {layout.describe()}"
+    return TRAINER_TEXT[cfg.actor.backend].layout(layout)
+
+
+def trainer_line(cfg: HybridflowConfig, role: str, layout) -> str:
+    """``plan``'s summary line of a role: its layout and how its vocabulary is held."""
+    return f"{role}: {TRAINER_TEXT[cfg.actor.backend].summary(cfg, layout)}"
+
+
+def _fsdp2_text(layout) -> str:
+    sequence = f" sp={layout.cp} (Ulysses)" if layout.cp > 1 else ""
+    return f"fsdp2 dp={layout.dp}{sequence} (every parameter sharded over {layout.world_size} ranks)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerText:
+    """How ``plan``, the start line and the logs name a trainer backend's layout."""
+
+    layout: Callable[[Any], str]
+    """A role's layout -> its words in the stages and the start line."""
+    summary: Callable[[HybridflowConfig, Any], str]
+    """(cfg, a role's layout) -> the rest of the role's line in ``plan``'s summary."""
+
+
+TRAINER_TEXT = {
+    "megatron": TrainerText(
+        layout=lambda layout: f"megatron {layout.describe()}",
+        summary=lambda cfg, layout: f"{layout.describe()}; padded vocab {layout.padded_vocab_size(cfg.model)}",
+    ),
+    "fsdp2": TrainerText(
+        layout=_fsdp2_text,
+        summary=lambda cfg, layout: f"{_fsdp2_text(layout)}; transformers' class, vocab {cfg.model.vocab_size}",
+    ),
+}
+"""Each trainer backend's words (``hybridflow.runtime.trainers.TRAINERS`` runs them)."""
 
 
 def frozen_layout_text(cfg: HybridflowConfig, role: str) -> str:

@@ -67,7 +67,7 @@ estimate errs high.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -296,7 +296,7 @@ def _adapter_params(cfg: HybridflowConfig, layout: ParallelLayout, stage: int) -
     return _RankParams(dense, experts)
 
 
-def _fsdp2_training(cfg: HybridflowConfig, role: str) -> dict[str, int]:
+def _fsdp2_training(cfg: HybridflowConfig, role: str, stage: int, full_recompute: bool) -> dict[str, int]:
     """One rank of an FSDP2 role: fp32 shards (1/dp) of the parameters, their gradients and AdamW's
     two moments (the fp32 parameters are the master copy), plus the bf16 copy of the largest unit
     FSDP2 gathers at once (a decoder layer, or the root's embeddings and norm); activations with
@@ -323,8 +323,12 @@ def _fsdp2_training(cfg: HybridflowConfig, role: str) -> dict[str, int]:
 
 
 def _training_stage(cfg: HybridflowConfig, role: str, stage: int, *, full_recompute: bool) -> dict[str, int]:
-    if cfg.actor.backend == "fsdp2":
-        return _fsdp2_training(cfg, role)
+    return TRAINER_MEMORY[cfg.actor.backend].stage(cfg, role, stage, full_recompute)
+
+
+def _megatron_training(cfg: HybridflowConfig, role: str, stage: int, full_recompute: bool) -> dict[str, int]:
+    """One GPU of megatron pipeline stage ``stage`` of ``role``: bf16 parameters, fp32 main grads,
+    the (distributed) optimizer's state, activations and the last stage's logits."""
     layout = getattr(cfg, role).parallel
     rows = _head_rows(cfg, role)
     p = _stage_params(cfg.model, layout, stage, head_rows=rows)
@@ -487,8 +491,10 @@ def _knob(cfg: HybridflowConfig, component: str) -> str | None:
             "weights": "raise rollout.tp / rollout.ep (more ranks per engine)",
             "KV cache": "lower rollout.max_total_tokens",
         }.get(kind)
-    if cfg.actor.backend == "fsdp2" and role in ("actor", "reference"):
-        return _fsdp2_knob(cfg, role, kind)
+    return TRAINER_MEMORY[cfg.actor.backend].knob(cfg, role, kind)
+
+
+def _megatron_knob(cfg: HybridflowConfig, role: str, kind: str) -> str:
     if kind in ("activations", "logits"):
         smaller = "lower train.micro_batch_size, or " if cfg.train.micro_batch_size > 1 else ""
         return f"{smaller}raise {role}.parallel.tp / cp, or shorten data.max_response_length"
@@ -515,6 +521,43 @@ def _optimizer_knob(cfg: HybridflowConfig, role: str) -> str:
         f"add GPUs (raise {role}.parallel.dp): the distributed optimizer already shards the dense state "
         f"over dp*cp={layout.dp * layout.cp} and the experts' over expert_dp={layout.expert_dp}"
     )
+
+
+def _fsdp2_params_per_rank(cfg: HybridflowConfig, role: str, parts: dict[str, int]) -> int:
+    """Its rank's share of every parameter (the estimate's components count fp32 shards)."""
+    return -(-count_parameters(cfg.model)["total"] // getattr(cfg, role).parallel.dp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerMemory:
+    """How a trainer backend (``actor.backend``) holds a role on one GPU: the estimate's
+    registration of each backend, as ``weight_sync.SOURCE_LAYOUTS`` is the sync's."""
+
+    stage: Callable[[HybridflowConfig, str, int, bool], dict[str, int]]
+    """(cfg, role, pipeline stage, full recompute) -> component -> bytes of one GPU."""
+    knob: Callable[[HybridflowConfig, str, str], str]
+    """(cfg, role, component kind) -> the setting that shrinks it."""
+    recomputes: Callable[[HybridflowConfig, bool], bool]
+    """(cfg, the caller's assumption) -> whether the activations are recomputed."""
+    params_per_rank: Callable[[HybridflowConfig, str, dict[str, int]], int]
+    """(cfg, role, its components) -> parameters one rank holds (host memory on a CPU)."""
+
+
+TRAINER_MEMORY = {
+    "megatron": TrainerMemory(
+        stage=_megatron_training,
+        knob=_megatron_knob,
+        recomputes=lambda cfg, assumed: assumed,
+        params_per_rank=lambda cfg, role, parts: parts[f"{role} params"] // TRAIN_PARAM_BYTES,
+    ),
+    "fsdp2": TrainerMemory(
+        stage=_fsdp2_training,
+        knob=_fsdp2_knob,
+        recomputes=lambda cfg, assumed: cfg.fsdp2.activation_checkpointing,
+        params_per_rank=_fsdp2_params_per_rank,
+    ),
+}
+"""Each trainer backend's memory model (``hybridflow.runtime.trainers.TRAINERS`` runs them)."""
 
 
 def pool_memory(
@@ -551,7 +594,7 @@ def pool_memory(
         offloaded.add(f"{role} params")
         notes.append(f"{role}: on the host between uses ({FROZEN_SECTIONS[role]}.offload)")
     if models and "actor" in models:
-        full_recompute = cfg.fsdp2.activation_checkpointing if cfg.actor.backend == "fsdp2" else full_recompute
+        full_recompute = TRAINER_MEMORY[cfg.actor.backend].recomputes(cfg, full_recompute)
         notes.append("activations with full recomputation" if full_recompute else "activations without recomputation")
     phases: dict[str, dict[str, int]] = {}
     if "rollout" in roles:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -135,8 +136,7 @@ def check_trainer_backends(cfg: HybridflowConfig) -> None:
                 f"{role}.backend={name} with actor.backend={cfg.actor.backend}: a run trains every role with "
                 f"one backend in this version; leave {role}.backend unset (it follows the actor)"
             )
-    if cfg.actor.backend == "fsdp2":
-        _check_fsdp2(cfg)
+    TRAINER_CHECKS[cfg.actor.backend].config(cfg)
 
 
 FSDP2_NOT_YET = (
@@ -535,11 +535,7 @@ def check_model_weights(
         if must_exist or os.path.exists(os.path.expanduser(model.path)):
             source = model_source(model.path)  # load_config let a missing one plan
             check_engine_serves(cfg)
-            if cfg.actor.backend == "fsdp2":
-                check_transformers_builds(source)
-                return
-            layout = cfg.actor.parallel
-            check_padded_vocab(source, layout.padded_vocab_size(model), layout.tp)
+            TRAINER_CHECKS[cfg.actor.backend].model(cfg, source)
         else:
             _say(
                 command,
@@ -612,13 +608,43 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
 
 def check_trainer_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
     """What the trainer cannot run on this machine, said before any rank starts."""
+    TRAINER_CHECKS[cfg.actor.backend].device(cfg, on_gpu)
+
+
+def _check_megatron_device(cfg: HybridflowConfig, on_gpu: bool) -> None:
     cp = cfg.actor.parallel.cp
-    if cfg.actor.backend == "megatron" and cp > 1 and not on_gpu:
+    if cp > 1 and not on_gpu:
         raise ValueError(
             f"actor.parallel.cp={cp} with actor.backend=megatron on a machine without a GPU: megatron-core's "
             "context parallel runs in TransformerEngine's attention, on GPUs; on a CPU use actor.backend=fsdp2 "
             "(Ulysses sequence parallel over the same cp ranks) or set actor.parallel.cp=1"
         )
+
+
+def _check_megatron_model(cfg: HybridflowConfig, source) -> None:
+    layout = cfg.actor.parallel
+    check_padded_vocab(source, layout.padded_vocab_size(cfg.model), layout.tp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerChecks:
+    """What a trainer backend refuses before any rank starts: its registration here."""
+
+    config: Callable[[HybridflowConfig], None]
+    """The run's settings the backend does not train (yet)."""
+    model: Callable[[HybridflowConfig, Any], None]
+    """``model.path``'s directory or checkpoint (a ``ModelSource``) as the backend reads it."""
+    device: Callable[[HybridflowConfig, bool], None]
+    """(cfg, whether this machine has a GPU): what the backend runs on GPUs only."""
+
+
+TRAINER_CHECKS = {
+    "megatron": TrainerChecks(config=lambda cfg: None, model=_check_megatron_model, device=_check_megatron_device),
+    "fsdp2": TrainerChecks(
+        config=_check_fsdp2, model=lambda cfg, source: check_transformers_builds(source), device=lambda cfg, gpu: None
+    ),
+}
+"""Each trainer backend's checks (``hybridflow.runtime.trainers.TRAINERS`` runs them)."""
 
 
 def check_output_dir(cfg: HybridflowConfig, *, room: bool = True) -> None:

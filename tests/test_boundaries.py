@@ -301,3 +301,32 @@ def test_every_backend_defines_the_calls_the_runtime_makes():
         backend = importlib.import_module(module)
         missing = [call for call in BACKEND_CALLS if not callable(getattr(backend, call, None))]
         assert not missing, f"{name} ({module}) lacks {missing}"
+
+
+@pytest.mark.claim("trainer-seam")
+def test_every_planning_registration_names_every_trainer_backend():
+    """Planning reaches a backend through its registrations (the runtime through ``TRAINERS``):
+    the sync's source layout, the memory model, the plan's words, the checks before any rank
+    starts, resume's checkpoint files. A backend added to one and forgotten in another fails here;
+    none of those modules compares ``actor.backend`` with a backend's name."""
+    import ast
+
+    from hybridflow.config import TRAINER_BACKENDS
+    from hybridflow.lowering import TRAINER_TEXT
+    from hybridflow.memory import TRAINER_MEMORY
+    from hybridflow.preflight import TRAINER_CHECKS
+    from hybridflow.runtime.state import _MODEL_FILES
+    from hybridflow.runtime.trainers import TRAINERS
+    from hybridflow.weight_sync import SOURCE_LAYOUTS
+
+    for table in (TRAINERS, SOURCE_LAYOUTS, TRAINER_MEMORY, TRAINER_TEXT, TRAINER_CHECKS, _MODEL_FILES):
+        assert list(table) == list(TRAINER_BACKENDS), table
+    branches = []
+    for path in sorted((ROOT / "hybridflow").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(side, ast.Constant) and side.value in TRAINER_BACKENDS
+                for side in (node.left, *node.comparators)
+            ):
+                branches.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert branches == []
