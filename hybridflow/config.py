@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from hfschema.checks import check_choice, check_non_negative, check_positive
+from hfschema.engines import ENGINE_NAMES, ENGINES
 from hfschema.hf_config import read_hf_config
 from hfschema.layout import ConfigError, ParallelLayout
 from hfschema.lora import LoRAConfig, check_lora_model
@@ -94,7 +95,7 @@ TRANSFORMERS_TRAINERS = ("fsdp2",)
 """Trainer backends that build transformers' own class of ``model.path``: they train an
 architecture no family maps (``model.family=transformers``)."""
 """The trainers a role may name (``hybridflow.runtime.trainers`` holds the ones that run)."""
-ROLLOUT_ENGINES = ("sglang", "hf")
+ROLLOUT_ENGINES = ENGINE_NAMES
 ROLLOUT_PLACEMENTS = ("colocated", "separate")
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -508,13 +509,17 @@ class RolloutConfig:
         check_choice("placement", self.placement, ROLLOUT_PLACEMENTS)
         check_choice("dtype", self.dtype, ROLLOUT_DTYPES)
         check_positive(self, ("tp", "ep", "moe_dp", "dp_size", "num_replicas", "gpus_per_node"))
-        if self.engine == "hf":
+        traits = ENGINES[self.engine]
+        if not traits.sharded:
             self._check_unsharded()
-            if self.sync_route != "full":
-                raise ConfigError(
-                    "{p}engine=hf loads whole Hugging Face tensors: set {p}sync_route=full "
-                    "(sliced pushes write SGLang's per-rank parameters)"
-                )
+        if self.sync_route not in traits.routes:
+            raise ConfigError(
+                "{p}engine={e} takes {routes} weight pushes only: set {p}sync_route={route} (sliced pushes "
+                "write each rank's share into an engine that splits its replicas by the reshard plan)",
+                e=self.engine,
+                routes=" / ".join(traits.routes),
+                route=traits.routes[0],
+            )
         try:
             self.sglang_settings()  # the engine's own rules: dp_size | tp, ep * moe_dp | tp
         except ValueError as e:
@@ -527,11 +532,12 @@ class RolloutConfig:
             sharded["enable_dp_attention"] = "true"
         for key, value in sharded.items():
             raise ConfigError(
-                "{p}{key}={value} needs {p}engine=sglang: the transformers engine "
-                "({p}engine='hf') runs each replica unsharded on one device; "
-                "use {p}num_replicas for more engines",
+                "{p}{key}={value} needs {p}engine={sharded}: {p}engine={e} runs each replica unsharded "
+                "on one device; use {p}num_replicas for more engines",
                 key=key,
                 value=value,
+                sharded="|".join(name for name, t in ENGINES.items() if t.sharded),
+                e=self.engine,
             )
 
     @property
@@ -560,12 +566,13 @@ class RolloutConfig:
     def describe(self) -> str:
         """One line, e.g. ``sglang tp=8 ep=8 x8 replicas (64 ranks); colocated, 8 GPUs per node;
         bfloat16``."""
-        engines = (
-            self.sglang_settings().describe()
-            if self.engine == "sglang"
-            else f"hf x{self.num_replicas} replicas ({self.num_ranks} ranks)"
-        )
-        return f"{engines}; {self.placement}, {self.gpus_per_node} GPUs per node; {self.dtype}"
+        return f"{self.engines_text()}; {self.placement}, {self.gpus_per_node} GPUs per node; {self.dtype}"
+
+    def engines_text(self) -> str:
+        """The engines alone: a sharded engine's parallel settings, else ``hf x2 replicas (2 ranks)``."""
+        if ENGINES[self.engine].sharded:
+            return self.sglang_settings().describe()
+        return f"{self.engine} x{self.num_replicas} replicas ({self.num_ranks} ranks)"
 
 
 def _rollout_error(error: ValueError) -> ConfigError:
@@ -1038,7 +1045,7 @@ class JudgeConfig:
     def __post_init__(self) -> None:
         from hybridflow.judge import template_problem
 
-        check_choice("engine", self.engine, ("sglang", "hf"))
+        check_choice("engine", self.engine, ROLLOUT_ENGINES)
         check_choice("dtype", self.dtype, ("bfloat16", "float16", "float32"))
         check_positive(self, ("tp", "max_tokens", "max_total_tokens"))
         check_non_negative(self, ("gpus",))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from hfschema.engines import ENGINES
 from hybridflow.config import HybridflowConfig, enabled_roles
 from hybridflow.memory import GIB, TRAINER_MEMORY, engine_components, training_components
 
@@ -83,12 +84,15 @@ def host_memory(cfg: HybridflowConfig) -> HostEstimate:
     trainers = cfg.actor.parallel.world_size
     replicas = cfg.rollout.num_replicas
     engines = cfg.rollout.tp * replicas  # a scheduler each, colocated or not
+    own = ENGINES[cfg.rollout.engine].start_processes == "schedulers"  # else inside the driver's process
     parts = {
         "launcher": PROCESS_BYTES["launcher"] + (PROCESS_BYTES["launcher tokenizer"] if cfg.model.path else 0),
         "torchrun agent": PROCESS_BYTES["torchrun agent"],
         "rank processes": ranks * PROCESS_BYTES["trainer rank"],
-        "engine processes": engines * PROCESS_BYTES["engine scheduler"]
-        + replicas * PROCESS_BYTES["engine detokenizer"],
+        "engine processes": (
+            engines * PROCESS_BYTES["engine scheduler"] + replicas * PROCESS_BYTES["engine detokenizer"]
+        )
+        * own,
     }
     for role in [r for r in enabled_roles(cfg) if r in ("actor", "reference", "critic")]:
         for name, size in _cpu_training(cfg, role).items():

@@ -452,10 +452,7 @@ class Stage:
 
 def _engine_text(cfg: HybridflowConfig) -> str:
     """The rollout engines in one line, e.g. ``sglang tp=8 ep=8 x8 replicas (64 ranks)``."""
-    rollout = cfg.rollout
-    if rollout.engine == "sglang":
-        return rollout.sglang_settings().describe()
-    return f"{rollout.engine} x{rollout.num_replicas} replicas ({rollout.num_ranks} ranks)"
+    return cfg.rollout.engines_text()
 
 
 def _role_layouts(cfg: HybridflowConfig) -> dict[str, str]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from hfschema.engines import ENGINES, resolve
 from hfschema.hf_config import read_hf_config
 from hfschema.model_source import (
     check_padded_vocab,
@@ -183,10 +184,11 @@ def _check_fsdp2(cfg: HybridflowConfig) -> None:
 
 def _check_adapter_push(cfg: HybridflowConfig) -> None:
     """``lora.push=adapter``: what this version's adapter-only weight sync covers."""
-    if cfg.rollout.engine != "sglang":
+    if not ENGINES[cfg.rollout.engine].adapters:
+        takers = "|".join(name for name, t in ENGINES.items() if t.adapters)
         raise ValueError(
-            f"lora.push=adapter with rollout.engine={cfg.rollout.engine}: adapters are pushed through "
-            "SGLang's LoRA adapter API; set rollout.engine=sglang or lora.push=merged"
+            f"lora.push=adapter with rollout.engine={cfg.rollout.engine}: that engine takes merged weights only "
+            f"(adapters are pushed through SGLang's LoRA adapter API); set rollout.engine={takers} or lora.push=merged"
         )
     expert = [t for t in cfg.lora.target_modules if t in ("experts", "shared_experts")]
     if expert:
@@ -244,11 +246,12 @@ def check_packing(cfg: HybridflowConfig, *, policy_loss: str, loss_agg_mode: str
 
 def _check_separate(cfg: HybridflowConfig) -> None:
     r = cfg.rollout
-    if r.engine != "sglang" or r.sync_route != "sliced":
+    if not ENGINES[r.engine].own_ranks or r.sync_route != "sliced":
+        own = "|".join(name for name, t in ENGINES.items() if t.own_ranks)
         raise ValueError(
             f"rollout.placement=separate with rollout.engine={r.engine} and rollout.sync_route="
             f"{r.sync_route}: engine ranks of their own run SGLang and take sliced pushes; set "
-            "rollout.engine=sglang and rollout.sync_route=sliced (or rollout.placement=colocated)"
+            f"rollout.engine={own} and rollout.sync_route=sliced (or rollout.placement=colocated)"
         )
     if r.tp > r.gpus_per_node:
         raise ValueError(
@@ -471,19 +474,17 @@ def check_prompt_lengths(cfg: HybridflowConfig, *, command: str = "train") -> No
 
 
 def check_engine_serves(cfg: HybridflowConfig) -> None:
-    """SGLang has a model class for ``model.path``'s architecture, where it exists here (an hf
-    engine runs whatever transformers builds, which ``check_transformers_builds`` asks for FSDP2's
-    actor alike)."""
-    from hybridflow.rollout.sglang.served import served_architectures
-
-    path = cfg.model.path
-    if cfg.rollout.engine != "sglang" or cfg.run.mode != "rl" or not path:
+    """The engine has a model class for ``model.path``'s architecture, where it exists here and the
+    engine lists its classes (``EngineTraits.model_classes``: SGLang's; the hf engine runs whatever
+    transformers builds, which ``check_transformers_builds`` asks for FSDP2's actor alike)."""
+    path, listing = cfg.model.path, ENGINES[cfg.rollout.engine].model_classes
+    if listing is None or cfg.run.mode != "rl" or not path:
         return
     if not os.path.exists(os.path.expanduser(path)):
         return
     source = model_source(path)
     classes = read_hf_config(source.files).get("architectures") or []
-    served = served_architectures()
+    served = resolve(listing)()
     if served and classes and not any(name in served for name in classes):
         from importlib.metadata import version
 
@@ -599,7 +600,7 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
     """What the rollout engine refuses on this machine, said before the SFT warm-up instead of
     at the engine's start after it."""
     r = cfg.rollout
-    if r.engine == "sglang" and not on_gpu and r.ep > 1:
+    if not ENGINES[r.engine].cpu_expert_parallel and not on_gpu and r.ep > 1:
         raise ValueError(
             f"rollout.ep={r.ep} on a machine without a GPU: SGLang's CPU engine runs only ep=1 "
             "(its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run on GPUs"

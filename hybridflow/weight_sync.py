@@ -29,10 +29,23 @@ from reshard.sglang import sglang_layout
 from reshard.stats import Bandwidth, PlanStats, plan_stats
 from reshard.topology import Topology
 
-__all__ = ["SOURCE_LAYOUTS", "WeightSyncPlan", "describe_weight_sync", "plan_weight_sync", "weight_sync_topology"]
+__all__ = [
+    "DESTINATION_LAYOUTS",
+    "SOURCE_LAYOUTS",
+    "WeightSyncPlan",
+    "describe_weight_sync",
+    "plan_weight_sync",
+    "weight_sync_topology",
+]
 
 SOURCE_LAYOUTS = {"megatron": megatron_layout, "fsdp2": fsdp_layout}
 """Where each trainer backend (``actor.backend``) holds the actor's weights: the sync's source."""
+
+DESTINATION_LAYOUTS = {
+    "sglang": lambda cfg, dtype: sglang_layout(cfg.model, cfg.rollout.sglang_settings(), dtype=dtype)
+}
+"""Where each engine that takes sliced pushes (``hfschema.engines``) holds the weights on its
+ranks: the sliced route's destination (the full route's is ``reshard.hf.hf_layout``, any engine)."""
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +87,7 @@ def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None) -> Weig
     dtype = cfg.rollout.dtype  # the actor casts to the wire dtype before sending
     source = SOURCE_LAYOUTS[cfg.actor.backend](cfg.model, cfg.actor.parallel, dtype=dtype)
     if route == "sliced":
-        destination = sglang_layout(cfg.model, cfg.rollout.sglang_settings(), dtype=dtype)
+        destination = DESTINATION_LAYOUTS[cfg.rollout.engine](cfg, dtype)
     elif route == "full":
         destination = hf_layout(cfg.model, dtype=dtype)
     else:

@@ -330,3 +330,38 @@ def test_every_planning_registration_names_every_trainer_backend():
             ):
                 branches.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert branches == []
+
+
+@pytest.mark.claim("engine-seam")
+def test_every_engine_registration_names_every_rollout_engine():
+    """An engine is one ``hfschema.engines.ENGINES`` record and one entry in each table that starts
+    or plans it: the factory's module, the rollout and judge starts, the sliced route's layout and
+    payload where it takes that route. Outside ``hybridflow/rollout/`` nothing compares an
+    ``engine`` setting with an engine's name."""
+    import ast
+
+    from hfschema.engines import ENGINES, resolve
+    from hybridflow.config import ROLLOUT_ENGINES
+    from hybridflow.rollout.base import _BUILTIN_MODULES
+    from hybridflow.runtime.frozen import JUDGE_ARGS
+    from hybridflow.runtime.session import ENGINE_STARTS
+    from hybridflow.weight_sync import DESTINATION_LAYOUTS
+
+    names = list(ROLLOUT_ENGINES)
+    for table in (ENGINES, _BUILTIN_MODULES, ENGINE_STARTS, JUDGE_ARGS):
+        assert sorted(table) == sorted(names), table
+    sliced = [name for name, traits in ENGINES.items() if "sliced" in traits.routes]
+    assert sorted(DESTINATION_LAYOUTS) == sorted(sliced)
+    for name in sliced:
+        assert callable(resolve(ENGINES[name].sliced_payload)) and callable(resolve(ENGINES[name].weight_digest))
+    branches = []
+    for path in sorted((ROOT / "hybridflow").rglob("*.py")):
+        if path.is_relative_to(ROOT / "hybridflow" / "rollout"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            sides = (node.left, *node.comparators) if isinstance(node, ast.Compare) else ()
+            if any(isinstance(side, ast.Attribute) and side.attr == "engine" for side in sides) and any(
+                isinstance(side, ast.Constant) and side.value in names for side in sides
+            ):
+                branches.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert branches == []

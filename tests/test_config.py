@@ -334,7 +334,7 @@ def test_hf_rollout_is_unsharded():
     message = _error("rollout.engine=hf")  # the quickstart's tp=2
     assert message.startswith("rollout.tp=2 needs rollout.engine=sglang")
     message = _error("rollout.engine=hf", "rollout.tp=1")  # the quickstart's sliced route
-    assert message.startswith("rollout.engine=hf loads whole Hugging Face tensors: set rollout.sync_route=full")
+    assert message.startswith("rollout.engine=hf takes full weight pushes only: set rollout.sync_route=full")
 
 
 def test_the_gpu_quickstart_loads_and_plans():

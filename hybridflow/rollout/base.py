@@ -22,6 +22,8 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from hfschema.engines import ENGINES
+
 __all__ = [
     "BackgroundGenerator",
     "EngineLost",
@@ -321,7 +323,7 @@ def protocol_methods(protocol: type) -> list[str]:
 _ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 # Built-in engines register when their module is imported; importing on demand keeps sglang
 # (seconds to import, CUDA-minded) out of processes that never start it.
-_BUILTIN_MODULES = {"hf": "hybridflow.rollout.hf_engine", "sglang": "hybridflow.rollout.sglang.engine"}
+_BUILTIN_MODULES = {name: traits.module for name, traits in ENGINES.items()}
 
 
 def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:

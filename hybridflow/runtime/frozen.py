@@ -372,24 +372,26 @@ def start_judge(cfg) -> Judge:
     source, tokenizer, stop_ids = judge_tokens(cfg)
     judge, rank = cfg.judge, int(os.environ.get("RANK", "0"))
     with console.engine_output(cfg.run.output_dir, rank, verbose=cfg.run.verbose), plain_engine_env():
-        if judge.engine == "hf":
-            engine = make_engine(
-                "hf",
-                model_path=str(source.weights),
-                dtype=judge.dtype,
-                seed=cfg.run.seed,
-                device=str(trainer_of(cfg).device()),
-            )
-        else:
-            where = {"base_gpu_id": torch.cuda.current_device()} if torch.cuda.is_available() else {}
-            engine = make_engine(
-                "sglang",
-                model_path=str(source.weights),
-                tp=judge.tp,
-                dtype=judge.dtype,
-                max_total_tokens=judge.max_total_tokens,
-                seed=cfg.run.seed,
-                generate_timeout_s=cfg.rollout.generate_timeout_s,
-                **where,
-            )
+        engine = make_engine(judge.engine, model_path=str(source.weights), **JUDGE_ARGS[judge.engine](cfg))
     return Judge(engine=engine, tokenizer=tokenizer, stop_ids=stop_ids)
+
+
+def _hf_judge_args(cfg) -> dict:
+    return dict(dtype=cfg.judge.dtype, seed=cfg.run.seed, device=str(trainer_of(cfg).device()))
+
+
+def _sglang_judge_args(cfg) -> dict:
+    judge = cfg.judge
+    where = {"base_gpu_id": torch.cuda.current_device()} if torch.cuda.is_available() else {}
+    return dict(
+        tp=judge.tp,
+        dtype=judge.dtype,
+        max_total_tokens=judge.max_total_tokens,
+        seed=cfg.run.seed,
+        generate_timeout_s=cfg.rollout.generate_timeout_s,
+        **where,
+    )
+
+
+JUDGE_ARGS = {"sglang": _sglang_judge_args, "hf": _hf_judge_args}
+"""The judge section mapped onto each engine's factory arguments (``hfschema.engines.ENGINES``)."""

@@ -167,21 +167,31 @@ def plain_engine_env() -> Iterator[None]:
 
 
 def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dist_init_addr: str | None):
+    # the directory has no weights (model_dir.py): every engine starts empty, the first push fills them
+    return ENGINE_STARTS[cfg.rollout.engine](cfg, model_dir, node_rank, dist_init_addr)
+
+
+def _start_hf(cfg: HybridflowConfig, model_dir: Path, node_rank: int, dist_init_addr: str | None):
+    """transformers' engine, in this process, on the driver's device."""
+    from hybridflow.rollout import make_engine
+    from hybridflow.runtime.trainers import trainer_of
+
+    return make_engine(
+        "hf",
+        model_path=str(model_dir),
+        dtype=cfg.rollout.dtype,
+        seed=cfg.run.seed,
+        device=str(trainer_of(cfg).device()),
+        return_routed_experts=cfg.moe.routing_replay == "r3",
+        load_format="dummy",
+    )
+
+
+def _start_sglang(cfg: HybridflowConfig, model_dir: Path, node_rank: int, dist_init_addr: str | None):
+    """SGLang's engine (its schedulers processes of their own, without torchrun's variables), or
+    on node ``node_rank`` > 0 that node's part of an engine spanning nodes."""
     from hybridflow.rollout import make_engine
 
-    # the directory has no weights (model_dir.py): both engines start empty, the first push fills them
-    if cfg.rollout.engine == "hf":  # in this process, on the driver's device
-        from hybridflow.runtime.trainers import trainer_of
-
-        return make_engine(
-            "hf",
-            model_path=str(model_dir),
-            dtype=cfg.rollout.dtype,
-            seed=cfg.run.seed,
-            device=str(trainer_of(cfg).device()),
-            return_routed_experts=cfg.moe.routing_replay == "r3",
-            load_format="dummy",
-        )
     placement = {**engine_parallel_args(cfg), **_node_args(cfg, node_rank, dist_init_addr)}
     with plain_engine_env():
         if node_rank > 0:
@@ -213,6 +223,11 @@ def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dis
             **placement,
             **_adapter_slots(cfg),
         )
+
+
+ENGINE_STARTS = {"sglang": _start_sglang, "hf": _start_hf}
+"""How each rollout engine (``hfschema.engines.ENGINES``) starts for a replica's driver: the
+settings of the run it maps onto its factory's arguments."""
 
 
 def _adapter_slots(cfg: HybridflowConfig) -> dict:

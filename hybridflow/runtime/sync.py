@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from hfschema.engines import ENGINES, resolve
 from hybridflow.config import HybridflowConfig
 from hybridflow.lowering import holds
 from hybridflow.rollout.base import AdapterReceiver, EngineLost, SlicedWeightReceiver, require
@@ -325,9 +326,8 @@ class EngineSync:
         relative difference between what its ranks shared and what its engine now holds; and,
         on a driver whose engine was lost meanwhile, the cause (the collectives still complete:
         the other processes must not wait for it)."""
-        from hybridflow.rollout.sglang.handles import prepare_rank_payload
-        from hybridflow.rollout.sglang.param_report import digest
-
+        traits = ENGINES[self.cfg.rollout.engine]
+        prepare_rank_payload, digest = resolve(traits.sliced_payload), resolve(traits.weight_digest)
         tp = self.cfg.rollout.tp
         # payloads carry the engine-local rank: replica k's rank j is global destination k*tp + j
         payload, kept = prepare_rank_payload(dest % tp, buffers, self.engine_params[dest]) if buffers else (None, [])

@@ -1,0 +1,85 @@
+"""What planning and the checks before any rank starts need of each rollout engine.
+
+One ``EngineTraits`` record per engine name (``rollout.engine``, ``judge.engine``): which weight
+routes it takes, whether a replica spans ranks, whether it runs on ranks of its own, takes LoRA
+adapter pushes, where its model classes are listed. Values only, read without importing the
+engine (SGLang takes seconds to import). How each engine *starts* is registered where the
+runtime starts it (``hybridflow.runtime.session``, ``hybridflow.runtime.frozen``); the factory
+itself with the engine (``hybridflow.rollout.base.register_engine``). A third engine adds a
+record here and an entry in each of those tables; ``tests/test_boundaries.py`` holds them alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ENGINES", "ENGINE_NAMES", "EngineTraits", "resolve"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineTraits:
+    """A rollout engine as the plan and the checks see it."""
+
+    module: str
+    """The module whose import registers the engine's factory (``rollout.base.register_engine``)."""
+    routes: tuple[str, ...]
+    """Weight-sync routes it takes (``rollout.sync_route``): ``sliced`` (each rank the rows it
+    lacks, by the reshard plan) and / or ``full`` (whole Hugging Face tensors on its driver)."""
+    sharded: bool
+    """A replica spans several ranks (tp, ep, DP attention); False: one device each."""
+    own_ranks: bool
+    """Runs on engine ranks of its own (``rollout.placement=separate``)."""
+    adapters: bool
+    """Takes LoRA adapter pushes (``lora.push=adapter``) instead of merged weights."""
+    cpu_expert_parallel: bool
+    """Splits experts over ranks (ep > 1) on a machine without a GPU."""
+    model_classes: str | None
+    """``module:function`` listing the ``architectures`` it builds, read without starting it;
+    None: it builds whatever transformers builds."""
+    start_processes: str
+    """What a replica adds beside the rank's own process: ``schedulers`` (one per rank, and a
+    detokenizer), ``none`` (it runs in the driver's process)."""
+    sliced_payload: str | None = None
+    """With the sliced route: ``module:function`` packing a destination rank's buffers for the
+    engine (``(engine-local rank, buffers, the rank's parameters) -> (payload, kept tensors)``)."""
+    weight_digest: str | None = None
+    """With the sliced route: ``module:function`` digesting a tensor as the engine reports its own
+    (the refit check compares the two)."""
+
+
+ENGINES: dict[str, EngineTraits] = {
+    "sglang": EngineTraits(
+        module="hybridflow.rollout.sglang.engine",
+        routes=("sliced", "full"),
+        sharded=True,
+        own_ranks=True,
+        adapters=True,
+        cpu_expert_parallel=False,  # its torch-native MoE does not handle non-local experts
+        model_classes="hybridflow.rollout.sglang.served:served_architectures",
+        start_processes="schedulers",
+        sliced_payload="hybridflow.rollout.sglang.handles:prepare_rank_payload",
+        weight_digest="hybridflow.rollout.sglang.param_report:digest",
+    ),
+    "hf": EngineTraits(
+        module="hybridflow.rollout.hf_engine",
+        routes=("full",),
+        sharded=False,
+        own_ranks=False,
+        adapters=False,
+        cpu_expert_parallel=False,
+        model_classes=None,
+        start_processes="none",
+    ),
+}
+"""Each rollout engine's traits, by its ``rollout.engine`` name."""
+
+ENGINE_NAMES = tuple(ENGINES)
+"""The engine names a config may choose (``rollout.engine``, ``judge.engine``)."""
+
+
+def resolve(reference: str):
+    """The function a ``module:function`` field names (imported on demand: the engine's module)."""
+    import importlib
+
+    module, function = reference.split(":")
+    return getattr(importlib.import_module(module), function)
