@@ -91,10 +91,10 @@ logger = logging.getLogger(__name__)
 
 ROLE_NAMES = ("actor", "reference", "critic")
 TRAINER_BACKENDS = ("megatron", "fsdp2")
+"""The trainers a role may name (``hybridflow.runtime.trainers`` holds the ones that run)."""
 TRANSFORMERS_TRAINERS = ("fsdp2",)
 """Trainer backends that build transformers' own class of ``model.path``: they train an
 architecture no family maps (``model.family=transformers``)."""
-"""The trainers a role may name (``hybridflow.runtime.trainers`` holds the ones that run)."""
 ROLLOUT_ENGINES = ENGINE_NAMES
 ROLLOUT_PLACEMENTS = ("colocated", "separate")
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
