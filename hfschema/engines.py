@@ -20,6 +20,8 @@ __all__ = ["ENGINES", "ENGINE_NAMES", "EngineTraits", "resolve"]
 class EngineTraits:
     """A rollout engine as the plan and the checks see it."""
 
+    label: str
+    """Its name in messages (``SGLang``)."""
     module: str
     """The module whose import registers the engine's factory (``rollout.base.register_engine``)."""
     routes: tuple[str, ...]
@@ -38,7 +40,11 @@ class EngineTraits:
     None: it builds whatever transformers builds."""
     start_processes: str
     """What a replica adds beside the rank's own process: ``schedulers`` (one per rank, and a
-    detokenizer), ``none`` (it runs in the driver's process)."""
+    detokenizer), ``server`` (one process of its own, under another interpreter), ``none`` (it runs
+    in the driver's process)."""
+    environment: str | None = None
+    """``module:function`` raising a one-line ValueError where the engine cannot start for a config
+    (``(cfg, on_gpu=...)``: not installed, a shape it refuses on this machine); None: nothing to check."""
     sliced_payload: str | None = None
     """With the sliced route: ``module:function`` packing a destination rank's buffers for the
     engine (``(engine-local rank, buffers, the rank's parameters) -> (payload, kept tensors)``)."""
@@ -49,6 +55,7 @@ class EngineTraits:
 
 ENGINES: dict[str, EngineTraits] = {
     "sglang": EngineTraits(
+        label="SGLang",
         module="hybridflow.rollout.sglang.engine",
         routes=("sliced", "full"),
         sharded=True,
@@ -61,6 +68,7 @@ ENGINES: dict[str, EngineTraits] = {
         weight_digest="hybridflow.rollout.sglang.param_report:digest",
     ),
     "hf": EngineTraits(
+        label="transformers",
         module="hybridflow.rollout.hf_engine",
         routes=("full",),
         sharded=False,
@@ -69,6 +77,18 @@ ENGINES: dict[str, EngineTraits] = {
         cpu_expert_parallel=False,
         model_classes=None,
         start_processes="none",
+    ),
+    "vllm": EngineTraits(
+        label="vLLM",
+        module="hybridflow.rollout.vllm.engine",
+        routes=("full",),
+        sharded=False,  # a replica on one device in this version: rollout.num_replicas for more
+        own_ranks=False,
+        adapters=False,
+        cpu_expert_parallel=False,
+        model_classes="hybridflow.rollout.vllm.env:served_architectures",
+        start_processes="server",
+        environment="hybridflow.rollout.vllm.env:check_environment",
     ),
 }
 """Each rollout engine's traits, by its ``rollout.engine`` name."""

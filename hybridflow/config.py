@@ -423,8 +423,9 @@ class RolloutConfig:
     """The inference engines that generate rollouts and receive the actor's weights."""
 
     engine: str = "sglang"
-    """Rollout engine: sglang, or hf (transformers, in the driving process on its device:
-    small runs, and GPU machines without SGLang; needs sync_route=full)."""
+    """Rollout engine: sglang; vllm (a server under vLLM's own environment, ``bash scripts/install.sh
+    --vllm``; one device per replica, needs sync_route=full); or hf (transformers, in the driving
+    process on its device: small runs, and GPU machines without SGLang; needs sync_route=full)."""
     tp: int = 1
     """Ranks per engine (SGLang ``--tp-size``)."""
     ep: int = 1
@@ -1015,7 +1016,8 @@ class JudgeConfig:
     path: Optional[str] = None
     """The judge: a Hugging Face causal LM directory (weights read by the engine); None: no judge."""
     engine: str = "sglang"
-    """sglang, or hf (transformers in the driver's process: small judges, machines without SGLang)."""
+    """sglang; vllm (tp=1, vLLM's own environment); or hf (transformers in the driver's process: small
+    judges, machines without SGLang)."""
     tp: int = 1
     """Tensor-parallel ranks of the judge's engine."""
     gpus: int = 0

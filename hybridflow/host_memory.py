@@ -31,6 +31,7 @@ PROCESS_BYTES = {
     "trainer rank": int(0.55 * GIB),
     "engine scheduler": int(0.45 * GIB),
     "engine detokenizer": int(0.30 * GIB),
+    "engine server": int(1.0 * GIB),
 }
 """An idle process of each kind with what it imports (proportional set size, shared pages split):
 ``launcher tokenizer`` is transformers and the model's tokenizer, which a ``model.path`` run's
@@ -76,6 +77,17 @@ def _score_bytes(cfg: HybridflowConfig, role: str) -> int:
     return SCORE_COPIES * SCORE_BYTES * cfg.train.micro_batch_size * heads * length * length
 
 
+ENGINE_PROCESSES = {
+    "schedulers": lambda ranks, replicas: (
+        ranks * PROCESS_BYTES["engine scheduler"] + replicas * PROCESS_BYTES["engine detokenizer"]
+    ),
+    "server": lambda ranks, replicas: ranks * PROCESS_BYTES["engine server"],
+    "none": lambda ranks, replicas: 0,  # inside the driver's process
+}
+"""Host bytes of the processes an engine starts beside the ranks (``EngineTraits.start_processes``),
+from its ranks and replicas."""
+
+
 def host_memory(cfg: HybridflowConfig) -> HostEstimate:
     """Every process of ``cfg``'s run on one machine: bases, trainer state, engines."""
     from hybridflow.preflight import process_count
@@ -84,15 +96,11 @@ def host_memory(cfg: HybridflowConfig) -> HostEstimate:
     trainers = cfg.actor.parallel.world_size
     replicas = cfg.rollout.num_replicas
     engines = cfg.rollout.tp * replicas  # a scheduler each, colocated or not
-    own = ENGINES[cfg.rollout.engine].start_processes == "schedulers"  # else inside the driver's process
     parts = {
         "launcher": PROCESS_BYTES["launcher"] + (PROCESS_BYTES["launcher tokenizer"] if cfg.model.path else 0),
         "torchrun agent": PROCESS_BYTES["torchrun agent"],
         "rank processes": ranks * PROCESS_BYTES["trainer rank"],
-        "engine processes": (
-            engines * PROCESS_BYTES["engine scheduler"] + replicas * PROCESS_BYTES["engine detokenizer"]
-        )
-        * own,
+        "engine processes": ENGINE_PROCESSES[ENGINES[cfg.rollout.engine].start_processes](engines, replicas),
     }
     for role in [r for r in enabled_roles(cfg) if r in ("actor", "reference", "critic")]:
         for name, size in _cpu_training(cfg, role).items():

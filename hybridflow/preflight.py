@@ -486,12 +486,12 @@ def check_engine_serves(cfg: HybridflowConfig) -> None:
     classes = read_hf_config(source.files).get("architectures") or []
     served = resolve(listing)()
     if served and classes and not any(name in served for name in classes):
-        from importlib.metadata import version
-
+        engine = cfg.rollout.engine
+        others = "|".join(name for name, t in ENGINES.items() if t.model_classes is None)
         raise ValueError(
-            f"model.path={source.files}: SGLang {version('sglang')} has no model class for "
-            f"{', '.join(classes)}, so rollout.engine=sglang cannot generate from it; set rollout.engine=hf "
-            "(transformers' own class generates, rollout.tp=1), or train a model SGLang serves"
+            f"model.path={source.files}: the installed {ENGINES[engine].label} has no model class for "
+            f"{', '.join(classes)}, so rollout.engine={engine} cannot generate from it; set rollout.engine={others} "
+            f"(transformers' own class generates, rollout.tp=1), or train a model {ENGINES[engine].label} serves"
         )
 
 
@@ -600,6 +600,13 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
     """What the rollout engine refuses on this machine, said before the SFT warm-up instead of
     at the engine's start after it."""
     r = cfg.rollout
+    # (setting, engine, model): the judge's model is read at its start, its shape unchecked here
+    engines = [(f"rollout.engine={r.engine}", r.engine, cfg.model)]
+    if cfg.judge.path:
+        engines.append((f"judge.engine={cfg.judge.engine}", cfg.judge.engine, None))
+    for setting, name, model in engines:
+        if ENGINES[name].environment is not None:
+            resolve(ENGINES[name].environment)(model, on_gpu=on_gpu, setting=setting)
     if not ENGINES[r.engine].cpu_expert_parallel and not on_gpu and r.ep > 1:
         raise ValueError(
             f"rollout.ep={r.ep} on a machine without a GPU: SGLang's CPU engine runs only ep=1 "

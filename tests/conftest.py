@@ -25,6 +25,14 @@ marked ``slurm`` that skips (Slurm missing, or any later skip condition) is repo
 so CI cannot go green without having submitted a job."""
 
 
+REQUIRE_VLLM_ENV = "HYBRIDFLOW_REQUIRE_VLLM"
+"""Set to 1 by ``.ci/run``, which installs vLLM's venv (``scripts/install.sh --vllm``): a test marked
+``vllm`` that skips (vLLM missing) is then reported as failed."""
+
+REQUIRED = {"slurm": (REQUIRE_SLURM_ENV, "a Slurm cluster is up"), "vllm": (REQUIRE_VLLM_ENV, "vLLM is installed")}
+"""The markers whose skips fail the test where their variable is 1, and what the variable says."""
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
     """Where this session collected every test file (the README's test command, CI), every test's
@@ -48,10 +56,13 @@ def pytest_collection_finish(session):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and item.get_closest_marker("slurm") and os.environ.get(REQUIRE_SLURM_ENV) == "1":
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        report.outcome = "failed"
-        report.longrepr = f"{REQUIRE_SLURM_ENV}=1 says a Slurm cluster is up, but this test skipped: {reason}"
+    if not report.skipped:
+        return
+    for marker, (variable, says) in REQUIRED.items():
+        if item.get_closest_marker(marker) and os.environ.get(variable) == "1":
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            report.outcome = "failed"
+            report.longrepr = f"{variable}=1 says {says}, but this test skipped: {reason}"
 
 
 @pytest.fixture(scope="session")

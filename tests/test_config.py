@@ -305,7 +305,7 @@ def test_rollout_ep_must_divide_experts():
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("rollout.engine=vllm", "rollout.engine='vllm' is not one of: sglang, hf"),
+        ("rollout.engine=trtllm", "rollout.engine='trtllm' is not one of: sglang, hf, vllm"),
         ("rollout.placement=remote", "rollout.placement='remote' is not one of: colocated, separate"),
         ("rollout.dtype=int8", "rollout.dtype='int8' is not one of: bfloat16, float16, float32"),
         ("rollout.num_replicas=0", "rollout.num_replicas=0 must be > 0"),

@@ -393,5 +393,16 @@ def _sglang_judge_args(cfg) -> dict:
     )
 
 
-JUDGE_ARGS = {"sglang": _sglang_judge_args, "hf": _hf_judge_args}
+def _vllm_judge_args(cfg) -> dict:
+    # its KV cache is vLLM's engine default (1 GiB); judge.max_total_tokens sizes SGLang's alone
+    return dict(
+        dtype=cfg.judge.dtype,
+        seed=cfg.run.seed,
+        log_dir=str(Path(cfg.run.output_dir) / "logs"),
+        generate_timeout_s=cfg.rollout.generate_timeout_s,
+        device=str(trainer_of(cfg).device()),
+    )
+
+
+JUDGE_ARGS = {"sglang": _sglang_judge_args, "hf": _hf_judge_args, "vllm": _vllm_judge_args}
 """The judge section mapped onto each engine's factory arguments (``hfschema.engines.ENGINES``)."""

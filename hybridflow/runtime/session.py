@@ -225,7 +225,28 @@ def _start_sglang(cfg: HybridflowConfig, model_dir: Path, node_rank: int, dist_i
         )
 
 
-ENGINE_STARTS = {"sglang": _start_sglang, "hf": _start_hf}
+def _start_vllm(cfg: HybridflowConfig, model_dir: Path, node_rank: int, dist_init_addr: str | None):
+    """vLLM's engine: a server process under vLLM's own interpreter (``rollout/vllm``), its KV cache
+    sized as the plan counts it, its log in the run's ``logs/``."""
+    from hybridflow.memory import kv_bytes_per_token
+    from hybridflow.rollout import make_engine
+    from hybridflow.runtime.trainers import trainer_of
+
+    return make_engine(
+        "vllm",
+        model_path=str(model_dir),
+        dtype=cfg.rollout.dtype,
+        seed=cfg.run.seed,
+        # a trajectory's whole context (multi-turn ones too), within what the KV cache holds
+        max_context=min(cfg.model.max_position_embeddings, cfg.rollout.max_total_tokens),
+        kv_cache_bytes=cfg.rollout.max_total_tokens * kv_bytes_per_token(cfg),
+        log_dir=str(Path(cfg.run.output_dir) / "logs"),
+        generate_timeout_s=cfg.rollout.generate_timeout_s,
+        device=str(trainer_of(cfg).device()),
+    )
+
+
+ENGINE_STARTS = {"sglang": _start_sglang, "hf": _start_hf, "vllm": _start_vllm}
 """How each rollout engine (``hfschema.engines.ENGINES``) starts for a replica's driver: the
 settings of the run it maps onto its factory's arguments."""
 

@@ -39,9 +39,9 @@ def test_sampling_params_accept_edges():
 
 @pytest.mark.claim("engine-registry")
 def test_unknown_engine_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"unknown rollout engine 'vllm'; registered engines: hf, sglang"):
-        make_engine("vllm")
-    assert {"hf", "sglang"} <= set(engine_names())
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'trtllm'; registered engines: hf, sglang, vllm"):
+        make_engine("trtllm")
+    assert {"hf", "sglang", "vllm"} <= set(engine_names())
 
 
 def test_register_engine_adds_a_name_once(monkeypatch):

@@ -1,0 +1,175 @@
+"""vLLM's side of the vLLM engine: one process under the vLLM environment's own interpreter.
+
+```
+hybridflow (the trainer's venv)                    this script (.venv-vllm: vLLM, its own torch)
+VLLMEngine ── Listener(unix socket, authkey) ◄──── Client: {"ready": {...}} once vLLM has started
+           ── {"op": "generate", ...}        ────► LLM.generate(TokensPrompt, SamplingParams(logprobs=0))
+           ◄─ {"ok": [[tokens, logprobs, finish] per sample] per prompt}
+           ── {"op": "load", "path": ...}    ────► safetensors mapped from shared memory ─► reload_weights
+           ── {"op": "sleep" | "wake", ...}  ────► LLM.sleep / wake_up (GPU; no-op on a CPU)
+           ── {"op": "shutdown"}             ────► exit
+```
+
+Messages are dicts of plain Python values (pickled by ``multiprocessing.connection``), so the two
+sides need not share a torch or a Python minor version; tensors never travel on the socket. It
+imports nothing of hybridflow: the trainer's packages are not installed in this environment.
+A failed request answers ``{"error": "<Type>: <message>"}`` with the traceback on stderr; the
+engine stays up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", required=True, help="the trainer side's unix socket")
+    parser.add_argument("--model", required=True, help="the model directory (config and tokenizer)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--max-model-len", type=int, required=True)
+    parser.add_argument("--kv-cache-bytes", type=int, required=True)
+    parser.add_argument("--load-format", default="dummy")
+    return parser.parse_args(argv)
+
+
+def _start(args: argparse.Namespace):
+    """vLLM's offline engine, its core in this process (one process to watch and to stop)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    options = {}
+    if on_gpu:
+        options.update(enable_sleep_mode=True, kv_cache_memory_bytes=args.kv_cache_bytes)
+    else:
+        # the CPU build sizes its KV cache from this variable alone (whole GiB, at least one)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-args.kv_cache_bytes // 2**30)))
+        # the trainer's ranks share these cores: vLLM pinning its threads would starve them
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        tensor_parallel_size=args.tp,
+        max_model_len=args.max_model_len,
+        load_format=args.load_format,
+        enforce_eager=not on_gpu,
+        **options,
+    )
+    return llm, on_gpu
+
+
+def _generate(llm, request: dict) -> list:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in request["prompts"]]
+    seeds = request["seeds"]  # one per prompt; vLLM gives sample i of a prompt seed + i
+    params = [
+        SamplingParams(
+            n=request["n"],
+            temperature=request["temperature"],
+            top_p=request["top_p"],
+            top_k=request["top_k"],
+            max_tokens=request["max_tokens"],
+            stop_token_ids=list(request["stop_token_ids"]),
+            seed=seed,
+            logprobs=0,  # the sampled token's own log-prob (raw logits: vLLM's default logprobs_mode)
+            ignore_eos=False,
+            skip_special_tokens=False,
+            detokenize=False,
+        )
+        for seed in seeds
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        [
+            (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.finish_reason)
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        for out in outputs
+    ]
+
+
+def _load(llm, request: dict) -> dict:
+    """Every worker reloads the checkpoint-named tensors of the file (vLLM's own loaders slice
+    and fuse them, and its CPU kernels repack), then cached prefixes are dropped."""
+    path = request["path"]
+    started = time.perf_counter()
+
+    def reload(worker, path=path):
+        import torch
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as tensors:  # mapped: no copy out of shared memory
+            weights = ((name, tensors.get_tensor(name)) for name in tensors.keys())
+            worker.model_runner.reload_weights(weights_iterator=weights)
+        if not torch.cuda.is_available():
+            from cpu_moe_repack import repack_moe_experts  # beside this script (sys.path[0])
+
+            repack_moe_experts(worker.model_runner.get_model())
+        return True
+
+    llm.collective_rpc(reload)
+    llm.reset_prefix_cache()
+    return {"seconds": time.perf_counter() - started}
+
+
+def _serve(llm, on_gpu: bool, conn) -> None:
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:  # the trainer side is gone
+            return
+        op = request.get("op")
+        try:
+            if op == "generate":
+                reply = {"ok": _generate(llm, request)}
+            elif op == "load":
+                reply = {"ok": _load(llm, request)}
+            elif op == "flush":
+                reply = {"ok": bool(llm.reset_prefix_cache())}
+            elif op == "sleep":
+                if on_gpu:
+                    llm.sleep(level=2 if "weights" in request["tags"] else 1)
+                reply = {"ok": on_gpu}
+            elif op == "wake":
+                if on_gpu:
+                    llm.wake_up(tags=[t for t in request["tags"] if t in ("weights", "kv_cache")])
+                reply = {"ok": on_gpu}
+            elif op == "shutdown":
+                conn.send({"ok": True})
+                return
+            else:
+                reply = {"error": f"ValueError: unknown request {op!r}"}
+        except Exception as error:  # the engine stays up; the trainer side raises with this line
+            traceback.print_exc(file=sys.stderr)
+            reply = {"error": f"{type(error).__name__}: {error}"}
+        conn.send(reply)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from multiprocessing.connection import Client
+
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    authkey = bytes.fromhex(os.environ.pop("HYBRIDFLOW_VLLM_AUTHKEY"))
+    started = time.perf_counter()
+    llm, on_gpu = _start(args)
+    import vllm
+
+    conn = Client(args.socket, family="AF_UNIX", authkey=authkey)
+    conn.send({"ready": {"vllm": vllm.__version__, "seconds": time.perf_counter() - started, "gpu": on_gpu}})
+    _serve(llm, on_gpu, conn)
+    conn.close()
+
+
+if __name__ == "__main__":  # vLLM spawns its workers: the module must not start an engine on import
+    main()
