@@ -100,11 +100,11 @@ def check_runtime_support(cfg: HybridflowConfig) -> None:
             "critic.parallel differs from actor.parallel: the runtime builds the critic on the "
             "actor's ranks under the actor's layout; set critic.parallel=${actor.parallel}"
         )
-    if cfg.rollout.num_replicas != 1 and cfg.rollout.sync_route == "full":
+    if cfg.rollout.num_replicas != 1 and cfg.rollout.sync_route == "full" and cfg.rollout.tp != 1:
         raise ValueError(
-            f"rollout.num_replicas={cfg.rollout.num_replicas} with rollout.sync_route=full: the full "
-            "route gathers whole tensors on one driver in this version; set rollout.sync_route=sliced "
-            "(SGLang) or rollout.num_replicas=1"
+            f"rollout.num_replicas={cfg.rollout.num_replicas} with rollout.sync_route=full and rollout.tp="
+            f"{cfg.rollout.tp}: the full route gathers whole tensors on each replica's driver, one rank per "
+            "replica in this version; set rollout.sync_route=sliced, rollout.tp=1 or rollout.num_replicas=1"
         )
     tp, per_node = cfg.rollout.tp, cfg.rollout.gpus_per_node
     if tp > per_node and tp % per_node:
@@ -246,12 +246,11 @@ def check_packing(cfg: HybridflowConfig, *, policy_loss: str, loss_agg_mode: str
 
 def _check_separate(cfg: HybridflowConfig) -> None:
     r = cfg.rollout
-    if not ENGINES[r.engine].own_ranks or r.sync_route != "sliced":
+    if not ENGINES[r.engine].own_ranks:
         own = "|".join(name for name, t in ENGINES.items() if t.own_ranks)
         raise ValueError(
-            f"rollout.placement=separate with rollout.engine={r.engine} and rollout.sync_route="
-            f"{r.sync_route}: engine ranks of their own run SGLang and take sliced pushes; set "
-            f"rollout.engine={own} and rollout.sync_route=sliced (or rollout.placement=colocated)"
+            f"rollout.placement=separate with rollout.engine={r.engine}: it runs in the driving process, "
+            f"not on engine ranks of its own; set rollout.engine={own} (or rollout.placement=colocated)"
         )
     if r.tp > r.gpus_per_node:
         raise ValueError(

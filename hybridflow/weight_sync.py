@@ -89,7 +89,7 @@ def plan_weight_sync(cfg: HybridflowConfig, *, route: str | None = None) -> Weig
     if route == "sliced":
         destination = DESTINATION_LAYOUTS[cfg.rollout.engine](cfg, dtype)
     elif route == "full":
-        destination = hf_layout(cfg.model, dtype=dtype)
+        destination = hf_layout(cfg.model, dtype=dtype, copies=cfg.rollout.num_replicas)
     else:
         raise ValueError(f"weight sync route={route!r}: choose sliced or full")
     plan = plan_reshard(source, destination, weight_sync_topology(cfg, num_destination=destination.num_ranks))

@@ -15,11 +15,16 @@ from reshard.regions import full_region
 __all__ = ["hf_layout"]
 
 
-def hf_layout(model: ModelConfig, *, dtype: str = "bfloat16") -> TensorLayout:
-    """One rank (rank 0) holding every canonical tensor of ``model`` whole."""
+def hf_layout(model: ModelConfig, *, dtype: str = "bfloat16", copies: int = 1) -> TensorLayout:
+    """``copies`` ranks (0 .. copies-1: one driver per unsharded engine replica) each holding every
+    canonical tensor of ``model`` whole."""
     tensors = canonical_tensors(model, dtype=dtype)
     builder = LayoutBuilder(tensors)
+    ranks = tuple(range(copies))
     for t in tensors:
         box = full_region(t.shape)
-        builder.add(t.name, box, t.name, box, t.shape, (0,))
-    return builder.build(side="hf", description="hf: whole tensors on rank 0", model=model, dtype=dtype, num_ranks=1)
+        builder.add(t.name, box, t.name, box, t.shape, ranks)
+    where = "rank 0" if copies == 1 else f"each of ranks 0-{copies - 1}"
+    return builder.build(
+        side="hf", description=f"hf: whole tensors on {where}", model=model, dtype=dtype, num_ranks=copies
+    )

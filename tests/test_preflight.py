@@ -16,7 +16,10 @@ QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart_c
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["rollout.num_replicas=2", "rollout.tp=1", "rollout.sync_route=full"], "rollout.num_replicas=2 with"),
+        (
+            ["rollout.num_replicas=2", "rollout.sync_route=full", "rollout.placement=separate"],
+            "rollout.num_replicas=2 with rollout.sync_route=full and rollout.tp=2",
+        ),
         (
             ["rollout.placement=separate", "rollout.engine=hf", "rollout.sync_route=full", "rollout.tp=1"],
             "rollout.placement=separate with rollout.engine=hf",

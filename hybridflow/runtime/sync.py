@@ -19,7 +19,8 @@ is lost meanwhile (``EngineLost``) says so in the gather that ends the push; eve
 replaces the lost engines together (``recovery``) and the push runs again.
 
 ``rollout.sync_route=full`` is the baseline: the plan gathers every tensor whole under its
-Hugging Face name on the driver, and every engine rank receives every tensor and slices it.
+Hugging Face name on each replica's driver (unsharded replicas: one each), and the engine's own
+loader slices it.
 
 ``lora.push=adapter`` (SGLang engines): the plan moves the frozen base, unmerged, only while an
 engine lacks it (the first push, and again after an engine restart; colocated GPU engines keep
@@ -67,7 +68,6 @@ __all__ = ["EngineSync", "drops_weights"]
 
 logger = logging.getLogger(__name__)
 
-DRIVER = 0
 """The process that drives the rollout engine."""
 
 
@@ -358,7 +358,7 @@ class EngineSync:
             return 0.0, str(error)
 
     def _push_full(self, buffers: dict[str, torch.Tensor]) -> float:
-        if dist.get_rank() != DRIVER:  # one colocated replica (preflight): its driver is rank 0
+        if not buffers or self.engine is None:  # destination k of the full route: replica k's (tp=1) driver
             return 0.0
         result = self.engine.push_weights(buffers, route="full")
         self.engine.flush_cache()
