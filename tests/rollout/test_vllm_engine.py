@@ -4,7 +4,7 @@ vLLM runs in its own venv (``bash scripts/install.sh --vllm``; CI installs it an
 ``HYBRIDFLOW_REQUIRE_VLLM=1``, under which these tests fail instead of skipping without it). One
 engine starts for the module (20 s on 2 cores): it starts without weights, takes a full push, and
 its greedy tokens and their log-probs equal transformers' (fp32: the MoE experts repacked after
-the reload, ``rollout/vllm/cpu_moe_repack.py``); seeded sampling repeats; a bad
+the reload, ``rollout/vllm/cpu.py``); seeded sampling repeats; a bad
 push leaves it serving; a killed server is ``EngineLost`` naming the last lines of its log.
 """
 

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from hybridflow.rollout.vllm.cpu_moe_repack import MOE_WIDTH_MULTIPLE
+from hybridflow.rollout.vllm.cpu import MOE_WIDTH_MULTIPLE
 
 __all__ = ["INSTALL_COMMAND", "check_environment", "python", "served_architectures", "version", "venv"]
 

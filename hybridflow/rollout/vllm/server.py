@@ -20,10 +20,26 @@ engine stays up.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
 import traceback
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+if sys.path and Path(sys.path[0]).resolve() == _HERE:
+    sys.path.pop(0)  # this script's siblings (env.py, engine.py) are not top-level modules here
+
+
+def _cpu():
+    """``cpu.py`` beside this script (vLLM's CPU settings and workarounds), loaded by path."""
+    name = "hybridflow_vllm_cpu"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _HERE / "cpu.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -46,14 +62,10 @@ def _start(args: argparse.Namespace):
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
-    options = {}
     if on_gpu:
-        options.update(enable_sleep_mode=True, kv_cache_memory_bytes=args.kv_cache_bytes)
+        options = {"enable_sleep_mode": True, "kv_cache_memory_bytes": args.kv_cache_bytes}
     else:
-        # the CPU build sizes its KV cache from this variable alone (whole GiB, at least one)
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-args.kv_cache_bytes // 2**30)))
-        # the trainer's ranks share these cores: vLLM pinning its threads would starve them
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        options = _cpu().engine_options(args.max_model_len, args.kv_cache_bytes)
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -61,7 +73,6 @@ def _start(args: argparse.Namespace):
         tensor_parallel_size=args.tp,
         max_model_len=args.max_model_len,
         load_format=args.load_format,
-        enforce_eager=not on_gpu,
         **options,
     )
     return llm, on_gpu
@@ -113,9 +124,7 @@ def _load(llm, request: dict) -> dict:
             weights = ((name, tensors.get_tensor(name)) for name in tensors.keys())
             worker.model_runner.reload_weights(weights_iterator=weights)
         if not torch.cuda.is_available():
-            from cpu_moe_repack import repack_moe_experts  # beside this script (sys.path[0])
-
-            repack_moe_experts(worker.model_runner.get_model())
+            _cpu().repack_moe_experts(worker.model_runner.get_model())
         return True
 
     llm.collective_rpc(reload)
