@@ -449,6 +449,10 @@ def _start(
     if load_format == "dummy":
         config = AutoConfig.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype]).to(device)
+        if (Path(model_path) / "generation_config.json").exists():  # its stop ids, as from_pretrained reads them
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(model_path)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device)
     logger.info("hf engine: %s (%s) on %s", model_path, dtype, device)

@@ -185,6 +185,12 @@ def test_stop_token_ends_the_response(engine):
     assert engine.eos_token_ids == {3, 5}  # <|eos|> and <|im_end|>, from generation_config.json
 
 
+def test_an_engine_started_without_weights_stops_where_the_directory_says(tiny_dir):
+    """A run's engine starts from a directory without weights (load_format="dummy"): its stop ids
+    are still generation_config.json's, not config.json's single eos (vLLM and SGLang read the same)."""
+    assert make_engine("hf", model_path=str(tiny_dir), load_format="dummy").eos_token_ids == {3, 5}
+
+
 def test_length_caps(engine, tiny_dir):
     sample = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=3)).samples[0]
     assert len(sample.response_ids) == 3 and sample.finish_reason == FINISH_LENGTH

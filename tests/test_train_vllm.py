@@ -1,0 +1,97 @@
+"""``hybridflow train configs/quickstart_cpu_vllm.yaml``: vLLM generates, in an environment of its own.
+
+The quickstart's task and recipe with ``rollout.engine=vllm`` (vLLM's CPU build under
+``.venv-vllm``, full pushes through shared memory after every step). One SFT warm-up for the module,
+then the runs the issue asks for, each from it: two colocated replicas; separate placement with
+asynchronous RL (K=1). Each must learn as the SGLang quickstart does, its engine's log-probs at
+step 0 the trainer's. In the slow tier: the multi-turn calculator (``configs/agentic_cpu.yaml``)
+on vLLM, whose trajectories the trainer must score token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow.rollout.vllm import env
+from tests.test_train import WARM_UP, _history, _ok
+from tests.test_train import seed_from_warm_up as _seed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 10
+CONFIG = "configs/quickstart_cpu_vllm.yaml"
+RUNS = {
+    "replicas": ["rollout.num_replicas=2"],
+    "separate_async": [
+        "rollout.placement=separate",
+        "async_rl.mode=async",
+        "async_rl.max_staleness=1",
+        "algorithm.rollout_correction=tis",
+    ],
+}
+
+
+def _train(config: str, out: Path, *overrides: str) -> Path:
+    command = [sys.executable, "-m", "hybridflow.cli", "train", config, f"run.output_dir={out}", *overrides]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    _ok(result)
+    assert "vllm x" in result.stdout  # the start line names the engine that runs
+    return out
+
+
+@pytest.fixture(scope="module")
+def warm_up(tmp_path_factory) -> Path:
+    if env.version() is None:
+        pytest.skip(f"vLLM is not installed ({env.INSTALL_COMMAND})")
+    out = tmp_path_factory.mktemp("vllm_warm_up") / "run"
+    settings = ("run.mode=sft", WARM_UP, "run.tracking.trackers=[]", "run.heldout_prompts=0")
+    command = [sys.executable, "-m", "hybridflow.cli", "train", CONFIG, f"run.output_dir={out}", *settings]
+    _ok(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(warm_up, tmp_path_factory) -> dict[str, Path]:
+    root, settings = tmp_path_factory.mktemp("vllm"), (WARM_UP, f"run.steps={STEPS}", f"run.heldout_every={STEPS}")
+
+    class Runs(dict):
+        def __missing__(self, name: str) -> Path:
+            out = _seed(warm_up, root / name)
+            self[name] = _train(CONFIG, out, *settings, "run.tracking.trackers=[]", *RUNS[name])
+            return self[name]
+
+    return Runs()
+
+
+@pytest.mark.claim("vllm-engine")
+@pytest.mark.parametrize("name", list(RUNS))
+def test_vllm_runs_learn_with_the_trainers_logprobs_at_step_0(runs, name: str) -> None:
+    summary = json.loads((runs[name] / "summary.json").read_text())
+    assert summary["first_step_logprob_diff_max"] <= 1e-4, summary
+    after_sft, after_rl = summary["heldout_reward_after_sft"], summary["heldout_reward_after_rl"]
+    assert after_rl >= after_sft + 0.3, (after_sft, after_rl)
+    history = _history(runs[name], f"step_{STEPS:06d}")
+    assert all(h["checks/failed"] == 0.0 for h in history)
+    replicas = 2 if name == "replicas" else 1
+    for k in range(replicas):  # every replica's engine took the whole model after every step
+        assert all(h[f"sync/replica{k}/engine_bytes"] == history[0]["sync/plan_bytes"] / replicas for h in history)
+    if name == "separate_async":
+        assert summary["async_rl"]["staleness_max"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.claim("vllm-engine")
+def test_a_multi_turn_calculator_run_on_vllm_scores_its_trajectories_token_for_token(tmp_path) -> None:
+    if env.version() is None:
+        pytest.skip(f"vLLM is not installed ({env.INSTALL_COMMAND})")
+    shape = ("model.head_dim=64", "rollout.engine=vllm", "rollout.tp=1", "rollout.sync_route=full")
+    out = _train("configs/agentic_cpu.yaml", tmp_path / "run", *shape, "run.tracking.trackers=[]")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["first_step_logprob_diff_max"] <= 1e-4, summary  # observations masked, turns re-scored
+    assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary
