@@ -58,6 +58,7 @@ from hybridflow.lowering import ExecutionPlan, lower, trainer_line, trainer_text
 from hybridflow.model_size import count_parameters, format_count
 from hybridflow.preflight import (
     check_engine_serves,
+    check_runtime_support,
     check_separate_nodes,
     check_slurm_run,
     check_trainer_backends,
@@ -357,7 +358,7 @@ def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
 
 def _plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    check_trainer_backends(cfg)  # a plan of a trainer that does not run would be a claim without proof
+    check_trainer_backends(cfg)
     check_engine_serves(cfg)
     if args.world_size is not None:
         cfg.actor.parallel.check_world_size(args.world_size, prefix="actor.parallel")
@@ -365,6 +366,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--device-memory-gib={args.device_memory_gib:g} must be > 0")
     with_reshard = not (args.no_reshard or args.mermaid or args.resolved)
     plan = lower(cfg, with_reshard=with_reshard, device_memory_gib=args.device_memory_gib)
+    check_runtime_support(cfg)  # a plan the runtime would not run is a claim without proof
     check_reward(cfg.reward)  # a misspelled reward would otherwise fail only after the SFT warm-up
     if args.mermaid:
         print(plan.graph.to_mermaid())

@@ -245,6 +245,7 @@ CPU_RECIPES = {
     "quickstart_cpu_day0",
     "quickstart_cpu_lora",
     "quickstart_cpu_packed",
+    "quickstart_cpu_vllm",
     "agentic_cpu",
     "my_model",
 }

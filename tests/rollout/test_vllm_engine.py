@@ -54,10 +54,12 @@ def engine(tiny_dir, weights, tmp_path_factory):
     engine.shutdown()
 
 
+@pytest.mark.claim("vllm-adapter")
 def test_engine_satisfies_the_protocol(engine):
     assert isinstance(engine, RolloutEngine)
 
 
+@pytest.mark.claim("vllm-adapter")
 def test_greedy_tokens_and_logprobs_equal_transformers(engine, reference):
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
     ours, theirs = engine.generate(PROMPTS, params), reference.generate(PROMPTS, params)
@@ -67,6 +69,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(engine, reference):
         assert a.finish_reason == b.finish_reason
 
 
+@pytest.mark.claim("vllm-adapter")
 def test_seeded_sampling_repeats_and_gives_n_samples_per_prompt(engine):
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=7)
     first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
@@ -76,6 +79,7 @@ def test_seeded_sampling_repeats_and_gives_n_samples_per_prompt(engine):
     assert all(len(s.logprobs) == len(s.response_ids) for s in first.samples)
 
 
+@pytest.mark.claim("vllm-adapter")
 def test_stop_token_and_length_end_responses(engine, reference):
     greedy = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=8)).samples[0]
     stop = greedy.response_ids[3]
@@ -86,6 +90,7 @@ def test_stop_token_and_length_end_responses(engine, reference):
     assert greedy.finish_reason == FINISH_LENGTH and len(greedy.response_ids) == 8
 
 
+@pytest.mark.claim("vllm-adapter")
 def test_a_push_changes_what_it_generates_and_a_bad_one_is_named(engine, weights):
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     before = engine.generate(PROMPTS, params).samples
@@ -99,11 +104,13 @@ def test_a_push_changes_what_it_generates_and_a_bad_one_is_named(engine, weights
     assert [s.response_ids for s in engine.generate(PROMPTS, params).samples] == [s.response_ids for s in before]
 
 
+@pytest.mark.claim("vllm-adapter")
 def test_sliced_route_is_refused_by_name(engine, weights):
     with pytest.raises(ValueError, match="rollout.sync_route=full"):
         engine.push_weights(weights, route="sliced")
 
 
+@pytest.mark.claim("vllm-adapter")
 def test_environment_checks_say_what_to_run(monkeypatch):
     from hfschema.model import ModelConfig
 
@@ -123,6 +130,7 @@ def test_environment_checks_say_what_to_run(monkeypatch):
         env.check_environment(narrow_heads, on_gpu=False)
 
 
+@pytest.mark.claim("vllm-adapter")
 def test_a_killed_server_is_engine_lost_naming_its_log(engine):
     """Last in the module: it kills the shared engine."""
     os.killpg(engine._process.pid, signal.SIGKILL)
