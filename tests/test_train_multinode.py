@@ -128,6 +128,7 @@ def test_an_engine_spanning_the_two_nodes_of_a_launch_receives_every_push_surviv
         assert h["rollout/replica0/samples"] == 128
 
 
+@pytest.mark.slow
 @pytest.mark.claim("separate-placement")
 def test_separate_engine_ranks_on_their_own_node_of_a_launch_receive_every_push_and_learn(
     tmp_path: Path, seeded

@@ -9,6 +9,7 @@ push leaves it serving; a killed server is ``EngineLost`` naming the last lines 
 """
 
 import os
+import re
 import signal
 import time
 
@@ -137,3 +138,34 @@ def test_a_killed_server_is_engine_lost_naming_its_log(engine):
     time.sleep(0.5)
     with pytest.raises(EngineLost, match=rf"vLLM engine process \d+ .*exited with code -9.*its log {engine.log_path}"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.claim("vllm-adapter")
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["rollout.tp=2"], "rollout.tp=2 needs rollout.engine=sglang: rollout.engine=vllm runs each replica unsharded"),
+        (["rollout.enable_dp_attention=true"], "rollout.enable_dp_attention=true needs rollout.engine=sglang"),
+        (["lora.enabled=true", "lora.push=adapter"], "lora.push=adapter with rollout.engine=vllm: that engine takes"),
+    ],
+)
+def test_settings_only_sglang_has_are_refused_by_name_before_any_rank(overrides, says):
+    from hybridflow.config import load_config
+    from hybridflow.preflight import check_runtime_support
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        check_runtime_support(load_config("configs/quickstart_cpu_vllm.yaml", overrides))
+
+
+@pytest.mark.claim("vllm-adapter")
+def test_an_architecture_vllm_does_not_serve_is_named_before_any_rank(tmp_path):
+    from hybridflow.config import load_config
+    from hybridflow.preflight import check_engine_serves
+
+    if env.version() is None:
+        pytest.skip(f"vLLM is not installed ({env.INSTALL_COMMAND})")
+    path = make_tiny_model_dir(tmp_path / "helium", "helium")  # transformers builds it, vLLM 0.32 lacks it
+    engine = ["rollout.engine=vllm", "rollout.tp=1", "rollout.sync_route=full", f"model.path={path}"]
+    cfg = load_config("configs/quickstart_cpu_day0.yaml", engine, model_path_must_exist=True)
+    with pytest.raises(ValueError, match=r"the installed vLLM has no model class for HeliumForCausalLM.*rollout\.engine=hf"):
+        check_engine_serves(cfg)
