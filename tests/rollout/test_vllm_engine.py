@@ -167,5 +167,6 @@ def test_an_architecture_vllm_does_not_serve_is_named_before_any_rank(tmp_path):
     path = make_tiny_model_dir(tmp_path / "helium", "helium")  # transformers builds it, vLLM 0.32 lacks it
     engine = ["rollout.engine=vllm", "rollout.tp=1", "rollout.sync_route=full", f"model.path={path}"]
     cfg = load_config("configs/quickstart_cpu_day0.yaml", engine, model_path_must_exist=True)
-    with pytest.raises(ValueError, match=r"the installed vLLM has no model class for HeliumForCausalLM.*rollout\.engine=hf"):
+    says = r"the installed vLLM has no model class for HeliumForCausalLM.*rollout\.engine=hf"
+    with pytest.raises(ValueError, match=says):
         check_engine_serves(cfg)
