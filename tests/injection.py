@@ -112,7 +112,11 @@ def _dump(ops) -> None:
 
 def kill_a_scheduler_soon(engine) -> None:
     """SIGKILL the SGLang engine's first scheduler process from a thread once the caller waits in
-    the engine's next call, the one about to start."""
+    the engine's next call, the one about to start; a vLLM engine's server process at once (its
+    next call finds it gone)."""
+    if hasattr(engine, "server_pid"):
+        os.kill(engine.server_pid, signal.SIGKILL)
+        return
     pid, watch = engine.watch.schedulers()[0], engine.watch
 
     def kill() -> None:

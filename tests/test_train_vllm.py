@@ -12,6 +12,8 @@ score token for token.
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.rollout.vllm import env
+from tests.injection import environment
 from tests.test_train import WARM_UP, _history, _ok
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -26,6 +29,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.vllm, pytest.mark.timeout(120
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
 CONFIG = "configs/quickstart_cpu_vllm.yaml"
+KILL = "1@3"
+"""Replica 1's server is killed before generate call 3 (step 2's; call 1 scored the held-out set):
+the run must restart it, push it the weights and repeat the step."""
 RUNS = {
     "replicas": ["rollout.num_replicas=2"],
     "separate_async": [
@@ -37,11 +43,14 @@ RUNS = {
 }
 
 
-def _train(config: str, out: Path, *overrides: str) -> Path:
+def _train(config: str, out: Path, *overrides: str, env: dict | None = None) -> Path:
     command = [sys.executable, "-m", "hybridflow.cli", "train", config, f"run.output_dir={out}", *overrides]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})}
+    )
     _ok(result)
     assert "vllm x" in result.stdout  # the start line names the engine that runs
+    (out / "stderr.txt").write_text(result.stderr)
     return out
 
 
@@ -54,7 +63,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
     class Runs(dict):
         def __missing__(self, name: str) -> Path:
-            self[name] = _train(CONFIG, root / name, *settings, "run.tracking.trackers=[]", *RUNS[name])
+            faults = environment(KILL_ENGINE=KILL) if name == "replicas" else None
+            self[name] = _train(CONFIG, root / name, *settings, "run.tracking.trackers=[]", *RUNS[name], env=faults)
             return self[name]
 
     return Runs()
@@ -74,6 +84,16 @@ def test_vllm_runs_learn_with_the_trainers_logprobs_at_step_0(runs, name: str) -
         assert all(h[f"sync/replica{k}/engine_bytes"] == history[0]["sync/plan_bytes"] / replicas for h in history)
     if name == "separate_async":
         assert summary["async_rl"]["staleness_max"] == 1
+
+
+@pytest.mark.claim("vllm-adapter")
+def test_a_killed_vllm_server_is_restarted_and_named_by_its_log(runs) -> None:
+    """The replicas run's replica 1 lost its server at step 2 (``KILL``): restarted once, the cause
+    naming the process and the last lines of its log, and the run learned all the same (above)."""
+    out = runs["replicas"]
+    assert json.loads((out / "summary.json").read_text())["engine_restarts"] == 1
+    lines = re.findall(r"rollout replica 1 lost its engine \((.*)\): restarting it", (out / "stderr.txt").read_text())
+    assert len(lines) == 1 and re.search(r"vLLM engine process \d+ .*its log \S+vllm_\d+\.log ends: ", lines[0]), lines
 
 
 @pytest.mark.slow

@@ -122,6 +122,11 @@ class VLLMEngine:
 
     # ---- the process and its socket
 
+    @property
+    def server_pid(self) -> int | None:
+        """The vLLM server's process id (its tp workers are its children), None once shut down."""
+        return self._process.pid if self._process is not None else None
+
     def _accept(self, timeout_s: float) -> dict:
         """Wait for the server's hello; EngineLost if it exits or stays silent past ``timeout_s``."""
         import socket
