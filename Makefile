@@ -2,7 +2,7 @@
 .PHONY: install test quickstart
 
 install:
-	bash scripts/install.sh
+	bash scripts/install.sh --vllm
 
 test:
 	.venv/bin/python -m pytest
