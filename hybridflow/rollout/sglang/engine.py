@@ -208,7 +208,9 @@ def _launch(
         _reap_children(frozenset(children_before))
         raise
     # the processes SGLang started (schedulers, detokenizer): shutdown kills these, nothing else
-    own = frozenset(p.pid for p in psutil.Process().children() if p.pid not in children_before)
+    # kept as psutil.Process objects, whose identity includes the start time: a pid saved bare can
+    # name another process by shutdown time (pids wrap at 32768), which the shutdown would kill
+    own = tuple(p for p in psutil.Process().children() if p.pid not in children_before)
     engine._hybridflow_zmq_contexts = _new_zmq_contexts(contexts_before)  # closed at shutdown (watch: a lost engine)
     logger.info(
         "SGLang engine up in %.1f s (tp=%d, ep=%d, %s)",
@@ -238,7 +240,7 @@ class SGLangNode:
     processes for this node's TP ranks, which the engine's driver (node 0) commands. Nothing
     is called on it; it only keeps them and reaps them after the driver's shutdown."""
 
-    def __init__(self, own_processes: frozenset[int]) -> None:
+    def __init__(self, own_processes: tuple[psutil.Process, ...]) -> None:
         self._own = own_processes
 
     def shutdown(self) -> None:
@@ -286,7 +288,7 @@ def start_node(
         engine_kwargs=kwargs,
     )
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-    logger.info("SGLang engine node %d of %d up (schedulers %s)", node_rank, nnodes, sorted(own))
+    logger.info("SGLang engine node %d of %d up (schedulers %s)", node_rank, nnodes, sorted(p.pid for p in own))
     return SGLangNode(own)
 
 
@@ -456,7 +458,7 @@ class SGLangEngine:
         routed_experts: bool,
         deterministic: bool,
         pause_mode: str,
-        own_processes: frozenset[int],
+        own_processes: tuple[psutil.Process, ...],
         weights_loaded: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         generate_timeout_s: float | None = None,
@@ -922,7 +924,7 @@ class _SGLangPending:
         return engine._batch(outputs, self.input_ids, self.n, self.started)
 
 
-def _shutdown(engine: Any, own: frozenset[int]) -> None:
+def _shutdown(engine: Any, own: tuple[psutil.Process, ...]) -> None:
     """``engine.shutdown()``, except that only the engine's own processes are killed.
 
     SGLang 0.5.23's shutdown ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
@@ -987,13 +989,14 @@ def _release_loop_and_sockets(engine: Any) -> None:
             context.destroy(linger=0)
 
 
-def _descendants(pids: frozenset[int]) -> list[psutil.Process]:
-    """The processes ``pids`` and all their descendants, those still present."""
+def _descendants(processes: tuple[psutil.Process, ...]) -> list[psutil.Process]:
+    """``processes`` and all their descendants, those still running: one that exited is left out
+    even where its pid now names another process (``is_running`` compares start times)."""
     out = []
-    for pid in sorted(pids):
+    for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
-            process = psutil.Process(pid)
-            out += [process, *process.children(recursive=True)]
+            if process.is_running():
+                out += [process, *process.children(recursive=True)]
     return out
 
 

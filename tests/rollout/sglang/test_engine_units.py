@@ -133,7 +133,7 @@ def test_gpu_memory_release_resume_and_push_order_is_enforced(tmp_path, monkeypa
         routed_experts=False,
         deterministic=False,
         pause_mode="retract",
-        own_processes=frozenset(),
+        own_processes=(),
     )
     sent = []
     monkeypatch.setattr(gpu, "_send_payloads", lambda payloads, flush_cache: sent.append(len(payloads)))
@@ -174,7 +174,7 @@ def test_an_engine_started_without_weights_generates_only_after_a_push(tmp_path,
         routed_experts=False,
         deterministic=False,
         pause_mode="retract",
-        own_processes=frozenset(),
+        own_processes=(),
         weights_loaded=False,
     )  # load_format="dummy"
     monkeypatch.setattr(empty, "_send_payloads", lambda payloads, flush_cache: None)
@@ -258,3 +258,30 @@ def test_the_sliced_push_ends_by_rederiving_what_the_model_builds_from_weights()
             raise RuntimeError("boom")
 
     post_load.rederive(Broken(), [])  # logged, never raised: an exception would kill the scheduler
+
+
+def test_a_shutdown_spares_a_process_that_took_the_pid_of_an_engine_process_gone_before():
+    """Pids wrap (32768 by default): a scheduler that died earlier in a long run can have its pid
+    given to another process of the trainer's (CI saw its wandb service killed mid-test by a
+    garbage-collected engine). The engine keeps its processes with their start times, so the pid's
+    new owner is not its to kill; its own live processes still are."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # the engine's record of a process that had the stranger's pid and started earlier
+        recorded = psutil.Process(stranger.pid)
+        pid, started = recorded._ident
+        recorded._ident = (pid, started - 100.0)
+        tree = engine._descendants((recorded, psutil.Process(ours.pid)))
+        assert [p.pid for p in tree] == [ours.pid]
+        engine._kill_and_reap(tree, quiet=True)
+        assert not tree[0].is_running() and stranger.poll() is None
+    finally:
+        for process in (stranger, ours):
+            process.kill()
+            process.wait()
