@@ -3,10 +3,11 @@
 One ``EngineTraits`` record per engine name (``rollout.engine``, ``judge.engine``): which weight
 routes it takes, whether a replica spans ranks, whether it runs on ranks of its own, takes LoRA
 adapter pushes, where its model classes are listed. Values only, read without importing the
-engine (SGLang takes seconds to import). How each engine *starts* is registered where the
-runtime starts it (``hybridflow.runtime.session``, ``hybridflow.runtime.frozen``); the factory
-itself with the engine (``hybridflow.rollout.base.register_engine``). A third engine adds a
-record here and an entry in each of those tables; ``tests/test_boundaries.py`` holds them alike.
+engine (SGLang takes seconds to import), and where the engine's own code says how a run's
+settings start it (``start``, ``judge_args``: ``module:function`` names, imported when an engine
+starts); the factory itself registers with the engine (``hybridflow.rollout.base.register_engine``).
+A fourth engine adds a record here and the modules it names; ``tests/test_boundaries.py`` holds
+every record to that.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class EngineTraits:
     model_classes: str | None
     """``module:function`` listing the ``architectures`` it builds, read without starting it;
     None: it builds whatever transformers builds."""
+    start: str
+    """``module:function`` starting a replica's driver engine from the run's settings
+    (``(cfg, model_dir, *, device, node_rank, dist_init_addr)``; node_rank > 0: its part on another
+    node), called with torchrun's variables out of the environment."""
+    judge_args: str
+    """``module:function`` mapping the judge section onto the factory's arguments (``(cfg, *, device)``)."""
     start_processes: str
     """What a replica adds beside the rank's own process: ``schedulers`` (one per rank, and a
     detokenizer), ``server`` (one process of its own, under another interpreter), ``none`` (it runs
@@ -45,6 +52,9 @@ class EngineTraits:
     environment: str | None = None
     """``module:function`` raising a one-line ValueError where the engine cannot start for a config
     (``(cfg, on_gpu=...)``: not installed, a shape it refuses on this machine); None: nothing to check."""
+    padded_vocab: str | None = None
+    """``module:function`` giving the embedding rows the engine allocates for a vocabulary split
+    ``parts`` ways (``(vocab, parts) -> rows``, for the memory estimate); None: the vocabulary as is."""
     sliced_payload: str | None = None
     """With the sliced route: ``module:function`` packing a destination rank's buffers for the
     engine (``(engine-local rank, buffers, the rank's parameters) -> (payload, kept tensors)``)."""
@@ -63,7 +73,10 @@ ENGINES: dict[str, EngineTraits] = {
         adapters=True,
         cpu_expert_parallel=False,  # its torch-native MoE does not handle non-local experts
         model_classes="hybridflow.rollout.sglang.served:served_architectures",
+        start="hybridflow.rollout.sglang.start:start_replica",
+        judge_args="hybridflow.rollout.sglang.start:judge_args",
         start_processes="schedulers",
+        padded_vocab="hfschema.sglang:pad_vocab",
         sliced_payload="hybridflow.rollout.sglang.handles:prepare_rank_payload",
         weight_digest="hybridflow.rollout.sglang.param_report:digest",
     ),
@@ -76,6 +89,8 @@ ENGINES: dict[str, EngineTraits] = {
         adapters=False,
         cpu_expert_parallel=False,
         model_classes=None,
+        start="hybridflow.rollout.hf_start:start_replica",
+        judge_args="hybridflow.rollout.hf_start:judge_args",
         start_processes="none",
     ),
     "vllm": EngineTraits(
@@ -87,8 +102,11 @@ ENGINES: dict[str, EngineTraits] = {
         adapters=False,
         cpu_expert_parallel=False,
         model_classes="hybridflow.rollout.vllm.env:served_architectures",
+        start="hybridflow.rollout.vllm.start:start_replica",
+        judge_args="hybridflow.rollout.vllm.start:judge_args",
         start_processes="server",
         environment="hybridflow.rollout.vllm.env:check_environment",
+        padded_vocab="hybridflow.rollout.vllm.env:padded_vocab",
     ),
 }
 """Each rollout engine's traits, by its ``rollout.engine`` name."""

@@ -522,7 +522,7 @@ class RolloutConfig:
                 route=traits.routes[0],
             )
         try:
-            self.sglang_settings()  # the engine's own rules: dp_size | tp, ep * moe_dp | tp
+            self.parallel_split()  # the engine's own rules: dp_size | tp, ep * moe_dp | tp
         except ValueError as e:
             raise _rollout_error(e) from None
 
@@ -546,9 +546,11 @@ class RolloutConfig:
         """Engine ranks of all replicas: tp * num_replicas."""
         return self.tp * self.num_replicas
 
-    def sglang_settings(self) -> SGLangSettings:
-        """These settings as ``hfschema.sglang.SGLangSettings`` (an hf replica is a tp=1 engine:
-        both load every canonical tensor whole)."""
+    def parallel_split(self) -> SGLangSettings:
+        """The engines' parallel split (tp, ep, DP attention, replicas) as
+        ``hfschema.sglang.SGLangSettings``, whose rules SGLang's layout plans with; a replica of an
+        engine that does not shard (hf, vLLM in this version) is a tp=1 engine: it loads every
+        canonical tensor whole."""
         return SGLangSettings(
             tp=self.tp,
             ep=self.ep,
@@ -572,7 +574,7 @@ class RolloutConfig:
     def engines_text(self) -> str:
         """The engines alone: a sharded engine's parallel settings, else ``hf x2 replicas (2 ranks)``."""
         if ENGINES[self.engine].sharded:
-            return self.sglang_settings().describe()
+            return self.parallel_split().describe()
         return f"{self.engine} x{self.num_replicas} replicas ({self.num_ranks} ranks)"
 
 
@@ -1285,7 +1287,7 @@ class HybridflowConfig:
         from reshard.sglang import check_settings  # here: reshard is the slow import
 
         try:
-            check_settings(self.model, self.rollout.sglang_settings())
+            check_settings(self.model, self.rollout.parallel_split())
         except ValueError as e:
             raise _rollout_error(e).under("rollout") from None
         world, ranks = self.actor.parallel.world_size, self.rollout.num_ranks

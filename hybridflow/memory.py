@@ -71,10 +71,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from hfschema.engines import ENGINES, resolve
 from hfschema.layout import ParallelLayout
 from hfschema.lora import adapter_params_per_rank
 from hfschema.model import ModelConfig
-from hfschema.sglang import pad_vocab
 from hfschema.trainer import SCORE_CHUNK_TOKENS
 from hybridflow.config import (
     FROZEN_SECTIONS,
@@ -363,21 +363,28 @@ def training_components(cfg: HybridflowConfig, role: str, *, full_recompute: boo
 
 
 def engine_params_per_rank(cfg: HybridflowConfig) -> int:
-    """Parameters one SGLang rank loads (an hf replica: the whole model)."""
-    m, s = cfg.model, cfg.rollout.sglang_settings()
+    """Parameters one engine rank loads: its share of the parallel split (a replica of an engine that
+    does not shard: the whole model), its embedding padded as the engine pads it."""
+    m, s = cfg.model, cfg.rollout.parallel_split()
     total = 0
     for p in param_split(m):
         total += p.attention // s.attn_tp + p.replicated + p.mlp // s.tp
         total += p.experts // (s.ep * s.moe_tp)
     h = m.hidden_size
-    embedding = pad_vocab(m.vocab_size, s.attn_tp) // s.attn_tp * h
-    lm_head = 0 if m.tie_word_embeddings else pad_vocab(m.vocab_size, s.tp) // s.tp * h
+    embedding = _padded_vocab(cfg, s.attn_tp) // s.attn_tp * h
+    lm_head = 0 if m.tie_word_embeddings else _padded_vocab(cfg, s.tp) // s.tp * h
     return total + embedding + lm_head + h
 
 
+def _padded_vocab(cfg: HybridflowConfig, parts: int) -> int:
+    """Embedding rows the rollout engine allocates for the vocabulary split ``parts`` ways."""
+    padding = ENGINES[cfg.rollout.engine].padded_vocab
+    return cfg.model.vocab_size if padding is None else resolve(padding)(cfg.model.vocab_size, parts)
+
+
 def kv_bytes_per_token(cfg: HybridflowConfig) -> int:
-    """KV-cache bytes one token takes on one SGLang rank, over all layers."""
-    m, s = cfg.model, cfg.rollout.sglang_settings()
+    """KV-cache bytes one token takes on one engine rank, over all layers."""
+    m, s = cfg.model, cfg.rollout.parallel_split()
     if m.is_mla:  # one compressed latent plus the rope key, shared by all heads
         per_layer = m.kv_lora_rank + m.qk_rope_head_dim
     else:

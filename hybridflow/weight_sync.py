@@ -41,9 +41,7 @@ __all__ = [
 SOURCE_LAYOUTS = {"megatron": megatron_layout, "fsdp2": fsdp_layout}
 """Where each trainer backend (``actor.backend``) holds the actor's weights: the sync's source."""
 
-DESTINATION_LAYOUTS = {
-    "sglang": lambda cfg, dtype: sglang_layout(cfg.model, cfg.rollout.sglang_settings(), dtype=dtype)
-}
+DESTINATION_LAYOUTS = {"sglang": lambda cfg, dtype: sglang_layout(cfg.model, cfg.rollout.parallel_split(), dtype=dtype)}
 """Where each engine that takes sliced pushes (``hfschema.engines``) holds the weights on its
 ranks: the sliced route's destination (the full route's is ``reshard.hf.hf_layout``, any engine)."""
 

@@ -334,22 +334,23 @@ def test_every_planning_registration_names_every_trainer_backend():
 
 @pytest.mark.claim("engine-seam")
 def test_every_engine_registration_names_every_rollout_engine():
-    """An engine is one ``hfschema.engines.ENGINES`` record and one entry in each table that starts
-    or plans it: the factory's module, the rollout and judge starts, the sliced route's layout and
-    payload where it takes that route. Outside ``hybridflow/rollout/`` nothing compares an
-    ``engine`` setting with an engine's name."""
+    """An engine is one ``hfschema.engines.ENGINES`` record, whose functions (the rollout and judge
+    starts, the sliced route's payload) exist, and the sliced route's layout where it takes that
+    route. Outside ``hybridflow/rollout/`` nothing compares an ``engine`` setting with an engine's
+    name."""
     import ast
 
     from hfschema.engines import ENGINES, resolve
     from hybridflow.config import ROLLOUT_ENGINES
     from hybridflow.rollout.base import _BUILTIN_MODULES
-    from hybridflow.runtime.frozen import JUDGE_ARGS
-    from hybridflow.runtime.session import ENGINE_STARTS
     from hybridflow.weight_sync import DESTINATION_LAYOUTS
 
     names = list(ROLLOUT_ENGINES)
-    for table in (ENGINES, _BUILTIN_MODULES, ENGINE_STARTS, JUDGE_ARGS):
+    for table in (ENGINES, _BUILTIN_MODULES):
         assert sorted(table) == sorted(names), table
+    for traits in ENGINES.values():  # each engine's own start and judge arguments, its vocab padding
+        assert callable(resolve(traits.start)) and callable(resolve(traits.judge_args)), traits.label
+        assert traits.padded_vocab is None or callable(resolve(traits.padded_vocab)), traits.label
     sliced = [name for name, traits in ENGINES.items() if "sliced" in traits.routes]
     assert sorted(DESTINATION_LAYOUTS) == sorted(sliced)
     for name in sliced:

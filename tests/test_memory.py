@@ -251,3 +251,13 @@ def test_a_cpu_run_hears_its_host_memory_from_plan_and_a_warning_when_it_would_n
         "will likely be killed for memory; lower train.micro_batch_size, rollout.max_total_tokens or the data "
         "lengths, or use fewer processes (actor.parallel, rollout.tp)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "engine,rows",
+    [("sglang", 320), ("vllm", 320), ("hf", 300)],  # 300 -> 320 (a multiple of 64); transformers as is
+)
+def test_engine_weights_count_the_embedding_rows_each_engine_allocates(engine, rows):
+    """Each engine's own padding (``EngineTraits.padded_vocab``), not SGLang's for every engine."""
+    overrides = [*DENSE, "model.vocab_size=300", f"rollout.engine={engine}", "rollout.sync_route=full"]
+    assert engine_params_per_rank(_cfg(*overrides)) == 2 * DENSE_LAYER + 2 * rows * 64 + 64

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from hfschema.engines import ENGINES, resolve
 from hfschema.hf_config import read_hf_config
 from hybridflow.runtime.trainers import trainer_of
 
@@ -372,37 +373,6 @@ def start_judge(cfg) -> Judge:
     source, tokenizer, stop_ids = judge_tokens(cfg)
     judge, rank = cfg.judge, int(os.environ.get("RANK", "0"))
     with console.engine_output(cfg.run.output_dir, rank, verbose=cfg.run.verbose), plain_engine_env():
-        engine = make_engine(judge.engine, model_path=str(source.weights), **JUDGE_ARGS[judge.engine](cfg))
+        args = resolve(ENGINES[judge.engine].judge_args)(cfg, device=str(trainer_of(cfg).device()))
+        engine = make_engine(judge.engine, model_path=str(source.weights), **args)
     return Judge(engine=engine, tokenizer=tokenizer, stop_ids=stop_ids)
-
-
-def _hf_judge_args(cfg) -> dict:
-    return dict(dtype=cfg.judge.dtype, seed=cfg.run.seed, device=str(trainer_of(cfg).device()))
-
-
-def _sglang_judge_args(cfg) -> dict:
-    judge = cfg.judge
-    where = {"base_gpu_id": torch.cuda.current_device()} if torch.cuda.is_available() else {}
-    return dict(
-        tp=judge.tp,
-        dtype=judge.dtype,
-        max_total_tokens=judge.max_total_tokens,
-        seed=cfg.run.seed,
-        generate_timeout_s=cfg.rollout.generate_timeout_s,
-        **where,
-    )
-
-
-def _vllm_judge_args(cfg) -> dict:
-    # its KV cache is vLLM's engine default (1 GiB); judge.max_total_tokens sizes SGLang's alone
-    return dict(
-        dtype=cfg.judge.dtype,
-        seed=cfg.run.seed,
-        log_dir=str(Path(cfg.run.output_dir) / "logs"),
-        generate_timeout_s=cfg.rollout.generate_timeout_s,
-        device=str(trainer_of(cfg).device()),
-    )
-
-
-JUDGE_ARGS = {"sglang": _sglang_judge_args, "hf": _hf_judge_args, "vllm": _vllm_judge_args}
-"""The judge section mapped onto each engine's factory arguments (``hfschema.engines.ENGINES``)."""

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
+from hfschema.engines import ENGINES, resolve
 from hybridflow.config import HybridflowConfig
 from hybridflow.data import (
     DataReport,
@@ -118,32 +119,10 @@ def _several_ranks() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def engine_parallel_args(cfg: HybridflowConfig) -> dict[str, int]:
-    """SGLang's parallel settings beyond tp and ep that the plan assumed (sent only when set):
-    attention data parallelism (SGLang 0.5.23 calls it ``attn_dp_size``; its ``dp_size`` now
-    means whole-model replicas, which hybridflow runs as ``rollout.num_replicas``) and MoE DP."""
-    rollout = cfg.rollout
-    args = {"attn_dp_size": rollout.dp_size if rollout.enable_dp_attention else 1, "moe_dp_size": rollout.moe_dp}
-    return {key: value for key, value in args.items() if value != 1}
-
-
-def _node_args(cfg: HybridflowConfig, node_rank: int, dist_init_addr: str | None) -> dict[str, Any]:
-    """Where this part of the engine runs: from this rank's GPU on (colocated: engine rank i on
-    actor GPU i), and, for an engine spanning nodes, which node it is and how its nodes meet."""
-    args: dict[str, Any] = {}
-    if torch.cuda.is_available():
-        args["base_gpu_id"] = torch.cuda.current_device()
-    nodes = max(1, cfg.rollout.tp // cfg.rollout.gpus_per_node)
-    if nodes > 1:
-        args.update(nnodes=nodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
-    return args
-
-
 def start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int = 0, dist_init_addr: str | None = None):
-    """The rollout engine of this replica driver, started from ``model_dir``: SGLang without
-    torchrun's variables, or the transformers engine (small runs, GPU machines without SGLang).
-    ``node_rank`` > 0 starts the part of a multi-node SGLang engine on another node instead
-    (``SGLangNode``: schedulers only, commanded by the driver at ``dist_init_addr``)."""
+    """The rollout engine of this replica driver, started from ``model_dir`` by ``rollout.engine``'s
+    own start. ``node_rank`` > 0 starts the part of an engine spanning nodes on another node
+    instead (SGLang's ``SGLangNode``: schedulers only, commanded by the driver at ``dist_init_addr``)."""
     with console.engine_output(cfg.run.output_dir, int(os.environ.get("RANK", "0")), verbose=cfg.run.verbose):
         engine = _start_engine(cfg, model_dir, node_rank=node_rank, dist_init_addr=dist_init_addr)
     if cfg.agentic.enabled and node_rank == 0:  # its samples are multi-turn trajectories
@@ -167,107 +146,15 @@ def plain_engine_env() -> Iterator[None]:
 
 
 def _start_engine(cfg: HybridflowConfig, model_dir: Path, *, node_rank: int, dist_init_addr: str | None):
-    # the directory has no weights (model_dir.py): every engine starts empty, the first push fills them
-    return ENGINE_STARTS[cfg.rollout.engine](cfg, model_dir, node_rank, dist_init_addr)
-
-
-def _start_hf(cfg: HybridflowConfig, model_dir: Path, node_rank: int, dist_init_addr: str | None):
-    """transformers' engine, in this process, on the driver's device."""
-    from hybridflow.rollout import make_engine
+    """The engine's own start (``hfschema.engines.ENGINES[...].start``) on the trainer's device; the
+    directory has no weights (model_dir.py): every engine starts empty, the first push fills them."""
     from hybridflow.runtime.trainers import trainer_of
 
-    return make_engine(
-        "hf",
-        model_path=str(model_dir),
-        dtype=cfg.rollout.dtype,
-        seed=cfg.run.seed,
-        device=str(trainer_of(cfg).device()),
-        return_routed_experts=cfg.moe.routing_replay == "r3",
-        load_format="dummy",
-    )
-
-
-def _start_sglang(cfg: HybridflowConfig, model_dir: Path, node_rank: int, dist_init_addr: str | None):
-    """SGLang's engine (its schedulers processes of their own, without torchrun's variables), or
-    on node ``node_rank`` > 0 that node's part of an engine spanning nodes."""
-    from hybridflow.rollout import make_engine
-
-    placement = {**engine_parallel_args(cfg), **_node_args(cfg, node_rank, dist_init_addr)}
+    start = resolve(ENGINES[cfg.rollout.engine].start)
     with plain_engine_env():
-        if node_rank > 0:
-            from hybridflow.rollout.sglang.engine import start_node
-
-            return start_node(
-                str(model_dir),
-                tp=cfg.rollout.tp,
-                ep=cfg.rollout.ep,
-                dtype=cfg.rollout.dtype,
-                max_total_tokens=cfg.rollout.max_total_tokens,
-                seed=cfg.run.seed,
-                load_format="dummy",
-                deterministic=_engine_deterministic(cfg),
-                **placement,
-            )
-        return make_engine(
-            "sglang",
-            model_path=str(model_dir),
-            tp=cfg.rollout.tp,
-            ep=cfg.rollout.ep,
-            dtype=cfg.rollout.dtype,
-            max_total_tokens=cfg.rollout.max_total_tokens,
-            seed=cfg.run.seed,
-            load_format="dummy",
-            bucket_bytes=cfg.rollout.push_bucket_mb << 20,
-            deterministic=_engine_deterministic(cfg),
-            generate_timeout_s=cfg.rollout.generate_timeout_s,
-            **placement,
-            **_adapter_slots(cfg),
+        return start(
+            cfg, model_dir, device=str(trainer_of(cfg).device()), node_rank=node_rank, dist_init_addr=dist_init_addr
         )
-
-
-def _start_vllm(cfg: HybridflowConfig, model_dir: Path, node_rank: int, dist_init_addr: str | None):
-    """vLLM's engine: a server process under vLLM's own interpreter (``rollout/vllm``), its KV cache
-    sized as the plan counts it, its log in the run's ``logs/``."""
-    from hybridflow.memory import kv_bytes_per_token
-    from hybridflow.rollout import make_engine
-    from hybridflow.runtime.trainers import trainer_of
-
-    return make_engine(
-        "vllm",
-        model_path=str(model_dir),
-        dtype=cfg.rollout.dtype,
-        seed=cfg.run.seed,
-        # a trajectory's whole context (multi-turn ones too), within what the KV cache holds
-        max_context=min(cfg.model.max_position_embeddings, cfg.rollout.max_total_tokens),
-        kv_cache_bytes=cfg.rollout.max_total_tokens * kv_bytes_per_token(cfg),
-        log_dir=str(Path(cfg.run.output_dir) / "logs"),
-        generate_timeout_s=cfg.rollout.generate_timeout_s,
-        device=str(trainer_of(cfg).device()),
-    )
-
-
-ENGINE_STARTS = {"sglang": _start_sglang, "hf": _start_hf, "vllm": _start_vllm}
-"""How each rollout engine (``hfschema.engines.ENGINES``) starts for a replica's driver: the
-settings of the run it maps onto its factory's arguments."""
-
-
-def _adapter_slots(cfg: HybridflowConfig) -> dict:
-    """SGLang's LoRA settings when the run pushes adapters (``lora.push=adapter``), else none."""
-    if not cfg.lora.pushes_adapters:
-        return {}
-    from hfschema.lora import engine_target_modules
-    from hybridflow.rollout.sglang.cpu import has_cuda_gpu
-    from hybridflow.rollout.sglang.engine import lora_args
-
-    return lora_args(
-        rank=cfg.lora.rank, target_modules=engine_target_modules(cfg.lora.target_modules), on_cpu=not has_cuda_gpu()
-    )
-
-
-def _engine_deterministic(cfg: HybridflowConfig) -> bool:
-    """SGLang's deterministic inference under run.deterministic, on GPUs: SGLang refuses it on
-    CPU, where the engine already reproduces (hybridflow/runtime/determinism.py)."""
-    return cfg.run.deterministic and torch.cuda.is_available()
 
 
 class ModelRole(Protocol):

@@ -45,14 +45,15 @@ def test_a_failed_replica_is_named_on_every_rank():
 
 
 def test_the_engine_gets_the_parallel_settings_the_plan_assumed(monkeypatch, tmp_path):
+    from hybridflow.rollout.sglang import start as sglang_start
     from hybridflow.runtime import session
 
     # (rollout.moe_dp > 1 is refused when the config is read: SGLang pairs it with attention CP)
     cfg = load_config(
         QUICKSTART, ["rollout.enable_dp_attention=true", "rollout.dp_size=2", "rollout.ep=1", "rollout.tp=2"]
     )
-    assert session.engine_parallel_args(cfg) == {"attn_dp_size": 2}
-    assert session.engine_parallel_args(load_config(QUICKSTART)) == {}
+    assert sglang_start.engine_parallel_args(cfg) == {"attn_dp_size": 2}
+    assert sglang_start.engine_parallel_args(load_config(QUICKSTART)) == {}
     seen = {}
     monkeypatch.setattr("hybridflow.rollout.make_engine", lambda name, **kwargs: seen.update(kwargs, name=name))
     session.start_engine(cfg, tmp_path)
@@ -77,11 +78,11 @@ def test_engines_spanning_nodes_start_one_part_per_node():
     # replica 0 on ranks 0-3 (nodes of GPUs 0-1 and 2-3), replica 1 on ranks 4-7
     assert roles == {0: (0, 0), 1: None, 2: (0, 1), 3: None, 4: (1, 0), 5: None, 6: (1, 1), 7: None}
     assert [replicas.replica_of(cfg, r) for r in (0, 2, 4)] == [0, None, 1]  # node 0 parts drive
-    from hybridflow.runtime import session
+    from hybridflow.rollout.sglang import start as sglang_start
 
-    assert session._node_args(cfg, 1, "10.0.0.1:1234") == {
+    assert sglang_start.node_args(cfg, 1, "10.0.0.1:1234") == {
         "nnodes": 2,
         "node_rank": 1,
         "dist_init_addr": "10.0.0.1:1234",
     }
-    assert session._node_args(load_config(QUICKSTART), 0, None) == {}
+    assert sglang_start.node_args(load_config(QUICKSTART), 0, None) == {}

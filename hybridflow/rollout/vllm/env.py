@@ -102,3 +102,9 @@ def check_environment(model=None, *, on_gpu: bool, setting: str = "rollout.engin
             f"expert widths to a multiple of {MOE_WIDTH_MULTIPLE} and then fails to take pushed weights; use a "
             f"multiple of {MOE_WIDTH_MULTIPLE} or run on GPUs"
         )
+
+
+def padded_vocab(vocab: int, parts: int) -> int:
+    """Embedding rows vLLM allocates: the vocabulary padded to a multiple of 64
+    (``VocabParallelEmbedding``'s ``pad_vocab_size``, whatever the split)."""
+    return -(-vocab // 64) * 64
