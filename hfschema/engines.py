@@ -28,8 +28,10 @@ class EngineTraits:
     routes: tuple[str, ...]
     """Weight-sync routes it takes (``rollout.sync_route``): ``sliced`` (each rank the rows it
     lacks, by the reshard plan) and / or ``full`` (whole Hugging Face tensors on its driver)."""
-    sharded: bool
-    """A replica spans several ranks (tp, ep, DP attention); False: one device each."""
+    splits: tuple[str, ...]
+    """The ``rollout`` settings by which a replica spans several ranks (``tp``, ``ep``, ``moe_dp``,
+    ``dp_size`` with ``enable_dp_attention``), and ``nodes`` where a replica may span nodes;
+    empty: one device each (``num_replicas`` for more)."""
     own_ranks: bool
     """Runs on engine ranks of its own (``rollout.placement=separate``)."""
     adapters: bool
@@ -68,7 +70,7 @@ ENGINES: dict[str, EngineTraits] = {
         label="SGLang",
         module="hybridflow.rollout.sglang.engine",
         routes=("sliced", "full"),
-        sharded=True,
+        splits=("tp", "ep", "moe_dp", "dp_size", "enable_dp_attention", "nodes"),
         own_ranks=True,
         adapters=True,
         cpu_expert_parallel=False,  # its torch-native MoE does not handle non-local experts
@@ -84,7 +86,7 @@ ENGINES: dict[str, EngineTraits] = {
         label="transformers",
         module="hybridflow.rollout.hf_engine",
         routes=("full",),
-        sharded=False,
+        splits=(),
         own_ranks=False,
         adapters=False,
         cpu_expert_parallel=False,
@@ -96,8 +98,8 @@ ENGINES: dict[str, EngineTraits] = {
     "vllm": EngineTraits(
         label="vLLM",
         module="hybridflow.rollout.vllm.engine",
-        routes=("full",),
-        sharded=False,  # a replica on one device in this version: rollout.num_replicas for more
+        routes=("sliced", "full"),
+        splits=("tp",),  # tensor parallelism on one node: its expert and attention DP are not planned
         own_ranks=True,
         adapters=False,
         cpu_expert_parallel=False,
@@ -107,6 +109,8 @@ ENGINES: dict[str, EngineTraits] = {
         start_processes="server",
         environment="hybridflow.rollout.vllm.env:check_environment",
         padded_vocab="hybridflow.rollout.vllm.env:padded_vocab",
+        sliced_payload="hybridflow.rollout.vllm.handles:prepare_rank_payload",
+        weight_digest="hybridflow.rollout.vllm.handles:digest",
     ),
 }
 """Each rollout engine's traits, by its ``rollout.engine`` name."""

@@ -77,9 +77,9 @@ class SGLangSettings:
         """Ranks of all replicas."""
         return self.tp * self.num_replicas
 
-    def describe(self) -> str:
+    def describe(self, engine: str = "sglang") -> str:
         """One line, e.g. ``sglang tp=8 ep=8 dp_attention=8 x128 replicas (1024 ranks)``."""
-        text = f"sglang tp={self.tp} ep={self.ep}"
+        text = f"{engine} tp={self.tp} ep={self.ep}"
         if self.moe_dp > 1:
             text += f" moe_dp={self.moe_dp}"
         if self.enable_dp_attention:

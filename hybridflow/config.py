@@ -511,8 +511,7 @@ class RolloutConfig:
         check_choice("dtype", self.dtype, ROLLOUT_DTYPES)
         check_positive(self, ("tp", "ep", "moe_dp", "dp_size", "num_replicas", "gpus_per_node"))
         traits = ENGINES[self.engine]
-        if not traits.sharded:
-            self._check_unsharded()
+        self._check_splits(traits.splits)
         if self.sync_route not in traits.routes:
             raise ConfigError(
                 "{p}engine={e} takes {routes} weight pushes only: set {p}sync_route={route} (sliced pushes "
@@ -526,19 +525,29 @@ class RolloutConfig:
         except ValueError as e:
             raise _rollout_error(e) from None
 
-    def _check_unsharded(self) -> None:
+    def _check_splits(self, splits: tuple[str, ...]) -> None:
+        """Each parallel setting the engine does not split a replica by is refused, naming the
+        engines that do (``hfschema.engines.EngineTraits.splits``)."""
         sizes = {key: getattr(self, key) for key in ("tp", "ep", "moe_dp", "dp_size")}
-        sharded = {key: value for key, value in sizes.items() if value > 1}
+        asked = {key: value for key, value in sizes.items() if value > 1}
         if self.enable_dp_attention:
-            sharded["enable_dp_attention"] = "true"
-        for key, value in sharded.items():
+            asked["enable_dp_attention"] = "true"
+        if self.tp > self.gpus_per_node:
+            asked["tp"] = f"{self.tp} (over gpus_per_node={self.gpus_per_node}: a replica across nodes)"
+        for key, value in asked.items():
+            split = "nodes" if "across nodes" in str(value) else key
+            if split in splits:
+                continue
+            engines = "|".join(name for name, t in ENGINES.items() if split in t.splits)
             raise ConfigError(
-                "{p}{key}={value} needs {p}engine={sharded}: {p}engine={e} runs each replica unsharded "
-                "on one device; use {p}num_replicas for more engines",
+                "{p}{key}={value} needs {p}engine={engines}: {p}engine={e} "
+                + ("splits a replica by {splits} only" if splits else "runs each replica unsharded on one device")
+                + "; use {p}num_replicas for more engines",
                 key=key,
                 value=value,
-                sharded="|".join(name for name, t in ENGINES.items() if t.sharded),
+                engines=engines,
                 e=self.engine,
+                splits=", ".join(s for s in splits if s != "nodes"),
             )
 
     @property
@@ -573,8 +582,8 @@ class RolloutConfig:
 
     def engines_text(self) -> str:
         """The engines alone: a sharded engine's parallel settings, else ``hf x2 replicas (2 ranks)``."""
-        if ENGINES[self.engine].sharded:
-            return self.parallel_split().describe()
+        if ENGINES[self.engine].splits:
+            return self.parallel_split().describe(self.engine)
         return f"{self.engine} x{self.num_replicas} replicas ({self.num_ranks} ranks)"
 
 

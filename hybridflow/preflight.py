@@ -599,16 +599,16 @@ def check_engine_device(cfg: HybridflowConfig, *, on_gpu: bool) -> None:
     """What the rollout engine refuses on this machine, said before the SFT warm-up instead of
     at the engine's start after it."""
     r = cfg.rollout
-    # (setting, engine, model): the judge's model is read at its start, its shape unchecked here
-    engines = [(f"rollout.engine={r.engine}", r.engine, cfg.model)]
+    # (setting, engine, model, tp): the judge's model is read at its start, its shape unchecked here
+    engines = [(f"rollout.engine={r.engine}", r.engine, cfg.model, r.tp)]
     if cfg.judge.path:
-        engines.append((f"judge.engine={cfg.judge.engine}", cfg.judge.engine, None))
-    for setting, name, model in engines:
+        engines.append((f"judge.engine={cfg.judge.engine}", cfg.judge.engine, None, cfg.judge.tp))
+    for setting, name, model, tp in engines:
         if ENGINES[name].environment is not None:
-            resolve(ENGINES[name].environment)(model, on_gpu=on_gpu, setting=setting)
+            resolve(ENGINES[name].environment)(model, on_gpu=on_gpu, setting=setting, tp=tp)
     if not ENGINES[r.engine].cpu_expert_parallel and not on_gpu and r.ep > 1:
         raise ValueError(
-            f"rollout.ep={r.ep} on a machine without a GPU: SGLang's CPU engine runs only ep=1 "
+            f"rollout.ep={r.ep} on a machine without a GPU: {ENGINES[r.engine].label}'s CPU engine runs only ep=1 "
             "(its torch-native MoE does not handle non-local experts); set rollout.ep=1 or run on GPUs"
         )
 

@@ -28,6 +28,7 @@ from reshard.planner import Plan, plan_reshard
 from reshard.sglang import sglang_layout
 from reshard.stats import Bandwidth, PlanStats, plan_stats
 from reshard.topology import Topology
+from reshard.vllm import vllm_layout
 
 __all__ = [
     "DESTINATION_LAYOUTS",
@@ -41,7 +42,10 @@ __all__ = [
 SOURCE_LAYOUTS = {"megatron": megatron_layout, "fsdp2": fsdp_layout}
 """Where each trainer backend (``actor.backend``) holds the actor's weights: the sync's source."""
 
-DESTINATION_LAYOUTS = {"sglang": lambda cfg, dtype: sglang_layout(cfg.model, cfg.rollout.parallel_split(), dtype=dtype)}
+DESTINATION_LAYOUTS = {
+    "sglang": lambda cfg, dtype: sglang_layout(cfg.model, cfg.rollout.parallel_split(), dtype=dtype),
+    "vllm": lambda cfg, dtype: vllm_layout(cfg.model, cfg.rollout.parallel_split(), dtype=dtype),
+}
 """Where each engine that takes sliced pushes (``hfschema.engines``) holds the weights on its
 ranks: the sliced route's destination (the full route's is ``reshard.hf.hf_layout``, any engine)."""
 

@@ -51,7 +51,7 @@ from reshard.families import CanonicalTensor, Placement, canonical_tensors, fami
 from reshard.layouts import LayoutBuilder, TensorLayout
 from reshard.regions import Region, full_region, gc_paused, split_even
 
-__all__ = ["SGLANG_RULES", "check_settings", "sglang_layout"]
+__all__ = ["SGLANG_RULES", "build_layout", "check_settings", "sglang_layout"]
 
 Piece = tuple[Region, Region, tuple[int, ...], tuple]
 """(canonical box, param box, param shape, position); position: (axis, index), ("all",) or
@@ -368,18 +368,34 @@ def _slot_maps(model: ModelConfig, s: SGLangSettings) -> tuple[dict, int]:
 
 def sglang_layout(model: ModelConfig, settings: SGLangSettings, *, dtype: str = "bfloat16") -> TensorLayout:
     """Which box of every canonical tensor each SGLang rank needs, and where it lands."""
+    return build_layout(model, settings, dtype=dtype, engine="SGLang", side="sglang")
+
+
+def build_layout(
+    model: ModelConfig,
+    settings: SGLangSettings,
+    *,
+    dtype: str,
+    engine: str,
+    side: str,
+    rename: Callable[[str], str] = str,
+) -> TensorLayout:
+    """SGLang's rules for an engine that cuts and fuses as SGLang does (``reshard.vllm``): its
+    parameters named by ``rename`` of SGLang's; ``engine`` names it in messages."""
     check_settings(model, settings)
     if model.family == UNMAPPED_FAMILY:
         raise ValueError(
-            f"model.family={UNMAPPED_FAMILY} (a model_type no family maps): how SGLang's model class fuses and "
+            f"model.family={UNMAPPED_FAMILY} (a model_type no family maps): how {engine}'s model class fuses and "
             "splits its tensors is not described, so each engine rank's share cannot be planned; set "
-            "rollout.sync_route=full (whole tensors, which SGLang's own loader splits)"
+            f"rollout.sync_route=full (whole tensors, which {engine}'s own loader splits)"
         )
     with gc_paused():
-        return _build(model, settings, dtype)
+        return _build(model, settings, dtype, side=side, rename=rename)
 
 
-def _build(model: ModelConfig, settings: SGLangSettings, dtype: str) -> TensorLayout:
+def _build(
+    model: ModelConfig, settings: SGLangSettings, dtype: str, *, side: str, rename: Callable[[str], str]
+) -> TensorLayout:
     tensors = canonical_tensors(model, dtype=dtype)
     slots, num_physical = _slot_maps(model, settings)
     ctx = _Ctx(model=model, settings=settings, slots=slots, num_physical=num_physical)
@@ -387,9 +403,9 @@ def _build(model: ModelConfig, settings: SGLangSettings, dtype: str) -> TensorLa
     ranks = _Ranks(settings, builder)
     for t in tensors:
         pl = t.spec.sglang
-        param = pl.param.format(layer=t.layer)
+        param = rename(pl.param.format(layer=t.layer))
         for box, param_box, shape, position in SGLANG_RULES[pl.rule](ctx, t, pl):
             builder.add(t.name, box, param, param_box, shape, ranks(position))
     return builder.build(
-        side="sglang", description=settings.describe(), model=model, dtype=dtype, num_ranks=settings.num_ranks
+        side=side, description=settings.describe(side), model=model, dtype=dtype, num_ranks=settings.num_ranks
     )

@@ -144,7 +144,14 @@ def test_a_killed_server_is_engine_lost_naming_its_log(engine):
 @pytest.mark.parametrize(
     "overrides, says",
     [
-        (["rollout.tp=2"], "rollout.tp=2 needs rollout.engine=sglang: rollout.engine=vllm runs each replica unsharded"),
+        (
+            ["rollout.ep=2", "rollout.tp=2"],
+            "rollout.ep=2 needs rollout.engine=sglang: rollout.engine=vllm splits a replica by tp only",
+        ),
+        (
+            ["rollout.tp=2", "rollout.gpus_per_node=1"],
+            "rollout.tp=2 (over gpus_per_node=1: a replica across nodes) needs rollout.engine=sglang",
+        ),
         (["rollout.enable_dp_attention=true"], "rollout.enable_dp_attention=true needs rollout.engine=sglang"),
         (["lora.enabled=true", "lora.push=adapter"], "lora.push=adapter with rollout.engine=vllm: that engine takes"),
     ],
@@ -165,7 +172,7 @@ def test_an_architecture_vllm_does_not_serve_is_named_before_any_rank(tmp_path):
     if env.version() is None:
         pytest.skip(f"vLLM is not installed ({env.INSTALL_COMMAND})")
     path = make_tiny_model_dir(tmp_path / "helium", "helium")  # transformers builds it, vLLM 0.32 lacks it
-    engine = ["rollout.engine=vllm", "rollout.tp=1", "rollout.sync_route=full", f"model.path={path}"]
+    engine = ["rollout.engine=vllm", "rollout.tp=1", f"model.path={path}"]
     cfg = load_config("configs/quickstart_cpu_day0.yaml", engine, model_path_must_exist=True)
     says = r"the installed vLLM has no model class for HeliumForCausalLM.*rollout\.engine=hf"
     with pytest.raises(ValueError, match=says):

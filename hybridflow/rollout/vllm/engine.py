@@ -88,6 +88,9 @@ class VLLMEngine:
         self._seed = int(seed)
         self._calls = 0
         self._released = False
+        self.tp = tp
+        """Tensor-parallel workers of the engine (one payload each in a sliced push)."""
+        self._params: list[dict[str, dict[str, Any]]] | None = None
         self._workdir = Path(tempfile.mkdtemp(prefix="hybridflow-vllm-", dir=_shared_dir()))
         log_root = Path(log_dir) if log_dir else self._workdir
         log_root.mkdir(parents=True, exist_ok=True)
@@ -108,8 +111,9 @@ class VLLMEngine:
         ]
         child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         child_env["HYBRIDFLOW_VLLM_AUTHKEY"] = authkey.hex()
-        if device and device.startswith("cuda:"):
-            child_env["CUDA_VISIBLE_DEVICES"] = _physical_gpu(int(device.split(":")[1]))
+        if device and device.startswith("cuda:"):  # engine rank i on the GPU of the actor's rank i
+            first = int(device.split(":")[1])
+            child_env["CUDA_VISIBLE_DEVICES"] = ",".join(_physical_gpu(first + i) for i in range(tp))
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env, start_new_session=True
@@ -247,6 +251,38 @@ class VLLMEngine:
             path.unlink(missing_ok=True)
         pushed = sum(t.numel() * t.element_size() for t in tensors.values())
         return WeightPushReport(seconds=time.perf_counter() - started, bytes_per_rank=(pushed,), route=route)
+
+    # ---- SlicedWeightReceiver: each tp rank its own share (rollout.sync_route=sliced)
+
+    def rank_params(self) -> list[dict[str, dict[str, Any]]]:
+        """Each tp rank's parameters, ``{name: {"shape", "dtype"}}``, as vLLM's loaders fill them
+        (before its kernels repack them): what the reshard plan's layout must produce. Read once."""
+        if self._params is None:
+            self._params = self._call({"op": "params"})
+        return self._params
+
+    def push_rank_payloads(self, payloads: Sequence[Any]) -> WeightPushReport:
+        """Each tp rank copies its own payload's file into place (``handles.prepare_rank_payload``);
+        the files are removed after, whatever happened."""
+        if len(payloads) != self.tp:
+            raise ValueError(f"push_rank_payloads: {len(payloads)} payloads for an engine of tp={self.tp}")
+        started = time.perf_counter()
+        try:
+            self._call({"op": "load_ranks", "paths": [p.path for p in sorted(payloads, key=lambda p: p.rank)]})
+        finally:
+            for payload in payloads:
+                Path(payload.path).unlink(missing_ok=True)
+        return WeightPushReport(
+            seconds=time.perf_counter() - started,
+            bytes_per_rank=tuple(p.nbytes for p in sorted(payloads, key=lambda p: p.rank)),
+            route="sliced",
+        )
+
+    def weight_digests(self) -> list[dict[str, list[float]]]:
+        """Each rank's ``{name: [sum, sum of squares]}`` of the tensors it copied into place at the
+        last sliced push, read in the worker: vLLM's CPU kernels empty the parameters they repack,
+        so the file's arrival, not the kernels' copy, is what this checks."""
+        return self._call({"op": "digests"})
 
     def reseed(self, seed: int) -> None:
         """The next calls' seeds derive from ``seed`` (and the call count from here)."""

@@ -78,10 +78,11 @@ def cpu_head_sizes() -> tuple[int, ...]:
     return tuple(int(n) for n in match.group(1).split(",") if n.strip()) if match else ()
 
 
-def check_environment(model=None, *, on_gpu: bool, setting: str = "rollout.engine=vllm") -> None:
+def check_environment(model=None, *, on_gpu: bool, setting: str = "rollout.engine=vllm", tp: int = 1) -> None:
     """ValueError, one line, where vLLM cannot start or serve: not installed, or on a CPU a ``model``
     (``hfschema.model.ModelConfig``; None: unchecked) whose head size its attention refuses or whose
-    expert width its MoE cannot reload (said before the SFT warm-up, not at the engine's start after it)."""
+    expert width on each of ``tp`` ranks its MoE cannot reload (said before the SFT warm-up, not at
+    the engine's start after it)."""
     if version() is None:
         raise ValueError(
             f"{setting} needs vLLM in an environment of its own, and {venv()} has none: run {INSTALL_COMMAND} "
@@ -95,12 +96,13 @@ def check_environment(model=None, *, on_gpu: bool, setting: str = "rollout.engin
             f"model.head_dim={model.kv_channels} with {setting} on a machine without a GPU: vLLM's CPU attention "
             f"takes head sizes {', '.join(map(str, sizes))}; choose one of them (e.g. model.head_dim=64) or run on GPUs"
         )
-    width = model.moe_ffn_hidden_size if model.is_moe else 0
+    width = model.moe_ffn_hidden_size // tp if model.is_moe else 0
     if width % MOE_WIDTH_MULTIPLE:
+        split = f" split {tp} ways (rollout.tp={tp}) is {width}:" if tp > 1 else ":"
         raise ValueError(
-            f"model.moe_ffn_hidden_size={width} with {setting} on a machine without a GPU: vLLM's CPU MoE pads "
-            f"expert widths to a multiple of {MOE_WIDTH_MULTIPLE} and then fails to take pushed weights; use a "
-            f"multiple of {MOE_WIDTH_MULTIPLE} or run on GPUs"
+            f"model.moe_ffn_hidden_size={model.moe_ffn_hidden_size} with {setting} on a machine without a GPU"
+            f"{split} vLLM's CPU MoE pads each rank's expert width to a multiple of {MOE_WIDTH_MULTIPLE} and "
+            f"then fails to take pushed weights; use a multiple of {MOE_WIDTH_MULTIPLE * tp} or run on GPUs"
         )
 
 

@@ -6,6 +6,9 @@ VLLMEngine ── Listener(unix socket, authkey) ◄──── Client: {"ready
            ── {"op": "generate", ...}        ────► LLM.generate(TokensPrompt, SamplingParams(logprobs=0))
            ◄─ {"ok": [[tokens, logprobs, finish] per sample] per prompt}
            ── {"op": "load", "path": ...}    ────► safetensors mapped from shared memory ─► reload_weights
+           ── {"op": "params"}               ────► each tp rank's parameters, as its loader fills them
+           ── {"op": "load_ranks", "paths"}  ────► tp rank r copies paths[r] into its parameters
+           ── {"op": "digests"}              ────► each rank's digests of what it was last given
            ── {"op": "sleep" | "wake", ...}  ────► LLM.sleep / wake_up (GPU; no-op on a CPU)
            ── {"op": "shutdown"}             ────► exit
 ```
@@ -32,14 +35,18 @@ if sys.path and Path(sys.path[0]).resolve() == _HERE:
     sys.path.pop(0)  # this script's siblings (env.py, engine.py) are not top-level modules here
 
 
-def _cpu():
-    """``cpu.py`` beside this script (vLLM's CPU settings and workarounds), loaded by path."""
-    name = "hybridflow_vllm_cpu"
+def _sibling(name: str, file: str):
+    """A module beside this script, loaded by path under ``name`` (once)."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _HERE / "cpu.py")
+        spec = importlib.util.spec_from_file_location(name, _HERE / file)
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
+
+
+def _cpu():
+    """``cpu.py`` beside this script (vLLM's CPU settings and workarounds)."""
+    return _sibling("hybridflow_vllm_cpu", "cpu.py")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -113,14 +120,16 @@ def _generate(llm, request: dict) -> list:
 def _load(llm, request: dict) -> dict:
     """Every worker reloads the checkpoint-named tensors of the file (vLLM's own loaders slice
     and fuse them, and its CPU kernels repack), then cached prefixes are dropped."""
-    path = request["path"]
+    path, capture = request["path"], request.get("capture")
     started = time.perf_counter()
 
-    def reload(worker, path=path):
+    def reload(worker, path=path, capture=capture):
         import torch
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as tensors:  # mapped: no copy out of shared memory
+        model = worker.model_runner.get_model()
+        # mapped: no copy out of shared memory
+        with safe_open(path, framework="pt") as tensors, _placement().capturing(model, capture, _tp_rank()):
             weights = ((name, tensors.get_tensor(name)) for name in tensors.keys())
             worker.model_runner.reload_weights(weights_iterator=weights)
         if not torch.cuda.is_available():
@@ -130,6 +139,81 @@ def _load(llm, request: dict) -> dict:
     llm.collective_rpc(reload)
     llm.reset_prefix_cache()
     return {"seconds": time.perf_counter() - started}
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _per_rank(llm, call) -> list:
+    """``call(worker)`` on every tp worker, its answers in tp-rank order."""
+
+    def ranked(worker, call=call):
+        return _tp_rank(), call(worker)
+
+    return [answer for _, answer in sorted(llm.collective_rpc(ranked), key=lambda pair: pair[0])]
+
+
+def _params(llm, request: dict) -> list:
+    """Each rank's parameters as vLLM's loaders fill them, before its kernels repack them:
+    ``{name: {"shape", "dtype"}}`` from the model-format metadata vLLM records for its reloads."""
+
+    def report(worker):
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        table = {}
+        for module_name, module in worker.model_runner.get_model().named_modules():
+            info = LAYERWISE_INFO.get(module)
+            for name, meta in (info.restore_metadata[0] if info is not None else {}).items():
+                dtype = str(meta.dtype).removeprefix("torch.")
+                table[f"{module_name}.{name}" if module_name else name] = {"shape": list(meta.shape), "dtype": dtype}
+        return table
+
+    return _per_rank(llm, report)
+
+
+def _load_ranks(llm, request: dict) -> dict:
+    """Each tp worker copies its own file's tensors (its share, in its parameters' layout) into
+    place; cached prefixes are dropped."""
+    paths, capture = request["paths"], request.get("capture")
+    started = time.perf_counter()
+
+    def place(worker, paths=paths, capture=capture):
+        import torch
+        from safetensors import safe_open
+
+        rank, runner = _tp_rank(), worker.model_runner
+        model = runner.get_model()
+        with safe_open(paths[rank], framework="pt") as tensors, _placement().capturing(model, capture, rank):
+            given = {name: tensors.get_tensor(name) for name in tensors.keys()}
+            worker.hybridflow_digests = {name: _digest(t) for name, t in given.items()}
+            _placement().place(model, runner.vllm_config.model_config, given)
+        if not torch.cuda.is_available():
+            _cpu().repack_moe_experts(model)
+        return True
+
+    llm.collective_rpc(place)
+    llm.reset_prefix_cache()
+    return {"seconds": time.perf_counter() - started}
+
+
+def _digests(llm, request: dict) -> list:
+    return _per_rank(llm, lambda worker: getattr(worker, "hybridflow_digests", {}))
+
+
+def _digest(tensor) -> list:
+    flat = tensor.reshape(-1).double()
+    return [float(flat.sum()), float((flat * flat).sum())]
+
+
+def _placement():
+    """``placement.py`` beside this script, loaded by path (as ``cpu.py``)."""
+    return _sibling("hybridflow_vllm_placement", "placement.py")
+
+
+_OPS = {"load": _load, "params": _params, "load_ranks": _load_ranks, "digests": _digests}
 
 
 def _serve(llm, on_gpu: bool, conn) -> None:
@@ -142,8 +226,8 @@ def _serve(llm, on_gpu: bool, conn) -> None:
         try:
             if op == "generate":
                 reply = {"ok": _generate(llm, request)}
-            elif op == "load":
-                reply = {"ok": _load(llm, request)}
+            elif op in _OPS:
+                reply = {"ok": _OPS[op](llm, request)}
             elif op == "flush":
                 reply = {"ok": bool(llm.reset_prefix_cache())}
             elif op == "sleep":
