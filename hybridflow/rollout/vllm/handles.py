@@ -19,7 +19,6 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ __all__ = ["RankPayload", "digest", "prepare_rank_payload"]
 
 @dataclasses.dataclass(frozen=True)
 class RankPayload:
-    """One tp rank's share: a file in shared memory, and its size."""
+    """One tp rank's share: a file in shared memory, and the bytes of its tensors."""
 
     rank: int
     path: str
@@ -63,7 +62,7 @@ def prepare_rank_payload(
     fd, path = tempfile.mkstemp(prefix=f"hybridflow-vllm-rank{rank}-", suffix=".safetensors", dir=directory)
     os.close(fd)
     save_file(dict(zip(tensors, kept)), path)
-    return RankPayload(rank=rank, path=path, nbytes=Path(path).stat().st_size), kept
+    return RankPayload(rank=rank, path=path, nbytes=sum(t.numel() * t.element_size() for t in kept)), kept
 
 
 def digest(tensor: torch.Tensor) -> list[float]:
