@@ -12,6 +12,10 @@ tensors, as a run fills it. Measured per engine, one after the other (nothing be
     push_seconds        median of ``--repeats`` full pushes after a warm-up push, and the bytes
                         each moved (``push_gb_per_s``): vLLM's crosses its environment boundary
                         as one safetensors file in /dev/shm, mapped by its workers
+    sliced_push_seconds engines that take sliced pushes (vLLM, SGLang): median of ``--repeats``
+                        pushes of the rank's share as the reshard plan lays it out (the payload
+                        made, then handed over: what one destination process and the driver do),
+                        and the bytes (``sliced_push_gb_per_s``)
 
 CPU figures on this machine's 2 cores, labelled so: they say how the engines compare on a CPU,
 not on GPUs. Prints one JSON object; ``--json`` also writes it (temporary file, then rename).
@@ -23,6 +27,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +39,13 @@ from safetensors.torch import load_file  # noqa: E402
 
 from hybridflow.rollout import SamplingParams, make_engine  # noqa: E402
 from hybridflow.rollout.tiny import make_tiny_model_dir  # noqa: E402
+from hfschema.engines import ENGINES, resolve  # noqa: E402
+from hfschema.hf_config import read_model_config  # noqa: E402
+from hfschema.sglang import SGLangSettings  # noqa: E402
 from hybridflow.rollout.vllm import env  # noqa: E402
+from reshard.executor import fill_rank  # noqa: E402
+from reshard.sglang import sglang_layout  # noqa: E402
+from reshard.vllm import vllm_layout  # noqa: E402
 
 SHAPE = dict(
     hidden_size=256,
@@ -56,6 +67,28 @@ STARTS = {
 def _prompts(count: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(10, 300, (12,), generator=g).tolist() for _ in range(count)]
+
+
+LAYOUTS = {"vllm": vllm_layout, "sglang": sglang_layout}
+"""The sliced route's destination layout of each engine that takes it (as ``weight_sync``'s, at tp=1)."""
+
+
+def _sliced(name: str, engine, model: Path, weights, repeats: int) -> dict:
+    """Sliced pushes of the tp=1 rank's share: the payload made (``sliced_payload``), then pushed."""
+    if name not in LAYOUTS:
+        return {}
+    layout = LAYOUTS[name](read_model_config(model), SGLangSettings(tp=1), dtype="float32")
+    share, params = fill_rank(layout, weights, 0), engine.rank_params()[0]
+    prepare = resolve(ENGINES[name].sliced_payload)
+    times, moved = [], 0
+    for _ in range(repeats + 1):  # the first: a warm-up
+        started = time.perf_counter()
+        payload, kept = prepare(0, share, params)
+        moved = sum(engine.push_rank_payloads([payload]).bytes_per_rank)
+        times.append(time.perf_counter() - started)
+        del kept
+    seconds = statistics.median(times[1:])
+    return {"sliced_push_seconds": seconds, "sliced_push_bytes": moved, "sliced_push_gb_per_s": moved / seconds / 1e9}
 
 
 def _measure(engine, weights, prompts, args) -> dict:
@@ -103,6 +136,7 @@ def run(args) -> dict:
             engine = STARTS[name](str(model))
             try:
                 results[name] = _measure(engine, weights, prompts, args)
+                results[name].update(_sliced(name, engine, model, weights, args.repeats))
             finally:
                 engine.shutdown()
     reference = results.get("hf", {}).get("greedy")

@@ -45,9 +45,21 @@ from reshard.planner import Plan, Transfer
 from reshard.regions import Region
 from reshard.transport import GroupLink, Link
 
-__all__ = ["ExecutionReport", "ProcessMap", "execute", "schedule"]
+__all__ = ["ExecutionReport", "ProcessMap", "execute", "fill_rank", "schedule"]
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def fill_rank(layout, tensors: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s parameters of ``layout`` (a ``TensorLayout``) filled box by box from whole
+    canonical tensors in this process, zeros where no box lands: what ``execute`` leaves in that
+    rank's buffers, without a plan (tests and benchmarks compare engines' loaders with it)."""
+    some = next(iter(tensors.values()))
+    out = {name: torch.zeros(shape, dtype=some.dtype) for name, shape in layout.param_shapes(rank).items()}
+    for held in layout.holdings(rank).holdings:
+        into = out[held.param][tuple(slice(a, b) for a, b in held.param_region)]
+        into.copy_(tensors[held.tensor][tuple(slice(a, b) for a, b in held.region)].reshape(into.shape))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)

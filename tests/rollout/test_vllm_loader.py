@@ -26,6 +26,7 @@ from hybridflow.rollout import SamplingParams, make_engine
 from hybridflow.rollout.tiny import make_tiny_model_dir
 from hybridflow.rollout.vllm import env
 from hybridflow.rollout.vllm.handles import prepare_rank_payload
+from reshard.executor import fill_rank
 from reshard.vllm import vllm_layout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -45,16 +46,6 @@ def _model_dir(root: Path, family: str, tp: int) -> Path:
     extra = {"moe_intermediate_size": 32 * tp} if family == "qwen3_moe" else {}
     shape = dict(head_dim=64, num_attention_heads=max(2, tp), num_key_value_heads=2, **extra)
     return make_tiny_model_dir(root / f"{family}-tp{tp}", family, seed=3, **shape)
-
-
-def plan_tensors(layout, hf: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s parameters filled box by box from the plan's holdings (what the executor
-    writes into a destination rank's buffers), zeros where no box lands."""
-    out = {name: torch.zeros(shape) for name, shape in layout.param_shapes(rank).items()}
-    for held in layout.holdings(rank).holdings:
-        into = out[held.param][tuple(slice(a, b) for a, b in held.param_region)]
-        into.copy_(hf[held.tensor][tuple(slice(a, b) for a, b in held.region)].reshape(into.shape))
-    return out
 
 
 @pytest.mark.claim("vllm-sliced-push")
@@ -77,7 +68,7 @@ def test_each_rank_holds_after_a_sliced_push_what_vllms_loader_builds_from_the_f
         whole = tmp_path / "whole.safetensors"
         save_file(hf, str(whole))
         engine._call({"op": "load", "path": str(whole), "capture": str(loaded)})
-        payloads = [prepare_rank_payload(r, plan_tensors(layout, hf, r), params[r])[0] for r in range(tp)]
+        payloads = [prepare_rank_payload(r, fill_rank(layout, hf, r), params[r])[0] for r in range(tp)]
         try:
             engine._call({"op": "load_ranks", "paths": [p.path for p in payloads], "capture": str(placed)})
         finally:
