@@ -424,10 +424,10 @@ class RolloutConfig:
 
     engine: str = "sglang"
     """Rollout engine: sglang; vllm (a server under vLLM's own environment, ``bash scripts/install.sh
-    --vllm``; one device per replica, needs sync_route=full); or hf (transformers, in the driving
-    process on its device: small runs, and GPU machines without SGLang; needs sync_route=full)."""
+    --vllm``; a replica splits by tp on one node); or hf (transformers, in the driving process on
+    its device: small runs, and GPU machines without SGLang; needs sync_route=full)."""
     tp: int = 1
-    """Ranks per engine (SGLang ``--tp-size``)."""
+    """Ranks per engine (SGLang ``--tp-size``, vLLM ``tensor_parallel_size``)."""
     ep: int = 1
     """Expert-parallel size inside an engine (``--ep-size``)."""
     moe_dp: int = 1
@@ -1027,7 +1027,7 @@ class JudgeConfig:
     path: Optional[str] = None
     """The judge: a Hugging Face causal LM directory (weights read by the engine); None: no judge."""
     engine: str = "sglang"
-    """sglang; vllm (tp=1, vLLM's own environment); or hf (transformers in the driver's process: small
+    """sglang; vllm (vLLM's own environment); or hf (transformers in the driver's process: small
     judges, machines without SGLang)."""
     tp: int = 1
     """Tensor-parallel ranks of the judge's engine."""
