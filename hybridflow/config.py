@@ -459,7 +459,8 @@ class RolloutConfig:
     """Bucket of the reshard executor: the most bytes one round of weight-sync sends and
     receives per process (bounds the sync's extra memory)."""
     push_bucket_mb: int = 512
-    """Bucket of a full-route push into SGLang: tensors per update call."""
+    """Bucket of a full-route push into SGLang or vLLM: tensors per update call (vLLM: per file in
+    shared memory, whole fused modules each)."""
     intra_node_gbps: float = 200.0
     """Per-rank intra-node bandwidth (NVLink, one direction) the weight-sync time model assumes."""
     inter_node_gbps: float = 25.0

@@ -106,8 +106,28 @@ def test_a_push_changes_what_it_generates_and_a_bad_one_is_named(engine, weights
 
 
 @pytest.mark.claim("vllm-adapter")
-def test_sliced_route_is_refused_by_name(engine, weights):
-    with pytest.raises(ValueError, match="rollout.sync_route=full"):
+def test_a_full_push_in_buckets_of_whole_modules_serves_as_one_file_does(engine, reference, weights):
+    """One fusion group a file (``bucket_bytes=1``): every layer reloaded on its own, its MoE
+    experts repacked once (a second repack of a layer another bucket filled would scramble them)."""
+    from hybridflow.rollout.vllm.engine import fusion_groups
+
+    groups = fusion_groups(list(weights))
+    attention = next(g for g in groups if "model.layers.0.self_attn.q_proj.weight" in g)
+    assert {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} <= set(attention)
+    experts = next(g for g in groups if "model.layers.1.mlp.experts.0.gate_proj.weight" in g)
+    assert len(experts) == 4 * 3 and all(n.startswith("model.layers.1.mlp.experts.") for n in experts)
+    engine.bucket_bytes, kept = 1, engine.bucket_bytes
+    try:
+        report = engine.push_weights(weights)
+    finally:
+        engine.bucket_bytes = kept
+    assert report.bytes_per_rank[0] == sum(t.numel() * 4 for t in weights.values())
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    ours, theirs = engine.generate(PROMPTS, params), reference.generate(PROMPTS, params)
+    for a, b in zip(ours.samples, theirs.samples):
+        assert a.response_ids == b.response_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    with pytest.raises(ValueError, match="sliced: push_rank_payloads"):
         engine.push_weights(weights, route="sliced")
 
 
@@ -125,7 +145,11 @@ def test_environment_checks_say_what_to_run(monkeypatch):
         with pytest.raises(ValueError, match=r"model.moe_ffn_hidden_size=16 .* a multiple of 32"):
             env.check_environment(narrow_experts, on_gpu=False)
         env.check_environment(narrow_heads, on_gpu=True)  # GPU attention backends take it
-        env.check_environment(ModelConfig(family="qwen3_moe", head_dim=64, moe_ffn_hidden_size=32), on_gpu=False)
+        fits_one = ModelConfig(family="qwen3_moe", head_dim=64, moe_ffn_hidden_size=32)
+        env.check_environment(fits_one, on_gpu=False)
+        split = r"moe_ffn_hidden_size=32 .* split 2 ways \(rollout.tp=2\) is 16: .* a multiple of 64"
+        with pytest.raises(ValueError, match=split):
+            env.check_environment(fits_one, on_gpu=False, tp=2)
     monkeypatch.setenv("HYBRIDFLOW_VLLM_VENV", "/nonexistent/venv")
     with pytest.raises(ValueError, match=r"needs vLLM .* run bash scripts/install.sh --vllm"):
         env.check_environment(narrow_heads, on_gpu=False)

@@ -26,6 +26,7 @@ GPUs run other MoE kernels. The test: an MoE model's log-probs after a push equa
 from __future__ import annotations
 
 import os
+import re
 
 MOE_WIDTH_MULTIPLE = 32
 """The expert width vLLM's CPU MoE reloads without padding (``CPUUnquantizedExperts.output_alignment``)."""
@@ -41,12 +42,25 @@ def engine_options(max_model_len: int, kv_cache_bytes: int) -> dict:
     return {"enforce_eager": True, "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
 
 
-def repack_moe_experts(model) -> int:
-    """Re-run each MoE layer's expert weight processing after a reload; returns how many layers."""
+def repack_moe_experts(model, layers: set[int] | None = None) -> int:
+    """Re-run the expert weight processing of each MoE layer a reload just filled (``layers``: their
+    decoder-layer indices; None: every one) and returns how many. Only those: a layer the reload did
+    not touch kept its repacked experts, which a second repack would scramble (a bucketed push
+    fills a few layers at a time)."""
     repacked = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None and hasattr(module, "w13_weight"):
-            kernel.fused_experts.process_weights_after_loading(module)
-            repacked += 1
+        if kernel is None or not hasattr(module, "w13_weight"):
+            continue
+        index = re.search(r"layers\.(\d+)\.", name)
+        if layers is not None and (index is None or int(index.group(1)) not in layers):
+            continue
+        kernel.fused_experts.process_weights_after_loading(module)
+        repacked += 1
     return repacked
+
+
+def expert_layers(names) -> set[int]:
+    """The decoder layers whose experts appear among checkpoint ``names``."""
+    found = (re.match(r"model\.layers\.(\d+)\..*\bexperts\.", name) for name in names)
+    return {int(match.group(1)) for match in found if match}

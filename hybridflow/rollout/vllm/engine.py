@@ -6,7 +6,8 @@ VLLMEngine (this process, the trainer's torch)         server.py (vLLM's venv, v
          Listener(unix socket, random authkey)      ◄── connects, says ready
   generate(prompts, params) ─ token ids, n, seeds ──► LLM.generate ─► tokens, log-probs, finish
   push_weights(HF-named tensors, route="full")
-         safetensors file in /dev/shm (one copy)   ──► every worker: reload_weights(mapped file)
+         safetensors files in /dev/shm, a bucket each ──► every worker: reload_weights(mapped file)
+  push_rank_payloads(one file per tp rank)          ──► worker r: its share into place (placement.py)
   release_memory / resume_memory                   ──► sleep / wake_up (GPU; no-op on a CPU)
   shutdown                                         ──► exits (killed after a grace period)
 ```
@@ -31,6 +32,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
+from hfschema.buckets import fill_buckets
 from hybridflow.rollout.base import (
     EngineLost,
     RolloutBatch,
@@ -82,12 +84,15 @@ class VLLMEngine:
         start_timeout_s: float = 600.0,
         generate_timeout_s: float = 1800.0,
         device: str | None = None,
+        bucket_bytes: int = 512 << 20,
     ) -> None:
         env.check_environment(None, on_gpu=True)  # not installed: the command that installs it
         self.generate_timeout_s = generate_timeout_s
         self._seed = int(seed)
         self._calls = 0
         self._released = False
+        self.bucket_bytes = bucket_bytes
+        """Bytes of tensors per file of a full push (``rollout.push_bucket_mb``)."""
         self.tp = tp
         """Tensor-parallel workers of the engine (one payload each in a sliced push)."""
         self._params: list[dict[str, dict[str, Any]]] | None = None
@@ -233,23 +238,30 @@ class VLLMEngine:
         return RolloutBatch(samples=samples, seconds=time.perf_counter() - started)
 
     def push_weights(self, weights: Mapping[str, Any], *, route: str = "full") -> WeightPushReport:
-        """Load Hugging Face checkpoint-named tensors (all or some), written once into shared memory
-        and mapped by vLLM's workers, whose own loaders slice, fuse and repack them."""
+        """Load Hugging Face checkpoint-named tensors (all or some) in buckets of at most
+        ``bucket_bytes`` (``rollout.push_bucket_mb``): each written once into shared memory, mapped
+        and loaded by vLLM's workers, whose own loaders slice, fuse and repack, then removed. A
+        bucket holds whole fusion groups (``fusion_groups``): vLLM processes a module once all of
+        its tensors have come, so one split over two buckets would be processed half empty."""
         from safetensors.torch import save_file
 
         if route != "full":
-            raise ValueError(f"push route {route!r}: the vLLM engine takes full pushes (rollout.sync_route=full)")
+            raise ValueError(f"push route {route!r}: push_weights takes full pushes (sliced: push_rank_payloads)")
         if not weights:
             raise ValueError("push_weights got no tensors")
         started = time.perf_counter()
-        path = self._workdir / f"push_{self._calls}_{time.monotonic_ns()}.safetensors"
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
-        try:
-            save_file(tensors, str(path))
-            self._call({"op": "load", "path": str(path)})
-        finally:
-            path.unlink(missing_ok=True)
-        pushed = sum(t.numel() * t.element_size() for t in tensors.values())
+        groups = fusion_groups(list(weights))
+        sizes = [sum(weights[n].numel() * weights[n].element_size() for n in group) for group in groups]
+        pushed = 0
+        for bucket in fill_buckets(groups, sizes, self.bucket_bytes):
+            tensors = {name: weights[name].detach().to("cpu").contiguous() for group in bucket for name in group}
+            path = self._workdir / f"push_{self._calls}_{time.monotonic_ns()}.safetensors"
+            try:
+                save_file(tensors, str(path))
+                self._call({"op": "load", "path": str(path)})
+            finally:
+                path.unlink(missing_ok=True)
+            pushed += sum(t.numel() * t.element_size() for t in tensors.values())
         return WeightPushReport(seconds=time.perf_counter() - started, bytes_per_rank=(pushed,), route=route)
 
     # ---- SlicedWeightReceiver: each tp rank its own share (rollout.sync_route=sliced)
@@ -322,6 +334,21 @@ class VLLMEngine:
     def __del__(self) -> None:  # a forgotten engine must not outlive its caller
         if getattr(self, "_process", None) is not None:
             self._stop_process()
+
+
+def fusion_groups(names: Sequence[str]) -> list[list[str]]:
+    """Checkpoint names grouped so that no vLLM module's tensors are split: a decoder layer's
+    attention (``q``/``k``/``v`` fuse into ``qkv_proj``), its experts (one ``FusedMoE``), the rest of
+    its MLP (``gate``/``up`` fuse); any other tensor alone. In first-seen order."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        cut = next((i for i, part in enumerate(parts) if part in ("experts", "self_attn")), None)
+        if cut is None:
+            cut = next((i for i, part in enumerate(parts) if part in ("mlp", "block_sparse_moe")), None)
+        key = ".".join(parts[: cut + 1]) if cut is not None else name
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
 
 
 def _physical_gpu(index: int) -> str:

@@ -130,10 +130,10 @@ def _load(llm, request: dict) -> dict:
         model = worker.model_runner.get_model()
         # mapped: no copy out of shared memory
         with safe_open(path, framework="pt") as tensors, _placement().capturing(model, capture, _tp_rank()):
-            weights = ((name, tensors.get_tensor(name)) for name in tensors.keys())
-            worker.model_runner.reload_weights(weights_iterator=weights)
-        if not torch.cuda.is_available():
-            _cpu().repack_moe_experts(worker.model_runner.get_model())
+            names = list(tensors.keys())
+            worker.model_runner.reload_weights(weights_iterator=((name, tensors.get_tensor(name)) for name in names))
+        if not torch.cuda.is_available():  # the layers this file filled (a bucket: some of them)
+            _cpu().repack_moe_experts(model, _cpu().expert_layers(names))
         return True
 
     llm.collective_rpc(reload)
@@ -191,7 +191,7 @@ def _load_ranks(llm, request: dict) -> dict:
             worker.hybridflow_digests = {name: _digest(t) for name, t in given.items()}
             _placement().place(model, runner.vllm_config.model_config, given)
         if not torch.cuda.is_available():
-            _cpu().repack_moe_experts(model)
+            _cpu().repack_moe_experts(model, _cpu().expert_layers(given))
         return True
 
     llm.collective_rpc(place)

@@ -28,6 +28,7 @@ def start_replica(cfg: HybridflowConfig, model_dir: Path, *, device: str, node_r
         kv_cache_bytes=cfg.rollout.max_total_tokens * kv_bytes_per_token(cfg),
         log_dir=str(Path(cfg.run.output_dir) / "logs"),
         generate_timeout_s=cfg.rollout.generate_timeout_s,
+        bucket_bytes=cfg.rollout.push_bucket_mb << 20,
         device=device,
     )
 
