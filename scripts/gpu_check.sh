@@ -11,6 +11,9 @@
 #    JSON: $OUT/gpu_check.json (OUT defaults to runs/gpu_check).
 # 2. Where SGLang and pytest are installed (the venv), the rollout tests on SGLang's CUDA engine
 #    (tests/rollout, the executor tests); cases that need two GPUs are deselected on one.
+# 3. Where vLLM's CUDA build has an environment of its own (bash scripts/install.sh --vllm, or
+#    HYBRIDFLOW_VLLM_VENV; its wheel is too big to carry to a bare machine), vLLM's cases: the
+#    adapter's tests and the sliced push against vLLM's loader at every tp the GPUs allow.
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. Packages that python lacks are taken from
 # wheels/ (made by scripts/gpu_wheels.sh: megatron-core, omegaconf for CPython 3.12), unpacked
@@ -57,5 +60,15 @@ if "$py" -c 'import sglang, pytest' >/dev/null 2>&1; then
     2>&1 | tee "$out/pytest.log" || status=1
 else
   echo "gpu_check: no SGLang or pytest for $py: the SGLang CUDA engine tests did not run" >&2
+fi
+if "$py" -c 'import pytest; from hybridflow.rollout.vllm import env; assert env.version()' >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L | grep -c '^GPU ')
+  wide=()
+  ((gpus >= 2)) || wide+=(-k "not tp2 and not tp4")
+  ((gpus < 2 || gpus >= 4)) || wide+=(-k "not tp4")
+  HYBRIDFLOW_REQUIRE_VLLM=1 "$py" -m pytest -q -rs -m "" tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_loader.py \
+    "${wide[@]}" --junitxml "$out/junit_vllm.xml" 2>&1 | tee "$out/pytest_vllm.log" || status=1
+else
+  echo "gpu_check: no vLLM environment for $py (bash scripts/install.sh --vllm): the vLLM cases did not run" >&2
 fi
 exit "$status"

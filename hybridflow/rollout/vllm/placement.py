@@ -74,7 +74,7 @@ def capturing(model, directory: str | None, rank: int):
 
     def snapshot(layer) -> None:
         for param, tensor in layer.named_parameters(recurse=False):
-            seen[f"{names[id(layer)]}.{param}"] = tensor.detach().clone().contiguous()
+            seen[f"{names[id(layer)]}.{param}"] = tensor.detach().to("cpu", copy=True).contiguous()
 
     for method in methods.values():
         original = method.process_weights_after_loading
@@ -92,5 +92,5 @@ def capturing(model, directory: str | None, rank: int):
     for module in model.modules():  # layers vLLM does not process (norms): as they are now
         if getattr(module, "quant_method", None) is None:
             for param, tensor in module.named_parameters(recurse=False):
-                seen.setdefault(f"{names[id(module)]}.{param}", tensor.detach().clone().contiguous())
+                seen.setdefault(f"{names[id(module)]}.{param}", tensor.detach().to("cpu", copy=True).contiguous())
     save_file(seen, str(Path(directory) / f"rank{rank}.safetensors"))
