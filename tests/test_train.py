@@ -528,7 +528,7 @@ def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> 
         assert moved_critic < 2 * moved_actor, (key, float(moved_critic), float(moved_actor))
 
 
-@pytest.mark.claim("algorithms-registered-and-run", "dynamic-sampling-with-model-scorers")
+@pytest.mark.claim("algorithms-registered-and-run", "dynamic-sampling-with-model-scorers", "dynamic-sampling-remax")
 @pytest.mark.parametrize("algorithm", ["remax", "dapo"])
 def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(
     full_run: Path, tmp_path: Path, algorithm: str
@@ -536,13 +536,15 @@ def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(
     """ReMax's greedy baseline and DAPO's extra draws are rollouts too: each DP rank receives its
     share of them, and the baseline / kept rows line up with the samples they belong to.
 
-    The ReMax run also pushes by ``rollout.sync_route=full``: whole HF tensors gathered to the
-    driver, every engine rank receives all of them; the engine then scores like the trainer, as
-    with the sliced route of ``full_run``. The DAPO run has a reward model beside the rule (its
-    weight 0, so the rule's ties still drop groups): its extra rounds are scored by it too."""
+    The ReMax run also draws with dynamic sampling (once a crash at its first step: its greedy
+    baselines indexed with the kept rows, none for the extra rounds; ``tests/runtime/test_kept.py``)
+    and pushes by ``rollout.sync_route=full``: whole HF tensors gathered to the driver, every engine
+    rank receives all of them; the engine then scores like the trainer, as with the sliced route of
+    ``full_run``. The DAPO run has a reward model beside the rule (its weight 0, so the rule's ties
+    still drop groups): its extra rounds are scored by it too."""
     out = tmp_path / algorithm
     if algorithm == "remax":
-        extra = ["rollout.sync_route=full"]
+        extra = ["rollout.sync_route=full", "algorithm.dynamic_sampling=true"]
     else:
         from tests.reward.rm_models import make_rm_dir
 
@@ -560,10 +562,11 @@ def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(
     # a DAPO step that kept no group has no rows to score (and skips its update)
     checked = [h["rollout/logprob_diff_max"] for h in history if "rollout/logprob_diff_max" in h]
     assert checked and max(checked) < LOGPROB_TOL, history
+    again = [h for h in history if h["dapo/sampling_rounds"] > 1]  # both drew again at some step
     if algorithm == "remax":
+        assert again, history
         _check_full_route(out, full_run)
     else:  # steps that drew again had the reward model score their extra rounds
-        again = [h for h in history if h["dapo/sampling_rounds"] > 1]
         assert again and all("dapo/model_scores_mean" in h for h in again), history
 
 

@@ -102,7 +102,7 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
         if warning and s.run.is_driver:
             logger.warning("step %d: %s", step.index + 1, warning)
     if s.pipeline is not None:  # how much generation overlapped training (asks the engine ranks)
-        trained = f["kept"][0] if "kept" in f else f["responses"]
+        trained = f["kept"].fields["responses"] if "kept" in f else f["responses"]
         metrics.update(s.pipeline.end_step(float(trained.lengths.sum())))
     metrics["timing/step_wall"] = time.perf_counter() - began  # the stages and what runs between them
     return metrics
@@ -115,8 +115,8 @@ def _step_view(stages, f: dict) -> StepView | None:
         return None
     per_token = {k: f[k] for k in ("advantages", "old_logprobs") if k in f}
     if "kept" in f:  # dynamic sampling trained on the groups it kept
-        ro, rewards = f["kept"]
-        return StepView(ro, rewards, {}, per_token)
+        kept = f["kept"].fields
+        return StepView(kept["responses"], kept["scores"], {}, per_token)
     scores = {}
     for node in (stage.node for stage in stages if stage.node.op == "reward"):
         if node.option("scores_field") == "scores":

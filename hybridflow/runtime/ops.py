@@ -13,7 +13,7 @@ Field layouts (N samples in all, B = b of them on this DP rank, T prompt + respo
 response columns): ``responses`` a ``Rollout`` (this rank's packed ``[B, T]`` tensors and texts,
 every sample's group, length and truncation ``[N]``); ``scores`` ``[N]``;
 ``old_logprobs``/``ref_logprobs``/``entropy``/``advantages``/``returns`` ``[B, T]``;
-``token_rewards`` ``[B, R]``; ``kept`` a filtered ``Rollout`` with its ``[N']`` scores.
+``token_rewards`` ``[B, R]``; ``kept`` a ``step.Kept``: the filtered ``Rollout`` and its ``[N']`` per-sample fields.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from hybridflow.runtime import frozen, replicas, switches
 from hybridflow.runtime.batch import from_response, pad_rows, to_response
 from hybridflow.runtime.learning_signal import signal_metrics
 from hybridflow.runtime.session import Session, broadcast, gather_to_driver
-from hybridflow.runtime.step import Inputs, Produced, Step
+from hybridflow.runtime.step import Inputs, Kept, Produced, Step
 
 __all__ = [
     "OPS",
@@ -490,12 +490,14 @@ def _rm_scores(s: Session, ro: Rollout) -> torch.Tensor:
 def filter_groups_op(s: Session, node, f: Inputs, step: Step) -> Produced:
     """DAPO dynamic sampling: keep groups whose rewards differ; draw more prompts until the step
     has ``run.prompts_per_step`` groups or ``algorithm.max_sampling_rounds`` rounds ran. Each
-    extra round is scored as the step's own samples are (rule, reward model, judge); the GPUs are
-    left in the mode they were found in."""
+    extra round is scored as the step's own samples are (rule, reward model, judge), and gets
+    every other per-sample field the node reads (ReMax: its greedy baselines); the GPUs are left
+    in the mode they were found in. ``kept`` holds all of them filtered alike (``step.Kept``)."""
     want, seed = s.cfg.run.prompts_per_step, s.cfg.run.seed
-    ro, scores = f["responses"], f["scores"]
-    keep = filter_groups(scores, ro.groups)
-    kept, kept_scores = [ro.select(keep)], [scores[keep]]
+    ro = f["responses"]
+    names = [name for name in node.inputs if name != "responses"]  # per-sample: scores [+ baseline_scores]
+    keep = filter_groups(f["scores"], ro.groups)
+    kept = {"responses": [ro.select(keep)], **{name: [f[name][keep]] for name in names}}
     groups = int(keep.sum()) // s.cfg.rollout.n
     rounds, errors, metrics, found = 1, 0, {}, s.mode
     while groups < want and rounds < node.option("max_rounds"):
@@ -503,11 +505,12 @@ def filter_groups_op(s: Session, node, f: Inputs, step: Step) -> Produced:
         seeded = step_seed(seed, step.index, rounds)
         _back_to_generation(s)
         extra, metrics = rollout(s, prompts, sampling(s.cfg, s.data.stop_ids), seeded, group_offset=rounds * want)
-        extra_scores, failed, scored = _extra_round_scores(s, extra)
+        values, failed, scored = _extra_round_fields(s, extra, prompts, names)
         metrics.update(scored)
-        keep = filter_groups(extra_scores, extra.groups)
-        kept.append(extra.select(keep))
-        kept_scores.append(extra_scores[keep])
+        keep = filter_groups(values["scores"], extra.groups)
+        kept["responses"].append(extra.select(keep))
+        for name in names:
+            kept[name].append(values[name][keep])
         groups += int(keep.sum()) // s.cfg.rollout.n
         rounds, errors = rounds + 1, errors + failed
     if found is not None:
@@ -515,7 +518,27 @@ def filter_groups_op(s: Session, node, f: Inputs, step: Step) -> Produced:
     metrics.update({"dapo/kept_groups": float(groups), "dapo/sampling_rounds": float(rounds)})
     if groups == 0:
         logger.warning("step %d: every group had equal rewards; the actor update is skipped", step.index)
-    return Produced({"kept": (_concat(kept), torch.cat(kept_scores))}, metrics, errors)
+    fields = {"responses": _concat(kept.pop("responses")), **{name: torch.cat(parts) for name, parts in kept.items()}}
+    return Produced({"kept": Kept(fields)}, metrics, errors)
+
+
+def _extra_round_fields(
+    s: Session, ro: Rollout, prompts, names: list[str]
+) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+    """An extra round's per-sample fields ``names`` ([N] each): its scores, and ReMax's greedy
+    baselines of its prompts (generated and scored as the step's own are); with the reward calls
+    that raised and the metrics. A field no extra round can make is a graph this op cannot run."""
+    scores, failed, metrics = _extra_round_scores(s, ro)
+    values = {"scores": scores}
+    if "baseline_scores" in names:
+        greedy, _ = rollout(s, prompts, sampling(s.cfg, s.data.stop_ids, greedy=True), 0)
+        repeated = greedy.take(torch.arange(greedy.total).repeat_interleave(s.cfg.rollout.n))
+        values["baseline_scores"], baseline_failed, _ = _extra_round_scores(s, repeated)
+        failed += baseline_failed
+    unknown = sorted(set(names) - set(values))
+    if unknown:
+        raise NotImplementedError(f"filter_groups: an extra round cannot make {unknown} for its samples")
+    return values, failed, metrics
 
 
 def _back_to_generation(s: Session) -> None:
@@ -573,14 +596,14 @@ def _concat(parts: list[Rollout]) -> Rollout:
 
 
 def kept_rollout(node, f: Inputs) -> Rollout:
-    """The samples the trainer uses: DAPO's kept ones when the graph filters (the node then
-    reads ``kept``), else all of them."""
-    return f["kept"][0] if "kept" in node.inputs else f["responses"]
+    """The samples the trainer uses: DAPO's kept ones when the graph filters (``Inputs`` then
+    serves the kept batch as ``responses``), else all of them."""
+    return f["responses"]
 
 
 def kept_scores(node, f: Inputs) -> torch.Tensor:
     """[N] scores of ``kept_rollout``'s samples."""
-    return f["kept"][1] if "kept" in node.inputs else f["scores"]
+    return f["scores"]
 
 
 # --------------------------------------------------------------------------- trainer-side scoring

@@ -10,6 +10,12 @@ loop.run_step:   fields = {prompts, answers}
 An op sees only the fields its node declares as inputs (``Inputs``): the graph's edges are all
 the data that passes between ops, so ``hybridflow plan`` prints every one of them, and an op
 that reads anything else fails at once, naming the field and the node to declare it on.
+
+A filter (DAPO's dynamic sampling) drops samples and draws more: its output ``kept`` (``Kept``)
+holds the batch it kept and every per-sample field it was given, filtered and drawn alike. A node
+that reads ``kept`` reads those under their own names (``responses``, ``scores``,
+``baseline_scores``): a stage after the filter cannot index a field of the whole batch with the
+kept batch's rows (ReMax's baselines once were, and crashed with an index past the batch).
 """
 
 from __future__ import annotations
@@ -21,18 +27,29 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hybridflow.runtime.session import ModelRole
 
-__all__ = ["Inputs", "Produced", "Step", "StepUndo", "UndeclaredRead"]
+__all__ = ["Inputs", "Kept", "Produced", "Step", "StepUndo", "UndeclaredRead"]
 
 
 class UndeclaredRead(AssertionError):
     """An op read (or asked for) a field its node does not declare: an edge the graph lacks."""
 
 
+@dataclass(frozen=True)
+class Kept:
+    """What a filter kept: ``fields["responses"]`` (the rollout) and each per-sample field the
+    filter read (``scores`` [N'], ``baseline_scores`` [N'] ...), in step with its samples."""
+
+    fields: dict[str, Any]
+
+
 class Inputs(Mapping[str, Any]):
-    """The step's fields as one node may read them: its declared inputs, and nothing else."""
+    """The step's fields as one node may read them: its declared inputs, and nothing else; with
+    ``kept`` among them, the kept batch's fields under their own names."""
 
     def __init__(self, node: Any, fields: Mapping[str, Any]) -> None:
-        self._node, self._fields = node, fields
+        self._node = node
+        kept = fields.get("kept") if "kept" in node.inputs else None
+        self._fields = {**fields, **kept.fields} if kept is not None else fields
 
     def _declared(self, name: str) -> None:
         if name not in self._node.inputs:

@@ -223,12 +223,12 @@ def test_dynamic_sampling_scores_each_extra_round_as_the_step_does(tmp_path, mon
     )
     monkeypatch.setattr(ops, "_judge_start", lambda s, ro: events.append("judge requests") or len(drawn) + 1)
     monkeypatch.setattr(ops, "_judge_collect", lambda s, ro, round_: (judge[round_], 1))
-    node = SimpleNamespace(option=lambda name: {"max_rounds": 3}[name])
+    node = SimpleNamespace(inputs=("responses", "scores"), option=lambda name: {"max_rounds": 3}[name])
     first = _groups_rollout(4)
     produced = ops.filter_groups_op(
         session, node, {"responses": first, "scores": torch.zeros(4)}, SimpleNamespace(index=5)
     )
-    kept, scores = produced.fields["kept"]
+    kept, scores = (produced.fields["kept"].fields[name] for name in ("responses", "scores"))
     push = ["enter sync", "push"] if drops_weights else []
     one_round = [
         *push,
