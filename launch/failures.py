@@ -10,6 +10,15 @@
                                                     stderr, last:  hybridflow train: rank R failed: Type: message
                                                     <run dir>/error.txt (atomically)
 
+A record keeps the whole traceback, and the line names where the error was raised (the innermost
+frame in the project's own files, else the innermost one) and the stage and step it broke:
+
+    hybridflow train: rank 1 failed: IndexError in advantages, step 1 (hybridflow/runtime/ops.py:767):
+    index 128 is out of bounds ...; traceback in logs/errors/rank1.json
+
+An error whose message already says what to change (a config value, a full disk) is recorded
+without them (``record_failure(..., detail=False)``): its one line is the whole story.
+
 On several nodes each node's launcher names the same first failure, whichever node it came
 from: the ranks' clocks are compared (NTP keeps a cluster's within milliseconds), and records
 older than the launch (an earlier job in the same run directory) are passed over.
@@ -18,7 +27,7 @@ torchrun's own ``record`` / ``TORCHELASTIC_ERROR_FILE`` mechanism is not used: i
 with whole seconds and picks the lowest rank among equal stamps (a peer's "connection closed"
 can then pass for the cause), it writes only after the rank's ``finally`` blocks have closed
 its process groups (by when the peers are failing too), and it prints a JSON traceback block
-rather than one line. Full tracebacks stay in each rank's output. Ranks stopped by a signal
+rather than one line. Ranks stopped by a signal
 (``hybridflow.runtime.stops.Stopped``) write nothing: they did not fail.
 """
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +49,7 @@ __all__ = [
     "RUN_ERROR_DIR_ENV",
     "Failure",
     "first_failure",
+    "raised_at",
     "record_failure",
     "report_failure",
 ]
@@ -64,13 +75,49 @@ class Failure:
     """When the exception reached the job's top level (``time.time()``)."""
     error: str
     """``Type: message``."""
+    where: str = ""
+    """``file:line`` the error was raised at (the innermost frame in the project's files); "": not said."""
+    context: str = ""
+    """The stage and step it broke (``advantages, step 1``); "": outside the steps' stages."""
+    traceback: str = ""
+    """The whole traceback, as Python prints it."""
 
     def line(self) -> str:
-        return f"rank {self.rank} failed: {self.error}"
+        if not (self.where or self.context):
+            return f"rank {self.rank} failed: {self.error}"
+        kind, _, message = self.error.partition(": ")
+        head = kind + (f" in {self.context}" if self.context else "") + (f" ({self.where})" if self.where else "")
+        rest = f"; traceback in {RUN_ERRORS / f'rank{self.rank}.json'}" if self.traceback else ""
+        return f"rank {self.rank} failed: {head}: {message}{rest}"
 
 
-def record_failure(error: BaseException, *, env: dict[str, str] | None = None) -> Path | None:
-    """In a rank: write ``error`` for the launcher; None when no launcher asked for it."""
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def raised_at(error: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``error``'s traceback in the project's own files
+    (relative to the checkout), else of the innermost frame; "" without a traceback."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    ours = [f for f in frames if _is_ours(f.filename)]
+    frame = (ours or frames)[-1]
+    path = Path(frame.filename)
+    shown = path.resolve().relative_to(_ROOT) if _is_ours(frame.filename) else path
+    return f"{shown}:{frame.lineno}"
+
+
+def _is_ours(filename: str) -> bool:
+    path = Path(filename).resolve()
+    installed = any(part.startswith(".venv") or part == "site-packages" for part in path.parts)
+    return path.is_relative_to(_ROOT) and not installed
+
+
+def record_failure(
+    error: BaseException, *, env: dict[str, str] | None = None, context: str = "", detail: bool = True
+) -> Path | None:
+    """In a rank: write ``error`` for the launcher, with where it was raised, the stage and step
+    (``context``) and the traceback unless ``detail=False``; None when no launcher asked for it."""
     env = os.environ if env is None else env
     directory = env.get(ERROR_DIR_ENV)
     if not directory:
@@ -81,6 +128,9 @@ def record_failure(error: BaseException, *, env: dict[str, str] | None = None) -
         restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         time=time.time(),
         error=f"{type(error).__name__}: {message}",
+        where=raised_at(error) if detail else "",
+        context=context if detail else "",
+        traceback="".join(traceback.format_exception(error)) if detail and error.__traceback__ else "",
     )
     path = Path(directory) / f"rank{failure.rank}.json"
     write_atomic(path, json.dumps(asdict(failure)))

@@ -8,6 +8,8 @@ job) and the ``HYBRIDFLOW_INJECT_*`` variables that select what to inject:
     each rank exits abruptly (status 17) as that RL step starts: a node failure.
 ``RAISE_AT_STEP=STEP:RANK``
     that rank raises as that RL step starts: a bug in one rank.
+``RAISE_IN_STAGE=OP:STEP:RANK``
+    that rank's op raises in that RL step, inside its stage: a bug in an op.
 ``REPLICA_FAILURE=K@N``
     replica K's driver fails its share of the N-th generate call of the run (its first try).
 ``KILL_ENGINE=K@N``
@@ -51,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "HYBRIDFLOW_INJECT_"
 CRASH_AT_STEP = PREFIX + "CRASH_AT_STEP"
 RAISE_AT_STEP = PREFIX + "RAISE_AT_STEP"
+RAISE_IN_STAGE = PREFIX + "RAISE_IN_STAGE"
 REPLICA_FAILURE = PREFIX + "REPLICA_FAILURE"
 KILL_ENGINE = PREFIX + "KILL_ENGINE"
 KILL_ENGINE_PUSH = PREFIX + "KILL_ENGINE_PUSH"
@@ -85,6 +88,26 @@ def _steps(loop) -> None:
         return run_step(s, stages, step)
 
     loop.run_step = faulty_run_step
+
+
+def _ops(ops) -> None:
+    if os.environ.get(DUMP_LOGPROBS):
+        _dump(ops)
+    if os.environ.get(RAISE_IN_STAGE):
+        _raise_in_stage(ops)
+
+
+def _raise_in_stage(ops) -> None:
+    """Wrap the op ``RAISE_IN_STAGE`` names: at that step, on that rank, it raises inside it."""
+    name, index, rank = os.environ[RAISE_IN_STAGE].split(":")
+    real = ops.OPS[name]
+
+    def raising(s, node, f, step):
+        if step.index == int(index) and s.run.rank == int(rank):
+            raise IndexError(f"{RAISE_IN_STAGE}={name}:{index}:{rank}: simulated bug in {name}")
+        return real(s, node, f, step)
+
+    ops.OPS[name] = raising
 
 
 def _dump(ops) -> None:
@@ -254,7 +277,7 @@ def _fill_disk_for(text: str) -> None:
 
 _AFTER_IMPORT: dict[str, tuple[tuple[str, ...], Callable]] = {
     "hybridflow.runtime.loop": ((CRASH_AT_STEP, RAISE_AT_STEP), _steps),
-    "hybridflow.runtime.ops": ((DUMP_LOGPROBS,), _dump),
+    "hybridflow.runtime.ops": ((DUMP_LOGPROBS, RAISE_IN_STAGE), _ops),
     "hybridflow.runtime.replicas": ((REPLICA_FAILURE, KILL_ENGINE), _replicas),
     "hybridflow.runtime.sync": ((KILL_ENGINE_PUSH,), _sync),
     "hybridflow.rollout": ((PROTOCOL_ONLY,), _protocol_only),

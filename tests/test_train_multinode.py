@@ -91,9 +91,11 @@ def test_both_nodes_name_the_rank_that_failed_first_even_on_the_other_node(tmp_p
         "run.heldout_prompts=0",
     ]
     logs = _two_agents(port, 1, overrides, env=environment(RAISE_AT_STEP="0:1"), succeed=False)
-    cause = (
-        "hybridflow launch: rank 1 failed: RuntimeError: "
-        "HYBRIDFLOW_INJECT_RAISE_AT_STEP=0:1: simulated failure in rank 1"
+    source = (Path(__file__).resolve().parent / "injection.py").read_text().splitlines()
+    line_no = next(i for i, text in enumerate(source, 1) if "simulated failure in rank" in text)
+    cause = (  # raised where the injection wraps the step, outside its stages
+        f"hybridflow launch: rank 1 failed: RuntimeError (tests/injection.py:{line_no}): "
+        "HYBRIDFLOW_INJECT_RAISE_AT_STEP=0:1: simulated failure in rank 1; traceback in logs/errors/rank1.json"
     )
     assert [log.strip().splitlines()[-1] for log in logs] == [cause, cause], logs[0][-3000:] + logs[1][-3000:]
     assert (out / "error.txt").read_text() == cause + "\n"

@@ -43,6 +43,8 @@ class _OwnOrSevere(logging.Filter):
         self.verbose = verbose
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "file_only", False):  # e.g. a failed rank's traceback: the terminal has its own
+            return False
         top = record.name.split(".", 1)[0]
         if self.verbose or top in TOLD:
             return True

@@ -83,7 +83,11 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
         started = time.perf_counter()
         if stage.switch is not None:  # from where the last stage left: the planned switch, unless a step was skipped
             switches.enter(s, stage.switch.target)
-        produced = OPS[stage.node.op](s, stage.node, Inputs(stage.node, f), step)
+        try:
+            produced = OPS[stage.node.op](s, stage.node, Inputs(stage.node, f), step)
+        except Exception as error:  # the record and the last line name the stage and step it broke
+            error.failed_stage = getattr(error, "failed_stage", None) or f"{stage.node.name}, step {step.index + 1}"
+            raise
         f.update(_checked(stage.node, produced))
         measured.update(produced.metrics)
         errors += produced.reward_errors

@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:  # before the clean-up below: a peer's later error cannot look first
         named = _one_line_error(error, cfg)
         if named is not None:  # one line, not a traceback: the message says what to change
-            record_failure(named)
+            record_failure(named, detail=False)
             logging.getLogger("hybridflow.train").error("%s", named)
             sys.stderr.write(f"hybridflow train: error: {named}\n")
             return 1
@@ -754,7 +754,9 @@ def main(argv: list[str] | None = None) -> int:
             _wait_for_a_stop(error)
         except stops.Stopped as stop:
             _leave(stop)
-        record_failure(error)
+        record_failure(error, context=getattr(error, "failed_stage", ""))
+        # the whole traceback in the rank's log too (logs/rank<R>.log), beside its record
+        logging.getLogger("hybridflow.train").error("rank failed", exc_info=error, extra={"file_only": True})
         raise
     finally:
         trainer.teardown()

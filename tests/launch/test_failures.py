@@ -69,3 +69,34 @@ def test_every_node_names_the_first_failure_of_the_whole_job(tmp_path) -> None:
     assert lines == ["hybridflow launch: rank 3 failed: ValueError: the cause"] * 2
     assert first_failure(nodes[0]).rank == 0  # without the run directory, node 0 knew only its own rank
     assert (run / ERROR_FILE).read_text() == lines[0] + "\n"
+
+
+def _parse(text: str):
+    return json.loads(text)  # raises in the standard library, called from here
+
+
+@pytest.mark.claim("failure-traceback-kept")
+def test_a_raised_error_is_recorded_with_where_it_was_raised_its_stage_and_its_traceback(tmp_path) -> None:
+    """The innermost frame in the project's files (not the standard library's json), the stage and
+    step, the whole traceback; the line says all but the traceback and where that is kept."""
+    try:
+        _parse("{")
+    except ValueError as error:
+        raised = error
+    env = {ERROR_DIR_ENV: str(tmp_path), "RANK": "1"}
+    saved = json.loads(record_failure(raised, env=env, context="advantages, step 2").read_text())
+    line_no = next(
+        i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "raises in the standard" in text
+    )
+    where = f"tests/launch/test_failures.py:{line_no}"
+    assert saved["where"] == where and saved["context"] == "advantages, step 2"
+    assert (
+        saved["traceback"].startswith("Traceback (most recent call last)") and "json/decoder.py" in saved["traceback"]
+    )
+    line = report_failure(tmp_path, None, command="hybridflow train", returncode=1)
+    assert line == (
+        f"hybridflow train: rank 1 failed: JSONDecodeError in advantages, step 2 ({where}): {raised}; "
+        "traceback in logs/errors/rank1.json"
+    )
+    told = json.loads(record_failure(raised, env=env, context="advantages, step 2", detail=False).read_text())
+    assert (told["where"], told["context"], told["traceback"]) == ("", "", "")  # a message that says it all

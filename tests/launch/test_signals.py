@@ -13,6 +13,7 @@ helper processes); about a minute each, most of it imports.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -283,28 +284,40 @@ def test_sigterm_stops_the_sglang_engine_processes_too(tmp_path) -> None:
     _check_stopped(job, out, signal.SIGTERM, code, gone_s)
 
 
-@pytest.mark.claim("first-failure-named")
+@pytest.mark.claim("first-failure-named", "failure-traceback-kept")
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_failing_rank_is_the_last_line_and_the_error_file(tmp_path) -> None:
+    """An op that raises in rank 1 at step 2 (``tests.injection``: ``RAISE_IN_STAGE``): the last
+    line names the stage, the step and the file and line it was raised at; the record in the run
+    directory and the rank's log hold the whole traceback."""
     out = tmp_path / "run"
-    job = _train(out, "run.steps=3", "run.checkpoint_every=0", env=environment(RAISE_AT_STEP="1:1"))
+    env = environment(RAISE_IN_STAGE="advantages:1:1")
+    job = _train(out, "run.steps=3", "run.checkpoint_every=0", env=env)
     try:
         code = job.proc.wait(timeout=240)
     finally:
         job.kill()
+    source = (ROOT / "tests" / "injection.py").read_text().splitlines()
+    line_no = next(i for i, text in enumerate(source, 1) if "simulated bug in" in text)
     expected = (
-        "hybridflow train: rank 1 failed: RuntimeError: "
-        "HYBRIDFLOW_INJECT_RAISE_AT_STEP=1:1: simulated failure in rank 1"
+        f"hybridflow train: rank 1 failed: IndexError in advantages, step 2 (tests/injection.py:{line_no}): "
+        "HYBRIDFLOW_INJECT_RAISE_IN_STAGE=advantages:1:1: simulated bug in advantages; "
+        "traceback in logs/errors/rank1.json"
     )
     lines = job.text().rstrip().splitlines()
     assert code == 1, lines[-30:]
     assert lines[-1] == expected
     # the failing rank's own traceback (its lines prefixed "[rank1]:") names the error too, and may
     # come last when rank 0 is killed before it prints; torchrun's block and ours must name it once
-    ours = [line for line in lines if "simulated failure" in line and not line.startswith("[rank")]
+    ours = [line for line in lines if "simulated bug" in line and not line.startswith("[rank")]
     assert ours == [expected], ours
     assert (out / ERROR_FILE).read_text() == expected + "\n"
+    record = json.loads((out / "logs" / "errors" / "rank1.json").read_text())
+    assert record["context"] == "advantages, step 2" and "in run_step" in record["traceback"]
+    assert record["traceback"].rstrip().endswith("simulated bug in advantages")
+    log = (out / "logs" / "rank1.log").read_text()
+    assert "rank failed" in log and "Traceback (most recent call last)" in log and "in raising" in log
 
 
 def _files(root: Path) -> dict[Path, bytes]:
