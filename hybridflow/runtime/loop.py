@@ -18,6 +18,7 @@ refuses an op any other field); the session holds what lives longer (``session``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -86,7 +87,7 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
         try:
             produced = OPS[stage.node.op](s, stage.node, Inputs(stage.node, f), step)
         except Exception as error:  # the record and the last line name the stage and step it broke
-            error.failed_stage = getattr(error, "failed_stage", None) or f"{stage.node.name}, step {step.index + 1}"
+            _mark_stage(error, f"{stage.node.name}, step {step.index + 1}")
             raise
         f.update(_checked(stage.node, produced))
         measured.update(produced.metrics)
@@ -110,6 +111,13 @@ def run_step(s: Session, stages, step: Step) -> dict[str, float]:
         metrics.update(s.pipeline.end_step(float(trained.lengths.sum())))
     metrics["timing/step_wall"] = time.perf_counter() - began  # the stages and what runs between them
     return metrics
+
+
+def _mark_stage(error: Exception, where: str) -> None:
+    """``error.failed_stage``: the innermost stage it escaped (the worker's record reads it)."""
+    if getattr(error, "failed_stage", None) is None:
+        with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attributes
+            error.failed_stage = where
 
 
 def _step_view(stages, f: dict) -> StepView | None:
