@@ -529,14 +529,14 @@ class RolloutConfig:
     def _check_splits(self, splits: tuple[str, ...]) -> None:
         """Each parallel setting the engine does not split a replica by is refused, naming the
         engines that do (``hfschema.engines.EngineTraits.splits``)."""
-        sizes = {key: getattr(self, key) for key in ("tp", "ep", "moe_dp", "dp_size")}
-        asked = {key: value for key, value in sizes.items() if value > 1}
+        # (the split it needs, the key, its value): a tp over one node's GPUs spans nodes
+        asked = [(key, key, getattr(self, key)) for key in ("tp", "ep", "moe_dp", "dp_size") if getattr(self, key) > 1]
         if self.enable_dp_attention:
-            asked["enable_dp_attention"] = "true"
+            asked.append(("enable_dp_attention", "enable_dp_attention", "true"))
         if self.tp > self.gpus_per_node:
-            asked["tp"] = f"{self.tp} (over gpus_per_node={self.gpus_per_node}: a replica across nodes)"
-        for key, value in asked.items():
-            split = "nodes" if "across nodes" in str(value) else key
+            across = f"{self.tp} (over gpus_per_node={self.gpus_per_node}: a replica across nodes)"
+            asked = [("nodes", "tp", across), *(a for a in asked if a[1] != "tp")]
+        for split, key, value in asked:
             if split in splits:
                 continue
             engines = "|".join(name for name, t in ENGINES.items() if split in t.splits)
