@@ -60,9 +60,6 @@ class EngineTraits:
     sliced_payload: str | None = None
     """With the sliced route: ``module:function`` packing a destination rank's buffers for the
     engine (``(engine-local rank, buffers, the rank's parameters) -> (payload, kept tensors)``)."""
-    weight_digest: str | None = None
-    """With the sliced route: ``module:function`` digesting a tensor as the engine reports its own
-    (the refit check compares the two)."""
 
 
 ENGINES: dict[str, EngineTraits] = {
@@ -80,7 +77,6 @@ ENGINES: dict[str, EngineTraits] = {
         start_processes="schedulers",
         padded_vocab="hfschema.sglang:pad_vocab",
         sliced_payload="hybridflow.rollout.sglang.handles:prepare_rank_payload",
-        weight_digest="hybridflow.rollout.sglang.param_report:digest",
     ),
     "hf": EngineTraits(
         label="transformers",
@@ -110,7 +106,6 @@ ENGINES: dict[str, EngineTraits] = {
         environment="hybridflow.rollout.vllm.env:check_environment",
         padded_vocab="hybridflow.rollout.vllm.env:padded_vocab",
         sliced_payload="hybridflow.rollout.vllm.handles:prepare_rank_payload",
-        weight_digest="hybridflow.rollout.vllm.handles:digest",
     ),
 }
 """Each rollout engine's traits, by its ``rollout.engine`` name."""

@@ -120,7 +120,7 @@ def _dump(ops) -> None:
         out = old_logprob(s, node, f, step)
         target = Path(os.environ[DUMP_LOGPROBS]) / f"step_{step.index:06d}" / f"rank{s.run.rank}.pt"
         if not target.exists():
-            ro = ops.kept_rollout(node, f)
+            ro = f["responses"]
             rows = {key: ro.batch[key].cpu() for key in ("input_ids", "attention_mask", "response_mask", "logprobs")}
             target.parent.mkdir(parents=True, exist_ok=True)
             logprobs = out.fields["old_logprobs"].detach().cpu()

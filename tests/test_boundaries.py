@@ -354,7 +354,7 @@ def test_every_engine_registration_names_every_rollout_engine():
     sliced = [name for name, traits in ENGINES.items() if "sliced" in traits.routes]
     assert sorted(DESTINATION_LAYOUTS) == sorted(sliced)
     for name in sliced:
-        assert callable(resolve(ENGINES[name].sliced_payload)) and callable(resolve(ENGINES[name].weight_digest))
+        assert callable(resolve(ENGINES[name].sliced_payload))
     branches = []
     for path in sorted((ROOT / "hybridflow").rglob("*.py")):
         if path.is_relative_to(ROOT / "hybridflow" / "rollout"):

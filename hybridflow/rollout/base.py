@@ -45,6 +45,7 @@ __all__ = [
     "memory_tags",
     "register_engine",
     "submit",
+    "weight_digest",
 ]
 
 FINISH_STOP = "stop"
@@ -350,3 +351,10 @@ def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; registered engines: {', '.join(engine_names()) or 'none'}")
     return _ENGINES[name](**kwargs)
+
+
+def weight_digest(tensor) -> list[float]:
+    """[sum, sum of squares] of ``tensor`` in float64: what the refit check compares between the
+    tensors the trainer sent and what an engine holds (each engine reports its own this way)."""
+    flat = tensor.detach().reshape(-1).double()
+    return [float(flat.sum()), float((flat * flat).sum())]

@@ -48,8 +48,6 @@ __all__ = [
     "engine_prompts",
     "heldout_reward",
     "heldout_teacher_kl",
-    "kept_rollout",
-    "kept_scores",
     "sampling",
     "step_seed",
 ]
@@ -595,17 +593,6 @@ def _concat(parts: list[Rollout]) -> Rollout:
     )
 
 
-def kept_rollout(node, f: Inputs) -> Rollout:
-    """The samples the trainer uses: DAPO's kept ones when the graph filters (``Inputs`` then
-    serves the kept batch as ``responses``), else all of them."""
-    return f["responses"]
-
-
-def kept_scores(node, f: Inputs) -> torch.Tensor:
-    """[N] scores of ``kept_rollout``'s samples."""
-    return f["scores"]
-
-
 # --------------------------------------------------------------------------- trainer-side scoring
 
 
@@ -655,7 +642,7 @@ def _engine_routes(ro: Rollout) -> torch.Tensor:
 
 @op("old_logprob")
 def old_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
-    ro, actor, shard = kept_rollout(node, f), s.models.actor, s.run.shard
+    ro, actor, shard = f["responses"], s.models.actor, s.run.shard
     # routing replay: r3 scores with the engine's experts, as training will; r2 records the
     # actor's own experts, which training replays
     mode = node.option("routing_replay")
@@ -699,7 +686,7 @@ def _diff_by_version(shard, diff: torch.Tensor, current: torch.Tensor) -> dict[s
 @op("ref_logprob")
 def ref_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
     with frozen.on_device(s.models.reference, s.cfg.reference.offload):
-        logp, _ = _logprobs(s, s.models.reference, kept_rollout(node, f), with_entropy=False)
+        logp, _ = _logprobs(s, s.models.reference, f["responses"], with_entropy=False)
     return Produced({"ref_logprobs": logp})
 
 
@@ -720,14 +707,14 @@ def _remote_logprobs(remote: frozen.Remote, ro: Rollout) -> tuple[torch.Tensor, 
 def teacher_request(s: Session, node, f: Inputs, step: Step) -> Produced:
     """A teacher on GPUs of its own: every sample's tokens sent to its ranks, which compute their
     log-probs while the actor ranks go on (``teacher_logprob`` collects them)."""
-    ro = kept_rollout(node, f)
+    ro = f["responses"]
     _remote_start(s, s.models.teacher, ro)
     return Produced({node.option("pending_field"): ro.total})
 
 
 @op("teacher_logprob")
 def teacher_logprob(s: Session, node, f: Inputs, step: Step) -> Produced:
-    ro = kept_rollout(node, f)
+    ro = f["responses"]
     if node.option("pending_field", None) is not None:  # asked by teacher_request
         logp, _ = _remote_logprobs(s.models.teacher, ro)
     else:
@@ -752,7 +739,7 @@ def reverse_kl(s: Session, ro: Rollout, student: torch.Tensor, teacher: torch.Te
 
 @op("values")
 def values(s: Session, node, f: Inputs, step: Step) -> Produced:
-    ro = kept_rollout(node, f)
+    ro = f["responses"]
     inputs, rows = _padded(s, {"input_ids": ro.batch["input_ids"]})
     return Produced({"values": s.models.critic.forward_values(inputs, local_rows=True)[:rows]})
 
@@ -766,8 +753,8 @@ def _response_view(ro: Rollout, x_BT: torch.Tensor) -> torch.Tensor:
 
 @op("token_rewards")
 def token_rewards(s: Session, node, f: Inputs, step: Step) -> Produced:
-    ro = kept_rollout(node, f)
-    scores = kept_scores(node, f)[ro.rows]
+    ro = f["responses"]
+    scores = f["scores"][ro.rows]
     algo = s.models.algo
     mask_BR = _response_view(ro, ro.batch["response_mask"])
     buffer = node.option("overlong_buffer_len")
@@ -802,7 +789,7 @@ def token_rewards(s: Session, node, f: Inputs, step: Step) -> Produced:
 
 @op("advantages")
 def advantages(s: Session, node, f: Inputs, step: Step) -> Produced:
-    ro = kept_rollout(node, f)
+    ro = f["responses"]
     mask_BR = _response_view(ro, ro.batch["response_mask"])
     estimator = get_estimator(node.option("estimator"))
     baseline = f["baseline_scores"][ro.rows] if "baseline_scores" in node.inputs else None
@@ -885,7 +872,7 @@ def _train_rows(s: Session, node, f: Inputs, ro: Rollout, step: int) -> dict[str
         "advantages": f["advantages"],
     }
     pf_ppo, algo = node.option("pf_ppo"), s.models.algo
-    scores = kept_scores(node, f) if node.option("lm_loss_coef") or pf_ppo else None
+    scores = f["scores"] if node.option("lm_loss_coef") or pf_ppo else None
     if node.option("lm_loss_coef"):  # the LM term trains on the positive samples only
         rows["positive"] = (scores[ro.rows] > 0).float()
     for key in ("ref_logprobs", "routed_experts"):  # routing replay: the experts to train with
@@ -917,7 +904,7 @@ def _mini_batches(s: Session, rows: dict[str, torch.Tensor], count: int) -> list
 
 @op("update_actor")
 def update_actor(s: Session, node, f: Inputs, step: Step) -> Produced:
-    ro, actor, algo = kept_rollout(node, f), s.models.actor, s.models.algo
+    ro, actor, algo = f["responses"], s.models.actor, s.models.algo
     if not ro.total or step.index < node.option("start_step"):
         # nothing kept, or the critic's warm-up
         return Produced({"actor_metrics": {"actor/updated": 0.0, **_router_metrics(s)}})
@@ -973,7 +960,7 @@ def critic_loss(clip: float) -> Callable:
 
 @op("update_critic")
 def update_critic(s: Session, node, f: Inputs, step: Step) -> Produced:
-    ro, critic, algo = kept_rollout(node, f), s.models.critic, s.models.algo
+    ro, critic, algo = f["responses"], s.models.critic, s.models.algo
     rows = {
         "input_ids": ro.batch["input_ids"],
         "response_mask": ro.batch["response_mask"].float(),

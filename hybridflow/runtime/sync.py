@@ -53,7 +53,7 @@ import torch.distributed as dist
 from hfschema.engines import ENGINES, resolve
 from hybridflow.config import HybridflowConfig
 from hybridflow.lowering import holds
-from hybridflow.rollout.base import AdapterReceiver, EngineLost, SlicedWeightReceiver, require
+from hybridflow.rollout.base import AdapterReceiver, EngineLost, SlicedWeightReceiver, require, weight_digest
 from hybridflow.runtime.channel import Channel
 from hybridflow.runtime.engine_client import EngineClient
 from hybridflow.runtime.replicas import (
@@ -327,7 +327,7 @@ class EngineSync:
         on a driver whose engine was lost meanwhile, the cause (the collectives still complete:
         the other processes must not wait for it)."""
         traits = ENGINES[self.cfg.rollout.engine]
-        prepare_rank_payload, digest = resolve(traits.sliced_payload), resolve(traits.weight_digest)
+        prepare_rank_payload = resolve(traits.sliced_payload)
         tp = self.cfg.rollout.tp
         # payloads carry the engine-local rank: replica k's rank j is global destination k*tp + j
         payload, kept = prepare_rank_payload(dest % tp, buffers, self.engine_params[dest]) if buffers else (None, [])
@@ -340,7 +340,9 @@ class EngineSync:
                 pushed, lost = self._hand_over(gathered[first : first + tp])
             if verify:  # digests of exactly the engine-layout tensors each rank shared
                 shared: list = [None] * dist.get_world_size()
-                dist.all_gather_object(shared, {n: digest(t) for n, t in zip(buffers, kept)} if buffers else None)
+                dist.all_gather_object(
+                    shared, {n: weight_digest(t) for n, t in zip(buffers, kept)} if buffers else None
+                )
                 if self.engine is not None and lost is None:
                     worst = refit_difference(shared[first : first + tp], self.engine.weight_digests())
         finally:

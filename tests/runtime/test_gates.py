@@ -48,7 +48,7 @@ def test_bad_thresholds_name_the_key():
 def test_the_refit_verifier_compares_digests():
     import torch
 
-    from hybridflow.rollout.sglang.param_report import digest
+    from hybridflow.rollout.base import weight_digest as digest
     from hybridflow.runtime.sync import refit_difference
 
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)

@@ -16,20 +16,14 @@ import os
 import traceback
 
 from hfschema.files import write_atomic
+from hybridflow.rollout.base import weight_digest
 
-__all__ = ["DIGEST_LOADER", "LOADER", "digest", "report_digests", "report_params"]
+__all__ = ["DIGEST_LOADER", "LOADER", "report_digests", "report_params"]
 
 LOADER = f"{__name__}.report_params"
 """The ``load_format`` / ``custom_weight_loader`` path of ``report_params``."""
 DIGEST_LOADER = f"{__name__}.report_digests"
 """The same for ``report_digests`` (the refit verifier)."""
-
-
-def digest(tensor) -> list[float]:
-    """[sum, sum of squares] of ``tensor`` in float64: what the refit verifier compares between
-    the tensors the trainer shared and the engine's parameters."""
-    flat = tensor.detach().reshape(-1).double()
-    return [float(flat.sum()), float((flat * flat).sum())]
 
 
 def _tp_rank() -> int:
@@ -64,7 +58,7 @@ def report_digests(model, named_tensors) -> None:
     try:
         out_dir, rank = named_tensors[0][0], _tp_rank()
         try:
-            digests = {name: digest(p) for name, p in model.named_parameters()}
+            digests = {name: weight_digest(p) for name, p in model.named_parameters()}
             write_atomic(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(digests))
         except Exception:
             write_atomic(os.path.join(out_dir, f"rank{rank}.error"), traceback.format_exc())

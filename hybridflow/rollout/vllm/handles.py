@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankPayload", "digest", "prepare_rank_payload"]
+__all__ = ["RankPayload", "prepare_rank_payload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +63,3 @@ def prepare_rank_payload(
     os.close(fd)
     save_file(dict(zip(tensors, kept)), path)
     return RankPayload(rank=rank, path=path, nbytes=sum(t.numel() * t.element_size() for t in kept)), kept
-
-
-def digest(tensor: torch.Tensor) -> list[float]:
-    """[sum, sum of squares] in float64, as vLLM's workers digest what they were given
-    (``server._digest``): the refit check compares the two."""
-    flat = tensor.detach().reshape(-1).double()
-    return [float(flat.sum()), float((flat * flat).sum())]

@@ -204,6 +204,7 @@ def _digests(llm, request: dict) -> list:
 
 
 def _digest(tensor) -> list:
+    """``hybridflow.rollout.base.weight_digest``, which this environment cannot import."""
     flat = tensor.reshape(-1).double()
     return [float(flat.sum()), float((flat * flat).sum())]
 
