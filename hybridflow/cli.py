@@ -53,6 +53,7 @@ from pathlib import Path
 from hfschema.hf_config import DEFAULT_BUFFER_BYTES, DEFAULT_SHARD_BYTES
 from hybridflow import __version__, lengths, sample_files
 from hybridflow.config import HybridflowConfig, enabled_roles, load_config, to_yaml
+from hybridflow.features import active_features
 from hybridflow.host_memory import has_gpu_device, host_memory
 from hybridflow.lowering import ExecutionPlan, lower, trainer_line, trainer_text
 from hybridflow.model_size import count_parameters, format_count
@@ -353,6 +354,7 @@ def _plan_summary(cfg: HybridflowConfig, plan: ExecutionPlan) -> list[str]:
     lines += [trainer_line(cfg, name, layout) for name, layout in enabled_roles(cfg).items()]
     lines.append(f"rollout: {cfg.rollout.describe()}")
     lines.append(f"async_rl: {cfg.async_rl.describe()}")
+    lines.append(f"features: {', '.join(active_features(cfg)) or 'none'} (hybridflow/features.py)")
     return lines + plan.spec.describe() + plan.describe()
 
 

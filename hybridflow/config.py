@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from reshard.stats import Bandwidth
 
 __all__ = [
+    "CORRECTION_LEVELS",
+    "CORRECTION_MODES",
+    "PF_PPO_MODES",
     "ChecksConfig",
     "ConfigError",
     "HybridflowConfig",
@@ -622,6 +625,11 @@ ALGORITHMS = (
     "gpg",
     "cispo",
 )
+PF_PPO_MODES = ("pow", "max_min", "max_random")
+"""PF-PPO's sample weightings (``algorithm.pf_ppo``; their functions: ``algorithms.shaping``)."""
+CORRECTION_MODES = ("tis", "mis", "mask")
+"""Rollout corrections (``algorithm.rollout_correction``; the functions: ``algorithms.correction``)."""
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "low_var_kl+", "k3+")
 
@@ -745,7 +753,7 @@ class AlgorithmConfig:
             check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         check_choice("kl_type", self.kl_type, KL_TYPES)
         if self.pf_ppo is not None:
-            check_choice("pf_ppo", self.pf_ppo, ("pow", "max_min", "max_random"))
+            check_choice("pf_ppo", self.pf_ppo, PF_PPO_MODES)
         self._check_rollout_correction()
         self._check_policy_loss_knobs()
         check_positive(self, ("ppo_epochs", "mini_batches", "max_sampling_rounds", "clip_ratio_low"))
@@ -777,8 +785,8 @@ class AlgorithmConfig:
     def _check_rollout_correction(self) -> None:
         if self.rollout_correction is None:
             return
-        check_choice("rollout_correction", self.rollout_correction, ("tis", "mis", "mask"))
-        check_choice("rollout_correction_level", self.rollout_correction_level, ("token", "sequence", "geometric"))
+        check_choice("rollout_correction", self.rollout_correction, CORRECTION_MODES)
+        check_choice("rollout_correction_level", self.rollout_correction_level, CORRECTION_LEVELS)
         low, high = self.rollout_correction_lower, self.rollout_correction_upper
         if high <= 0 or (low is not None and not 0 <= low < high):
             raise ConfigError(
@@ -1234,11 +1242,18 @@ class HybridflowConfig:
     """Multi-turn rollouts with tools (off by default)."""
 
     def __post_init__(self) -> None:
+        critic_layout_given = self.critic.parallel is not None
         for role in (self.reference, self.critic):
             if role.parallel is None:
                 role.parallel = dataclasses.replace(self.actor.parallel)
         if self.critic.enabled is None:
             self.critic.enabled = needs_values(self.algorithm)
+            if critic_layout_given and not self.critic.enabled:  # a layout for a model no step builds
+                raise ValueError(
+                    f"critic.parallel is set, but algorithm.name={self.algorithm.name} trains no critic (its "
+                    "advantages need no values): remove critic.parallel, or choose an algorithm with a critic "
+                    f"({', '.join(sorted(VALUE_ALGORITHMS))})"
+                )
         for name, layout in enabled_roles(self).items():
             layout.check_model(self.model, prefix=f"{name}.parallel")
         for role, section in FROZEN_SECTIONS.items():

@@ -227,13 +227,13 @@ def check_packing(cfg: HybridflowConfig, *, policy_loss: str, loss_agg_mode: str
         )
     if not loss_agg_mode.startswith("token-"):
         raise ValueError(
-            f"packing.enabled with algorithm.loss_agg_mode={loss_agg_mode}: a packed row holds several "
-            "samples, so per-sequence means would mix them; use token-mean or token-sum, or "
+            f"packing.enabled with {_algorithm_setting(cfg, 'loss_agg_mode', loss_agg_mode)}: a packed row "
+            "holds several samples, so per-sequence means would mix them; use token-mean or token-sum, or "
             "packing.enabled=false"
         )
     if policy_loss in ROW_WISE_POLICY_LOSSES:
         raise ValueError(
-            f"packing.enabled with algorithm.policy_loss={policy_loss}: that loss reduces each "
+            f"packing.enabled with {_algorithm_setting(cfg, 'policy_loss', policy_loss)}: that loss reduces each "
             "sample's row as a whole and a packed row holds several; set packing.enabled=false"
         )
     if cfg.algorithm.rollout_correction is not None and cfg.algorithm.rollout_correction_level != "token":
@@ -242,6 +242,14 @@ def check_packing(cfg: HybridflowConfig, *, policy_loss: str, loss_agg_mode: str
             f"{cfg.algorithm.rollout_correction_level}: sequence weights reduce each row as a "
             "whole; use rollout_correction_level=token or packing.enabled=false"
         )
+
+
+def _algorithm_setting(cfg: HybridflowConfig, key: str, value: str) -> str:
+    """``algorithm.<key>=<value>`` as the user set it, or the algorithm that chose it: a refusal
+    names the setting the user typed."""
+    if getattr(cfg.algorithm, key) is not None:
+        return f"algorithm.{key}={value}"
+    return f"algorithm.name={cfg.algorithm.name} (its {key} is {value})"
 
 
 def _check_separate(cfg: HybridflowConfig) -> None:

@@ -91,9 +91,20 @@ def test_ep_must_divide_experts():
 
 
 def test_disabled_roles_are_not_checked():
-    cfg = load_config(QUICKSTART, ["critic.parallel.tp=3", "critic.parallel.dp=1"])
+    cfg = load_config(QUICKSTART, ["critic.enabled=false", "critic.parallel.tp=3", "critic.parallel.dp=1"])
     assert "critic" not in enabled_roles(cfg)
     assert "critic.parallel.tp=3" in _error("critic.enabled=true", "critic.parallel.tp=3")
+
+
+def test_a_critic_layout_for_an_algorithm_without_a_critic_is_refused_by_name():
+    """Found by the combination matrix (tests/combinations): GRPO with critic.parallel set ran, the
+    layout silently unused."""
+    message = _error("critic.parallel.tp=2", "critic.parallel.ep=1", "critic.parallel.dp=1")
+    assert "critic.parallel is set, but algorithm.name=grpo trains no critic" in message
+    assert "ppo, vapo" in message
+    assert load_config(
+        QUICKSTART, ["algorithm.name=ppo", "critic.parallel.ep=2", "critic.parallel.dp=2"]
+    ).critic.enabled
 
 
 @pytest.mark.claim("config-errors-name-the-key")

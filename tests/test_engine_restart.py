@@ -65,6 +65,7 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_matches_an_uninterru
 
 @pytest.mark.claim("engine-restart-reproduces")
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_separate_engines_killed_mid_generate_and_mid_push_are_restarted_and_the_run_matches(
     tmp_path: Path, separate_run, seeded

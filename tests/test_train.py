@@ -132,6 +132,7 @@ def seed_from_warm_up(warm_up: Path, out: Path) -> Path:
 
 
 @pytest.mark.claim("quickstart-reports")
+@pytest.mark.features("routing_replay_r2")
 def test_first_step_invariants(full_run: Path) -> None:
     summary = json.loads((full_run / "summary.json").read_text())
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL
@@ -530,6 +531,7 @@ def test_ppo_trains_a_critic_that_starts_from_the_sft_policy(tmp_path: Path) -> 
 
 @pytest.mark.claim("algorithms-registered-and-run", "dynamic-sampling-with-model-scorers", "dynamic-sampling-remax")
 @pytest.mark.parametrize("algorithm", ["remax", "dapo"])
+@pytest.mark.features("dynamic_sampling", "reward_model")
 def test_algorithms_with_more_rollouts_per_step_train_on_dp_local_rows(
     full_run: Path, tmp_path: Path, algorithm: str
 ) -> None:
@@ -602,6 +604,7 @@ adaptive KL reward runs in the default tier in
 
 
 @pytest.mark.claim("reference-own-layout", "adaptive-kl-reward")
+@pytest.mark.features("kl_reward")
 def test_a_reference_of_its_own_layout_reads_the_initial_weights_also_after_a_resume(tmp_path: Path) -> None:
     """No SFT warm-up and no ``model.path``: the reference is the random actor's initial weights,
     which a fresh start keeps in ``checkpoints/initial`` and the reference reads under a layout of

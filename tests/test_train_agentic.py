@@ -33,6 +33,7 @@ def _train(config: str, out: Path, *overrides: str, threads: int | None = None) 
 @pytest.mark.claim("agentic-train-runs")
 @pytest.mark.claim("agentic-async-and-sources")
 @pytest.mark.claim("agentic-partial-rollouts")
+@pytest.mark.features("multi_turn")
 def test_a_multi_turn_run_trains_on_the_policys_tokens_and_reports_its_turns(tmp_path: Path) -> None:
     """Asynchronous RL (K=2) with partial rollouts on separate placement: the trajectories run
     on an engine rank, whose environment is the one ``agentic.environments`` names for the rows'

@@ -10,7 +10,8 @@ runtime reads only ``async_rl.lag``, so its run is the K=1 run
 learns; every trained sample is within K versions; the first batch, generated
 by the trainer's own weights, matches its log-probs; a partial rollout's tokens carry the
 version that sampled them; and the partial K=2 run killed mid-way and resumed with its saved
-buffer reproduces the metrics.
+buffer reproduces the metrics. The K=1 run is in the slow tier (K=2 finishes whole batches too;
+the combination matrix runs one_step_off, K=1, in the default tier).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _timeless(history: list[dict]) -> list[dict]:
 
 
 @pytest.mark.claim("async-runs-learn")
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [pytest.param("async_k1", marks=pytest.mark.slow), "async_k2"])
+@pytest.mark.features("async_async", "rollout_correction_tis", "separate_placement")
 def test_async_runs_learn_and_train_only_on_samples_within_k_versions(runs, mode) -> None:
     out, k = runs[mode], MODES[mode][1]
     summary = json.loads((out / "summary.json").read_text())
@@ -93,6 +95,7 @@ def test_async_runs_learn_and_train_only_on_samples_within_k_versions(runs, mode
 
 
 @pytest.mark.claim("partial-rollout-versions")
+@pytest.mark.features("partial_rollout")
 def test_partial_rollouts_finish_requests_with_tokens_of_each_version_tagged_correctly(runs) -> None:
     out = runs["async_k2"]
     summary = json.loads((out / "summary.json").read_text())

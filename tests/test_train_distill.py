@@ -54,6 +54,7 @@ def student_run(teacher: Path, tmp_path_factory, seeded) -> Path:
 
 
 @pytest.mark.claim("on-policy-distillation", "frozen-models-overview", "frozen-model-own-layout")
+@pytest.mark.features("distillation")
 def test_the_student_moves_towards_the_teacher(distill_student: Path) -> None:
     student = distill_student
     summary = json.loads((student / "summary.json").read_text())

@@ -22,7 +22,7 @@ from tests.reward.runs import train_quickstart
 from tests.test_train import WARM_UP
 from tests.test_train_judge import JUDGE
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.mark.claim("frozen-model-own-gpus")

@@ -42,6 +42,7 @@ def judge_quickstart_run(tmp_path_factory, seeded, sft_warm_up) -> Path:
 
 
 @pytest.mark.claim("generative-judge", "frozen-models-overview", "judge-overlaps-the-step")
+@pytest.mark.features("judge")
 def test_a_judge_engine_scores_the_rollouts_and_counts_what_it_cannot_parse(judge_run: Path) -> None:
     out = judge_run
     history = json.loads((out / "checkpoints" / "step_000002" / "state.json").read_text())["history"]

@@ -100,6 +100,7 @@ def separate_runs(tmp_path_factory, seeded) -> dict[str, Path]:
 
 
 @pytest.mark.claim("lora-quickstart-learns")
+@pytest.mark.features("lora_merged")
 def test_lora_rl_learns_beyond_the_sft_warm_up(run: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["first_step_logprob_diff_max"] < LOGPROB_TOL  # the engine serves W + s B A
@@ -168,6 +169,7 @@ def test_the_adapters_leave_as_peft_files_and_as_merged_weights(run: Path, tmp_p
 
 
 @pytest.mark.claim("lora-adapter-push")
+@pytest.mark.features("lora_adapter")
 def test_adapter_pushes_move_the_adapters_alone_and_the_engine_serves_them(adapter_run: Path) -> None:
     summary = json.loads((adapter_run / "summary.json").read_text())
     history = json.loads((adapter_run / "checkpoints" / "step_000010" / "state.json").read_text())["history"]

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 
 @pytest.mark.claim("token-budget-balance")
+@pytest.mark.features("packing", "token_budget")
 def test_packed_quickstart_trains_and_scores_as_the_engine(tmp_path: Path) -> None:
     out = tmp_path / "packed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

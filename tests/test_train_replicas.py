@@ -78,6 +78,7 @@ def test_the_exported_model_carries_the_starting_models_tokenizer(
 
 
 @pytest.mark.claim("replicas-share-the-work")
+@pytest.mark.features("replicas")
 def test_two_colocated_replicas_share_the_work_receive_every_push_and_learn(replica_run: Path) -> None:
     summary = json.loads((replica_run / "summary.json").read_text())
     assert summary["heldout_reward_after_rl"] > summary["heldout_reward_after_sft"], summary

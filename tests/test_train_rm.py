@@ -98,6 +98,7 @@ def rl_against_rm_run(rm_run: Path, tmp_path_factory, seeded) -> Path:
 
 
 @pytest.mark.claim("rl-against-a-reward-model", "frozen-models-overview", "frozen-model-own-layout")
+@pytest.mark.features("reward_model")
 def test_rl_against_the_exported_reward_model_raises_the_right_answers(rl_run: Path) -> None:
     out = rl_run
     summary = json.loads((out / "summary.json").read_text())

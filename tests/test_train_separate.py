@@ -43,6 +43,7 @@ def uninterrupted_separate_run(tmp_path_factory, seeded) -> tuple[Path, str]:
 
 
 @pytest.mark.claim("separate-placement")
+@pytest.mark.features("separate_placement")
 def test_separate_engine_ranks_generate_receive_every_push_and_the_run_learns(separate_run) -> None:
     out, stdout = separate_run
     assert "4 process(es)" in stdout and "+ 2 rank(s) of their own" in stdout

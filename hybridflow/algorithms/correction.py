@@ -25,11 +25,10 @@ from typing import Optional
 import torch
 
 from hybridflow.algorithms.losses import as_bool_mask, masked_mean, zero_padding
+from hybridflow.config import CORRECTION_LEVELS, CORRECTION_MODES
 
 __all__ = ["CORRECTION_LEVELS", "CORRECTION_MODES", "Correction", "rollout_correction"]
 
-CORRECTION_MODES = ("tis", "mis", "mask")
-CORRECTION_LEVELS = ("token", "sequence", "geometric")
 _MAX_LOG_W = 20.0
 
 

@@ -16,6 +16,7 @@ import torch
 
 from hybridflow.algorithms.estimators import group_all_equal
 from hybridflow.algorithms.losses import kl_penalty, masked_mean, zero_padding
+from hybridflow.config import PF_PPO_MODES
 
 __all__ = [
     "AdaptiveKLController",
@@ -96,7 +97,8 @@ _PF_PPO_WEIGHTS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
     "max_min": _max_min_weights,
     "max_random": _max_random_weights,
 }
-PF_PPO_MODES = tuple(_PF_PPO_WEIGHTS)
+if tuple(_PF_PPO_WEIGHTS) != PF_PPO_MODES:  # the config checks names there, torch-free
+    raise ImportError(f"PF-PPO weightings {tuple(_PF_PPO_WEIGHTS)} differ from config.PF_PPO_MODES {PF_PPO_MODES}")
 
 
 def pf_ppo_weights(scores: torch.Tensor, mode: str, *, pow: float = 2.0) -> torch.Tensor:

@@ -246,6 +246,8 @@ def _deliver(
     for report in gathered:
         if report.replica is not None:
             counts[report.replica] += len(report.metas)
+    if num_prompts and not any(counts):  # a step of no samples would train on nothing, silently
+        raise RuntimeError(f"the rollout engines returned no sample for {num_prompts} prompts and named no error")
     got = deliver(
         samples,
         [g.metas for g in gathered],
