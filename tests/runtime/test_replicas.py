@@ -44,6 +44,15 @@ def test_a_failed_replica_is_named_on_every_rank():
     replicas._raise_failures(gathered[:2])  # no failure: nothing raised
 
 
+def test_a_call_whose_engines_returned_no_sample_raises_instead_of_training_on_nothing():
+    """The combination matrix's first runs kept a run going whose generate calls all came back
+    empty (each step scored nothing, trained nothing, reported a reward of nan): now it stops."""
+    cfg = load_config(QUICKSTART)
+    empty = [replicas._Report(0, [], 0.1, None, 0), replicas._Report(None, [], 0.0, None, 1)]
+    with pytest.raises(RuntimeError, match="the rollout engines returned no sample for 8 prompts and named no error"):
+        replicas._deliver(cfg, [], empty, 8, channel=None, device="cpu")
+
+
 def test_the_engine_gets_the_parallel_settings_the_plan_assumed(monkeypatch, tmp_path):
     from hybridflow.rollout.sglang import start as sglang_start
     from hybridflow.runtime import session
