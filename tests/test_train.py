@@ -651,7 +651,14 @@ def test_a_reference_of_its_own_layout_reads_the_initial_weights_also_after_a_re
 
 @pytest.mark.parametrize(
     "algorithm",
-    [pytest.param(a, marks=pytest.mark.slow) if a in ESTIMATOR_OR_LOSS_ONLY else a for a in OTHER_ALGORITHMS],
+    [
+        pytest.param(a, marks=pytest.mark.slow)
+        if a in ESTIMATOR_OR_LOSS_ONLY
+        else pytest.param(a, marks=pytest.mark.features("rollout_correction_mis"))
+        if a == "gspo"
+        else a
+        for a in OTHER_ALGORITHMS
+    ],
 )
 @pytest.mark.claim("algorithms-registered-and-run", "rollout-correction", "adaptive-kl-reward")
 def test_every_registered_algorithm_runs_two_rl_steps_end_to_end(tmp_path: Path, algorithm: str) -> None:

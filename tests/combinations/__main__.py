@@ -30,7 +30,9 @@ from tests.combinations.matrix import (
     Outcome,
     cells,
     check,
+    collect,
     default_cells,
+    refusal,
     refused_alone,
     run_cells,
 )
@@ -70,11 +72,14 @@ def row(outcome: Outcome, tier: set[Cell]) -> dict:
         "default_tier": outcome.cell in tier,
         "refused": outcome.refused,
         "crash": None if outcome.crash is None else outcome.crash.strip().splitlines()[-1],
+        "not_run": outcome.pending,
         "reward": [round(h["reward/mean"], 3) for h in steps],
     }
 
 
 def _mark(r: dict, notes: list[str]) -> str:
+    if r.get("not_run"):
+        return "not run"
     if r["crash"]:
         return "**crash**"
     if r["refused"]:
@@ -112,8 +117,10 @@ def write_docs(rows: list[dict], when: str) -> None:
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     counts = (
-        f"{len(rows)} cells ({when}): {sum(1 for r in rows if not r['refused'] and not r['crash'])} run, "
-        f"{sum(1 for r in rows if r['refused'])} refused, {sum(1 for r in rows if r['crash'])} crashed; "
+        f"{len(rows)} cells ({when}): "
+        f"{sum(1 for r in rows if not (r['refused'] or r['crash'] or r.get('not_run')))} run, "
+        f"{sum(1 for r in rows if r['refused'])} refused, {sum(1 for r in rows if r['crash'])} crashed, "
+        f"{sum(1 for r in rows if r.get('not_run'))} not run yet; "
         "(D): in the default tier too.\n\n"
     )
     write_atomic(DOCS, head + START + "\n" + counts + tables(rows) + END + tail)
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--docs", action="store_true")
     parser.add_argument("--render", type=Path, help="write the tables from this --json file and stop")
+    parser.add_argument("--collect", type=Path, help="the rows of a stopped run's cells directory (no run)")
     args = parser.parse_args(argv)
     if args.render:
         write_docs(json.loads(args.render.read_text()), "rendered from " + args.render.name)
@@ -138,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     default = default_cells(dirs)
     tier = set(default)
     chosen = cells() if args.tier == "all" else default
-    root = args.workdir / time.strftime("cells_%Y%m%d_%H%M%S")
-    outcomes = run_cells(chosen, root, dirs, lambda out: seed_from_warm_up(warm, out))
+    if args.collect:
+        outcomes = collect(chosen, args.collect, {c: Outcome(c, refused=refusal(c, dirs)) for c in chosen})
+    else:
+        root = args.workdir / time.strftime("cells_%Y%m%d_%H%M%S")
+        outcomes = run_cells(chosen, root, dirs, lambda out: seed_from_warm_up(warm, out))
     rows = [row(o, tier) for o in outcomes]
     for r in rows:
         print("matrix-row", json.dumps(r), flush=True)

@@ -73,7 +73,7 @@ def cells() -> list[Cell]:
     pairs = [
         Cell(PAIR_ALGORITHM, (f.name, g.name)) for f, g in itertools.combinations(FEATURES, 2) if f.touches & g.touches
     ]
-    return singles + pairs
+    return pairs + singles  # the interactions first: a run cut short has covered them
 
 
 def default_cells(dirs: dict[str, str], run_elsewhere: set[str] = frozenset()) -> list[Cell]:
@@ -118,13 +118,17 @@ class Outcome:
     refused: str | None = None
     crash: str | None = None
     steps: list[dict] = field(default_factory=list)
+    pending: bool = False
+    """Not run: the run of the matrix stopped before it (``collect``)."""
 
     @property
     def ran(self) -> bool:
-        return self.refused is None and self.crash is None
+        return self.refused is None and self.crash is None and not self.pending
 
     def problems(self) -> list[str]:
         """What is wrong with this outcome (empty: the cell holds)."""
+        if self.pending:
+            return [f"{self.cell.name}: not run"]
         if self.crash is not None:
             return [f"{self.cell.name} crashed: {self.crash.strip().splitlines()[-1]}"]
         if self.refused is not None:
@@ -189,15 +193,26 @@ def run_cells(chosen: list[Cell], root: Path, dirs: dict[str, str], seed) -> lis
             if not started:
                 raise RuntimeError(f"a matrix job started no cell; see {marks / 'jobs.log'}")
             waiting = waiting[len(started) :]
-    for cell, job in jobs.items():
-        crash = marks / f"{cell.name}.crash"
+    return collect(chosen, root, outcomes)
+
+
+def collect(chosen: list[Cell], root: Path, outcomes: dict[Cell, Outcome]) -> list[Outcome]:
+    """The outcomes of ``chosen`` from what their runs under ``root`` left (the refused ones as
+    given); a cell whose job never started it (a run stopped early) is ``pending``."""
+    marks = root / "marks"
+    for cell in chosen:
+        outcome = outcomes[cell]
+        if outcome.refused is not None:
+            continue
+        crash, out = marks / f"{cell.name}.crash", root / cell.name
         if crash.exists():
-            outcomes[cell].crash = crash.read_text()
-        elif not (marks / f"{cell.name}.done").exists():
-            outcomes[cell].crash = f"no result: its job died in it ({job['out']}/logs, {marks / 'jobs.log'})"
+            outcome.crash = crash.read_text()
+        elif (marks / f"{cell.name}.done").exists():
+            outcome.steps = json.loads((out / "checkpoints" / "step_000002" / "state.json").read_text())["history"]
+        elif (marks / f"{cell.name}.started").exists():
+            outcome.crash = f"no result: its job died in it ({out}/logs, {marks / 'jobs.log'})"
         else:
-            state = Path(job["out"]) / "checkpoints" / "step_000002" / "state.json"
-            outcomes[cell].steps = json.loads(state.read_text())["history"]
+            outcome.pending = True
     return [outcomes[cell] for cell in chosen]
 
 
