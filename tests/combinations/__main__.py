@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", action="store_true")
     parser.add_argument("--render", type=Path, help="write the tables from this --json file and stop")
     parser.add_argument("--collect", type=Path, help="the rows of a stopped run's cells directory (no run)")
+    parser.add_argument("--resume", type=Path, help="go on with a stopped run's cells directory")
     args = parser.parse_args(argv)
     if args.render:
         write_docs(json.loads(args.render.read_text()), "rendered from " + args.render.name)
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.collect:
         outcomes = collect(chosen, args.collect, {c: Outcome(c, refused=refusal(c, dirs)) for c in chosen})
     else:
-        root = args.workdir / time.strftime("cells_%Y%m%d_%H%M%S")
+        root = args.resume or args.workdir / time.strftime("cells_%Y%m%d_%H%M%S")
         outcomes = run_cells(chosen, root, dirs, lambda out: seed_from_warm_up(warm, out))
     rows = [row(o, tier) for o in outcomes]
     for r in rows:
