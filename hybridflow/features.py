@@ -65,6 +65,17 @@ def _feature(name: str, switch: tuple[str, ...], on: Callable[[HybridflowConfig]
 SEPARATE = ("rollout.placement=separate", "rollout.tp=1")
 """The quickstart's engine on a rank of its own (asynchronous RL overlaps nothing colocated)."""
 
+
+def _modes(prefix: str, key: str, modes, *touches: str) -> list[Feature]:
+    """One feature per mode of ``key`` (``<prefix>_<mode>``), on when the key holds that mode."""
+
+    def value(cfg: HybridflowConfig):
+        section, name = key.split(".")
+        return getattr(getattr(cfg, section), name)
+
+    return [_feature(f"{prefix}_{m}", (f"{key}={m}",), lambda c, m=m: value(c) == m, *touches) for m in modes]
+
+
 JUDGE_SWITCH = (
     "judge.path={judge}",
     "judge.dtype=float32",
@@ -176,31 +187,9 @@ FEATURES: tuple[Feature, ...] = (
         "sequences",
         "rows",
     ),
-    *(
-        _feature(
-            f"rollout_correction_{mode}",
-            (f"algorithm.rollout_correction={mode}",),
-            lambda c, mode=mode: c.algorithm.rollout_correction == mode,
-            "logprobs",
-        )
-        for mode in CORRECTION_MODES
-    ),
-    *(
-        _feature(
-            f"pf_ppo_{mode}", (f"algorithm.pf_ppo={mode}",), lambda c, mode=mode: c.algorithm.pf_ppo == mode, "rows"
-        )
-        for mode in PF_PPO_MODES
-    ),
-    *(
-        _feature(
-            f"routing_replay_{mode}",
-            (f"moe.routing_replay={mode}",),
-            lambda c, mode=mode: c.moe.routing_replay == mode,
-            "logprobs",
-        )
-        for mode in ROUTING_REPLAY_MODES
-        if mode != "off"
-    ),
+    *_modes("rollout_correction", "algorithm.rollout_correction", CORRECTION_MODES, "logprobs"),
+    *_modes("pf_ppo", "algorithm.pf_ppo", PF_PPO_MODES, "rows"),
+    *_modes("routing_replay", "moe.routing_replay", [m for m in ROUTING_REPLAY_MODES if m != "off"], "logprobs"),
     _feature(
         "kl_loss",
         ("reference.enabled=true", "algorithm.kl_loss_coef=0.01"),
